@@ -1,0 +1,83 @@
+"""Random GGUF quant blocks that are valid, finite weights.
+
+Random bytes are valid blocks for every supported type except in their float16 scale fields, which may
+decode to inf or NaN. So: random bytes, then the scale fields set to finite values chosen so that the
+dequantized weights have mean ~0 and the standard deviation asked for. Used by kernel tests and by
+`strata-jax make-model` ("random quant blocks with sane scales are valid random weights").
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from gguf import quants as gq
+
+from .qtypes import QType, as_qtype, block_size, type_size
+
+# Float16 fields of each block: (byte offset, role). A "scale" multiplies the quantized values; an
+# "offset" is added (Q4_1, Q5_1) or subtracted (K-quants' dmin) after.
+SCALE_FIELDS: dict[QType, tuple[tuple[int, str], ...]] = {
+    QType.Q8_0: ((0, "scale"),),
+    QType.Q4_0: ((0, "scale"),),
+    QType.Q4_1: ((0, "scale"), (2, "offset")),
+    QType.Q5_0: ((0, "scale"),),
+    QType.Q5_1: ((0, "scale"), (2, "offset")),
+    QType.Q2_K: ((80, "scale"), (82, "offset")),
+    QType.Q3_K: ((108, "scale"),),
+    QType.Q4_K: ((0, "scale"), (2, "offset")),
+    QType.Q5_K: ((0, "scale"), (2, "offset")),
+    QType.Q6_K: ((208, "scale"),),
+    QType.IQ4_NL: ((0, "scale"),),
+    QType.IQ4_XS: ((0, "scale"),),
+    QType.IQ3_XXS: ((0, "scale"),),
+    QType.IQ3_S: ((0, "scale"),),
+    QType.IQ2_XXS: ((0, "scale"),),
+    QType.IQ2_XS: ((0, "scale"),),
+    QType.IQ2_S: ((0, "scale"),),
+}
+
+
+def _set_fields(blocks: np.ndarray, qtype: QType, scale: float | np.ndarray, offset: float | np.ndarray) -> None:
+    for pos, role in SCALE_FIELDS[qtype]:
+        value = np.asarray(scale if role == "scale" else offset, dtype=np.float16)
+        blocks[..., pos:pos + 2] = np.broadcast_to(value, blocks.shape[:-1])[..., None].view(np.uint8)
+
+
+@lru_cache(maxsize=None)
+def _unit_stats(qtype: QType) -> tuple[float, float]:
+    """(offset per unit scale that centres the values, std of the values at unit scale)."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(4096, type_size(qtype)), dtype=np.uint8)
+    a, b = raw.copy(), raw.copy()
+    _set_fields(a, qtype, 1.0, 0.0)
+    _set_fields(b, qtype, 0.0, 1.0)
+    mean_a = float(gq.dequantize(a, qtype).mean())
+    mean_b = float(gq.dequantize(b, qtype).mean())
+    off = -mean_a / mean_b if any(r == "offset" for _, r in SCALE_FIELDS[qtype]) and mean_b else 0.0
+    c = raw.copy()
+    _set_fields(c, qtype, 1.0, off)
+    return off, float(gq.dequantize(c, qtype).std())
+
+
+def random_blocks(qtype: QType | str, n_values_shape: tuple[int, ...], rng: np.random.Generator,
+                  std: float = 0.02, jitter: float = 0.5) -> np.ndarray:
+    """Random weights of logical shape `n_values_shape` (last dim a multiple of the block size), as GGUF
+    bytes: uint8 [..., last // block_size * type_size]. Each block's scale varies by +-`jitter`."""
+    qtype = as_qtype(qtype)
+    *lead, n = n_values_shape
+    bs, ts = block_size(qtype), type_size(qtype)
+    if n % bs:
+        raise ValueError(f"{qtype.name}: the last dimension ({n}) must be a multiple of the block size {bs}")
+    if qtype in (QType.F32, QType.F16, QType.BF16):
+        w = rng.standard_normal(n_values_shape, dtype=np.float32) * np.float32(std)
+        if qtype == QType.F32:
+            return w.view(np.uint8)
+        if qtype == QType.F16:
+            return w.astype(np.float16).view(np.uint8)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    blocks = rng.integers(0, 256, size=(*lead, n // bs, ts), dtype=np.uint8)
+    off, unit_std = _unit_stats(qtype)
+    d = (std / unit_std) * (1.0 + jitter * rng.uniform(-1.0, 1.0, size=blocks.shape[:-1]))
+    _set_fields(blocks, qtype, d, d * off)
+    return blocks.reshape(*lead, n // bs * ts)
