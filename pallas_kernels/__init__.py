@@ -1,0 +1,90 @@
+"""Quantized-block kernels for GGUF weights: dequantize, quantized matmul, expert (grouped) matmul.
+
+    import pallas_kernels as pk
+    pk.dequantize(blocks_uint8, "IQ4_XS", backend="xla")     # -> float32 [..., n_values]
+    pk.qmatmul(x, w_blocks, "Q4_K", backend="pallas")        # x [T, k] @ W^T, W stored as GGUF blocks
+    pk.expert_matmul(x, w_blocks, expert_ids, "Q4_K")        # row r times expert expert_ids[r]
+
+Backends: "xla" (plain jax.numpy, the fast path on a CPU), "pallas" (Pallas kernels through Triton, for
+GPUs: weights are dequantized in registers, the float matrix never exists), "interpret" (the same Pallas
+kernels in interpret mode, for tests on a CPU), "auto" (pallas on a GPU, else xla). One dequant body per
+type (bodies.py) serves all three, and is checked bit for bit against `gguf.quants.dequantize`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import gpu, xla
+from .grouping import gather_rows, group_rows, scatter_rows
+from .layout import Layout, layout_for
+from .qtypes import SUPPORTED, QType, UnsupportedQuantType, as_qtype, block_size, row_bytes, type_size
+from .random_blocks import random_blocks
+
+BACKENDS = ("xla", "pallas", "interpret", "auto")
+
+__all__ = [
+    "BACKENDS", "SUPPORTED", "QType", "UnsupportedQuantType", "as_qtype", "block_size", "type_size", "row_bytes",
+    "dequantize", "qmatmul", "expert_matmul", "random_blocks", "resolve_backend", "layout_for", "Layout",
+]
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return backend
+
+
+def dequantize(blocks, qtype, backend: str = "xla") -> jax.Array:
+    """GGUF blocks uint8 [..., row_bytes] (float16/float32/bfloat16 data may be given as is)
+    -> float32 [..., n_values]."""
+    blocks = xla._as_bytes(blocks)
+    lay = layout_for(qtype, blocks.shape[-1])
+    backend = resolve_backend(backend)
+    if backend == "xla":
+        return xla.dequantize_rows(blocks, lay)
+    return gpu.dequantize_rows(blocks, lay, interpret=backend == "interpret")
+
+
+def qmatmul(x: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
+    """x [T, k] @ W^T, W [n, k] stored as GGUF blocks uint8 [n, row_bytes] -> float32 [T, n].
+
+    The product runs in x's dtype (float32 on a CPU, bfloat16 on a GPU) and accumulates in float32."""
+    w_blocks = xla._as_bytes(w_blocks)
+    lay = layout_for(qtype, w_blocks.shape[-1])
+    backend = resolve_backend(backend)
+    if backend == "xla":
+        w = xla.dequantize_rows(w_blocks, lay).astype(x.dtype)
+        return jnp.einsum("tk,nk->tn", x, w, preferred_element_type=jnp.float32)
+    return gpu.qmatmul(x, w_blocks, lay, interpret=backend == "interpret")
+
+
+# Rows a tile of the expert matmul: small on the XLA path, where a tile costs one expert dequantization
+# whatever its fill; Triton's dot wants at least 16.
+_XLA_TILE, _PALLAS_TILE = 8, 16
+
+
+def expert_matmul(x: jax.Array, w_blocks, expert_ids: jax.Array, qtype, backend: str = "xla") -> jax.Array:
+    """Row r of x [R, k] times expert expert_ids[r] of w_blocks [E, n, row_bytes] -> float32 [R, n].
+
+    Rows are grouped by expert (grouping.py); only the experts some row chose are dequantized."""
+    w_blocks = xla._as_bytes(w_blocks)
+    E = w_blocks.shape[0]
+    lay = layout_for(qtype, w_blocks.shape[-1])
+    backend = resolve_backend(backend)
+    tile = _XLA_TILE if backend == "xla" else _PALLAS_TILE
+    g = group_rows(expert_ids, E, tile)
+    xt = scatter_rows(x, g)                                       # [n_tiles * tile, k]
+    if backend == "xla":
+        # Empty tiles repeat tile 0's expert (always a chosen one), so no unchosen expert is ever read.
+        te = jnp.where(g.tile_expert >= 0, g.tile_expert, g.tile_expert[0])
+        w = xla.dequantize_rows(w_blocks[te], lay).astype(x.dtype)                   # [n_tiles, n, k]
+        xt3 = xt.reshape(g.n_tiles, tile, -1)
+        y = jnp.einsum("gtk,gnk->gtn", xt3, w, preferred_element_type=jnp.float32)
+        y = jnp.where((g.tile_expert >= 0)[:, None, None], y, 0.0).reshape(g.n_tiles * tile, -1)
+    else:
+        y = gpu.expert_matmul_tiles(xt, g.tile_expert, w_blocks, lay, bt=tile, interpret=backend == "interpret")
+    return gather_rows(y, g)

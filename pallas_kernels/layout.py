@@ -1,0 +1,42 @@
+"""How a row of a GGUF tensor splits into the blocks a dequant body works on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .bodies import BODIES, FLOAT_BODIES, FLOAT_BYTES
+from .qtypes import TABLES, QType, as_qtype, block_size, type_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    qtype: QType
+    values: int            # values in one body block (a power of two: Triton needs one)
+    nbytes: int            # bytes in one body block
+    body: Callable
+    tables: tuple[str, ...]
+
+    def blocks_in(self, row_bytes: int) -> int:
+        if row_bytes % self.nbytes:
+            raise ValueError(f"{self.qtype.name}: a row of {row_bytes} bytes is not a whole number of "
+                             f"{self.nbytes}-byte blocks")
+        return row_bytes // self.nbytes
+
+
+def layout_for(qtype, row_bytes: int) -> Layout:
+    """The body-block layout of `qtype` for rows of `row_bytes` bytes.
+
+    Plain float types have no blocks in GGUF; they are cut into runs of up to 32 values (the largest
+    power of two dividing the row) so that the same machinery handles them.
+    """
+    qtype = as_qtype(qtype)
+    if qtype in FLOAT_BODIES:
+        per = FLOAT_BYTES[qtype]
+        if row_bytes % per:
+            raise ValueError(f"{qtype.name}: a row of {row_bytes} bytes is not a whole number of values")
+        n = 32
+        while (row_bytes // per) % n:
+            n //= 2
+        return Layout(qtype, n, n * per, FLOAT_BODIES[qtype](n), ())
+    return Layout(qtype, block_size(qtype), type_size(qtype), BODIES[qtype], TABLES.get(qtype, ()))
