@@ -1,0 +1,156 @@
+"""Chat templates: the model's Jinja template (`tokenizer.chat_template`) turned into prompt text.
+
+Rendered the way Hugging Face transformers renders them, since that is what the templates are written
+for: jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, the loop-controls
+extension (`{% break %}`, `{% continue %}`), and the helpers templates call: `raise_exception(msg)`,
+`strftime_now(fmt)`, and a `tojson` filter that keeps non-ASCII text and takes `indent`, `separators`
+and `sort_keys`. The variables are `messages`, `add_generation_prompt`, `tools`, `documents`, the special
+token strings (`bos_token`, `eos_token`, ...) and whatever else the caller passes (`enable_thinking`, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class NoChatTemplateError(ValueError):
+    """A chat was asked of a model whose GGUF has no chat template."""
+
+    def __init__(self, message: str | None = None):
+        super().__init__(
+            message
+            or "this model has no chat template (tokenizer.chat_template is not in its GGUF), so it cannot format "
+            "chat messages: send plain text to a completions endpoint (/v1/completions, Engine.generate(\"text\")), "
+            "or pass a Jinja chat template (chat_template=... / --chat-template-file)"
+        )
+
+
+class ChatMessageError(ValueError):
+    """The messages of a chat request are not well formed: says which message and field, and what it holds."""
+
+
+class ChatTemplateError(ValueError):
+    """The template could not be compiled or raised while rendering (e.g. `raise_exception` in the template)."""
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check a chat's messages and return them as plain dicts, ready for a template.
+
+    Each message is a mapping with `role` in system/user/assistant/tool and `content` a string or a list
+    of text parts (`{"type": "text", "text": "..."}`), which are joined with newlines, as llama.cpp does for
+    templates. An assistant message may leave content out (or null) when it has `tool_calls`. Keys whose
+    value is None are dropped, as transformers does, so templates see them as undefined.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatMessageError(f"messages must be a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise ChatMessageError("messages is empty: a chat needs at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ChatMessageError(f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}")
+        message = {k: v for k, v in message.items() if v is not None}
+        role = message.get("role")
+        if role is None:
+            raise ChatMessageError(f"messages[{i}] has no 'role' (one of {', '.join(ROLES)})")
+        if role not in ROLES:
+            raise ChatMessageError(f"messages[{i}].role is {role!r}; it must be one of {', '.join(ROLES)}")
+        if "content" not in message:
+            if role == "assistant" and message.get("tool_calls"):
+                out.append(message)
+                continue
+            raise ChatMessageError(f"messages[{i}] ({role}) has no 'content'")
+        message["content"] = _content_text(message["content"], f"messages[{i}].content")
+        out.append(message)
+    return out
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and not isinstance(content, bytes):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping):
+                raise ChatMessageError(f"{where}[{j}] must be a content part object, got {type(part).__name__}")
+            kind = part.get("type", "text")
+            if kind != "text":
+                raise ChatMessageError(f"{where}[{j}].type is {kind!r}; only 'text' parts are supported")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ChatMessageError(f"{where}[{j}].text must be a string, got {type(text).__name__}")
+            texts.append(text)
+        return "\n".join(texts)
+    raise ChatMessageError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters and cannot indent; templates expect json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e.message} (template line {e.lineno})") from e
+
+
+class ChatTemplate:
+    """A compiled chat template. `render(messages, add_generation_prompt=True, **variables) -> str`."""
+
+    def __init__(self, source: str):
+        if not isinstance(source, str) or not source.strip():
+            raise ChatTemplateError("a chat template must be a non-empty string of Jinja")
+        self.source = source
+        self._template = _compile(source)
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **variables: Any,
+    ) -> str:
+        messages = validate_messages(messages)
+        if tools is not None and (isinstance(tools, (str, bytes)) or not all(isinstance(t, Mapping) for t in tools)):
+            raise ChatMessageError("tools must be a list of JSON-schema objects")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None if tools is None else list(tools),
+                documents=None if documents is None else list(documents),
+                **variables,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(f"the chat template failed: {e}") from e
+
+
+def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
+    """Render `source` (a Jinja chat template) for `messages`; see `ChatTemplate.render`."""
+    return ChatTemplate(source).render(messages, add_generation_prompt=add_generation_prompt, **variables)
