@@ -1,0 +1,126 @@
+"""`strata-jax`: the command line. Each subcommand is an `add_*` function that makes its parser and sets
+`run`; add a command by writing one and listing it in COMMANDS."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+from typing import Any
+
+from strata_jax.gguf import GGUFError
+
+Subparsers = Any  # argparse's _SubParsersAction
+
+
+def add_inspect(sub: Subparsers) -> None:
+    p = sub.add_parser("inspect", help="describe a GGUF model: parameters, tensor types, expert sizes",
+                       description="Describe a GGUF model (any part of a split one): architecture, parameter "
+                                   "count, tensor types with counts and bytes, the bytes of one expert per layer "
+                                   "and of all experts, and whether they fit a device budget.")
+    p.add_argument("model", help="a .gguf file, or any part of a split model")
+    p.add_argument("--device-budget-gib", type=float, metavar="G",
+                   help="say whether the experts (and the other weights) fit G GiB of device memory")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(run=run_inspect)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from strata_jax.gguf import GGUFModel
+    from strata_jax.gguf.summary import render, summarize
+
+    summary = summarize(GGUFModel.open(args.model, strict=False), args.device_budget_gib)
+    print(json.dumps(summary.to_json(), indent=2) if args.json else render(summary))
+    return 0
+
+
+_MAKE_MODEL_HELP = {
+    "arch": "model family", "layers": "transformer blocks", "hidden": "embedding width",
+    "heads": "attention heads", "kv_heads": "key/value heads", "head_dim": "head size (default hidden/heads)",
+    "ffn": "dense FFN width", "experts": "experts per layer (default 8 for qwen2moe/qwen3moe; with llama: "
+    "Mixtral-style MoE)", "experts_used": "experts per token (top-k)", "expert_ffn": "FFN width of one expert",
+    "shared_ffn": "qwen2moe's shared expert width", "vocab": "vocabulary size (default 512, or the tokenizer's)",
+    "context": "training context length", "rope_theta": "rope.freq_base", "rms_eps": "RMS norm epsilon",
+    "quant": "type of every weight matrix", "expert_quant": "type of the expert tensors (default --quant)",
+    "attn_quant": "type of the attention weights (default --quant)",
+    "embed_quant": "type of token_embd and output (default --quant)", "seed": "random seed",
+    "split": "write N parts in llama.cpp's gguf-split layout", "tokenizer_from": "copy tokenizer.* keys "
+    "(and the vocabulary size) from this GGUF instead of the built-in byte-level BPE",
+    "name": "general.name",
+}
+
+
+def add_make_model(sub: Subparsers) -> None:
+    from strata_jax.gguf.spec import SUPPORTED_ARCHITECTURES
+    from strata_jax.testing.make_model import ModelOptions
+
+    p = sub.add_parser("make-model", help="write a synthetic GGUF with random weights",
+                       description="Write a GGUF model with random weights (random quant blocks with sane "
+                                   "scales) in llama.cpp's layout. Norms stay F32; a weight whose rows are not "
+                                   "whole blocks of the chosen type is stored as F16 instead (and said so).")
+    p.add_argument("out", help="output path (with --split N: OUT-0000i-of-0000N.gguf next to it)")
+    defaults = ModelOptions()
+    for f in fields(ModelOptions):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        shown = f" (default {default})" if default is not None else ""
+        if f.name == "arch":
+            shown = f": {', '.join(SUPPORTED_ARCHITECTURES)}{shown}"
+        if f.name == "tied":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help="no output.weight: share token_embd (default --no-tied)")
+            continue
+        kind = {"rope_theta": float, "rms_eps": float}.get(f.name, str if f.name in (
+            "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "tokenizer_from", "name") else int)
+        p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.split("_")[-1].upper(),
+                       choices=SUPPORTED_ARCHITECTURES if f.name == "arch" else None,
+                       help=_MAKE_MODEL_HELP.get(f.name, "") + shown)
+    p.set_defaults(run=run_make_model)
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    from strata_jax.gguf import GGUFModel
+    from strata_jax.gguf.summary import fmt_bytes
+    from strata_jax.testing.make_model import ModelOptions, make_model
+
+    options = {f.name: getattr(args, f.name) for f in fields(ModelOptions) if hasattr(args, f.name)}
+    paths = make_model(args.out, **options)
+    model = GGUFModel.open(paths[0])
+    for p in paths:
+        print(f"wrote {p} ({fmt_bytes(p.stat().st_size)})")
+    print(f"{model.spec.architecture}: {sum(t.n_values for t in model.tensors.values()):,} parameters in "
+          f"{len(model.tensors)} tensors")
+    return 0
+
+
+COMMANDS: list[Callable[[Subparsers], None]] = [add_inspect, add_make_model]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata-jax", description="Serve mixture-of-experts GGUF models on JAX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # GGUFWriter's chatter about endianness and plans
+    try:
+        return args.run(args)
+    except (GGUFError, ValueError, OSError) as e:
+        print(f"strata-jax {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""ModelSpec: a model's hyper-parameters, read from GGUF metadata under llama.cpp's key names.
+
+Defaults for keys a file may leave out are llama.cpp's, so a model means here what it means there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import MetadataError, MissingTensorError, TensorSizeError, UnsupportedArchitectureError
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+
+# The three stacked expert tensors of a MoE layer, as llama.cpp names them: [experts, rows, cols] each.
+EXPERT_TENSOR_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+# llama.cpp rotates pairs of adjacent values for llama ("norm") and the two halves of a head for Qwen ("neox").
+_NEOX = frozenset({"qwen2", "qwen3", "qwen2moe", "qwen3moe"})
+_ATTN_BIAS = frozenset({"qwen2", "qwen2moe"})
+_QK_NORM = frozenset({"qwen3", "qwen3moe"})
+# Whether llama.cpp renormalizes the top-k router weights when the file has no expert_weights_norm key
+# (its build_moe_ffn `norm_w` argument): Mixtral-style llama and Qwen3-MoE do, Qwen2-MoE does not.
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # llama_expert_gating_func_type
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    type: str  # "linear", "yarn", "longrope", ... as the file says
+    factor: float
+    original_context: int | None = None
+    extra: tuple[tuple[str, Any], ...] = ()  # the other rope.scaling.* keys (yarn_beta_fast, ...), as stored
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    n_layers: int  # block_count
+    hidden: int  # embedding_length
+    ffn: int  # feed_forward_length (dense FFN width; 0 if the file has none)
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # attention.key_length, else hidden / n_heads
+    value_dim: int  # attention.value_length, else head_dim
+    rope_theta: float  # rope.freq_base
+    rope_dims: int  # rope.dimension_count, else head_dim
+    rope_type: str  # "norm" (llama: rotate adjacent pairs) or "neox" (Qwen: rotate the two halves)
+    rope_scaling: RopeScaling | None
+    rms_eps: float
+    vocab_size: int  # len(tokenizer.ggml.tokens), else token_embd rows
+    context_length: int  # the training context
+    tied_output: bool  # no output.weight: the output projection is token_embd
+    attn_bias: bool  # q/k/v biases (qwen2, qwen2moe)
+    qk_norm: bool  # per-head RMS norm on q and k (qwen3, qwen3moe)
+    n_experts: int = 0  # expert_count (0: a dense model)
+    n_experts_used: int = 0  # expert_used_count (top-k)
+    expert_ffn: int = 0  # expert_feed_forward_length
+    shared_ffn: int = 0  # expert_shared_feed_forward_length (0: no shared expert)
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert (qwen2moe's ffn_gate_inp_shexp)
+    expert_weights_norm: bool = False  # renormalize the top-k router weights to sum to 1
+    expert_weights_scale: float = 1.0
+    expert_gating: str = "softmax"  # router scores: "softmax" or "sigmoid"
+    moe_layers: tuple[int, ...] = ()  # layers whose FFN is experts
+    name: str = ""  # general.name
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if i not in self.moe_layers)
+
+    def expert_tensors(self, layer: int | None = None) -> list[str]:
+        """Names of the stacked expert tensors ([experts, rows, cols]) of `layer`, or of every MoE layer."""
+        layers = self.moe_layers if layer is None else (layer,) if layer in self.moe_layers else ()
+        return [f"blk.{i}.{kind}.weight" for i in layers for kind in EXPERT_TENSOR_KINDS]
+
+    def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """name -> (numpy-order shape, required) for every tensor this family reads."""
+        h, q, kv, v = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.value_dim
+        out: dict[str, tuple[tuple[int, ...], bool]] = {
+            "token_embd.weight": ((self.vocab_size, h), True),
+            "output_norm.weight": ((h,), True),
+            "output.weight": ((self.vocab_size, h), not self.tied_output),
+        }
+        for i in range(self.n_layers):
+            b = f"blk.{i}."
+            out |= {
+                b + "attn_norm.weight": ((h,), True),
+                b + "attn_q.weight": ((q, h), True),
+                b + "attn_k.weight": ((kv, h), True),
+                b + "attn_v.weight": ((self.n_kv_heads * v, h), True),
+                b + "attn_output.weight": ((h, self.n_heads * v), True),
+                b + "attn_q.bias": ((q,), self.attn_bias),
+                b + "attn_k.bias": ((kv,), self.attn_bias),
+                b + "attn_v.bias": ((self.n_kv_heads * v,), self.attn_bias),
+                b + "ffn_norm.weight": ((h,), True),
+            }
+            if self.qk_norm:
+                out |= {b + "attn_q_norm.weight": ((self.head_dim,), True),
+                        b + "attn_k_norm.weight": ((self.head_dim,), True)}
+            if i in self.moe_layers:
+                e, f = self.n_experts, self.expert_ffn
+                out |= {
+                    b + "ffn_gate_inp.weight": ((e, h), True),
+                    b + "ffn_gate_exps.weight": ((e, f, h), True),
+                    b + "ffn_up_exps.weight": ((e, f, h), True),
+                    b + "ffn_down_exps.weight": ((e, h, f), True),
+                }
+                if self.shared_ffn:
+                    s = self.shared_ffn
+                    out |= {
+                        b + "ffn_gate_shexp.weight": ((s, h), True),
+                        b + "ffn_up_shexp.weight": ((s, h), True),
+                        b + "ffn_down_shexp.weight": ((h, s), True),
+                        b + "ffn_gate_inp_shexp.weight": ((h,), self.shared_expert_gate),
+                    }
+            else:
+                out |= {
+                    b + "ffn_gate.weight": ((self.ffn, h), True),
+                    b + "ffn_up.weight": ((self.ffn, h), True),
+                    b + "ffn_down.weight": ((h, self.ffn), True),
+                }
+        return out
+
+    def check_tensors(self, tensors: Mapping[str, tuple[tuple[int, ...], Path]], path: str | Path) -> None:
+        """Raise MissingTensorError / TensorSizeError unless every tensor this family needs is in `tensors`
+        (name -> (shape, the file it is in)) with the shape the metadata implies."""
+        for name, (shape, required) in self.tensor_shapes().items():
+            if name not in tensors:
+                if required:
+                    raise MissingTensorError(path, f"tensor {name!r}, which a {self.architecture} model needs, "
+                                                   "is not in the file", "The file is incomplete: re-convert it")
+                continue
+            got, where = tensors[name]
+            if tuple(got) != shape:
+                raise TensorSizeError(
+                    where, f"tensor {name!r} has shape {list(got)}, but the metadata ({self._dims()}) implies "
+                           f"{list(shape)}", "The metadata and the tensors disagree: re-convert the model")
+
+    def _dims(self) -> str:
+        dims = (f"vocab {self.vocab_size}, hidden {self.hidden}, heads {self.n_heads}/{self.n_kv_heads}, "
+                f"head_dim {self.head_dim}, ffn {self.ffn}")
+        if self.is_moe:
+            dims += f", experts {self.n_experts}, expert_ffn {self.expert_ffn}"
+        return dims
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]] | None = None,
+                      path: str | Path = "<metadata>") -> ModelSpec:
+        """Build the spec from GGUF metadata. `tensor_shapes` (name -> numpy-order shape) fills what
+        metadata may leave out (tied output, shared expert, MoE layers, vocab size); without it the output
+        is taken as untied and every layer from leading_dense_block_count on as MoE when there are experts."""
+        arch = metadata.get("general.architecture")
+        if arch is None:
+            raise MetadataError(path, "no general.architecture key: this GGUF does not say what model it holds",
+                                "Re-convert it with llama.cpp's convert_hf_to_gguf.py")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                path, f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+                "Use a model of one of the supported families")
+        shapes = tensor_shapes or {}
+        get = _Getter(metadata, arch, path)
+
+        n_layers = get.int("block_count")
+        hidden = get.int("embedding_length")
+        n_heads = get.int("attention.head_count")
+        n_kv_heads = get.int("attention.head_count_kv", n_heads)
+        head_dim = get.int("attention.key_length", hidden // n_heads if n_heads else 0)
+        n_experts = get.int("expert_count", 0)
+        n_experts_used = get.int("expert_used_count", 0)
+        ffn = get.int("feed_forward_length", 0)
+        up_exps = shapes.get("blk.0.ffn_up_exps.weight") or next(
+            (s for n, s in shapes.items() if n.endswith(".ffn_up_exps.weight")), None)
+        up_shexp = next((s for n, s in shapes.items() if n.endswith(".ffn_up_shexp.weight")), None)
+
+        if n_experts:
+            found = sorted(int(n.split(".")[1]) for n in shapes if n.endswith(".ffn_gate_inp.weight"))
+            moe_layers = tuple(found) or tuple(range(get.int("leading_dense_block_count", 0), n_layers))
+        else:
+            moe_layers = ()
+        vocab = metadata.get("tokenizer.ggml.tokens")
+        if vocab is not None:
+            vocab_size = len(vocab)
+        elif "token_embd.weight" in shapes:
+            vocab_size = shapes["token_embd.weight"][0]
+        else:
+            vocab_size = get.int("vocab_size")
+
+        spec = cls(
+            architecture=arch,
+            n_layers=n_layers,
+            hidden=hidden,
+            ffn=ffn,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            value_dim=get.int("attention.value_length", head_dim),
+            rope_theta=get.float("rope.freq_base", 10000.0),
+            rope_dims=get.int("rope.dimension_count", head_dim),
+            rope_type="neox" if arch in _NEOX else "norm",
+            rope_scaling=_rope_scaling(metadata, arch),
+            rms_eps=get.float("attention.layer_norm_rms_epsilon", 1e-5),
+            vocab_size=vocab_size,
+            context_length=get.int("context_length"),
+            tied_output=bool(shapes) and "output.weight" not in shapes,
+            attn_bias="blk.0.attn_q.bias" in shapes if shapes else arch in _ATTN_BIAS,
+            qk_norm=arch in _QK_NORM,
+            n_experts=n_experts,
+            n_experts_used=n_experts_used,
+            expert_ffn=get.int("expert_feed_forward_length", up_exps[1] if up_exps else ffn) if n_experts else 0,
+            shared_ffn=get.int("expert_shared_feed_forward_length", up_shexp[0] if up_shexp else 0) if n_experts else 0,
+            shared_expert_gate=any(n.endswith(".ffn_gate_inp_shexp.weight") for n in shapes),
+            expert_weights_norm=bool(get.value("expert_weights_norm", _EXPERT_WEIGHTS_NORM.get(arch, False))),
+            expert_weights_scale=get.float("expert_weights_scale", 1.0),
+            expert_gating=_gating(get.int("expert_gating_func", 1)),
+            moe_layers=moe_layers,
+            name=str(metadata.get("general.name", "")),
+        )
+        spec._validate(path)
+        return spec
+
+    def _validate(self, path: str | Path) -> None:
+        def bad(problem: str) -> MetadataError:
+            return MetadataError(path, problem, "The metadata cannot be right: re-convert the model")
+
+        for field in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "context_length"):
+            if getattr(self, field) <= 0:
+                raise bad(f"{field} is {getattr(self, field)}")
+        if self.n_heads % self.n_kv_heads:
+            raise bad(f"attention.head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}")
+        if self.rope_dims > self.head_dim or self.rope_dims % 2:
+            raise bad(f"rope.dimension_count {self.rope_dims} must be even and at most the head size {self.head_dim}")
+        if self.is_moe and not 0 < self.n_experts_used <= self.n_experts:
+            raise bad(f"expert_used_count {self.n_experts_used} must be 1..expert_count ({self.n_experts})")
+        if self.is_moe and self.expert_ffn <= 0:
+            raise bad("a MoE model without expert_feed_forward_length or expert tensors")
+        if self.dense_layers and self.ffn <= 0:
+            raise bad("dense FFN layers but no feed_forward_length")
+
+
+class _Getter:
+    """Reads `{arch}.key` with llama.cpp's leniency: a per-layer array whose entries agree counts as one value."""
+
+    def __init__(self, metadata: Mapping[str, Any], arch: str, path: str | Path):
+        self.metadata, self.arch, self.path = metadata, arch, path
+
+    def value(self, key: str, default: Any = _MISSING) -> Any:
+        full = f"{self.arch}.{key}"
+        value = self.metadata.get(full, default)
+        if value is _MISSING:
+            raise MetadataError(self.path, f"metadata key {full!r} is missing",
+                                "Re-convert the model with a recent llama.cpp")
+        if isinstance(value, list):
+            if not value or any(x != value[0] for x in value):
+                raise MetadataError(self.path, f"{full} has per-layer values {value[:8]}..., which strata-jax "
+                                               "does not support", "Use a model with the same value in every layer")
+            value = value[0]
+        return value
+
+    def int(self, key: str, default: Any = _MISSING) -> int:
+        value = self.value(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise MetadataError(self.path, f"{self.arch}.{key} is {value!r}, not an integer", "Re-convert the model")
+        return value
+
+    def float(self, key: str, default: Any = _MISSING) -> float:
+        value = self.value(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MetadataError(self.path, f"{self.arch}.{key} is {value!r}, not a number", "Re-convert the model")
+        return float(value)
+
+
+def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> RopeScaling | None:
+    prefix = f"{arch}.rope.scaling."
+    kind = metadata.get(prefix + "type")
+    factor = metadata.get(prefix + "factor")
+    if kind is None and (linear := metadata.get(f"{arch}.rope.scale_linear")) is not None:  # older files
+        kind, factor = "linear", linear
+    if kind in (None, "none") or factor in (None, 0, 1.0) and kind == "linear":
+        return None
+    skip = {"type", "factor", "original_context_length"}
+    extra = tuple(sorted((k[len(prefix):], v) for k, v in metadata.items() if k.startswith(prefix)
+                         and k[len(prefix):] not in skip))
+    return RopeScaling(type=str(kind), factor=float(factor if factor is not None else 1.0),
+                       original_context=metadata.get(prefix + "original_context_length"), extra=extra)
+
+
+def _gating(number: int) -> str:
+    return _GATING.get(number, f"unknown gating function {number}")

@@ -1,0 +1,269 @@
+"""Synthetic GGUF models with random weights, for tests and benchmarks (`strata-jax make-model`).
+
+    paths = make_model(tmp / "tiny.gguf", arch="qwen3moe", experts=8, quant="Q4_K", split=3)
+
+Tensor names, shapes and metadata keys are llama.cpp's (gguf-py's MODEL_TENSORS / TENSOR_NAMES / Keys), so
+llama.cpp and Hugging Face transformers read the files too. Weights are random quant blocks with sane
+scales (`pallas_kernels.random_blocks`), std 1/sqrt(fan_in) so activations and logits stay O(1); norms are
+F32 ones plus a little noise, and routers F32 as llama.cpp's quantizer leaves them. Tensors are written one
+at a time, so a model larger than RAM can be made. `split=N` writes N parts in llama.cpp's gguf-split
+layout (OUT-00001-of-0000N.gguf ..., metadata in part 1, split.no/count/tensors.count in each).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter, LlamaFileType
+
+from pallas_kernels.qtypes import QType, as_qtype, block_size, type_size
+from pallas_kernels.random_blocks import random_blocks
+from strata_jax.gguf.header import ValueType
+from strata_jax.gguf.spec import SUPPORTED_ARCHITECTURES
+
+from .tiny_tokenizer import tiny_tokenizer
+
+log = logging.getLogger(__name__)
+
+MOE_ARCHS = ("qwen2moe", "qwen3moe")
+DENSE_ONLY_ARCHS = ("qwen2", "qwen3")
+_PRE_TOKENIZER = {"llama": "llama-bpe"}  # the qwen families: "qwen2"
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """make_model's options; the CLI flags are these names with dashes."""
+
+    arch: str = "qwen3moe"
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int | None = None  # default hidden // heads
+    ffn: int = 128  # dense FFN width (qwen3moe and qwen2moe write it too, as their files do)
+    experts: int | None = None  # default 8 for qwen2moe/qwen3moe, 0 for llama (>0: Mixtral-style MoE)
+    experts_used: int = 2
+    expert_ffn: int = 32
+    shared_ffn: int = 64  # qwen2moe's shared expert
+    vocab: int | None = None  # default 512, or the size of --tokenizer-from's vocabulary
+    context: int = 2048
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    quant: str = "Q8_0"  # every weight matrix, unless one of the three below says otherwise
+    expert_quant: str | None = None
+    attn_quant: str | None = None
+    embed_quant: str | None = None  # token_embd and output
+    tied: bool = False  # no output.weight: the output projection is token_embd
+    seed: int = 0
+    split: int = 1
+    tokenizer_from: str | Path | None = None
+    name: str | None = None
+
+    def resolved(self) -> ModelOptions:
+        """Defaults filled in and every value checked (ValueError saying which and why)."""
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"--arch {self.arch!r} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+        experts = self.experts if self.experts is not None else (8 if self.arch in MOE_ARCHS else 0)
+        if self.arch in DENSE_ONLY_ARCHS and experts:
+            raise ValueError(f"{self.arch} is a dense family; for experts use --arch {self.arch}moe")
+        if self.arch in MOE_ARCHS and experts < 2:
+            raise ValueError(f"{self.arch} needs --experts of at least 2 (got {experts})")
+        if experts and not 1 <= self.experts_used <= experts:
+            raise ValueError(f"--experts-used must be 1..{experts} (got {self.experts_used})")
+        for flag in ("layers", "hidden", "heads", "kv_heads", "ffn", "expert_ffn", "shared_ffn", "context", "split"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(self, flag)})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
+        head_dim = self.head_dim
+        if head_dim is None:
+            if self.hidden % self.heads:
+                raise ValueError(f"--hidden {self.hidden} is not a multiple of --heads {self.heads}: give --head-dim")
+            head_dim = self.hidden // self.heads
+        if head_dim % 2:
+            raise ValueError(f"the head size must be even for rotary embeddings (got {head_dim})")
+        for q in (self.quant, self.expert_quant, self.attn_quant, self.embed_quant):
+            if q is not None:
+                as_qtype(q)  # raises UnsupportedQuantType listing the supported ones
+        return replace(self, experts=experts, head_dim=head_dim)
+
+
+def make_model(out_path: str | Path, **options: Any) -> list[Path]:
+    """Write a random-weight GGUF model; return the files written (one, or `split` parts in order).
+    Options are `ModelOptions`' fields."""
+    o = ModelOptions(**options).resolved()
+    tokenizer_keys = _tokenizer_keys(o)
+    vocab = len(tokenizer_keys["tokenizer.ggml.tokens"][0])
+    plan = _plan_tensors(o, vocab)
+    if not 1 <= o.split <= len(plan):
+        raise ValueError(f"--split {o.split}: the model has {len(plan)} tensors, so 1..{len(plan)} parts")
+    _report_fallbacks(plan)
+
+    out_path = Path(out_path)
+    writer = GGUFWriter(out_path, o.arch)
+    for key, (value, (vtype, sub)) in (_model_keys(o, vocab) | tokenizer_keys).items():
+        writer.add_key_value(key, value, vtype, sub)
+    starts = {round(i * len(plan) / o.split) for i in range(1, o.split)}  # first tensor of parts 2..N
+    for i, t in enumerate(plan):
+        # GGUFWriter starts a new part when the current one holds split_max_tensors tensors.
+        writer.split_max_tensors = 1 if i in starts else (len(plan) if o.split > 1 else 0)
+        writer.add_tensor_info(t.name, t.byte_shape, np.dtype(np.uint8), t.n_bytes, raw_dtype=t.qtype)
+    paths = writer.format_shard_names(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file(out_path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in plan:
+        rng = np.random.default_rng([o.seed, zlib.crc32(t.name.encode())])  # independent of the other tensors
+        writer.write_tensor_data(t.make(rng))
+    writer.close()
+    return paths
+
+
+@dataclass(frozen=True)
+class _Planned:
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    qtype: QType
+    make: Callable[[np.random.Generator], np.ndarray]  # -> uint8 [..., row_bytes]
+    wanted: QType  # the type asked for, before any fallback
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:-1], self.shape[-1] // block_size(self.qtype) * type_size(self.qtype))
+
+    @property
+    def n_bytes(self) -> int:
+        return math.prod(self.byte_shape)
+
+
+def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
+    h, hd = o.hidden, o.head_dim
+    q, kv = o.heads * hd, o.kv_heads * hd
+    quant = as_qtype(o.quant)
+    embed_q = as_qtype(o.embed_quant or quant)
+    attn_q = as_qtype(o.attn_quant or quant)
+    expert_q = as_qtype(o.expert_quant or quant)
+    residual = 1.0 / math.sqrt(2 * o.layers)  # keeps the residual stream O(1) however deep the model
+
+    def weight(name: str, shape: tuple[int, ...], qtype: QType, std: float) -> _Planned:
+        fitted = qtype if shape[-1] % block_size(qtype) == 0 else _fallback(qtype)
+        return _Planned(name, shape, fitted, lambda rng: random_blocks(fitted, shape, rng, std=std), qtype)
+
+    def f32(name: str, shape: tuple[int, ...], mean: float, std: float) -> _Planned:
+        def make(rng: np.random.Generator) -> np.ndarray:
+            return (mean + std * rng.standard_normal(shape)).astype(np.float32).view(np.uint8)
+        return _Planned(name, shape, QType.F32, make, QType.F32)
+
+    def norm(name: str, shape: tuple[int, ...]) -> _Planned:
+        return f32(name, shape, 1.0, 0.05)
+
+    plan = [weight("token_embd.weight", (vocab, h), embed_q, 1 / math.sqrt(h))]
+    for i in range(o.layers):
+        b = f"blk.{i}."
+        plan += [norm(b + "attn_norm.weight", (h,)),
+                 weight(b + "attn_q.weight", (q, h), attn_q, 1 / math.sqrt(h)),
+                 weight(b + "attn_k.weight", (kv, h), attn_q, 1 / math.sqrt(h)),
+                 weight(b + "attn_v.weight", (kv, h), attn_q, 1 / math.sqrt(h))]
+        if o.arch in ("qwen2", "qwen2moe"):
+            plan += [f32(b + "attn_q.bias", (q,), 0.0, 0.1), f32(b + "attn_k.bias", (kv,), 0.0, 0.1),
+                     f32(b + "attn_v.bias", (kv,), 0.0, 0.1)]
+        if o.arch in ("qwen3", "qwen3moe"):
+            plan += [norm(b + "attn_q_norm.weight", (hd,)), norm(b + "attn_k_norm.weight", (hd,))]
+        plan += [weight(b + "attn_output.weight", (h, q), attn_q, residual / math.sqrt(q)),
+                 norm(b + "ffn_norm.weight", (h,))]
+        if o.experts:
+            e, f = o.experts, o.expert_ffn
+            plan += [f32(b + "ffn_gate_inp.weight", (e, h), 0.0, 1 / math.sqrt(h)),
+                     weight(b + "ffn_gate_exps.weight", (e, f, h), expert_q, 1 / math.sqrt(h)),
+                     weight(b + "ffn_up_exps.weight", (e, f, h), expert_q, 1 / math.sqrt(h)),
+                     weight(b + "ffn_down_exps.weight", (e, h, f), expert_q, residual / math.sqrt(f))]
+            if o.arch == "qwen2moe":
+                s = o.shared_ffn
+                plan += [f32(b + "ffn_gate_inp_shexp.weight", (h,), 0.0, 1 / math.sqrt(h)),
+                         weight(b + "ffn_gate_shexp.weight", (s, h), quant, 1 / math.sqrt(h)),
+                         weight(b + "ffn_up_shexp.weight", (s, h), quant, 1 / math.sqrt(h)),
+                         weight(b + "ffn_down_shexp.weight", (h, s), quant, residual / math.sqrt(s))]
+        else:
+            plan += [weight(b + "ffn_gate.weight", (o.ffn, h), quant, 1 / math.sqrt(h)),
+                     weight(b + "ffn_up.weight", (o.ffn, h), quant, 1 / math.sqrt(h)),
+                     weight(b + "ffn_down.weight", (h, o.ffn), quant, residual / math.sqrt(o.ffn))]
+    plan.append(norm("output_norm.weight", (h,)))
+    if not o.tied:
+        plan.append(weight("output.weight", (vocab, h), embed_q, 1 / math.sqrt(h)))
+    return plan
+
+
+def _fallback(qtype: QType) -> QType:
+    return QType.F32 if qtype == QType.F32 else QType.F16
+
+
+def _report_fallbacks(plan: list[_Planned]) -> None:
+    groups: dict[tuple[QType, QType, int], list[str]] = {}
+    for t in plan:
+        if t.qtype != t.wanted:
+            groups.setdefault((t.wanted, t.qtype, t.shape[-1]), []).append(t.name)
+    for (wanted, used, row), names in groups.items():
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        log.warning("%d tensor(s) stored as %s instead of %s: their rows of %d values are not a whole number of "
+                    "%s blocks of %d (%s)", len(names), used.name, wanted.name, row, wanted.name,
+                    block_size(wanted), shown)
+
+
+def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]:
+    u32, f32, s = (GGUFValueType.UINT32, None), (GGUFValueType.FLOAT32, None), (GGUFValueType.STRING, None)
+    a = o.arch
+    mixtral = a == "llama" and o.experts > 0
+    keys: dict[str, tuple[Any, ValueType]] = {
+        "general.type": ("model", s),
+        "general.name": (o.name or f"strata-jax random {a}", s),
+        "general.quantization_version": (2, u32),
+        f"{a}.vocab_size": (vocab, u32),
+        f"{a}.context_length": (o.context, u32),
+        f"{a}.embedding_length": (o.hidden, u32),
+        f"{a}.block_count": (o.layers, u32),
+        # Mixtral's files give the expert width here and have no expert_feed_forward_length.
+        f"{a}.feed_forward_length": (o.expert_ffn if mixtral else o.ffn, u32),
+        f"{a}.attention.head_count": (o.heads, u32),
+        f"{a}.attention.head_count_kv": (o.kv_heads, u32),
+        f"{a}.attention.key_length": (o.head_dim, u32),
+        f"{a}.attention.value_length": (o.head_dim, u32),
+        f"{a}.attention.layer_norm_rms_epsilon": (o.rms_eps, f32),
+        f"{a}.rope.freq_base": (o.rope_theta, f32),
+        f"{a}.rope.dimension_count": (o.head_dim, u32),
+    }
+    file_type = {QType.F32: "ALL_F32", QType.F16: "MOSTLY_F16"}.get(as_qtype(o.quant), f"MOSTLY_{as_qtype(o.quant).name}")
+    if file_type in LlamaFileType.__members__:
+        keys["general.file_type"] = (int(LlamaFileType[file_type]), u32)
+    if o.experts:
+        keys[f"{a}.expert_count"] = (o.experts, u32)
+        keys[f"{a}.expert_used_count"] = (o.experts_used, u32)
+        if not mixtral:
+            keys[f"{a}.expert_feed_forward_length"] = (o.expert_ffn, u32)
+        if a == "qwen2moe":
+            keys[f"{a}.expert_shared_feed_forward_length"] = (o.shared_ffn, u32)
+    return keys
+
+
+def _tokenizer_keys(o: ModelOptions) -> dict[str, tuple[Any, ValueType]]:
+    if o.tokenizer_from is None:
+        return tiny_tokenizer(o.vocab or 512).metadata(_PRE_TOKENIZER.get(o.arch, "qwen2"))
+    from strata_jax.gguf import GGUFModel
+
+    src = GGUFModel.open(o.tokenizer_from, strict=False)
+    keys = {k: (v, src.metadata_types[k]) for k, v in src.metadata.items() if k.startswith("tokenizer.")}
+    if "tokenizer.ggml.tokens" not in keys:
+        raise ValueError(f"--tokenizer-from {o.tokenizer_from}: that GGUF has no tokenizer.ggml.tokens")
+    n = len(keys["tokenizer.ggml.tokens"][0])
+    if o.vocab is not None and o.vocab != n:
+        raise ValueError(f"--vocab {o.vocab} disagrees with --tokenizer-from {o.tokenizer_from}, whose vocabulary "
+                         f"has {n} tokens: leave --vocab out")
+    return keys
+
