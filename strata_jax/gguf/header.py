@@ -156,8 +156,8 @@ def parse_header(path: Path, buf: memoryview) -> Header:
             tensors.append(RawTensor(name, ggml_type, tuple(ne), offset))
     except _Short as short:
         raise TruncatedGGUFError(
-            path, f"truncated: the header is cut short (it runs to at least byte {short.needed:,} "
-                  f"but the file has {size:,} bytes)",
+            path, f"truncated: the header is cut short (it needs at least {short.needed:,} bytes, "
+                  f"the file has {size:,})",
             "The download or copy did not finish: fetch the file again") from None
     except UnicodeDecodeError as e:
         raise GGUFError(path, f"a string in the header near byte {cur.pos:,} is not UTF-8 ({e.reason})",

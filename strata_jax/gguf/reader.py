@@ -149,10 +149,9 @@ def split_part_paths(path: Path) -> list[Path]:
     paths = [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p for p in paths if not p.is_file()]
     if missing:
-        names = ", ".join(p.name for p in missing)
         raise MissingSplitPartError(
-            missing[0], f"part {paths.index(missing[0]) + 1} of {count} of this split model is missing "
-                        f"(missing: {names}; found {count - len(missing)} of {count} in {path.parent})",
+            path, f"part {paths.index(missing[0]) + 1} of {count} of this split model is missing: {missing[0]} "
+                  f"({len(missing)} of {count} parts missing: {', '.join(p.name for p in missing)})",
             "Put all parts in one folder (or merge them with llama.cpp's gguf-split --merge)")
     return paths
 

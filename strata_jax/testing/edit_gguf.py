@@ -1,0 +1,59 @@
+"""Copy a GGUF with changes, to make the broken or unusual files that error paths are tested with.
+
+    rewrite_gguf(good, bad, set_metadata={"general.architecture": "gptneox"})
+    rewrite_gguf(good, bad, tensor_shapes={"blk.0.attn_q.weight": (128, 64)})   # declared shape only
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter
+
+from pallas_kernels.qtypes import block_size, type_size
+from strata_jax.gguf import GGUFModel
+
+
+def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str, Any] | None = None,
+                 drop_metadata: Iterable[str] = (), drop_tensors: Iterable[str] = (),
+                 tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Path:
+    """Write `src` (one file, any types) to `dst` with metadata keys set or dropped, tensors dropped, or
+    tensors' declared shapes changed (numpy order; their bytes stay as they were). A new key's type is
+    inferred (str, bool, int as UINT32, float as FLOAT32); an existing key keeps its type."""
+    model = GGUFModel.open(src, strict=False)
+    metadata = {k: v for k, v in model.metadata.items() if k not in set(drop_metadata)}
+    types = dict(model.metadata_types)
+    for key, value in (set_metadata or {}).items():
+        metadata[key] = value
+        if key not in types:
+            types[key] = (_infer(value), None)
+    writer = GGUFWriter(dst, metadata["general.architecture"])
+    for key, value in metadata.items():
+        if key != "general.architecture":
+            writer.add_key_value(key, value, *types[key])
+    shapes, dropped = dict(tensor_shapes or {}), set(drop_tensors)
+    for name, t in model.tensors.items():
+        if name not in dropped:
+            shape = shapes.get(name, t.shape)  # the writer takes uint8 data's shape in bytes
+            byte_shape = (*shape[:-1], shape[-1] // block_size(t.qtype) * type_size(t.qtype))
+            writer.add_tensor(name, np.ascontiguousarray(t.data), raw_shape=byte_shape, raw_dtype=t.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)
+
+
+def _infer(value: Any) -> GGUFValueType:
+    if isinstance(value, str):
+        return GGUFValueType.STRING
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    if isinstance(value, int):
+        return GGUFValueType.UINT32
+    if isinstance(value, float):
+        return GGUFValueType.FLOAT32
+    raise TypeError(f"cannot infer a GGUF type for {value!r}")

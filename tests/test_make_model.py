@@ -1,0 +1,120 @@
+"""`make_model` / `strata-jax make-model`: synthetic GGUF models in llama.cpp's layout."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from strata_jax.gguf import GGUFModel
+from strata_jax.testing.make_model import make_model
+from strata_jax.testing.tiny_tokenizer import CHAT_TEMPLATE
+
+REPO = Path(__file__).resolve().parents[1]
+F32, F16, Q8_0, Q4_K = (gguf.GGMLQuantizationType[n] for n in ("F32", "F16", "Q8_0", "Q4_K"))
+
+
+def test_same_seed_same_file_other_seed_other_weights(tmp_path):
+    a = make_model(tmp_path / "a.gguf", arch="qwen3", seed=3)[0].read_bytes()
+    b = make_model(tmp_path / "b.gguf", arch="qwen3", seed=3)[0].read_bytes()
+    c = make_model(tmp_path / "c.gguf", arch="qwen3", seed=4)[0].read_bytes()
+    assert a == b and len(a) == len(c) and a != c
+
+
+def test_quant_flags_and_fallback(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="strata_jax.testing.make_model"):
+        path = make_model(tmp_path / "m.gguf", arch="qwen3moe", hidden=256, heads=4, expert_ffn=128,
+                          quant="Q4_K", attn_quant="Q8_0", expert_quant="Q4_K", embed_quant="Q6_K")[0]
+    t = GGUFModel.open(path).tensors
+    assert t["token_embd.weight"].qtype.name == "Q6_K" and t["output.weight"].qtype.name == "Q6_K"
+    assert t["blk.0.attn_q.weight"].qtype == Q8_0 and t["blk.0.attn_output.weight"].qtype == Q8_0
+    assert t["blk.0.ffn_gate_exps.weight"].qtype == Q4_K and t["blk.0.ffn_up_exps.weight"].qtype == Q4_K
+    # ffn_down_exps rows are expert_ffn = 128 values: not whole Q4_K blocks of 256, so F16, and said so.
+    assert t["blk.0.ffn_down_exps.weight"].qtype == F16
+    assert "2 tensor(s) stored as F16 instead of Q4_K: their rows of 128 values" in caplog.text
+    assert "blk.0.ffn_down_exps.weight" in caplog.text
+    for name in ("blk.0.attn_norm.weight", "blk.0.attn_q_norm.weight", "output_norm.weight", "blk.1.ffn_gate_inp.weight"):
+        assert t[name].qtype == F32, name  # norms and the router stay F32
+
+
+def test_weights_have_sane_scales(tiny_model):
+    t = GGUFModel.open(tiny_model(arch="qwen2moe", quant="Q4_0")).tensors
+    q = t["blk.0.attn_q.weight"].dequantize()
+    assert abs(q.std() * np.sqrt(64) - 1) < 0.2 and abs(q.mean()) < 0.02
+    norm = t["blk.0.attn_norm.weight"].dequantize()
+    assert abs(norm.mean() - 1) < 0.05 and 0 < norm.std() < 0.1
+    assert all(np.isfinite(x.dequantize()).all() for x in t.values())
+
+
+def test_tied_output_and_tokenizer_from(tiny_model, tmp_path):
+    donor = tiny_model(arch="llama", vocab=700)
+    path = make_model(tmp_path / "t.gguf", arch="qwen3moe", tied=True, tokenizer_from=donor)[0]
+    model, source = GGUFModel.open(path), GGUFModel.open(donor)
+    assert "output.weight" not in model.tensors and model.spec.tied_output
+    assert model.spec.vocab_size == 700 and model.tensors["token_embd.weight"].shape == (700, 64)
+    for key, value in source.metadata.items():
+        if key.startswith("tokenizer."):
+            assert model.metadata[key] == value and model.metadata_types[key] == source.metadata_types[key]
+    with pytest.raises(ValueError, match="--vocab 600 disagrees"):
+        make_model(tmp_path / "u.gguf", vocab=600, tokenizer_from=donor)
+
+
+def test_builtin_tokenizer(tiny_model):
+    md = GGUFModel.open(tiny_model(arch="qwen3", vocab=1000)).metadata
+    tokens, types, merges = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"], md["tokenizer.ggml.merges"]
+    assert len(tokens) == len(types) == 1000 and len(set(tokens)) == 1000
+    assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "qwen2"
+    assert tokens[ord("A")] == "A" and tokens[ord(" ")] == "Ġ" and tokens[ord("\n")] == "Ċ"  # GPT-2's byte spelling
+    index = {tok: i for i, tok in enumerate(tokens)}
+    for merge in merges:  # each merge joins two earlier tokens into a later one
+        left, right = merge.split(" ")
+        assert max(index[left], index[right]) < index[left + right]
+    eos, bos = md["tokenizer.ggml.eos_token_id"], md["tokenizer.ggml.bos_token_id"]
+    assert tokens[eos] == "<|im_end|>" and tokens[bos] == "<|endoftext|>"
+    assert types[index["<|im_start|>"]] == gguf.TokenType.CONTROL
+    assert types[index["<think>"]] == gguf.TokenType.USER_DEFINED
+    assert md["tokenizer.chat_template"] == CHAT_TEMPLATE
+    with pytest.raises(ValueError, match="at least 261"):
+        make_model("/nonexistent/x.gguf", vocab=100)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(arch="qwen3", experts=4), "dense family; for experts use --arch qwen3moe"),
+    (dict(arch="qwen3moe", experts=1), "at least 2"),
+    (dict(arch="qwen3moe", experts_used=9), "--experts-used must be 1..8"),
+    (dict(heads=4, kv_heads=3), "multiple of --kv-heads"),
+    (dict(arch="mamba"), "is not one of llama, qwen2"),
+    (dict(quant="Q9_9"), "unknown quant type"),
+    (dict(split=1000), "--split 1000: the model has"),
+])
+def test_bad_options_say_what_is_wrong(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        make_model(tmp_path / "x.gguf", **options)
+    assert not list(tmp_path.iterdir())
+
+
+def test_make_model_command(tmp_path):
+    out = tmp_path / "cli.gguf"
+    run = subprocess.run(
+        [sys.executable, "-m", "strata_jax", "make-model", str(out), "--arch", "qwen3moe", "--layers", "3",
+         "--experts", "4", "--experts-used", "2", "--expert-ffn", "64", "--quant", "Q4_K", "--attn-quant", "Q8_0",
+         "--split", "2", "--tied", "--seed", "5"],
+        capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 0, run.stderr
+    parts = [tmp_path / "cli-00001-of-00002.gguf", tmp_path / "cli-00002-of-00002.gguf"]
+    assert sorted(tmp_path.iterdir()) == parts
+    assert f"wrote {parts[0]}" in run.stdout and f"wrote {parts[1]}" in run.stdout
+    assert "stored as F16 instead of Q4_K" in run.stderr  # rows of 64 values are not whole Q4_K blocks
+    model = GGUFModel.open(parts[1])
+    spec = model.spec
+    assert (spec.architecture, spec.n_layers, spec.n_experts, spec.expert_ffn, spec.tied_output) == (
+        "qwen3moe", 3, 4, 64, True)
+    assert model.tensors["blk.0.attn_q.weight"].qtype == Q8_0
+    same = make_model(tmp_path / "py" / "cli.gguf", arch="qwen3moe", layers=3, experts=4, experts_used=2,
+                      expert_ffn=64, quant="Q4_K", attn_quant="Q8_0", split=2, tied=True, seed=5)
+    assert [p.read_bytes() for p in same] == [p.read_bytes() for p in parts]
