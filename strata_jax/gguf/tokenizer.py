@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from strata_jax.gguf.pretokenizers import PRE_TOKENIZERS, supported_names
@@ -231,8 +231,11 @@ class Tokenizer:
         tk = _HFTokenizer(
             models.BPE(vocab=self._ids, merges=self._merges_from_scores(), unk_token=unk, fuse_unk=True, byte_fallback=True)
         )
-        scheme = "always" if self.add_space_prefix else "never"  # "always": also after each special token, as llama.cpp
-        tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme=scheme, split=False)
+        # A normalizer, not `Metaspace`: llama.cpp puts the space before every stretch of text between special
+        # tokens, even one that starts with a space, where `Metaspace` adds none. The stretch is not cut at
+        # spaces: pieces may hold several.
+        spaces = normalizers.Replace(" ", SPACE_MARK)
+        tk.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARK), spaces]) if self.add_space_prefix else spaces
         tk.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
         return tk
 
