@@ -331,12 +331,18 @@ def test_add_bos_and_eos_follow_metadata():
         load_tokenizer(_smollm2_like_metadata(**{"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": None}))
 
 
-def test_unknown_pre_tokenizer_is_named():
+def test_unknown_pre_tokenizer_is_named(tmp_path):
+    from strata_jax.testing.vocab_files import write_vocab_gguf
+
     with pytest.raises(UnknownPreTokenizerError) as err:
         load_tokenizer(_smollm2_like_metadata(**{"tokenizer.ggml.pre": "mystery-bpe-9"}))
     message = str(err.value)
     assert "'mystery-bpe-9'" in message and "tokenizer.ggml.pre" in message
     assert all(name in message for name in ("default", "gpt2", "llama-bpe", "qwen2", "smollm", "deepseek-v3"))
+    # from a file, the error also names the file
+    path = write_vocab_gguf(tmp_path / "odd.gguf", _smollm2_like_metadata(**{"tokenizer.ggml.pre": "mystery-bpe-9"}))
+    with pytest.raises(UnknownPreTokenizerError, match=f"^{path}: unknown pre-tokenizer 'mystery-bpe-9'"):
+        load_tokenizer(path)
 
 
 def test_bad_vocabularies_say_what_is_wrong():
@@ -349,7 +355,7 @@ def test_bad_vocabularies_say_what_is_wrong():
     tokens = _smollm2_like_metadata()["tokenizer.ggml.tokens"]
     with pytest.raises(TokenizerError, match="duplicate token"):
         load_tokenizer(_smollm2_like_metadata(**{"tokenizer.ggml.tokens": tokens[:-1] + [tokens[0]]}))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="no such file"):
         load_tokenizer("/nonexistent/model.gguf")
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import codecs
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -62,29 +61,21 @@ class UnknownPreTokenizerError(TokenizerError):
 
 
 def load_tokenizer(path_or_metadata: str | os.PathLike | Mapping[str, Any], **kwargs: Any) -> Tokenizer:
-    """A `Tokenizer` from a GGUF file (full model or vocabulary-only) or from its metadata as a dict.
+    """A `Tokenizer` from a GGUF file (full model, first part of a split model, or vocabulary-only file like
+    llama.cpp's ggml-vocab-*.gguf) or from its metadata as a dict of plain values.
 
     Keyword arguments go to `Tokenizer` (e.g. `chat_template=` to use a template the file does not have).
     """
     if isinstance(path_or_metadata, Mapping):
         return Tokenizer(path_or_metadata, **kwargs)
-    return Tokenizer(_read_metadata(path_or_metadata), **kwargs)
+    from strata_jax.gguf.reader import read_metadata  # reads the key-value section only, no tensor data
 
-
-def _read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    # Only the key-value section is needed; the reader maps the file and reads no tensor data.
-    # (To be replaced by strata_jax.gguf.read_metadata.)
-    import gguf
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
-    reader = gguf.GGUFReader(path, "r")
-    return {
-        name: field.contents()
-        for name, field in reader.fields.items()
-        if name.startswith(("tokenizer.", "general."))
-    }
+    metadata = read_metadata(path_or_metadata)
+    try:
+        return Tokenizer(metadata, **kwargs)
+    except TokenizerError as e:
+        e.args = (f"{os.fspath(path_or_metadata)}: {e.args[0]}",)
+        raise
 
 
 def bytes_to_unicode() -> dict[int, str]:

