@@ -26,7 +26,8 @@ BACKENDS = ("xla", "pallas", "interpret", "auto")
 
 __all__ = [
     "BACKENDS", "SUPPORTED", "QType", "UnsupportedQuantType", "as_qtype", "block_size", "type_size", "row_bytes",
-    "dequantize", "qmatmul", "expert_matmul", "random_blocks", "resolve_backend", "layout_for", "Layout",
+    "dequantize", "qmatmul", "expert_matmul", "expert_matmul_tiles", "expert_tile", "group_rows",
+    "scatter_rows", "gather_rows", "random_blocks", "resolve_backend", "layout_for", "Layout",
 ]
 
 
@@ -67,24 +68,33 @@ def qmatmul(x: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
 _XLA_TILE, _PALLAS_TILE = 8, 16
 
 
+def expert_tile(backend: str = "xla") -> int:
+    return _XLA_TILE if resolve_backend(backend) == "xla" else _PALLAS_TILE
+
+
+def expert_matmul_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
+    """Grouped rows x_tiles [n_tiles * tile, k] (see grouping.py), tile i times expert tile_expert[i]
+    (-1: empty, gives zeros) of w_blocks [E, n, row_bytes] -> float32 [n_tiles * tile, n].
+
+    An MoE layer groups its rows once and runs gate, up and down in this layout."""
+    w_blocks = xla._as_bytes(w_blocks)
+    lay = layout_for(qtype, w_blocks.shape[-1])
+    backend = resolve_backend(backend)
+    n_tiles = tile_expert.shape[0]
+    tile = x_tiles.shape[0] // n_tiles
+    if backend == "xla":
+        # Empty tiles repeat tile 0's expert (always a chosen one), so no unchosen expert is ever read.
+        te = jnp.where(tile_expert >= 0, tile_expert, tile_expert[0])
+        w = xla.dequantize_rows(w_blocks[te], lay).astype(x_tiles.dtype)             # [n_tiles, n, k]
+        y = jnp.einsum("gtk,gnk->gtn", x_tiles.reshape(n_tiles, tile, -1), w, preferred_element_type=jnp.float32)
+        return jnp.where((tile_expert >= 0)[:, None, None], y, 0.0).reshape(n_tiles * tile, -1)
+    return gpu.expert_matmul_tiles(x_tiles, tile_expert, w_blocks, lay, bt=tile, interpret=backend == "interpret")
+
+
 def expert_matmul(x: jax.Array, w_blocks, expert_ids: jax.Array, qtype, backend: str = "xla") -> jax.Array:
     """Row r of x [R, k] times expert expert_ids[r] of w_blocks [E, n, row_bytes] -> float32 [R, n].
 
     Rows are grouped by expert (grouping.py); only the experts some row chose are dequantized."""
-    w_blocks = xla._as_bytes(w_blocks)
-    E = w_blocks.shape[0]
-    lay = layout_for(qtype, w_blocks.shape[-1])
-    backend = resolve_backend(backend)
-    tile = _XLA_TILE if backend == "xla" else _PALLAS_TILE
-    g = group_rows(expert_ids, E, tile)
-    xt = scatter_rows(x, g)                                       # [n_tiles * tile, k]
-    if backend == "xla":
-        # Empty tiles repeat tile 0's expert (always a chosen one), so no unchosen expert is ever read.
-        te = jnp.where(g.tile_expert >= 0, g.tile_expert, g.tile_expert[0])
-        w = xla.dequantize_rows(w_blocks[te], lay).astype(x.dtype)                   # [n_tiles, n, k]
-        xt3 = xt.reshape(g.n_tiles, tile, -1)
-        y = jnp.einsum("gtk,gnk->gtn", xt3, w, preferred_element_type=jnp.float32)
-        y = jnp.where((g.tile_expert >= 0)[:, None, None], y, 0.0).reshape(g.n_tiles * tile, -1)
-    else:
-        y = gpu.expert_matmul_tiles(xt, g.tile_expert, w_blocks, lay, bt=tile, interpret=backend == "interpret")
+    g = group_rows(expert_ids, w_blocks.shape[0], expert_tile(backend))
+    y = expert_matmul_tiles(scatter_rows(x, g), g.tile_expert, w_blocks, qtype, backend)
     return gather_rows(y, g)

@@ -1,0 +1,45 @@
+"""GGUF tensors -> the parameter pytree of transformer.forward."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ..gguf import GGUFModel
+from .weights import to_device
+
+# GGUF tensor name (after "blk.N.") -> our short name.
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
+    "attn_output.weight": "wo", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm", "ffn_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "exp_gate", "ffn_up_exps.weight": "exp_up",
+    "ffn_down_exps.weight": "exp_down", "ffn_gate_shexp.weight": "sh_gate", "ffn_up_shexp.weight": "sh_up",
+    "ffn_down_shexp.weight": "sh_down", "ffn_gate_inp_shexp.weight": "sh_router",
+}
+# Small tensors stay float32 whatever the mode: norms, biases, routers (the router's top-k decides which
+# experts run, so it is computed in float32 as llama.cpp does).
+_ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "router", "sh_router"}
+
+
+def load_params(model: GGUFModel, mode: str, dtype: str, progress=None) -> dict:
+    """mode "blocks": matrices stay GGUF blocks (QTensor); "dequantized": float `dtype` copies."""
+    spec = model.spec
+    t = model.tensors
+
+    def get(name: str, short: str):
+        if progress is not None:
+            progress(name)
+        m = "dequantized" if short in _ALWAYS_FLOAT else mode
+        return to_device(t[name], m, jnp.float32 if short in _ALWAYS_FLOAT else dtype)
+
+    params: dict = {"embed": get("token_embd.weight", "embed"), "norm": get("output_norm.weight", "norm")}
+    params["norm"] = params["norm"].astype(jnp.float32)
+    params["output"] = params["embed"] if spec.tied_output else get("output.weight", "output")
+    layers = []
+    for i in range(spec.n_layers):
+        prefix = f"blk.{i}."
+        layers.append({short: get(prefix + suffix, short) for suffix, short in _LAYER_TENSORS.items()
+                       if prefix + suffix in t})
+    params["layers"] = layers
+    return params

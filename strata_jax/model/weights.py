@@ -1,0 +1,82 @@
+"""Model weights as a pytree: GGUF tensors kept in their quant blocks, or dequantized once at load.
+
+A `QTensor` holds a weight matrix as GGUF blocks (uint8 [..., rows, row_bytes]) with its quant type and
+logical shape as static pytree data, so jit specializes on the type and the kernels read the blocks.
+`linear` multiplies by either kind of weight.
+
+Where weights are dequantized at load (`weights="dequantized"`): on a CPU a float32 matmul over a
+dequantized matrix runs several times faster than XLA's dequantize-multiply fusion over the blocks
+(DESIGN.md, Speed), so small models on a CPU keep a float copy; GPUs keep blocks and read them with the
+Pallas kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclass(frozen=True)
+class QTensor:
+    data: jax.Array              # uint8 [..., rows, row_bytes]: GGUF blocks
+    qtype: str                   # static
+    shape: tuple[int, ...]       # static: logical shape [..., rows, cols]
+
+    def tree_flatten(self):
+        return (self.data,), (self.qtype, self.shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.size)
+
+
+Weight = jax.Array | QTensor
+
+
+def linear(x: jax.Array, w: Weight, backend: str) -> jax.Array:
+    """x [..., k] @ W^T for W [n, k] -> [..., n] in x's dtype (float32 accumulation)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, QTensor):
+        y = pk.qmatmul(x2, w.data, w.qtype, backend=backend)
+    else:
+        y = jnp.einsum("tk,nk->tn", x2, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype).reshape(*lead, -1)
+
+
+def embed_rows(table: Weight, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` of the embedding table, dequantizing only the rows asked for."""
+    if isinstance(table, QTensor):
+        return pk.dequantize(table.data[ids], table.qtype).astype(dtype)
+    return table[ids].astype(dtype)
+
+
+def expert_linear_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w: Weight, backend: str) -> jax.Array:
+    """Grouped rows [n_tiles * tile, k] times their tile's expert of W [E, n, k] -> [n_tiles * tile, n]."""
+    if isinstance(w, QTensor):
+        y = pk.expert_matmul_tiles(x_tiles, tile_expert, w.data, w.qtype, backend=backend)
+    else:
+        n_tiles = tile_expert.shape[0]
+        te = jnp.where(tile_expert >= 0, tile_expert, tile_expert[0])
+        xt = x_tiles.reshape(n_tiles, -1, x_tiles.shape[-1])
+        y = jnp.einsum("gtk,gnk->gtn", xt, w[te].astype(x_tiles.dtype), preferred_element_type=jnp.float32)
+        y = jnp.where((tile_expert >= 0)[:, None, None], y, 0.0).reshape(x_tiles.shape[0], -1)
+    return y.astype(x_tiles.dtype)
+
+
+def to_device(info, mode: str, dtype) -> Weight:
+    """A GGUF tensor (strata_jax.gguf.TensorInfo) as a weight: float `dtype` array or QTensor."""
+    if mode == "dequantized" or len(info.shape) == 1:
+        vals = pk.dequantize(np.ascontiguousarray(info.data), info.qtype)
+        return vals.reshape(info.shape).astype(dtype)
+    return QTensor(jnp.asarray(np.ascontiguousarray(info.data)), info.qtype.name, tuple(info.shape))
