@@ -85,6 +85,20 @@ def test_custom_templates_render_like_transformers(template, kwargs):
     assert ours == theirs
 
 
+REASONING_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.thinking %}[{{ m.thinking }}]{% endif %}{{ m.content }}\n{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking", "reasoning"])
+def test_reasoning_fields_render_like_transformers(field):
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", field: "add them"}]
+    ours = smollm2_tokenizer().apply_chat_template(chat, add_generation_prompt=False, chat_template=REASONING_TEMPLATE)
+    theirs = smollm2_transformers().apply_chat_template(chat, chat_template=REASONING_TEMPLATE, tokenize=False)
+    assert ours == theirs == "user:2+2?\nassistant:<think>add them</think>[add them]4\n"
+
+
 def test_enable_thinking_reaches_the_template():
     tok = smollm2_tokenizer()
     chat = CHATS[0]

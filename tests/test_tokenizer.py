@@ -379,3 +379,18 @@ def test_vocab_only_gguf_roundtrip_through_file():
     tok = load_tokenizer(path)
     assert tok.tokens == md["tokenizer.ggml.tokens"] and tok.pre == "llama-bpe"
     assert io.StringIO(repr(tok)).getvalue().startswith("Tokenizer(model='gpt2', pre='llama-bpe'")
+
+
+def test_malformed_vocabulary_degrades_with_warnings(caplog):
+    # merges whose parts or result are not tokens make the `tokenizers` library panic: they are left out
+    md = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab", ""],
+        "tokenizer.ggml.merges": ["a b", "b a", "a c"],
+    }
+    with caplog.at_level("WARNING", logger="strata_jax.gguf.tokenizer"):
+        tok = load_tokenizer(md)
+    assert tok.pre == "default" and tok.tokens[3] == "[EMPTY_3]"
+    assert tok.encode("abba") == [2, 1, 0]
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "tokenizer.ggml.pre is missing" in messages and "2 merges" in messages and "256 bytes" in messages

@@ -49,7 +49,8 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     Each message is a mapping with `role` in system/user/assistant/tool and `content` a string or a list
     of text parts (`{"type": "text", "text": "..."}`), which are joined with newlines, as llama.cpp does for
     templates. An assistant message may leave content out (or null) when it has `tool_calls`. Keys whose
-    value is None are dropped, as transformers does, so templates see them as undefined.
+    value is None are dropped, as transformers does, so templates see them as undefined; reasoning text
+    (`reasoning_content`, `thinking` or `reasoning`) is offered as both `reasoning_content` and `thinking`.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatMessageError(f"messages must be a list of messages, got {type(messages).__name__}")
@@ -67,12 +68,24 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ChatMessageError(f"messages[{i}].role is {role!r}; it must be one of {', '.join(ROLES)}")
         if "content" not in message:
             if role == "assistant" and message.get("tool_calls"):
-                out.append(message)
+                out.append(_alias_reasoning(message))
                 continue
             raise ChatMessageError(f"messages[{i}] ({role}) has no 'content'")
         message["content"] = _content_text(message["content"], f"messages[{i}].content")
-        out.append(message)
+        out.append(_alias_reasoning(message))
     return out
+
+
+# Names a message's reasoning (thinking) text goes by; templates read `reasoning_content` (Qwen3, DeepSeek)
+# or `thinking` (gpt-oss). As transformers does, whichever is given is offered under both.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _content_text(content: Any, where: str) -> str:

@@ -19,6 +19,7 @@ streaming can hold back the bytes of a character that is not complete yet.
 from __future__ import annotations
 
 import codecs
+import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -27,6 +28,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from strata_jax.gguf.pretokenizers import PRE_TOKENIZERS, supported_names
+
+_log = logging.getLogger(__name__)
 
 # tokenizer.ggml.token_type values (gguf.TokenType; llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -133,6 +136,8 @@ class Tokenizer:
                 raise TokenizerError(f"{key} has {len(values)} entries for {n} tokens")
         self._ids: dict[str, int] = {}
         for i, text in enumerate(self.tokens):
+            if not text:  # llama.cpp's name for an empty token
+                text = self.tokens[i] = f"[EMPTY_{i}]"
             if self._ids.setdefault(text, i) != i:
                 raise TokenizerError(f"duplicate token {text!r} in tokenizer.ggml.tokens: ids {self._ids[text]} and {i}")
 
@@ -142,7 +147,11 @@ class Tokenizer:
             spec = None
             add_bos_default = True
         else:
-            self.pre = _get_str(md, "tokenizer.ggml.pre") or "default"
+            self.pre = _get_str(md, "tokenizer.ggml.pre")
+            if not self.pre:
+                _log.warning("tokenizer.ggml.pre is missing: splitting text the 'default' way, as llama.cpp does; "
+                             "text may be tokenized differently from how the model was trained")
+                self.pre = "default"
             if self.pre not in PRE_TOKENIZERS:
                 raise UnknownPreTokenizerError(self.pre)
             spec = PRE_TOKENIZERS[self.pre]
@@ -203,12 +212,25 @@ class Tokenizer:
         return frozenset(ids)
 
     def _build_byte_level(self, merges: list[str], spec) -> _HFTokenizer:
-        pairs = []
+        pairs, dropped = [], []
+        ids = self._ids
         for i, merge in enumerate(merges):
             left, sep, right = merge.partition(" ")
             if not sep or not left or not right:
                 raise TokenizerError(f"tokenizer.ggml.merges[{i}] = {merge!r} is not two tokens separated by a space")
-            pairs.append((left, right))
+            # The `tokenizers` library refuses (or panics on) a merge whose parts or result are not tokens.
+            # Such a merge can only produce text that is then spelled in smaller tokens, so it is left out.
+            if left in ids and right in ids and left + right in ids:
+                pairs.append((left, right))
+            else:
+                dropped.append(merge)
+        if dropped:
+            _log.warning("%d merges of tokenizer.ggml.merges make or use text that is not a token, "
+                         "and are left out (first: %r)", len(dropped), dropped[0])
+        missing = [b for b, ch in bytes_to_unicode().items() if ch not in ids]
+        if missing:
+            _log.warning("%d of the 256 bytes have no token in this byte-level vocabulary (first: 0x%02X); "
+                         "text holding them cannot be encoded and they are left out", len(missing), missing[0])
         tk = _HFTokenizer(models.BPE(vocab=self._ids, merges=pairs, ignore_merges=spec.ignore_merges))
         tk.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.regexes]
