@@ -187,8 +187,10 @@ class Tokenizer:
                 )
 
         self.eos_ids: frozenset[int] = self._end_of_generation_ids()
-        for i in self.eos_ids:  # llama.cpp: an end-of-generation token is a control token, whatever the file says
-            if self.token_types[i] not in (CONTROL, UNKNOWN):
+        # llama.cpp: a token known by its text to end generation is a control token, whatever the file says
+        for text in _EOG_TEXTS:
+            i = self._ids.get(text)
+            if i is not None and i in self.eos_ids and self.token_types[i] not in (CONTROL, UNKNOWN):
                 self.token_types[i] = CONTROL
 
         self.chat_template: str | None = chat_template or _get_str(md, "tokenizer.chat_template")
