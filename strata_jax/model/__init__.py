@@ -1,7 +1,7 @@
 """Model families as pure functions over pytree weights."""
 
 from .load import load_params
-from .transformer import RunOptions, forward, new_kv_cache
+from .transformer import Group, RunOptions, forward, new_kv_cache
 from .weights import QTensor, linear
 
-__all__ = ["QTensor", "RunOptions", "forward", "linear", "load_params", "new_kv_cache"]
+__all__ = ["Group", "QTensor", "RunOptions", "forward", "linear", "load_params", "new_kv_cache"]

@@ -39,19 +39,44 @@ def rope(x: jax.Array, pos: jax.Array, spec: ModelSpec) -> jax.Array:
     return jnp.concatenate([out.astype(x.dtype), rest], axis=-1) if d < x.shape[-1] else out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
-    """q [R, L, H, D] over k, v [R, C, K, D]; key c is visible to query l when k_pos[r, c] <= q_pos[r, l]
-    (and k_pos >= 0). -> [R, L, H, D]."""
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: int) -> jax.Array:
+    """q [R, L, H, D] over the cached k, v [R, C, K, D] (key c sits at position c); a query at position p
+    sees keys 0..p (none when p < 0: padding). -> [R, L, H, Dv].
+
+    Keys are taken in chunks of `chunk` with an online softmax, always the same chunks in the same order.
+    A chunk that is wholly in a row's future changes nothing, bit for bit (its max is -inf: the running
+    max, the rescale factor 1.0 and the sums stay exactly as they were), so a row's result does not depend
+    on how long the window's longest row made C: the same request gives the same bits alone or batched.
+    """
     R, L, H, D = q.shape
-    K = k.shape[2]
-    qg = q.reshape(R, L, K, H // K, D)
-    s = jnp.einsum("rlkgd,rckd->rkglc", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(D))
-    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)          # [R, L, C]
-    s = jnp.where(visible[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(jnp.isnan(p), 0.0, p)                 # rows with nothing visible (padding) give zeros
-    o = jnp.einsum("rkglc,rckd->rlkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(R, L, H, D).astype(q.dtype)
+    C, K, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = H // K
+    n = C // chunk
+    qg = (q.astype(jnp.float32) / jnp.sqrt(jnp.float32(D))).reshape(R, L, K, G, D)
+    kc = k.reshape(R, n, chunk, K, D).swapaxes(0, 1)                                   # [n, R, chunk, K, D]
+    vc = v.reshape(R, n, chunk, K, Dv).swapaxes(0, 1)
+
+    def step(carry, xs):
+        m, s, acc = carry                                                               # [R, K, G, L] ...
+        kb, vb, c0 = xs
+        sc = jnp.einsum("rlkgd,rckd->rkglc", qg, kb.astype(jnp.float32))               # [R, K, G, L, chunk]
+        kpos = c0 + jnp.arange(chunk, dtype=jnp.int32)
+        visible = kpos[None, None, :] <= q_pos[:, :, None]                              # [R, L, chunk]
+        sc = jnp.where(visible[:, None, None], sc, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(sc - safe[..., None])
+        scale = jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf))
+        s = s * scale + jnp.sum(p, axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("rkglc,rckd->rkgld", p, vb.astype(jnp.float32))
+        return (m_new, s, acc), None
+
+    init = (jnp.full((R, K, G, L), -jnp.inf, jnp.float32), jnp.zeros((R, K, G, L), jnp.float32),
+            jnp.zeros((R, K, G, L, Dv), jnp.float32))
+    starts = jnp.arange(n, dtype=jnp.int32) * chunk
+    (m, s, acc), _ = jax.lax.scan(step, init, (kc, vc, starts))
+    o = acc / jnp.where(s > 0, s, 1.0)[..., None]                                       # padding rows: 0
+    return o.transpose(0, 3, 1, 2, 4).reshape(R, L, H, Dv).astype(q.dtype)
 
 
 def mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, backend: str) -> jax.Array:
@@ -61,7 +86,7 @@ def mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, backend: str) -> j
 
 def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str) -> tuple[jax.Array, jax.Array]:
     """Router: x [N, h] -> (weights [N, k] float32, expert ids [N, k] int32), as llama.cpp's build_moe_ffn."""
-    logits = linear(x.astype(jnp.float32), router, backend)                                 # [N, E]
+    logits = linear(x.astype(jnp.float32), router, backend, transposed=False)               # [N, E]
     probs = jax.nn.sigmoid(logits) if spec.expert_gating == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     w, ids = jax.lax.top_k(probs, spec.n_experts_used)
     if spec.expert_weights_norm:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..gguf import GGUFModel
-from .weights import to_device
+from .weights import QTensor, to_device
 
 # GGUF tensor name (after "blk.N.") -> our short name.
 _LAYER_TENSORS = {
@@ -31,11 +31,17 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress=None) -> dict:
         if progress is not None:
             progress(name)
         m = "dequantized" if short in _ALWAYS_FLOAT else mode
-        return to_device(t[name], m, jnp.float32 if short in _ALWAYS_FLOAT else dtype)
+        # The embedding table is gathered by rows; every other float matrix is kept transposed ([k, n]):
+        # on XLA:CPU x @ W runs twice as fast as x @ W^T for a few rows (the decode case).
+        return to_device(t[name], m, jnp.float32 if short in _ALWAYS_FLOAT else dtype,
+                         transpose=short not in ("embed", "router"))
 
     params: dict = {"embed": get("token_embd.weight", "embed"), "norm": get("output_norm.weight", "norm")}
     params["norm"] = params["norm"].astype(jnp.float32)
-    params["output"] = params["embed"] if spec.tied_output else get("output.weight", "output")
+    if spec.tied_output:   # a float table is kept both ways: rows to embed, transposed to project
+        params["output"] = params["embed"] if isinstance(params["embed"], QTensor) else params["embed"].T.copy()
+    else:
+        params["output"] = get("output.weight", "output")
     layers = []
     for i in range(spec.n_layers):
         prefix = f"blk.{i}."
@@ -43,3 +49,4 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress=None) -> dict:
                        if prefix + suffix in t})
     params["layers"] = layers
     return params
+

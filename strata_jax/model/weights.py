@@ -40,15 +40,20 @@ class QTensor:
         return int(self.data.size)
 
 
+# A weight is a QTensor (GGUF blocks, [..., n, k] logically) or a float array stored transposed
+# ([..., k, n]); the router and the embedding table are float [n, k] (see load.py).
 Weight = jax.Array | QTensor
 
 
-def linear(x: jax.Array, w: Weight, backend: str) -> jax.Array:
-    """x [..., k] @ W^T for W [n, k] -> [..., n] in x's dtype (float32 accumulation)."""
+def linear(x: jax.Array, w: Weight, backend: str, transposed: bool = True) -> jax.Array:
+    """x [..., k] @ W^T for W [n, k] (a float W stored [k, n], unless `transposed` is False)
+    -> [..., n] in x's dtype (float32 accumulation)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(w, QTensor):
         y = pk.qmatmul(x2, w.data, w.qtype, backend=backend)
+    elif transposed:
+        y = jnp.matmul(x2, w.astype(x.dtype), preferred_element_type=jnp.float32)
     else:
         y = jnp.einsum("tk,nk->tn", x2, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*lead, -1)
@@ -62,21 +67,25 @@ def embed_rows(table: Weight, ids: jax.Array, dtype) -> jax.Array:
 
 
 def expert_linear_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w: Weight, backend: str) -> jax.Array:
-    """Grouped rows [n_tiles * tile, k] times their tile's expert of W [E, n, k] -> [n_tiles * tile, n]."""
+    """Grouped rows [n_tiles * tile, k] times their tile's expert of W [E, n, k] (float: stored [E, k, n])
+    -> [n_tiles * tile, n]."""
     if isinstance(w, QTensor):
         y = pk.expert_matmul_tiles(x_tiles, tile_expert, w.data, w.qtype, backend=backend)
     else:
         n_tiles = tile_expert.shape[0]
         te = jnp.where(tile_expert >= 0, tile_expert, tile_expert[0])
         xt = x_tiles.reshape(n_tiles, -1, x_tiles.shape[-1])
-        y = jnp.einsum("gtk,gnk->gtn", xt, w[te].astype(x_tiles.dtype), preferred_element_type=jnp.float32)
+        y = jnp.einsum("gtk,gkn->gtn", xt, w[te].astype(x_tiles.dtype), preferred_element_type=jnp.float32)
         y = jnp.where((tile_expert >= 0)[:, None, None], y, 0.0).reshape(x_tiles.shape[0], -1)
     return y.astype(x_tiles.dtype)
 
 
-def to_device(info, mode: str, dtype) -> Weight:
-    """A GGUF tensor (strata_jax.gguf.TensorInfo) as a weight: float `dtype` array or QTensor."""
+def to_device(info, mode: str, dtype, transpose: bool = True) -> Weight:
+    """A GGUF tensor (strata_jax.gguf.TensorInfo) as a weight: a QTensor, or a float `dtype` array, which
+    for matrices is stored transposed ([..., k, n]) unless `transpose` is False."""
     if mode == "dequantized" or len(info.shape) == 1:
-        vals = pk.dequantize(np.ascontiguousarray(info.data), info.qtype)
-        return vals.reshape(info.shape).astype(dtype)
+        vals = pk.dequantize(np.ascontiguousarray(info.data), info.qtype).reshape(info.shape).astype(dtype)
+        if transpose and vals.ndim >= 2:
+            vals = jnp.swapaxes(vals, -1, -2).copy()
+        return vals
     return QTensor(jnp.asarray(np.ascontiguousarray(info.data)), info.qtype.name, tuple(info.shape))

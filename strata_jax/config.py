@@ -1,0 +1,131 @@
+"""EngineConfig and ServerConfig: every flag, validated in one place.
+
+Field names are the CLI flags with underscores (`--max-context` -> `max_context`), so the CLI, the
+server and Python users speak one language. Strata's / llama.cpp's flag names are kept where one exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work: the message names the setting, the value, and what is allowed."""
+
+
+KV_TYPES = ("bf16", "f16", "f32", "int8")
+DRAFTERS = ("ngram", "mtp", "none")
+WEIGHT_MODES = ("auto", "blocks", "dequantized")
+
+
+def _default_max_programs() -> int:
+    raw = os.environ.get("STRATA_BATCH_GRAPHS")
+    if raw is None or raw == "":
+        return 64
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"STRATA_BATCH_GRAPHS={raw!r} is not a whole number (0 = no bound)") from None
+
+
+@dataclass
+class EngineConfig:
+    parallel: int = 1                    # slots: conversations decoded together
+    max_context: int = 4096              # tokens a slot holds (prompt + generated)
+    kv: str = "auto"                     # KV cache type: bf16|f16|f32|int8 (auto: f32 on a CPU, bf16 on a GPU)
+    prefill: str | int = "auto"          # prompt tokens a window reads for one slot (auto: 256 on a CPU, 1024 on a GPU)
+    spec: int = 0                        # draft tokens a row (speculative decoding)
+    spec_min_p: float = 0.5              # stop drafting below this drafter probability
+    drafter: str = "ngram"               # ngram | mtp | none | draft:PATH.gguf
+    expert_cache: str | int = "auto"     # experts kept on the device: auto or a number of expert slots
+    expert_profile: str | None = None    # expert hotness file to preload and pin
+    resident_budget_gib: float | None = None   # host RAM for experts (None: all of them)
+    pool_workers: int = 4                # reader threads for the file tier
+    vram_reserve_mib: int = 700          # device memory kept free
+    device_memory_mib: int | None = None # a device-memory budget the engine's ledger enforces
+    max_programs: int = field(default_factory=_default_max_programs)   # live compiled windows (0 = no bound)
+    conversation_cache_mib: int = 0      # host RAM for evicted conversations' KV
+    conversation_cache_slots: int = 0    # conversations kept there
+    kv_resident: int | None = None       # a slot's KV beyond this many tokens lives in host RAM
+    weights: str = "auto"                # blocks | dequantized | auto (dequantized on a CPU when small)
+    backend: str = "auto"                # kernel backend: auto | xla | pallas | interpret
+    dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16
+    request_timeout_s: float = 600.0     # a request's deadline
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, value: Any, what: str) -> None:
+            if not cond:
+                raise ConfigError(f"{name} = {value!r}: {what}")
+
+        need(isinstance(self.parallel, int) and 1 <= self.parallel <= 256, "parallel", self.parallel,
+             "must be a whole number from 1 to 256")
+        need(isinstance(self.max_context, int) and 16 <= self.max_context <= 1 << 20, "max_context",
+             self.max_context, "must be a whole number from 16 to 1048576")
+        need(self.kv in KV_TYPES + ("auto",), "kv", self.kv, f"must be one of {', '.join(KV_TYPES)} or auto")
+        if self.prefill != "auto":
+            try:
+                self.prefill = int(self.prefill)
+            except (TypeError, ValueError):
+                raise ConfigError(f"prefill = {self.prefill!r}: must be auto or a number of tokens") from None
+            need(16 <= self.prefill <= 65536 and self.prefill & (self.prefill - 1) == 0, "prefill",
+                 self.prefill, "must be auto or a power of two from 16 to 65536")
+        need(isinstance(self.spec, int) and 0 <= self.spec <= 16, "spec", self.spec, "must be 0 to 16 draft tokens")
+        need(0.0 <= self.spec_min_p <= 1.0, "spec_min_p", self.spec_min_p, "must be between 0 and 1")
+        need(self.drafter in DRAFTERS or self.drafter.startswith("draft:"), "drafter", self.drafter,
+             "must be ngram, mtp, none or draft:PATH.gguf")
+        if self.expert_cache != "auto":
+            try:
+                self.expert_cache = int(self.expert_cache)
+            except (TypeError, ValueError):
+                raise ConfigError(f"expert_cache = {self.expert_cache!r}: must be auto or a number of expert slots") from None
+            need(self.expert_cache >= 0, "expert_cache", self.expert_cache, "must be auto or >= 0")
+        need(self.resident_budget_gib is None or self.resident_budget_gib >= 0, "resident_budget_gib",
+             self.resident_budget_gib, "must be >= 0")
+        need(isinstance(self.pool_workers, int) and 1 <= self.pool_workers <= 64, "pool_workers", self.pool_workers,
+             "must be 1 to 64")
+        need(self.vram_reserve_mib >= 0, "vram_reserve_mib", self.vram_reserve_mib, "must be >= 0")
+        need(self.device_memory_mib is None or self.device_memory_mib > 0, "device_memory_mib",
+             self.device_memory_mib, "must be a positive number of MiB")
+        need(isinstance(self.max_programs, int) and self.max_programs >= 0, "max_programs", self.max_programs,
+             "must be >= 0 (0 = no bound)")
+        need(self.conversation_cache_mib >= 0, "conversation_cache_mib", self.conversation_cache_mib, "must be >= 0")
+        need(self.conversation_cache_slots >= 0, "conversation_cache_slots", self.conversation_cache_slots,
+             "must be >= 0")
+        need(self.kv_resident is None or 16 <= self.kv_resident, "kv_resident", self.kv_resident,
+             "must be at least 16 tokens")
+        need(self.weights in WEIGHT_MODES, "weights", self.weights, f"must be one of {', '.join(WEIGHT_MODES)}")
+        need(self.backend in ("auto", "xla", "pallas", "interpret"), "backend", self.backend,
+             "must be auto, xla, pallas or interpret")
+        need(self.dtype in ("auto", "float32", "bfloat16"), "dtype", self.dtype, "must be auto, float32 or bfloat16")
+        need(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine settings: {', '.join(unknown)}")
+        return cls(**d)
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None             # GGUF path (None: the default SmolLM2)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model_name: str | None = None        # the id /v1/models reports (default: the file's name)
+    max_body_bytes: int = 8 << 20
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port <= 65535):
+            raise ConfigError(f"port = {self.port!r}: must be 0 to 65535")

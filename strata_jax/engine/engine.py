@@ -1,0 +1,385 @@
+"""The Engine: requests in, tokens out, slots decoding together in batch windows.
+
+Threads and queues: callers (any thread) `submit` requests into `inbox` and read events from their
+request's own queue. One engine thread owns everything else (slots, runner, programs): it moves requests
+from the inbox to free slots first come first served, plans a window over the slots that have work,
+runs it, and turns the sampled tokens into events. So the device is only ever touched from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..gguf import GGUFModel, load_tokenizer
+from .memory import is_resource_exhausted
+from .request import ContextOverflowError, Event, Handle, Request, RequestError, SamplingParams
+from .runner import GroupInput, ModelRunner
+from .sampler import SamplingRows
+from .scheduler import Scheduler, Window, decode_group, prefill_group
+from .slots import Slot
+
+log = logging.getLogger("strata_jax.engine")
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: GGUFModel, config: EngineConfig | None = None, progress=None):
+        self.config = config or EngineConfig()
+        self.model = model
+        self.spec = model.spec
+        self.tokenizer = load_tokenizer(model.metadata)
+        self.runner = ModelRunner(model, self.config, progress)
+        self.slots = [Slot(i) for i in range(self.config.parallel)]
+        self.scheduler = Scheduler(self.runner.choices["prefill"])
+        self.inbox: queue.Queue[Request] = queue.Queue()
+        self.waiting: deque[Request] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
+                         "generated_tokens": 0, "windows": 0, "window_rows": 0, "split_windows": 0}
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, config: EngineConfig | None = None, progress=None) -> Engine:
+        return cls(GGUFModel.open(path), config, progress)
+
+    # ---- the caller's side ----------------------------------------------------------------------------
+
+    def submit(self, prompt: str | list[dict] | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+               stop: list[str] | tuple[str, ...] | str | None = None, ignore_eos: bool = False,
+               chat_template_kwargs: dict | None = None) -> Handle:
+        """Queue a request: text (a plain completion), a list of chat messages, or token ids."""
+        if isinstance(stop, str):
+            stop = [stop]
+        params = SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()), ignore_eos)
+        params.validate()
+        ids = self.prompt_ids(prompt, chat_template_kwargs)
+        n_ctx = self.config.max_context
+        if len(ids) + max_tokens > n_ctx:
+            raise ContextOverflowError(len(ids), max_tokens, n_ctx)
+        req = Request(ids, params)
+        req.deadline = req.arrived + self.config.request_timeout_s
+        self._ensure_thread()
+        self.inbox.put(req)
+        self._wake.set()
+        return Handle(req, self._wake.set)
+
+    def prompt_ids(self, prompt, chat_template_kwargs: dict | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special=True)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        elif isinstance(prompt, list) and prompt:
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **(chat_template_kwargs or {}))
+            bos = self.tokenizer.bos_token
+            ids = self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+        else:
+            raise RequestError("prompt must be a non-empty string, list of chat messages, or list of token ids")
+        if not ids:
+            raise RequestError("the prompt is empty after tokenization")
+        return ids
+
+    def stream(self, prompt, **kwargs) -> Iterator[Event]:
+        handle = self.submit(prompt, **kwargs)
+        try:
+            yield from handle
+        finally:
+            if not handle.done:
+                handle.cancel()
+
+    def generate(self, prompt, **kwargs) -> Completion:
+        text, tokens = [], []
+        for ev in self.stream(prompt, **kwargs):
+            if ev.kind == "token":
+                text.append(ev.text)
+                tokens.append(ev.token)
+            elif ev.kind == "final":
+                text.append(ev.text)
+                return Completion("".join(text), tokens, ev.finish_reason or "stop", ev.stats or {})
+            else:
+                raise RuntimeError(f"generation failed: {ev.error}")
+        raise RuntimeError("generation ended without a final event")
+
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        """float32 [T, vocab] for the given tokens, no sampling (research and checks). Runs on a slot of
+        its own between windows, so it never disturbs requests in flight."""
+        ids = self.prompt_ids([int(t) for t in token_ids])
+        if len(ids) > self.config.max_context:
+            raise ContextOverflowError(len(ids), 0, self.config.max_context)
+        done: queue.Queue = queue.Queue()
+        self._ensure_thread()
+        self.inbox.put(("logits", ids, done))       # type: ignore[arg-type]
+        self._wake.set()
+        out = done.get()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        busy = sum(not s.free for s in self.slots)
+        return {**self.counters, **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
+                "queued": self.inbox.qsize() + len(self.waiting)}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- the engine thread ----------------------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._take_new()
+            self._check_cancelled()
+            window = self.scheduler.plan(self.slots)
+            if window is None:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            self._run(window)
+        for s in self.slots:
+            if not s.free:
+                self._fail(s, "the engine was closed")
+
+    def _take_new(self) -> None:
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, tuple):
+                self._run_logits(*item[1:])
+            else:
+                self.waiting.append(item)
+                self.counters["requests"] += 1
+        for slot in self.slots:
+            if not self.waiting:
+                break
+            if slot.free:
+                req = self.waiting.popleft()
+                if req.cancelled.is_set():
+                    self._finish_unslotted(req, "cancelled")
+                    continue
+                slot.assign(req, self.tokenizer.stream_decoder())
+                req.t_start = time.monotonic()
+
+    def _check_cancelled(self) -> None:
+        now = time.monotonic()
+        for s in self.slots:
+            if s.free:
+                continue
+            if s.request.cancelled.is_set():
+                self._finish(s, "cancelled")
+            elif now > s.request.deadline:
+                self._fail(s, f"the request passed its deadline ({self.config.request_timeout_s:.0f} s)")
+        for req in list(self.waiting):
+            if req.cancelled.is_set():
+                self.waiting.remove(req)
+                self._finish_unslotted(req, "cancelled")
+            elif now > req.deadline:
+                self.waiting.remove(req)
+                req.events.put(Event("error", error="the request waited for a slot past its deadline"))
+
+    def _run(self, w: Window) -> None:
+        """Run a window; if it runs out of device memory even after the program cache freed half its
+        programs, run its rows in smaller windows. Only a row that fails alone ends with an error."""
+        try:
+            outs = self.runner.run(w.groups, w.kv_needed)
+        except Exception as e:  # noqa: BLE001 - every failure is reported to the requests, never lost
+            self._recover(w, e)
+            return
+        self.counters["windows"] += 1
+        self.counters["window_rows"] += len(w.decode) + (w.prefill is not None)
+        self._apply(w, outs)
+
+    def _recover(self, w: Window, e: Exception) -> None:
+        if self.runner.cache_lost():
+            log.error("a window failed and took the KV cache with it (%s); ending the requests in flight", e)
+            self.runner.reset_cache()
+            for s in self.slots:
+                if not s.free:
+                    self._fail(s, f"the engine's KV cache was lost in a failed window: {e}")
+            return
+        rows = w.decode + ([w.prefill] if w.prefill else [])
+        if not is_resource_exhausted(e) or len(rows) <= 1:
+            for s in rows:
+                self._fail(s, f"window {self._describe(w)} failed: {e}")
+            return
+        self.counters["split_windows"] += 1
+        log.warning("window %s failed (%s): running its rows in smaller windows", self._describe(w), _first_line(e))
+        parts = [w.decode[: len(w.decode) // 2], w.decode[len(w.decode) // 2:]] if len(w.decode) > 1 else [w.decode]
+        for part in parts:
+            if part:
+                self._run(Window(part, None, 0, [decode_group(part)], max(s.n_past + 1 for s in part)))
+        if w.prefill is not None and not w.prefill.free:
+            p = w.prefill
+            self._run(Window([], p, w.chunk, [prefill_group(p, w.chunk, self.scheduler.max_chunk)], p.n_past + w.chunk))
+
+    def _describe(self, w: Window) -> str:
+        return str(self.runner.layout_of(w.groups, w.kv_needed))
+
+    def _apply(self, w: Window, outs: list[np.ndarray]) -> None:
+        k = 0
+        if w.decode:
+            toks = outs[k]
+            k += 1
+            for i, s in enumerate(w.decode):
+                if s.free:
+                    continue
+                s.n_past += 1
+                self._emit(s, int(toks[i]))
+        if w.prefill is not None and not w.prefill.free:
+            s = w.prefill
+            s.n_past += w.chunk
+            if not s.reading:                          # the prompt is read: its last logits gave a token
+                s.request.t_first = time.monotonic()
+                self._emit(s, int(outs[k][0]))
+
+    def _emit(self, s: Slot, token: int) -> None:
+        req = s.request
+        s.tokens.append(token)
+        n_gen = len(s.tokens) - len(req.prompt)
+        eos = self.tokenizer.is_eos(token) and not req.params.ignore_eos
+        if not eos:
+            s.text += s.decoder.add(token)
+        stop_at = _find_stop(s.text, req.params.stop)
+        if stop_at is not None:
+            s.text = s.text[:stop_at]
+            self._send_text(s, token, len(s.text))
+            self._finish(s, "stop")
+            return
+        if eos:
+            self._finish(s, "stop")
+            return
+        hold = _stop_prefix_len(s.text, req.params.stop)
+        self._send_text(s, token, len(s.text) - hold)
+        if n_gen >= req.params.max_tokens or s.n_past + 1 >= self.runner.cache_len:
+            self._finish(s, "length")
+
+    def _send_text(self, s: Slot, token: int, upto: int) -> None:
+        upto = max(upto, s.emitted)
+        s.request.events.put(Event("token", text=s.text[s.emitted:upto], token=token))
+        s.emitted = upto
+
+    def _finish(self, s: Slot, reason: str) -> None:
+        req = s.request
+        if reason != "cancelled" and s.decoder is not None:
+            s.text += s.decoder.flush() if reason == "length" else ""
+        tail = s.text[s.emitted:] if reason != "cancelled" else ""
+        req.t_end = time.monotonic()
+        stats = self._request_stats(s)
+        self.counters["finished" if reason != "cancelled" else "cancelled"] += 1
+        self.counters["prompt_tokens"] += len(req.prompt)
+        self.counters["generated_tokens"] += stats["generated_tokens"]
+        log.info("%s", stats["log_line"])
+        req.events.put(Event("final", text=tail, stats=stats, finish_reason=reason))
+        s.release()
+
+    def _fail(self, s: Slot, message: str) -> None:
+        self.counters["failed"] += 1
+        log.error("request %d failed: %s", s.request.id, message)
+        s.request.events.put(Event("error", error=message))
+        s.release()
+
+    def _finish_unslotted(self, req: Request, reason: str) -> None:
+        self.counters["cancelled"] += 1
+        req.events.put(Event("final", stats={"prompt_tokens": len(req.prompt), "generated_tokens": 0},
+                             finish_reason=reason))
+
+    def _request_stats(self, s: Slot) -> dict[str, Any]:
+        req = s.request
+        n_prompt, n_gen = len(req.prompt), len(s.tokens) - len(req.prompt)
+        t_first = req.t_first or req.t_end
+        read_s = max(t_first - req.t_start, 1e-9)
+        gen_s = max(req.t_end - t_first, 1e-9)
+        read = n_prompt - req.reused
+        line = (f"prompt {n_prompt} tokens = {req.reused} reused + {read} read in {read_s * 1000:.0f} ms "
+                f"({read / read_s:.1f} tok/s), {n_gen} generated in {gen_s * 1000:.0f} ms "
+                f"({max(n_gen - 1, 0) / gen_s:.1f} tok/s)")
+        return {"prompt_tokens": n_prompt, "reused_tokens": req.reused, "generated_tokens": n_gen,
+                "queue_ms": (req.t_start - req.arrived) * 1000, "prompt_ms": read_s * 1000,
+                "generate_ms": gen_s * 1000, "prompt_per_second": read / read_s,
+                "predicted_per_second": max(n_gen - 1, 0) / gen_s, "log_line": line}
+
+    def _run_logits(self, ids: list[int], done: queue.Queue) -> None:
+        """All-token logits for `ids` on a scratch copy of the cache: the slots' KV is untouched."""
+        try:
+            chunk = self.scheduler.max_chunk
+            out = []
+            saved = self.runner.cache
+            self.runner.cache = _fresh_like(saved)
+            try:
+                for start in range(0, len(ids), chunk):
+                    part = ids[start:start + chunk]
+                    length = min(max(16, 1 << (len(part) - 1).bit_length()), chunk)
+                    tokens = np.zeros((1, length), np.int32)
+                    pos = np.full((1, length), -1, np.int32)
+                    tokens[0, :len(part)] = part
+                    pos[0, :len(part)] = np.arange(start, start + len(part))
+                    g = GroupInput(tokens, pos, np.zeros(1, np.int32), SamplingRows.greedy(1), all_logits=True)
+                    out.append(self.runner.run([g], start + len(part))[0][0, :len(part)])
+            finally:
+                self.runner.cache = saved
+            done.put(np.concatenate(out, axis=0))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            done.put(e)
+
+
+def _fresh_like(cache):
+    import jax.numpy as jnp
+    return {k: jnp.zeros_like(v) for k, v in cache.items()}
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [text.find(s) for s in stops if s in text]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of `text` that could be the start of a stop string: held back."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                best = max(best, n)
+                break
+    return best
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -1,0 +1,158 @@
+"""The program cache: compiled windows in a bounded LRU that cannot fill the device (Strata #997).
+
+A window's layout is its static shape: its groups' (rows, tokens a row) and the KV-length bucket. Slot
+ids and positions are inputs, so they never multiply programs (Strata keyed graphs on slot ids: 255
+layouts for 8 slots, ~13 MiB each, never freed, until an instantiate ran out of memory and the engine
+exited). Here:
+
+- programs are built ahead of time (`lower().compile()`) and held in our own LRU, not jit's hidden cache;
+- the LRU is bounded by `--max-programs` / STRATA_BATCH_GRAPHS (default 64, 0 = no bound);
+- each program's bytes (`memory_analysis()`) are reserved in the device-memory ledger;
+- when building or first running a program raises RESOURCE_EXHAUSTED, the cache waits for the device,
+  frees the least recently used half (never the program being built), logs one line, and tries once
+  more. If that fails too the error goes up, and the engine runs the window's rows in smaller windows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+
+from .memory import MemoryLedger, is_resource_exhausted
+
+log = logging.getLogger("strata_jax.engine")
+
+# XLA:CPU reports 0 bytes of generated code; every executable still holds memory. Counting at least this
+# much a program keeps the ledger honest there.
+MIN_PROGRAM_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The static shape of a window."""
+    groups: tuple[tuple[int, int, bool], ...]   # (rows, tokens a row, all logits) per group
+    kv_len: int
+
+    def __str__(self) -> str:
+        gs = " + ".join(f"{r}x{t}{'*' if a else ''}" for r, t, a in self.groups)
+        return f"[{gs} | kv {self.kv_len}]"
+
+    @property
+    def rows(self) -> int:
+        return sum(r for r, _, _ in self.groups)
+
+
+@dataclass
+class Program:
+    layout: Layout
+    compiled: Any
+    nbytes: int
+    ran: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class ProgramStats:
+    built: int = 0
+    evicted: int = 0
+    oom_recoveries: int = 0
+    build_seconds: float = 0.0
+
+
+class ProgramCache:
+    def __init__(self, build: Callable[[Layout], Any], ledger: MemoryLedger, max_programs: int,
+                 wait_for_device: Callable[[], None], faults=None):
+        self._build = build
+        self.ledger = ledger
+        self.max_programs = max_programs
+        self._wait = wait_for_device
+        self._faults = faults
+        self.programs: OrderedDict[Layout, Program] = OrderedDict()
+        self.stats = ProgramStats()
+
+    def __len__(self) -> int:
+        return len(self.programs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.programs.values())
+
+    def get(self, layout: Layout) -> Program:
+        prog = self.programs.get(layout)
+        if prog is not None:
+            self.programs.move_to_end(layout)
+            prog.last_used = time.monotonic()
+            return prog
+        if self.max_programs and len(self.programs) >= self.max_programs:
+            self._evict(next(iter(self.programs)))
+        try:
+            prog = self._build_one(layout)
+        except Exception as e:
+            if not is_resource_exhausted(e) or not self._free_older_half(keep=layout):
+                raise
+            prog = self._build_one(layout)          # once more; a second failure goes up
+        self.programs[layout] = prog
+        return prog
+
+    def run(self, layout: Layout, *args):
+        """Run the program for `layout`, building it if needed. A first run that runs out of device memory
+        frees the older half and is tried once more."""
+        prog = self.get(layout)
+        try:
+            out = prog.compiled(*args)
+        except Exception as e:
+            if prog.ran or not is_resource_exhausted(e) or not self._free_older_half(keep=layout):
+                raise
+            out = prog.compiled(*args)
+        prog.ran = True
+        return out
+
+    def _build_one(self, layout: Layout) -> Program:
+        t0 = time.perf_counter()
+        if self._faults is not None:
+            self._faults.on_build()
+        compiled = self._build(layout)
+        nbytes = _program_bytes(compiled)
+        self.ledger.reserve_bytes("programs", nbytes, f"the window program {layout}")
+        self.stats.built += 1
+        self.stats.build_seconds += time.perf_counter() - t0
+        return Program(layout, compiled, nbytes)
+
+    def _evict(self, layout: Layout) -> None:
+        prog = self.programs.pop(layout)
+        self.ledger.release("programs", prog.nbytes)
+        self.stats.evicted += 1
+
+    def _free_older_half(self, keep: Layout) -> bool:
+        """Free the least recently used half of the programs (never `keep`); False if there was none."""
+        self._wait()
+        older = [lay for lay in self.programs if lay != keep]        # OrderedDict: least recent first
+        n = (len(older) + 1) // 2
+        if n == 0:
+            log.warning("no device memory for a window program %s, and no other program to free", keep)
+            return False
+        for lay in older[:n]:
+            self._evict(lay)
+        self.stats.oom_recoveries += 1
+        log.warning("no device memory for a window program: freed %d older layouts, %d kept", n, len(self.programs))
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"live": len(self.programs), "built": self.stats.built, "evicted": self.stats.evicted,
+                "oom_recoveries": self.stats.oom_recoveries, "bytes": self.nbytes,
+                "max": self.max_programs, "build_seconds": round(self.stats.build_seconds, 3),
+                "layouts": [str(lay) for lay in self.programs]}
+
+
+def _program_bytes(compiled) -> int:
+    try:
+        m = compiled.memory_analysis()
+        n = m.temp_size_in_bytes + m.generated_code_size_in_bytes + max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a backend without memory analysis
+        n = 0
+    return max(int(n), MIN_PROGRAM_BYTES)

@@ -1,0 +1,112 @@
+"""Requests, their sampling parameters, and the handle a caller reads events from."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+class RequestError(ValueError):
+    """A request that cannot run: names the field and the value."""
+
+
+class ContextOverflowError(RequestError):
+    """Prompt plus max_tokens beyond a slot's context (the server answers 400 exceed_context_size_error)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, n_ctx: int):
+        self.prompt_tokens, self.max_tokens, self.n_ctx = prompt_tokens, max_tokens, n_ctx
+        super().__init__(f"the request needs {prompt_tokens} prompt tokens + {max_tokens} to generate = "
+                         f"{prompt_tokens + max_tokens} tokens, but a slot holds {n_ctx} (--max-context)")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        def need(cond, name, what):
+            if not cond:
+                raise RequestError(f"{name} = {getattr(self, name)!r}: {what}")
+        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be a whole number >= 1")
+        need(0.0 <= self.temperature <= 100.0, "temperature", "must be between 0 and 100")
+        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be a whole number >= 0 (0: off)")
+        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        need(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32), "seed",
+             "must be a whole number from 0 to 4294967295")
+        need(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
+             "must be up to 16 non-empty strings")
+
+
+@dataclass
+class Event:
+    """What a handle yields: "token" events (text may be empty while a character or a possible stop string
+    is incomplete), then one "final" (with stats) or one "error"."""
+    kind: str                         # "token" | "final" | "error"
+    text: str = ""
+    token: int | None = None
+    stats: dict[str, Any] | None = None
+    finish_reason: str | None = None  # final: "stop" | "length" | "cancelled"
+    error: str | None = None
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    id: int = field(default_factory=lambda: next(_ids))
+    arrived: float = field(default_factory=time.monotonic)
+    deadline: float = 0.0
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # filled in by the engine
+    output: list[int] = field(default_factory=list)
+    reused: int = 0
+    t_start: float = 0.0               # got a slot
+    t_first: float = 0.0               # prompt read, first token out
+    t_end: float = 0.0
+
+
+class Handle:
+    """A submitted request: iterate for its events; `cancel()` frees its slot at the next window."""
+
+    def __init__(self, request: Request, wakeup=None):
+        self.request = request
+        self._wakeup = wakeup
+        self.done = False
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    def cancel(self) -> None:
+        self.request.cancelled.set()
+        if self._wakeup:
+            self._wakeup()
+
+    def __iter__(self) -> Iterator[Event]:
+        while not self.done:
+            timeout = max(0.1, self.request.deadline - time.monotonic() + 5.0) if self.request.deadline else None
+            try:
+                ev = self.request.events.get(timeout=timeout)
+            except queue.Empty:
+                self.done = True
+                yield Event("error", error="the engine did not answer before the request's deadline")
+                return
+            if ev.kind in ("final", "error"):
+                self.done = True
+            yield ev

@@ -1,0 +1,153 @@
+"""The model runner: weights and the slots' KV cache on the device, and the programs that run windows.
+
+A window is a few groups of rows (decode rows, one prefill chunk); `run` takes numpy arrays for each
+group, picks the program for the window's layout from the program cache (building it if needed), and
+returns each group's sampled tokens. The KV cache is donated to every program and updated in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+
+from ..config import EngineConfig
+from ..gguf import GGUFModel
+from ..model import Group, RunOptions, forward, load_params, new_kv_cache
+from ..testing.faults import Faults
+from .memory import MemoryLedger
+from .programs import Layout, ProgramCache
+from .sampler import SamplingRows, sample
+
+log = logging.getLogger("strata_jax.engine")
+
+KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+# Below this many float32 bytes a CPU keeps dequantized weights (see model/weights.py).
+DEQUANTIZE_LIMIT = 4 << 30
+
+
+@dataclass
+class GroupInput:
+    tokens: np.ndarray        # [R, L] int32
+    pos: np.ndarray           # [R, L] int32 (-1: padding)
+    slots: np.ndarray         # [R] int32
+    sampling: SamplingRows
+    all_logits: bool = False
+
+
+def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
+    """Turn the config's "auto" choices into this machine's: backend, dtype, kv, weights, prefill."""
+    on_gpu = jax.default_backend() == "gpu"
+    backend = pk.resolve_backend(cfg.backend)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    kv = cfg.kv if cfg.kv != "auto" else ("bf16" if on_gpu else "f32")
+    weights = cfg.weights
+    if weights == "auto":
+        f32_bytes = 4 * sum(t.n_values for t in model.tensors.values())
+        weights = "dequantized" if (not on_gpu and f32_bytes <= DEQUANTIZE_LIMIT) else "blocks"
+    prefill = cfg.prefill if cfg.prefill != "auto" else (1024 if on_gpu else 256)
+    return {"backend": backend, "dtype": dtype, "kv": kv, "weights": weights, "prefill": prefill}
+
+
+class ModelRunner:
+    def __init__(self, model: GGUFModel, cfg: EngineConfig, progress=None):
+        self.spec = model.spec
+        self.cfg = cfg
+        self.choices = resolve(cfg, model)
+        if self.choices["kv"] == "int8":
+            raise NotImplementedError("--kv int8 is not built yet")
+        chunk = min(256, _pow2_at_least(cfg.max_context))
+        self.opts = RunOptions(dtype=self.choices["dtype"], backend=self.choices["backend"], attn_chunk=chunk)
+        self.cache_len = -(-cfg.max_context // chunk) * chunk       # positions a slot's cache holds
+        self.faults = Faults()
+        self.ledger = MemoryLedger(cfg.device_memory_mib, cfg.vram_reserve_mib)
+        self.params = load_params(model, self.choices["weights"], self.choices["dtype"], progress)
+        self.ledger.reserve_bytes("weights", _tree_bytes(self.params), "the model's weights")
+        self.kv_dtype = KV_DTYPES[self.choices["kv"]]
+        self.ledger.reserve_bytes("kv", self._kv_bytes(), f"the KV cache of {cfg.parallel} slots")
+        self.cache = new_kv_cache(self.spec, cfg.parallel, self.cache_len, self.kv_dtype)
+        self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.wait_for_device, self.faults)
+        self.windows = 0
+
+    # ---- layouts --------------------------------------------------------------------------------------
+
+    def kv_bucket(self, needed: int) -> int:
+        """The KV length a window attends over: chunk * 2^i covering `needed`, at most the cache length."""
+        n = self.opts.attn_chunk
+        while n < needed:
+            n *= 2
+        return min(n, self.cache_len)
+
+    def layout_of(self, groups: list[GroupInput], kv_needed: int) -> Layout:
+        return Layout(tuple((g.tokens.shape[0], g.tokens.shape[1], g.all_logits) for g in groups),
+                      self.kv_bucket(kv_needed))
+
+    # ---- running --------------------------------------------------------------------------------------
+
+    def run(self, groups: list[GroupInput], kv_needed: int) -> list[np.ndarray]:
+        """Run one window; returns per group the sampled tokens [R] (or logits [R, L, V] with all_logits)."""
+        layout = self.layout_of(groups, kv_needed)
+        self.windows += 1
+        self.faults.on_window()
+        args = []
+        for g in groups:
+            args += [g.tokens, g.pos, g.slots, *g.sampling.as_tuple()]
+        outs, self.cache = self.programs.run(layout, self.params, self.cache, *args)
+        return [np.asarray(o) for o in outs]
+
+    def wait_for_device(self) -> None:
+        jax.block_until_ready(self.cache)
+
+    def cache_lost(self) -> bool:
+        """A failed run may have consumed the donated cache: then it must be made anew."""
+        return any(a.is_deleted() for a in jax.tree_util.tree_leaves(self.cache))
+
+    def reset_cache(self) -> None:
+        self.cache = new_kv_cache(self.spec, self.cfg.parallel, self.cache_len, self.kv_dtype)
+
+    def _build(self, layout: Layout):
+        spec, opts = self.spec, self.opts
+
+        def window(params, cache, *flat):
+            groups, samplings = [], []
+            for n, (rows, length, all_logits) in enumerate(layout.groups):
+                t, p, s, *smp = flat[9 * n: 9 * n + 9]
+                groups.append(Group(t, p, s, all_logits))
+                samplings.append(smp)
+            outs, cache = forward(params, spec, opts, tuple(groups), cache, layout.kv_len)
+            res = [o if g.all_logits else sample(o, *smp) for o, g, smp in zip(outs, groups, samplings)]
+            return res, cache
+
+        args = []
+        for rows, length, _ in layout.groups:
+            args += [jax.ShapeDtypeStruct((rows, length), jnp.int32), jax.ShapeDtypeStruct((rows, length), jnp.int32),
+                     jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32),
+                     jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32),
+                     jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.uint32),
+                     jax.ShapeDtypeStruct((rows,), jnp.int32)]
+        return jax.jit(window, donate_argnums=(1,)).lower(self.params, self.cache, *args).compile()
+
+    def _kv_bytes(self) -> int:
+        s = self.spec
+        per_pos = s.n_layers * s.n_kv_heads * (s.head_dim + s.value_dim) * jnp.dtype(self.kv_dtype).itemsize
+        return per_pos * self.cfg.parallel * (self.cache_len + 1)
+
+    def stats(self) -> dict:
+        return {"programs": self.programs.snapshot(), "memory": self.ledger.snapshot(), "windows": self.windows,
+                **{k: v for k, v in self.choices.items()}}
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _tree_bytes(tree) -> int:
+    return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(tree))

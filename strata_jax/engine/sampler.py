@@ -1,0 +1,59 @@
+"""Sampling on the device: each row has its own temperature, top_k, top_p, min_p and seed.
+
+A row's random key is fold_in(key(seed), n) for its n-th generated token, so the same seed gives the
+same text whatever else shares the window. Temperature 0 is greedy (argmax). Order as vLLM's: logits are
+divided by the temperature, then top_k, top_p and min_p cut the candidates, then one is drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass
+class SamplingRows:
+    """Per-row sampling parameters of a window group, as arrays (dynamic program inputs)."""
+    temperature: np.ndarray   # [R] float32, 0 = greedy
+    top_k: np.ndarray         # [R] int32, 0 = off
+    top_p: np.ndarray         # [R] float32, 1 = off
+    min_p: np.ndarray         # [R] float32, 0 = off
+    seed: np.ndarray          # [R] uint32
+    step: np.ndarray          # [R] int32: tokens the row generated so far
+
+    @classmethod
+    def greedy(cls, rows: int) -> SamplingRows:
+        return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
+                   np.zeros(rows, np.float32), np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
+
+    def as_tuple(self):
+        return (self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step)
+
+
+def sample(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
+    """logits [R, V] float32 -> token ids [R] int32."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        V = logits.shape[-1]
+        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        lg = logits / t
+        order = jnp.sort(lg, axis=-1)[:, ::-1]                                        # descending
+        kth = jnp.take_along_axis(order, jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)
+        lg = jnp.where((top_k[:, None] > 0) & (lg < kth), -jnp.inf, lg)
+        order = jnp.where((top_k[:, None] > 0) & (order < kth), -jnp.inf, order)
+        probs = jax.nn.softmax(order, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs                                     # mass ahead of each
+        keep = before < top_p[:, None]
+        cut = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
+        lg = jnp.where(lg < cut, -jnp.inf, lg)
+        top = order[:, :1]
+        lg = jnp.where((min_p[:, None] > 0) & (lg < top + jnp.log(jnp.maximum(min_p[:, None], 1e-30))), -jnp.inf, lg)
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, step)
+        return jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+    return jnp.where(temperature > 0, drawn, greedy)

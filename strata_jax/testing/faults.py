@@ -1,0 +1,61 @@
+"""Fault injection for tests (STRATA_FAULT; test-only, documented in README.md).
+
+    STRATA_FAULT="build_oom:3"      the 3rd program build raises RESOURCE_EXHAUSTED
+    STRATA_FAULT="build_oom:3+"     every build from the 3rd on raises it
+    STRATA_FAULT="run_oom:5"        the 5th window run raises RESOURCE_EXHAUSTED (before it touches the device)
+    STRATA_FAULT="exit:7"           the process prints an error line and exits with code 1 at the 7th window
+    several, comma-separated: "build_oom:2,exit:40"
+
+Counts are per engine process, so a restarted engine (a new process) starts again from zero unless the
+variable says `exit:7@1` (only the first engine process, the server's first start, fails).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+
+ENV = "STRATA_FAULT"
+
+
+def resource_exhausted(what: str) -> jax.errors.JaxRuntimeError:
+    return jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: {what}")
+
+
+class Faults:
+    def __init__(self, spec: str | None = None, generation: int | None = None):
+        if generation is None:  # the server numbers its engine processes 1, 2, ... in this variable
+            generation = int(os.environ.get("STRATA_ENGINE_GENERATION", "1"))
+        self.rules: dict[str, tuple[int, bool]] = {}
+        self.counts = {"build_oom": 0, "run_oom": 0, "exit": 0}
+        spec = os.environ.get(ENV, "") if spec is None else spec
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            kind, _, rest = part.partition(":")
+            rest, _, only = rest.partition("@")
+            if kind not in self.counts or not rest.rstrip("+").isdigit():
+                raise ValueError(f"{ENV}: cannot read {part!r}; use build_oom:N, run_oom:N or exit:N "
+                                 "(N+ for every time from the N-th, @G for engine generation G only)")
+            if only and int(only) != generation:
+                continue
+            self.rules[kind] = (int(rest.rstrip("+")), rest.endswith("+"))
+
+    def _hit(self, kind: str) -> bool:
+        if kind not in self.rules:
+            return False
+        self.counts[kind] += 1
+        n, onwards = self.rules[kind]
+        return self.counts[kind] == n or (onwards and self.counts[kind] >= n)
+
+    def on_build(self) -> None:
+        if self._hit("build_oom"):
+            raise resource_exhausted(f"injected by {ENV} at program build {self.counts['build_oom']}")
+
+    def on_window(self) -> None:
+        if self._hit("exit"):
+            print(f"ERR window {self.counts['exit']}: injected engine exit ({ENV})", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+        if self._hit("run_oom"):
+            raise resource_exhausted(f"injected by {ENV} at window {self.counts['run_oom']}")
