@@ -112,3 +112,24 @@ def test_tensor_shape_disagrees_with_metadata(tiny_model, tmp_path):
 def test_missing_tensor(tiny_model, tmp_path):
     path = rewrite_gguf(tiny_model(arch="qwen3moe"), tmp_path / "gone.gguf", drop_tensors=["blk.1.attn_k_norm.weight"])
     _raises(MissingTensorError, path, "'blk.1.attn_k_norm.weight'", "qwen3moe")
+
+
+def test_corrupt_headers_always_give_a_gguf_error(tiny_model, tmp_path):
+    """Random byte changes in the header: the file opens, or fails with a GGUFError, never anything else."""
+    from strata_jax.gguf.reader import _read_header
+
+    good = tiny_model(arch="qwen2moe")
+    data = good.read_bytes()
+    header_end = _read_header(good).data_start
+    rng = np.random.default_rng(0)
+    path = tmp_path / "fuzz.gguf"
+    for _ in range(300):
+        bad = bytearray(data)
+        for _ in range(rng.integers(1, 4)):  # half anywhere in the header, half in its tensor directory
+            lo = 0 if rng.random() < 0.5 else max(0, header_end - 3000)
+            bad[int(rng.integers(lo, header_end))] = int(rng.integers(0, 256))
+        path.write_bytes(bad)
+        try:
+            GGUFModel.open(path)
+        except GGUFError as e:
+            assert str(path) in str(e)

@@ -112,3 +112,33 @@ def test_mixtral_style_llama(tiny_model):
     assert "llama.expert_feed_forward_length" not in model.metadata  # as in Mixtral's files
     assert model.tensors["blk.0.ffn_gate_inp.weight"].shape == (4, 64)
     assert model.tensors["blk.0.ffn_down_exps.weight"].shape == (4, 64, 64)
+
+
+def test_opening_a_huge_file_reads_only_its_header(tmp_path):
+    """An 8 GiB model (a sparse file: its data was never written) opens at once and leaves the data unread."""
+    import resource
+    import time
+
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path = tmp_path / "huge.gguf"
+    writer = GGUFWriter(path, "llama")
+    rows, cols = 1 << 20, 4096  # F16: 8 GiB
+    writer.add_tensor_info("token_embd.weight", (rows, cols * 2), np.dtype(np.uint8), rows * cols * 2,
+                           raw_dtype=GGMLQuantizationType.F16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    data_start = -(-path.stat().st_size // 32) * 32
+    with open(path, "r+b") as f:
+        f.truncate(data_start + rows * cols * 2)
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    model = GGUFModel.open(path, strict=False)
+    assert time.perf_counter() - start < 1.0
+    t = model.tensors["token_embd.weight"]
+    assert t.shape == (rows, cols) and t.n_bytes == 8 << 30 and t.data.shape == (rows, cols * 2)
+    assert t.data[12345, :4].tolist() == [0, 0, 0, 0]  # one page read, on demand
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 64 << 10  # KiB: under 64 MiB

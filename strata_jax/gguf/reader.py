@@ -11,6 +11,7 @@ Opening reads only the headers: tensor bytes are pages of the file that the OS r
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
 from pallas_kernels.qtypes import SUPPORTED, block_size, supported_names, type_size
@@ -53,7 +54,7 @@ class TensorInfo:
 
     @property
     def n_values(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def row_bytes(self) -> int:
@@ -98,8 +99,10 @@ class GGUFModel:
         for h in headers:
             for t in _tensor_infos(h, strict=strict):
                 if t.name in tensors:
-                    raise SplitMismatchError(h.path, f"tensor {t.name!r} is also in {tensors[t.name].path.name}",
-                                             "The parts come from different models: fetch the split again")
+                    other = tensors[t.name].path
+                    raise SplitMismatchError(h.path, f"tensor {t.name!r} appears twice" + (
+                        "" if other == h.path else f" (it is also in {other.name})"),
+                        "The file is corrupt, or the parts come from different models: fetch it again")
                 tensors[t.name] = t
         model = cls(tuple(paths), metadata, types, tensors)
         if strict:
@@ -207,7 +210,7 @@ def _tensor_infos(h: Header, *, strict: bool) -> list[TensorInfo]:
             raise TensorSizeError(h.path, f"tensor {raw.name!r} has rows of {raw.ne[0]} values, not a whole number "
                                           f"of {qtype.name} blocks of {bs}", "The file is corrupt: re-convert it")
         row_bytes = raw.ne[0] // bs * ts
-        n_bytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
+        n_bytes = math.prod(shape[:-1]) * row_bytes  # Python ints: corrupt dims must not overflow
         start = h.data_start + raw.offset
         if raw.offset % h.alignment:
             raise GGUFError(h.path, f"tensor {raw.name!r} starts at data offset {raw.offset}, not a multiple of the "
@@ -226,7 +229,8 @@ def _tensor_infos(h: Header, *, strict: bool) -> list[TensorInfo]:
 def _qtype(path: Path, raw: RawTensor, *, strict: bool) -> GGMLQuantizationType:
     try:
         qtype = GGMLQuantizationType(raw.ggml_type)
-    except ValueError:
+        GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
         raise UnsupportedTensorTypeError(
             path, f"tensor {raw.name!r} has type number {raw.ggml_type}, unknown to the gguf package",
             f"Use a model quantized to one of: {supported_names()}") from None

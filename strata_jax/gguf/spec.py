@@ -5,7 +5,7 @@ Defaults for keys a file may leave out are llama.cpp's, so a model means here wh
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,15 +83,19 @@ class ModelSpec:
 
     def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
         """name -> (numpy-order shape, required) for every tensor this family reads."""
+        return dict(self._iter_tensor_shapes())
+
+    def _iter_tensor_shapes(self) -> Iterator[tuple[str, tuple[tuple[int, ...], bool]]]:
         h, q, kv, v = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.value_dim
-        out: dict[str, tuple[tuple[int, ...], bool]] = {
+        moe = frozenset(self.moe_layers)
+        yield from {
             "token_embd.weight": ((self.vocab_size, h), True),
             "output_norm.weight": ((h,), True),
             "output.weight": ((self.vocab_size, h), not self.tied_output),
-        }
-        for i in range(self.n_layers):
+        }.items()
+        for i in range(self.n_layers):  # one layer at a time: a corrupt block_count must not fill memory
             b = f"blk.{i}."
-            out |= {
+            out: dict[str, tuple[tuple[int, ...], bool]] = {
                 b + "attn_norm.weight": ((h,), True),
                 b + "attn_q.weight": ((q, h), True),
                 b + "attn_k.weight": ((kv, h), True),
@@ -105,7 +109,7 @@ class ModelSpec:
             if self.qk_norm:
                 out |= {b + "attn_q_norm.weight": ((self.head_dim,), True),
                         b + "attn_k_norm.weight": ((self.head_dim,), True)}
-            if i in self.moe_layers:
+            if i in moe:
                 e, f = self.n_experts, self.expert_ffn
                 out |= {
                     b + "ffn_gate_inp.weight": ((e, h), True),
@@ -127,12 +131,12 @@ class ModelSpec:
                     b + "ffn_up.weight": ((self.ffn, h), True),
                     b + "ffn_down.weight": ((h, self.ffn), True),
                 }
-        return out
+            yield from out.items()
 
     def check_tensors(self, tensors: Mapping[str, tuple[tuple[int, ...], Path]], path: str | Path) -> None:
         """Raise MissingTensorError / TensorSizeError unless every tensor this family needs is in `tensors`
         (name -> (shape, the file it is in)) with the shape the metadata implies."""
-        for name, (shape, required) in self.tensor_shapes().items():
+        for name, (shape, required) in self._iter_tensor_shapes():
             if name not in tensors:
                 if required:
                     raise MissingTensorError(path, f"tensor {name!r}, which a {self.architecture} model needs, "
@@ -169,6 +173,10 @@ class ModelSpec:
         get = _Getter(metadata, arch, path)
 
         n_layers = get.int("block_count")
+        blocks = {n.split(".")[1] for n in shapes if n.startswith("blk.")}
+        if shapes and n_layers > len(blocks):
+            raise MetadataError(path, f"{arch}.block_count is {n_layers}, but the file has tensors for {len(blocks)} "
+                                      "blocks", "The metadata and the tensors disagree: re-convert the model")
         hidden = get.int("embedding_length")
         n_heads = get.int("attention.head_count")
         n_kv_heads = get.int("attention.head_count_kv", n_heads)
