@@ -10,8 +10,16 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from pallas_kernels.qtypes import UnsupportedQuantType
 from strata_jax.gguf import (
-    GGUFError, GGUFModel, MissingSplitPartError, MissingTensorError, NotGGUFError, TensorSizeError,
-    TruncatedGGUFError, UnsupportedArchitectureError, UnsupportedTensorTypeError, read_metadata,
+    GGUFError,
+    GGUFModel,
+    MissingSplitPartError,
+    MissingTensorError,
+    NotGGUFError,
+    TensorSizeError,
+    TruncatedGGUFError,
+    UnsupportedArchitectureError,
+    UnsupportedTensorTypeError,
+    read_metadata,
 )
 from strata_jax.testing.edit_gguf import rewrite_gguf
 
@@ -67,7 +75,7 @@ def test_missing_split_part(tiny_model, tmp_path):
 
 
 def test_split_part_renamed_out_of_the_pattern(tiny_model, tmp_path):
-    first = sorted(tiny_model(arch="qwen3moe", split=3).parent.glob("*.gguf"))[0]
+    first = min(tiny_model(arch="qwen3moe", split=3).parent.glob("*.gguf"))
     lone = tmp_path / "renamed.gguf"
     shutil.copy(first, lone)
     _raises(MissingSplitPartError, lone, "part 1 of a 3-part split model", "-00001-of-0000N.gguf")
@@ -133,3 +141,17 @@ def test_corrupt_headers_always_give_a_gguf_error(tiny_model, tmp_path):
             GGUFModel.open(path)
         except GGUFError as e:
             assert str(path) in str(e)
+
+
+def test_vocabulary_only_file(tmp_path):
+    path = tmp_path / "ggml-vocab-tiny.gguf"
+    writer = GGUFWriter(path, "qwen2")
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "ab"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_metadata(path)["tokenizer.ggml.tokens"] == ["a", "b", "ab"]
+    assert GGUFModel.open(path, strict=False).tensors == {}
+    _raises(MissingTensorError, path, "no tensors", "vocabulary-only", "load_tokenizer")

@@ -20,7 +20,7 @@ def _mapped_root(a: np.ndarray) -> np.ndarray:
 
 
 def test_split_model_and_its_one_file_twin_hold_identical_tensors(tiny_model):
-    options = dict(arch="qwen2moe", layers=3, quant="Q4_0", attn_quant="Q8_0", seed=7)
+    options = {"arch": "qwen2moe", "layers": 3, "quant": "Q4_0", "attn_quant": "Q8_0", "seed": 7}
     single = tiny_model(**options)
     first = tiny_model(**options, split=3)
     parts = sorted(first.parent.glob("*.gguf"))
@@ -79,10 +79,10 @@ def test_metadata_is_plain_python(tiny_model):
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 def test_spec_of_each_architecture(tiny_model, arch):
     moe = arch in ("qwen2moe", "qwen3moe")
-    options = dict(arch=arch, layers=3, hidden=96, heads=6, kv_heads=2, ffn=160, vocab=300, context=4096,
-                   rope_theta=1e6, tied=arch == "qwen3")
+    options = {"arch": arch, "layers": 3, "hidden": 96, "heads": 6, "kv_heads": 2, "ffn": 160, "vocab": 300, "context": 4096,
+                   "rope_theta": 1e6, "tied": arch == "qwen3"}
     if moe:
-        options |= dict(experts=4, experts_used=3, expert_ffn=64, shared_ffn=96)
+        options |= {"experts": 4, "experts_used": 3, "expert_ffn": 64, "shared_ffn": 96}
     spec = GGUFModel.open(tiny_model(**options)).spec
     assert (spec.architecture, spec.n_layers, spec.hidden, spec.ffn) == (arch, 3, 96, 160)
     assert (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.rope_dims) == (6, 2, 16, 16)

@@ -19,9 +19,9 @@ ARCHS = {  # our architecture -> transformers' model class
 def test_transformers_loads_each_family(tiny_model, arch):
     from strata_jax.testing.hf import load_hf_model
 
-    options = dict(arch=arch, quant="Q4_0", attn_quant="Q8_0", tied=arch == "qwen3")
+    options = {"arch": arch, "quant": "Q4_0", "attn_quant": "Q8_0", "tied": arch == "qwen3"}
     if arch.endswith("moe"):
-        options |= dict(experts=4, experts_used=2, expert_ffn=64, shared_ffn=96)
+        options |= {"experts": 4, "experts_used": 2, "expert_ffn": 64, "shared_ffn": 96}
     path = tiny_model(**options)
     ours = GGUFModel.open(path)
     hf = load_hf_model(path)  # raises if any parameter was left unloaded

@@ -1,17 +1,40 @@
 """Reading GGUF models: split files, tensors memory-mapped in place, ModelSpec from metadata."""
 
 from .errors import (
-    GGUFError, MetadataError, MissingSplitPartError, MissingTensorError, NotGGUFError, SplitMismatchError,
-    TensorSizeError, TruncatedGGUFError, UnsupportedArchitectureError, UnsupportedTensorTypeError,
+    GGUFError,
+    MetadataError,
+    MissingSplitPartError,
+    MissingTensorError,
+    NotGGUFError,
+    SplitMismatchError,
+    TensorSizeError,
+    TruncatedGGUFError,
+    UnsupportedArchitectureError,
+    UnsupportedTensorTypeError,
 )
 from .reader import GGUFModel, TensorInfo, read_metadata, split_part_paths
 from .spec import EXPERT_TENSOR_KINDS, SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
 
 __all__ = [
-    "EXPERT_TENSOR_KINDS", "GGUFError", "GGUFModel", "MetadataError", "MissingSplitPartError", "MissingTensorError",
-    "ModelSpec", "NotGGUFError", "RopeScaling", "SUPPORTED_ARCHITECTURES", "SplitMismatchError", "TensorInfo",
-    "TensorSizeError", "TruncatedGGUFError", "UnsupportedArchitectureError", "UnsupportedTensorTypeError",
-    "load_tokenizer", "read_metadata", "split_part_paths",
+    "EXPERT_TENSOR_KINDS",
+    "SUPPORTED_ARCHITECTURES",
+    "GGUFError",
+    "GGUFModel",
+    "MetadataError",
+    "MissingSplitPartError",
+    "MissingTensorError",
+    "ModelSpec",
+    "NotGGUFError",
+    "RopeScaling",
+    "SplitMismatchError",
+    "TensorInfo",
+    "TensorSizeError",
+    "TruncatedGGUFError",
+    "UnsupportedArchitectureError",
+    "UnsupportedTensorTypeError",
+    "load_tokenizer",
+    "read_metadata",
+    "split_part_paths",
 ]
 
 

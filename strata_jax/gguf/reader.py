@@ -11,6 +11,7 @@ Opening reads only the headers: tensor bytes are pages of the file that the OS r
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -25,7 +26,13 @@ from gguf import quants as gq
 from pallas_kernels.qtypes import SUPPORTED, block_size, supported_names, type_size
 
 from .errors import (
-    GGUFError, MissingSplitPartError, NotGGUFError, SplitMismatchError, TensorSizeError, TruncatedGGUFError,
+    GGUFError,
+    MissingSplitPartError,
+    MissingTensorError,
+    NotGGUFError,
+    SplitMismatchError,
+    TensorSizeError,
+    TruncatedGGUFError,
     UnsupportedTensorTypeError,
 )
 from .header import Header, RawTensor, ValueType, parse_header
@@ -106,6 +113,9 @@ class GGUFModel:
                 tensors[t.name] = t
         model = cls(tuple(paths), metadata, types, tensors)
         if strict:
+            if not tensors:
+                raise MissingTensorError(paths[0], "the file holds no tensors (a vocabulary-only GGUF?)",
+                                         "Read its tokenizer with strata_jax.gguf.load_tokenizer, or give a model file")
             model.spec.check_tensors({name: (t.shape, t.path) for name, t in tensors.items()}, paths[0])
         return model
 
@@ -243,7 +253,7 @@ def _qtype(path: Path, raw: RawTensor, *, strict: bool) -> GGMLQuantizationType:
 
 def _check_overlaps(h: Header, infos: list[TensorInfo]) -> None:
     ordered = sorted(infos, key=lambda t: t.offset)
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in itertools.pairwise(ordered):
         if a.offset + a.n_bytes > b.offset:
             raise TensorSizeError(
                 h.path, f"tensor {a.name!r} has shape {list(a.shape)} of {a.qtype.name}, which needs {a.n_bytes:,} "

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import MetadataError, MissingTensorError, TensorSizeError, UnsupportedArchitectureError
+from .errors import (
+    MetadataError,
+    MissingTensorError,
+    TensorSizeError,
+    UnsupportedArchitectureError,
+)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
