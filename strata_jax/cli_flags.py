@@ -1,0 +1,53 @@
+"""Engine flags on the command line: one flag a field of EngineConfig (`max_context` <-> `--max-context`),
+so serve, generate and bench take the same flags and Python users the same names."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Any
+
+from .config import EngineConfig
+
+HELP = {
+    "parallel": "slots: conversations decoded together",
+    "max_context": "tokens a slot holds (prompt + answer)",
+    "kv": "KV cache type: bf16, f16, f32, int8 or auto",
+    "prefill": "prompt tokens a window reads for one slot (auto or a power of two)",
+    "spec": "draft tokens a row (speculative decoding)",
+    "spec_min_p": "stop drafting below this drafter probability",
+    "drafter": "ngram, mtp, none or draft:PATH.gguf",
+    "expert_cache": "experts on the device: auto or a number of expert slots",
+    "expert_profile": "expert hotness file: preload and pin the hottest experts",
+    "resident_budget_gib": "host RAM for experts, GiB",
+    "pool_workers": "file-tier reader threads",
+    "vram_reserve_mib": "device memory kept free, MiB",
+    "device_memory_mib": "device-memory budget the engine enforces, MiB",
+    "max_programs": "live compiled windows (LRU; 0 = no bound; env STRATA_BATCH_GRAPHS)",
+    "conversation_cache_mib": "host RAM for evicted conversations' KV, MiB",
+    "conversation_cache_slots": "conversations kept in host RAM",
+    "kv_resident": "a slot's KV beyond this many tokens lives in host RAM",
+    "weights": "blocks, dequantized or auto (dequantized on a CPU when small)",
+    "backend": "kernel backend: auto, xla, pallas or interpret",
+    "dtype": "activations: auto, float32 or bfloat16",
+    "request_timeout_s": "a request's deadline, seconds",
+    "seed": "default sampling seed",
+}
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        kind = {"int": int, "float": float}.get(type(default).__name__, str)
+        if f.name in ("resident_budget_gib",):
+            kind = float
+        if f.name in ("device_memory_mib", "kv_resident"):
+            kind = int
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=argparse.SUPPRESS,
+                       metavar="X", help=f"{HELP.get(f.name, '')} (default {default})")
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**{**overrides, **values})
