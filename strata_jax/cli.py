@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
+from strata_jax.config import ServerConfig
 from strata_jax.gguf import GGUFError
 
 Subparsers = Any  # argparse's _SubParsersAction
@@ -159,12 +161,44 @@ def run_generate(args: argparse.Namespace) -> int:
 
     path = args.model or _default_model()
     cfg = engine_config(args, max_context=max(512, 1 << (args.max_tokens + 256).bit_length()))
-    with Engine.from_gguf(path, cfg) as eng:
+    with Engine.from_gguf(path, cfg, progress=True) as eng:
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         out = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, min_p=args.min_p, seed=args.sampling_seed)
     print(out.text)
     return 0
+
+
+def add_serve(sub: Subparsers) -> None:
+    from strata_jax.cli_flags import add_engine_flags
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve MODEL (default: SmolLM2-135M-Instruct, fetched once) over HTTP: "
+                                   "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /slots, "
+                                   "/faults. The engine runs in a child process; if it stops, the server says why, "
+                                   "ends the requests in flight with an error, and starts it again.")
+    p.add_argument("model", nargs="?", help="a .gguf file, or the first part of a split one")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: env STRATA_API_KEY)")
+    p.add_argument("--model-name", metavar="NAME", help="the model id /v1/models shows (default: the file name)")
+    p.add_argument("--max-body-bytes", type=int, default=ServerConfig().max_body_bytes, metavar="N",
+                   help="largest request body (default 8 MiB)")
+    add_engine_flags(p)
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from strata_jax.cli_flags import engine_config
+    from strata_jax.gguf import GGUFModel
+    from strata_jax.serve import serve
+
+    path = args.model or _default_model()
+    GGUFModel.open(path)   # a missing or broken file is an error now, not an engine that never starts
+    server = ServerConfig(model=path, host=args.host, port=args.port, api_key=args.api_key,
+                          model_name=args.model_name, max_body_bytes=args.max_body_bytes)
+    return serve(server, engine_config(args))
 
 
 def _default_model() -> str:
@@ -173,7 +207,8 @@ def _default_model() -> str:
     return str(smollm2_path())
 
 
-COMMANDS: list[Callable[[Subparsers], None]] = [add_inspect, add_make_model, add_fetch_model, add_upcycle, add_generate]
+COMMANDS: list[Callable[[Subparsers], None]] = [add_inspect, add_make_model, add_fetch_model, add_upcycle, add_generate,
+                                                add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,40 @@
+"""The OpenAI-compatible server: Litestar routes (app.py) over an engine that runs in a child process
+(worker.py), started, watched and restarted by the supervisor (supervisor.py).
+
+    from strata_jax import EngineConfig, ServerConfig
+    from strata_jax.serve import serve
+    serve(ServerConfig(model="model.gguf", port=8000), EngineConfig(parallel=4, max_context=4096))
+"""
+
+from __future__ import annotations
+
+from ..config import EngineConfig, ServerConfig
+
+
+def build(server: ServerConfig, engine: EngineConfig, *, progress: bool = True):
+    """The Litestar app, with its supervisor (the engine starts with the app)."""
+    from .app import create_app
+    from .console import Console
+    from .supervisor import Supervisor
+
+    if server.model is None:
+        raise ValueError("ServerConfig.model is None: pass a GGUF path (the CLI fills in the default model)")
+    sup = Supervisor(server.model, engine, console=Console(bars=progress))
+    return create_app(sup, server)
+
+
+def serve(server: ServerConfig, engine: EngineConfig, *, progress: bool = True) -> int:
+    """Run the server until interrupted (Ctrl-C / SIGTERM); the engine process ends with it."""
+    import uvicorn
+
+    app = build(server, engine, progress=progress)
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:   # uvicorn shut down cleanly, then passes the Ctrl-C on
+        pass
+    return 0
+
+
+__all__ = ["build", "serve"]

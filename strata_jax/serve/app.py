@@ -1,0 +1,177 @@
+"""The HTTP routes (Litestar), run by uvicorn.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (also without /v1, as llama.cpp)
+    GET /health   GET /metrics   GET /slots   GET /faults
+
+Every answer that is an error has OpenAI's shape, from whatever raised it (our ApiError, Litestar's
+HTTPException for 404/405/413, or a bug: 500), so no input can take the server down. With an API key
+every route but /health needs `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+from litestar import Litestar, Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.exceptions import HTTPException, NotAuthorizedException
+from litestar.handlers import BaseRouteHandler
+from litestar.response import Stream
+
+from ..config import ServerConfig
+from . import generate
+from .errors import ApiError, error_body
+from .generate import Job, ModelNames
+from .metrics import Metrics
+from .supervisor import Supervisor
+
+log = logging.getLogger("strata_jax.serve")
+
+JSON = "application/json"
+
+
+def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
+    path = Path(sup.model)
+    names = ModelNames(cfg.model_name or path.name, path.name, path.stem, str(path), sup.model)
+    metrics = Metrics(lambda: _snapshot(sup))
+
+    def done(endpoint: str, outcome: str, stats: dict | None, seconds: float) -> None:
+        metrics.finished(endpoint, outcome, stats, seconds)
+
+    async def run(request: Request, job: Job) -> Response:
+        try:
+            prepared, ticket = await generate.start(sup, job)
+        except ApiError:
+            metrics.requests.labels(job.endpoint, "rejected").inc()
+            raise
+        if job.stream:
+            return Stream(generate.stream(sup, job, prepared, ticket, done), media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, sup, ticket))
+        try:
+            body = await generate.whole(sup, job, prepared, ticket, done)
+        finally:
+            watcher.cancel()
+        return Response(body, media_type=JSON)
+
+    @post(["/v1/chat/completions", "/chat/completions"], status_code=200)
+    async def chat_completions(request: Request) -> Response:
+        job = _parsed(metrics, "chat", generate.parse_chat, await request.body(), names)
+        if sup.info and not sup.info.get("chat_template", True):
+            metrics.requests.labels("chat", "rejected").inc()
+            raise ApiError(400, "this model has no chat template (tokenizer.chat_template is not in its GGUF), so "
+                                "it cannot format chat messages: send plain text to /v1/completions instead",
+                           "invalid_request_error", "messages")
+        return await run(request, job)
+
+    @post(["/v1/completions", "/completions"], status_code=200)
+    async def completions(request: Request) -> Response:
+        return await run(request, _parsed(metrics, "completions", generate.parse_completion,
+                                          await request.body(), names))
+
+    @get(["/v1/models", "/models"])
+    async def models() -> dict[str, Any]:
+        info = sup.info
+        meta = {"n_ctx": sup.config.max_context, "parallel": sup.config.parallel, "path": sup.model,
+                **{k: info[k] for k in ("architecture", "vocab_size", "n_experts", "name") if k in info}}
+        return {"object": "list", "data": [{"id": names.served, "object": "model", "created": int(path.stat().st_mtime)
+                if path.exists() else 0, "owned_by": "strata-jax", "meta": meta}]}
+
+    @get(["/health", "/v1/health"], opt={"public": True})
+    async def health() -> Response:
+        ok, body = sup.health()
+        return Response(body, status_code=200 if ok else 503, media_type=JSON)
+
+    @get("/metrics")
+    async def prometheus() -> Response:
+        await sup.stats(timeout=1.0)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @get("/slots")
+    async def slots() -> list[dict[str, Any]]:
+        return sup.slots()
+
+    @get("/faults")
+    async def faults() -> dict[str, Any]:
+        return {"state": sup.state, "reason": sup.reason, "generation": sup.generation, "restarts": sup.restarts,
+                **sup.ledger.to_json()}
+
+    sup.on_fault = lambda fault: metrics.restarts.inc()
+
+    def api_error(_: Request, exc: ApiError) -> Response:
+        return Response(exc.body(), status_code=exc.status, media_type=JSON)
+
+    def http_error(_: Request, exc: HTTPException) -> Response:
+        status = exc.status_code
+        message = exc.detail or "error"
+        if status == 413:
+            message = (f"the request body is larger than {cfg.max_body_bytes} bytes (the server's max_body_bytes)")
+        elif status == 404:
+            message = f"{message}: no such route (the API is under /v1: chat/completions, completions, models)"
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return Response(error_body(status, message), status_code=status, media_type=JSON, headers=headers)
+
+    def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return Response(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500,
+                        media_type=JSON)
+
+    return Litestar(
+        route_handlers=[chat_completions, completions, models, health, prometheus, slots, faults],
+        guards=[_api_key_guard(cfg.api_key)] if cfg.api_key else [],
+        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
+        on_startup=[_hook(sup.start)], on_shutdown=[_hook(sup.stop)],
+        request_max_body_size=cfg.max_body_bytes, debug=False, logging_config=None,
+    )
+
+
+def _hook(fn):
+    async def hook(_app: Litestar) -> None:       # Litestar passes the app; the supervisor needs nothing
+        await fn()
+
+    return hook
+
+
+def _parsed(metrics: Metrics, endpoint: str, parse, body: bytes, names: ModelNames) -> Job:
+    try:
+        return parse(body, names)
+    except ApiError:
+        metrics.requests.labels(endpoint, "rejected").inc()
+        raise
+
+
+async def _cancel_on_disconnect(request: Request, sup: Supervisor, ticket) -> None:
+    """A whole (not streamed) answer: if the client goes away first, its request stops and frees its slot.
+    (Streams: Litestar cancels the stream on disconnect, and the stream's `finally` cancels the request.)"""
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                if ticket.state != "done":
+                    log.info("%s: the client went away; cancelling", ticket.id)
+                    sup.cancel(ticket)
+                return
+    except (asyncio.CancelledError, RuntimeError, OSError):
+        return
+
+
+def _api_key_guard(key: str):
+    def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+        if handler.opt.get("public"):
+            return
+        scheme, _, given = connection.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+            raise NotAuthorizedException("invalid or missing API key: send the header 'Authorization: Bearer KEY' "
+                                         "with the key given to --api-key")
+
+    return guard
+
+
+def _snapshot(sup: Supervisor) -> dict[str, Any]:
+    return {"up": sup.ready, "generation": sup.generation, "slots": sup.config.parallel,
+            "busy_slots": len(sup.running), "queued": sup.queued + (sup.last_stats.get("queued") or 0),
+            "stats": sup.last_stats}

@@ -1,0 +1,342 @@
+"""One generation request, from its body to its answer: OpenAI chat and text completions, whole or streamed.
+
+    job = parse_chat(body, names)            # msgspec decoding + the checks msgspec cannot express (ApiError)
+    prepared = await sup.prepare(...)        # the engine tokenizes and checks it: 4xx before any byte is sent
+    ticket = sup.enqueue(...)
+    stream_chat(...) / whole_chat(...)       # SSE chunks, or one JSON body
+
+Sampling defaults when a request leaves them out are llama.cpp's server's (temperature 0.8, top_k 40,
+top_p 0.95, min_p 0.05); `temperature: 0` is greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .console import done_line
+from .errors import ApiError, error_body, invalid
+from .reasoning import CONTENT, REASONING, ReasoningParser
+from .schemas import ChatCompletionRequest, CompletionRequest, Message, decode
+from .supervisor import EngineEvent, Prepared, Supervisor, Ticket
+
+log = logging.getLogger("strata_jax.serve")
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+SYSTEM_FINGERPRINT = "strata-jax"
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class Job:
+    kind: str                                    # "chat" | "text"
+    id: str
+    model: str
+    prompt: Any                                  # messages (dicts), text, or token ids
+    params: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: bool = True                       # split <think> into reasoning_content
+    echo: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def endpoint(self) -> str:
+        return "chat" if self.kind == "chat" else "completions"
+
+
+# ---- parsing ---------------------------------------------------------------------------------------------
+
+
+def parse_chat(body: bytes, names: ModelNames) -> Job:
+    req = _decode(body, ChatCompletionRequest)
+    if not req.messages:
+        raise invalid("messages is empty: a chat needs at least one message", "messages")
+    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
+               _params(req, max_tokens), req.stream, _include_usage(req), req.chat_template_kwargs,
+               req.reasoning_format != "none")
+
+
+def parse_completion(body: bytes, names: ModelNames) -> Job:
+    req = _decode(body, CompletionRequest)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise invalid(f"prompt holds {len(prompt)} prompts; this server answers one prompt a request", "prompt")
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and not all(isinstance(p, int) for p in prompt):
+        raise invalid("prompt must be a string, a list of token ids, or a list of one string", "prompt")
+    if prompt is None or prompt == "" or prompt == []:
+        raise invalid("prompt is empty: send the text (or token ids) to continue", "prompt")
+    echo = prompt if req.echo and isinstance(prompt, str) else ""
+    return Job("text", f"cmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), prompt,
+               _params(req, req.max_tokens), req.stream, _include_usage(req), echo=echo)
+
+
+def _decode(body: bytes, kind: type) -> Any:
+    if not body.strip():
+        raise invalid("the request body is empty: send a JSON object")
+    try:
+        return decode(body, kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        raise invalid(f"invalid request: {text}", param) from None
+    except msgspec.DecodeError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+
+
+def _message(m: Message, i: int) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise invalid(f"messages[{i}].content[{j}] is a {part.type!r} part; this server reads text parts "
+                              "only ({\"type\": \"text\", \"text\": ...})", f"messages[{i}].content[{j}]")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    if content is None and not (m.role == "assistant" and m.tool_calls):
+        raise invalid(f"messages[{i}] ({m.role}) has no content", f"messages[{i}].content")
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    if content is not None:
+        out["content"] = content
+    for key in ("reasoning_content", "name", "tool_calls", "tool_call_id"):
+        value = getattr(m, key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _params(req: Any, max_tokens: int | None) -> dict[str, Any]:
+    if req.n is not None and req.n != 1:
+        raise invalid(f"n = {req.n}: this server makes one choice a request (n = 1)", "n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    seed = None if req.seed is None or req.seed == -1 else req.seed % 2**32
+    return {"max_tokens": max_tokens,
+            **{k: (getattr(req, k) if getattr(req, k) is not None else v) for k, v in DEFAULTS.items()},
+            "seed": seed, "stop": stop, "ignore_eos": req.ignore_eos}
+
+
+def _include_usage(req: Any) -> bool:
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+class ModelNames:
+    """The name /v1/models shows, and the names a request may use for it (its file name, its path)."""
+
+    def __init__(self, served: str, *aliases: str):
+        self.served = served
+        self.accepted = {served, *filter(None, aliases)}
+
+    def check(self, model: str | None) -> str:
+        if model and model not in self.accepted:
+            raise ApiError(404, f"model = {model!r}: this server serves {self.served!r} (see GET /v1/models)",
+                           "invalid_request_error", "model")
+        return self.served
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+
+
+async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
+    deadline = job.arrived + sup.config.request_timeout_s
+    prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline)
+    return prepared, sup.enqueue(job.id, prepared, job.params, deadline)
+
+
+async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[EngineEvent]:
+    """The ticket's events up to its last; an error event when the deadline comes first."""
+    while True:
+        try:
+            ev = await asyncio.wait_for(t.events.get(), max(t.deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            sup.cancel(t)
+            yield EngineEvent("error", error=f"the request passed its deadline ({sup.config.request_timeout_s:g} s, "
+                                             "--request-timeout-s)", finish_reason="timeout")
+            return
+        yield ev
+        if ev.kind != "token":
+            return
+
+
+class Outcome:
+    """What happened to a request, for its log line and metrics."""
+
+    def __init__(self, job: Job, prepared: Prepared, ticket: Ticket, on_done):
+        self.job, self.prepared, self.ticket, self._on_done = job, prepared, ticket, on_done
+        self.kind, self.detail, self.stats = "cancelled", "the client went away", None
+
+    def final(self, ev: EngineEvent) -> None:
+        self.stats = ev.stats
+        if ev.finish_reason == "cancelled":
+            self.kind, self.detail = "cancelled", "the client went away"
+        else:
+            self.kind, self.detail = "ok", None
+
+    def error(self, ev: EngineEvent) -> None:
+        self.kind, self.detail = "error", ev.error
+
+    def close(self, sup: Supervisor) -> None:
+        if self.ticket.state != "done":
+            sup.cancel(self.ticket)
+        seconds = time.monotonic() - self.job.arrived
+        n = (self.stats or {}).get("generated_tokens", self.ticket.n_tokens)
+        if self.stats and self.stats.get("log_line"):
+            log.info("%s", self.stats["log_line"])
+        log.info("%s [%s]", done_line(n, seconds, self.kind, self.detail), self.job.id)
+        self._on_done(self.job.endpoint, self.kind, self.stats, seconds)
+
+
+def usage(st: dict[str, Any] | None, prepared: Prepared, n_tokens: int) -> dict[str, Any]:
+    st = st or {}
+    prompt = st.get("prompt_tokens", len(prepared.ids))
+    done = st.get("generated_tokens", n_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": st.get("reused_tokens", 0)}}
+
+
+def timings(st: dict[str, Any] | None) -> dict[str, Any]:
+    """llama.cpp's `timings` object."""
+    st = st or {}
+    prompt_n = st.get("prompt_tokens", 0) - st.get("reused_tokens", 0)
+    predicted_n = st.get("generated_tokens", 0)
+    prompt_ms, predicted_ms = st.get("prompt_ms", 0.0), st.get("generate_ms", 0.0)
+    return {"cache_n": st.get("reused_tokens", 0), "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
+            "prompt_per_second": round(st.get("prompt_per_second", 0.0), 3), "predicted_n": predicted_n,
+            "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
+            "predicted_per_second": round(st.get("predicted_per_second", 0.0), 3),
+            "draft_n": st.get("draft_n", 0), "draft_n_accepted": st.get("draft_n_accepted", 0)}
+
+
+def _finish_reason(ev: EngineEvent) -> str:
+    return "length" if ev.finish_reason == "length" else "stop"
+
+
+def event_error(ev: EngineEvent) -> ApiError:
+    if ev.finish_reason == "timeout":
+        return ApiError(503, ev.error or "timeout", "timeout_error")
+    return ApiError(500, ev.error or "the engine failed", "server_error")
+
+
+# ---- streamed answers ------------------------------------------------------------------------------------
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, on_done) -> AsyncIterator[bytes]:
+    """SSE chunks: chat.completion.chunk or text_completion, then `data: [DONE]`. An engine error ends the
+    stream with `data: {"error": {...}}` and `data: [DONE]` (the openai client raises APIError on it)."""
+    outcome = Outcome(job, prepared, ticket, on_done)
+    parser = ReasoningParser(prepared.think, enabled=job.reasoning and job.kind == "chat")
+    chunk = _chat_chunk if job.kind == "chat" else _text_chunk
+    try:
+        if job.kind == "chat":
+            yield sse(_chat_chunk(job, {"role": "assistant", "content": ""}))
+        elif job.echo:
+            yield sse(_text_chunk(job, job.echo))
+        async for ev in events(sup, ticket):
+            if ev.kind == "token":
+                for piece in _pieces(job, parser, ev.text):
+                    yield sse(chunk(job, piece))
+            elif ev.kind == "final":
+                outcome.final(ev)
+                for piece in _pieces(job, parser, ev.text, last=True):
+                    yield sse(chunk(job, piece))
+                end = chunk(job, {} if job.kind == "chat" else "", _finish_reason(ev))
+                end["timings"] = timings(ev.stats)
+                yield sse(end)
+                if job.include_usage:
+                    yield sse({**_head(job), "choices": [], "usage": usage(ev.stats, prepared, ticket.n_tokens)})
+                yield SSE_DONE
+            else:
+                outcome.error(ev)
+                yield sse(event_error(ev).body())
+                yield SSE_DONE
+    finally:
+        outcome.close(sup)
+
+
+def _pieces(job: Job, parser: ReasoningParser, text: str, last: bool = False) -> list:
+    """Chat: deltas ({"content"} or {"reasoning_content"}); text: strings."""
+    if job.kind != "chat":
+        return [text] if text else []
+    parts = parser.feed(text) + (parser.flush() if last else [])
+    return [{"reasoning_content" if kind == REASONING else "content": t} for kind, t in parts]
+
+
+def _head(job: Job) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
+
+
+def _chat_chunk(job: Job, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {**_head(job), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def _text_chunk(job: Job, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    return {**_head(job), "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+# ---- whole answers ---------------------------------------------------------------------------------------
+
+
+async def whole(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, on_done) -> dict[str, Any]:
+    """The answer as one JSON body (chat.completion or text_completion); ApiError (500/503) on engine errors."""
+    outcome = Outcome(job, prepared, ticket, on_done)
+    parser = ReasoningParser(prepared.think, enabled=job.reasoning and job.kind == "chat")
+    parts: list[tuple[str, str]] = []
+    try:
+        async for ev in events(sup, ticket):
+            last = ev.kind != "token"
+            if ev.kind == "error":
+                outcome.error(ev)
+                raise event_error(ev)
+            if ev.kind == "final":
+                outcome.final(ev)
+            parts += parser.feed(ev.text) + (parser.flush() if last else [])
+            if ev.kind == "final":
+                return _whole_body(job, prepared, ticket, ev, parser, parts)
+        raise ApiError(500, "the engine ended the request without an answer")
+    finally:
+        outcome.close(sup)
+
+
+def _whole_body(job: Job, prepared: Prepared, ticket: Ticket, ev: EngineEvent, parser: ReasoningParser,
+                parts: list[tuple[str, str]]) -> dict[str, Any]:
+    content = "".join(t for k, t in parts if k == CONTENT)
+    body = {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": job.model, "system_fingerprint": SYSTEM_FINGERPRINT}
+    if job.kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if parser.saw_reasoning:
+            message["reasoning_content"] = "".join(t for k, t in parts if k == REASONING)
+        body["choices"] = [{"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(ev)}]
+    else:
+        body["choices"] = [{"index": 0, "text": job.echo + content, "logprobs": None,
+                            "finish_reason": _finish_reason(ev)}]
+    body["usage"] = usage(ev.stats, prepared, ticket.n_tokens)
+    body["timings"] = timings(ev.stats)
+    return body
+
+
+__all__ = ["Job", "ModelNames", "error_body", "parse_chat", "parse_completion", "start", "stream", "whole"]

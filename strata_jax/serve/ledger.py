@@ -1,0 +1,66 @@
+"""The fault ledger: one entry each time the engine process stopped unexpectedly (GET /faults).
+
+Strata's users could not tell why their engine exited: the reason was an ERR line nobody read. Here
+every exit keeps its exit code, its ERR line (else its last log line), its last lines, and the requests
+it took down, for as long as the server runs (the newest `keep` entries).
+"""
+
+from __future__ import annotations
+
+import signal
+from time import time as unix_now
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+
+@dataclass
+class Fault:
+    generation: int                     # the engine process that stopped: 1, 2, ...
+    exit_code: int | None               # None: it could not even be started
+    reason: str                         # its ERR line, else its last log line
+    error_line: str | None              # the ERR line, when there was one
+    requests_in_flight: int
+    request_ids: list[str]
+    uptime_s: float                     # how long the process ran
+    was_ready: bool                     # it had finished loading
+    restart_in_s: float = 0.0
+    last_lines: list[str] = field(default_factory=list)
+    time: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="milliseconds"))
+    unix_time: float = field(default_factory=unix_now)
+
+    @property
+    def message(self) -> str:
+        what = "Its last error" if self.error_line else "Its last log line"
+        return f"the engine stopped unexpectedly ({describe_exit(self.exit_code)}). {what}: {self.reason}"
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "it did not start"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}, exit code {code}"
+    return f"exit code {code}"
+
+
+class FaultLedger:
+    def __init__(self, keep: int = 100):
+        self.entries: deque[Fault] = deque(maxlen=keep)
+        self.total = 0
+
+    def add(self, fault: Fault) -> None:
+        self.entries.append(fault)
+        self.total += 1
+
+    @property
+    def last(self) -> Fault | None:
+        return self.entries[-1] if self.entries else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total": self.total,
+                "faults": [{**asdict(f), "message": f.message} for f in self.entries]}

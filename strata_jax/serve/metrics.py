@@ -1,0 +1,86 @@
+"""Prometheus metrics (GET /metrics), in a registry of the app's own (no process-wide state).
+
+Counters the server keeps survive engine restarts (requests, tokens, restarts); gauges about the engine
+(programs, slots, expert cache) are read from its latest stats at each scrape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+PREFIX = "strata"
+
+
+class Metrics:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(f"{PREFIX}_requests", "Generation requests by endpoint and outcome "
+                                "(ok, error, cancelled, rejected)", ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tps = Gauge(f"{PREFIX}_prompt_tokens_per_second",
+                                "Prompt reading speed of the last finished request", registry=r)
+        self.decode_tps = Gauge(f"{PREFIX}_decode_tokens_per_second",
+                                "Generation speed of the last finished request", registry=r)
+        self.seconds = Histogram(f"{PREFIX}_request_seconds", "Time from arrival to the last token",
+                                 buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=r)
+        self.restarts = Counter(f"{PREFIX}_engine_restarts", "Times the engine process stopped unexpectedly "
+                                "and was started again", registry=r)
+        r.register(_EngineCollector(snapshot))
+
+    def finished(self, endpoint: str, outcome: str, stats: dict[str, Any] | None, seconds: float) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+        self.seconds.observe(seconds)
+        if stats:
+            self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
+            self.generated_tokens.inc(stats.get("generated_tokens", 0))
+            if stats.get("prompt_per_second"):
+                self.prompt_tps.set(stats["prompt_per_second"])
+            if stats.get("predicted_per_second"):
+                self.decode_tps.set(stats["predicted_per_second"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges from the supervisor's snapshot: {"up", "generation", "slots", "busy_slots", "queued",
+    "stats": the engine's latest stats()}."""
+
+    PROGRAMS = ("live", "built", "evicted", "oom_recoveries", "bytes")
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
+        self._snapshot = snapshot
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self._snapshot()
+        stats = s.get("stats") or {}
+
+        def gauge(name: str, doc: str, value: Any):
+            g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+            g.add_metric([], float(value or 0))
+            return g
+
+        yield gauge("engine_up", "1 when the engine process is ready", s["up"])
+        yield gauge("engine_generation", "The engine process now running: 1, 2, ...", s["generation"])
+        yield gauge("slots", "Slots (--parallel)", s["slots"])
+        yield gauge("slots_busy", "Slots running a request", s["busy_slots"])
+        yield gauge("queue_length", "Requests waiting for a slot", s["queued"])
+        programs = stats.get("programs") or {}
+        for key in self.PROGRAMS:
+            yield gauge(f"programs_{key}", f"Compiled window programs: {key.replace('_', ' ')} (this engine process)",
+                        programs.get(key))
+        for key in ("windows", "split_windows", "failed"):
+            if key in stats:
+                yield gauge(f"engine_{key}", f"Engine counter {key} (this engine process)", stats[key])
+        experts = stats.get("experts") or stats.get("expert_cache") or {}
+        for key, value in experts.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield gauge(f"expert_cache_{key}", f"Expert cache: {key.replace('_', ' ')} (this engine process)",
+                            value)

@@ -1,0 +1,441 @@
+"""The engine supervisor: runs the engine in a child process, talks to it, and starts it again when it stops.
+
+Everything here runs on the server's event loop; no threads, no locks. A request goes:
+
+    prepare   the engine tokenizes and checks it (a 4xx answer comes at once, even when every slot is busy)
+    enqueue   it waits in *our* queue, first come first served
+    dispatch  at most `parallel` requests are in the engine at once, one a seat (an engine slot)
+    events    token events, then one final or error event, into the request's own asyncio.Queue
+
+Because the queue lives here and not in the engine, an engine that stops takes down only the requests in
+its slots. When the process ends, the supervisor logs `the engine stopped unexpectedly (exit code N). Its
+last error: ...` (its ERR line from stderr, else its last log line), records it in the fault ledger, ends
+each request in flight with an error event, waits (1, 2, 4 ... up to 30 s when it keeps stopping), starts
+the next engine process (STRATA_ENGINE_GENERATION=1, 2, ...), and dispatches the waiting requests to it.
+Requests that arrive meanwhile wait for it, each until its deadline; no wait here is unbounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import EngineConfig
+from .errors import ApiError, context_overflow
+from .ledger import Fault, FaultLedger
+from .protocol import length, pack, unpack
+
+log = logging.getLogger("strata_jax.serve")
+
+STDERR_LINES = 200
+
+
+@dataclass
+class EngineEvent:
+    kind: str                                   # "token" | "final" | "error"
+    text: str = ""
+    token: int | None = None
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Prepared:
+    ids: list[int]
+    max_tokens: int
+    think: bool                                 # the prompt opened a reasoning part (<think>)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request from the moment it is queued."""
+    id: str
+    ids: list[int]
+    params: dict[str, Any]
+    deadline: float                             # time.monotonic()
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    state: str = "queued"                       # queued | running | done
+    seat: int | None = None
+    generation: int = 0                         # the engine process it ran on
+    arrived: float = field(default_factory=time.monotonic)
+    started: float = 0.0
+    n_tokens: int = 0
+    cancelled: bool = False
+
+
+class EngineGone(Exception):
+    """The engine process ended while we waited for its answer."""
+
+
+class StderrTail:
+    """The engine's last log lines and its last ERR line."""
+
+    def __init__(self) -> None:
+        self.lines: deque[str] = deque(maxlen=STDERR_LINES)
+        self.error_line: str | None = None
+        self.last_line: str | None = None
+
+    def add(self, line: str) -> None:
+        line = line.rstrip()
+        if not line.strip():
+            return
+        self.lines.append(line)
+        if line.startswith("ERR"):
+            self.error_line = line
+        self.last_line = _strip_level(line)
+
+
+class Supervisor:
+    def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None, max_backoff_s: float = 30.0, stable_after_s: float = 60.0,
+                 on_fault: Callable[[Fault], None] | None = None):
+        self.model = str(model)
+        self.config = config
+        self.console = console
+        self.max_backoff_s = max_backoff_s
+        self.stable_after_s = stable_after_s
+        self.on_fault = on_fault
+        self.ledger = FaultLedger()
+        self.state = "loading"                  # loading | ready | restarting | stopping
+        self.reason = f"loading {Path(self.model).name}"
+        self.generation = 0
+        self.restarts = 0
+        self.info: dict[str, Any] = {}
+        self.last_stats: dict[str, Any] = {}
+        self.tail = StderrTail()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._ready = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._queue: deque[Ticket] = deque()
+        self._seats: list[Ticket | None] = [None] * config.parallel
+        self._replies: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._crashes = 0
+        self._ready_at = 0.0
+
+    # ---- life ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="strata-supervisor")
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self.state, self.reason = "stopping", "the server is shutting down"
+        self._stopped.set()
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            self._send({"op": "shutdown"})
+            try:
+                proc.stdin.close()
+                await asyncio.wait_for(proc.wait(), timeout)
+            except (asyncio.TimeoutError, OSError, RuntimeError):
+                proc.kill()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+        for t in self.running + list(self._queue):
+            self._end(t, EngineEvent("error", error="the server is shutting down"))
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def running(self) -> list[Ticket]:
+        return [t for t in self._seats if t is not None]
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def _run(self) -> None:
+        while not self._stopped.is_set():
+            self.generation += 1
+            gen, t0 = self.generation, time.monotonic()
+            if self.state != "restarting":
+                self.state, self.reason = "loading", f"loading {Path(self.model).name}"
+            self.tail = StderrTail()
+            rc = await self._run_process(gen)
+            if self._stopped.is_set():
+                break
+            self._on_exit(gen, rc, time.monotonic() - t0)
+            try:
+                await asyncio.wait_for(self._stopped.wait(), self.ledger.last.restart_in_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _run_process(self, gen: int) -> int | None:
+        env = {**os.environ, "STRATA_ENGINE_GENERATION": str(gen), "PYTHONUNBUFFERED": "1"}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "strata_jax.serve.worker", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 22,
+                # its own session: a Ctrl-C at the terminal reaches the server, which stops the engine itself
+                start_new_session=True)
+        except OSError as e:
+            self.tail.add(f"ERR engine start: {e}")
+            return None
+        self._proc = proc
+        log.info("engine process %d started (pid %d)", gen, proc.pid)
+        self._send({"model": self.model, "engine": self.config.to_dict()})
+        errs = asyncio.create_task(self._read_stderr(proc.stderr))
+        await self._read_frames(proc)
+        rc = await proc.wait()
+        try:
+            await asyncio.wait_for(errs, 2.0)       # the last lines, the ERR line among them
+        except asyncio.TimeoutError:
+            errs.cancel()
+        self._proc = None
+        return rc
+
+    def _on_exit(self, gen: int, rc: int | None, uptime: float) -> None:
+        was_ready = self.state == "ready"
+        self.state = "restarting"                   # first: nothing may be dispatched to the dead process
+        self._ready.clear()
+        stable = was_ready and time.monotonic() - self._ready_at >= self.stable_after_s
+        self._crashes = 1 if stable else self._crashes + 1
+        delay = min(self.max_backoff_s, 2.0 ** (self._crashes - 1))
+        tail = self.tail
+        running = self.running
+        fault = Fault(gen, rc, tail.error_line or tail.last_line or "(it printed nothing)", tail.error_line,
+                      len(running), [t.id for t in running], round(uptime, 3), was_ready, delay,
+                      list(tail.lines)[-20:])
+        self.ledger.add(fault)
+        self.restarts += 1
+        log.error("%s", fault.message)
+        message = f"{fault.message}. This request was in flight and did not finish; please retry it"
+        for t in running:
+            self._end(t, EngineEvent("error", error=message))
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(EngineGone(fault.message))
+        self._replies.clear()
+        self.reason = (f"{fault.message}. Starting engine process {gen + 1} in {delay:.0f} s "
+                       f"({self._crashes} stop{'s' if self._crashes > 1 else ''} in a row)")
+        log.warning("%s", self.reason)
+        if self.on_fault is not None:
+            self.on_fault(fault)
+
+    # ---- reading the engine ----------------------------------------------------------------------------
+
+    async def _read_stderr(self, stream: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:                      # a line beyond the limit: take what there is
+                raw = await stream.read(1 << 16)
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip()
+            self.tail.add(line)
+            if line.startswith("INFO "):
+                log.debug("engine: %s", line)      # the request lines: the server prints them with `done`
+            elif line.strip():
+                log.info("engine: %s", line)
+
+    async def _read_frames(self, proc: asyncio.subprocess.Process) -> None:
+        while True:
+            try:
+                n = length(await proc.stdout.readexactly(4))
+                msg = unpack(await proc.stdout.readexactly(n))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            except Exception as e:  # noqa: BLE001 - a corrupt stream: the process cannot be trusted
+                self.tail.add(f"ERR the engine's answers could not be read: {e}")
+                proc.kill()
+                return
+            try:
+                self._on_frame(msg)
+            except Exception:  # noqa: BLE001 - one bad frame must not stop the reader
+                log.exception("could not handle the engine's %r frame", msg.get("t"))
+
+    def _on_frame(self, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "ev":
+            t = self._seat_of(msg["id"])
+            if t is None:
+                return
+            ev = EngineEvent(msg["k"], msg.get("x") or "", msg.get("tok"), msg.get("fr"), msg.get("st"),
+                             msg.get("err"))
+            if ev.kind == "token":
+                t.n_tokens += 1
+                t.events.put_nowait(ev)
+            else:
+                self._end(t, ev)
+        elif kind in ("prepared", "rejected", "stats"):
+            fut = self._replies.pop(msg["id"], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif kind == "progress":
+            self.reason = f"loading {Path(self.model).name}: {msg['stage']} {msg['n']}/{msg['total']}"
+            if self.state == "restarting":
+                self.reason = f"restarting after an engine fault; {self.reason}"
+            if self.console is not None:
+                self.console.progress(self.generation, msg["stage"], msg["n"], msg["total"])
+        elif kind == "ready":
+            self.info = msg["info"]
+            self.state, self.reason = "ready", "ready"
+            self._ready_at = time.monotonic()
+            self._ready.set()
+            if self.console is not None:
+                self.console.ready(self.generation, self.info)
+            self._dispatch()
+
+    def _seat_of(self, rid: str) -> Ticket | None:
+        return next((t for t in self._seats if t is not None and t.id == rid), None)
+
+    # ---- writing to the engine -------------------------------------------------------------------------
+
+    def _send(self, msg: dict[str, Any]) -> bool:
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.stdin.is_closing():
+            return False
+        try:
+            proc.stdin.write(pack(msg))
+        except (ConnectionError, RuntimeError, OSError):
+            return False                            # it is ending: _on_exit follows
+        return True
+
+    async def _ask(self, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[msg["id"]] = fut
+        try:
+            if not self._send(msg):
+                raise EngineGone("the engine process is not running")
+            return await asyncio.wait_for(fut, max(deadline - time.monotonic(), 0.0))
+        finally:
+            self._replies.pop(msg["id"], None)
+
+    # ---- requests --------------------------------------------------------------------------------------
+
+    async def wait_ready(self, deadline: float) -> None:
+        if self.ready:
+            return
+        try:
+            await asyncio.wait_for(self._ready.wait(), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"the engine is not ready ({self.state}: {self.reason}), and the request's deadline "
+                                f"({self.config.request_timeout_s:g} s, --request-timeout-s) has passed",
+                           "unavailable_error") from None
+
+    async def prepare(self, rid: str, prompt: Any, params: dict[str, Any], chat_template_kwargs: dict | None,
+                      deadline: float) -> Prepared:
+        """Tokenize and check a request on the engine: -> Prepared, or ApiError (4xx for bad requests, 503
+        when no engine answers before the deadline)."""
+        msg = {"op": "prepare", "id": rid, "prompt": prompt, "params": params,
+               "chat_template_kwargs": chat_template_kwargs}
+        for _ in range(3):                          # an engine that stops meanwhile: ask the next one
+            await self.wait_ready(deadline)
+            try:
+                reply = await self._ask(msg, deadline)
+            except EngineGone:
+                continue
+            except asyncio.TimeoutError:
+                raise ApiError(503, "the engine did not read the request before its deadline "
+                                    f"({self.config.request_timeout_s:g} s)", "unavailable_error") from None
+            if reply["t"] == "prepared":
+                return Prepared(reply["ids"], reply["max_tokens"], reply["think"])
+            raise _rejection(reply)
+        raise ApiError(503, f"the engine stopped three times while reading this request: {self.reason}",
+                       "unavailable_error")
+
+    def enqueue(self, rid: str, prepared: Prepared, params: dict[str, Any], deadline: float) -> Ticket:
+        t = Ticket(rid, prepared.ids, {**params, "max_tokens": prepared.max_tokens}, deadline)
+        self._queue.append(t)
+        self._dispatch()
+        return t
+
+    def cancel(self, t: Ticket) -> None:
+        """The caller is gone (or out of time): free its place. The engine frees a slot at its next window,
+        and says so with a final "cancelled" event, which frees the seat."""
+        t.cancelled = True
+        if t.state == "queued":
+            self._queue.remove(t)
+            t.state = "done"
+            t.events.put_nowait(EngineEvent("final", finish_reason="cancelled"))
+        elif t.state == "running" and t.generation == self.generation:
+            self._send({"op": "cancel", "id": t.id})
+
+    def _dispatch(self) -> None:
+        if not self.ready:
+            return
+        while self._queue and None in self._seats:
+            t = self._queue.popleft()
+            if time.monotonic() > t.deadline:
+                t.state = "done"
+                t.events.put_nowait(EngineEvent("error", error="the request waited for a slot past its deadline"))
+                continue
+            seat = self._seats.index(None)
+            self._seats[seat] = t
+            t.state, t.seat, t.generation, t.started = "running", seat, self.generation, time.monotonic()
+            self._send({"op": "submit", "id": t.id, "ids": t.ids, "params": t.params})
+
+    def _end(self, t: Ticket, ev: EngineEvent) -> None:
+        if t.state == "running" and t.seat is not None and self._seats[t.seat] is t:
+            self._seats[t.seat] = None
+        elif t.state == "queued" and t in self._queue:
+            self._queue.remove(t)
+        t.state = "done"
+        t.events.put_nowait(ev)
+        self._dispatch()
+
+    # ---- what the routes show ----------------------------------------------------------------------------
+
+    async def stats(self, timeout: float = 2.0) -> dict[str, Any]:
+        """The engine's stats (programs, memory, counters); the last known ones when it does not answer."""
+        if self.ready:
+            try:
+                reply = await self._ask({"op": "stats", "id": f"stats-{next(self._ids)}"}, time.monotonic() + timeout)
+                self.last_stats = reply["stats"]
+            except (EngineGone, asyncio.TimeoutError):
+                pass
+        return self.last_stats
+
+    def slots(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        out = []
+        for i, t in enumerate(self._seats):
+            slot: dict[str, Any] = {"id": i, "is_processing": t is not None, "n_ctx": self.config.max_context}
+            if t is not None:
+                slot.update(request_id=t.id, n_prompt_tokens=len(t.ids), n_decoded=t.n_tokens,
+                            max_tokens=t.params["max_tokens"], t_elapsed_ms=round((now - t.started) * 1000, 1),
+                            t_queued_ms=round((t.started - t.arrived) * 1000, 1), cancelled=t.cancelled)
+            out.append(slot)
+        return out
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        body: dict[str, Any] = {"status": "ok" if self.ready else self.state, "generation": self.generation,
+                                "restarts": self.restarts, "slots_idle": self._seats.count(None),
+                                "slots_processing": len(self.running), "queued": self.queued}
+        if not self.ready:
+            body["reason"] = self.reason
+            body["error"] = {"message": self.reason, "type": "unavailable_error", "code": 503}
+        return self.ready, body
+
+
+def _rejection(reply: dict[str, Any]) -> ApiError:
+    kind = reply["kind"]
+    if kind == "context":
+        return context_overflow(reply["n_prompt_tokens"], reply["max_tokens"], reply["n_ctx"])
+    if kind == "template":
+        return ApiError(400, reply["message"], "invalid_request_error", "messages")
+    if kind == "invalid":
+        return ApiError(400, reply["message"], "invalid_request_error", reply.get("param"))
+    return ApiError(500, reply["message"], "server_error")
+
+
+def _strip_level(line: str) -> str:
+    for level in ("INFO ", "WARNING ", "ERROR ", "CRITICAL ", "DEBUG "):
+        if line.startswith(level):
+            return line[len(level):]
+    return line

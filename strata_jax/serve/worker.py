@@ -1,0 +1,229 @@
+"""The engine process: `python -m strata_jax.serve.worker`, driven by the server over stdin/stdout frames
+(see protocol.py); its stderr is the engine's log, read by the server.
+
+Threads: the main thread reads commands from stdin and answers `prepare` and `stats` itself (tokenizing
+is quick); each submitted request gets a thread that forwards its events; every write to stdout goes
+through one lock. stdout is reserved for frames: fd 1 is pointed at stderr before anything else runs, so
+a stray print (ours, a library's) cannot corrupt the stream. When stdin closes (the server went away) the
+process ends. Errors that end the process are printed as one `ERR ...` line first, so the server can say why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, BinaryIO
+
+from .protocol import pack, read_frame
+
+log = logging.getLogger("strata_jax.serve.worker")
+
+class Writer:
+    def __init__(self, out: BinaryIO):
+        self._out = out
+        self._lock = threading.Lock()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        data = pack(msg)
+        with self._lock:
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except (BrokenPipeError, OSError):   # the server is gone: nothing left to do
+                os._exit(0)
+
+
+def main() -> int:
+    _die_with_parent()
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("gguf").setLevel(logging.WARNING)
+    writer = Writer(out)
+    start = read_frame(sys.stdin.buffer)
+    if start is None:
+        return 0
+    try:
+        worker = Worker(start, writer)
+    except BaseException as e:  # noqa: BLE001 - said on one line, then the process ends
+        traceback.print_exc()
+        print(f"ERR engine start: {type(e).__name__}: {_one_line(e)}", file=sys.stderr, flush=True)
+        return 1
+    worker.serve(sys.stdin.buffer)
+    return 0
+
+
+class Worker:
+    def __init__(self, start: dict[str, Any], writer: Writer):
+        from strata_jax import Engine, EngineConfig
+        from strata_jax.gguf import GGUFModel
+
+        self.writer = writer
+        t0 = time.monotonic()
+        cfg = EngineConfig.from_dict(start["engine"])
+        model = GGUFModel.open(start["model"])
+        with _progress_as_frames(writer):
+            self.engine = Engine(model, cfg, progress=True)     # loads the weights, builds the decode programs
+        self.handles: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        spec = self.engine.spec
+        programs = self.engine.stats().get("programs", {})
+        writer.send({"t": "ready", "info": {
+            "architecture": spec.architecture, "name": model.metadata.get("general.name"),
+            "n_ctx": cfg.max_context, "parallel": cfg.parallel, "vocab_size": spec.vocab_size,
+            "n_experts": getattr(spec, "n_experts", 0),
+            "chat_template": self.engine.tokenizer.chat_template is not None,
+            "start_s": round(time.monotonic() - t0, 3), "programs_built": programs.get("built", 0),
+            "build_s": programs.get("build_seconds", 0.0), "pid": os.getpid(),
+            "choices": self.engine.runner.choices,
+        }})
+
+    # ---- commands -------------------------------------------------------------------------------------
+
+    def serve(self, inp: BinaryIO) -> None:
+        while True:
+            cmd = read_frame(inp)
+            if cmd is None or cmd.get("op") == "shutdown":
+                break
+            try:
+                self.handle(cmd)
+            except Exception as e:  # noqa: BLE001 - a bad command must not end the engine
+                log.exception("command %s failed", cmd.get("op"))
+                if "id" in cmd:
+                    self.writer.send({"t": "rejected", "id": cmd["id"], "kind": "internal",
+                                      "message": f"the engine could not take the request: {_one_line(e)}"})
+        self.engine.close()
+        os._exit(0)
+
+    def handle(self, cmd: dict[str, Any]) -> None:
+        op = cmd["op"]
+        if op == "prepare":
+            self.writer.send(self.prepare(cmd))
+        elif op == "submit":
+            self.submit(cmd)
+        elif op == "cancel":
+            with self._lock:
+                h = self.handles.get(cmd["id"])
+            if h is not None:
+                h.cancel()
+        elif op == "stats":
+            self.writer.send({"t": "stats", "id": cmd["id"], "stats": self.engine.stats()})
+        else:
+            raise ValueError(f"unknown command {op!r}")
+
+    def prepare(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Tokenize and check a request without queueing it: the server answers 4xx at once, and holds the
+        queue itself (so a request that waits for a slot survives an engine restart)."""
+        from strata_jax.engine import ContextOverflowError, RequestError, SamplingParams
+        from strata_jax.gguf.chat_template import NoChatTemplateError
+
+        rid, prompt, p = cmd["id"], cmd["prompt"], cmd["params"]
+        kwargs = cmd.get("chat_template_kwargs") or {}
+        n_ctx = self.engine.config.max_context
+        try:
+            think = False
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                text = self.engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kwargs)
+                think = text.rstrip().endswith("<think>")   # the template opened the reasoning part
+            ids = self.engine.prompt_ids(prompt, kwargs)
+            max_tokens = p.get("max_tokens") or max(n_ctx - len(ids), 1)
+            SamplingParams(max_tokens, p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seed"],
+                           tuple(p["stop"]), p["ignore_eos"]).validate()
+            if len(ids) + max_tokens > n_ctx:
+                raise ContextOverflowError(len(ids), max_tokens, n_ctx)
+        except ContextOverflowError as e:
+            return {"t": "rejected", "id": rid, "kind": "context", "message": str(e),
+                    "n_prompt_tokens": e.prompt_tokens, "max_tokens": e.max_tokens, "n_ctx": e.n_ctx}
+        except NoChatTemplateError as e:
+            return {"t": "rejected", "id": rid, "kind": "template", "message": str(e)}
+        except RequestError as e:
+            field = str(e).split(" = ", 1)[0]
+            return {"t": "rejected", "id": rid, "kind": "invalid", "message": str(e),
+                    "param": field if field.isidentifier() else None}
+        except ValueError as e:   # ChatMessageError, ChatTemplateError, TokenizerError
+            return {"t": "rejected", "id": rid, "kind": "invalid", "message": str(e), "param": "messages"
+                    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else "prompt"}
+        return {"t": "prepared", "id": rid, "ids": ids, "max_tokens": max_tokens, "think": think}
+
+    def submit(self, cmd: dict[str, Any]) -> None:
+        rid, p = cmd["id"], cmd["params"]
+        h = self.engine.submit(cmd["ids"], max_tokens=p["max_tokens"], temperature=p["temperature"],
+                               top_k=p["top_k"], top_p=p["top_p"], min_p=p["min_p"], seed=p["seed"],
+                               stop=p["stop"], ignore_eos=p["ignore_eos"])
+        with self._lock:
+            self.handles[rid] = h
+        threading.Thread(target=self._forward, args=(rid, h), name=f"req-{rid}", daemon=True).start()
+
+    def _forward(self, rid: str, h) -> None:
+        try:
+            for ev in h:
+                msg: dict[str, Any] = {"t": "ev", "id": rid, "k": ev.kind, "x": ev.text, "tok": ev.token}
+                if ev.kind == "final":
+                    msg["fr"], msg["st"] = ev.finish_reason, ev.stats
+                elif ev.kind == "error":
+                    msg["err"] = ev.error
+                self.writer.send(msg)
+        finally:
+            with self._lock:
+                self.handles.pop(rid, None)
+
+
+def _die_with_parent() -> None:
+    """The server stops this process at shutdown; if the server is killed instead, Linux ends it too (the
+    process has its own session, so terminal signals do not reach it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass                                  # not Linux: stdin closing still ends the process
+    if os.getppid() == 1:                     # the server died before prctl
+        os._exit(0)
+
+
+@contextlib.contextmanager
+def _progress_as_frames(writer: Writer):
+    """The engine draws its progress (loading weights, building programs) with tqdm; here, in the engine
+    process, each bar's updates become progress frames instead, and the server draws them."""
+    import tqdm as tqdm_module
+
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
+
+    class FrameBar(tqdm_module.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "file": devnull, "mininterval": 0.25})
+
+        def display(self, msg=None, pos=None):
+            writer.send({"t": "progress", "stage": self.desc or "working", "n": int(self.n),
+                         "total": int(self.total or 0)})
+            return True
+
+        def close(self):
+            if not self.disable and not getattr(self, "_frame_closed", False):
+                self._frame_closed = True
+                self.display()
+            super().close()
+
+    saved = tqdm_module.tqdm
+    tqdm_module.tqdm = FrameBar
+    try:
+        yield
+    finally:
+        tqdm_module.tqdm = saved
+        devnull.close()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
