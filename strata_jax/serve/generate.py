@@ -92,6 +92,8 @@ def _decode(body: bytes, kind: type) -> Any:
     except msgspec.ValidationError as e:
         text = str(e)
         param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        if param and param.endswith(".role"):
+            text += " (a role is one of system, developer, user, assistant, tool)"
         raise invalid(f"invalid request: {text}", param) from None
     except msgspec.DecodeError as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None
@@ -108,7 +110,7 @@ def _message(m: Message, i: int) -> dict[str, Any]:
             texts.append(part.text)
         content = "\n".join(texts)
     if content is None and not (m.role == "assistant" and m.tool_calls):
-        raise invalid(f"messages[{i}] ({m.role}) has no content", f"messages[{i}].content")
+        raise invalid(f"messages[{i}].content is missing: a {m.role} message needs content", f"messages[{i}].content")
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
     if content is not None:
         out["content"] = content

@@ -220,9 +220,10 @@ class Supervisor:
             if not fut.done():
                 fut.set_exception(EngineGone(fault.message))
         self._replies.clear()
-        self.reason = (f"{fault.message}. Starting engine process {gen + 1} in {delay:.0f} s "
-                       f"({self._crashes} stop{'s' if self._crashes > 1 else ''} in a row)")
-        log.warning("%s", self.reason)
+        again = (f"starting engine process {gen + 1} in {delay:.0f} s "
+                 f"({self._crashes} stop{'s' if self._crashes > 1 else ''} in a row)")
+        self.reason = f"{fault.message}. {again[0].upper()}{again[1:]}"
+        log.warning("%s", again)
         if self.on_fault is not None:
             self.on_fault(fault)
 

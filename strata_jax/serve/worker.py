@@ -44,7 +44,8 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("gguf").setLevel(logging.WARNING)
+    for noisy in ("gguf", "jax"):       # GGUFWriter's chatter; jax's "Unable to initialize backend 'tpu'"
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     writer = Writer(out)
     start = read_frame(sys.stdin.buffer)
     if start is None:

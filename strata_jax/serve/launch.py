@@ -1,0 +1,92 @@
+"""Run `strata-jax serve` as a process on a free port and wait for it: for tests and load scripts.
+
+    with ServerProcess(["model.gguf", "--parallel", "2"], env={"STRATA_FAULT": "exit:30@1"}) as srv:
+        httpx.get(srv.url + "/health")
+        srv.log()          # what the server printed so far (stdout and stderr)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, command: Sequence[str] | None = None,
+                 port: int | None = None, api_key: str | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self._logfile = Path(tempfile.mkstemp(prefix="strata-serve-", suffix=".log")[1])
+        cmd = list(command or [sys.executable, "-m", "strata_jax"]) + ["serve", *args, "--port", str(self.port)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        with open(self._logfile, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self._logfile.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+        """Until GET /health says 200; raises with the server's output if it does not come."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the server was not ready in {timeout:.0f} s:\n{self.log()}")
+
+    def wait_up(self, timeout: float = 60.0) -> ServerProcess:
+        """Until the server answers HTTP at all (ready or not)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{self.log()}")
+            try:
+                httpx.get(self.url + "/health", timeout=2.0)
+                return self
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise TimeoutError(f"the server did not answer in {timeout:.0f} s:\n{self.log()}")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self._logfile.unlink(missing_ok=True)
