@@ -43,6 +43,7 @@ def server(think_model):
     args = [str(think_model), "--parallel", "2", "--max-context", str(N_CTX), "--model-name", "tiny",
             "--max-body-bytes", str(MAX_BODY)]
     with ServerProcess(args) as srv:
+        srv.first_health = srv.wait_up().health()
         srv.wait_ready()
         yield srv
 
@@ -58,7 +59,10 @@ def _post(server, path, body, **kw):
                       timeout=60, **kw)
 
 
-def test_health_and_models(server, client):
+def test_health_says_loading_then_ok(server, client):
+    first = server.first_health
+    assert first.status_code == 503 and first.json()["status"] == "loading", first.text
+    assert "loading" in first.json()["reason"] and first.json()["error"]["code"] == 503
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     models = client.models.list().data
@@ -226,6 +230,22 @@ def test_client_disconnect_cancels_and_frees_the_slot(server):
     assert "(cancelled: the client went away)" in _wait_for_log(server, "cancelled: the client went away")
     metrics = httpx.get(server.url + "/metrics").text
     assert 'strata_requests_total{endpoint="completions",outcome="cancelled"}' in metrics
+
+
+def test_client_that_leaves_a_whole_answer_cancels_it(server):
+    """Not streamed: the server watches the connection, and stops the request when the client goes."""
+    body = {"prompt": list(range(3, 43)), "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}     # 40 tokens: a new prompt program (64 tokens a row) to build first, ~2 s
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    log = _wait_for_log(server, "the client went away; cancelling")
+    if "the client went away; cancelling" not in log:
+        pytest.skip("the answer was complete before the client left (a fast machine)")
+    end = time.monotonic() + 10
+    while any(s["is_processing"] for s in httpx.get(server.url + "/slots").json()) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
+    assert "(cancelled: the client went away)" in _wait_for_log(server, "tokens in", 5)
 
 
 def test_metrics_slots_faults_and_log_lines(server, client):

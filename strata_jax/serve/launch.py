@@ -47,6 +47,9 @@ class ServerProcess:
     def log(self) -> str:
         return self._logfile.read_text(errors="replace")
 
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=5.0)
+
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
         """Until GET /health says 200; raises with the server's output if it does not come."""
         end = time.monotonic() + timeout

@@ -95,14 +95,18 @@ class StderrTail:
 
 
 class Supervisor:
-    def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None, max_backoff_s: float = 30.0, stable_after_s: float = 60.0,
-                 on_fault: Callable[[Fault], None] | None = None):
+    def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None, backoff_s: float = 1.0,
+                 max_backoff_s: float = 30.0, stable_after_s: float = 60.0, on_fault: Callable[[Fault], None] | None = None,
+                 command: list[str] | None = None):
         self.model = str(model)
         self.config = config
         self.console = console
+        self.backoff_s = backoff_s                  # the wait after a first stop; doubled each stop in a row
         self.max_backoff_s = max_backoff_s
         self.stable_after_s = stable_after_s
         self.on_fault = on_fault
+        # the engine process; tests may put a mock engine that speaks the same frames here
+        self.command = command or [sys.executable, "-m", "strata_jax.serve.worker"]
         self.ledger = FaultLedger()
         self.state = "loading"                  # loading | ready | restarting | stopping
         self.reason = f"loading {Path(self.model).name}"
@@ -178,7 +182,7 @@ class Supervisor:
         env = {**os.environ, "STRATA_ENGINE_GENERATION": str(gen), "PYTHONUNBUFFERED": "1"}
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "strata_jax.serve.worker", stdin=asyncio.subprocess.PIPE,
+                *self.command, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 22,
                 # its own session: a Ctrl-C at the terminal reaches the server, which stops the engine itself
                 start_new_session=True)
@@ -204,7 +208,7 @@ class Supervisor:
         self._ready.clear()
         stable = was_ready and time.monotonic() - self._ready_at >= self.stable_after_s
         self._crashes = 1 if stable else self._crashes + 1
-        delay = min(self.max_backoff_s, 2.0 ** (self._crashes - 1))
+        delay = min(self.max_backoff_s, self.backoff_s * 2.0 ** (self._crashes - 1))
         tail = self.tail
         running = self.running
         fault = Fault(gen, rc, tail.error_line or tail.last_line or "(it printed nothing)", tail.error_line,
@@ -220,7 +224,7 @@ class Supervisor:
             if not fut.done():
                 fut.set_exception(EngineGone(fault.message))
         self._replies.clear()
-        again = (f"starting engine process {gen + 1} in {delay:.0f} s "
+        again = (f"starting engine process {gen + 1} in {delay:g} s "
                  f"({self._crashes} stop{'s' if self._crashes > 1 else ''} in a row)")
         self.reason = f"{fault.message}. {again[0].upper()}{again[1:]}"
         log.warning("%s", again)

@@ -1,0 +1,95 @@
+"""A mock engine process: speaks the worker's frames (protocol.py) with no model and no JAX, so the server's
+own logic (queue, seats, cancels, deadlines, restarts) can be tested in a fraction of a second.
+
+    python -m strata_jax.serve.mock_worker        # Supervisor(..., command=[sys.executable, "-m", this])
+
+A prompt's characters are its token ids; the answer is `max_tokens` tokens "w0 w1 ...", one every
+STRATA_MOCK_TOKEN_S seconds (default 0.005). Prompts that contain a word ask for trouble:
+    EXIT    the process prints `ERR mock: ...` and exits with code 3 after the third token
+    HANG    the prepare command is never answered (an engine that is stuck)
+Env STRATA_MOCK_START_FAIL=1: the process fails at start (prints an ERR line, exits 2).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from .protocol import pack, read_frame
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    lock = threading.Lock()
+
+    def send(msg) -> None:
+        with lock:
+            out.write(pack(msg))
+
+    start = read_frame(sys.stdin.buffer)
+    if start is None:
+        return 0
+    if os.environ.get("STRATA_MOCK_START_FAIL"):
+        print("ERR mock engine start: asked to fail (STRATA_MOCK_START_FAIL)", file=sys.stderr, flush=True)
+        return 2
+    n_ctx, delay = start["engine"]["max_context"], float(os.environ.get("STRATA_MOCK_TOKEN_S", "0.005"))
+    cancelled: dict[str, threading.Event] = {}
+    print(f"mock engine {os.environ.get('STRATA_ENGINE_GENERATION')} ready", file=sys.stderr, flush=True)
+    send({"t": "ready", "info": {"architecture": "mock", "name": "mock", "n_ctx": n_ctx, "chat_template": True,
+                                 "parallel": start["engine"]["parallel"]}})
+
+    def generate(rid: str, ids: list[int], max_tokens: int) -> None:
+        text = "".join(map(chr, ids))
+        t0 = time.monotonic()
+        for i in range(max_tokens):
+            if cancelled[rid].is_set():
+                send({"t": "ev", "id": rid, "k": "final", "x": "", "fr": "cancelled", "st": _stats(ids, i, t0)})
+                return
+            if "EXIT" in text and i == 3:
+                print("ERR mock: exit asked by the prompt", file=sys.stderr, flush=True)
+                os._exit(3)
+            time.sleep(delay)
+            send({"t": "ev", "id": rid, "k": "token", "x": f"w{i} ", "tok": i})
+        send({"t": "ev", "id": rid, "k": "final", "x": "", "fr": "length", "st": _stats(ids, max_tokens, t0)})
+
+    while (cmd := read_frame(sys.stdin.buffer)) is not None:
+        op = cmd["op"]
+        if op == "prepare":
+            prompt = cmd["prompt"]
+            text = prompt if isinstance(prompt, str) else "".join(m.get("content", "") for m in prompt) \
+                if isinstance(prompt[0], dict) else "".join(map(chr, prompt))
+            if "HANG" in text:
+                continue
+            ids = [ord(c) for c in text]
+            max_tokens = cmd["params"]["max_tokens"] or n_ctx - len(ids)
+            if len(ids) + max_tokens > n_ctx:
+                send({"t": "rejected", "id": cmd["id"], "kind": "context", "message": "too long",
+                      "n_prompt_tokens": len(ids), "max_tokens": max_tokens, "n_ctx": n_ctx})
+            else:
+                send({"t": "prepared", "id": cmd["id"], "ids": ids, "max_tokens": max_tokens, "think": False})
+        elif op == "submit":
+            cancelled[cmd["id"]] = threading.Event()
+            threading.Thread(target=generate, args=(cmd["id"], cmd["ids"], cmd["params"]["max_tokens"]),
+                             daemon=True).start()
+        elif op == "cancel" and cmd["id"] in cancelled:
+            cancelled[cmd["id"]].set()
+        elif op == "stats":
+            send({"t": "stats", "id": cmd["id"], "stats": {"programs": {"built": 0, "live": 0}}})
+        elif op == "shutdown":
+            break
+    return 0
+
+
+def _stats(ids: list[int], n: int, t0: float) -> dict:
+    ms = (time.monotonic() - t0) * 1000
+    return {"prompt_tokens": len(ids), "reused_tokens": 0, "generated_tokens": n, "queue_ms": 0.0,
+            "prompt_ms": 0.0, "generate_ms": ms, "prompt_per_second": 0.0,
+            "predicted_per_second": n / max(ms / 1000, 1e-9),
+            "log_line": f"prompt {len(ids)} tokens = 0 reused + {len(ids)} read, {n} generated (mock)"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

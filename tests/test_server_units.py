@@ -1,0 +1,250 @@
+"""Server pieces on their own, fast: the reasoning parser on token streams, request parsing, the frame
+protocol, the fault ledger, and the supervisor driving a mock engine process (mock_worker.py: no model, no
+JAX) through queueing, cancels, deadlines, an engine exit and a start that keeps failing."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import sys
+import time
+
+import pytest
+
+from strata_jax import EngineConfig
+from strata_jax.serve.errors import ApiError
+from strata_jax.serve.generate import ModelNames, parse_chat, parse_completion
+from strata_jax.serve.ledger import Fault, describe_exit
+from strata_jax.serve.protocol import pack, read_frame
+from strata_jax.serve.reasoning import CONTENT, REASONING, ReasoningParser, split_reasoning
+from strata_jax.serve.supervisor import Prepared, StderrTail, Supervisor
+
+# ---- reasoning -------------------------------------------------------------------------------------------
+
+CASES = [  # (text, starts inside reasoning) -> (reasoning or None, content)
+    ("Let me think.\n</think>\n\nParis.", True, ("Let me think.", "Paris.")),
+    ("\n<think>\nhmm\n</think>\n\nAnswer", False, ("hmm", "Answer")),
+    ("<think>a</think>b <think>c</think>", False, ("a", "b <think>c</think>")),
+    ("Plain answer, a < b </thin", False, (None, "Plain answer, a < b </thin")),
+    ("still thinking </thi", True, ("still thinking </thi", "")),
+    ("  ", True, ("", "")),
+    ("<thin", False, (None, "<thin")),
+    ("", True, ("", "")),
+]
+
+
+@pytest.mark.parametrize("text, inside, expected", CASES)
+def test_reasoning_split_whole(text, inside, expected):
+    assert split_reasoning(text, inside) == expected
+
+
+@pytest.mark.parametrize("text, inside, expected", CASES)
+def test_reasoning_split_any_way_into_tokens(text, inside, expected):
+    """Tags cut anywhere, in two or three pieces: the streamed parts add up to the whole split."""
+    n = len(text)
+    cuts = [(i,) for i in range(n + 1)] + list(itertools.combinations(range(0, n + 1, max(1, n // 12)), 2))
+    for cut in cuts:
+        bounds = [0, *cut, n]
+        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+        p = ReasoningParser(inside)
+        parts = [part for piece in pieces for part in p.feed(piece)] + p.flush()
+        reasoning = "".join(t for k, t in parts if k == REASONING)
+        content = "".join(t for k, t in parts if k == CONTENT)
+        assert ((reasoning if p.saw_reasoning else None), content) == expected, pieces
+        assert all(t for _, t in parts), "no empty deltas"
+
+
+def test_reasoning_streams_as_it_comes():
+    p = ReasoningParser(in_reasoning=True)
+    assert p.feed("Let me th") == [(REASONING, "Let me th")]
+    assert p.feed("ink</th") == [(REASONING, "ink")]             # "</th" held back: it may be the tag
+    assert p.feed("ink>\n\nPar") == [(CONTENT, "Par")]
+    assert p.feed("is") == [(CONTENT, "is")]
+    assert p.flush() == []
+
+
+def test_reasoning_off_passes_tags_through():
+    p = ReasoningParser(in_reasoning=True, enabled=False)
+    assert p.feed("<think>x</think>y") == [(CONTENT, "<think>x</think>y")] and not p.saw_reasoning
+
+
+def test_reasoning_on_real_token_stream(tiny_model):
+    """Token by token through the tiny tokenizer, where <think> and </think> are tokens of their own."""
+    from strata_jax.gguf import load_tokenizer
+
+    tok = load_tokenizer(tiny_model(arch="qwen3", layers=2, hidden=64))
+    ids = tok.encode("The capital</think>\n\nis Paris", add_special=False)
+    assert tok.token_to_id("</think>") in ids
+    dec, p = tok.stream_decoder(), ReasoningParser(in_reasoning=True)
+    parts = [part for i in ids for part in p.feed(dec.add(i))] + p.flush()
+    assert "".join(t for k, t in parts if k == REASONING) == "The capital"
+    assert "".join(t for k, t in parts if k == CONTENT) == "is Paris"
+
+
+# ---- request parsing -------------------------------------------------------------------------------------
+
+NAMES = ModelNames("tiny", "tiny.gguf")
+
+
+def test_chat_parsing_maps_openai_fields():
+    job = parse_chat(b'{"model": "tiny.gguf", "messages": [{"role": "developer", "content": "Be brief."}, '
+                     b'{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], '
+                     b'"max_completion_tokens": 7, "max_tokens": 99, "seed": -1, "stop": "END", "top_k": 5, '
+                     b'"stream": true, "stream_options": {"include_usage": true}, "user": "ignored"}', NAMES)
+    assert job.model == "tiny" and job.stream and job.include_usage
+    assert job.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"}]
+    assert job.params == {"max_tokens": 7, "temperature": 0.8, "top_k": 5, "top_p": 0.95, "min_p": 0.05,
+                          "seed": None, "stop": ["END"], "ignore_eos": False}
+    assert parse_completion(b'{"prompt": ["hi"], "seed": 8589934593}', NAMES).params["seed"] == 1
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "model": "other"}', "model"),
+    (b'{"messages": [{"role": "tool"}]}', "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "top_k": 1.5}', "top_k"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stop": [1]}', "stop[0]"),
+])
+def test_chat_parsing_names_the_field(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_chat(body, NAMES)
+    assert e.value.param == param and e.value.status in (400, 404)
+    assert param.split("[")[0] in e.value.message
+
+
+# ---- protocol, ledger, stderr ----------------------------------------------------------------------------
+
+def test_frames_round_trip_and_stop_at_a_cut():
+    msgs = [{"op": "prepare", "id": "a", "prompt": [{"role": "user", "content": "é"}]}, {"t": "ev", "x": "\x00"}]
+    data = b"".join(pack(m) for m in msgs)
+    f = io.BytesIO(data)
+    assert [read_frame(f), read_frame(f), read_frame(f)] == [*msgs, None]
+    assert read_frame(io.BytesIO(data[:-1])) == msgs[0]
+
+
+def test_fault_messages_say_why():
+    f = Fault(1, 1, "ERR window 7: boom", "ERR window 7: boom", 2, ["a", "b"], 3.0, True)
+    assert f.message == "the engine stopped unexpectedly (exit code 1). Its last error: ERR window 7: boom"
+    g = Fault(2, -9, "loading weights", None, 0, [], 1.0, False)
+    assert g.message == "the engine stopped unexpectedly (killed by SIGKILL, exit code -9). Its last log line: " \
+                        "loading weights"
+    assert describe_exit(None) == "it did not start"
+    tail = StderrTail()
+    for line in ("INFO strata_jax.engine: prompt 3 tokens", "ERR window 2: x", "WARNING later line", ""):
+        tail.add(line)
+    assert tail.error_line == "ERR window 2: x" and tail.last_line == "later line"
+
+
+# ---- the supervisor over a mock engine -------------------------------------------------------------------
+
+MOCK = [sys.executable, "-m", "strata_jax.serve.mock_worker"]
+PARAMS = {"max_tokens": None, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": None,
+          "stop": [], "ignore_eos": False}
+
+
+def _run(coro_fn, parallel=2, timeout_s=10.0, **kw):
+    async def main():
+        sup = Supervisor("mock.gguf", EngineConfig(parallel=parallel, max_context=512, request_timeout_s=timeout_s),
+                         command=MOCK, backoff_s=0.05, max_backoff_s=0.3, **kw)
+        await sup.start()
+        try:
+            return await asyncio.wait_for(coro_fn(sup), 30)
+        finally:
+            await sup.stop()
+
+    return asyncio.run(main())
+
+
+async def _ask(sup, prompt, max_tokens=5):
+    deadline = time.monotonic() + sup.config.request_timeout_s
+    params = {**PARAMS, "max_tokens": max_tokens}
+    prepared = await sup.prepare(f"r-{prompt}", prompt, params, None, deadline)
+    return sup.enqueue(f"r-{prompt}", prepared, params, deadline)
+
+
+async def _drain(t):
+    events = []
+    while not events or events[-1].kind == "token":
+        events.append(await asyncio.wait_for(t.events.get(), 10))
+    return events
+
+
+def test_mock_queue_never_runs_more_than_parallel():
+    async def go(sup):
+        tickets = [await _ask(sup, f"p{i}", 20) for i in range(5)]
+        most = 0
+        while any(t.state != "done" for t in tickets):
+            most = max(most, len(sup.running))
+            await asyncio.sleep(0.002)
+        ends = [(await _drain(t))[-1] for t in tickets]
+        return most, ends, tickets
+
+    most, ends, tickets = _run(go)
+    assert most == 2
+    assert [e.finish_reason for e in ends] == ["length"] * 5 and all(e.stats["generated_tokens"] == 20 for e in ends)
+    assert sorted(t.started for t in tickets) == [t.started for t in tickets]     # first come, first served
+
+
+def test_mock_engine_exit_fails_running_and_serves_queued():
+    async def go(sup):
+        crash, other = await _ask(sup, "EXIT now", 50), await _ask(sup, "long", 400)
+        queued = await _ask(sup, "queued", 5)
+        assert queued.state == "queued"
+        ends = [(await _drain(t))[-1] for t in (crash, other, queued)]
+        return sup, ends, queued
+
+    sup, (crash, other, queued_end), queued = _run(go)
+    want = "the engine stopped unexpectedly (exit code 3). Its last error: ERR mock: exit asked by the prompt"
+    assert crash.kind == other.kind == "error" and crash.error.startswith(want)
+    assert queued_end.finish_reason == "length" and queued.generation == 2
+    fault = sup.ledger.last
+    assert fault.requests_in_flight == 2 and fault.restart_in_s == 0.05 and fault.exit_code == 3
+
+
+def test_mock_cancel_a_queued_request_and_a_running_one():
+    async def go(sup):
+        running, queued = await _ask(sup, "a", 500), await _ask(sup, "b", 5)
+        sup.cancel(queued)
+        q = await _drain(queued)
+        await asyncio.sleep(0.05)
+        sup.cancel(running)
+        r = await _drain(running)
+        return q, r, sup.running, sup.queued
+
+    q, r, running, n_queued = _run(go, parallel=1)
+    assert q[-1].finish_reason == "cancelled" and len(q) == 1
+    assert r[-1].finish_reason == "cancelled" and 0 < r[-1].stats["generated_tokens"] < 500
+    assert running == [] and n_queued == 0
+
+
+def test_mock_stuck_engine_meets_the_deadline():
+    async def go(sup):
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as e:
+            await _ask(sup, "HANG")
+        return e.value, time.monotonic() - t0
+
+    err, waited = _run(go, timeout_s=0.5)
+    assert err.status == 503 and "deadline" in err.message and 0.4 < waited < 2.0
+
+
+def test_mock_engine_that_cannot_start_backs_off(monkeypatch):
+    monkeypatch.setenv("STRATA_MOCK_START_FAIL", "1")
+
+    async def go(sup):
+        while sup.ledger.total < 5:
+            await asyncio.sleep(0.02)
+        with pytest.raises(ApiError) as e:
+            await sup.prepare("x", "hi", PARAMS, None, time.monotonic() + 0.2)
+        return sup, e.value, sup.health()
+
+    sup, err, (ok, body) = _run(go)
+    assert [f.restart_in_s for f in sup.ledger.entries][:5] == [0.05, 0.1, 0.2, 0.3, 0.3]
+    assert not ok and body["status"] == "restarting"
+    assert "ERR mock engine start" in body["reason"] and "in a row" in body["reason"]
+    assert err.status == 503 and "ERR mock engine start" in err.message
+
+
+def test_prepared_is_plain_data():
+    assert Prepared([1, 2], 3, False).max_tokens == 3
