@@ -117,7 +117,8 @@ def test_thinking_off_gives_content_only(client):
 
 
 def test_completions_stream_equals_whole(client):
-    kw = dict(model="tiny", prompt="Hello", max_tokens=6, temperature=0, extra_body={"top_k": 1, "min_p": 0.0})
+    kw = {"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 0,
+          "extra_body": {"top_k": 1, "min_p": 0.0}}
     whole = client.completions.create(**kw)
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text

@@ -59,7 +59,7 @@ def test_chat_without_a_template_is_400(server):
 
 def test_engine_exit_mid_stream_fails_in_flight_and_serves_the_rest(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=90)
-    long = dict(model="plain.gguf", max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    long = {"model": "plain.gguf", "max_tokens": 200, "temperature": 0, "extra_body": {"ignore_eos": True}}
     results: dict = {}
 
     def stream(i):

@@ -46,7 +46,7 @@ def test_reasoning_split_any_way_into_tokens(text, inside, expected):
     cuts = [(i,) for i in range(n + 1)] + list(itertools.combinations(range(0, n + 1, max(1, n // 12)), 2))
     for cut in cuts:
         bounds = [0, *cut, n]
-        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+        pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
         p = ReasoningParser(inside)
         parts = [part for piece in pieces for part in p.feed(piece)] + p.flush()
         reasoning = "".join(t for k, t in parts if k == REASONING)

@@ -163,7 +163,7 @@ async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[EngineEvent]:
     while True:
         try:
             ev = await asyncio.wait_for(t.events.get(), max(t.deadline - time.monotonic(), 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             sup.cancel(t)
             yield EngineEvent("error", error=f"the request passed its deadline ({sup.config.request_timeout_s:g} s, "
                                              "--request-timeout-s)", finish_reason="timeout")

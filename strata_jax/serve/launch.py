@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -87,7 +88,7 @@ class ServerProcess:
                 self.proc.wait()
         return self.proc.returncode
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,10 +8,10 @@ it took down, for as long as the server runs (the newest `keep` entries).
 from __future__ import annotations
 
 import signal
-from time import time as unix_now
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from time import time as unix_now
 from typing import Any
 
 
@@ -27,7 +27,7 @@ class Fault:
     was_ready: bool                     # it had finished loading
     restart_in_s: float = 0.0
     last_lines: list[str] = field(default_factory=list)
-    time: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="milliseconds"))
+    time: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="milliseconds"))
     unix_time: float = field(default_factory=unix_now)
 
     @property

@@ -4,14 +4,14 @@ that is wrong (`Expected int, got str - at $.max_tokens`). Fields OpenAI clients
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 # Bounds that catch nonsense early; the engine checks the finer rules (top_p in (0, 1], ...).
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
 Seed = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]   # -1: a random seed (llama.cpp)
-Stop = Union[str, list[str], None]
+Stop = str | list[str] | None
 
 
 class TextPart(msgspec.Struct):
@@ -21,7 +21,7 @@ class TextPart(msgspec.Struct):
 
 class Message(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
     reasoning_content: str | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -57,7 +57,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[Union[int, str]], None] = None     # text, token ids, or a list of one text
+    prompt: str | list[int | str] | None = None     # text, token ids, or a list of one text
     echo: bool = False
 
 

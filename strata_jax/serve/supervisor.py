@@ -24,9 +24,10 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import EngineConfig
 from .errors import ApiError, context_overflow
@@ -140,12 +141,12 @@ class Supervisor:
             try:
                 proc.stdin.close()
                 await asyncio.wait_for(proc.wait(), timeout)
-            except (asyncio.TimeoutError, OSError, RuntimeError):
+            except (TimeoutError, OSError, RuntimeError):
                 proc.kill()
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+            except (TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
         for t in self.running + list(self._queue):
             self._end(t, EngineEvent("error", error="the server is shutting down"))
@@ -175,7 +176,7 @@ class Supervisor:
             self._on_exit(gen, rc, time.monotonic() - t0)
             try:
                 await asyncio.wait_for(self._stopped.wait(), self.ledger.last.restart_in_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _run_process(self, gen: int) -> int | None:
@@ -197,7 +198,7 @@ class Supervisor:
         rc = await proc.wait()
         try:
             await asyncio.wait_for(errs, 2.0)       # the last lines, the ERR line among them
-        except asyncio.TimeoutError:
+        except TimeoutError:
             errs.cancel()
         self._proc = None
         return rc
@@ -261,7 +262,7 @@ class Supervisor:
                 return
             try:
                 self._on_frame(msg)
-            except Exception:  # noqa: BLE001 - one bad frame must not stop the reader
+            except Exception:  # one bad frame must not stop the reader
                 log.exception("could not handle the engine's %r frame", msg.get("t"))
 
     def _on_frame(self, msg: dict[str, Any]) -> None:
@@ -328,7 +329,7 @@ class Supervisor:
             return
         try:
             await asyncio.wait_for(self._ready.wait(), max(deadline - time.monotonic(), 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ApiError(503, f"the engine is not ready ({self.state}: {self.reason}), and the request's deadline "
                                 f"({self.config.request_timeout_s:g} s, --request-timeout-s) has passed",
                            "unavailable_error") from None
@@ -345,7 +346,7 @@ class Supervisor:
                 reply = await self._ask(msg, deadline)
             except EngineGone:
                 continue
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise ApiError(503, "the engine did not read the request before its deadline "
                                     f"({self.config.request_timeout_s:g} s)", "unavailable_error") from None
             if reply["t"] == "prepared":
@@ -402,7 +403,7 @@ class Supervisor:
             try:
                 reply = await self._ask({"op": "stats", "id": f"stats-{next(self._ids)}"}, time.monotonic() + timeout)
                 self.last_stats = reply["stats"]
-            except (EngineGone, asyncio.TimeoutError):
+            except (TimeoutError, EngineGone):
                 pass
         return self.last_stats
 

@@ -94,7 +94,7 @@ class Worker:
                 break
             try:
                 self.handle(cmd)
-            except Exception as e:  # noqa: BLE001 - a bad command must not end the engine
+            except Exception as e:  # a bad command must not end the engine
                 log.exception("command %s failed", cmd.get("op"))
                 if "id" in cmd:
                     self.writer.send({"t": "rejected", "id": cmd["id"], "kind": "internal",
