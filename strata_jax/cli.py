@@ -194,11 +194,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from strata_jax.gguf import GGUFModel
     from strata_jax.serve import serve
 
+    engine = engine_config(args)
     path = args.model or _default_model()
     GGUFModel.open(path)   # a missing or broken file is an error now, not an engine that never starts
     server = ServerConfig(model=path, host=args.host, port=args.port, api_key=args.api_key,
                           model_name=args.model_name, max_body_bytes=args.max_body_bytes)
-    return serve(server, engine_config(args))
+    return serve(server, engine)
 
 
 def _default_model() -> str:

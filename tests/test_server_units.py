@@ -248,3 +248,15 @@ def test_mock_engine_that_cannot_start_backs_off(monkeypatch):
 
 def test_prepared_is_plain_data():
     assert Prepared([1, 2], 3, False).max_tokens == 3
+
+
+@pytest.mark.parametrize("args, says", [
+    (["/no/such/model.gguf"], "no such file"),
+    (["--parallel", "0", "/no/such/model.gguf"], "parallel = 0"),
+])
+def test_serve_refuses_bad_settings_before_starting(args, says):
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "strata_jax", "serve", *args, "--port", "0"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and says in out.stderr and "strata-jax serve: error:" in out.stderr

@@ -135,13 +135,16 @@ class Supervisor:
     async def stop(self, timeout: float = 10.0) -> None:
         self.state, self.reason = "stopping", "the server is shutting down"
         self._stopped.set()
-        proc = self._proc
+        proc, was_ready = self._proc, self._ready.is_set()
         if proc is not None and proc.returncode is None:
-            self._send({"op": "shutdown"})
             try:
-                proc.stdin.close()
+                if was_ready:                       # it reads its commands: ask it to close the engine
+                    self._send({"op": "shutdown"})
+                    proc.stdin.close()
+                else:                               # still loading, not reading: no need to wait for it
+                    proc.terminate()
                 await asyncio.wait_for(proc.wait(), timeout)
-            except (TimeoutError, OSError, RuntimeError):
+            except (TimeoutError, OSError, RuntimeError, ProcessLookupError):
                 proc.kill()
         if self._task is not None:
             try:
@@ -402,7 +405,8 @@ class Supervisor:
         if self.ready:
             try:
                 reply = await self._ask({"op": "stats", "id": f"stats-{next(self._ids)}"}, time.monotonic() + timeout)
-                self.last_stats = reply["stats"]
+                if reply["t"] == "stats":
+                    self.last_stats = reply["stats"]
             except (TimeoutError, EngineGone):
                 pass
         return self.last_stats

@@ -114,9 +114,17 @@ class Worker:
             if h is not None:
                 h.cancel()
         elif op == "stats":
-            self.writer.send({"t": "stats", "id": cmd["id"], "stats": self.engine.stats()})
+            self.writer.send({"t": "stats", "id": cmd["id"], "stats": self._stats()})
         else:
             raise ValueError(f"unknown command {op!r}")
+
+    def _stats(self) -> dict[str, Any]:
+        for _ in range(3):      # read while the engine thread changes its dicts: a rare "changed size" error
+            try:
+                return self.engine.stats()
+            except RuntimeError:
+                time.sleep(0.01)
+        return self.engine.stats()
 
     def prepare(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Tokenize and check a request without queueing it: the server answers 4xx at once, and holds the
