@@ -32,6 +32,7 @@ HELP = {
     "dtype": "activations: auto, float32 or bfloat16",
     "request_timeout_s": "a request's deadline, seconds",
     "seed": "default sampling seed",
+    "warmup": "build the decode programs for 1..parallel rows at start",
 }
 
 
@@ -39,10 +40,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     for f in fields(EngineConfig):
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        if isinstance(default, bool):
+            g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=f"{HELP.get(f.name, '')} (default {default})")
+            continue
         kind = {"int": int, "float": float}.get(type(default).__name__, str)
-        if f.name in ("resident_budget_gib",):
+        if f.name in ("resident_budget_gib", "device_memory_mib"):
             kind = float
-        if f.name in ("device_memory_mib", "kv_resident"):
+        if f.name == "kv_resident":
             kind = int
         g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=argparse.SUPPRESS,
                        metavar="X", help=f"{HELP.get(f.name, '')} (default {default})")

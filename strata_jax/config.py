@@ -44,7 +44,7 @@ class EngineConfig:
     resident_budget_gib: float | None = None   # host RAM for experts (None: all of them)
     pool_workers: int = 4                # reader threads for the file tier
     vram_reserve_mib: int = 700          # device memory kept free
-    device_memory_mib: int | None = None # a device-memory budget the engine's ledger enforces
+    device_memory_mib: float | None = None   # a device-memory budget the engine's ledger enforces (MiB)
     max_programs: int = field(default_factory=_default_max_programs)   # live compiled windows (0 = no bound)
     conversation_cache_mib: int = 0      # host RAM for evicted conversations' KV
     conversation_cache_slots: int = 0    # conversations kept there
@@ -53,6 +53,7 @@ class EngineConfig:
     backend: str = "auto"                # kernel backend: auto | xla | pallas | interpret
     dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16
     request_timeout_s: float = 600.0     # a request's deadline
+    warmup: bool = True                  # build the decode programs for 1..parallel rows at start
     seed: int = 0
 
     def __post_init__(self) -> None:

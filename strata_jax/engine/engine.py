@@ -40,12 +40,14 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, model: GGUFModel, config: EngineConfig | None = None, progress=None):
+    def __init__(self, model: GGUFModel, config: EngineConfig | None = None, progress: bool = False):
         self.config = config or EngineConfig()
         self.model = model
         self.spec = model.spec
         self.tokenizer = load_tokenizer(model.metadata)
         self.runner = ModelRunner(model, self.config, progress)
+        if self.config.warmup:
+            self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
         self.scheduler = Scheduler(self.runner.choices["prefill"])
         self.inbox: queue.Queue[Request] = queue.Queue()
@@ -58,7 +60,7 @@ class Engine:
                          "generated_tokens": 0, "windows": 0, "window_rows": 0, "split_windows": 0}
 
     @classmethod
-    def from_gguf(cls, path: str | Path, config: EngineConfig | None = None, progress=None) -> Engine:
+    def from_gguf(cls, path: str | Path, config: EngineConfig | None = None, progress: bool = False) -> Engine:
         return cls(GGUFModel.open(path), config, progress)
 
     # ---- the caller's side ----------------------------------------------------------------------------
@@ -362,6 +364,7 @@ class Engine:
 
 def _fresh_like(cache):
     import jax.numpy as jnp
+
     return {k: jnp.zeros_like(v) for k, v in cache.items()}
 
 

@@ -18,13 +18,13 @@ MiB = 1 << 20
 
 
 class MemoryLedger:
-    def __init__(self, budget_mib: int | None, reserve_mib: int):
+    def __init__(self, budget_mib: float | None, reserve_mib: float):
         self.lock = threading.Lock()
         self.used: dict[str, int] = {"weights": 0, "kv": 0, "experts": 0, "programs": 0}
-        self.budget = budget_mib * MiB if budget_mib else _device_limit()
-        # The reserve is for what the engine does not see (XLA's own buffers); an explicit budget is the
-        # whole story, so it keeps no reserve beyond what the user asked for there.
-        self.reserve = reserve_mib * MiB if self.budget else 0
+        self.budget = int(budget_mib * MiB) if budget_mib else _device_limit()
+        # The reserve is for what the ledger does not see (XLA's own buffers, other processes); it applies
+        # to an explicit budget too, so a budget of M MiB behaves like a device of M MiB.
+        self.reserve = int(reserve_mib * MiB) if self.budget else 0
 
     @property
     def total(self) -> int:

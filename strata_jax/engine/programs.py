@@ -112,10 +112,15 @@ class ProgramCache:
         prog.ran = True
         return out
 
+    def clear(self) -> None:
+        """Free every program (they are built again when needed)."""
+        for lay in list(self.programs):
+            self._evict(lay)
+
     def _build_one(self, layout: Layout) -> Program:
         t0 = time.perf_counter()
         if self._faults is not None:
-            self._faults.on_build()
+            self._faults.on_build(layout.rows)
         compiled = self._build(layout)
         nbytes = _program_bytes(compiled)
         self.ledger.reserve_bytes("programs", nbytes, f"the window program {layout}")
@@ -146,7 +151,8 @@ class ProgramCache:
         return {"live": len(self.programs), "built": self.stats.built, "evicted": self.stats.evicted,
                 "oom_recoveries": self.stats.oom_recoveries, "bytes": self.nbytes,
                 "max": self.max_programs, "build_seconds": round(self.stats.build_seconds, 3),
-                "layouts": [str(lay) for lay in self.programs]}
+                "layouts": [str(lay) for lay in self.programs],
+                "program_bytes": [p.nbytes for p in self.programs.values()]}
 
 
 def _program_bytes(compiled) -> int:

@@ -26,7 +26,7 @@ from .sampler import SamplingRows, sample
 
 log = logging.getLogger("strata_jax.engine")
 
-KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16, "int8": jnp.int8}
 # Below this many float32 bytes a CPU keeps dequantized weights (see model/weights.py).
 DEQUANTIZE_LIMIT = 4 << 30
 
@@ -55,12 +55,10 @@ def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
 
 
 class ModelRunner:
-    def __init__(self, model: GGUFModel, cfg: EngineConfig, progress=None):
+    def __init__(self, model: GGUFModel, cfg: EngineConfig, progress: bool = False):
         self.spec = model.spec
         self.cfg = cfg
         self.choices = resolve(cfg, model)
-        if self.choices["kv"] == "int8":
-            raise NotImplementedError("--kv int8 is not built yet")
         chunk = min(256, _pow2_at_least(cfg.max_context))
         self.opts = RunOptions(dtype=self.choices["dtype"], backend=self.choices["backend"], attn_chunk=chunk)
         self.cache_len = -(-cfg.max_context // chunk) * chunk       # positions a slot's cache holds
@@ -100,6 +98,23 @@ class ModelRunner:
         outs, self.cache = self.programs.run(layout, self.params, self.cache, *args)
         return [np.asarray(o) for o in outs]
 
+    def set_faults(self, faults: Faults) -> None:
+        """Swap the fault injector (tests)."""
+        self.faults = self.programs._faults = faults
+
+    def warmup(self, progress: bool = True) -> None:
+        """Build the decode programs for 1..parallel rows (row buckets 2, 4, ...) at the first KV bucket."""
+        from tqdm import tqdm
+
+        rows, buckets = 2, []
+        while True:
+            buckets.append(rows)
+            if rows >= self.cfg.parallel:
+                break
+            rows *= 2
+        for r in tqdm(buckets, desc="building decode programs", unit="program", disable=not progress, leave=False):
+            self.programs.get(Layout(((r, 1, False),), self.kv_bucket(1)))
+
     def wait_for_device(self) -> None:
         jax.block_until_ready(self.cache)
 
@@ -135,6 +150,8 @@ class ModelRunner:
     def _kv_bytes(self) -> int:
         s = self.spec
         per_pos = s.n_layers * s.n_kv_heads * (s.head_dim + s.value_dim) * jnp.dtype(self.kv_dtype).itemsize
+        if self.kv_dtype == jnp.int8:
+            per_pos += s.n_layers * s.n_kv_heads * 2 * 4                       # a float32 scale a token and head
         return per_pos * self.cfg.parallel * (self.cache_len + 1)
 
     def stats(self) -> dict:

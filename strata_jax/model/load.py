@@ -22,14 +22,17 @@ _LAYER_TENSORS = {
 _ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "router", "sh_router"}
 
 
-def load_params(model: GGUFModel, mode: str, dtype: str, progress=None) -> dict:
-    """mode "blocks": matrices stay GGUF blocks (QTensor); "dequantized": float `dtype` copies."""
+def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False) -> dict:
+    """mode "blocks": matrices stay GGUF blocks (QTensor); "dequantized": float `dtype` copies.
+    `progress`: a progress bar over the tensors on the console."""
+    from tqdm import tqdm
+
     spec = model.spec
     t = model.tensors
+    bar = tqdm(total=len(t), desc="loading weights", unit="tensor", disable=not progress, leave=False)
 
     def get(name: str, short: str):
-        if progress is not None:
-            progress(name)
+        bar.update(1)
         m = "dequantized" if short in _ALWAYS_FLOAT else mode
         # The embedding table is gathered by rows; every other float matrix is kept transposed ([k, n]):
         # on XLA:CPU x @ W runs twice as fast as x @ W^T for a few rows (the decode case).
@@ -48,5 +51,6 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress=None) -> dict:
         layers.append({short: get(prefix + suffix, short) for suffix, short in _LAYER_TENSORS.items()
                        if prefix + suffix in t})
     params["layers"] = layers
+    bar.close()
     return params
 

@@ -31,10 +31,22 @@ class RunOptions:
 
 def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype) -> dict[str, jax.Array]:
     """Keys and values [layers, slots, max_context + 1, kv_heads, head_dim]; the extra position is where
-    padding tokens write, and no query ever reads it."""
+    padding tokens write, and no query ever reads it. int8: with a float32 scale per token and head
+    ([layers, slots, max_context + 1, kv_heads])."""
     shape = (spec.n_layers, n_slots, max_context + 1, spec.n_kv_heads, spec.head_dim)
     vshape = shape[:-1] + (spec.value_dim,)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(vshape, dtype)}
+    cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(vshape, dtype)}
+    if jnp.dtype(dtype) == jnp.int8:
+        cache |= {"k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
+    return cache
+
+
+def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (int8 [..., D], float32 scale [...]): symmetric, one scale a token and head."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    q = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
 @dataclass(frozen=True)
@@ -67,9 +79,8 @@ def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group
     tok/s on SmolLM2."""
     dtype = jnp.dtype(opts.dtype)
     xs = [embed_rows(params["embed"], g.tokens, dtype) for g in groups]               # [R, L, h] each
-    ck, cv = cache["k"], cache["v"]
     for i, lp in enumerate(params["layers"]):
-        xs, ck, cv = _layer(lp, i, spec, opts, groups, xs, ck, cv, kv_len)
+        xs, cache = _layer(lp, i, spec, opts, groups, xs, cache, kv_len)
     out = []
     for x, g in zip(xs, groups):
         x = rms_norm(x, params["norm"], spec.rms_eps)
@@ -78,15 +89,33 @@ def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group
             last = jnp.maximum(jnp.sum(g.pos >= 0, axis=1) - 1, 0)
             x = x[jnp.arange(R), last]                                                 # [R, h]
         out.append(linear(x, params["output"], opts.backend).astype(jnp.float32))
-    return out, {"k": ck, "v": cv}
+    return out, cache
 
 
-def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, ck, cv, kv_len: int):
+def _write(cache: dict, name: str, i: int, slots, at, x: jax.Array) -> dict:
+    """Store new keys or values x [R, L, K, D] of layer i at positions `at` [R, L] of the slots' rows."""
+    c = cache[name]
+    if c.dtype == jnp.int8:
+        q, scale = quantize_int8(x)
+        return cache | {name: c.at[i, slots[:, None], at].set(q),
+                        name + "_scale": cache[name + "_scale"].at[i, slots[:, None], at].set(scale)}
+    return cache | {name: c.at[i, slots[:, None], at].set(x.astype(c.dtype))}
+
+
+def _read(cache: dict, name: str, i: int, slots, kv_len: int, dtype) -> jax.Array:
+    """The first kv_len cached keys or values of layer i for the slots -> [R, kv_len, K, D] in dtype."""
+    x = cache[name][i, slots, :kv_len]
+    if x.dtype == jnp.int8:
+        return (x.astype(jnp.float32) * cache[name + "_scale"][i, slots, :kv_len][..., None]).astype(dtype)
+    return x.astype(dtype)
+
+
+def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
     """Decoder layer i over every group of the window: attention (writing the new keys and values into
     the cache first) and the FFN or experts."""
     dtype = jnp.dtype(opts.dtype)
     H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
-    scratch = ck.shape[2] - 1
+    scratch = cache["k"].shape[2] - 1
     xs = list(xs)
     for n, g in enumerate(groups):
         x = xs[n]
@@ -102,10 +131,10 @@ def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, ck, cv, k
             q, k = rms_norm(q, lp["q_norm"], spec.rms_eps), rms_norm(k, lp["k_norm"], spec.rms_eps)
         q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
         write_at = jnp.where(g.pos >= 0, g.pos, scratch)                               # [R, L]
-        ck = ck.at[i, g.slots[:, None], write_at].set(k.astype(ck.dtype))
-        cv = cv.at[i, g.slots[:, None], write_at].set(v.astype(cv.dtype))
-        keys = ck[i, g.slots, :kv_len].astype(dtype)                                   # [R, kv_len, K, D]
-        vals = cv[i, g.slots, :kv_len].astype(dtype)
+        cache = _write(cache, "k", i, g.slots, write_at, k)
+        cache = _write(cache, "v", i, g.slots, write_at, v)
+        keys = _read(cache, "k", i, g.slots, kv_len, dtype)                            # [R, kv_len, K, D]
+        vals = _read(cache, "v", i, g.slots, kv_len, dtype)
         o = attend(q, keys, vals, g.pos, min(opts.attn_chunk, kv_len))                 # [R, L, H, Dv]
         x = x + linear(o.reshape(R, L, H * Dv), lp["wo"], opts.backend)
         hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps)
@@ -114,4 +143,4 @@ def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, ck, cv, k
         else:
             ffn = mlp(hx, lp["w_gate"], lp["w_up"], lp["w_down"], opts.backend)
         xs[n] = x + ffn
-    return xs, ck, cv
+    return xs, cache

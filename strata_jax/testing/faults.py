@@ -4,6 +4,8 @@
     STRATA_FAULT="build_oom:3+"     every build from the 3rd on raises it
     STRATA_FAULT="run_oom:5"        the 5th window run raises RESOURCE_EXHAUSTED (before it touches the device)
     STRATA_FAULT="exit:7"           the process prints an error line and exits with code 1 at the 7th window
+    STRATA_FAULT="oom_rows:2"       building any window of more than 2 rows raises RESOURCE_EXHAUSTED (a layout
+                                    too big for the device whatever else is freed)
     several, comma-separated: "build_oom:2,exit:40"
 
 Counts are per engine process, so a restarted engine (a new process) starts again from zero unless the
@@ -29,13 +31,13 @@ class Faults:
         if generation is None:  # the server numbers its engine processes 1, 2, ... in this variable
             generation = int(os.environ.get("STRATA_ENGINE_GENERATION", "1"))
         self.rules: dict[str, tuple[int, bool]] = {}
-        self.counts = {"build_oom": 0, "run_oom": 0, "exit": 0}
+        self.counts = {"build_oom": 0, "run_oom": 0, "exit": 0, "oom_rows": 0}
         spec = os.environ.get(ENV, "") if spec is None else spec
         for part in filter(None, (p.strip() for p in spec.split(","))):
             kind, _, rest = part.partition(":")
             rest, _, only = rest.partition("@")
             if kind not in self.counts or not rest.rstrip("+").isdigit():
-                raise ValueError(f"{ENV}: cannot read {part!r}; use build_oom:N, run_oom:N or exit:N "
+                raise ValueError(f"{ENV}: cannot read {part!r}; use build_oom:N, run_oom:N, exit:N or oom_rows:N "
                                  "(N+ for every time from the N-th, @G for engine generation G only)")
             if only and int(only) != generation:
                 continue
@@ -48,9 +50,11 @@ class Faults:
         n, onwards = self.rules[kind]
         return self.counts[kind] == n or (onwards and self.counts[kind] >= n)
 
-    def on_build(self) -> None:
+    def on_build(self, rows: int) -> None:
         if self._hit("build_oom"):
             raise resource_exhausted(f"injected by {ENV} at program build {self.counts['build_oom']}")
+        if "oom_rows" in self.rules and rows > self.rules["oom_rows"][0]:
+            raise resource_exhausted(f"injected by {ENV}: a window of {rows} rows does not fit")
 
     def on_window(self) -> None:
         if self._hit("exit"):
