@@ -141,7 +141,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         busy = sum(not s.free for s in self.slots)
-        return {**self.counters, **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
+        return {**dict(self.counters), **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
                 "queued": self.inbox.qsize() + len(self.waiting)}
 
     def close(self) -> None:

@@ -148,11 +148,12 @@ class ProgramCache:
         return True
 
     def snapshot(self) -> dict[str, Any]:
-        return {"live": len(self.programs), "built": self.stats.built, "evicted": self.stats.evicted,
-                "oom_recoveries": self.stats.oom_recoveries, "bytes": self.nbytes,
+        """Counters and live programs; safe to call from any thread (list() of a dict is atomic)."""
+        progs = list(self.programs.items())
+        return {"live": len(progs), "built": self.stats.built, "evicted": self.stats.evicted,
+                "oom_recoveries": self.stats.oom_recoveries, "bytes": sum(p.nbytes for _, p in progs),
                 "max": self.max_programs, "build_seconds": round(self.stats.build_seconds, 3),
-                "layouts": [str(lay) for lay in self.programs],
-                "program_bytes": [p.nbytes for p in self.programs.values()]}
+                "layouts": [str(lay) for lay, _ in progs], "program_bytes": [p.nbytes for _, p in progs]}
 
 
 def _program_bytes(compiled) -> int:

