@@ -1,0 +1,141 @@
+"""Our logits against llama.cpp's (llama-cpp-python) on the same GGUF files.
+
+transformers cannot load a llama GGUF with experts, so for llama's Mixtral-style MoE llama.cpp is the
+oracle: a made model with a random router (4 experts, top-2) must give llama.cpp's logits. So must the
+dense SmolLM2, a real model.
+
+Which weight types give a tight check, and the tolerances. llama.cpp on a CPU multiplies F32 weights by
+float32 activations, but converts the activations to F16 for F16 weights and quantizes them to 8 bits a
+value (Q8_0 / Q8_1 blocks) for Q8_0 and Q4 weights; its KV cache is F16 unless told otherwise. We
+dequantize weights to float32 and keep activations and KV in float32. So:
+
+- F32 weights, F32 KV cache: both sides compute the same float32 sums in another order. Measured: max
+  5.2e-6 on logits of size 4 (1.3e-6 relative). Tolerance 1e-4 relative to the largest logit: 75x the
+  measured error, and far below what a real mistake does (a top-1 instead of top-2 router moves logits
+  by O(0.1): `test_tolerance_catches_a_real_mistake`).
+- F16 weights: llama.cpp rounds each activation to F16 (2^-11 relative) before every matmul. Measured
+  1.0e-3 relative; tolerance 5e-3.
+- Q8_0 weights (through our block kernels): llama.cpp's 8-bit activations move logits by 1.6% relative
+  (measured) and flip an argmax now and then; tolerance 5e-2. A loose check, but a wrong block layout or
+  scale moves logits by O(1).
+- SmolLM2 (Q4_1): llama.cpp's 8-bit activations move its logits by up to 1.2 (of 30). That gap is all
+  llama.cpp's own: SmolLM2's weights written out as F32 give llama.cpp logits within 1.2e-4 (4e-6
+  relative) of ours, and ours sit as far from llama.cpp's Q4_1 logits as llama.cpp's F32 ones do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from strata_jax import Engine, EngineConfig
+from strata_jax.gguf import GGUFModel
+
+MOE = {"arch": "llama", "experts": 4, "experts_used": 2, "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2,
+       "ffn": 256, "expert_ffn": 256}
+TOLERANCE = {"F32": 1e-4, "F16": 5e-3, "Q8_0": 5e-2}
+F32 = llama_cpp.GGML_TYPE_F32
+
+
+def llamacpp_logits(path: Path, ids: list[int]) -> np.ndarray:
+    """float32 [T, vocab]: llama.cpp's logits for every token, F32 KV cache (see the module docstring)."""
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=max(64, len(ids)), n_threads=2, verbose=False,
+                          type_k=F32, type_v=F32)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def our_logits(path: Path, ids: list[int], weights: str = "dequantized") -> np.ndarray:
+    with Engine.from_gguf(path, EngineConfig(max_context=64, weights=weights, warmup=False)) as eng:
+        return eng.logits(ids)
+
+
+def random_ids(vocab: int, n: int = 32, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]
+
+
+def max_rel_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("quant", ["F32", "F16", "Q8_0"])
+def test_llama_moe_logits_match_llamacpp(tiny_model, quant):
+    path = tiny_model(**MOE, quant=quant)
+    assert GGUFModel.open(path).spec.n_experts == 4
+    ids = random_ids(512)
+    ref = llamacpp_logits(path, ids)
+    ours = our_logits(path, ids, weights="blocks" if quant == "Q8_0" else "dequantized")
+    assert ours.shape == ref.shape == (32, 512)
+    err = max_rel_error(ours, ref)
+    assert err <= TOLERANCE[quant], f"{quant}: max error {err:.2e} of the largest logit"
+    if quant != "Q8_0":          # 8-bit activations may flip a near tie
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_tolerance_catches_a_real_mistake(tiny_model, monkeypatch):
+    """Routing each token to one expert instead of two is far outside the F32 tolerance."""
+    import dataclasses
+
+    from strata_jax.gguf import ModelSpec
+
+    path = tiny_model(**MOE, quant="F32")
+    ids = random_ids(512)
+    ref = llamacpp_logits(path, ids)
+    real = ModelSpec.from_metadata.__func__
+    monkeypatch.setattr(ModelSpec, "from_metadata",
+                        classmethod(lambda cls, *a, **k: dataclasses.replace(real(cls, *a, **k), n_experts_used=1)))
+    assert max_rel_error(our_logits(path, ids), ref) > 100 * TOLERANCE["F32"]
+
+
+def write_f32_copy(src: Path, dst: Path) -> Path:
+    """`src` with every tensor dequantized to F32 (the gguf package's reference dequantization, which our
+    kernels match bit for bit): llama.cpp then multiplies float32 activations, as we do."""
+    model = GGUFModel.open(src)
+    writer = GGUFWriter(dst, model.metadata["general.architecture"])
+    for key, value in model.metadata.items():
+        if key not in ("general.architecture", "general.file_type"):
+            writer.add_key_value(key, value, *model.metadata_types[key])
+    for name, t in model.tensors.items():
+        writer.add_tensor(name, t.dequantize(), raw_dtype=GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from strata_jax.testing import smollm2_path
+
+    return smollm2_path()
+
+
+def test_smollm2_logits_match_llamacpp(smollm2, tmp_path):
+    text = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome, "
+            "the capital of Spain is Madrid, and the capital of Portugal is")
+    with Engine.from_gguf(smollm2, EngineConfig(max_context=64, warmup=False)) as eng:
+        assert eng.stats()["weights"] == "dequantized"
+        ids = eng.tokenizer.encode(text, add_special=True)[:32]
+        assert len(ids) == 32
+        ours = eng.logits(ids)
+    ref_q4 = llamacpp_logits(smollm2, ids)
+    ref_f32 = llamacpp_logits(write_f32_copy(smollm2, tmp_path / "smollm2-f32.gguf"), ids)
+
+    # Tight: the same float32 weights on both sides.
+    assert max_rel_error(ours, ref_f32) <= TOLERANCE["F32"]
+    assert (ours.argmax(-1) == ref_f32.argmax(-1)).all()
+    # On the Q4_1 file itself we differ from llama.cpp by what its 8-bit activations cost it, no more.
+    gap = np.abs(ref_q4 - ref_f32).max()
+    assert np.abs(ours - ref_q4).max() <= gap + TOLERANCE["F32"] * np.abs(ref_q4).max()
+    assert max_rel_error(ours, ref_q4) <= 0.1
+    assert (ours.argmax(-1) == ref_q4.argmax(-1)).mean() >= 0.9
