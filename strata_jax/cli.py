@@ -225,6 +225,8 @@ def add_bench(sub: Subparsers) -> None:
                    help="cores for both engines (llama.cpp's threads; ours: the process is pinned to N cores) "
                         "(default: all)")
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="measured runs a figure, best kept (default 1)")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, metavar="G",
+                   help="size of the array memory bandwidth is measured on (default 1 GiB)")
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
     add_engine_flags(p)
     p.set_defaults(run=run_bench)
@@ -246,7 +248,8 @@ def run_bench(args: argparse.Namespace) -> int:
     opts = BenchOptions(model=args.model or _default_model(), prompt_tokens=args.prompt_tokens,
                         decode_tokens=args.decode_tokens, decode_prompt_tokens=args.decode_prompt_tokens,
                         parallel_list=parallel, vs=args.vs, threads=args.threads, repeat=args.repeat,
-                        engine=engine_config(args), max_context=getattr(args, "max_context", None))
+                        engine=engine_config(args), max_context=getattr(args, "max_context", None),
+                        bandwidth_gib=args.bandwidth_gib)
     logging.getLogger("strata_jax.engine").setLevel(logging.WARNING)   # not a log line for every request
     result = bench(opts, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(render(result))

@@ -106,10 +106,9 @@ def measure_decode(eng, opts: BenchOptions, n: int) -> dict:
     return best
 
 
-def measure_ours(opts: BenchOptions, progress=print) -> dict:
+def measure_ours(opts: BenchOptions, cfg: EngineConfig, progress=print) -> dict:
     from strata_jax import Engine
 
-    cfg = engine_config(opts)
     t = time.perf_counter()
     with Engine.from_gguf(opts.model, cfg) as eng:
         load_s = time.perf_counter() - t

@@ -24,9 +24,10 @@ def describe_model(model: GGUFModel, path: str) -> dict:
 
 def run_bench(opts: BenchOptions, progress=print) -> dict:
     """Measure, and return every figure as a JSON-ready dict (see report.render for the printed form)."""
-    from strata_jax.bench.ours import measure_ours
+    from strata_jax.bench.ours import engine_config, measure_ours
 
     opts.validate()
+    cfg = engine_config(opts)                    # a setting that cannot work is an error before anything runs
     started = time.perf_counter()
     machine = machine_info(opts.threads)         # before we load the machine ourselves
     machine["pinned_to_threads"] = limit_threads(opts.threads)
@@ -38,7 +39,7 @@ def run_bench(opts: BenchOptions, progress=print) -> dict:
                                  "repeat": opts.repeat, "vs": opts.vs}}
     progress(f"memory bandwidth: reading a {opts.bandwidth_gib:g} GiB array")
     result["bandwidth"] = memory_bandwidth(opts.bandwidth_gib, opts.threads)
-    result["strata_jax"] = measure_ours(opts, progress)
+    result["strata_jax"] = measure_ours(opts, cfg, progress)
     result["llama_cpp"] = None
     if opts.vs == "llama.cpp":
         from strata_jax.bench.llamacpp import measure_llamacpp
