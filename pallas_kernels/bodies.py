@@ -265,12 +265,16 @@ def iq2_xxs(src):       # d, then 8 x (u32 grid indices, u32 signs+scale)
     return db * grid * sign
 
 
+def _iq2_scale(src, j, at: int) -> jax.Array:
+    """IQ2_XS/IQ2_S block scale of value j: d * (0.5 + 4-bit scale of its 16 values) * 0.25."""
+    s = j // 16
+    sc = ((src.u8(at + s // 2) >> (4 * (s % 2))) & 0xF).astype(f32)
+    return _f16(src, 0) * (f32(0.5) + sc) * f32(0.25)
+
+
 def iq2_xs(src):        # d, qs (u16 x 32: 9-bit grid index | 7 sign bits), scales[8]
     j = src.iota(QK_K)
-    d = _f16(src, 0)
-    s = j // 16
-    sc = ((src.u8(66 + s // 2) >> (4 * (s % 2))) & 0xF).astype(f32)
-    db = d * (f32(0.5) + sc) * f32(0.25)
+    db = _iq2_scale(src, j, 66)
     i = j // 8
     q16 = src.u8(2 + 2 * i) | (src.u8(3 + 2 * i) << 8)
     grid = src.lookup("iq2xs", (q16 & 511) * 8 + j % 8)
@@ -280,10 +284,7 @@ def iq2_xs(src):        # d, qs (u16 x 32: 9-bit grid index | 7 sign bits), scal
 
 def iq2_s(src):         # d, qs[32], signs[32], qh[8], scales[8]
     j = src.iota(QK_K)
-    d = _f16(src, 0)
-    s = j // 16
-    sc = ((src.u8(74 + s // 2) >> (4 * (s % 2))) & 0xF).astype(f32)
-    db = d * (f32(0.5) + sc) * f32(0.25)
+    db = _iq2_scale(src, j, 74)
     i = j // 8
     idx = src.u8(2 + i) | (((src.u8(66 + i // 4) >> (2 * (i % 4))) & 3) << 8)
     grid = src.lookup("iq2s", idx * 8 + j % 8)

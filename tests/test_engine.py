@@ -151,13 +151,17 @@ def _budget(stats, programs: float) -> float:
     return (mem["weights_bytes"] + mem["kv_bytes"] + programs * per) / 2**20
 
 
-@pytest.mark.parametrize("max_programs", [64, 0])
-def test_small_device_memory_frees_programs_and_finishes(moe_path, reference, caplog, max_programs):
+@pytest.mark.parametrize("batch_graphs", ["64", "0"])
+def test_small_device_memory_frees_programs_and_finishes(moe_path, reference, caplog, monkeypatch, batch_graphs):
+    """Room for ~2 programs, a workload of 7+: with the LRU bound (64, the default) and without it
+    (STRATA_BATCH_GRAPHS=0), running out of device memory frees the older half and every request ends."""
     toks, stats = reference
     built = stats["programs"]["built"]
     assert built >= 7                                     # the workload makes 3x more layouts than fit
+    monkeypatch.setenv("STRATA_BATCH_GRAPHS", batch_graphs)
     cfg = EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False, vram_reserve_mib=0,
-                       device_memory_mib=_budget(stats, 2.3), max_programs=max_programs)
+                       device_memory_mib=_budget(stats, 2.3))
+    assert cfg.max_programs == int(batch_graphs)
     eng = Engine.from_gguf(moe_path, cfg)
     with caplog.at_level(logging.WARNING, logger="strata_jax.engine"):
         got = _workload(eng)
