@@ -1,0 +1,406 @@
+"""Simulated agent users over the OpenAI streaming API: the multi-user replay that found Strata #997's leak.
+
+Each of `--users` users holds a multi-turn conversation. A turn sends the whole history plus one new
+message: a short instruction, a follow-up, a pasted log (a user message), or a long tool output (`role:
+tool`, answering a tool call the previous assistant message made), streams the answer, appends it, thinks
+for a short random time (`--think 0.5,3`) and goes on. Histories are kept within the server's context:
+when prompt plus `--max-tokens` would not fit `--max-context`, the oldest exchanges are dropped, and when
+even the newest turn would not fit the conversation starts over.
+
+After `--minutes` no turn starts; turns in flight get `--grace` seconds to finish (those that do not are
+failures). The report: requests, failures, p50/p95 time to first token and latency, prefix reuse (the
+share of prompt tokens the server reused: sum of timings.cache_n over sum of cache_n + prompt_n), and the
+engine restarts the server's fault ledger (GET /faults) recorded during the run.
+
+    python scripts/replay.py --url http://127.0.0.1:8000 --users 8 --minutes 5 --max-context 8192
+    python scripts/replay.py --start-server model.gguf --users 8 --minutes 5 -- --parallel 8 --max-context 2048
+
+Exit code: 0 when every request succeeded and the engine never restarted, 1 otherwise, 2 when the server
+never became ready (or bad settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _loadtest import (
+    Result,
+    Server,
+    ServerStartError,
+    TokenCounter,
+    add_common_flags,
+    client_of,
+    describe_programs,
+    filler,
+    flag_value,
+    fmt,
+    get_faults,
+    get_metrics,
+    headers_of,
+    new_faults,
+    percentile,
+    program_figures,
+    split_server_args,
+    stream_chat,
+    template_kwargs_of,
+    unique_id,
+    wait_healthy,
+    write_json,
+)
+
+console = Console(highlight=False)
+DEFAULT_CONTEXT = 4096
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    own, server_flags = split_server_args(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Flags after `--` go to "
+                                "`strata-jax serve` (with --start-server).")
+    add_common_flags(p)
+    p.add_argument("--users", type=int, default=8, help="simulated users, each one conversation at a time (default 8)")
+    p.add_argument("--minutes", type=float, default=5.0, help="start turns for this long (default 5)")
+    p.add_argument("--grace", type=float, default=120.0, metavar="S",
+                   help="then wait at most S seconds for the turns in flight (default 120)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens a turn (default 256)")
+    p.add_argument("--max-context", type=int, help="the server's context a slot (default: --max-context of the "
+                   f"server flags, else what the server says, else {DEFAULT_CONTEXT})")
+    p.add_argument("--long-tokens", type=int, help="longest tool output or pasted log, tokens (default: a quarter "
+                   "of the context, at most 4000)")
+    p.add_argument("--think", default="0.5,3", metavar="MIN,MAX", help="think time between turns, seconds "
+                   "(default 0.5,3)")
+    p.add_argument("--progress", type=float, default=15.0, metavar="S", help="a status line every S seconds "
+                   "(default 15; 0: none)")
+    args = p.parse_args(own)
+    try:
+        args.think = tuple(float(x) for x in args.think.split(","))
+        assert len(args.think) == 2 and 0 <= args.think[0] <= args.think[1]
+    except (ValueError, AssertionError):
+        p.error(f"--think {args.think!r}: give MIN,MAX seconds with 0 <= MIN <= MAX (e.g. 0.5,3)")
+    for name, value in (("--users", args.users), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            p.error(f"{name} must be at least 1 (got {value})")
+    if args.minutes <= 0 or args.grace < 0 or args.timeout <= 0:
+        p.error("--minutes and --timeout must be positive, --grace not negative")
+    if args.max_context is None and flag_value(server_flags, "--max-context"):
+        args.max_context = int(flag_value(server_flags, "--max-context"))
+    return args, server_flags
+
+
+# ---- what agents say --------------------------------------------------------------------------------------
+
+_REPOS = ("billing-api", "ingest-worker", "web-frontend", "search-indexer", "auth-service", "data-pipeline")
+_FILES = ("src/server.py", "src/handlers/orders.py", "lib/cache.ts", "cmd/main.go", "pkg/queue/queue.go",
+          "tests/test_api.py", "src/db/migrations.sql", "Cargo.toml", "src/lib.rs", "config/settings.yaml")
+_TASKS = ("fix the failing test in {f}", "add retries with backoff to the HTTP client in {f}",
+          "find why requests to /orders time out under load and patch {f}", "refactor {f} so the cache is injected",
+          "write a migration that adds an index on created_at, see {f}", "upgrade the logging setup in {f}",
+          "explain what {f} does and list its risky parts", "make the build pass again; the CI log points at {f}")
+_FOLLOWUPS = ("That did not work, the same error is still there. Try another approach.", "Good. Now run the tests.",
+              "Can you make it shorter and keep the behaviour?", "Also handle the empty input case.",
+              "Explain the change in two sentences before you go on.", "Check {f} too, it has the same pattern.",
+              "Revert the last change and try a smaller fix.", "Now update the docs for it.")
+_LEVELS = ("INFO", "INFO", "INFO", "DEBUG", "WARN", "ERROR")
+_EVENTS = ("request {h} took {n} ms", "worker-{k} picked job {h}", "cache miss for key user:{n}",
+           "retrying connection to db-{k} (attempt {k})", "GET /orders/{n} 200 in {n} ms",
+           "POST /orders 500: upstream timeout after {n} ms", "gc pause {n} ms", "flushed {n} rows to table events")
+
+
+def _fill(rng: random.Random, text: str) -> str:
+    return text.format(f=rng.choice(_FILES), h=unique_id(rng)[:8], n=rng.randint(1, 9999), k=rng.randint(1, 9))
+
+
+def log_lines(rng: random.Random, chars: int) -> str:
+    lines, size, t = [], 0, rng.randint(0, 86000)
+    while size < chars:
+        t += rng.randint(0, 3)
+        line = (f"2026-10-05T{t // 3600 % 24:02d}:{t // 60 % 60:02d}:{t % 60:02d}.{rng.randint(0, 999):03d}Z "
+                f"{rng.choice(_LEVELS):5s} {_fill(rng, rng.choice(_EVENTS))}")
+        lines.append(line)
+        size += len(line) + 1
+    return "\n".join(lines)[:chars]
+
+
+def code_listing(rng: random.Random, chars: int) -> str:
+    lines, size, n = [], 0, 1
+    while size < chars:
+        name = unique_id(rng)[:6]
+        block = (f"{n:4d}  def handle_{name}(request, retries={rng.randint(1, 5)}):\n"
+                 f"{n + 1:4d}      # {filler(rng, rng.randint(20, 60)).strip()}\n"
+                 f"{n + 2:4d}      value = cache.get('{name}') or db.fetch({rng.randint(1, 999)})\n"
+                 f"{n + 3:4d}      return respond(value, status={rng.choice((200, 201, 404, 500))})\n")
+        lines.append(block)
+        size += len(block)
+        n += 4
+    return "".join(lines)[:chars]
+
+
+class Conversation:
+    """One user's chat history, kept within the context. The history always ends with an assistant message
+    (or is only the system message); a turn adds one new message and, on success, the answer."""
+
+    def __init__(self, user: int, rng: random.Random, counter: TokenCounter, budget: int, long_tokens: int,
+                 template_kwargs: dict[str, Any] | None):
+        self.user, self.rng, self.counter, self.budget, self.long = user, rng, counter, budget, long_tokens
+        self.kwargs = template_kwargs
+        self.started = self.trims = 0
+        self.scale = 1.0                     # the server's count over our estimate, as last seen
+        self.next_kind = "task"
+        self.start()
+
+    def start(self) -> None:
+        self.started += 1
+        self.repo = self.rng.choice(_REPOS)
+        self.history: list[dict[str, Any]] = [{"role": "system", "content": (
+            f"Session {unique_id(self.rng)} of user {self.user}. You are a coding agent working in the "
+            f"{self.repo} repository. Use the tools when you need to look at files or run commands, "
+            "and answer briefly.")}]
+        self.next_kind = "task"
+
+    def _chars(self, tokens: int) -> int:
+        return max(16, int(tokens * self.counter.chars_per_token / self.scale))
+
+    def new_message(self) -> dict[str, Any]:
+        rng, kind = self.rng, self.next_kind
+        if kind == "task":
+            return {"role": "user", "content": f"In {self.repo}: {_fill(rng, rng.choice(_TASKS))}. "
+                    + filler(rng, self._chars(rng.randint(10, 60)))}
+        if kind == "followup":
+            return {"role": "user", "content": _fill(rng, rng.choice(_FOLLOWUPS))}
+        size = self._chars(rng.randint(50, 300) if rng.random() < 0.6 else rng.randint(300, max(self.long, 301)))
+        if kind == "log":
+            cmd = rng.choice(("kubectl logs deploy/api", "journalctl -u worker", "cat build.log", "pytest -x"))
+            return {"role": "user", "content": f"Here is the output of `{cmd}`:\n```\n{log_lines(rng, size)}\n```\n"
+                                               "What is going wrong?"}
+        last = self.history[-1]
+        call = (last.get("tool_calls") or [{}])[0]
+        body = code_listing(rng, size) if call.get("function", {}).get("name") == "read_file" else log_lines(rng, size)
+        return {"role": "tool", "tool_call_id": call.get("id", "call_0"), "content": body}
+
+    def estimate(self, messages: list[dict[str, Any]]) -> int:
+        n = self.counter.local(messages, self.kwargs)
+        return n if self.counter.tokenizer is not None else int(n * max(1.0, self.scale))
+
+    def turn(self) -> tuple[list[dict[str, Any]], str]:
+        """The messages to send (history + a new one, trimmed to fit) and the turn's kind."""
+        kind, new = self.next_kind, self.new_message()
+        while self.estimate(self.history + [new]) > self.budget and len(self.history) > 1:
+            self.trim()
+        if new["role"] == "tool" and not self.history[-1].get("tool_calls"):   # its call was trimmed away
+            new = {"role": "user", "content": "A tool printed this:\n" + new["content"]}
+        if self.estimate(self.history + [new]) > self.budget:                    # even alone it does not fit
+            self.start()
+            kind, new = "task", self.new_message()
+        return self.history + [new], kind
+
+    def trim(self) -> None:
+        """Drop the oldest exchange: from the first message after the system one up to the next user one."""
+        self.trims += 1
+        del self.history[1]
+        while len(self.history) > 1 and self.history[1]["role"] != "user":
+            del self.history[1]
+
+    def answered(self, sent: list[dict[str, Any]], result: Result) -> None:
+        if result.prompt_tokens and self.counter.tokenizer is None:
+            self.scale = result.prompt_tokens / max(1, self.counter.local(sent, self.kwargs))
+        r = self.rng.random()
+        self.next_kind = "tool" if r < 0.4 else "log" if r < 0.55 else "followup"
+        reply: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if self.next_kind == "tool":
+            name = self.rng.choice(("read_file", "run_command"))
+            args = {"path": self.rng.choice(_FILES)} if name == "read_file" else {"command": "pytest -x -q"}
+            reply["tool_calls"] = [{"id": f"call_{unique_id(self.rng)}", "type": "function",
+                                    "function": {"name": name, "arguments": json.dumps(args)}}]
+        self.history = sent + [reply]
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+
+
+class Replay:
+    def __init__(self, args: argparse.Namespace, url: str):
+        self.args, self.url = args, url
+        self.headers, self.kwargs = headers_of(args), template_kwargs_of(args)
+        self.records: list[dict[str, Any]] = []
+        self.in_flight: dict[int, dict[str, Any]] = {}
+        self.context_retries = 0
+        self.conversations: list[Conversation] = []
+
+    def body(self, messages: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"messages": messages, "max_tokens": self.args.max_tokens, "seed": seed}
+        if self.args.model:
+            body["model"] = self.args.model
+        if self.args.temperature is not None:
+            body["temperature"] = self.args.temperature
+        if self.kwargs:
+            body["chat_template_kwargs"] = self.kwargs
+        return body
+
+    async def user(self, client, i: int, counter: TokenCounter, budget: int, long_tokens: int) -> None:
+        a = self.args
+        rng = random.Random(a.seed * 1_000_003 + i)
+        conv = Conversation(i, rng, counter, budget, long_tokens, self.kwargs)
+        self.conversations.append(conv)
+        await asyncio.sleep(rng.uniform(0, a.think[1]))          # users do not all start at once
+        n = 0
+        while time.monotonic() < self.stop_at:
+            messages, kind = conv.turn()
+            n += 1
+            self.in_flight[i] = {"user": i, "turn": n, "kind": kind, "sent_s": time.monotonic() - self.t0}
+            result = await stream_chat(client, self.url, self.body(messages, rng.randrange(1 << 31)),
+                                       a.timeout, self.t0, self.headers)
+            del self.in_flight[i]
+            if result.status == 400 and "exceed" in (result.error or "") and len(conv.history) > 1:
+                self.context_retries += 1                         # our estimate was short: trim, and try again
+                conv.trim()
+                continue
+            self.records.append({"user": i, "turn": n, "kind": kind, "messages": len(messages),
+                                 "conversation": conv.started, **result.to_json()})
+            if result.ok:
+                conv.answered(messages, result)
+            await asyncio.sleep(min(rng.uniform(*a.think), max(0.0, self.stop_at - time.monotonic())))
+
+    async def progress(self) -> None:
+        async with client_of(1, 10.0) as client:
+            while True:
+                await asyncio.sleep(self.args.progress)
+                faults = await get_faults(client, self.url, self.headers)
+                restarts, _ = new_faults(self.faults_before, faults)
+                ok = [r for r in self.records if r["ok"]]
+                console.print(f"[{time.monotonic() - self.t0:6.0f} s] {len(self.records)} requests, "
+                              f"{len(self.records) - len(ok)} failed, {len(self.in_flight)} in flight, TTFT p50 "
+                              f"{fmt(percentile([r['ttft_s'] for r in ok], 50), 2)} s, engine restarts {restarts}",
+                              style="dim")
+
+    async def run(self) -> dict[str, Any]:
+        a, url = self.args, self.url
+        self.t0 = time.monotonic()
+        report: dict[str, Any] = {"command": sys.argv, "url": url, "settings": {
+            k: getattr(a, k) for k in ("users", "minutes", "grace", "max_tokens", "max_context", "think", "reasoning",
+                                       "temperature", "timeout", "seed")}}
+        async with client_of(a.users, a.timeout) as client:
+            ready, why = await wait_healthy(client, url, a.health_timeout)
+            if not ready:
+                report["error"] = f"the server at {url} was not ready within {a.health_timeout:g} s: {why}"
+                return report
+            self.faults_before = await get_faults(client, url, self.headers)
+            counter = TokenCounter.from_gguf(a.tokenizer) if a.tokenizer else TokenCounter()
+            await counter.calibrate(client, url, self.kwargs, self.headers)
+            ctx = a.max_context or counter.n_ctx or DEFAULT_CONTEXT
+            budget = ctx - a.max_tokens - max(16, ctx // 20)       # a margin for estimates and template tokens
+            if budget < 64:
+                report["error"] = (f"--max-tokens {a.max_tokens} leaves no room for a conversation in a context "
+                                   f"of {ctx} tokens: lower --max-tokens")
+                return report
+            long_tokens = a.long_tokens or min(4000, ctx // 4)
+            report["settings"].update(max_context=ctx, long_tokens=long_tokens, prompt_budget=budget,
+                                      prompt_counting=counter.source)
+            console.print(f"replay on {url}: {a.users} users for {a.minutes:g} min, context {ctx} (prompts up to "
+                          f"~{budget} tokens, counted by the {counter.source}), max_tokens {a.max_tokens}, "
+                          f"think {a.think[0]:g}-{a.think[1]:g} s")
+            self.t0 = time.monotonic()
+            self.stop_at = self.t0 + a.minutes * 60
+            users = [asyncio.create_task(self.user(client, i, counter, budget, long_tokens)) for i in range(a.users)]
+            ticker = asyncio.create_task(self.progress()) if a.progress > 0 else None
+            done, late = await asyncio.wait(users, timeout=max(0.0, self.stop_at + a.grace - time.monotonic()))
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            if ticker:
+                ticker.cancel()
+            for task in done:
+                if task.exception() is not None:              # a bug here, not the server's: say so, loudly
+                    raise task.exception()
+            for f in list(self.in_flight.values()):
+                self.records.append({**Result(error=f"unfinished: still running {a.grace:g} s after the last "
+                                                    "turn started (--grace)").to_json(), **f,
+                                     "latency_s": round(time.monotonic() - self.t0 - f["sent_s"], 3)})
+            wall = time.monotonic() - self.t0
+            faults_after = await get_faults(client, url, self.headers)
+            report["engine_restarts"], report["faults"] = new_faults(self.faults_before, faults_after)
+            report["faults_available"] = faults_after is not None
+            report["programs"] = program_figures(await get_metrics(client, url, self.headers))
+        report.update(self.summary(wall))
+        report["requests_list"] = self.records
+        return report
+
+    def summary(self, wall: float) -> dict[str, Any]:
+        recs, ok = self.records, [r for r in self.records if r["ok"]]
+        read = sum(r["prompt_n"] or 0 for r in ok)
+        reused = sum(r["cache_n"] or 0 for r in ok)
+        tokens = sum(r["tokens"] for r in recs)
+        return {"wall_s": round(wall, 3), "requests": len(recs), "ok": len(ok), "failed": len(recs) - len(ok),
+                "context_retries": self.context_retries,
+                "turns_by_kind": dict(Counter(r["kind"] for r in recs)),
+                "conversations": sum(c.started for c in self.conversations),
+                "trimmed_exchanges": sum(c.trims for c in self.conversations),
+                "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 50),
+                "ttft_p95_s": percentile([r["ttft_s"] for r in ok], 95),
+                "latency_p50_s": percentile([r["latency_s"] for r in ok], 50),
+                "latency_p95_s": percentile([r["latency_s"] for r in ok], 95),
+                "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
+                "largest_prompt": max((r["prompt_tokens"] or 0 for r in ok), default=0),
+                "prompt_n": read, "cache_n": reused,
+                "prefix_reuse": round(reused / (read + reused), 4) if read + reused else None,
+                "generated_tokens": tokens, "aggregate_tps": round(tokens / wall, 3) if wall else None}
+
+
+def print_report(r: dict[str, Any]) -> None:
+    t = Table(title=f"replay: {r['settings']['users']} users, {r['settings']['minutes']:g} min", title_justify="left",
+              show_header=False)
+    t.add_column(justify="left")
+    t.add_column(justify="right")
+    reuse = "-" if r["prefix_reuse"] is None else f"{100 * r['prefix_reuse']:.1f}%"
+    rows = [("requests", r["requests"]), ("ok", r["ok"]), ("failed", r["failed"]),
+            ("turns (task / followup / log / tool)", " / ".join(str(r["turns_by_kind"].get(k, 0))
+                                                                for k in ("task", "followup", "log", "tool"))),
+            ("conversations (started over when full)", r["conversations"]),
+            ("exchanges trimmed to fit the context", r["trimmed_exchanges"]),
+            ("refused as too long, trimmed and retried", r["context_retries"]),
+            ("TTFT p50 / p95, s", f"{fmt(r['ttft_p50_s'], 2)} / {fmt(r['ttft_p95_s'], 2)}"),
+            ("latency p50 / p95, s", f"{fmt(r['latency_p50_s'], 2)} / {fmt(r['latency_p95_s'], 2)}"),
+            ("prompt tokens (largest prompt)", f"{r['prompt_tokens']} ({r['largest_prompt']})"),
+            ("prefix reuse (cache_n / (cache_n + prompt_n))", f"{reuse} ({r['cache_n']} of {r['cache_n'] + r['prompt_n']})"),
+            ("generated tokens (aggregate tok/s)", f"{r['generated_tokens']} ({fmt(r['aggregate_tps'])})"),
+            ("engine restarts (GET /faults)", r["engine_restarts"] if r["faults_available"] else "unknown"),
+            ("wall time, s", f"{r['wall_s']:.1f}")]
+    for name, value in rows:
+        t.add_row(name, str(value))
+    console.print(t)
+    for message, n in Counter(x["error"] for x in r["requests_list"] if not x["ok"]).most_common():
+        console.print(f"[red]{n} failed:[/red] {message}")
+    for f in r["faults"]:
+        console.print(f"[red]engine fault[/red] {f.get('time')}: {f.get('message')} "
+                      f"({f.get('requests_in_flight')} requests in flight)")
+    console.print(describe_programs(r.get("programs") or {}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, server_flags = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        with Server(args, server_flags) as server:
+            report = asyncio.run(Replay(args, server.url).run())
+    except ServerStartError as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    write_json(args.json, report)
+    if "error" in report:
+        console.print(f"[red]{report['error']}[/red]")
+        return 2
+    print_report(report)
+    return 1 if report["failed"] or report["engine_restarts"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
