@@ -1,0 +1,153 @@
+"""The load scripts, scripts/ladder.py and scripts/replay.py, run as a user runs them (a subprocess, JSON
+report) against real `strata-jax serve` processes with a tiny model: a tiny ladder and a few seconds of
+replay succeed with sane figures; a ladder whose engine exits mid-way (STRATA_FAULT) reports the failed
+requests, exits 1, and its next level succeeds on the restarted engine. Plus the replay's conversations
+kept within the context, checked with the model's tokenizer, and a server that never answers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from strata_jax.serve.launch import ServerProcess
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from _loadtest import Result, TokenCounter, percentile
+from replay import Conversation
+
+
+def run_script(name: str, *args: str, tmp_path: Path, env: dict[str, str] | None = None,
+               timeout: float = 120) -> tuple[int, str, dict]:
+    out = tmp_path / f"{name}.json"
+    env = {**os.environ, "COLUMNS": "160", **(env or {})}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / name), "--json", str(out), *args], check=False,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    text = proc.stdout + proc.stderr
+    return proc.returncode, text, json.loads(out.read_text()) if out.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> Path:
+    return tiny_model(arch="qwen3", layers=2, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with ServerProcess([str(model), "--parallel", "2", "--max-context", "512"]) as srv:
+        srv.wait_ready()
+        yield srv
+
+
+def requests_of(level: dict) -> list[dict]:
+    return [r for w in level["waves"] for r in w["requests"]]
+
+
+def test_ladder(server, tmp_path):
+    rc, out, report = run_script("ladder.py", "--url", server.url, "--levels", "1,2", "--waves", "1",
+                                 "--prompt-tokens", "64", "--max-tokens", "8", tmp_path=tmp_path)
+    assert rc == 0, out
+    assert [lv["level"] for lv in report["levels"]] == [1, 2]
+    assert report["requests"] == 3 and report["failed"] == 0 and report["engine_restarts"] == 0
+    assert report["prompt_counting"].startswith("server's counts")
+    for lv in report["levels"]:
+        reqs = requests_of(lv)
+        assert len(reqs) == lv["level"] and lv["ok"] == lv["level"]
+        for r in reqs:
+            assert r["ok"] and r["error"] is None and r["finish_reason"] in ("stop", "length")
+            assert abs(r["prompt_tokens"] - 64) <= 4 and r["prompt_tokens"] == r["prompt_tokens_counted"]
+            assert r["prompt_n"] + r["cache_n"] == r["prompt_tokens"]
+            assert 1 <= r["tokens"] <= 8 and 0 < r["ttft_s"] <= r["latency_s"] < 60
+            assert r["prompt_tps"] > 0 and (r["decode_tps"] or 0) >= 0
+        assert lv["aggregate_tps"] > 0 and lv["median_ttft_s"] > 0
+    assert report["programs"]["built"] >= 1 and report["programs"]["engine_generation"] == 1
+    assert "level 2: 2/2 ok" in out and "3/3 requests ok, 0 failed" in out
+    assert "engine restarts during the ladder (GET /faults): 0" in out
+
+
+def test_replay(server, tmp_path):
+    rc, out, report = run_script("replay.py", "--url", server.url, "--users", "3", "--minutes", "0.15",
+                                 "--max-tokens", "8", "--think", "0.2,0.8", "--progress", "0", tmp_path=tmp_path)
+    assert rc == 0, out
+    assert report["settings"]["max_context"] == 512          # learned from the server: no --max-context given
+    assert report["requests"] >= 6 and report["failed"] == 0 and report["engine_restarts"] == 0
+    assert report["conversations"] >= 3 and report["context_retries"] == 0
+    assert 0 < report["ttft_p50_s"] <= report["ttft_p95_s"] and 0 < report["latency_p50_s"] <= report["latency_p95_s"]
+    assert report["ttft_p50_s"] <= report["latency_p50_s"]
+    assert report["prefix_reuse"] is not None and 0 <= report["prefix_reuse"] <= 1
+    assert report["prompt_n"] + report["cache_n"] == report["prompt_tokens"]
+    assert report["largest_prompt"] + 8 <= 512
+    assert report["wall_s"] < 0.15 * 60 + 60
+    turns = {}
+    for r in report["requests_list"]:
+        assert r["ok"] and 1 <= r["tokens"] <= 8
+        turns.setdefault(r["user"], []).append(r["turn"])
+    assert sorted(turns) == [0, 1, 2] and all(t == list(range(1, len(t) + 1)) for t in turns.values())
+    assert "engine restarts (GET /faults)" in out
+
+
+def test_ladder_reports_an_engine_exit_and_the_next_level_recovers(model, tmp_path):
+    # The first engine process exits at its 12th window: level 1 (one request, 8 tokens, ignore_eos) takes
+    # 8 windows, so the exit comes while both requests of level 2 are in flight; level 3 runs on engine 2.
+    rc, out, report = run_script(
+        "ladder.py", "--start-server", str(model), "--levels", "1,2,2", "--waves", "1", "--prompt-tokens", "64",
+        "--max-tokens", "8", "--ignore-eos", "--health-timeout", "60", "--timeout", "60", "--",
+        "--parallel", "2", "--max-context", "256", tmp_path=tmp_path, env={"STRATA_FAULT": "exit:12@1"})
+    assert rc == 1, out
+    first, crashed, after = report["levels"]
+    assert first["ok"] == 1 and first["failed"] == 0
+    assert crashed["ok"] == 0 and crashed["failed"] == 2
+    for r in requests_of(crashed):
+        assert not r["ok"] and r["error"].startswith("the engine stopped unexpectedly (exit code 1)"), r
+        assert "injected engine exit" in r["error"] and r["tokens"] < 8
+    assert after["ok"] == 2 and after["failed"] == 0 and all(r["tokens"] == 8 for r in requests_of(after))
+    assert report["failed"] == 2 and report["engine_restarts"] == 1
+    (fault,) = report["faults"]
+    assert fault["exit_code"] == 1 and fault["requests_in_flight"] == 2
+    assert report["programs"]["engine_generation"] == 2
+    assert "2 failed: the engine stopped unexpectedly" in out and "engine restarts during the ladder (GET /faults): 1" in out
+    assert "stopped the server" in out
+
+
+def test_replay_conversations_fit_the_context(model):
+    """Many turns with answers of random length: every prompt fits the budget by the model's own count, tool
+    messages always answer the tool call of the assistant message before them, and long histories are trimmed."""
+    counter = TokenCounter.from_gguf(str(model))
+    rng = random.Random(0)
+    budget = 400
+    conv = Conversation(0, rng, counter, budget, long_tokens=150, template_kwargs=None)
+    kinds = set()
+    for _ in range(150):
+        messages, kind = conv.turn()
+        kinds.add(kind)
+        assert counter.local(messages) <= budget
+        assert messages[0]["role"] == "system" and messages[1]["role"] == "user"
+        for prev, m in itertools.pairwise(messages):
+            if m["role"] == "tool":
+                assert m["tool_call_id"] == prev["tool_calls"][0]["id"]
+        conv.answered(messages, Result(ok=True, text="ok " * rng.randint(0, 60)))
+    assert kinds == {"task", "followup", "log", "tool"}
+    assert conv.trims > 10
+
+
+def test_ladder_against_no_server(tmp_path):
+    start = time.monotonic()
+    rc, out, report = run_script("ladder.py", "--url", "http://127.0.0.1:9", "--health-timeout", "1",
+                                 tmp_path=tmp_path)
+    assert rc == 2 and "was not ready within 1 s" in out and "ConnectError" in report["error"]
+    assert time.monotonic() - start < 30
+
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 95) == pytest.approx(1.95)
