@@ -37,10 +37,11 @@ class Layout:
     """The static shape of a window."""
     groups: tuple[tuple[int, int, bool], ...]   # (rows, tokens a row, all logits) per group
     kv_len: int
+    stage: str = "window"   # a whole window; or a piece of a layer-stepped one (embed, attn, experts, head)
 
     def __str__(self) -> str:
         gs = " + ".join(f"{r}x{t}{'*' if a else ''}" for r, t, a in self.groups)
-        return f"[{gs} | kv {self.kv_len}]"
+        return f"[{gs} | kv {self.kv_len}]" if self.stage == "window" else f"[{self.stage} {gs} | kv {self.kv_len}]"
 
     @property
     def rows(self) -> int:

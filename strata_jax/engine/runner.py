@@ -8,6 +8,7 @@ returns each group's sampled tokens. The KV cache is donated to every program an
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import jax
@@ -18,11 +19,14 @@ import pallas_kernels as pk
 
 from ..config import EngineConfig
 from ..gguf import GGUFModel
-from ..model import Group, RunOptions, forward, load_params, new_kv_cache
+from ..experts import EXPERT_TENSORS, ExpertArena, HostTier
+from ..experts.policy import POLICIES
+from ..model import Group, RunOptions, expert_tensor_bytes, forward, load_experts, load_params, new_kv_cache
 from ..testing.faults import Faults
 from .memory import MemoryLedger
 from .programs import Layout, ProgramCache
 from .sampler import SamplingRows, sample
+from .stepped import LayerStepper
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -55,7 +59,7 @@ def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
 
 
 class ModelRunner:
-    def __init__(self, model: GGUFModel, cfg: EngineConfig, progress: bool = False):
+    def __init__(self, model: GGUFModel, cfg: EngineConfig, progress: bool = False, expert_policy: str | None = None):
         self.spec = model.spec
         self.cfg = cfg
         self.choices = resolve(cfg, model)
@@ -64,11 +68,17 @@ class ModelRunner:
         self.cache_len = -(-cfg.max_context // chunk) * chunk       # positions a slot's cache holds
         self.faults = Faults()
         self.ledger = MemoryLedger(cfg.device_memory_mib, cfg.vram_reserve_mib)
-        self.params = load_params(model, self.choices["weights"], self.choices["dtype"], progress)
+        # The routed experts are placed after the weights and the KV cache: all on the device when they fit
+        # (--expert-cache auto), else in a device arena fed by the host and file tiers (experts/).
+        self.params = load_params(model, self.choices["weights"], self.choices["dtype"], progress, experts=False)
         self.ledger.reserve_bytes("weights", _tree_bytes(self.params), "the model's weights")
         self.kv_dtype = KV_DTYPES[self.choices["kv"]]
         self.ledger.reserve_bytes("kv", self._kv_bytes(), f"the KV cache of {cfg.parallel} slots")
         self.cache = new_kv_cache(self.spec, cfg.parallel, self.cache_len, self.kv_dtype)
+        self.stepper: LayerStepper | None = None
+        self.expert_mode = "none"          # none (a dense model) | device (every expert) | arena (expert tiers)
+        if self.spec.is_moe:
+            self._place_experts(model, expert_policy or os.environ.get("STRATA_EXPERT_POLICY") or "freq")
         self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.wait_for_device, self.faults)
         self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
         self.windows = 0
@@ -93,10 +103,13 @@ class ModelRunner:
         layout = self.layout_of(groups, kv_needed)
         self.windows += 1
         self.faults.on_window()
-        args = []
-        for g in groups:
-            args += [g.tokens, g.pos, g.slots]
-        logits, self.cache = self.programs.run(layout, self.params, self.cache, *args)
+        if self.stepper is not None:
+            logits = self.stepper.run(groups, layout)
+        else:
+            args = []
+            for g in groups:
+                args += [g.tokens, g.pos, g.slots]
+            logits, self.cache = self.programs.run(layout, self.params, self.cache, *args)
         return [np.asarray(lg if g.all_logits else self._sample(lg, *g.sampling.as_tuple()))
                 for lg, g in zip(logits, groups)]
 
@@ -115,7 +128,9 @@ class ModelRunner:
                 break
             rows *= 2
         for r in tqdm(buckets, desc="building decode programs", unit="program", disable=not progress, leave=False):
-            self.programs.get(Layout(((r, 1, False),), self.kv_bucket(1)))
+            layout = Layout(((r, 1, False),), self.kv_bucket(1))
+            for lay in self.stepper.stage_layouts(layout) if self.stepper else [layout]:
+                self.programs.get(lay)
 
     def wait_for_device(self) -> None:
         jax.block_until_ready(self.cache)
@@ -131,6 +146,8 @@ class ModelRunner:
         """Compile the window program of `layout`: tokens, positions and slots in, logits out (sampling is
         a small program of its own, `_sample`, compiled once per row count: keeping it out of every window
         program makes each build ~0.7 s faster on a CPU)."""
+        if layout.stage != "window":
+            return self.stepper.build(layout)
         spec, opts = self.spec, self.opts
 
         def window(params, cache, *flat):
@@ -150,9 +167,97 @@ class ModelRunner:
             per_pos += s.n_layers * s.n_kv_heads * 2 * 4                       # a float32 scale a token and head
         return per_pos * self.cfg.parallel * (self.cache_len + 1)
 
+    # ---- expert tiers ---------------------------------------------------------------------------------
+
+    def _place_experts(self, model: GGUFModel, policy: str) -> None:
+        """--expert-cache auto: every expert on the device when they fit beside the weights, the KV cache,
+        the largest window's temporary memory and the reserve (today's one-program path); otherwise, or
+        with an explicit number of slots, a device arena of that many expert slots a layer."""
+        cfg, spec, mode, dtype = self.cfg, self.spec, self.choices["weights"], self.choices["dtype"]
+        if policy not in POLICIES:
+            raise ValueError(f"expert cache policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        all_bytes = expert_tensor_bytes(model, mode, dtype)
+        free, temp = self.ledger.free, self._largest_window_temp_bytes()
+        layers = list(range(spec.n_layers))
+        slot_bytes = all_bytes // (spec.n_experts * len(layers))
+        if cfg.expert_cache == "auto":
+            if free is None or all_bytes + temp <= free:
+                load_experts(model, self.params, mode, dtype)
+                self.ledger.reserve_bytes("experts", all_bytes, "every expert on the device")
+                self.expert_mode = "device"
+                return
+            n_slots = (free - temp) // (slot_bytes * len(layers))
+            if n_slots < 1:
+                raise self._no_room(all_bytes, temp, free)
+            log.info("the experts (%.1f MiB) do not fit on the device: %d expert slots a layer in the device "
+                     "cache", all_bytes / 2**20, min(n_slots, spec.n_experts))
+        else:
+            n_slots = int(cfg.expert_cache)
+            if n_slots < 1:
+                raise ValueError("expert_cache = 0: the device cache needs at least 1 expert slot a layer "
+                                 "(or auto)")
+        budget = None if cfg.resident_budget_gib is None else int(cfg.resident_budget_gib * (1 << 30))
+        host = HostTier(model, layers, budget, cfg.pool_workers)
+        first = {n: host.tensors[0][n] for n in EXPERT_TENSORS}
+        if mode == "dequantized":
+            jdt = jnp.dtype(dtype)
+            leaf_shapes = {n: ((t.shape[2], t.shape[1]), jdt) for n, t in first.items()}     # stored [k, n]
+            qtypes = {n: None for n in EXPERT_TENSORS}
+
+            def to_arena(name: str, blocks: np.ndarray):
+                t = first[name]                 # as to_device does at load: dequantize, cast, transpose
+                vals = pk.dequantize(blocks, t.qtype).reshape(blocks.shape[0], *t.shape[1:]).astype(dtype)
+                return jnp.swapaxes(vals, -1, -2).copy()
+        else:
+            leaf_shapes = {n: (t.data.shape[1:], jnp.uint8) for n, t in first.items()}
+            qtypes = {n: t.qtype.name for n, t in first.items()}
+
+            def to_arena(name: str, blocks: np.ndarray):
+                return jnp.asarray(blocks)
+        arena = ExpertArena(host, n_slots, to_arena, leaf_shapes, policy)
+        self.ledger.reserve_bytes("experts", arena.nbytes, f"the device expert cache ({arena.n_slots} slots a layer)")
+        self.stepper = LayerStepper(self, arena, qtypes, {n: tuple(t.shape[1:]) for n, t in first.items()})
+        self.expert_mode = "arena"
+        log.info("expert tiers: %d of %d experts a layer on the device (%s policy), %.2f GiB of %.2f GiB in host "
+                 "RAM, the rest read from the file by %d threads", arena.n_slots, spec.n_experts, policy,
+                 host.resident_bytes / 2**30, host.total_bytes / 2**30, cfg.pool_workers)
+
+    def _largest_window_temp_bytes(self) -> int:
+        """An estimate of the largest window's temporary device memory (decode rows of every slot plus one
+        prompt chunk): activations, the attended keys and values, logits, and dequantized expert tiles on
+        the blocks path. The program cache reserves the real figure (memory_analysis) when it builds."""
+        s, cfg = self.spec, self.cfg
+        rows = cfg.parallel + 1
+        tokens = cfg.parallel + int(self.choices["prefill"])
+        k = max(s.n_experts_used, 1)
+        act = tokens * (s.vocab_size + 8 * s.hidden + 3 * k * (s.expert_ffn or s.ffn)) * 4
+        attn = rows * self.cache_len * s.n_kv_heads * (s.head_dim + s.value_dim) * 4
+        tiles = 0
+        if self.choices["weights"] == "blocks" and s.is_moe:
+            n_tiles = -(-tokens * k // pk.expert_tile(self.opts.backend)) + min(s.n_experts, tokens * k)
+            tiles = n_tiles * 3 * (s.expert_ffn or s.ffn) * s.hidden * 4
+        return act + attn + tiles
+
+    def _no_room(self, all_bytes: int, temp: int, free: int):
+        from ..testing.faults import resource_exhausted
+
+        return resource_exhausted(
+            f"no device memory for even one expert slot a layer: {free / 2**20:.1f} MiB free after the weights and "
+            f"the KV cache, {temp / 2**20:.1f} MiB needed for the largest window (every expert: "
+            f"{all_bytes / 2**20:.1f} MiB); lower --parallel, --max-context or --vram-reserve-mib")
+
+    def expert_stats(self) -> dict:
+        """Flat numeric counters (the server exports them as metrics)."""
+        if self.stepper is not None:
+            return self.stepper.stats()
+        if self.spec.is_moe:
+            n = self.spec.n_experts * self.spec.n_layers
+            return {"device_slots": self.spec.n_experts, "experts_total": n, "all_on_device": 1}
+        return {}
+
     def stats(self) -> dict:
         return {"programs": self.programs.snapshot(), "memory": self.ledger.snapshot(), "windows": self.windows,
-                **{k: v for k, v in self.choices.items()}}
+                "experts": self.expert_stats(), **{k: v for k, v in self.choices.items()}}
 
 
 def _pow2_at_least(n: int) -> int:

@@ -96,16 +96,31 @@ def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str) -> tuple[
 
 def moe(x: jax.Array, p: dict, spec: ModelSpec, backend: str) -> jax.Array:
     """Mixture of experts over x [N, h]: each token's top-k experts, weighted; plus the shared expert."""
-    N, h = x.shape
-    k = spec.n_experts_used
     w, ids = route(x, p["router"], spec, backend)
+    y = expert_rows(x, ids, ids, p, spec.n_experts, backend)
+    return combine_experts(x, y, w, p, backend)
+
+
+def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict, n_groups: int, backend: str) -> jax.Array:
+    """Each token's k expert outputs, not yet weighted: x [N, h], ids [N, k] -> float32 [N, k, h].
+
+    `where` [N, k] says where each chosen expert's weights are in p's exp_* tensors: the expert id itself
+    when they hold every expert, an arena slot when they hold a device cache (expert tiers). `n_groups`
+    fixes the tile count, so the same rows give the same shapes (and bits) either way. A row's result
+    depends only on its own input and expert (tiles multiply rows independently)."""
+    N, h = x.shape
+    k = ids.shape[1]
     rows = jnp.repeat(x, k, axis=0)                                                         # [N*k, h]
-    g = pk.group_rows(ids.reshape(-1), spec.n_experts, pk.expert_tile(backend))
+    g = pk.group_rows(where.reshape(-1), n_groups, pk.expert_tile(backend))
     xt = pk.scatter_rows(rows, g)
     gate = expert_linear_tiles(xt, g.tile_expert, p["exp_gate"], backend)
     up = expert_linear_tiles(xt, g.tile_expert, p["exp_up"], backend)
     y = expert_linear_tiles(jax.nn.silu(gate) * up, g.tile_expert, p["exp_down"], backend)
-    y = pk.gather_rows(y, g).reshape(N, k, h).astype(jnp.float32)
+    return pk.gather_rows(y, g).reshape(N, k, h).astype(jnp.float32)
+
+
+def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, p: dict, backend: str) -> jax.Array:
+    """The weighted sum of the experts' outputs y [N, k, h] (weights w [N, k]), plus the shared expert."""
     out = jnp.einsum("nkh,nk->nh", y, w)
     if "sh_gate" in p:
         shared = mlp(x, p["sh_gate"], p["sh_up"], p["sh_down"], backend).astype(jnp.float32)

@@ -22,9 +22,13 @@ _LAYER_TENSORS = {
 _ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "router", "sh_router"}
 
 
-def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False) -> dict:
+EXPERT_TENSORS = ("exp_gate", "exp_up", "exp_down")
+
+
+def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False, experts: bool = True) -> dict:
     """mode "blocks": matrices stay GGUF blocks (QTensor); "dequantized": float `dtype` copies.
-    `progress`: a progress bar over the tensors on the console."""
+    `progress`: a progress bar over the tensors on the console. `experts=False` leaves the routed experts
+    out (the expert tiers hold them; `load_experts` adds them later when they all fit on the device)."""
     from tqdm import tqdm
 
     spec = model.spec
@@ -49,8 +53,26 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False)
     for i in range(spec.n_layers):
         prefix = f"blk.{i}."
         layers.append({short: get(prefix + suffix, short) for suffix, short in _LAYER_TENSORS.items()
-                       if prefix + suffix in t})
+                       if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)})
     params["layers"] = layers
     bar.close()
     return params
 
+
+
+def load_experts(model: GGUFModel, params: dict, mode: str, dtype: str) -> None:
+    """Put every routed expert on the device, into `params` (loaded with experts=False), exactly as
+    load_params(experts=True) would have."""
+    for i, lp in enumerate(params["layers"]):
+        for suffix, short in _LAYER_TENSORS.items():
+            name = f"blk.{i}.{suffix}"
+            if short in EXPERT_TENSORS and name in model.tensors:
+                lp[short] = to_device(model.tensors[name], mode, dtype)
+
+
+def expert_tensor_bytes(model: GGUFModel, mode: str, dtype: str) -> int:
+    """Device bytes of every routed expert in `mode` (GGUF blocks, or float `dtype`)."""
+    item = jnp.dtype(dtype).itemsize
+    return sum(t.n_values * item if mode == "dequantized" else t.n_bytes
+               for name, t in model.tensors.items()
+               if name.startswith("blk.") and _LAYER_TENSORS.get(name.split(".", 2)[2]) in EXPERT_TENSORS)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..gguf import ModelSpec
-from .layers import attend, mlp, moe, rms_norm, rope
+from .layers import attend, combine_experts, expert_rows, mlp, moe, rms_norm, rope, route
 from .weights import embed_rows, linear
 
 
@@ -113,30 +113,10 @@ def _read(cache: dict, name: str, i: int, slots, kv_len: int, dtype) -> jax.Arra
 def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
     """Decoder layer i over every group of the window: attention (writing the new keys and values into
     the cache first) and the FFN or experts."""
-    dtype = jnp.dtype(opts.dtype)
-    H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
-    scratch = cache["k"].shape[2] - 1
     xs = list(xs)
     for n, g in enumerate(groups):
-        x = xs[n]
+        x, cache = attention(lp, i, spec, opts, g, xs[n], cache, kv_len)
         R, L = g.tokens.shape
-        hx = rms_norm(x, lp["attn_norm"], spec.rms_eps)
-        q = linear(hx, lp["wq"], opts.backend)
-        k = linear(hx, lp["wk"], opts.backend)
-        v = linear(hx, lp["wv"], opts.backend)
-        if "bq" in lp:
-            q, k, v = q + lp["bq"].astype(dtype), k + lp["bk"].astype(dtype), v + lp["bv"].astype(dtype)
-        q, k, v = q.reshape(R, L, H, D), k.reshape(R, L, K, D), v.reshape(R, L, K, Dv)
-        if "q_norm" in lp:
-            q, k = rms_norm(q, lp["q_norm"], spec.rms_eps), rms_norm(k, lp["k_norm"], spec.rms_eps)
-        q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
-        write_at = jnp.where(g.pos >= 0, g.pos, scratch)                               # [R, L]
-        cache = _write(cache, "k", i, g.slots, write_at, k)
-        cache = _write(cache, "v", i, g.slots, write_at, v)
-        keys = _read(cache, "k", i, g.slots, kv_len, dtype)                            # [R, kv_len, K, D]
-        vals = _read(cache, "v", i, g.slots, kv_len, dtype)
-        o = attend(q, keys, vals, g.pos, min(opts.attn_chunk, kv_len))                 # [R, L, H, Dv]
-        x = x + linear(o.reshape(R, L, H * Dv), lp["wo"], opts.backend)
         hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps)
         if "router" in lp:
             ffn = moe(hx.reshape(R * L, -1), lp, spec, opts.backend).reshape(R, L, -1)
@@ -144,3 +124,82 @@ def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv
             ffn = mlp(hx, lp["w_gate"], lp["w_up"], lp["w_down"], opts.backend)
         xs[n] = x + ffn
     return xs, cache
+
+
+def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache, kv_len: int):
+    """The attention half of decoder layer i for one group: x [R, L, h] -> (x + attention, the cache with
+    the group's new keys and values). `i` may be a traced layer index (layer-stepped programs)."""
+    dtype = jnp.dtype(opts.dtype)
+    H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
+    scratch = cache["k"].shape[2] - 1
+    R, L = g.tokens.shape
+    hx = rms_norm(x, lp["attn_norm"], spec.rms_eps)
+    q = linear(hx, lp["wq"], opts.backend)
+    k = linear(hx, lp["wk"], opts.backend)
+    v = linear(hx, lp["wv"], opts.backend)
+    if "bq" in lp:
+        q, k, v = q + lp["bq"].astype(dtype), k + lp["bk"].astype(dtype), v + lp["bv"].astype(dtype)
+    q, k, v = q.reshape(R, L, H, D), k.reshape(R, L, K, D), v.reshape(R, L, K, Dv)
+    if "q_norm" in lp:
+        q, k = rms_norm(q, lp["q_norm"], spec.rms_eps), rms_norm(k, lp["k_norm"], spec.rms_eps)
+    q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
+    write_at = jnp.where(g.pos >= 0, g.pos, scratch)                               # [R, L]
+    cache = _write(cache, "k", i, g.slots, write_at, k)
+    cache = _write(cache, "v", i, g.slots, write_at, v)
+    keys = _read(cache, "k", i, g.slots, kv_len, dtype)                            # [R, kv_len, K, D]
+    vals = _read(cache, "v", i, g.slots, kv_len, dtype)
+    o = attend(q, keys, vals, g.pos, min(opts.attn_chunk, kv_len))                 # [R, L, H, Dv]
+    return x + linear(o.reshape(R, L, H * Dv), lp["wo"], opts.backend), cache
+
+
+# ---- layer-stepped windows (expert tiers) ----------------------------------------------------------------
+# When the experts do not all sit on the device, a window runs as a chain of small programs: embed, then
+# per layer "attention + router" (the router's choices go to the host, which brings the experts into the
+# device arena) and "experts from the arena", then "head". Each is the same arithmetic as forward()'s, in
+# the same order, so the logits are the same bits.
+
+def embed_stage(params: dict, opts: RunOptions, tokens: tuple) -> list:
+    dtype = jnp.dtype(opts.dtype)
+    return [embed_rows(params["embed"], t, dtype) for t in tokens]                  # [R, L, h] each
+
+
+def attn_router_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
+    """Attention of layer i, then the FFN norm and the router, per group -> (x [R, L, h], hx [R*L, h],
+    router weights [R*L, k] float32, expert ids [R*L, k] int32) per group, and the cache."""
+    outs = []
+    for g, x in zip(groups, xs):
+        x, cache = attention(lp, i, spec, opts, g, x, cache, kv_len)
+        R, L = g.tokens.shape
+        hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps).reshape(R * L, -1)
+        w, ids = route(hx, lp["router"], spec, opts.backend)
+        outs.append((x, hx, w, ids))
+    return outs, cache
+
+
+def experts_stage(lp: dict, arena: dict, table, spec: ModelSpec, opts: RunOptions, parts, y_acc):
+    """The experts of one layer from the device arena: per group (x, hx, w, ids) and the expert outputs
+    found so far y_acc [N, k, h] -> (x + experts, y_acc). table [E] int32: each expert's arena slot, -1
+    when absent; rows whose expert is absent keep y_acc's value (the host runs a layer in several passes
+    when it needs more experts than the arena has slots)."""
+    xs, ys = [], []
+    for (x, hx, w, ids), acc in zip(parts, y_acc):
+        slot = table[ids]                                                             # [N, k]
+        here = slot >= 0
+        y = expert_rows(hx, ids, jnp.where(here, slot, 0), arena, spec.n_experts, opts.backend)
+        y = jnp.where(here[..., None], y, acc)
+        ffn = combine_experts(hx, y, w, lp, opts.backend).reshape(x.shape)
+        xs.append(x + ffn)
+        ys.append(y)
+    return xs, ys
+
+
+def head_stage(params: dict, spec: ModelSpec, opts: RunOptions, groups, xs) -> list:
+    out = []
+    for x, g in zip(xs, groups):
+        x = rms_norm(x, params["norm"], spec.rms_eps)
+        if not g.all_logits:
+            R = x.shape[0]
+            last = jnp.maximum(jnp.sum(g.pos >= 0, axis=1) - 1, 0)
+            x = x[jnp.arange(R), last]                                                 # [R, h]
+        out.append(linear(x, params["output"], opts.backend).astype(jnp.float32))
+    return out

@@ -1,0 +1,121 @@
+"""The device cache: a preallocated arena of expert slots per MoE layer, updated in place.
+
+Each MoE layer has N slots for each of its three expert tensors (GGUF blocks [N, rows, row_bytes] in the
+experts' quant type, or float [N, k, n] where the engine keeps weights dequantized), a page table
+(layer, expert) -> slot on the host, and the same table on the device as int32 [E] per layer (slot, or
+-1), which the experts program reads to find each chosen expert. Missing experts are copied in by a small
+jitted update that donates the arena leaf, so it is written in place, never copied.
+
+`passes(layer, ids)` is the host's side of one layer: it yields the device page table once for every
+pass the layer needs (one, unless the window chose more distinct experts than the arena has slots),
+after making that pass's experts resident.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .host import EXPERT_TENSORS, HostTier
+from .policy import make_policy
+from .stats import ExpertCounters
+
+log = logging.getLogger("strata_jax.experts")
+
+
+def _put(leaf: jax.Array, slots: jax.Array, vals: jax.Array) -> jax.Array:
+    return leaf.at[slots].set(vals.astype(leaf.dtype))
+
+
+# One small program per leaf shape and batch bucket (a handful): the arena leaf is donated, so updated in place.
+_put_jit = jax.jit(_put, donate_argnums=(0,))
+
+
+class ExpertArena:
+    def __init__(self, host: HostTier, n_slots: int, to_device: Callable[[str, np.ndarray], jax.Array],
+                 leaf_shapes: dict[str, tuple[tuple[int, ...], object]], policy: str = "freq"):
+        """to_device(tensor name, blocks [m, rows, row_bytes]) -> the arena's form of m experts (blocks, or
+        dequantized floats); leaf_shapes: tensor name -> (shape of one expert in the arena, dtype)."""
+        self.host = host
+        self.layers = host.layers
+        self.n_experts = host.n_experts
+        self.n_slots = min(n_slots, self.n_experts)
+        self.to_device = to_device
+        self.arena = {i: {n: jnp.zeros((self.n_slots, *shape), dtype) for n, (shape, dtype) in leaf_shapes.items()}
+                      for i in self.layers}
+        self.slot_bytes = sum(int(np.prod(shape)) * jnp.dtype(dtype).itemsize for shape, dtype in leaf_shapes.values())
+        self.slot_of = {i: np.full(self.n_experts, -1, np.int32) for i in self.layers}      # expert -> slot
+        self.expert_in = {i: np.full(self.n_slots, -1, np.int32) for i in self.layers}      # slot -> expert
+        self.tables = {i: jnp.array(self.slot_of[i].copy()) for i in self.layers}   # a copy: never aliased
+        self.policies = {i: make_policy(policy, self.n_experts) for i in self.layers}
+        self.policy = policy
+        self.clock = 0
+        self.exchanged = 0            # experts copied host -> device since start
+        self.copy_seconds = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.n_slots * len(self.layers)
+
+    def passes(self, layer: int, ids: np.ndarray, counters: ExpertCounters, decode: bool) -> Iterator[jax.Array]:
+        """Make the experts of `ids` (any shape) resident, in as few passes as the slots allow; yield the
+        device page table of `layer` after each pass."""
+        self.clock += 1
+        needed = [int(e) for e in np.unique(ids)]
+        slot_of = self.slot_of[layer]
+        counters.routed += int(ids.size)
+        hits = [e for e in needed if slot_of[e] >= 0]
+        missing = [e for e in needed if slot_of[e] < 0]
+        counters.lookups += len(needed)
+        counters.hits += len(hits)
+        if decode:
+            counters.decode_lookups += len(needed)
+            counters.decode_hits += len(hits)
+            counters.decode_misses += len(missing)
+        self.policies[layer].access(needed, self.clock)
+        order = hits + missing                            # resident ones first: the first pass moves least
+        for start in range(0, len(order), self.n_slots):
+            chunk = order[start:start + self.n_slots]
+            if start:
+                counters.passes += 1
+            self._load(layer, [e for e in chunk if slot_of[e] < 0], set(chunk), counters)
+            yield self.tables[layer]
+
+    def _load(self, layer: int, experts: list[int], protected: set[int], counters: ExpertCounters) -> None:
+        if not experts:
+            return
+        t0 = time.perf_counter()
+        slot_of, expert_in, policy = self.slot_of[layer], self.expert_in[layer], self.policies[layer]
+        for e in experts:
+            counters.misses_host += self.host.tier_of(layer, e) == "host"
+            counters.misses_file += self.host.tier_of(layer, e) == "file"
+        blocks = self.host.get(layer, experts)            # file-tier ones read by the pool's threads
+        slots = []
+        for e in experts:
+            free = np.flatnonzero(expert_in < 0)
+            if free.size:
+                s = int(free[0])
+            else:
+                old = policy.victim([int(x) for x in expert_in], protected, self.clock)
+                s = int(slot_of[old])
+                slot_of[old] = -1
+                counters.evictions += 1
+            slot_of[e], expert_in[s] = s, e
+            slots.append(s)
+        m = len(experts)
+        bucket = 1 << (m - 1).bit_length()                # pad to a power of two: few update programs
+        pad = slots + [slots[-1]] * (bucket - m)          # the padding writes the last expert again
+        idx = jnp.asarray(np.array(pad, np.int32))
+        leaves = self.arena[layer]
+        for n in EXPERT_TENSORS:
+            stacked = np.stack([b[n] for b in blocks] + [blocks[-1][n]] * (bucket - m))
+            leaves[n] = _put_jit(leaves[n], idx, self.to_device(n, stacked))
+        self.tables[layer] = jnp.array(slot_of.copy())
+        counters.bytes_moved += m * self.host.expert_bytes
+        self.exchanged += m
+        self.copy_seconds += time.perf_counter() - t0

@@ -1,0 +1,57 @@
+"""The host tier and the file tier: where an expert's GGUF blocks come from when the device needs them.
+
+Host tier: experts copied into host RAM (numpy) up to `--resident-budget-gib` (default: all of them),
+layer by layer. File tier: the rest, read from the GGUF memory map in place when needed, by a pool of
+`--pool-workers` reader threads (a read is a page-in of a few MiB: the threads overlap the disk's latency).
+Experts stay in their GGUF quant blocks in both tiers.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+EXPERT_TENSORS = ("exp_gate", "exp_up", "exp_down")
+_GGUF_NAMES = {"exp_gate": "ffn_gate_exps", "exp_up": "ffn_up_exps", "exp_down": "ffn_down_exps"}
+
+
+class HostTier:
+    def __init__(self, model, layers: list[int], budget_bytes: int | None, workers: int):
+        self.layers = layers
+        self.tensors = {i: {n: model.tensors[f"blk.{i}.{_GGUF_NAMES[n]}.weight"] for n in EXPERT_TENSORS}
+                        for i in layers}
+        first = self.tensors[layers[0]]
+        self.n_experts = first["exp_gate"].shape[0]
+        self.qtypes = {n: first[n].qtype for n in EXPERT_TENSORS}
+        self.expert_bytes = sum(int(first[n].data[0].nbytes) for n in EXPERT_TENSORS)
+        self.total_bytes = self.expert_bytes * self.n_experts * len(layers)
+        self.resident: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        budget = self.total_bytes if budget_bytes is None else budget_bytes
+        for i in layers:                                 # layer by layer, as far as the budget goes
+            for e in range(self.n_experts):
+                if (len(self.resident) + 1) * self.expert_bytes > budget:
+                    break
+                self.resident[(i, e)] = {n: np.array(t.data[e]) for n, t in self.tensors[i].items()}
+        self.resident_bytes = len(self.resident) * self.expert_bytes
+        self.file_reads = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="strata-expert-read")
+
+    def tier_of(self, layer: int, expert: int) -> str:
+        return "host" if (layer, expert) in self.resident else "file"
+
+    def get(self, layer: int, experts: list[int]) -> list[dict[str, np.ndarray]]:
+        """The blocks of `experts` of `layer`: from RAM, or read from the file by the pool's threads."""
+        futures = {e: self._pool.submit(self._read, layer, e) for e in experts if (layer, e) not in self.resident}
+        return [self.resident[(layer, e)] if e not in futures else futures[e].result() for e in experts]
+
+    def _read(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        out = {n: np.array(t.data[expert]) for n, t in self.tensors[layer].items()}
+        with self._lock:
+            self.file_reads += 1
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,43 @@
+"""Expert-tier counters: since start and per request, with Strata's two log lines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+GiB = 1 << 30
+
+
+@dataclass
+class ExpertCounters:
+    lookups: int = 0           # (layer, expert) pairs a window needed (each once a window and layer)
+    hits: int = 0              # ... found in the device arena
+    misses_host: int = 0       # ... copied to the device from host RAM
+    misses_file: int = 0       # ... read from the GGUF file first
+    decode_lookups: int = 0    # the same for windows without a prompt chunk
+    decode_hits: int = 0
+    decode_misses: int = 0
+    routed: int = 0            # token-to-expert assignments (tokens x top-k)
+    bytes_moved: int = 0       # bytes copied into the arena
+    evictions: int = 0
+    passes: int = 0            # extra passes: a layer that needed more experts than the arena has slots
+
+    def add(self, other: ExpertCounters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def hit_line(self) -> str:
+        """Strata's line: `decode expert cache hit rate: 57.9% (271 hits / 468 lookups); 12 more read from
+        host (2.5% of all 480 routed)`. Here the misses are what came from the host and file tiers."""
+        n, h = self.decode_lookups, self.decode_hits
+        rate = 100.0 * h / n if n else 0.0
+        miss = self.decode_misses
+        return (f"decode expert cache hit rate: {rate:.1f}% ({h} hits / {n} lookups); {miss} more read from "
+                f"host ({100.0 * miss / n if n else 0.0:.1f}% of all {n} routed)")
+
+
+def resident_line(resident_bytes: int, exchanged: int, file_reads: int) -> str:
+    return (f"resident RAM: {resident_bytes / GiB:.2f} GiB of experts in RAM, {exchanged} exchanged with the "
+            f"device tier, {file_reads} blob reads from the file")
