@@ -406,7 +406,8 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="client timeout of each request, seconds (default 600)")
     p.add_argument("--tokenizer", metavar="MODEL.gguf",
-                   help="count prompt tokens with this model's tokenizer (default: ask the server, else ~4 chars a token)")
+                   help="count prompt tokens with this model's tokenizer (default: ask the server, else ~4 chars "
+                   "a token)")
     p.add_argument("--reasoning", choices=("on", "off"), help="chat_template_kwargs.enable_thinking (default: "
                    "not sent)")
     p.add_argument("--temperature", type=float, help="sampling temperature (default: the server's)")
@@ -473,5 +474,6 @@ def write_json(path: str | None, obj: Any) -> None:
 
 
 def client_of(concurrency: int, timeout: float) -> httpx.AsyncClient:
+    n = concurrency + 8
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
-                             limits=httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8))
+                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))

@@ -371,7 +371,8 @@ def print_report(r: dict[str, Any]) -> None:
             ("TTFT p50 / p95, s", f"{fmt(r['ttft_p50_s'], 2)} / {fmt(r['ttft_p95_s'], 2)}"),
             ("latency p50 / p95, s", f"{fmt(r['latency_p50_s'], 2)} / {fmt(r['latency_p95_s'], 2)}"),
             ("prompt tokens (largest prompt)", f"{r['prompt_tokens']} ({r['largest_prompt']})"),
-            ("prefix reuse (cache_n / (cache_n + prompt_n))", f"{reuse} ({r['cache_n']} of {r['cache_n'] + r['prompt_n']})"),
+            ("prefix reuse (cache_n / (cache_n + prompt_n))",
+             f"{reuse} ({r['cache_n']} of {r['cache_n'] + r['prompt_n']})"),
             ("generated tokens (aggregate tok/s)", f"{r['generated_tokens']} ({fmt(r['aggregate_tps'])})"),
             ("engine restarts (GET /faults)", r["engine_restarts"] if r["faults_available"] else "unknown"),
             ("wall time, s", f"{r['wall_s']:.1f}")]
