@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import random
+import signal
 import statistics
 import sys
 import time
@@ -433,6 +434,10 @@ def flag_value(flags: Sequence[str], name: str) -> str | None:
     return None
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 class ServerStartError(Exception):
     """The server started for the run exited, or did not answer in time."""
 
@@ -445,6 +450,8 @@ class Server:
         self.url = args.url
 
     def __enter__(self) -> Self:
+        # SIGTERM (a job runner, `timeout`) ends the run as Ctrl-C does, so that the server we started stops too
+        self._sigterm = signal.signal(signal.SIGTERM, _interrupt)
         if self.args.start_server:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, not installed
             from strata_jax.serve.launch import ServerProcess
@@ -460,6 +467,7 @@ class Server:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._sigterm)
         if self.proc is not None:
             code = self.proc.stop()
             if self.args.server_log:

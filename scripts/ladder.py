@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     except ServerStartError as e:
         console.print(f"[red]{e}[/red]")
         return 2
+    except KeyboardInterrupt:
+        console.print("[red]interrupted: no report[/red]")
+        return 130
     write_json(args.json, report)
     if "error" in report:
         console.print(f"[red]{report['error']}[/red]")
