@@ -229,6 +229,9 @@ def add_bench(sub: Subparsers) -> None:
                    help="size of the array memory bandwidth is measured on (default 1 GiB)")
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
     add_engine_flags(p)
+    for action in p._actions:            # the slots come from --parallel-list: --parallel is refused, so not shown
+        if action.dest == "parallel":
+            action.help = argparse.SUPPRESS
     p.set_defaults(run=run_bench)
 
 

@@ -73,5 +73,8 @@ def render(result: dict) -> str:
         lines.append(f"bound, 1 sequence, {who} ({kind}{moe}): {b['bytes_per_token'] / 1e6:,.1f} MB a token -> "
                      f"{_num(b['tokens_per_second'])} tok/s{reach}")
     if load is not None and load > 0.5:
-        lines.append(f"note: the machine was busy at start (load average {load:.2f}): figures may be low")
+        lines.append(f"note: other work kept the machine busy (load average {load:.2f} at start, "
+                     f"{_num(m.get('load_average_at_end'), 2)} at the end, ours included): figures may be low, "
+                     "llama.cpp's most (its threads wait for each other at every step)")
+    lines.append(f"bench took {result['seconds']:.0f} s")
     return "\n".join(lines)

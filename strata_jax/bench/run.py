@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from strata_jax.bench.machine import limit_threads, machine_info, memory_bandwidth
+from strata_jax.bench.machine import limit_threads, load_average, machine_info, memory_bandwidth
 from strata_jax.bench.options import BenchOptions
 from strata_jax.bench.traffic import bound, bytes_per_token
 from strata_jax.gguf import GGUFModel
@@ -54,6 +54,7 @@ def run_bench(opts: BenchOptions, progress=print) -> dict:
     if result["llama_cpp"]:
         result["bound"]["llama_cpp"] = bound(bw, bytes_per_token(model, "blocks"), _one_sequence(result["llama_cpp"]))
     result["seconds"] = time.perf_counter() - started
+    machine["load_average_at_end"] = load_average()    # includes our own load: about `threads` when alone
     return result
 
 
