@@ -264,6 +264,7 @@ class Replay:
             if result.status == 400 and "exceed" in (result.error or "") and len(conv.history) > 1:
                 self.context_retries += 1                         # our estimate was short: trim, and try again
                 conv.trim()
+                n -= 1
                 continue
             self.records.append({"user": i, "turn": n, "kind": kind, "messages": len(messages),
                                  "conversation": conv.started, **result.to_json()})
