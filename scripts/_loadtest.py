@@ -85,31 +85,34 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                                      headers=headers) as resp:
                 r.status = resp.status_code
                 if resp.status_code != 200:
-                    r.error = f"HTTP {resp.status_code}: {error_message((await resp.aread()).decode(errors='replace'))}"
-                async for line in ([] if r.error else resp.aiter_lines()):
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    obj = json.loads(data)
-                    if obj.get("error") is not None:
-                        err = obj["error"]
-                        r.error = str(err.get("message") if isinstance(err, dict) else err)
-                        continue
-                    for choice in obj.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        text = delta.get("content") or ""
-                        if text or delta.get("reasoning_content"):
-                            now = time.monotonic()
-                            first = first or now
-                            last = now
-                            r.chunks += 1
-                            pieces.append(text)
-                        r.finish_reason = choice.get("finish_reason") or r.finish_reason
-                    timings = obj.get("timings") or timings
-                    usage = obj.get("usage") or usage
+                    body_text = (await resp.aread()).decode(errors="replace")
+                    r.error = f"HTTP {resp.status_code}: {error_message(body_text)}"
+                    done = True
+                else:
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            done = True
+                            break
+                        obj = json.loads(data)
+                        if obj.get("error") is not None:
+                            err = obj["error"]
+                            r.error = str(err.get("message") if isinstance(err, dict) else err)
+                            continue
+                        for choice in obj.get("choices") or []:
+                            delta = choice.get("delta") or {}
+                            text = delta.get("content") or ""
+                            if text or delta.get("reasoning_content"):
+                                now = time.monotonic()
+                                first = first or now
+                                last = now
+                                r.chunks += 1
+                                pieces.append(text)
+                            r.finish_reason = choice.get("finish_reason") or r.finish_reason
+                        timings = obj.get("timings") or timings
+                        usage = obj.get("usage") or usage
     except TimeoutError:
         r.error = f"no complete answer within the client timeout ({timeout:g} s)"
     except httpx.HTTPError as e:

@@ -6,6 +6,7 @@ kept within the context, checked with the model's tokenizer, and a server that n
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from strata_jax.serve.launch import ServerProcess
@@ -22,7 +24,7 @@ from strata_jax.serve.launch import ServerProcess
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from _loadtest import Result, TokenCounter, percentile
+from _loadtest import Result, TokenCounter, percentile, stream_chat
 from replay import Conversation
 
 
@@ -146,6 +148,53 @@ def test_ladder_against_no_server(tmp_path):
                                  tmp_path=tmp_path)
     assert rc == 2 and "was not ready within 1 s" in out and "ConnectError" in report["error"]
     assert time.monotonic() - start < 30
+
+
+def sse_server(*events: str, status: int = 200, body: dict | None = None):
+    """An httpx client whose every POST answers with these SSE data lines (or a JSON error body)."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        if status != 200:
+            return httpx.Response(status, json=body)
+        return httpx.Response(200, content="".join(f"data: {e}\n\n" for e in events).encode(),
+                              headers={"content-type": "text/event-stream"})
+    return httpx.AsyncClient(transport=httpx.MockTransport(answer))
+
+
+def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> str:
+    return json.dumps({"choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}],
+                       **extra})
+
+
+TIMINGS = {"prompt_n": 90, "cache_n": 10, "prompt_per_second": 500.0, "predicted_n": 2, "predicted_per_second": 40.0}
+USAGE = {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102}
+
+
+@pytest.mark.parametrize("case", ["ok", "http_400", "error_event", "cut_short", "no_timings"])
+def test_stream_chat_outcomes(case):
+    events = {
+        "ok": [chunk({"role": "assistant", "content": ""}), chunk({"content": "Hel"}), chunk({"content": "lo"}),
+               chunk({}, "stop", timings=TIMINGS), chunk(usage=USAGE), "[DONE]"],
+        "error_event": [chunk({"content": "Hel"}), json.dumps({"error": {"message": "the engine stopped"}}),
+                        "[DONE]"],
+        "cut_short": [chunk({"content": "Hel"})],
+        "no_timings": [chunk({"content": "a"}), chunk({"content": "b"}), chunk({"content": "c"}),
+                       chunk({}, "length"), "[DONE]"],
+    }.get(case, [])
+    client = sse_server(*events, status=400 if case == "http_400" else 200,
+                        body={"error": {"message": "too long", "type": "exceed_context_size_error"}})
+    r = asyncio.run(stream_chat(client, "http://x", {"messages": []}, 10.0, time.monotonic()))
+    if case == "ok":
+        assert r.ok and r.error is None and r.text == "Hello" and r.finish_reason == "stop" and not r.measured
+        assert (r.prompt_tokens, r.prompt_n, r.cache_n, r.tokens) == (100, 90, 10, 2)
+        assert (r.prompt_tps, r.decode_tps) == (500.0, 40.0) and 0 < r.ttft_s <= r.latency_s
+    elif case == "http_400":
+        assert not r.ok and r.status == 400 and r.error == "HTTP 400: too long" and r.ttft_s is None
+    elif case == "error_event":
+        assert not r.ok and r.error == "the engine stopped" and r.tokens == 1
+    elif case == "cut_short":
+        assert not r.ok and r.error == "the stream ended without [DONE]"
+    else:
+        assert r.ok and r.tokens == 3 and r.measured and r.decode_tps > 0 and r.prompt_tps is None
 
 
 def test_percentile():
