@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import EngineConfig
+from ..experts import ExpertCounters, resident_line
 from ..gguf import GGUFModel, load_tokenizer
 from .memory import is_resource_exhausted
 from .request import ContextOverflowError, Event, Handle, Request, RequestError, SamplingParams
@@ -40,12 +41,15 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, model: GGUFModel, config: EngineConfig | None = None, progress: bool = False):
+    def __init__(self, model: GGUFModel, config: EngineConfig | None = None, progress: bool = False,
+                 expert_policy: str | None = None):
+        """expert_policy: the device expert cache's eviction policy, "freq" (default) or "lru" (also
+        STRATA_EXPERT_POLICY); it matters only when the experts do not all sit on the device."""
         self.config = config or EngineConfig()
         self.model = model
         self.spec = model.spec
         self.tokenizer = load_tokenizer(model.metadata)
-        self.runner = ModelRunner(model, self.config, progress)
+        self.runner = ModelRunner(model, self.config, progress, expert_policy)
         if self.config.warmup:
             self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
@@ -60,8 +64,9 @@ class Engine:
                          "generated_tokens": 0, "windows": 0, "window_rows": 0, "split_windows": 0}
 
     @classmethod
-    def from_gguf(cls, path: str | Path, config: EngineConfig | None = None, progress: bool = False) -> Engine:
-        return cls(GGUFModel.open(path), config, progress)
+    def from_gguf(cls, path: str | Path, config: EngineConfig | None = None, progress: bool = False,
+                  expert_policy: str | None = None) -> Engine:
+        return cls(GGUFModel.open(path), config, progress, expert_policy)
 
     # ---- the caller's side ----------------------------------------------------------------------------
 
@@ -149,6 +154,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.runner.close()
 
     def __enter__(self):
         return self
@@ -227,6 +233,12 @@ class Engine:
             return
         self.counters["windows"] += 1
         self.counters["window_rows"] += len(w.decode) + (w.prefill is not None)
+        if self.runner.stepper is not None:               # expert-tier counters, per request too
+            for s in w.decode + ([w.prefill] if w.prefill is not None else []):
+                if not s.free:
+                    if s.request.experts is None:
+                        s.request.experts = ExpertCounters()
+                    s.request.experts.add(self.runner.stepper.last)
         self._apply(w, outs)
 
     def _recover(self, w: Window, e: Exception) -> None:
@@ -309,6 +321,8 @@ class Engine:
         self.counters["prompt_tokens"] += len(req.prompt)
         self.counters["generated_tokens"] += stats["generated_tokens"]
         log.info("%s", stats["log_line"])
+        for line in stats.get("expert_lines", ()):
+            log.info("%s", line)
         req.events.put(Event("final", text=tail, stats=stats, finish_reason=reason))
         s.release()
 
@@ -333,10 +347,16 @@ class Engine:
         line = (f"prompt {n_prompt} tokens = {req.reused} reused + {read} read in {read_s * 1000:.0f} ms "
                 f"({read / read_s:.1f} tok/s), {n_gen} generated in {gen_s * 1000:.0f} ms "
                 f"({max(n_gen - 1, 0) / gen_s:.1f} tok/s)")
-        return {"prompt_tokens": n_prompt, "reused_tokens": req.reused, "generated_tokens": n_gen,
-                "queue_ms": (req.t_start - req.arrived) * 1000, "prompt_ms": read_s * 1000,
-                "generate_ms": gen_s * 1000, "prompt_per_second": read / read_s,
-                "predicted_per_second": max(n_gen - 1, 0) / gen_s, "log_line": line}
+        out = {"prompt_tokens": n_prompt, "reused_tokens": req.reused, "generated_tokens": n_gen,
+               "queue_ms": (req.t_start - req.arrived) * 1000, "prompt_ms": read_s * 1000,
+               "generate_ms": gen_s * 1000, "prompt_per_second": read / read_s,
+               "predicted_per_second": max(n_gen - 1, 0) / gen_s, "log_line": line}
+        if self.runner.stepper is not None:
+            c = req.experts or ExpertCounters()
+            st = self.runner.stepper.stats()
+            out["experts"] = c.as_dict()
+            out["expert_lines"] = [c.hit_line(), resident_line(st["resident_bytes"], st["exchanged"], st["file_reads"])]
+        return out
 
     def _run_logits(self, ids: list[int], done: queue.Queue) -> None:
         """All-token logits for `ids` on a scratch copy of the cache: the slots' KV is untouched."""

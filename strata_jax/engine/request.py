@@ -76,6 +76,7 @@ class Request:
     # filled in by the engine
     output: list[int] = field(default_factory=list)
     reused: int = 0
+    experts: Any = None                # ExpertCounters of the windows it took part in (expert tiers)
     t_start: float = 0.0               # got a slot
     t_first: float = 0.0               # prompt read, first token out
     t_end: float = 0.0

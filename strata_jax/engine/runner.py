@@ -24,7 +24,7 @@ from ..experts.policy import POLICIES
 from ..model import Group, RunOptions, expert_tensor_bytes, forward, load_experts, load_params, new_kv_cache
 from ..testing.faults import Faults
 from .memory import MemoryLedger
-from .programs import Layout, ProgramCache
+from .programs import MIN_PROGRAM_BYTES, Layout, ProgramCache
 from .sampler import SamplingRows, sample
 from .stepped import LayerStepper
 
@@ -186,6 +186,9 @@ class ModelRunner:
                 self.ledger.reserve_bytes("experts", all_bytes, "every expert on the device")
                 self.expert_mode = "device"
                 return
+            # A layer-stepped window runs 4 programs, each reserved at no less than MIN_PROGRAM_BYTES: leave
+            # room for a few windows' worth of them.
+            temp = max(temp, 16 * MIN_PROGRAM_BYTES)
             n_slots = (free - temp) // (slot_bytes * len(layers))
             if n_slots < 1:
                 raise self._no_room(all_bytes, temp, free)
@@ -224,8 +227,8 @@ class ModelRunner:
 
     def _largest_window_temp_bytes(self) -> int:
         """An estimate of the largest window's temporary device memory (decode rows of every slot plus one
-        prompt chunk): activations, the attended keys and values, logits, and dequantized expert tiles on
-        the blocks path. The program cache reserves the real figure (memory_analysis) when it builds."""
+        prompt chunk): activations, the attended keys and values, logits, and every tile's expert weights
+        as floats. The program cache reserves the real figure (memory_analysis) when it builds."""
         s, cfg = self.spec, self.cfg
         rows = cfg.parallel + 1
         tokens = cfg.parallel + int(self.choices["prefill"])
@@ -233,10 +236,14 @@ class ModelRunner:
         act = tokens * (s.vocab_size + 8 * s.hidden + 3 * k * (s.expert_ffn or s.ffn)) * 4
         attn = rows * self.cache_len * s.n_kv_heads * (s.head_dim + s.value_dim) * 4
         tiles = 0
-        if self.choices["weights"] == "blocks" and s.is_moe:
+        if s.is_moe:        # each tile's expert weights, gathered (float) or dequantized (blocks), gate/up/down
             n_tiles = -(-tokens * k // pk.expert_tile(self.opts.backend)) + min(s.n_experts, tokens * k)
             tiles = n_tiles * 3 * (s.expert_ffn or s.ffn) * s.hidden * 4
         return act + attn + tiles
+
+    def close(self) -> None:
+        if self.stepper is not None:
+            self.stepper.arena.host.close()
 
     def _no_room(self, all_bytes: int, temp: int, free: int):
         from ..testing.faults import resource_exhausted

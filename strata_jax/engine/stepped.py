@@ -68,23 +68,29 @@ class LayerStepper:
 
     def run(self, groups, layout: Layout) -> list:
         """One window (GroupInputs) -> logits per group, as forward() gives them."""
+        counters = self.last = ExpertCounters()
+        try:
+            return self._run(groups, self.stage_layouts(layout), counters)
+        finally:
+            self.total.add(counters)          # a window that failed half way still moved what it moved
+
+    def _run(self, groups, layouts: list[Layout], counters: ExpertCounters) -> list:
         progs, r = self.runner.programs, self.runner
-        embed_l, attn_l, experts_l, head_l = self.stage_layouts(layout)
-        gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits) for g in groups)
-        decode = all(g.tokens.shape[1] == 1 for g in groups)
-        counters = ExpertCounters()
+        embed_l, attn_l, experts_l, head_l = layouts
         k, h = self.spec.n_experts_used, self.spec.hidden
+        gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits) for g in groups)
+        decode = all(g.tokens.shape[1] == 1 for g in groups)            # no prompt chunk in the window
+        reals = [np.asarray(g.pos).reshape(-1) >= 0 for g in groups]      # [R*L] per group: real tokens
         xs = progs.run(embed_l, self.embed_p, tuple(g.tokens for g in groups))
         for i in range(len(self.attn_p)):
             parts, r.cache = progs.run(attn_l, self.attn_p[i], self.index[i], r.cache, gs, xs)
-            ids = np.concatenate([np.asarray(p[3]).reshape(-1) for p in parts])
+            # Only real tokens' experts are brought in: padding rows (pos -1) whose experts are absent get
+            # zeros, and nothing reads a padding row's output.
+            ids = np.concatenate([np.asarray(p[3])[real] for p, real in zip(parts, reals)])
             ys = [jnp.zeros((p[3].shape[0], k, h), jnp.float32) for p in parts]
             for table in self.arena.passes(i, ids, counters, decode):
                 xs, ys = progs.run(experts_l, self.moe_p[i], self.arena_tree(i), table, parts, ys)
-        logits = progs.run(head_l, self.head_p, gs, xs)
-        self.last = counters
-        self.total.add(counters)
-        return logits
+        return progs.run(head_l, self.head_p, gs, xs)
 
     def build(self, layout: Layout):
         spec, opts = self.spec, self.opts
