@@ -52,18 +52,14 @@ def main(argv: list[str] | None = None) -> None:
     from ..gguf import GGUFModel
 
     n_experts = GGUFModel.open(path).spec.n_experts
-    rows = []
-    for f in (float(x) for x in a.sizes.split(",")):
-        n = max(1, round(f * n_experts))
-        for policy in a.policies.split(","):
-            rows.append({"size": f"{f:.0%} ({n})", **_measure(path, n, policy, a.tokens, a.weights)})
-    rows.append({"size": "auto (all)", **_measure(path, "auto", "freq", a.tokens, a.weights)})
     print("| device cache (slots a layer) | policy | decode tok/s | decode hit rate | MiB moved | load s |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['size']} | {r['policy']} | {r['tok_s']:.2f} | {r['hit']:.1f}% | {r['moved'] / 2**20:.1f} | "
-              f"{r['load_s']:.1f} |")
-
+    print("|---|---|---|---|---|---|", flush=True)
+    runs = [(f"{f:.0%} ({max(1, round(f * n_experts))})", max(1, round(f * n_experts)), p)
+            for f in (float(x) for x in a.sizes.split(",")) for p in a.policies.split(",")]
+    for size, n, policy in runs + [("auto (all)", "auto", "freq")]:
+        r = _measure(path, n, policy, a.tokens, a.weights)            # a row as soon as it is measured
+        print(f"| {size} | {r['policy']} | {r['tok_s']:.2f} | {r['hit']:.1f}% | {r['moved'] / 2**20:.1f} | "
+              f"{r['load_s']:.1f} |", flush=True)
 
 if __name__ == "__main__":
     main()
