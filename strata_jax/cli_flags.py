@@ -24,6 +24,7 @@ HELP = {
     "vram_reserve_mib": "device memory kept free, MiB",
     "device_memory_mib": "device-memory budget the engine enforces, MiB",
     "max_programs": "live compiled windows (LRU; 0 = no bound; env STRATA_BATCH_GRAPHS)",
+    "prefix_cache": "keep each slot's KV after its request and reuse the longest matching prefix",
     "conversation_cache_mib": "host RAM for evicted conversations' KV, MiB",
     "conversation_cache_slots": "conversations kept in host RAM",
     "kv_resident": "a slot's KV beyond this many tokens lives in host RAM",

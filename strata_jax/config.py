@@ -46,8 +46,9 @@ class EngineConfig:
     vram_reserve_mib: int = 700          # device memory kept free
     device_memory_mib: float | None = None   # a device-memory budget the engine's ledger enforces (MiB)
     max_programs: int = field(default_factory=_default_max_programs)   # live compiled windows (0 = no bound)
-    conversation_cache_mib: int = 0      # host RAM for evicted conversations' KV
-    conversation_cache_slots: int = 0    # conversations kept there
+    prefix_cache: bool = True            # a slot keeps its KV after its request; a new request reuses the longest match
+    conversation_cache_mib: int = 0      # host RAM for evicted conversations' KV (0: none)
+    conversation_cache_slots: int = 0    # conversations kept there (0: no bound but the MiB)
     kv_resident: int | None = None       # a slot's KV beyond this many tokens lives in host RAM
     weights: str = "auto"                # blocks | dequantized | auto (dequantized on a CPU when small)
     backend: str = "auto"                # kernel backend: auto | xla | pallas | interpret
@@ -96,6 +97,9 @@ class EngineConfig:
         need(isinstance(self.max_programs, int) and self.max_programs >= 0, "max_programs", self.max_programs,
              "must be >= 0 (0 = no bound)")
         need(self.conversation_cache_mib >= 0, "conversation_cache_mib", self.conversation_cache_mib, "must be >= 0")
+        need(isinstance(self.prefix_cache, bool), "prefix_cache", self.prefix_cache, "must be true or false")
+        need(self.prefix_cache or not self.conversation_cache_mib, "conversation_cache_mib",
+             self.conversation_cache_mib, "needs the prefix cache (drop --no-prefix-cache, or set it to 0)")
         need(self.conversation_cache_slots >= 0, "conversation_cache_slots", self.conversation_cache_slots,
              "must be >= 0")
         need(self.kv_resident is None or 16 <= self.kv_resident, "kv_resident", self.kv_resident,

@@ -23,10 +23,11 @@ from ..config import EngineConfig
 from ..experts import ExpertCounters, resident_line
 from ..gguf import GGUFModel, load_tokenizer
 from .memory import is_resource_exhausted
+from .prefix_cache import PrefixCache
 from .request import ContextOverflowError, Event, Handle, Request, RequestError, SamplingParams
 from .runner import GroupInput, ModelRunner
 from .sampler import SamplingRows
-from .scheduler import Scheduler, Window, decode_group, prefill_group
+from .scheduler import Scheduler, Window, bucket, decode_group, prefill_group
 from .slots import Slot
 
 log = logging.getLogger("strata_jax.engine")
@@ -53,6 +54,7 @@ class Engine:
         if self.config.warmup:
             self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
+        self.prefix = PrefixCache(self.runner, self.config)      # which slot a request takes, and what it reuses
         self.scheduler = Scheduler(self.runner.choices["prefill"])
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.waiting: deque[Request] = deque()
@@ -144,10 +146,25 @@ class Engine:
             raise out
         return out
 
+    def logits_reusing(self, token_ids: list[int]) -> tuple[int, np.ndarray]:
+        """Like logits, but on a free slot through the prefix cache, as a request would read the prompt:
+        -> (tokens reused, float32 [T - reused, vocab] for the tokens read). The slot keeps the KV."""
+        ids = self.prompt_ids([int(t) for t in token_ids])
+        if len(ids) > self.config.max_context:
+            raise ContextOverflowError(len(ids), 0, self.config.max_context)
+        done: queue.Queue = queue.Queue()
+        self._ensure_thread()
+        self.inbox.put(("logits_reusing", ids, done))       # type: ignore[arg-type]
+        self._wake.set()
+        out = done.get()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
     def stats(self) -> dict[str, Any]:
         busy = sum(not s.free for s in self.slots)
         return {**dict(self.counters), **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
-                "queued": self.inbox.qsize() + len(self.waiting)}
+                "queued": self.inbox.qsize() + len(self.waiting), "prefix_cache": self.prefix.stats()}
 
     def close(self) -> None:
         self._stop.set()
@@ -191,20 +208,37 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(item, tuple):
-                self._run_logits(*item[1:])
+                (self._run_logits if item[0] == "logits" else self._run_logits_reusing)(*item[1:])
             else:
                 self.waiting.append(item)
                 self.counters["requests"] += 1
-        for slot in self.slots:
-            if not self.waiting:
+        while self.waiting:
+            free = [s for s in self.slots if s.free]
+            if not free:
                 break
-            if slot.free:
-                req = self.waiting.popleft()
-                if req.cancelled.is_set():
-                    self._finish_unslotted(req, "cancelled")
-                    continue
-                slot.assign(req, self.tokenizer.stream_decoder())
-                req.t_start = time.monotonic()
+            req = self.waiting.popleft()
+            if req.cancelled.is_set():
+                self._finish_unslotted(req, "cancelled")
+                continue
+            req.t_start = time.monotonic()
+            placed = self._place(req.prompt, free)
+            if placed is None:
+                req.events.put(Event("error", error="the prefix cache failed to place the request (see the log)"))
+                continue
+            slot, req.reused = placed
+            slot.assign(req, self.tokenizer.stream_decoder(), req.reused)
+
+    def _place(self, prompt: list[int], free: list[Slot]) -> tuple[Slot, int] | None:
+        """The prefix cache's choice of slot (and its stores and restores); None if that failed."""
+        try:
+            return self.prefix.place(prompt, free)
+        except Exception as e:  # noqa: BLE001 - a failed copy must not take the engine down
+            log.error("the prefix cache failed to place a request: %s", e)
+            if self.runner.cache_lost():
+                self._lose_cache(e)
+            for s in free:
+                s.forget()
+            return None
 
     def _check_cancelled(self) -> None:
         now = time.monotonic()
@@ -244,10 +278,7 @@ class Engine:
     def _recover(self, w: Window, e: Exception) -> None:
         if self.runner.cache_lost():
             log.error("a window failed and took the KV cache with it (%s); ending the requests in flight", e)
-            self.runner.reset_cache()
-            for s in self.slots:
-                if not s.free:
-                    self._fail(s, f"the engine's KV cache was lost in a failed window: {e}")
+            self._lose_cache(e)
             return
         rows = w.decode + ([w.prefill] if w.prefill else [])
         if not is_resource_exhausted(e) or len(rows) <= 1:
@@ -263,6 +294,13 @@ class Engine:
         if w.prefill is not None and not w.prefill.free:
             p = w.prefill
             self._run(Window([], p, w.chunk, [prefill_group(p, w.chunk, self.scheduler.max_chunk)], p.n_past + w.chunk))
+
+    def _lose_cache(self, e: Exception) -> None:
+        self.runner.reset_cache()
+        for s in self.slots:
+            if not s.free:
+                self._fail(s, f"the engine's KV cache was lost in a failed window: {e}")
+            s.forget()                                  # the kept KV of free slots went with it
 
     def _describe(self, w: Window) -> str:
         return str(self.runner.layout_of(w.groups, w.kv_needed))
@@ -330,7 +368,7 @@ class Engine:
         self.counters["failed"] += 1
         log.error("request %d failed: %s", s.request.id, message)
         s.request.events.put(Event("error", error=message))
-        s.release()
+        s.release(keep=False)
 
     def _finish_unslotted(self, req: Request, reason: str) -> None:
         self.counters["cancelled"] += 1
@@ -378,6 +416,43 @@ class Engine:
             finally:
                 self.runner.cache = saved
             done.put(np.concatenate(out, axis=0))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            done.put(e)
+
+
+    def _run_logits_reusing(self, ids: list[int], done: queue.Queue) -> None:
+        """All-token logits of the tokens a request with prompt `ids` would read, on the slot the prefix
+        cache picks, cut at the scheduler's chunk boundaries."""
+        try:
+            free = [s for s in self.slots if s.free]
+            if not free:
+                raise RuntimeError("logits_reusing needs a free slot; every slot is busy")
+            placed = self._place(ids, free)
+            if placed is None:
+                raise RuntimeError("the prefix cache failed to place the tokens (see the log)")
+            slot, n = placed
+            slot.tokens, slot.n_past = list(ids), n
+            chunk, out = self.scheduler.max_chunk, []
+            try:
+                while slot.n_past < len(ids):
+                    start = slot.n_past
+                    part = min(chunk - start % chunk, len(ids) - start)     # the scheduler's boundaries
+                    length = min(bucket(part, 16), chunk)
+                    tokens = np.zeros((1, length), np.int32)
+                    pos = np.full((1, length), -1, np.int32)
+                    tokens[0, :part] = ids[start:start + part]
+                    pos[0, :part] = np.arange(start, start + part)
+                    g = GroupInput(tokens, pos, np.array([slot.index], np.int32), SamplingRows.greedy(1),
+                                   all_logits=True)
+                    out.append(self.runner.run([g], start + part)[0][0, :part])
+                    slot.n_past += part
+            except Exception:
+                slot.forget()
+                if self.runner.cache_lost():
+                    self._lose_cache(RuntimeError("logits_reusing failed"))
+                raise
+            slot.last_used = time.monotonic()
+            done.put((n, np.concatenate(out, axis=0)))
         except Exception as e:  # noqa: BLE001 - handed to the caller
             done.put(e)
 

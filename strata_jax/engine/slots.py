@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from .request import Request
@@ -16,6 +17,7 @@ class Slot:
     decoder: object = None            # the request's incremental detokenizer
     text: str = ""                    # generated text so far (before stop-string trimming)
     emitted: int = 0                  # characters of `text` already sent
+    last_used: float = 0.0            # when its last request ended (prefix cache: least recently used first)
 
     @property
     def free(self) -> bool:
@@ -30,11 +32,24 @@ class Slot:
     def decoding(self) -> bool:
         return self.request is not None and not self.reading
 
-    def assign(self, request: Request, decoder) -> None:
+    @property
+    def kept(self) -> list[int]:
+        """The tokens whose KV this slot holds (a free slot keeps its last request's: the prefix cache)."""
+        return self.tokens[:self.n_past]
+
+    def assign(self, request: Request, decoder, reused: int = 0) -> None:
+        """Start `request` here; its first `reused` prompt tokens are already in this slot's KV cache."""
         self.request, self.decoder = request, decoder
         self.tokens = list(request.prompt)
-        self.n_past = 0
+        self.n_past = reused
         self.text, self.emitted = "", 0
 
-    def release(self) -> None:
+    def release(self, keep: bool = True) -> None:
+        """End the request; keep=False also forgets the KV (after a failure it is not trusted)."""
         self.request, self.decoder = None, None
+        self.last_used = time.monotonic()
+        if not keep:
+            self.forget()
+
+    def forget(self) -> None:
+        self.tokens, self.n_past = [], 0

@@ -1,0 +1,154 @@
+"""The prefix cache: a slot keeps its KV after its request ends, and a new request goes to the free slot
+whose kept tokens share the longest prefix with its prompt, reading only the rest.
+
+Choice of slot: the longest match among free slots (ties, and no match at all: the least recently used),
+the match capped at the prompt's length - 1 so that the first token always comes from a real window.
+With --conversation-cache-mib, a slot's kept KV that the new request would overwrite goes to host RAM
+first (conversation_cache.py), and a prompt that matches more there than in any slot gets those blocks
+copied back into its slot (one small donated program a block: the cache is updated in place).
+
+Batch invariance: reading resumes at the match and goes on at the scheduler's fixed chunk boundaries
+(multiples of --prefill), so later chunks are cut as they would be from scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..config import EngineConfig
+from .conversation_cache import Block, ConversationCache
+from .slots import Slot
+
+log = logging.getLogger("strata_jax.engine")
+
+
+def block_tokens(max_context: int) -> int:
+    """Conversation-cache block size: about 64 blocks a slot, 16 to 256 tokens (SmolLM2 f32: 2.9 MiB at 64)."""
+    b = 16
+    while b < 256 and b * 64 < max_context:
+        b *= 2
+    return b
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+def _read_block(cache: dict, slot, start, *, size: int) -> dict:
+    """Positions start..start+size of one slot -> {name: [layers, size, ...]} (k, v, int8 scales)."""
+    out = {}
+    for name, a in cache.items():                       # a [layers, slots, positions, kv_heads(, head_dim)]
+        at = (0, slot, start) + (0,) * (a.ndim - 3)
+        out[name] = lax.dynamic_slice(a, at, (a.shape[0], 1, size) + a.shape[3:])[:, 0]
+    return out
+
+
+def _write_block(cache: dict, block: dict, slot, start) -> dict:
+    out = {}
+    for name, a in cache.items():
+        at = (0, slot, start) + (0,) * (a.ndim - 3)
+        out[name] = lax.dynamic_update_slice(a, block[name][:, None].astype(a.dtype), at)
+    return out
+
+
+class PrefixCache:
+    def __init__(self, runner, cfg: EngineConfig, key_fn: Callable | None = None):
+        self.runner = runner
+        self.enabled = cfg.prefix_cache
+        self.block = block_tokens(cfg.max_context)
+        self.host: ConversationCache | None = None
+        if self.enabled and cfg.conversation_cache_mib > 0:
+            kw = {"key_fn": key_fn} if key_fn is not None else {}
+            self.host = ConversationCache(self.block, int(cfg.conversation_cache_mib * 2**20),
+                                          cfg.conversation_cache_slots, **kw)
+        self.counters = {"requests": 0, "slot_hits": 0, "slot_reused_tokens": 0}
+        self.on_restore: Callable[[list[int], np.ndarray], None] | None = None    # tests: (prompt, restored tokens)
+        self._read = jax.jit(_read_block, static_argnames=("size",))
+        self._write = jax.jit(_write_block, donate_argnums=(0,))
+
+    def place(self, prompt: list[int], free: list[Slot]) -> tuple[Slot, int]:
+        """Pick the slot for a new request and bring its prompt's known prefix into it -> (slot, tokens
+        already in its KV). May store the slot's old KV to host RAM and restore blocks from there."""
+        self.counters["requests"] += 1
+        if not self.enabled:
+            return min(free, key=lambda s: s.last_used), 0
+        limit = len(prompt) - 1                        # the last prompt token is always read
+        slot, n = min(((s, min(common_prefix(s.kept, prompt), limit)) for s in free),
+                      key=lambda sn: (-sn[1], sn[0].last_used))
+        blocks: list[Block] = []
+        if self.host is not None:
+            self.host.counters["lookups"] += 1
+            blocks = self.host.match(prompt, limit)
+            if len(blocks) * self.block <= n:
+                blocks = []
+        B = self.block
+        if self.host is not None and len(slot.kept) // B > n // B:    # kept blocks past the match would be lost
+            self._store(slot)
+        if blocks:
+            n = self._restore(slot, prompt, blocks, n)
+        elif n:
+            self.counters["slot_hits"] += 1
+            self.counters["slot_reused_tokens"] += n
+        return slot, n
+
+    # ---- host RAM -------------------------------------------------------------------------------------
+
+    def _store(self, slot: Slot) -> None:
+        t0 = time.monotonic()
+        tokens = list(slot.kept)
+        B = self.block
+
+        def read(i: int) -> dict[str, np.ndarray]:
+            out = self._read(self.runner.cache, jnp.int32(slot.index), jnp.int32(i * B), size=B)
+            return {k: np.asarray(v) for k, v in out.items()}
+
+        before = self.host.bytes
+        new, evicted = self.host.store(tokens, read)
+        if new or evicted:
+            st = self.host.stats()
+            log.info("conversation cache: stored %d blocks (%.1f MiB) of slot %d's %d tokens in %.0f ms, evicted %d; "
+                     "%d blocks, %.1f of %.0f MiB, %d conversations", new, max(self.host.bytes - before, 0) / 2**20,
+                     slot.index, len(tokens), (time.monotonic() - t0) * 1000, evicted, st["blocks"],
+                     st["bytes"] / 2**20, st["max_bytes"] / 2**20, st["conversations"])
+
+    def _restore(self, slot: Slot, prompt: list[int], blocks: list[Block], n_slot: int) -> int:
+        """Copy `blocks` (prompt's exact prefix) into the slot; blocks the slot already holds are skipped."""
+        B = self.block
+        restored = np.concatenate([b.tokens for b in blocks])
+        if not np.array_equal(restored, np.asarray(prompt[:len(restored)], np.int32)):
+            raise RuntimeError("conversation cache: the blocks to restore are not the prompt's prefix")  # never
+        if self.on_restore is not None:
+            self.on_restore(list(prompt), restored)
+        t0 = time.monotonic()
+        done = n_slot
+        for i in range(n_slot // B, len(blocks)):
+            self.runner.cache = self._write(self.runner.cache, blocks[i].kv, jnp.int32(slot.index), jnp.int32(i * B))
+            done = (i + 1) * B
+        jax.block_until_ready(self.runner.cache)
+        self.host.touch(blocks)
+        c = self.host.counters
+        c["hits"] += 1
+        c["restored_tokens"] += done - n_slot
+        c["restored_bytes"] += sum(b.nbytes for b in blocks[n_slot // B:])
+        log.info("conversation cache: restored %d tokens (%d blocks of %d) into slot %d in %.0f ms; since start "
+                 "%d hits of %d lookups, %d tokens restored, %d blocks stored, %d evicted", done - n_slot,
+                 len(blocks) - n_slot // B, B, slot.index, (time.monotonic() - t0) * 1000, c["hits"], c["lookups"],
+                 c["restored_tokens"], c["stored_blocks"], c["evicted_blocks"])
+        return done
+
+    def stats(self) -> dict:
+        out = {"enabled": int(self.enabled), "block_tokens": self.block, **self.counters}
+        if self.host is not None:
+            out["conversation_cache"] = self.host.stats()
+        return out
