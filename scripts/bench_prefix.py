@@ -50,6 +50,22 @@ def ttft(eng: Engine, msgs: list[dict], max_tokens: int) -> tuple[float, list[in
     return (first - t0) * 1000, toks, "".join(text), stats
 
 
+def check_logits(eng: Engine, a) -> None:
+    """Logits of the tokens a second turn reads through the prefix cache (eng.logits_reusing) against the
+    same positions read from scratch (eng.logits, on a scratch cache)."""
+    msgs = first_turn(eng, a.first_tokens, seed=99)
+    _, _, answer, _ = ttft(eng, msgs, a.answer_tokens)
+    second = msgs + [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "Thanks. Now list the three words that come up most."}]
+    ids = eng.prompt_ids(second)
+    n, got = eng.logits_reusing(ids)
+    want = eng.logits(ids)[n:]
+    diff = np.abs(got - want)
+    print(f"second turn {len(ids)} tokens = {n} reused + {len(ids) - n} read: max |logit difference| "
+          f"{diff.max():.3g} (largest |logit| {np.abs(want).max():.3g}), bits equal: {np.array_equal(got, want)}, "
+          f"argmax equal at {int((got.argmax(-1) == want.argmax(-1)).sum())} of {len(got)} positions")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?")
@@ -58,12 +74,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill", default="auto")
     ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--check-logits", action="store_true",
+                    help="instead: compare a second turn's logits through the prefix cache with reading it all")
     a = ap.parse_args()
     if a.model is None:
         from strata_jax.testing.fetch import smollm2_path
         a.model = str(smollm2_path())
     eng = Engine.from_gguf(a.model, EngineConfig(parallel=1, max_context=a.max_context, prefill=a.prefill,
                                                  conversation_cache_mib=1024, conversation_cache_slots=4))
+    if a.check_logits:
+        try:
+            check_logits(eng, a)
+        finally:
+            eng.close()
+        return
     rows: dict[str, list[float]] = {"scratch": [], "slot": [], "host": []}
     reused: dict[str, int] = {}
     same = True
