@@ -231,3 +231,9 @@ def test_server_reports_cache_n_for_a_second_turn(tiny_model):
         assert t["cache_n"] + t["prompt_n"] == second["usage"]["prompt_tokens"]
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == t["cache_n"]
         assert f"= {t['cache_n']} reused + {t['prompt_n']} read" in srv.log()
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("strata_prefix_cache_") or line.startswith("strata_conversation_cache_")}
+        assert values["strata_prefix_cache_slot_hits"] >= 1
+        assert values["strata_prefix_cache_slot_reused_tokens"] >= t["cache_n"]
+        assert values["strata_conversation_cache_max_bytes"] == 4 * 2**20

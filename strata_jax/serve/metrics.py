@@ -85,3 +85,10 @@ class _EngineCollector:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 yield gauge(f"expert_cache_{key}", f"Expert cache: {key.replace('_', ' ')} (this engine process)",
                             value)
+        prefix = dict(stats.get("prefix_cache") or {})
+        host = prefix.pop("conversation_cache", None) or {}
+        for name, group in (("prefix_cache", prefix), ("conversation_cache", host)):
+            for key, value in group.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield gauge(f"{name}_{key}", f"{name.replace('_', ' ').capitalize()}: {key.replace('_', ' ')} "
+                                "(this engine process)", value)
