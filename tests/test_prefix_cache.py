@@ -18,7 +18,7 @@ from strata_jax import Engine, EngineConfig
 from strata_jax.engine.conversation_cache import ConversationCache
 from strata_jax.serve.launch import ServerProcess
 
-MOE = dict(arch="qwen3moe", layers=2, hidden=64, heads=4, kv_heads=2, experts=8, experts_used=2, expert_ffn=32)
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2, "expert_ffn": 32}
 CTX = 256                                  # conversation-cache blocks of 16 tokens (prefix_cache.block_tokens)
 
 
@@ -159,7 +159,7 @@ def test_sixteen_conversations_never_get_another_ones_prefix(moe_path):
     """16 conversations x 3 turns, 6 of them going on at any time, on 3 slots, int8 KV (its scales travel
     too), a host cache of 8 conversations and 0.1 MiB (about 5 conversations' worth: it evicts), and a hash
     under which every block collides: every answer equals the answer without any cache."""
-    cfg = dict(parallel=3, max_context=CTX, prefill=16, kv="int8")
+    cfg = {"parallel": 3, "max_context": CTX, "prefill": 16, "kv": "int8"}
     eng = Engine.from_gguf(moe_path, EngineConfig(**cfg, conversation_cache_mib=0.1, conversation_cache_slots=8))
     eng.prefix.host.key_fn = lambda parent, toks: b"collide"
     restores, lock = [], threading.Lock()
@@ -233,7 +233,7 @@ def test_server_reports_cache_n_for_a_second_turn(tiny_model):
         assert f"= {t['cache_n']} reused + {t['prompt_n']} read" in srv.log()
         metrics = httpx.get(srv.url + "/metrics", timeout=10).text
         values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith("strata_prefix_cache_") or line.startswith("strata_conversation_cache_")}
+                  if line.startswith(("strata_prefix_cache_", "strata_conversation_cache_"))}
         assert values["strata_prefix_cache_slot_hits"] >= 1
         assert values["strata_prefix_cache_slot_reused_tokens"] >= t["cache_n"]
         assert values["strata_conversation_cache_max_bytes"] == 4 * 2**20
