@@ -20,7 +20,11 @@ import numpy as np
 
 from strata_jax import Engine, EngineConfig
 
-WORDS = ["river", "mountain", "lantern", "copper", "harbor", "meadow", "signal", "orchard", "thunder", "velvet", "quarry", "marble", "compass", "ember", "falcon", "glacier", "hollow", "ivory", "jasper", "kettle", "lagoon", "mosaic", "nectar", "oasis", "pebble"]
+WORDS = [
+    "river", "mountain", "lantern", "copper", "harbor", "meadow", "signal", "orchard", "thunder", "velvet",
+    "quarry", "marble", "compass", "ember", "falcon", "glacier", "hollow", "ivory", "jasper", "kettle",
+    "lagoon", "mosaic", "nectar", "oasis", "pebble"
+]
 
 
 def first_turn(eng: Engine, n_tokens: int, seed: int) -> list[dict]:
