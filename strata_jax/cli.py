@@ -52,6 +52,12 @@ _MAKE_MODEL_HELP = {
     "split": "write N parts in llama.cpp's gguf-split layout", "tokenizer_from": "copy tokenizer.* keys "
     "(and the vocabulary size) from this GGUF instead of the built-in byte-level BPE",
     "name": "general.name",
+    "leading_dense": "glm4moe: leading dense-FFN layers before the MoE ones (default 1)",
+    "nextn": "glm4moe: NextN (MTP) layers stored after the main ones (blk.N.nextn.*)",
+    "nextn_head": "glm4moe: give the NextN layer its own embed_tokens and shared_head_head",
+    "qk_norm": "glm4moe: per-head q/k norms (as GLM-4.5 355B)",
+    "rope_dims": "rope.dimension_count (default: the head size; glm4moe: half of it)",
+    "expert_weights_scale": "scale of the routed experts' weights (default 1; glm4moe: 2.5)",
 }
 
 
@@ -75,7 +81,11 @@ def add_make_model(sub: Subparsers) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help="no output.weight: share token_embd (default --no-tied)")
             continue
-        kind = {"rope_theta": float, "rms_eps": float}.get(f.name, str if f.name in (
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=_MAKE_MODEL_HELP.get(f.name, ""))
+            continue
+        kind = {"rope_theta": float, "rms_eps": float, "expert_weights_scale": float}.get(f.name, str if f.name in (
             "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "tokenizer_from", "name") else int)
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.split("_")[-1].upper(),
                        choices=SUPPORTED_ARCHITECTURES if f.name == "arch" else None,

@@ -162,9 +162,10 @@ class ModelRunner:
 
     def _kv_bytes(self) -> int:
         s = self.spec
-        per_pos = s.n_layers * s.n_kv_heads * (s.head_dim + s.value_dim) * jnp.dtype(self.kv_dtype).itemsize
+        layers = s.n_layers + s.n_nextn                                         # new_kv_cache: MTP layers too
+        per_pos = layers * s.n_kv_heads * (s.head_dim + s.value_dim) * jnp.dtype(self.kv_dtype).itemsize
         if self.kv_dtype == jnp.int8:
-            per_pos += s.n_layers * s.n_kv_heads * 2 * 4                       # a float32 scale a token and head
+            per_pos += layers * s.n_kv_heads * 2 * 4                            # a float32 scale a token and head
         return per_pos * self.cfg.parallel * (self.cache_len + 1)
 
     # ---- expert tiers ---------------------------------------------------------------------------------

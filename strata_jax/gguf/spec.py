@@ -17,19 +17,28 @@ from .errors import (
     UnsupportedArchitectureError,
 )
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe")
 
 # The three stacked expert tensors of a MoE layer, as llama.cpp names them: [experts, rows, cols] each.
 EXPERT_TENSOR_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 # llama.cpp rotates pairs of adjacent values for llama ("norm") and the two halves of a head for Qwen ("neox").
-_NEOX = frozenset({"qwen2", "qwen3", "qwen2moe", "qwen3moe"})
-_ATTN_BIAS = frozenset({"qwen2", "qwen2moe"})
+_NEOX = frozenset({"qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe"})
+_ATTN_BIAS = frozenset({"qwen2", "qwen2moe", "glm4moe"})
 _QK_NORM = frozenset({"qwen3", "qwen3moe"})
 # Whether llama.cpp renormalizes the top-k router weights when the file has no expert_weights_norm key
 # (its build_moe_ffn `norm_w` argument): Mixtral-style llama and Qwen3-MoE do, Qwen2-MoE does not.
 _EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # llama_expert_gating_func_type
+# llama.cpp's default gating when the file has no expert_gating_func key (GLM-4.5: sigmoid).
+_DEFAULT_GATING = {"glm4moe": 2}
+# The norm before the FFN: GLM-4.5's converter names it post_attention_norm (HF's post_attention_layernorm).
+_FFN_NORM = {"glm4moe": "post_attention_norm"}
+# GLM-4.5's optional per-head q/k norms (the 355B model has them): taken from the tensors, not the family.
+_OPTIONAL_QK_NORM = frozenset({"glm4moe"})
+# The tensors of a NextN/MTP block besides its decoder layer: name after "blk.N.nextn." -> required.
+NEXTN_TENSORS = {"eh_proj": True, "enorm": True, "hnorm": True, "embed_tokens": False,
+                 "shared_head_head": False, "shared_head_norm": False}
 
 _MISSING = object()
 
@@ -45,7 +54,7 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelSpec:
     architecture: str
-    n_layers: int  # block_count
+    n_layers: int  # block_count less the NextN (MTP) layers: the layers a token runs through
     hidden: int  # embedding_length
     ffn: int  # feed_forward_length (dense FFN width; 0 if the file has none)
     n_heads: int
@@ -71,6 +80,8 @@ class ModelSpec:
     expert_weights_scale: float = 1.0
     expert_gating: str = "softmax"  # router scores: "softmax" or "sigmoid"
     moe_layers: tuple[int, ...] = ()  # layers whose FFN is experts
+    expert_bias: bool = False  # a per-expert bias added to the router scores for choosing only (exp_probs_b)
+    n_nextn: int = 0  # nextn_predict_layers: MTP blocks stored after the main ones, blk.{n_layers}...
     name: str = ""  # general.name
 
     @property
@@ -80,6 +91,11 @@ class ModelSpec:
     @property
     def dense_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.n_layers) if i not in self.moe_layers)
+
+    @property
+    def ffn_norm_tensor(self) -> str:
+        """The GGUF name (after "blk.N.") of the norm before the FFN."""
+        return _FFN_NORM.get(self.architecture, "ffn_norm") + ".weight"
 
     def expert_tensors(self, layer: int | None = None) -> list[str]:
         """Names of the stacked expert tensors ([experts, rows, cols]) of `layer`, or of every MoE layer."""
@@ -98,8 +114,9 @@ class ModelSpec:
             "output_norm.weight": ((h,), True),
             "output.weight": ((self.vocab_size, h), not self.tied_output),
         }.items()
-        for i in range(self.n_layers):  # one layer at a time: a corrupt block_count must not fill memory
+        for i in range(self.n_layers + self.n_nextn):  # one layer at a time: a corrupt block_count must not fill memory
             b = f"blk.{i}."
+            nextn = i >= self.n_layers  # an MTP block: a MoE decoder layer and its own few tensors
             out: dict[str, tuple[tuple[int, ...], bool]] = {
                 b + "attn_norm.weight": ((h,), True),
                 b + "attn_q.weight": ((q, h), True),
@@ -109,14 +126,22 @@ class ModelSpec:
                 b + "attn_q.bias": ((q,), self.attn_bias),
                 b + "attn_k.bias": ((kv,), self.attn_bias),
                 b + "attn_v.bias": ((self.n_kv_heads * v,), self.attn_bias),
-                b + "ffn_norm.weight": ((h,), True),
+                b + self.ffn_norm_tensor: ((h,), True),
             }
             if self.qk_norm:
                 out |= {b + "attn_q_norm.weight": ((self.head_dim,), True),
                         b + "attn_k_norm.weight": ((self.head_dim,), True)}
-            if i in moe:
+            if nextn:
+                req = NEXTN_TENSORS
+                out |= {b + "nextn.eh_proj.weight": ((h, 2 * h), req["eh_proj"]),
+                        b + "nextn.enorm.weight": ((h,), req["enorm"]), b + "nextn.hnorm.weight": ((h,), req["hnorm"]),
+                        b + "nextn.embed_tokens.weight": ((self.vocab_size, h), req["embed_tokens"]),
+                        b + "nextn.shared_head_head.weight": ((self.vocab_size, h), req["shared_head_head"]),
+                        b + "nextn.shared_head_norm.weight": ((h,), req["shared_head_norm"])}
+            if i in moe or (nextn and self.is_moe):
                 e, f = self.n_experts, self.expert_ffn
                 out |= {
+                    b + "exp_probs_b.bias": ((e,), self.expert_bias),
                     b + "ffn_gate_inp.weight": ((e, h), True),
                     b + "ffn_gate_exps.weight": ((e, f, h), True),
                     b + "ffn_up_exps.weight": ((e, f, h), True),
@@ -177,10 +202,15 @@ class ModelSpec:
         shapes = tensor_shapes or {}
         get = _Getter(metadata, arch, path)
 
-        n_layers = get.int("block_count")
+        n_blocks = get.int("block_count")
+        n_nextn = get.int("nextn_predict_layers", 0)
+        if not 0 <= n_nextn < n_blocks:
+            raise MetadataError(path, f"{arch}.nextn_predict_layers is {n_nextn}, but block_count is {n_blocks}",
+                                "The metadata cannot be right: re-convert the model")
+        n_layers = n_blocks - n_nextn  # llama.cpp stores the NextN (MTP) blocks after the main ones
         blocks = {n.split(".")[1] for n in shapes if n.startswith("blk.")}
-        if shapes and n_layers > len(blocks):
-            raise MetadataError(path, f"{arch}.block_count is {n_layers}, but the file has tensors for {len(blocks)} "
+        if shapes and n_blocks > len(blocks):
+            raise MetadataError(path, f"{arch}.block_count is {n_blocks}, but the file has tensors for {len(blocks)} "
                                       "blocks", "The metadata and the tensors disagree: re-convert the model")
         hidden = get.int("embedding_length")
         n_heads = get.int("attention.head_count")
@@ -194,7 +224,7 @@ class ModelSpec:
         up_shexp = next((s for n, s in shapes.items() if n.endswith(".ffn_up_shexp.weight")), None)
 
         if n_experts:
-            found = sorted(int(n.split(".")[1]) for n in shapes if n.endswith(".ffn_gate_inp.weight"))
+            found = sorted(i for n in shapes if n.endswith(".ffn_gate_inp.weight") and (i := int(n.split(".")[1])) < n_layers)
             moe_layers = tuple(found) or tuple(range(get.int("leading_dense_block_count", 0), n_layers))
         else:
             moe_layers = ()
@@ -224,16 +254,20 @@ class ModelSpec:
             context_length=get.int("context_length"),
             tied_output=bool(shapes) and "output.weight" not in shapes,
             attn_bias="blk.0.attn_q.bias" in shapes if shapes else arch in _ATTN_BIAS,
-            qk_norm=arch in _QK_NORM,
+            qk_norm=("blk.0.attn_q_norm.weight" in shapes) if arch in _OPTIONAL_QK_NORM else arch in _QK_NORM,
             n_experts=n_experts,
             n_experts_used=n_experts_used,
             expert_ffn=get.int("expert_feed_forward_length", up_exps[1] if up_exps else ffn) if n_experts else 0,
-            shared_ffn=get.int("expert_shared_feed_forward_length", up_shexp[0] if up_shexp else 0) if n_experts else 0,
+            shared_ffn=_shared_ffn(get, up_shexp) if n_experts else 0,
             shared_expert_gate=any(n.endswith(".ffn_gate_inp_shexp.weight") for n in shapes),
             expert_weights_norm=bool(get.value("expert_weights_norm", _EXPERT_WEIGHTS_NORM.get(arch, False))),
             expert_weights_scale=get.float("expert_weights_scale", 1.0),
-            expert_gating=_gating(get.int("expert_gating_func", 1)),
+            expert_gating=_gating(get.int("expert_gating_func", _DEFAULT_GATING.get(arch, 1)) or
+                                  _DEFAULT_GATING.get(arch, 1)),
             moe_layers=moe_layers,
+            # llama.cpp requires GLM-4.5's selection bias; other families have none.
+            expert_bias=arch == "glm4moe" and n_experts > 0,
+            n_nextn=n_nextn,
             name=str(metadata.get("general.name", "")),
         )
         spec._validate(path)
@@ -303,6 +337,15 @@ def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> RopeScaling | None:
                          and k[len(prefix):] not in skip))
     return RopeScaling(type=str(kind), factor=float(factor if factor is not None else 1.0),
                        original_context=metadata.get(prefix + "original_context_length"), extra=extra)
+
+
+def _shared_ffn(get: _Getter, up_shexp: tuple[int, ...] | None) -> int:
+    """The shared expert's width: expert_shared_feed_forward_length, else (GLM-4.5, as llama.cpp reads it)
+    expert_shared_count x expert_feed_forward_length, else the tensor's shape."""
+    width = get.int("expert_shared_feed_forward_length", 0)
+    if not width and (count := get.int("expert_shared_count", 0)):
+        width = count * get.int("expert_feed_forward_length", 0)
+    return width or (up_shexp[0] if up_shexp else 0)
 
 
 def _gating(number: int) -> str:

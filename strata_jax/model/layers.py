@@ -84,19 +84,28 @@ def mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, backend: str) -> j
     return linear(jax.nn.silu(linear(x, gate, backend)) * linear(x, up, backend), down, backend)
 
 
-def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str) -> tuple[jax.Array, jax.Array]:
-    """Router: x [N, h] -> (weights [N, k] float32, expert ids [N, k] int32), as llama.cpp's build_moe_ffn."""
+def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Router: x [N, h] -> (weights [N, k] float32, expert ids [N, k] int32), as llama.cpp's build_moe_ffn.
+
+    `bias` [E] (GLM-4.5's exp_probs_b): added to the scores to choose the experts only; the weights are the
+    unbiased scores of the chosen ones."""
     logits = linear(x.astype(jnp.float32), router, backend, transposed=False)               # [N, E]
     probs = jax.nn.sigmoid(logits) if spec.expert_gating == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    w, ids = jax.lax.top_k(probs, spec.n_experts_used)
+    if bias is None:
+        w, ids = jax.lax.top_k(probs, spec.n_experts_used)
+    else:
+        _, ids = jax.lax.top_k(probs + bias.astype(jnp.float32), spec.n_experts_used)
+        w = jnp.take_along_axis(probs, ids, axis=-1)                                         # [N, k]
     if spec.expert_weights_norm:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
+        # llama.cpp floors the sum at the smallest normal F16 so that near-zero sigmoid scores cannot divide to inf.
+        w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 6.103515625e-5)
     return w * spec.expert_weights_scale, ids.astype(jnp.int32)
 
 
 def moe(x: jax.Array, p: dict, spec: ModelSpec, backend: str) -> jax.Array:
     """Mixture of experts over x [N, h]: each token's top-k experts, weighted; plus the shared expert."""
-    w, ids = route(x, p["router"], spec, backend)
+    w, ids = route(x, p["router"], spec, backend, p.get("exp_bias"))
     y = expert_rows(x, ids, ids, p, spec.n_experts, backend)
     return combine_experts(x, y, w, p, backend)
 

@@ -16,10 +16,17 @@ _LAYER_TENSORS = {
     "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "exp_gate", "ffn_up_exps.weight": "exp_up",
     "ffn_down_exps.weight": "exp_down", "ffn_gate_shexp.weight": "sh_gate", "ffn_up_shexp.weight": "sh_up",
     "ffn_down_shexp.weight": "sh_down", "ffn_gate_inp_shexp.weight": "sh_router",
+    "post_attention_norm.weight": "ffn_norm",  # glm4moe's name for the norm before the FFN
+    "exp_probs_b.bias": "exp_bias",            # glm4moe's expert-choosing bias
 }
+# A NextN (MTP) block's own tensors (after "blk.N.nextn."): see mtp.py.
+_NEXTN_TENSORS = {"eh_proj.weight": "eh_proj", "enorm.weight": "enorm", "hnorm.weight": "hnorm",
+                  "embed_tokens.weight": "embed", "shared_head_head.weight": "head",
+                  "shared_head_norm.weight": "head_norm"}
 # Small tensors stay float32 whatever the mode: norms, biases, routers (the router's top-k decides which
 # experts run, so it is computed in float32 as llama.cpp does).
-_ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "router", "sh_router"}
+_ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "router", "sh_router", "exp_bias",
+                 "enorm", "hnorm", "head_norm"}
 
 
 EXPERT_TENSORS = ("exp_gate", "exp_up", "exp_down")
@@ -43,27 +50,42 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
         return to_device(t[name], m, jnp.float32 if short in _ALWAYS_FLOAT else dtype,
                          transpose=short not in ("embed", "router"))
 
+    def layer(i: int) -> dict:
+        prefix = f"blk.{i}."
+        return {short: get(prefix + suffix, short) for suffix, short in _LAYER_TENSORS.items()
+                if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)}
+
     params: dict = {"embed": get("token_embd.weight", "embed"), "norm": get("output_norm.weight", "norm")}
     params["norm"] = params["norm"].astype(jnp.float32)
     if spec.tied_output:   # a float table is kept both ways: rows to embed, transposed to project
         params["output"] = params["embed"] if isinstance(params["embed"], QTensor) else params["embed"].T.copy()
     else:
         params["output"] = get("output.weight", "output")
-    layers = []
-    for i in range(spec.n_layers):
-        prefix = f"blk.{i}."
-        layers.append({short: get(prefix + suffix, short) for suffix, short in _LAYER_TENSORS.items()
-                       if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)})
-    params["layers"] = layers
+    params["layers"] = [layer(i) for i in range(spec.n_layers)]
+    if spec.n_nextn:
+        params["mtp"] = _load_nextn(params, t, spec.n_layers, layer, get)
     bar.close()
     return params
+
+
+def _load_nextn(params: dict, t, i: int, layer, get) -> dict:
+    """The first NextN (MTP) block, blk.{i}: its decoder layer, eh_proj, enorm, hnorm, and its embedding,
+    head and head norm, which a file may leave out: then the main model's are used, as llama.cpp and vLLM
+    share them (DeepSeek-V3's MTP shares the embedding and output head with the main model)."""
+    prefix = f"blk.{i}.nextn."
+    own = {short: get(prefix + suffix, short) for suffix, short in _NEXTN_TENSORS.items() if prefix + suffix in t}
+    return {"layer": layer(i), "embed": own.pop("embed", params["embed"]), "head": own.pop("head", params["output"]),
+            "head_norm": own.pop("head_norm", params["norm"]), **own}
 
 
 
 def load_experts(model: GGUFModel, params: dict, mode: str, dtype: str) -> None:
     """Put every routed expert on the device, into `params` (loaded with experts=False), exactly as
     load_params(experts=True) would have."""
-    for i, lp in enumerate(params["layers"]):
+    layers = list(enumerate(params["layers"]))
+    if "mtp" in params:
+        layers.append((model.spec.n_layers, params["mtp"]["layer"]))
+    for i, lp in layers:
         for suffix, short in _LAYER_TENSORS.items():
             name = f"blk.{i}.{suffix}"
             if short in EXPERT_TENSORS and name in model.tensors:

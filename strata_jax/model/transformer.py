@@ -1,7 +1,9 @@
-"""The decoder forward pass shared by the supported families (llama, qwen2, qwen3, qwen2moe, qwen3moe).
+"""The decoder forward pass shared by the supported families (llama, qwen2, qwen3, qwen2moe, qwen3moe, glm4moe).
 
-They differ only where ModelSpec says so: rope layout, q/k/v biases (qwen2*), per-head q/k norms
-(qwen3*), experts in place of the dense FFN (with a gated shared expert for qwen2moe).
+They differ only where ModelSpec says so: rope layout and partial rope (glm4moe rotates half of each head),
+q/k/v biases (qwen2*, glm4moe), per-head q/k norms (qwen3*, optional in glm4moe), experts in place of the
+dense FFN (with a gated shared expert for qwen2moe, an ungated one for glm4moe, whose sigmoid router adds a
+per-expert bias when choosing). GLM-4.5's NextN (MTP) layer is in mtp.py.
 
 One call runs one window: R rows (one per slot), each with L tokens at positions `pos` (-1: padding).
 New keys and values are written into the slot's cache rows first, then every query attends to its
@@ -32,8 +34,9 @@ class RunOptions:
 def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype) -> dict[str, jax.Array]:
     """Keys and values [layers, slots, max_context + 1, kv_heads, head_dim]; the extra position is where
     padding tokens write, and no query ever reads it. int8: with a float32 scale per token and head
-    ([layers, slots, max_context + 1, kv_heads])."""
-    shape = (spec.n_layers, n_slots, max_context + 1, spec.n_kv_heads, spec.head_dim)
+    ([layers, slots, max_context + 1, kv_heads]). layers = n_layers + n_nextn: a model with NextN (MTP)
+    layers keeps their keys and values after the main layers' (mtp.py writes layer n_layers)."""
+    shape = (spec.n_layers + spec.n_nextn, n_slots, max_context + 1, spec.n_kv_heads, spec.head_dim)
     vshape = shape[:-1] + (spec.value_dim,)
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(vshape, dtype)}
     if jnp.dtype(dtype) == jnp.int8:
@@ -71,8 +74,12 @@ jax.tree_util.register_pytree_node_class(Group)
 
 
 def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group, ...],
-            cache: dict[str, jax.Array], kv_len: int):
+            cache: dict[str, jax.Array], kv_len: int, with_hidden: bool = False):
     """One window -> (logits float32 per group: [R, V] or [R, L, V] with all_logits; the updated cache).
+
+    with_hidden (static): -> (logits, hiddens, cache), hiddens per group [R, L, h] in opts.dtype: every
+    token's last hidden state AFTER the final norm (output_norm), the input of the MTP layer (mtp.py), as
+    vLLM, SGLang and transformers feed it. Padding tokens' rows are garbage.
 
     The layers are unrolled: under lax.scan programs build 3x faster, but each step copies every layer's
     weights out of the stacked array (XLA:CPU does not fuse the slice into the dot): 8.6 against 10.4
@@ -81,15 +88,16 @@ def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group
     xs = [embed_rows(params["embed"], g.tokens, dtype) for g in groups]               # [R, L, h] each
     for i, lp in enumerate(params["layers"]):
         xs, cache = _layer(lp, i, spec, opts, groups, xs, cache, kv_len)
-    out = []
+    out, hiddens = [], []
     for x, g in zip(xs, groups):
         x = rms_norm(x, params["norm"], spec.rms_eps)
+        hiddens.append(x)                                                              # [R, L, h]
         if not g.all_logits:
             R = x.shape[0]
             last = jnp.maximum(jnp.sum(g.pos >= 0, axis=1) - 1, 0)
             x = x[jnp.arange(R), last]                                                 # [R, h]
         out.append(linear(x, params["output"], opts.backend).astype(jnp.float32))
-    return out, cache
+    return (out, hiddens, cache) if with_hidden else (out, cache)
 
 
 def _write(cache: dict, name: str, i: int, slots, at, x: jax.Array) -> dict:
@@ -171,7 +179,7 @@ def attn_router_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs
         x, cache = attention(lp, i, spec, opts, g, x, cache, kv_len)
         R, L = g.tokens.shape
         hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps).reshape(R * L, -1)
-        w, ids = route(hx, lp["router"], spec, opts.backend)
+        w, ids = route(hx, lp["router"], spec, opts.backend, lp.get("exp_bias"))
         outs.append((x, hx, w, ids))
     return outs, cache
 

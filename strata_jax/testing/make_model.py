@@ -32,7 +32,8 @@ from .tiny_tokenizer import tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
-MOE_ARCHS = ("qwen2moe", "qwen3moe")
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe")
+GLM_ONLY = ("leading_dense", "nextn", "nextn_head", "qk_norm", "rope_dims", "expert_weights_scale")
 DENSE_ONLY_ARCHS = ("qwen2", "qwen3")
 _PRE_TOKENIZER = {"llama": "llama-bpe"}  # the qwen families: "qwen2"
 
@@ -51,7 +52,7 @@ class ModelOptions:
     experts: int | None = None  # default 8 for qwen2moe/qwen3moe, 0 for llama (>0: Mixtral-style MoE)
     experts_used: int = 2
     expert_ffn: int = 32
-    shared_ffn: int = 64  # qwen2moe's shared expert
+    shared_ffn: int = 64  # qwen2moe's shared expert; glm4moe's: a multiple of expert_ffn (expert_shared_count)
     vocab: int | None = None  # default 512, or the size of --tokenizer-from's vocabulary
     context: int = 2048
     rope_theta: float = 10000.0
@@ -65,6 +66,13 @@ class ModelOptions:
     split: int = 1
     tokenizer_from: str | Path | None = None
     name: str | None = None
+    # GLM-4.5 (glm4moe) only:
+    leading_dense: int | None = None  # dense-FFN layers before the MoE ones (default 1)
+    nextn: int = 0  # NextN (MTP) layers after the main ones: blk.{layers}.* with blk.N.nextn.*
+    nextn_head: bool = False  # the NextN layer's own embed_tokens and shared_head_head (else it shares the main ones)
+    qk_norm: bool = False  # per-head q/k norms (GLM-4.5 355B has them)
+    rope_dims: int | None = None  # rotated dims a head (default half the head, as GLM-4.5's partial_rotary_factor)
+    expert_weights_scale: float | None = None  # routed_scaling_factor (default 2.5, as GLM-4.5)
 
     def resolved(self) -> ModelOptions:
         """Defaults filled in and every value checked (ValueError saying which and why)."""
@@ -92,7 +100,28 @@ class ModelOptions:
         for q in (self.quant, self.expert_quant, self.attn_quant, self.embed_quant):
             if q is not None:
                 as_qtype(q)  # raises UnsupportedQuantType listing the supported ones
-        return replace(self, experts=experts, head_dim=head_dim)
+        if self.arch != "glm4moe":
+            for flag in GLM_ONLY:
+                if getattr(self, flag) not in (None, 0, False):
+                    raise ValueError(f"--{flag.replace('_', '-')} is for --arch glm4moe (got --arch {self.arch})")
+            return replace(self, experts=experts, head_dim=head_dim, leading_dense=0, rope_dims=head_dim,
+                           expert_weights_scale=1.0)
+        leading = 1 if self.leading_dense is None else self.leading_dense
+        if not 0 <= leading < self.layers:
+            raise ValueError(f"--leading-dense must be 0..{self.layers - 1} (--layers {self.layers}; got {leading})")
+        if self.nextn < 0:
+            raise ValueError(f"--nextn must be 0 or more (got {self.nextn})")
+        if self.nextn_head and not self.nextn:
+            raise ValueError("--nextn-head needs --nextn 1 or more")
+        if self.shared_ffn % self.expert_ffn:
+            raise ValueError(f"glm4moe's shared expert is expert_shared_count experts wide: --shared-ffn "
+                             f"{self.shared_ffn} must be a multiple of --expert-ffn {self.expert_ffn}")
+        rope_dims = head_dim // 2 if self.rope_dims is None else self.rope_dims
+        if not 0 < rope_dims <= head_dim or rope_dims % 2:
+            raise ValueError(f"--rope-dims must be even and 2..{head_dim} (the head size; got {rope_dims})")
+        scale = 2.5 if self.expert_weights_scale is None else self.expert_weights_scale
+        return replace(self, experts=experts, head_dim=head_dim, leading_dense=leading, rope_dims=rope_dims,
+                       expert_weights_scale=scale)
 
 
 def make_model(out_path: str | Path, **options: Any) -> list[Path]:
@@ -165,30 +194,36 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
     def norm(name: str, shape: tuple[int, ...]) -> _Planned:
         return f32(name, shape, 1.0, 0.05)
 
+    glm = o.arch == "glm4moe"
     plan = [weight("token_embd.weight", (vocab, h), embed_q, 1 / math.sqrt(h))]
-    for i in range(o.layers):
+    for i in range(o.layers + o.nextn):  # GLM-4.5's NextN (MTP) blocks come after the main ones
         b = f"blk.{i}."
         plan += [norm(b + "attn_norm.weight", (h,)),
                  weight(b + "attn_q.weight", (q, h), attn_q, 1 / math.sqrt(h)),
                  weight(b + "attn_k.weight", (kv, h), attn_q, 1 / math.sqrt(h)),
                  weight(b + "attn_v.weight", (kv, h), attn_q, 1 / math.sqrt(h))]
-        if o.arch in ("qwen2", "qwen2moe"):
+        if o.arch in ("qwen2", "qwen2moe", "glm4moe"):
             plan += [f32(b + "attn_q.bias", (q,), 0.0, 0.1), f32(b + "attn_k.bias", (kv,), 0.0, 0.1),
                      f32(b + "attn_v.bias", (kv,), 0.0, 0.1)]
-        if o.arch in ("qwen3", "qwen3moe"):
+        if o.arch in ("qwen3", "qwen3moe") or o.qk_norm:
             plan += [norm(b + "attn_q_norm.weight", (hd,)), norm(b + "attn_k_norm.weight", (hd,))]
         plan += [weight(b + "attn_output.weight", (h, q), attn_q, residual / math.sqrt(q)),
-                 norm(b + "ffn_norm.weight", (h,))]
-        if o.experts:
+                 norm(b + ("post_attention_norm.weight" if glm else "ffn_norm.weight"), (h,))]
+        if i >= o.layers:
+            plan += _nextn_tensors(b, o, vocab, quant, embed_q, weight, norm)
+        if o.experts and i >= o.leading_dense:
             e, f = o.experts, o.expert_ffn
             plan += [f32(b + "ffn_gate_inp.weight", (e, h), 0.0, 1 / math.sqrt(h)),
                      weight(b + "ffn_gate_exps.weight", (e, f, h), expert_q, 1 / math.sqrt(h)),
                      weight(b + "ffn_up_exps.weight", (e, f, h), expert_q, 1 / math.sqrt(h)),
                      weight(b + "ffn_down_exps.weight", (e, h, f), expert_q, residual / math.sqrt(f))]
-            if o.arch == "qwen2moe":
+            if glm:  # the choosing bias: large enough against the sigmoid scores' gaps to change some choices
+                plan.append(f32(b + "exp_probs_b.bias", (e,), 0.0, 0.05))
+            if o.arch in ("qwen2moe", "glm4moe"):
                 s = o.shared_ffn
-                plan += [f32(b + "ffn_gate_inp_shexp.weight", (h,), 0.0, 1 / math.sqrt(h)),
-                         weight(b + "ffn_gate_shexp.weight", (s, h), quant, 1 / math.sqrt(h)),
+                if not glm:  # qwen2moe gates its shared expert, GLM-4.5 does not
+                    plan.append(f32(b + "ffn_gate_inp_shexp.weight", (h,), 0.0, 1 / math.sqrt(h)))
+                plan += [weight(b + "ffn_gate_shexp.weight", (s, h), quant, 1 / math.sqrt(h)),
                          weight(b + "ffn_up_shexp.weight", (s, h), quant, 1 / math.sqrt(h)),
                          weight(b + "ffn_down_shexp.weight", (h, s), quant, residual / math.sqrt(s))]
         else:
@@ -198,6 +233,18 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
     plan.append(norm("output_norm.weight", (h,)))
     if not o.tied:
         plan.append(weight("output.weight", (vocab, h), embed_q, 1 / math.sqrt(h)))
+    return plan
+
+
+def _nextn_tensors(b: str, o: ModelOptions, vocab: int, quant: QType, embed_q: QType, weight, norm) -> list[_Planned]:
+    """A NextN (MTP) block's own tensors, llama.cpp's names and shapes (eh_proj: GGUF {2h, h})."""
+    h = o.hidden
+    plan = [weight(b + "nextn.eh_proj.weight", (h, 2 * h), quant, 1 / math.sqrt(2 * h)),
+            norm(b + "nextn.enorm.weight", (h,)), norm(b + "nextn.hnorm.weight", (h,)),
+            norm(b + "nextn.shared_head_norm.weight", (h,))]
+    if o.nextn_head:
+        plan += [weight(b + "nextn.embed_tokens.weight", (vocab, h), embed_q, 1 / math.sqrt(h)),
+                 weight(b + "nextn.shared_head_head.weight", (vocab, h), embed_q, 1 / math.sqrt(h))]
     return plan
 
 
@@ -228,7 +275,7 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
         f"{a}.vocab_size": (vocab, u32),
         f"{a}.context_length": (o.context, u32),
         f"{a}.embedding_length": (o.hidden, u32),
-        f"{a}.block_count": (o.layers, u32),
+        f"{a}.block_count": (o.layers + o.nextn, u32),
         # Mixtral's files give the expert width here and have no expert_feed_forward_length.
         f"{a}.feed_forward_length": (o.expert_ffn if mixtral else o.ffn, u32),
         f"{a}.attention.head_count": (o.heads, u32),
@@ -237,7 +284,7 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
         f"{a}.attention.value_length": (o.head_dim, u32),
         f"{a}.attention.layer_norm_rms_epsilon": (o.rms_eps, f32),
         f"{a}.rope.freq_base": (o.rope_theta, f32),
-        f"{a}.rope.dimension_count": (o.head_dim, u32),
+        f"{a}.rope.dimension_count": (o.rope_dims, u32),
     }
     file_type = {QType.F32: "ALL_F32", QType.F16: "MOSTLY_F16"}.get(as_qtype(o.quant), f"MOSTLY_{as_qtype(o.quant).name}")
     if file_type in LlamaFileType.__members__:
@@ -249,6 +296,14 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
             keys[f"{a}.expert_feed_forward_length"] = (o.expert_ffn, u32)
         if a == "qwen2moe":
             keys[f"{a}.expert_shared_feed_forward_length"] = (o.shared_ffn, u32)
+    if a == "glm4moe":  # as convert_hf_to_gguf.py's Glm4MoeModel writes them
+        keys |= {f"{a}.expert_shared_count": (o.shared_ffn // o.expert_ffn, u32),
+                 f"{a}.leading_dense_block_count": (o.leading_dense, u32),
+                 f"{a}.expert_gating_func": (2, u32),  # sigmoid
+                 f"{a}.expert_weights_scale": (o.expert_weights_scale, f32),
+                 f"{a}.expert_weights_norm": (True, (GGUFValueType.BOOL, None))}
+        if o.nextn:
+            keys[f"{a}.nextn_predict_layers"] = (o.nextn, u32)
     return keys
 
 
