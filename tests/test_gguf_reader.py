@@ -78,28 +78,30 @@ def test_metadata_is_plain_python(tiny_model):
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 def test_spec_of_each_architecture(tiny_model, arch):
-    moe = arch in ("qwen2moe", "qwen3moe")
+    moe = arch in ("qwen2moe", "qwen3moe", "glm4moe")
+    glm = arch == "glm4moe"  # GLM-4.5: a leading dense layer, half-head rope, shared expert = n x expert_ffn
     options = {"arch": arch, "layers": 3, "hidden": 96, "heads": 6, "kv_heads": 2, "ffn": 160, "vocab": 300, "context": 4096,
                    "rope_theta": 1e6, "tied": arch == "qwen3"}
     if moe:
-        options |= {"experts": 4, "experts_used": 3, "expert_ffn": 64, "shared_ffn": 96}
+        options |= {"experts": 4, "experts_used": 3, "expert_ffn": 64, "shared_ffn": 128 if glm else 96}
     spec = GGUFModel.open(tiny_model(**options)).spec
     assert (spec.architecture, spec.n_layers, spec.hidden, spec.ffn) == (arch, 3, 96, 160)
-    assert (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.rope_dims) == (6, 2, 16, 16)
+    assert (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.rope_dims) == (6, 2, 16, 8 if glm else 16)
     assert (spec.vocab_size, spec.context_length, spec.rope_theta) == (300, 4096, 1e6)
     assert spec.rms_eps == pytest.approx(1e-6) and spec.rope_scaling is None
     assert spec.tied_output == (arch == "qwen3")
     assert spec.rope_type == ("norm" if arch == "llama" else "neox")
-    assert spec.attn_bias == (arch in ("qwen2", "qwen2moe"))
+    assert spec.attn_bias == (arch in ("qwen2", "qwen2moe", "glm4moe"))
     assert spec.qk_norm == (arch in ("qwen3", "qwen3moe"))
     if moe:
         assert (spec.n_experts, spec.n_experts_used, spec.expert_ffn) == (4, 3, 64)
-        assert spec.moe_layers == (0, 1, 2)
-        assert spec.shared_ffn == (96 if arch == "qwen2moe" else 0)
+        assert spec.moe_layers == ((1, 2) if glm else (0, 1, 2))
+        assert spec.shared_ffn == {"qwen2moe": 96, "glm4moe": 128}.get(arch, 0)
         assert spec.shared_expert_gate == (arch == "qwen2moe")
-        assert spec.expert_weights_norm == (arch == "qwen3moe")  # llama.cpp's norm_w for each family
+        assert spec.expert_weights_norm == (arch in ("qwen3moe", "glm4moe"))  # llama.cpp's norm_w for each family
+        assert spec.expert_gating == ("sigmoid" if glm else "softmax") and spec.expert_bias == glm
         assert spec.expert_tensors(1) == [f"blk.1.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
-        assert len(spec.expert_tensors()) == 9
+        assert len(spec.expert_tensors()) == (6 if glm else 9)
     else:
         assert not spec.is_moe and spec.expert_tensors() == [] and spec.moe_layers == ()
 
