@@ -18,7 +18,14 @@ import torch
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.gguf import GGUFModel
-from strata_jax.model import Group, RunOptions, forward, load_params, mtp_forward, new_kv_cache
+from strata_jax.model import (
+    Group,
+    RunOptions,
+    forward,
+    load_params,
+    mtp_forward,
+    new_kv_cache,
+)
 from strata_jax.testing.hf_glm4moe import load_glm4moe
 from strata_jax.testing.make_model import make_model
 
@@ -113,7 +120,7 @@ def test_logits_match_llamacpp(glm):
 
 @partial(jax.jit, static_argnums=(1, 2, 6))
 def _main(params, spec, opts, tokens, pos, slots, kv_len, cache):
-    logits, hiddens, cache = forward(params, spec, opts, (Group(tokens, pos, slots, all_logits=True),), cache, kv_len,
+    _, hiddens, cache = forward(params, spec, opts, (Group(tokens, pos, slots, all_logits=True),), cache, kv_len,
                                      with_hidden=True)
     return hiddens[0], cache
 
@@ -153,7 +160,7 @@ def test_mtp_matches_transformers(glm, variant):
         h2 = jnp.concatenate([h, jnp.zeros_like(h)])
         return _mtp(params, spec, opts, h2, rows(toks, 0), rows(at, -1), slots, cache, kv)
 
-    l1, o1, cache = step(hid[:, :T - 2], ids[1:T - 1], pos[:T - 2], cache)           # positions 0..T-3
+    l1, _, cache = step(hid[:, :T - 2], ids[1:T - 1], pos[:T - 2], cache)           # positions 0..T-3
     l2, o2, cache = step(hid[:, T - 2:T - 1], ids[T - 1:], pos[T - 2:T - 1], cache)   # T-2, from the cache
     ours = np.concatenate([np.asarray(l1[0]), np.asarray(l2[0])])
     assert ours.shape == logits_ref.shape == (T - 1, 512)
