@@ -396,6 +396,20 @@ def split_server_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def parse_script_args(p: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The script's own flags, and the flags for `strata-jax serve`: with --start-server, every flag the
+    script does not know goes to the server (`--start-server MODEL --parallel 8 --levels 1,2`), as does all
+    after `--`. Without --start-server an unknown flag is an error. The parser must not take abbreviations
+    (allow_abbrev=False), or `--max` would pass for a flag of the script's."""
+    own, after = split_server_args(argv)
+    args, unknown = p.parse_known_args(own)
+    if unknown and not args.start_server:
+        p.error(f"unrecognized arguments: {' '.join(unknown)} (server flags go with --start-server MODEL)")
+    if after and not args.start_server:
+        p.error(f"server flags after `--` ({' '.join(after)}) need --start-server MODEL")
+    return args, unknown + after
+
+
 def add_common_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     where = g.add_mutually_exclusive_group(required=True)
@@ -450,6 +464,7 @@ class Server:
 
     def __init__(self, args: argparse.Namespace, server_flags: list[str]):
         self.args, self.flags, self.proc = args, server_flags, None
+        self.log_counts: dict[str, int] | None = None     # with --start-server: LOG_MARKS counted at the end
         self.url = args.url
 
     def __enter__(self) -> Self:
@@ -473,10 +488,31 @@ class Server:
         signal.signal(signal.SIGTERM, self._sigterm)
         if self.proc is not None:
             code = self.proc.stop()
+            text = self.proc.log()
             if self.args.server_log:
-                Path(self.args.server_log).write_text(self.proc.log())
+                Path(self.args.server_log).write_text(text)
             self.proc.__exit__()
+            self.log_counts = server_log_counts(text)
             print(f"stopped the server (exit code {code})", file=sys.stderr)
+
+
+# lines of the server's log (--start-server) that say what the program cache and the supervisor did
+LOG_MARKS = {"program_frees": "no device memory for a window program: freed",
+             "split_windows": "running its rows in smaller windows",
+             "engine_starts": " started (pid "}
+
+
+def server_log_counts(text: str) -> dict[str, int]:
+    """How many lines of the server's log carry each of LOG_MARKS."""
+    lines = text.splitlines()
+    return {k: sum(mark in line for line in lines) for k, mark in LOG_MARKS.items()}
+
+
+def describe_log(counts: dict[str, int] | None) -> str:
+    if counts is None:
+        return "server log: not ours (--url)"
+    return (f"server log: {counts['program_frees']} 'no device memory for a window program: freed N older layouts' "
+            f"lines, {counts['split_windows']} windows split, {counts['engine_starts']} engine process starts")
 
 
 def write_json(path: str | None, obj: Any) -> None:

@@ -9,7 +9,10 @@ ledger (GET /faults) and its program counters (GET /metrics).
 
     python scripts/ladder.py --url http://127.0.0.1:8000 --levels 1,2,3 --waves 3 --prompt-tokens 8150 \\
         --max-tokens 512 --reasoning on --json ladder.json --plot ladder.png
-    python scripts/ladder.py --start-server model.gguf --levels 1,2,4,8 -- --parallel 8 --max-context 2048
+    python scripts/ladder.py --start-server model.gguf --levels 1,2,4,8 --parallel 8 --max-context 2048
+
+With --start-server MODEL, the flags the ladder does not know (`--parallel 8`) go to `strata-jax serve`, as
+does everything after `--`.
 
 Exit code: 0 when every request succeeded and the engine never restarted, 1 otherwise, 2 when the server
 never became ready (or bad settings).
@@ -37,6 +40,7 @@ from _loadtest import (
     TokenCounter,
     add_common_flags,
     client_of,
+    describe_log,
     describe_programs,
     fmt,
     get_faults,
@@ -44,9 +48,10 @@ from _loadtest import (
     headers_of,
     median,
     new_faults,
+    parse_script_args,
+    percentile,
     program_figures,
     prompt_of,
-    split_server_args,
     stream_chat,
     template_kwargs_of,
     wait_healthy,
@@ -57,9 +62,9 @@ console = Console(highlight=False)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    own, server_flags = split_server_args(argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Flags after `--` go to "
-                                "`strata-jax serve` (with --start-server).")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog="With "
+                                "--start-server, flags the script does not know (and all after `--`) go to "
+                                "`strata-jax serve`.")
     add_common_flags(p)
     p.add_argument("--levels", default="1,2,3", help="concurrency levels, comma-separated (default 1,2,3)")
     p.add_argument("--waves", type=int, default=3, help="waves a level (default 3)")
@@ -67,8 +72,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--max-tokens", type=int, default=512, help="max_tokens a request (default 512)")
     p.add_argument("--ignore-eos", action="store_true", help="ask for all max_tokens (llama.cpp's ignore_eos)")
     p.add_argument("--plot", metavar="FILE.png", help="plot decode tok/s a request and aggregate tok/s against "
-                   "concurrency (needs matplotlib)")
-    args = p.parse_args(own)
+                   "concurrency (needs matplotlib: the optional extra strata-jax[plot])")
+    args, server_flags = parse_script_args(p, argv)
     try:
         args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
     except ValueError:
@@ -173,6 +178,7 @@ def summarize(level: int, waves: list[dict[str, Any]]) -> dict[str, Any]:
     wall = sum(w["wall_s"] for w in waves)
     return {"level": level, "waves": waves, "requests": len(reqs), "ok": len(ok), "failed": len(reqs) - len(ok),
             "median_ttft_s": median([r["ttft_s"] for r in ok]),
+            "p95_ttft_s": percentile([r["ttft_s"] for r in ok], 95),
             "median_prompt_tps": median([r["prompt_tps"] for r in ok]),
             "median_decode_tps": median([r["decode_tps"] for r in ok]),
             "aggregate_tps": round(sum(r["tokens"] for r in reqs) / wall, 3) if wall else None}
@@ -195,17 +201,19 @@ def print_level(entry: dict[str, Any]) -> None:
     for i, message in enumerate(errors, 1):
         console.print(f"[red]({i})[/red] {message}")
     console.print(f"level {entry['level']}: decode {fmt(entry['median_decode_tps'])} tok/s a request (median), "
-                  f"aggregate {fmt(entry['aggregate_tps'])} tok/s, TTFT {fmt(entry['median_ttft_s'], 2)} s (median), "
+                  f"aggregate {fmt(entry['aggregate_tps'])} tok/s, TTFT p50 {fmt(entry['median_ttft_s'], 2)} s, p95 "
+                  f"{fmt(entry['p95_ttft_s'], 2)} s, "
                   f"prompt {fmt(entry['median_prompt_tps'])} tok/s (median)\n")
 
 
 def print_summary(report: dict[str, Any]) -> None:
     t = Table(title="ladder", title_justify="left")
-    for col in ("level", "ok", "failed", "TTFT s (median)", "prompt tok/s (median)", "decode tok/s a request (median)",
-                "aggregate tok/s"):
+    for col in ("level", "ok", "failed", "TTFT s p50 / p95", "prompt tok/s (median)",
+                "decode tok/s a request (median)", "aggregate tok/s"):
         t.add_column(col, justify="right")
     for lv in report["levels"]:
-        t.add_row(str(lv["level"]), f"{lv['ok']}/{lv['requests']}", str(lv["failed"]), fmt(lv["median_ttft_s"], 2),
+        t.add_row(str(lv["level"]), f"{lv['ok']}/{lv['requests']}", str(lv["failed"]),
+                  f"{fmt(lv['median_ttft_s'], 2)} / {fmt(lv['p95_ttft_s'], 2)}",
                   fmt(lv["median_prompt_tps"]), fmt(lv["median_decode_tps"]), fmt(lv["aggregate_tps"]))
     console.print(t)
     errors = Counter(r["error"] for lv in report["levels"] for w in lv["waves"] for r in w["requests"] if not r["ok"])
@@ -218,6 +226,7 @@ def print_summary(report: dict[str, Any]) -> None:
     else:
         console.print("engine restarts: unknown (the server has no GET /faults)")
     console.print(describe_programs(report.get("programs") or {}))
+    console.print(describe_log(report.get("server_log")))
     console.print(f"{report['requests'] - report['failed']}/{report['requests']} requests ok, {report['failed']} "
                   f"failed, in {report['wall_s']:.1f} s")
 
@@ -228,7 +237,8 @@ def plot(path: str, report: dict[str, Any]) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        console.print(f"[yellow]--plot {path}: matplotlib is not installed (pip install matplotlib); no plot[/yellow]")
+        console.print(f"[yellow]--plot {path}: matplotlib is not installed, so no plot (it is optional: pip install "
+                      "'strata-jax\\[plot]' or pip install matplotlib)[/yellow]")
         return False
     levels = report["levels"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -271,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[red]interrupted: no report[/red]")
         return 130
+    if server.log_counts is not None:
+        report["server_log"] = server.log_counts
     write_json(args.json, report)
     if "error" in report:
         console.print(f"[red]{report['error']}[/red]")

@@ -13,7 +13,7 @@ share of prompt tokens the server reused: sum of timings.cache_n over sum of cac
 engine restarts the server's fault ledger (GET /faults) recorded during the run.
 
     python scripts/replay.py --url http://127.0.0.1:8000 --users 8 --minutes 5 --max-context 8192
-    python scripts/replay.py --start-server model.gguf --users 8 --minutes 5 -- --parallel 8 --max-context 2048
+    python scripts/replay.py --start-server model.gguf --users 8 --minutes 5 --parallel 8 --max-context 2048
 
 Exit code: 0 when every request succeeded and the engine never restarted, 1 otherwise, 2 when the server
 never became ready (or bad settings).
@@ -42,6 +42,7 @@ from _loadtest import (
     TokenCounter,
     add_common_flags,
     client_of,
+    describe_log,
     describe_programs,
     filler,
     flag_value,
@@ -50,9 +51,9 @@ from _loadtest import (
     get_metrics,
     headers_of,
     new_faults,
+    parse_script_args,
     percentile,
     program_figures,
-    split_server_args,
     stream_chat,
     template_kwargs_of,
     unique_id,
@@ -65,9 +66,9 @@ DEFAULT_CONTEXT = 4096
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    own, server_flags = split_server_args(argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Flags after `--` go to "
-                                "`strata-jax serve` (with --start-server).")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog="With "
+                                "--start-server, flags the script does not know (and all after `--`) go to "
+                                "`strata-jax serve`.")
     add_common_flags(p)
     p.add_argument("--users", type=int, default=8, help="simulated users, each one conversation at a time (default 8)")
     p.add_argument("--minutes", type=float, default=5.0, help="start turns for this long (default 5)")
@@ -82,7 +83,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    "(default 0.5,3)")
     p.add_argument("--progress", type=float, default=15.0, metavar="S", help="a status line every S seconds "
                    "(default 15; 0: none)")
-    args = p.parse_args(own)
+    args, server_flags = parse_script_args(p, argv)
     try:
         args.think = tuple(float(x) for x in args.think.split(","))
         assert len(args.think) == 2 and 0 <= args.think[0] <= args.think[1]
@@ -95,6 +96,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error("--minutes and --timeout must be positive, --grace not negative")
     if args.max_context is None and flag_value(server_flags, "--max-context"):
         args.max_context = int(flag_value(server_flags, "--max-context"))
+    elif args.start_server and args.max_context is not None and flag_value(server_flags, "--max-context") is None:
+        server_flags += ["--max-context", str(args.max_context)]      # the script's flag, and the server's
     return args, server_flags
 
 
@@ -386,6 +389,7 @@ def print_report(r: dict[str, Any]) -> None:
         console.print(f"[red]engine fault[/red] {f.get('time')}: {f.get('message')} "
                       f"({f.get('requests_in_flight')} requests in flight)")
     console.print(describe_programs(r.get("programs") or {}))
+    console.print(describe_log(r.get("server_log")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[red]interrupted: no report[/red]")
         return 130
+    if server.log_counts is not None:
+        report["server_log"] = server.log_counts
     write_json(args.json, report)
     if "error" in report:
         console.print(f"[red]{report['error']}[/red]")

@@ -24,7 +24,9 @@ from strata_jax.serve.launch import ServerProcess
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from _loadtest import Result, TokenCounter, percentile, stream_chat
+import ladder
+import replay
+from _loadtest import Result, TokenCounter, percentile, server_log_counts, stream_chat
 from replay import Conversation
 
 
@@ -70,7 +72,8 @@ def test_ladder(server, tmp_path):
             assert r["prompt_n"] + r["cache_n"] == r["prompt_tokens"]
             assert 1 <= r["tokens"] <= 8 and 0 < r["ttft_s"] <= r["latency_s"] < 60
             assert r["prompt_tps"] > 0 and (r["decode_tps"] or 0) >= 0
-        assert lv["aggregate_tps"] > 0 and lv["median_ttft_s"] > 0
+        assert lv["aggregate_tps"] > 0 and 0 < lv["median_ttft_s"] <= lv["p95_ttft_s"]
+    assert "server_log" not in report                       # not our server: its log is not ours to read
     assert report["programs"]["built"] >= 1 and report["programs"]["engine_generation"] == 1
     assert "level 2: 2/2 ok" in out and "3/3 requests ok, 0 failed" in out
     assert "engine restarts during the ladder (GET /faults): 0" in out
@@ -81,14 +84,15 @@ def test_replay(server, tmp_path):
                                  "--max-tokens", "8", "--think", "0.2,0.8", "--progress", "0", tmp_path=tmp_path)
     assert rc == 0, out
     assert report["settings"]["max_context"] == 512          # learned from the server: no --max-context given
-    assert report["requests"] >= 6 and report["failed"] == 0 and report["engine_restarts"] == 0
+    # a turn a user at least: on a loaded machine the first turns (which build programs) may fill the 9 s
+    assert report["requests"] >= 3 and report["failed"] == 0 and report["engine_restarts"] == 0
     assert report["conversations"] >= 3 and report["context_retries"] == 0
     assert 0 < report["ttft_p50_s"] <= report["ttft_p95_s"] and 0 < report["latency_p50_s"] <= report["latency_p95_s"]
     assert report["ttft_p50_s"] <= report["latency_p50_s"]
     assert report["prefix_reuse"] is not None and 0 <= report["prefix_reuse"] <= 1
     assert report["prompt_n"] + report["cache_n"] == report["prompt_tokens"]
     assert report["largest_prompt"] + 8 <= 512
-    assert report["wall_s"] < 0.15 * 60 + 60
+    assert report["wall_s"] < 0.15 * 60 + 120 + 10             # --grace 120 (default): later turns would fail
     turns = {}
     for r in report["requests_list"]:
         assert r["ok"] and 1 <= r["tokens"] <= 8
@@ -101,9 +105,9 @@ def test_ladder_reports_an_engine_exit_and_the_next_level_recovers(model, tmp_pa
     # The first engine process exits at its 12th window: level 1 (one request, 8 tokens, ignore_eos) takes
     # 8 windows, so the exit comes while both requests of level 2 are in flight; level 3 runs on engine 2.
     rc, out, report = run_script(
-        "ladder.py", "--start-server", str(model), "--levels", "1,2,2", "--waves", "1", "--prompt-tokens", "64",
-        "--max-tokens", "8", "--ignore-eos", "--health-timeout", "60", "--timeout", "60", "--",
-        "--parallel", "2", "--max-context", "256", tmp_path=tmp_path, env={"STRATA_FAULT": "exit:12@1"})
+        "ladder.py", "--start-server", str(model), "--parallel", "2", "--levels", "1,2,2", "--waves", "1",
+        "--prompt-tokens", "64", "--max-tokens", "8", "--ignore-eos", "--health-timeout", "60", "--timeout", "60",
+        "--max-context", "256", tmp_path=tmp_path, env={"STRATA_FAULT": "exit:12@1"})
     assert rc == 1, out
     first, crashed, after = report["levels"]
     assert first["ok"] == 1 and first["failed"] == 0
@@ -116,6 +120,7 @@ def test_ladder_reports_an_engine_exit_and_the_next_level_recovers(model, tmp_pa
     (fault,) = report["faults"]
     assert fault["exit_code"] == 1 and fault["requests_in_flight"] == 2
     assert report["programs"]["engine_generation"] == 2
+    assert report["server_log"]["engine_starts"] == 2 and report["server_log"]["program_frees"] == 0
     assert "2 failed: the engine stopped unexpectedly" in out
     assert "engine restarts during the ladder (GET /faults): 1" in out
     assert "stopped the server" in out
@@ -201,3 +206,51 @@ def test_percentile():
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([1.0, 2.0], 95) == pytest.approx(1.95)
+
+
+def test_server_flags_go_to_the_server_only_with_start_server(capsys):
+    args, flags = ladder.parse_args(["--start-server", "m.gguf", "--parallel", "8", "--levels", "1,2,4,8",
+                                     "--device-memory-mib=900", "--max-tokens", "16", "--", "--kv", "int8"])
+    assert args.levels == [1, 2, 4, 8] and args.max_tokens == 16 and args.start_server == "m.gguf"
+    assert flags == ["--parallel", "8", "--device-memory-mib=900", "--kv", "int8"]
+    # --max- is not taken for --max-tokens (no abbreviations): it goes to the server, which refuses it
+    _, flags = ladder.parse_args(["--start-server", "m.gguf", "--max-context", "2048"])
+    assert flags == ["--max-context", "2048"]
+    # the replay's --max-context is the server's too
+    args, flags = replay.parse_args(["--start-server", "m.gguf", "--max-context", "1280", "--parallel", "4"])
+    assert args.max_context == 1280 and flags == ["--parallel", "4", "--max-context", "1280"]
+    args, flags = replay.parse_args(["--start-server", "m.gguf", "--", "--max-context", "640"])
+    assert args.max_context == 640 and flags == ["--max-context", "640"]
+    for argv in (["--url", "http://x", "--parallel", "8"], ["--url", "http://x", "--", "--parallel", "8"]):
+        with pytest.raises(SystemExit):
+            ladder.parse_args(argv)
+        assert "--parallel 8" in capsys.readouterr().err
+
+
+def test_server_log_counts():
+    text = ("engine process 1 started (pid 10)\nWARNING no device memory for a window program: freed 3 older "
+            "layouts, 2 kept\nwindow [8x1 | kv 512] failed (x): running its rows in smaller windows\n"
+            "starting engine process 2 in 0.5 s\nengine process 2 started (pid 11)\n"
+            "engine: no device memory for a window program: freed 1 older layouts, 4 kept\n")
+    assert server_log_counts(text) == {"program_frees": 2, "split_windows": 1, "engine_starts": 2}
+
+
+def ladder_report() -> dict:
+    req = {"ok": True, "decode_tps": 5.0}
+    return {"settings": {"prompt_tokens": 64, "max_tokens": 8, "waves": 1}, "levels": [
+        {"level": lv, "failed": lv - 1, "median_decode_tps": 5.0 / lv, "aggregate_tps": 4.0 * lv,
+         "waves": [{"requests": [req] * lv + [{"ok": False, "decode_tps": None}]}]} for lv in (1, 2, 4)]}
+
+
+def test_plot_writes_a_png(tmp_path):
+    out = tmp_path / "ladder.png"
+    assert ladder.plot(str(out), ladder_report())
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)         # import matplotlib raises ImportError
+    out = tmp_path / "ladder.png"
+    assert not ladder.plot(str(out), ladder_report())
+    said = " ".join(capsys.readouterr().out.split())
+    assert not out.exists() and "matplotlib is not installed, so no plot" in said and "strata-jax[plot]" in said

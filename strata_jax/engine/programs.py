@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import jax
 
-from .memory import MemoryLedger, is_resource_exhausted
+from ..testing.faults import resource_exhausted
+from .memory import MemoryLedger, MiB, is_resource_exhausted
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -60,6 +61,7 @@ class Program:
 @dataclass
 class ProgramStats:
     built: int = 0
+    compiles: int = 0                # XLA compiles: a program refused by the ledger is not compiled twice
     evicted: int = 0
     oom_recoveries: int = 0
     build_seconds: float = 0.0
@@ -75,6 +77,8 @@ class ProgramCache:
         self._faults = faults
         self.programs: OrderedDict[Layout, Program] = OrderedDict()
         self.stats = ProgramStats()
+        self.too_big: dict[Layout, int] = {}        # layouts whose program can never fit -> its bytes
+        self._pending: tuple[Layout, Any, int] | None = None   # compiled, refused by the ledger, to try again
 
     def __len__(self) -> int:
         return len(self.programs)
@@ -91,10 +95,13 @@ class ProgramCache:
             return prog
         if self.max_programs and len(self.programs) >= self.max_programs:
             self._evict(next(iter(self.programs)))
+        self._refuse_if_too_big(layout)
         try:
             prog = self._build_one(layout)
         except Exception as e:
-            if not is_resource_exhausted(e) or not self._free_older_half(keep=layout):
+            # a layout too big for all the room programs have: freeing the others would not help
+            if not is_resource_exhausted(e) or layout in self.too_big or not self._free_older_half(keep=layout):
+                self._pending = None
                 raise
             prog = self._build_one(layout)          # once more; a second failure goes up
         self.programs[layout] = prog
@@ -120,14 +127,45 @@ class ProgramCache:
 
     def _build_one(self, layout: Layout) -> Program:
         t0 = time.perf_counter()
-        if self._faults is not None:
-            self._faults.on_build(layout.rows)
-        compiled = self._build(layout)
-        nbytes = _program_bytes(compiled)
-        self.ledger.reserve_bytes("programs", nbytes, f"the window program {layout}")
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == layout:
+            compiled, nbytes = pending[1], pending[2]       # compiled already; only its memory was missing
+        else:
+            if self._faults is not None:
+                self._faults.on_build(layout.rows)
+            compiled = self._build(layout)
+            nbytes = _program_bytes(compiled)
+            self.stats.compiles += 1
+        try:
+            self.ledger.reserve_bytes("programs", nbytes, f"the window program {layout}")
+        except Exception as e:
+            if is_resource_exhausted(e):
+                if nbytes > self._room():
+                    self.too_big[layout] = nbytes           # not to be compiled again: see _refuse_if_too_big
+                else:
+                    self.too_big.pop(layout, None)
+                    self._pending = (layout, compiled, nbytes)   # freeing older programs may make room
+            raise
+        self.too_big.pop(layout, None)
         self.stats.built += 1
         self.stats.build_seconds += time.perf_counter() - t0
         return Program(layout, compiled, nbytes)
+
+    def _room(self) -> int:
+        """The device memory programs could have with every program freed (inf without a budget)."""
+        free = self.ledger.free
+        return free + self.nbytes if free is not None else 1 << 62
+
+    def _refuse_if_too_big(self, layout: Layout) -> None:
+        """A layout whose program was once compiled and found bigger than all the memory programs can have is
+        refused at once (RESOURCE_EXHAUSTED, so the engine runs its rows in smaller windows), without
+        compiling it again: on a loaded CPU a compile takes a minute, and freeing every other program
+        would not make it fit."""
+        nbytes = self.too_big.get(layout)
+        if nbytes is not None and nbytes > self._room():
+            raise resource_exhausted(f"the window program {layout} needs {nbytes / MiB:.1f} MiB of device memory, "
+                                     f"more than programs can have ({max(0, self._room()) / MiB:.1f} MiB with every "
+                                     "program freed); not compiled again")
 
     def _evict(self, layout: Layout) -> None:
         prog = self.programs.pop(layout)
@@ -151,7 +189,8 @@ class ProgramCache:
     def snapshot(self) -> dict[str, Any]:
         """Counters and live programs; safe to call from any thread (list() of a dict is atomic)."""
         progs = list(self.programs.items())
-        return {"live": len(progs), "built": self.stats.built, "evicted": self.stats.evicted,
+        return {"live": len(progs), "built": self.stats.built, "compiles": self.stats.compiles,
+                "too_big": len(self.too_big), "evicted": self.stats.evicted,
                 "oom_recoveries": self.stats.oom_recoveries, "bytes": sum(p.nbytes for _, p in progs),
                 "max": self.max_programs, "build_seconds": round(self.stats.build_seconds, 3),
                 "layouts": [str(lay) for lay, _ in progs], "program_bytes": [p.nbytes for _, p in progs]}

@@ -1,0 +1,85 @@
+"""The program cache's memory path without XLA: a fake `build` whose executables report the bytes we choose.
+
+What the load ladder found (SmolLM2, --device-memory-mib 2000, a loaded 2-core CPU): a window program that the
+ledger refused was compiled a second time after the older half was freed, and a layout bigger than all the
+memory programs can have was compiled twice at every window that needed it (a minute each), before the engine
+split the window anyway. Now the executable the ledger refused is kept for the retry, and a layout that can
+never fit is refused at once until the room for programs grows.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from strata_jax.engine.memory import MemoryLedger, MiB, is_resource_exhausted
+from strata_jax.engine.programs import Layout, ProgramCache
+
+
+class FakeCompiled:
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def memory_analysis(self):
+        return SimpleNamespace(temp_size_in_bytes=self.nbytes, generated_code_size_in_bytes=0,
+                               output_size_in_bytes=0, alias_size_in_bytes=0)
+
+
+def cache_of(sizes_mib: dict[int, float], budget_mib: float, fixed_mib: float = 0.0):
+    """A cache over layouts keyed by rows (1 x rows decode windows), each of the given MiB; `fixed_mib` of the
+    budget taken by weights. Returns (cache, list of the rows compiled, in order)."""
+    ledger = MemoryLedger(budget_mib, 0)
+    ledger.reserve_bytes("weights", int(fixed_mib * MiB), "weights")
+    compiled: list[int] = []
+
+    def build(layout: Layout):
+        compiled.append(layout.rows)
+        return FakeCompiled(int(sizes_mib[layout.rows] * MiB))
+
+    return ProgramCache(build, ledger, max_programs=0, wait_for_device=lambda: None), compiled
+
+
+def lay(rows: int) -> Layout:
+    return Layout(((rows, 1, False),), 256)
+
+
+def test_a_refused_program_is_not_compiled_again_after_freeing():
+    cache, compiled = cache_of({1: 4, 2: 4, 3: 4, 4: 6}, budget_mib=13)
+    for r in (1, 2, 3):
+        cache.get(lay(r))
+    assert cache.ledger.used["programs"] == 12 * MiB
+    cache.get(lay(4))                  # 6 MiB: refused, the older half (1, 2) freed, the same executable kept
+    assert compiled == [1, 2, 3, 4] and cache.stats.compiles == 4 and cache.stats.built == 4
+    assert list(cache.programs) == [lay(3), lay(4)] and cache.stats.oom_recoveries == 1
+    assert cache.ledger.used["programs"] == 10 * MiB and not cache.too_big
+
+
+def test_a_layout_that_can_never_fit_is_refused_without_compiling():
+    cache, compiled = cache_of({1: 2, 2: 2, 8: 20}, budget_mib=30, fixed_mib=15)     # 15 MiB for programs
+    cache.get(lay(1))
+    cache.get(lay(2))
+    with pytest.raises(Exception) as first:
+        cache.get(lay(8))
+    assert is_resource_exhausted(first.value) and compiled == [1, 2, 8]
+    assert cache.too_big == {lay(8): 20 * MiB}
+    for _ in range(3):                 # every later window of that layout: refused at once, nothing compiled
+        with pytest.raises(Exception) as again:
+            cache.get(lay(8))
+        assert is_resource_exhausted(again.value) and "not compiled again" in str(again.value)
+    assert compiled == [1, 2, 8] and cache.stats.compiles == 3
+    assert lay(1) in cache.programs and lay(2) in cache.programs      # nothing freed for a hopeless layout
+    # with more room (the weights gone) the layout is compiled again and fits
+    cache.ledger.release("weights", 15 * MiB)
+    cache.get(lay(8))
+    assert compiled == [1, 2, 8, 8] and lay(8) in cache.programs
+
+
+def test_a_refused_program_with_nothing_to_free_goes_up_and_is_compiled_next_time():
+    cache, compiled = cache_of({1: 8}, budget_mib=10, fixed_mib=4)   # 6 MiB free, nothing else to free
+    with pytest.raises(Exception):
+        cache.get(lay(1))
+    assert cache._pending is None and compiled == [1] and cache.too_big == {lay(1): 8 * MiB}
+    cache.ledger.release("weights", 4 * MiB)
+    cache.get(lay(1))
+    assert compiled == [1, 1] and cache.ledger.used["programs"] == 8 * MiB
