@@ -100,12 +100,13 @@ def request_body(args: argparse.Namespace, messages: list[dict[str, Any]], seed:
     return body
 
 
-async def ladder(args: argparse.Namespace, url: str) -> dict[str, Any]:
+async def ladder(args: argparse.Namespace, url: str, report: dict[str, Any], t0: float) -> dict[str, Any]:
+    """Run the ladder, filling `report` as it goes (so that an interrupted run still has its finished levels
+    and the engine restarts seen after each)."""
     headers, kwargs = headers_of(args), template_kwargs_of(args)
-    t0 = time.monotonic()
-    report: dict[str, Any] = {"command": sys.argv, "url": url, "settings": {
+    report.update({"command": sys.argv, "url": url, "settings": {
         k: getattr(args, k) for k in ("levels", "waves", "prompt_tokens", "max_tokens", "reasoning", "temperature",
-                                      "ignore_eos", "timeout", "seed")}, "levels": []}
+                                      "ignore_eos", "timeout", "seed")}, "levels": []})
     async with client_of(max(args.levels), args.timeout) as client:
         ready, why = await wait_healthy(client, url, args.health_timeout)
         if not ready:
@@ -154,14 +155,27 @@ async def ladder(args: argparse.Namespace, url: str) -> dict[str, Any]:
             entry = summarize(level, waves)
             report["levels"].append(entry)
             print_level(entry)
+            await read_server(client, url, headers, faults_before, report)
+        await read_server(client, url, headers, faults_before, report)
+    return tally(report, t0)
 
-        faults_after = await get_faults(client, url, headers)
-        report["engine_restarts"], report["faults"] = new_faults(faults_before, faults_after)
-        report["faults_available"] = faults_after is not None
-        report["programs"] = program_figures(await get_metrics(client, url, headers))
+
+async def read_server(client, url: str, headers: dict[str, str] | None, faults_before: dict[str, Any] | None,
+                      report: dict[str, Any]) -> None:
+    """The engine restarts since the ladder began (GET /faults) and the program counters (GET /metrics)."""
+    faults_now = await get_faults(client, url, headers)
+    report["engine_restarts"], report["faults"] = new_faults(faults_before, faults_now)
+    report["faults_available"] = faults_now is not None
+    report["programs"] = program_figures(await get_metrics(client, url, headers))
+
+
+def tally(report: dict[str, Any], t0: float) -> dict[str, Any]:
     report["wall_s"] = round(time.monotonic() - t0, 3)
-    every = [r for lv in report["levels"] for w in lv["waves"] for r in w["requests"]]
+    every = [r for lv in report.get("levels", []) for w in lv["waves"] for r in w["requests"]]
     report["requests"], report["failed"] = len(every), sum(not r["ok"] for r in every)
+    report.setdefault("engine_restarts", 0)
+    report.setdefault("faults", [])
+    report.setdefault("faults_available", False)
     return report
 
 
@@ -272,16 +286,25 @@ def plot(path: str, report: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args, server_flags = parse_args(sys.argv[1:] if argv is None else argv)
+    report: dict[str, Any] = {}
+    t0 = time.monotonic()
+    server = None
     try:
         with Server(args, server_flags) as server:
-            report = asyncio.run(ladder(args, server.url))
+            asyncio.run(ladder(args, server.url, report, t0))
     except ServerStartError as e:
         console.print(f"[red]{e}[/red]")
         return 2
     except KeyboardInterrupt:
-        console.print("[red]interrupted: no report[/red]")
-        return 130
-    if server.log_counts is not None:
+        if not report.get("levels"):
+            console.print("[red]interrupted before a level ended: no report[/red]")
+            return 130
+        # the levels that ended are reported (and their failures count); the level in progress is not
+        tally(report, t0)
+        report["interrupted"] = f"after level {report['levels'][-1]['level']}"
+        console.print(f"[red]interrupted: the report holds the levels that ended ({report['interrupted']}); engine "
+                      "restarts as of then[/red]")
+    if server is not None and server.log_counts is not None:
         report["server_log"] = server.log_counts
     write_json(args.json, report)
     if "error" in report:
@@ -290,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(report)
     if args.plot and plot(args.plot, report):
         console.print(f"plot: {args.plot}")
-    return 1 if report["failed"] or report["engine_restarts"] else 0
+    return 1 if report["failed"] or report["engine_restarts"] else 130 if "interrupted" in report else 0
 
 
 if __name__ == "__main__":

@@ -254,3 +254,28 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
     assert not ladder.plot(str(out), ladder_report())
     said = " ".join(capsys.readouterr().out.split())
     assert not out.exists() and "matplotlib is not installed, so no plot" in said and "strata-jax[plot]" in said
+
+
+def test_an_interrupted_ladder_reports_the_levels_that_ended(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) during a long ladder: the JSON and the summary hold the levels that ended, their
+    failures count (exit 1), and the engine restarts seen after the last of them."""
+    failed = {**Result(error="the engine stopped unexpectedly (exit code 1)").to_json(), "index": 0}
+    fine = {**Result(ok=True, ttft_s=0.5, latency_s=1.0, tokens=4, decode_tps=8.0).to_json(), "index": 0}
+
+    def fake(requests: list[dict], restarts: int):
+        async def run(args, url, report, t0):
+            report.update(settings={}, levels=[])
+            report["levels"].append(ladder.summarize(1, [{"wave": 1, "wall_s": 1.0, "requests": requests}]))
+            report.update(engine_restarts=restarts, faults=[], faults_available=True, programs={})
+            raise KeyboardInterrupt
+        return run
+
+    out = tmp_path / "ladder.json"
+    monkeypatch.setattr(ladder, "ladder", fake([failed], 1))
+    assert ladder.main(["--url", "http://x", "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["interrupted"] == "after level 1" and report["requests"] == 1 and report["failed"] == 1
+    assert report["engine_restarts"] == 1
+    monkeypatch.setattr(ladder, "ladder", fake([fine], 0))
+    assert ladder.main(["--url", "http://x", "--json", str(out)]) == 130
+    assert json.loads(out.read_text())["failed"] == 0
