@@ -107,7 +107,8 @@ def test_ladder_reports_an_engine_exit_and_the_next_level_recovers(model, tmp_pa
     rc, out, report = run_script(
         "ladder.py", "--start-server", str(model), "--parallel", "2", "--levels", "1,2,2", "--waves", "1",
         "--prompt-tokens", "64", "--max-tokens", "8", "--ignore-eos", "--health-timeout", "60", "--timeout", "60",
-        "--max-context", "256", tmp_path=tmp_path, env={"STRATA_FAULT": "exit:12@1"})
+        "--max-context", "256", tmp_path=tmp_path, env={"STRATA_FAULT": "exit:12@1"},
+        timeout=400)                  # two engine starts and three levels: ~2 min at load 15 on 2 cores
     assert rc == 1, out
     first, crashed, after = report["levels"]
     assert first["ok"] == 1 and first["failed"] == 0
