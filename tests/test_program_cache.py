@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import jax
 import pytest
 
 from strata_jax.engine.memory import MemoryLedger, MiB, is_resource_exhausted
@@ -59,12 +60,12 @@ def test_a_layout_that_can_never_fit_is_refused_without_compiling():
     cache, compiled = cache_of({1: 2, 2: 2, 8: 20}, budget_mib=30, fixed_mib=15)     # 15 MiB for programs
     cache.get(lay(1))
     cache.get(lay(2))
-    with pytest.raises(Exception) as first:
+    with pytest.raises(jax.errors.JaxRuntimeError) as first:
         cache.get(lay(8))
     assert is_resource_exhausted(first.value) and compiled == [1, 2, 8]
     assert cache.too_big == {lay(8): 20 * MiB}
     for _ in range(3):                 # every later window of that layout: refused at once, nothing compiled
-        with pytest.raises(Exception) as again:
+        with pytest.raises(jax.errors.JaxRuntimeError) as again:
             cache.get(lay(8))
         assert is_resource_exhausted(again.value) and "not compiled again" in str(again.value)
     assert compiled == [1, 2, 8] and cache.stats.compiles == 3
@@ -77,7 +78,7 @@ def test_a_layout_that_can_never_fit_is_refused_without_compiling():
 
 def test_a_refused_program_with_nothing_to_free_goes_up_and_is_compiled_next_time():
     cache, compiled = cache_of({1: 8}, budget_mib=10, fixed_mib=4)   # 6 MiB free, nothing else to free
-    with pytest.raises(Exception):
+    with pytest.raises(jax.errors.JaxRuntimeError):
         cache.get(lay(1))
     assert cache._pending is None and compiled == [1] and cache.too_big == {lay(1): 8 * MiB}
     cache.ledger.release("weights", 4 * MiB)

@@ -18,10 +18,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import jax
+from typing import Any
 
 from ..testing.faults import resource_exhausted
 from .memory import MemoryLedger, MiB, is_resource_exhausted
