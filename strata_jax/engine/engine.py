@@ -29,6 +29,7 @@ from .runner import GroupInput, ModelRunner
 from .sampler import SamplingRows
 from .scheduler import Scheduler, Window, bucket, decode_group, prefill_group
 from .slots import Slot
+from .spec import make_speculator
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -56,6 +57,7 @@ class Engine:
         self.slots = [Slot(i) for i in range(self.config.parallel)]
         self.prefix = PrefixCache(self.runner, self.config)      # which slot a request takes, and what it reuses
         self.scheduler = Scheduler(self.runner.choices["prefill"])
+        self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.waiting: deque[Request] = deque()
         self._wake = threading.Event()
@@ -163,8 +165,11 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         busy = sum(not s.free for s in self.slots)
-        return {**dict(self.counters), **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
-                "queued": self.inbox.qsize() + len(self.waiting), "prefix_cache": self.prefix.stats()}
+        out = {**dict(self.counters), **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
+               "queued": self.inbox.qsize() + len(self.waiting), "prefix_cache": self.prefix.stats()}
+        if self.speculator is not None:
+            out["spec"] = self.speculator.stats()
+        return out
 
     def close(self) -> None:
         self._stop.set()
@@ -172,6 +177,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.runner.close()
+        if self.speculator is not None:
+            self.speculator.close()
 
     def __enter__(self):
         return self
@@ -191,7 +198,7 @@ class Engine:
         while not self._stop.is_set():
             self._take_new()
             self._check_cancelled()
-            window = self.scheduler.plan(self.slots)
+            window = self._plan()
             if window is None:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -200,6 +207,12 @@ class Engine:
         for s in self.slots:
             if not s.free:
                 self._fail(s, "the engine was closed")
+
+    def _plan(self) -> Window | None:
+        if self.speculator is None:
+            return self.scheduler.plan(self.slots)
+        drafts = self.speculator.propose([s for s in self.slots if s.decoding])
+        return self.scheduler.plan(self.slots, drafts, self.speculator.verify_len)
 
     def _take_new(self) -> None:
         while True:
@@ -227,6 +240,8 @@ class Engine:
                 continue
             slot, req.reused = placed
             slot.assign(req, self.tokenizer.stream_decoder(), req.reused)
+            if self.speculator is not None:
+                self.speculator.reset(slot)
 
     def _place(self, prompt: list[int], free: list[Slot]) -> tuple[Slot, int] | None:
         """The prefix cache's choice of slot (and its stores and restores); None if that failed."""
@@ -307,7 +322,10 @@ class Engine:
 
     def _apply(self, w: Window, outs: list[np.ndarray]) -> None:
         k = 0
-        if w.decode:
+        if w.drafts is not None:
+            k += 1
+            self._apply_verify(w, *outs[0])
+        elif w.decode:
             toks = outs[k]
             k += 1
             for i, s in enumerate(w.decode):
@@ -321,6 +339,21 @@ class Engine:
             if not s.reading:                          # the prompt is read: its last logits gave a token
                 s.request.t_first = time.monotonic()
                 self._emit(s, int(outs[k][0]))
+
+    def _apply_verify(self, w: Window, toks: np.ndarray, n_acc: np.ndarray) -> None:
+        """Each slot emits its accepted drafts and the token after them (toks [R, 1+N], n_acc [R]), one by
+        one: a finish inside the run (stop string, EOS, max_tokens) ends it there. The KV written for the
+        rejected drafts stays behind n_past, where the next window overwrites it."""
+        self.speculator.counters.verify_windows += 1
+        for i, (s, d) in enumerate(zip(w.decode, w.drafts)):
+            if s.free:
+                continue
+            self.speculator.record(s.request, len(d), int(n_acc[i]))
+            for t in toks[i, :int(n_acc[i]) + 1]:
+                s.n_past += 1
+                self._emit(s, int(t))
+                if s.free:
+                    break
 
     def _emit(self, s: Slot, token: int) -> None:
         req = s.request
@@ -388,7 +421,10 @@ class Engine:
         out = {"prompt_tokens": n_prompt, "reused_tokens": req.reused, "generated_tokens": n_gen,
                "queue_ms": (req.t_start - req.arrived) * 1000, "prompt_ms": read_s * 1000,
                "generate_ms": gen_s * 1000, "prompt_per_second": read / read_s,
-               "predicted_per_second": max(n_gen - 1, 0) / gen_s, "log_line": line}
+               "predicted_per_second": max(n_gen - 1, 0) / gen_s, "log_line": line,
+               "draft_n": req.draft_n, "draft_n_accepted": req.draft_n_accepted}
+        if self.speculator is not None:
+            out["log_line"] += f", drafts accepted {req.draft_n_accepted} of {req.draft_n}"
         if self.runner.stepper is not None:
             c = req.experts or ExpertCounters()
             st = self.runner.stepper.stats()

@@ -76,6 +76,8 @@ class Request:
     # filled in by the engine
     output: list[int] = field(default_factory=list)
     reused: int = 0
+    draft_n: int = 0                   # speculative decoding: draft tokens verified for it
+    draft_n_accepted: int = 0          # and accepted
     experts: Any = None                # ExpertCounters of the windows it took part in (expert tiers)
     t_start: float = 0.0               # got a slot
     t_first: float = 0.0               # prompt read, first token out

@@ -26,6 +26,7 @@ from ..testing.faults import Faults
 from .memory import MemoryLedger
 from .programs import MIN_PROGRAM_BYTES, Layout, ProgramCache
 from .sampler import SamplingRows, sample
+from .spec.accept import verify
 from .stepped import LayerStepper
 
 log = logging.getLogger("strata_jax.engine")
@@ -42,6 +43,8 @@ class GroupInput:
     slots: np.ndarray         # [R] int32
     sampling: SamplingRows
     all_logits: bool = False
+    drafts: np.ndarray | None = None    # [R, L-1] int32: a verify group's drafts (spec/accept.py), with
+    n_draft: np.ndarray | None = None   # [R] int32: the real drafts a row (the group then returns tokens, n_accepted)
 
 
 def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
@@ -81,6 +84,7 @@ class ModelRunner:
             self._place_experts(model, expert_policy or os.environ.get("STRATA_EXPERT_POLICY") or "freq")
         self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.wait_for_device, self.faults)
         self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
+        self._verify = jax.jit(verify)          # the speculative accept rule, one per verify group shape
         self.windows = 0
 
     # ---- layouts --------------------------------------------------------------------------------------
@@ -99,19 +103,29 @@ class ModelRunner:
     # ---- running --------------------------------------------------------------------------------------
 
     def run(self, groups: list[GroupInput], kv_needed: int) -> list[np.ndarray]:
-        """Run one window; returns per group the sampled tokens [R] (or logits [R, L, V] with all_logits)."""
+        """Run one window; returns per group the sampled tokens [R] (or logits [R, L, V] with all_logits;
+        or for a verify group the pair (tokens [R, L], n_accepted [R]))."""
+        logits = self.forward_logits(groups, kv_needed)
+        out = []
+        for lg, g in zip(logits, groups):
+            if g.drafts is not None:
+                out.append(tuple(np.asarray(a) for a in self._verify(lg, g.drafts, g.n_draft, *g.sampling.as_tuple())))
+            else:
+                out.append(np.asarray(lg if g.all_logits else self._sample(lg, *g.sampling.as_tuple())))
+        return out
+
+    def forward_logits(self, groups: list[GroupInput], kv_needed: int) -> list[jax.Array]:
+        """Run one window's model program(s) -> logits per group, on the device."""
         layout = self.layout_of(groups, kv_needed)
         self.windows += 1
         self.faults.on_window()
         if self.stepper is not None:
-            logits = self.stepper.run(groups, layout)
-        else:
-            args = []
-            for g in groups:
-                args += [g.tokens, g.pos, g.slots]
-            logits, self.cache = self.programs.run(layout, self.params, self.cache, *args)
-        return [np.asarray(lg if g.all_logits else self._sample(lg, *g.sampling.as_tuple()))
-                for lg, g in zip(logits, groups)]
+            return self.stepper.run(groups, layout)
+        args = []
+        for g in groups:
+            args += [g.tokens, g.pos, g.slots]
+        logits, self.cache = self.programs.run(layout, self.params, self.cache, *args)
+        return logits
 
     def set_faults(self, faults: Faults) -> None:
         """Swap the fault injector (tests)."""

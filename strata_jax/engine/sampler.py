@@ -33,26 +33,37 @@ class SamplingRows:
         return (self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step)
 
 
+def filter_logits(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Array:
+    """logits [N, V] float32 -> the logits a row draws from [N, V]: divided by the temperature, with
+    top_k, top_p and min_p's cut candidates at -inf (the speculative accept rule uses them too)."""
+    V = logits.shape[-1]
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    lg = logits / t
+    order = jnp.sort(lg, axis=-1)[:, ::-1]                                        # descending
+    kth = jnp.take_along_axis(order, jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)
+    lg = jnp.where((top_k[:, None] > 0) & (lg < kth), -jnp.inf, lg)
+    order = jnp.where((top_k[:, None] > 0) & (order < kth), -jnp.inf, order)
+    probs = jax.nn.softmax(order, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                                     # mass ahead of each
+    keep = before < top_p[:, None]
+    cut = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
+    lg = jnp.where(lg < cut, -jnp.inf, lg)
+    top = order[:, :1]
+    return jnp.where((min_p[:, None] > 0) & (lg < top + jnp.log(jnp.maximum(min_p[:, None], 1e-30))), -jnp.inf, lg)
+
+
+def token_key(seed, n):
+    """The random key of a row's n-th generated token."""
+    return jax.random.fold_in(jax.random.key(seed), n)
+
+
 def sample(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
     """logits [R, V] float32 -> token ids [R] int32."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():
-        V = logits.shape[-1]
-        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        lg = logits / t
-        order = jnp.sort(lg, axis=-1)[:, ::-1]                                        # descending
-        kth = jnp.take_along_axis(order, jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)
-        lg = jnp.where((top_k[:, None] > 0) & (lg < kth), -jnp.inf, lg)
-        order = jnp.where((top_k[:, None] > 0) & (order < kth), -jnp.inf, order)
-        probs = jax.nn.softmax(order, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs                                     # mass ahead of each
-        keep = before < top_p[:, None]
-        cut = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
-        lg = jnp.where(lg < cut, -jnp.inf, lg)
-        top = order[:, :1]
-        lg = jnp.where((min_p[:, None] > 0) & (lg < top + jnp.log(jnp.maximum(min_p[:, None], 1e-30))), -jnp.inf, lg)
-        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, step)
+        lg = filter_logits(logits, temperature, top_k, top_p, min_p)
+        keys = jax.vmap(token_key)(seed, step)
         return jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32)
 
     drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
