@@ -22,6 +22,9 @@ class Metrics:
                                 "(ok, error, cancelled, rejected)", ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "Tokens generated", registry=r)
+        self.draft_tokens = Counter(f"{PREFIX}_draft_tokens", "Speculative draft tokens verified", registry=r)
+        self.draft_accepted = Counter(f"{PREFIX}_draft_tokens_accepted", "Speculative draft tokens accepted",
+                                      registry=r)
         self.prompt_tps = Gauge(f"{PREFIX}_prompt_tokens_per_second",
                                 "Prompt reading speed of the last finished request", registry=r)
         self.decode_tps = Gauge(f"{PREFIX}_decode_tokens_per_second",
@@ -38,6 +41,8 @@ class Metrics:
         if stats:
             self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
             self.generated_tokens.inc(stats.get("generated_tokens", 0))
+            self.draft_tokens.inc(stats.get("draft_n", 0))
+            self.draft_accepted.inc(stats.get("draft_n_accepted", 0))
             if stats.get("prompt_per_second"):
                 self.prompt_tps.set(stats["prompt_per_second"])
             if stats.get("predicted_per_second"):
@@ -80,6 +85,10 @@ class _EngineCollector:
         for key in ("windows", "split_windows", "failed"):
             if key in stats:
                 yield gauge(f"engine_{key}", f"Engine counter {key} (this engine process)", stats[key])
+        for key, value in (stats.get("spec") or {}).items():          # speculative decoding, since start
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield gauge(f"spec_{key}", f"Speculative decoding: {key.replace('_', ' ')} (this engine process)",
+                            value)
         experts = stats.get("experts") or stats.get("expert_cache") or {}
         for key, value in experts.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
