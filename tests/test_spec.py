@@ -186,3 +186,23 @@ def test_metrics_count_drafts():
     text = m.render().decode()
     assert "strata_draft_tokens_total 8.0" in text and "strata_draft_tokens_accepted_total 6.0" in text
     assert "strata_spec_draft_n_accepted 60.0" in text and "strata_spec_acceptance 0.75" in text
+
+
+# ---- SmolLM2 ----------------------------------------------------------------------------------------------
+
+def test_smollm2_ngram_greedy_equals_plain():
+    """A real model repeating code from its prompt: drafts are accepted, and the tokens are those of plain
+    decoding. One engine (programs cost ~13 s each here): the plain run is the same engine with its
+    speculator set aside between requests."""
+    from strata_jax.testing import smollm2_path
+
+    code = "def add(a, b):\n    total = a + b\n    print(total)\n    return total\n"
+    msgs = [{"role": "user", "content": f"Rename `total` to `result` and write out the function:\n\n{code}"}]
+    with Engine.from_gguf(smollm2_path(), EngineConfig(parallel=2, max_context=256, warmup=False, spec=4)) as eng:
+        spec = eng.generate(msgs, max_tokens=40)
+        eng.speculator, speculator = None, eng.speculator          # idle between requests: safe to swap
+        plain = eng.generate(msgs, max_tokens=40)
+        eng.speculator = speculator
+    assert spec.tokens == plain.tokens
+    assert spec.stats["draft_n_accepted"] >= 10, spec.stats
+    assert "result" in spec.text
