@@ -64,7 +64,8 @@ class ModelDrafter:
         self.fed: dict[int, list[int]] = {}      # slot index -> the tokens its draft KV holds, from position 0
 
     def reset(self, slot) -> None:
-        self.fed[slot.index] = []
+        """Nothing to forget: the next propose keeps only the fed tokens that match the slot's new sequence
+        (so a request that reuses a slot's prefix reuses the draft KV of that prefix too)."""
 
     def propose(self, slots, counts: list[int], min_p: float) -> list[tuple[list[int], list[float]]]:
         pending = [self._sync(s) for s in slots]                # tokens each slot's draft KV still lacks
