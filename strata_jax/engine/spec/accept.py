@@ -61,7 +61,7 @@ def verify(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, temperature
     n_greedy = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
     def draw():
-        rep = lambda a: jnp.repeat(a, L)                                           # noqa: E731 - [R] -> [R*L]
+        rep = lambda a: jnp.repeat(a, L)                                           # [R] -> [R*L]
         lg = filter_logits(logits.reshape(R * L, V), rep(temperature), rep(top_k), rep(top_p), rep(min_p))
         p = jax.nn.softmax(lg, axis=-1).reshape(R, L, V)
         q = jax.nn.one_hot(drafts, V, dtype=p.dtype)                               # [R, N, V]
