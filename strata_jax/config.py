@@ -50,6 +50,7 @@ class EngineConfig:
     conversation_cache_mib: int = 0      # host RAM for evicted conversations' KV (0: none)
     conversation_cache_slots: int = 0    # conversations kept there (0: no bound but the MiB)
     kv_resident: int | None = None       # a slot's KV beyond this many tokens lives in host RAM
+    attn_chunk: str | int = "auto"       # keys an attention step reads (auto: 256, less for a small max_context)
     weights: str = "auto"                # blocks | dequantized | auto (dequantized on a CPU when small)
     backend: str = "auto"                # kernel backend: auto | xla | pallas | interpret
     dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16
@@ -102,13 +103,33 @@ class EngineConfig:
              self.conversation_cache_mib, "needs the prefix cache (drop --no-prefix-cache, or set it to 0)")
         need(self.conversation_cache_slots >= 0, "conversation_cache_slots", self.conversation_cache_slots,
              "must be >= 0")
-        need(self.kv_resident is None or 16 <= self.kv_resident, "kv_resident", self.kv_resident,
-             "must be at least 16 tokens")
+        if self.attn_chunk != "auto":
+            try:
+                self.attn_chunk = int(self.attn_chunk)
+            except (TypeError, ValueError):
+                raise ConfigError(f"attn_chunk = {self.attn_chunk!r}: must be auto or a number of keys") from None
+            need(16 <= self.attn_chunk <= 4096 and self.attn_chunk & (self.attn_chunk - 1) == 0, "attn_chunk",
+                 self.attn_chunk, "must be auto or a power of two from 16 to 4096")
+        need(self.kv_resident is None or (isinstance(self.kv_resident, int) and 16 <= self.kv_resident),
+             "kv_resident", self.kv_resident, "must be a whole number of at least 16 tokens")
+        chunk = self.attention_chunk()
+        need(self.kv_resident is None or self.kv_resident % chunk == 0, "kv_resident", self.kv_resident,
+             f"must be a multiple of the attention chunk, {chunk} keys here (attn_chunk = {self.attn_chunk!r}, "
+             f"max_context = {self.max_context}): try {max(chunk, (self.kv_resident or 0) // chunk * chunk)}")
         need(self.weights in WEIGHT_MODES, "weights", self.weights, f"must be one of {', '.join(WEIGHT_MODES)}")
         need(self.backend in ("auto", "xla", "pallas", "interpret"), "backend", self.backend,
              "must be auto, xla, pallas or interpret")
         need(self.dtype in ("auto", "float32", "bfloat16"), "dtype", self.dtype, "must be auto, float32 or bfloat16")
         need(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+
+    def attention_chunk(self) -> int:
+        """Keys an attention step reads; KV lengths are multiples of it, and so is kv_resident."""
+        if self.attn_chunk != "auto":
+            return int(self.attn_chunk)
+        p = 16
+        while p < min(self.max_context, 256):
+            p *= 2
+        return p
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

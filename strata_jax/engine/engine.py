@@ -437,9 +437,7 @@ class Engine:
         try:
             chunk = self.scheduler.max_chunk
             out = []
-            saved = self.runner.cache
-            self.runner.cache = _fresh_like(saved)
-            try:
+            with self.runner.scratch_kv():
                 for start in range(0, len(ids), chunk):
                     part = ids[start:start + chunk]
                     length = min(max(16, 1 << (len(part) - 1).bit_length()), chunk)
@@ -449,8 +447,6 @@ class Engine:
                     pos[0, :len(part)] = np.arange(start, start + len(part))
                     g = GroupInput(tokens, pos, np.zeros(1, np.int32), SamplingRows.greedy(1), all_logits=True)
                     out.append(self.runner.run([g], start + len(part))[0][0, :len(part)])
-            finally:
-                self.runner.cache = saved
             done.put(np.concatenate(out, axis=0))
         except Exception as e:  # noqa: BLE001 - handed to the caller
             done.put(e)
@@ -491,12 +487,6 @@ class Engine:
             done.put((n, np.concatenate(out, axis=0)))
         except Exception as e:  # noqa: BLE001 - handed to the caller
             done.put(e)
-
-
-def _fresh_like(cache):
-    import jax.numpy as jnp
-
-    return {k: jnp.zeros_like(v) for k, v in cache.items()}
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import jax
@@ -23,6 +24,7 @@ from ..experts import EXPERT_TENSORS, ExpertArena, HostTier
 from ..experts.policy import POLICIES
 from ..model import Group, RunOptions, expert_tensor_bytes, forward, load_experts, load_params, new_kv_cache
 from ..testing.faults import Faults
+from .kv_host import KVHostStore
 from .memory import MemoryLedger
 from .programs import MIN_PROGRAM_BYTES, Layout, ProgramCache
 from .sampler import SamplingRows, sample
@@ -66,9 +68,11 @@ class ModelRunner:
         self.spec = model.spec
         self.cfg = cfg
         self.choices = resolve(cfg, model)
-        chunk = min(256, _pow2_at_least(cfg.max_context))
+        chunk = cfg.attention_chunk()
         self.opts = RunOptions(dtype=self.choices["dtype"], backend=self.choices["backend"], attn_chunk=chunk)
         self.cache_len = -(-cfg.max_context // chunk) * chunk       # positions a slot's cache holds
+        # --kv-resident N: the device holds a slot's first N positions, host RAM the rest (kv_host.py)
+        self.device_len = min(cfg.kv_resident or self.cache_len, self.cache_len)
         self.faults = Faults()
         self.ledger = MemoryLedger(cfg.device_memory_mib, cfg.vram_reserve_mib)
         # The routed experts are placed after the weights and the KV cache: all on the device when they fit
@@ -76,8 +80,14 @@ class ModelRunner:
         self.params = load_params(model, self.choices["weights"], self.choices["dtype"], progress, experts=False)
         self.ledger.reserve_bytes("weights", _tree_bytes(self.params), "the model's weights")
         self.kv_dtype = KV_DTYPES[self.choices["kv"]]
-        self.ledger.reserve_bytes("kv", self._kv_bytes(), f"the KV cache of {cfg.parallel} slots")
-        self.cache = new_kv_cache(self.spec, cfg.parallel, self.cache_len, self.kv_dtype)
+        self.ledger.reserve_bytes("kv", self._kv_bytes(), f"the KV cache of {cfg.parallel} slots "
+                                  f"({self.device_len} positions a slot)")
+        self.cache = new_kv_cache(self.spec, cfg.parallel, self.device_len, self.kv_dtype)
+        self.kv_host: KVHostStore | None = None
+        if self.device_len < self.cache_len:
+            self.kv_host = KVHostStore(self.spec, self.device_len, self.cache_len, chunk, self.kv_dtype)
+            log.info("KV: the first %d positions of each slot on the device, up to %d more in host RAM",
+                     self.device_len, self.cache_len - self.device_len)
         self.stepper: LayerStepper | None = None
         self.expert_mode = "none"          # none (a dense model) | device (every expert) | arena (expert tiers)
         if self.spec.is_moe:
@@ -90,11 +100,12 @@ class ModelRunner:
     # ---- layouts --------------------------------------------------------------------------------------
 
     def kv_bucket(self, needed: int) -> int:
-        """The KV length a window attends over: chunk * 2^i covering `needed`, at most the cache length."""
+        """The KV length a window attends over: chunk * 2^i covering `needed`, at most the cache length
+        (and at most the device part when `needed` fits in it: such windows never touch host KV)."""
         n = self.opts.attn_chunk
         while n < needed:
             n *= 2
-        return min(n, self.cache_len)
+        return min(n, self.device_len if needed <= self.device_len else self.cache_len)
 
     def layout_of(self, groups: list[GroupInput], kv_needed: int) -> Layout:
         return Layout(tuple((g.tokens.shape[0], g.tokens.shape[1], g.all_logits) for g in groups),
@@ -154,7 +165,28 @@ class ModelRunner:
         return any(a.is_deleted() for a in jax.tree_util.tree_leaves(self.cache))
 
     def reset_cache(self) -> None:
-        self.cache = new_kv_cache(self.spec, self.cfg.parallel, self.cache_len, self.kv_dtype)
+        self.cache = new_kv_cache(self.spec, self.cfg.parallel, self.device_len, self.kv_dtype)
+
+    @contextmanager
+    def scratch_kv(self):
+        """A blank KV cache (device and host parts) for the duration; the slots' own KV is put back after."""
+        saved = self.cache
+        self.cache = {k: jnp.zeros_like(v) for k, v in saved.items()}
+        try:
+            with self.kv_host.scratch() if self.kv_host is not None else nullcontext():
+                yield
+        finally:
+            self.cache = saved
+
+    def slot_kv(self, slot: int, n: int) -> dict[str, np.ndarray]:
+        """A slot's first n positions, from the device and host parts: {name: [layers, n, ...]} (checks,
+        and moving a slot's KV elsewhere)."""
+        d = min(n, self.device_len)
+        out = {name: np.asarray(a[:, slot, :d]) for name, a in self.cache.items()}
+        if n > d:
+            host = self.kv_host.read(slot, d, n)
+            out = {name: np.concatenate([out[name], host[name]], axis=1) for name in out}
+        return out
 
     def _build(self, layout: Layout):
         """Compile the window program of `layout`: tokens, positions and slots in, logits out (sampling is
@@ -166,7 +198,7 @@ class ModelRunner:
 
         def window(params, cache, *flat):
             groups = [Group(*flat[3 * n: 3 * n + 3], all_logits) for n, (_, _, all_logits) in enumerate(layout.groups)]
-            return forward(params, spec, opts, tuple(groups), cache, layout.kv_len)
+            return forward(params, spec, opts, tuple(groups), cache, layout.kv_len, host=self.kv_host)
 
         args = []
         for rows, length, _ in layout.groups:
@@ -180,7 +212,7 @@ class ModelRunner:
         per_pos = layers * s.n_kv_heads * (s.head_dim + s.value_dim) * jnp.dtype(self.kv_dtype).itemsize
         if self.kv_dtype == jnp.int8:
             per_pos += layers * s.n_kv_heads * 2 * 4                            # a float32 scale a token and head
-        return per_pos * self.cfg.parallel * (self.cache_len + 1)
+        return per_pos * self.cfg.parallel * (self.device_len + 1)
 
     # ---- expert tiers ---------------------------------------------------------------------------------
 
@@ -249,7 +281,7 @@ class ModelRunner:
         tokens = cfg.parallel + int(self.choices["prefill"])
         k = max(s.n_experts_used, 1)
         act = tokens * (s.vocab_size + 8 * s.hidden + 3 * k * (s.expert_ffn or s.ffn)) * 4
-        attn = rows * self.cache_len * s.n_kv_heads * (s.head_dim + s.value_dim) * 4
+        attn = rows * min(self.cache_len, self.device_len + self.opts.attn_chunk) * s.n_kv_heads * (s.head_dim + s.value_dim) * 4
         tiles = 0
         if s.is_moe:        # each tile's expert weights, gathered (float) or dequantized (blocks), gate/up/down
             n_tiles = -(-tokens * k // pk.expert_tile(self.opts.backend)) + min(s.n_experts, tokens * k)
@@ -278,15 +310,10 @@ class ModelRunner:
         return {}
 
     def stats(self) -> dict:
+        kv = {"device_positions": self.device_len, "positions": self.cache_len,
+              **(self.kv_host.stats() if self.kv_host is not None else {})}
         return {"programs": self.programs.snapshot(), "memory": self.ledger.snapshot(), "windows": self.windows,
-                "experts": self.expert_stats(), **{k: v for k, v in self.choices.items()}}
-
-
-def _pow2_at_least(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
+                "experts": self.expert_stats(), "kv_cache": kv, **{k: v for k, v in self.choices.items()}}
 
 
 def _tree_bytes(tree) -> int:

@@ -105,7 +105,8 @@ class LayerStepper:
             return fn.lower(_sds(self.embed_p), tuple(g.tokens for g in groups)).compile()
         if layout.stage == "attn":
             kv = layout.kv_len
-            fn = jax.jit(lambda lp, i, cache, gs, xs: attn_router_stage(lp, i, spec, opts, gs, xs, cache, kv),
+            host = self.runner.kv_host
+            fn = jax.jit(lambda lp, i, cache, gs, xs: attn_router_stage(lp, i, spec, opts, gs, xs, cache, kv, host),
                          donate_argnums=(2,))
             return fn.lower(_sds(self.attn_p[0]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
         if layout.stage == "experts":

@@ -39,7 +39,7 @@ def rope(x: jax.Array, pos: jax.Array, spec: ModelSpec) -> jax.Array:
     return jnp.concatenate([out.astype(x.dtype), rest], axis=-1) if d < x.shape[-1] else out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: int) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: int, more=None) -> jax.Array:
     """q [R, L, H, D] over the cached k, v [R, C, K, D] (key c sits at position c); a query at position p
     sees keys 0..p (none when p < 0: padding). -> [R, L, H, Dv].
 
@@ -47,6 +47,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
     A chunk that is wholly in a row's future changes nothing, bit for bit (its max is -inf: the running
     max, the rescale factor 1.0 and the sums stay exactly as they were), so a row's result does not depend
     on how long the window's longest row made C: the same request gives the same bits alone or batched.
+
+    `more` (--kv-resident): keys past C that live in host RAM, as (fetch, block starts [n], block):
+    fetch(start) -> (k [R, block, K, D], v [R, block, K, Dv]) at positions start.. . They go through the
+    same step after the first C keys, chunk by chunk in position order: the same bits as one longer k, v.
     """
     R, L, H, D = q.shape
     C, K, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -74,7 +78,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
     init = (jnp.full((R, K, G, L), -jnp.inf, jnp.float32), jnp.zeros((R, K, G, L), jnp.float32),
             jnp.zeros((R, K, G, L, Dv), jnp.float32))
     starts = jnp.arange(n, dtype=jnp.int32) * chunk
-    (m, s, acc), _ = jax.lax.scan(step, init, (kc, vc, starts))
+    carry, _ = jax.lax.scan(step, init, (kc, vc, starts))
+    if more is not None:
+        fetch, block_starts, block = more
+        nb = block // chunk
+
+        def host_block(carry, b0):
+            kb, vb = fetch(b0)                                                          # [R, block, K, D]
+            kb = kb.reshape(R, nb, chunk, K, D).swapaxes(0, 1)                          # [nb, R, chunk, K, D]
+            vb = vb.reshape(R, nb, chunk, K, Dv).swapaxes(0, 1)
+            carry, _ = jax.lax.scan(step, carry, (kb, vb, b0 + jnp.arange(nb, dtype=jnp.int32) * chunk))
+            return carry, None
+
+        carry, _ = jax.lax.scan(host_block, carry, block_starts)
+    m, s, acc = carry
     o = acc / jnp.where(s > 0, s, 1.0)[..., None]                                       # padding rows: 0
     return o.transpose(0, 3, 1, 2, 4).reshape(R, L, H, Dv).astype(q.dtype)
 

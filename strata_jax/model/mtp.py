@@ -52,9 +52,10 @@ def has_mtp(params: dict) -> bool:
 
 
 def mtp_forward(params: dict, spec: ModelSpec, opts: RunOptions, hidden: jax.Array, tokens: jax.Array,
-                pos: jax.Array, slots: jax.Array, cache: dict[str, jax.Array], kv_len: int):
+                pos: jax.Array, slots: jax.Array, cache: dict[str, jax.Array], kv_len: int, host=None):
     """The NextN layer over R rows of L positions -> (logits [R, L, V] float32, hidden_out [R, L, h], cache).
-    Writes the layer's keys and values at cache layer spec.n_layers (see the module docstring)."""
+    Writes the layer's keys and values at cache layer spec.n_layers (see the module docstring). host: the
+    runner's kv_host (--kv-resident), as for forward()."""
     if "mtp" not in params:
         raise ValueError(f"this {spec.architecture} model has no NextN (MTP) layer (nextn_predict_layers is "
                          f"{spec.n_nextn}): use another drafter")
@@ -64,7 +65,7 @@ def mtp_forward(params: dict, spec: ModelSpec, opts: RunOptions, hidden: jax.Arr
     h = rms_norm(hidden.astype(dtype), p["hnorm"], spec.rms_eps)                             # [R, L, h]
     x = linear(jnp.concatenate([e, h], axis=-1), p["eh_proj"], opts.backend)                 # [R, L, h]
     group = Group(tokens, pos, slots, all_logits=True)
-    (y,), cache = _layer(p["layer"], spec.n_layers, spec, opts, (group,), [x], cache, kv_len)
+    (y,), cache = _layer(p["layer"], spec.n_layers, spec, opts, (group,), [x], cache, kv_len, host)
     out = rms_norm(y, p["head_norm"], spec.rms_eps)                                          # [R, L, h]
     logits = linear(out, p["head"], opts.backend).astype(jnp.float32)                        # [R, L, V]
     return logits, out, cache

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ..gguf import ModelSpec
+from .kv_offload import HostKV, host_source, write_host
 from .layers import attend, combine_experts, expert_rows, mlp, moe, rms_norm, rope, route
 from .weights import embed_rows, linear
 
@@ -74,8 +75,9 @@ jax.tree_util.register_pytree_node_class(Group)
 
 
 def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group, ...],
-            cache: dict[str, jax.Array], kv_len: int, with_hidden: bool = False):
+            cache: dict[str, jax.Array], kv_len: int, with_hidden: bool = False, host: HostKV | None = None):
     """One window -> (logits float32 per group: [R, V] or [R, L, V] with all_logits; the updated cache).
+    host: where positions >= host.resident live (--kv-resident; see kv_offload.py), else None.
 
     with_hidden (static): -> (logits, hiddens, cache), hiddens per group [R, L, h] in opts.dtype: every
     token's last hidden state AFTER the final norm (output_norm), the input of the MTP layer (mtp.py), as
@@ -87,7 +89,7 @@ def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group
     dtype = jnp.dtype(opts.dtype)
     xs = [embed_rows(params["embed"], g.tokens, dtype) for g in groups]               # [R, L, h] each
     for i, lp in enumerate(params["layers"]):
-        xs, cache = _layer(lp, i, spec, opts, groups, xs, cache, kv_len)
+        xs, cache = _layer(lp, i, spec, opts, groups, xs, cache, kv_len, host)
     out, hiddens = [], []
     for x, g in zip(xs, groups):
         x = rms_norm(x, params["norm"], spec.rms_eps)
@@ -100,14 +102,17 @@ def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group
     return (out, hiddens, cache) if with_hidden else (out, cache)
 
 
-def _write(cache: dict, name: str, i: int, slots, at, x: jax.Array) -> dict:
-    """Store new keys or values x [R, L, K, D] of layer i at positions `at` [R, L] of the slots' rows."""
-    c = cache[name]
-    if c.dtype == jnp.int8:
+def _stored(cache: dict, name: str, x: jax.Array) -> dict[str, jax.Array]:
+    """New keys or values x [R, L, K, D] as the cache stores them: cast, or int8 with a scale."""
+    if cache[name].dtype == jnp.int8:
         q, scale = quantize_int8(x)
-        return cache | {name: c.at[i, slots[:, None], at].set(q),
-                        name + "_scale": cache[name + "_scale"].at[i, slots[:, None], at].set(scale)}
-    return cache | {name: c.at[i, slots[:, None], at].set(x.astype(c.dtype))}
+        return {name: q, name + "_scale": scale}
+    return {name: x.astype(cache[name].dtype)}
+
+
+def _write(cache: dict, i: int, slots, at, stored: dict[str, jax.Array]) -> dict:
+    """Store layer i's new entries (from _stored) at positions `at` [R, L] of the slots' rows."""
+    return cache | {n: cache[n].at[i, slots[:, None], at].set(x) for n, x in stored.items()}
 
 
 def _read(cache: dict, name: str, i: int, slots, kv_len: int, dtype) -> jax.Array:
@@ -118,12 +123,12 @@ def _read(cache: dict, name: str, i: int, slots, kv_len: int, dtype) -> jax.Arra
     return x.astype(dtype)
 
 
-def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
+def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None):
     """Decoder layer i over every group of the window: attention (writing the new keys and values into
     the cache first) and the FFN or experts."""
     xs = list(xs)
     for n, g in enumerate(groups):
-        x, cache = attention(lp, i, spec, opts, g, xs[n], cache, kv_len)
+        x, cache = attention(lp, i, spec, opts, g, xs[n], cache, kv_len, host)
         R, L = g.tokens.shape
         hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps)
         if "router" in lp:
@@ -134,9 +139,11 @@ def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv
     return xs, cache
 
 
-def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache, kv_len: int):
+def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache, kv_len: int, host=None):
     """The attention half of decoder layer i for one group: x [R, L, h] -> (x + attention, the cache with
-    the group's new keys and values). `i` may be a traced layer index (layer-stepped programs)."""
+    the group's new keys and values). `i` may be a traced layer index (layer-stepped programs). With a
+    host store and kv_len past its resident positions, positions >= host.resident are written to and read
+    from host RAM (kv_offload.py); the device cache holds the first ones and a scratch position."""
     dtype = jnp.dtype(opts.dtype)
     H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
     scratch = cache["k"].shape[2] - 1
@@ -151,12 +158,19 @@ def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache
     if "q_norm" in lp:
         q, k = rms_norm(q, lp["q_norm"], spec.rms_eps), rms_norm(k, lp["k_norm"], spec.rms_eps)
     q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
-    write_at = jnp.where(g.pos >= 0, g.pos, scratch)                               # [R, L]
-    cache = _write(cache, "k", i, g.slots, write_at, k)
-    cache = _write(cache, "v", i, g.slots, write_at, v)
-    keys = _read(cache, "k", i, g.slots, kv_len, dtype)                            # [R, kv_len, K, D]
-    vals = _read(cache, "v", i, g.slots, kv_len, dtype)
-    o = attend(q, keys, vals, g.pos, min(opts.attn_chunk, kv_len))                 # [R, L, H, Dv]
+    write_at = jnp.where((g.pos >= 0) & (g.pos < scratch), g.pos, scratch)        # [R, L]
+    stored = _stored(cache, "k", k) | _stored(cache, "v", v)
+    cache = _write(cache, i, g.slots, write_at, stored)
+    chunk = min(opts.attn_chunk, kv_len)
+    more, on_device = None, kv_len
+    if host is not None and kv_len > host.resident:
+        on_device = host.resident
+        token = write_host(host, i, g.slots, g.pos, stored)
+        more = host_source(host, i, g.slots, token, kv_len, chunk, {n: a.shape[2:] for n, a in stored.items()},
+                           {n: a.dtype for n, a in stored.items()}, dtype)
+    keys = _read(cache, "k", i, g.slots, on_device, dtype)                         # [R, on_device, K, D]
+    vals = _read(cache, "v", i, g.slots, on_device, dtype)
+    o = attend(q, keys, vals, g.pos, chunk, more)                                  # [R, L, H, Dv]
     return x + linear(o.reshape(R, L, H * Dv), lp["wo"], opts.backend), cache
 
 
@@ -171,12 +185,13 @@ def embed_stage(params: dict, opts: RunOptions, tokens: tuple) -> list:
     return [embed_rows(params["embed"], t, dtype) for t in tokens]                  # [R, L, h] each
 
 
-def attn_router_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
+def attn_router_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int,
+                      host=None):
     """Attention of layer i, then the FFN norm and the router, per group -> (x [R, L, h], hx [R*L, h],
     router weights [R*L, k] float32, expert ids [R*L, k] int32) per group, and the cache."""
     outs = []
     for g, x in zip(groups, xs):
-        x, cache = attention(lp, i, spec, opts, g, x, cache, kv_len)
+        x, cache = attention(lp, i, spec, opts, g, x, cache, kv_len, host)
         R, L = g.tokens.shape
         hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps).reshape(R * L, -1)
         w, ids = route(hx, lp["router"], spec, opts.backend, lp.get("exp_bias"))

@@ -1,0 +1,131 @@
+"""--kv-resident N: a slot's KV past its first N positions lives in host RAM, and attention brings it in
+block by block. Logits, greedy tokens and the KV itself are the same bits as with all KV on the device;
+the device holds parallel x N positions, so a context the device could not hold for every slot is served.
+Small N (32) and a small attention chunk (16) keep it cheap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata_jax import Engine, EngineConfig
+from strata_jax.config import ConfigError
+
+LLAMA = dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, experts=0)
+BASE = dict(parallel=2, max_context=128, attn_chunk=16, prefill=32, warmup=False)
+N = 32
+
+
+def _ids(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+@pytest.fixture(scope="module")
+def path(tiny_model):
+    return tiny_model(**LLAMA)
+
+
+@pytest.fixture(scope="module")
+def engines(path):
+    """(all KV on the device, KV past 32 positions in host RAM), f32 KV."""
+    on_device = Engine.from_gguf(path, EngineConfig(**BASE))
+    offload = Engine.from_gguf(path, EngineConfig(**BASE, kv_resident=N))
+    yield on_device, offload
+    on_device.close()
+    offload.close()
+
+
+def test_logits_equal_all_on_device(engines):
+    on_device, offload = engines
+    ids = _ids(100, 0)                          # read in windows of 32: three of them reach past N
+    before = offload.stats()["kv_cache"]["host_kv_fetches"]
+    ref, got = on_device.logits(ids), offload.logits(ids)
+    assert np.array_equal(ref, got)
+    kv = offload.stats()["kv_cache"]
+    assert kv["device_positions"] == N and kv["host_kv_fetches"] > before
+    assert offload.stats()["memory"]["kv_bytes"] * 3 < on_device.stats()["memory"]["kv_bytes"]
+
+
+def test_two_slots_generate_the_same_tokens_and_kv(engines):
+    """Two requests at once (one starts below N and crosses it while decoding, one's prompt is past N
+    already: windows mix rows on both sides of N); the same tokens, and each slot's KV (device part +
+    host part) equals the all-on-device cache bit for bit."""
+    prompts = [_ids(20, 1), _ids(45, 2)]
+    out = []
+    for eng in engines:
+        hs = [eng.submit(p, max_tokens=40, ignore_eos=True) for p in prompts]
+        out.append([[ev.token for ev in h if ev.kind == "token"] for h in hs])
+    assert out[0] == out[1]
+    assert all(len(t) == 40 for t in out[0])
+    on_device, offload = engines
+    for slot, p in enumerate(prompts):
+        n = len(p) + 40 - 1                     # the last token is never written
+        ref, got = on_device.runner.slot_kv(slot, n), offload.runner.slot_kv(slot, n)
+        assert set(ref) == set(got) == {"k", "v"}
+        for name in ref:
+            assert np.array_equal(ref[name], got[name]), name
+            assert np.abs(got[name][:, N:]).sum() > 0          # the host part is really there
+    assert offload.stats()["kv_cache"]["host_kv_bytes"] > 0
+
+
+def test_generate_through_windows(engines):
+    on_device, offload = engines
+    ids = _ids(50, 3)
+    a = on_device.generate(ids, max_tokens=30, ignore_eos=True).tokens
+    b = offload.generate(ids, max_tokens=30, ignore_eos=True).tokens
+    assert a == b and len(a) == 30
+
+
+def test_int8_logits_equal_all_on_device(path):
+    """int8 KV: the host part keeps the int8 values and their scales."""
+    ids = _ids(70, 4)
+    res = []
+    for n in (None, N):
+        with Engine.from_gguf(path, EngineConfig(**{**BASE, "parallel": 1}, kv="int8", kv_resident=n)) as eng:
+            res.append(eng.logits(ids))
+            if n:
+                assert eng.runner.kv_host.names == ("k", "v", "k_scale", "v_scale")
+    assert np.array_equal(res[0], res[1])
+
+
+def test_a_context_the_device_cannot_hold(path, engines):
+    """--device-memory-mib below what parallel x max_context of KV needs: without --kv-resident the engine
+    cannot start; with it, it starts and serves past N with the all-on-device tokens."""
+    on_device, _ = engines
+    big = dict(BASE, max_context=8192, vram_reserve_mib=0)
+    probe = Engine.from_gguf(path, EngineConfig(**big, kv_resident=N))
+    mem = probe.stats()["memory"]
+    probe.close()
+    full_kv = mem["kv_bytes"] // (N + 1) * (8192 + 1)          # the same slots with every position on the device
+    budget = (mem["weights_bytes"] + full_kv // 2) / 2**20
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED.*KV cache"):
+        Engine.from_gguf(path, EngineConfig(**big, device_memory_mib=budget))
+    with Engine.from_gguf(path, EngineConfig(**big, kv_resident=N, device_memory_mib=budget)) as eng:
+        ids = _ids(60, 5)
+        got = eng.generate(ids, max_tokens=20, ignore_eos=True).tokens
+        assert got == on_device.generate(ids, max_tokens=20, ignore_eos=True).tokens
+        s = eng.stats()
+        assert s["failed"] == 0 and s["kv_cache"]["host_kv_fetches"] > 0
+        assert s["memory"]["kv_bytes"] < full_kv // 100
+
+
+def test_bad_kv_resident_names_the_chunk():
+    with pytest.raises(ConfigError, match=r"kv_resident = 40: must be a multiple of the attention chunk, 16 keys"):
+        EngineConfig(max_context=128, attn_chunk=16, kv_resident=40)
+    with pytest.raises(ConfigError, match=r"kv_resident = 1000: .* 256 keys .* try 768"):
+        EngineConfig(max_context=4096, kv_resident=1000)
+    with pytest.raises(ConfigError, match="attn_chunk = 24"):
+        EngineConfig(attn_chunk=24)
+    with pytest.raises(ConfigError, match="kv_resident = 8"):
+        EngineConfig(kv_resident=8)
+
+
+def test_cli_flags():
+    import argparse
+
+    from strata_jax.cli_flags import add_engine_flags, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    cfg = engine_config(p.parse_args(["--max-context", "131072", "--kv-resident", "32768", "--attn-chunk", "256"]))
+    assert (cfg.max_context, cfg.kv_resident, cfg.attention_chunk()) == (131072, 32768, 256)
