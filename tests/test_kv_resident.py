@@ -129,3 +129,46 @@ def test_cli_flags():
     add_engine_flags(p)
     cfg = engine_config(p.parse_args(["--max-context", "131072", "--kv-resident", "32768", "--attn-chunk", "256"]))
     assert (cfg.max_context, cfg.kv_resident, cfg.attention_chunk()) == (131072, 32768, 256)
+
+
+def test_host_store_pages_and_ends():
+    """The numpy store alone: put/read across pages, fetch zeros past a row's end, int8 with scales."""
+    from types import SimpleNamespace
+
+    from strata_jax.engine.kv_host import KVHostStore
+
+    spec = SimpleNamespace(n_layers=2, n_kv_heads=2, head_dim=4, value_dim=4)
+    store = KVHostStore(spec, resident=32, cache_len=32 + 16 * 16 * 3, chunk=16, kv_dtype=np.int8)
+    assert store.names == ("k", "v", "k_scale", "v_scale") and store.page == 256
+    rng = np.random.default_rng(0)
+    n = 300                                                     # positions 32..331: two pages
+    entries = {"k": rng.integers(-127, 127, (2, n, 2, 4)).astype(np.int8),
+               "v": rng.integers(-127, 127, (2, n, 2, 4)).astype(np.int8),
+               "k_scale": rng.random((2, n, 2), np.float32), "v_scale": rng.random((2, n, 2), np.float32)}
+    store.put(1, 32, entries)
+    back = store.read(1, 32, 32 + n)
+    assert all(np.array_equal(back[k], entries[k]) for k in entries)
+    k, _, ks, _ = store.fetch(64, None, 1, np.array([1, 1, 0]), np.array([32 + n, 300, 0]), 272)
+    assert np.array_equal(k[0, :60], entries["k"][1, 240:300])      # across two pages, to the last written
+    assert np.array_equal(ks[0, :60], entries["k_scale"][1, 240:300]) and not k[0, 60:].any()
+    assert np.array_equal(k[1, :28], entries["k"][1, 240:268]) and not k[1, 28:].any()   # stops at its end
+    assert not k[2].any()                                             # a padding row: nothing copied
+    with pytest.raises(IndexError, match="past the slot's context"):
+        store.put(0, 32 + 16 * 16 * 3, {name: a[:, :1] for name, a in entries.items()})
+    assert store.block(rows=2, n_positions=96, chunk=16) in (16, 32, 48, 96)
+
+
+def test_expert_tiers_with_kv_resident(tiny_model):
+    """Layer-stepped windows (experts in a small device cache) take the host store too: the same logits
+    as one program with every expert and all KV on the device."""
+    path = tiny_model(arch="qwen3moe", layers=2, hidden=64, heads=4, kv_heads=2, experts=8, experts_used=2,
+                      expert_ffn=32)
+    ids = _ids(70, 6)
+    cfg = dict(BASE, parallel=1)
+    with Engine.from_gguf(path, EngineConfig(**cfg)) as eng:
+        ref = eng.logits(ids)
+    with Engine.from_gguf(path, EngineConfig(**cfg, expert_cache=3, kv_resident=N)) as eng:
+        assert eng.runner.expert_mode == "arena"
+        got = eng.logits(ids)
+        assert eng.stats()["kv_cache"]["host_kv_fetches"] > 0
+    assert np.array_equal(ref, got)

@@ -62,25 +62,28 @@ class KVHostStore:
                     dst[name][layer, at[here]] = np.asarray(a[r])[sel][here]
         return np.int32(0)
 
-    def fetch(self, length: int, token, layer, slots, start) -> tuple[np.ndarray, ...]:
+    def fetch(self, length: int, token, layer, slots, ends, start) -> tuple[np.ndarray, ...]:
         """Entries of layer `layer` at positions start..start+length of each row's slot ([R, length, ...]
-        by name); positions never written are zeros (no query sees them: they are in its future)."""
+        by name). Positions at or past the row's end (ends [R]: its last query position + 1) and those
+        never written are zeros: no query of the row sees them."""
         layer, off = int(layer), int(start) - self.resident
         R = len(slots)
         out = {n: np.zeros((R, length, *s), d) for n, (s, d) in self.entries.items()}
+        copied = 0
         for r, slot in enumerate(np.asarray(slots)):
             pages = self.pages.get(int(slot), {})
-            a = off
-            while a < off + length:
+            a, stop = off, min(off + length, int(ends[r]) - self.resident)
+            copied += max(0, stop - a)
+            while a < stop:
                 pg, at = divmod(a, self.page)
-                n = min(self.page - at, off + length - a)
+                n = min(self.page - at, stop - a)
                 src = pages.get(pg)
                 if src is not None:
                     for name in self.names:
                         out[name][r, a - off:a - off + n] = src[name][layer, at:at + n]
                 a += n
         self.fetches += 1
-        self.fetched_bytes += R * length * self.position_bytes
+        self.fetched_bytes += copied * self.position_bytes
         return tuple(out[n] for n in self.names)
 
     def block(self, rows: int, n_positions: int, chunk: int) -> int:
@@ -97,10 +100,18 @@ class KVHostStore:
         """Positions [start, end) (all >= resident) of a slot: {name: [layers, end - start, ...]}."""
         out = {}
         for layer in range(self.n_layers):
-            got = self.fetch(end - start, None, layer, np.array([slot]), start)
+            got = self.fetch(end - start, None, layer, np.array([slot]), np.array([end]), start)
             for name, a in zip(self.names, got):
                 out.setdefault(name, []).append(a[0])
         return {n: np.stack(v) for n, v in out.items()}
+
+    def put(self, slot: int, start: int, entries: dict[str, np.ndarray]) -> None:
+        """Write {name: [layers, n, ...]} at positions start.. (all >= resident) of a slot: the inverse of
+        read (restoring a slot's KV from elsewhere, e.g. a conversation cache)."""
+        n = next(iter(entries.values())).shape[1]
+        pos = np.arange(start, start + n, dtype=np.int32)[None]                       # [1, n]
+        for layer in range(self.n_layers):
+            self.write(layer, np.array([slot]), pos, *(entries[name][layer][None] for name in self.names))
 
     @contextmanager
     def scratch(self):

@@ -32,7 +32,7 @@ class HostKV(Protocol):
     names: tuple[str, ...]                # the cache's entries: k, v (and k_scale, v_scale for int8)
 
     def write(self, layer, slots, pos, *arrays) -> np.ndarray: ...          # -> int32 token
-    def fetch(self, length: int, token, layer, slots, start) -> tuple: ...  # arrays [R, length, ...] by name
+    def fetch(self, length: int, token, layer, slots, ends, start) -> tuple: ...  # [R, length, ...] by name
     def block(self, rows: int, n_positions: int, chunk: int) -> int: ...   # positions a fetch brings
 
 
@@ -43,18 +43,22 @@ def write_host(host: HostKV, i, slots: jax.Array, pos: jax.Array, stored: dict[s
     return io_callback(host.write, jax.ShapeDtypeStruct((), jnp.int32), jnp.asarray(i, jnp.int32), slots, pos, *args)
 
 
-def host_source(host: HostKV, i, slots: jax.Array, token: jax.Array, kv_len: int, chunk: int,
+def host_source(host: HostKV, i, slots: jax.Array, pos: jax.Array, token: jax.Array, kv_len: int, chunk: int,
                 entry_shapes: dict[str, tuple], entry_dtypes: dict[str, jnp.dtype], dtype):
     """The host part of layer i's keys and values, positions [host.resident, kv_len), for attend():
-    (fetch(start) -> (k [R, block, K, D], v [R, block, K, Dv]) in dtype, block starts [n], block)."""
+    (fetch(start) -> (k [R, block, K, D], v [R, block, K, Dv]) in dtype, block starts [n], block).
+    A row's keys past its last query position are never visible: the store need not copy them (it sends
+    zeros), so padding rows and short rows cost nothing."""
     R = slots.shape[0]
+    ends = jnp.max(pos, axis=1) + 1                                                   # [R]
     n_host = kv_len - host.resident
     block = host.block(R, n_host, chunk)
     shapes = tuple(jax.ShapeDtypeStruct((R, block, *entry_shapes[n]), entry_dtypes[n]) for n in host.names)
     layer = jnp.asarray(i, jnp.int32)
 
     def fetch(start):
-        got = dict(zip(host.names, jax.pure_callback(partial(host.fetch, block), shapes, token, layer, slots, start)))
+        got = dict(zip(host.names, jax.pure_callback(partial(host.fetch, block), shapes, token, layer, slots, ends,
+                                                            start)))
         return tuple(_dequantize(got, n, dtype) for n in ("k", "v"))
 
     starts = host.resident + jnp.arange(n_host // block, dtype=jnp.int32) * block

@@ -166,7 +166,7 @@ def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache
     if host is not None and kv_len > host.resident:
         on_device = host.resident
         token = write_host(host, i, g.slots, g.pos, stored)
-        more = host_source(host, i, g.slots, token, kv_len, chunk, {n: a.shape[2:] for n, a in stored.items()},
+        more = host_source(host, i, g.slots, g.pos, token, kv_len, chunk, {n: a.shape[2:] for n, a in stored.items()},
                            {n: a.dtype for n, a in stored.items()}, dtype)
     keys = _read(cache, "k", i, g.slots, on_device, dtype)                         # [R, on_device, K, D]
     vals = _read(cache, "v", i, g.slots, on_device, dtype)
