@@ -172,3 +172,26 @@ def test_expert_tiers_with_kv_resident(tiny_model):
         got = eng.logits(ids)
         assert eng.stats()["kv_cache"]["host_kv_fetches"] > 0
     assert np.array_equal(ref, got)
+
+
+def test_prefix_reuse_across_the_host_part(path, engines):
+    """A slot's kept KV includes its host part (a second turn reuses it), and the conversation cache
+    stores and restores blocks that straddle N (blocks of 32 tokens, N = 48): the all-on-device tokens."""
+    on_device, _ = engines
+    cfg = EngineConfig(**dict(BASE, max_context=2048), kv_resident=48, conversation_cache_mib=1)
+    rng = np.random.default_rng(7)
+    with Engine.from_gguf(path, cfg) as eng:
+        assert eng.prefix.block == 32
+        p1 = _ids(45, 8)
+        a1 = eng.generate(p1, max_tokens=6, ignore_eos=True)
+        p2 = p1 + a1.tokens + _ids(10, 9)
+        a2 = eng.generate(p2, max_tokens=6, ignore_eos=True)
+        assert a2.stats["reused_tokens"] == len(p1) + 6 - 1               # past N: from the host part
+        assert a2.tokens == on_device.generate(p2, max_tokens=6, ignore_eos=True).tokens
+        for _ in range(2):                                                # both slots taken: stored to host RAM
+            eng.generate([int(t) for t in rng.integers(3, 500, 20)], max_tokens=2, ignore_eos=True)
+        p3 = p2 + a2.tokens + _ids(5, 10)
+        a3 = eng.generate(p3, max_tokens=6, ignore_eos=True)
+        assert a3.stats["reused_tokens"] == 64                            # blocks [0, 32) and [32, 64), across N
+        assert eng.stats()["prefix_cache"]["conversation_cache"]["restored_tokens"] >= 64
+        assert a3.tokens == on_device.generate(p3, max_tokens=6, ignore_eos=True).tokens

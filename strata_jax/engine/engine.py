@@ -451,7 +451,6 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - handed to the caller
             done.put(e)
 
-
     def _run_logits_reusing(self, ids: list[int], done: queue.Queue) -> None:
         """All-token logits of the tokens a request with prompt `ids` would read, on the slot the prefix
         cache picks, cut at the scheduler's chunk boundaries."""

@@ -66,7 +66,13 @@ class KVHostStore:
         """Entries of layer `layer` at positions start..start+length of each row's slot ([R, length, ...]
         by name). Positions at or past the row's end (ends [R]: its last query position + 1) and those
         never written are zeros: no query of the row sees them."""
-        layer, off = int(layer), int(start) - self.resident
+        out, copied = self._copy(length, int(layer), slots, ends, int(start))
+        self.fetches += 1
+        self.fetched_bytes += copied * self.position_bytes
+        return out
+
+    def _copy(self, length: int, layer: int, slots, ends, start: int) -> tuple[tuple[np.ndarray, ...], int]:
+        off = start - self.resident
         R = len(slots)
         out = {n: np.zeros((R, length, *s), d) for n, (s, d) in self.entries.items()}
         copied = 0
@@ -82,9 +88,7 @@ class KVHostStore:
                     for name in self.names:
                         out[name][r, a - off:a - off + n] = src[name][layer, at:at + n]
                 a += n
-        self.fetches += 1
-        self.fetched_bytes += copied * self.position_bytes
-        return tuple(out[n] for n in self.names)
+        return tuple(out[n] for n in self.names), copied
 
     def block(self, rows: int, n_positions: int, chunk: int) -> int:
         """Positions a fetch brings: a whole number of chunks that divides n_positions, at most
@@ -100,7 +104,7 @@ class KVHostStore:
         """Positions [start, end) (all >= resident) of a slot: {name: [layers, end - start, ...]}."""
         out = {}
         for layer in range(self.n_layers):
-            got = self.fetch(end - start, None, layer, np.array([slot]), np.array([end]), start)
+            got, _ = self._copy(end - start, layer, np.array([slot]), np.array([end]), start)
             for name, a in zip(self.names, got):
                 out.setdefault(name, []).append(a[0])
         return {n: np.stack(v) for n, v in out.items()}

@@ -110,8 +110,7 @@ class PrefixCache:
         B = self.block
 
         def read(i: int) -> dict[str, np.ndarray]:
-            out = self._read(self.runner.cache, jnp.int32(slot.index), jnp.int32(i * B), size=B)
-            return {k: np.asarray(v) for k, v in out.items()}
+            return self._read_kv(slot.index, i * B, B)
 
         before = self.host.bytes
         new, evicted = self.host.store(tokens, read)
@@ -133,7 +132,7 @@ class PrefixCache:
         t0 = time.monotonic()
         done = n_slot
         for i in range(n_slot // B, len(blocks)):
-            self.runner.cache = self._write(self.runner.cache, blocks[i].kv, jnp.int32(slot.index), jnp.int32(i * B))
+            self._write_kv(slot.index, i * B, blocks[i].kv)
             done = (i + 1) * B
         jax.block_until_ready(self.runner.cache)
         self.host.touch(blocks)
@@ -146,6 +145,28 @@ class PrefixCache:
                  len(blocks) - n_slot // B, B, slot.index, (time.monotonic() - t0) * 1000, c["hits"], c["lookups"],
                  c["restored_tokens"], c["stored_blocks"], c["evicted_blocks"])
         return done
+
+    def _read_kv(self, slot: int, start: int, size: int) -> dict[str, np.ndarray]:
+        """Positions start..start+size of a slot: from the device cache, and past its first device_len
+        positions (--kv-resident) from the host store -> {name: [layers, size, ...]}."""
+        on_dev = max(0, min(start + size, self.runner.device_len) - start)
+        parts = []
+        if on_dev:
+            out = self._read(self.runner.cache, jnp.int32(slot), jnp.int32(start), size=on_dev)
+            parts.append({k: np.asarray(v) for k, v in out.items()})
+        if on_dev < size:
+            parts.append(self.runner.kv_host.read(slot, start + on_dev, start + size))
+        return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+
+    def _write_kv(self, slot: int, start: int, block: dict[str, np.ndarray]) -> None:
+        """The inverse of _read_kv: the device part in place (a donated program), the rest to the host store."""
+        size = next(iter(block.values())).shape[1]
+        on_dev = max(0, min(start + size, self.runner.device_len) - start)
+        if on_dev:
+            part = block if on_dev == size else {k: v[:, :on_dev] for k, v in block.items()}
+            self.runner.cache = self._write(self.runner.cache, part, jnp.int32(slot), jnp.int32(start))
+        if on_dev < size:
+            self.runner.kv_host.put(slot, start + on_dev, {k: v[:, on_dev:] for k, v in block.items()})
 
     def stats(self) -> dict:
         out = {"enabled": int(self.enabled), "block_tokens": self.block, **self.counters}
