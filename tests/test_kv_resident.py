@@ -148,7 +148,9 @@ def test_host_store_pages_and_ends():
     store.put(1, 32, entries)
     back = store.read(1, 32, 32 + n)
     assert all(np.array_equal(back[k], entries[k]) for k in entries)
-    k, _, ks, _ = store.fetch(64, None, 1, np.array([1, 1, 0]), np.array([32 + n, 300, 0]), 272)
+    nothing_new = [np.zeros((3, 1, *a.shape[2:]), a.dtype) for a in entries.values()]   # pos -1: not stored
+    k, _, ks, _ = store.fetch(64, 1, np.array([1, 1, 0]), np.array([32 + n, 300, 0]), 272,
+                              np.full((3, 1), -1, np.int32), *nothing_new)
     assert np.array_equal(k[0, :60], entries["k"][1, 240:300])      # across two pages, to the last written
     assert np.array_equal(ks[0, :60], entries["k_scale"][1, 240:300]) and not k[0, 60:].any()
     assert np.array_equal(k[1, :28], entries["k"][1, 240:268]) and not k[1, 28:].any()   # stops at its end

@@ -2,9 +2,9 @@
 
 The device cache holds a slot's first N positions; this store holds the rest, in numpy pages of
 `page` positions a slot ({name: [layers, page, ...]}, layer-major so that one layer's block is one
-slice), allocated when a position is first written. Window programs call `write` and `fetch` as host
-callbacks (model/kv_offload.py), from XLA's thread while the engine thread waits for the window: only
-one window runs at a time, so the store needs no lock.
+slice), allocated when a position is first written. Window programs call `fetch` (which first stores the
+window's new entries) as a host callback (model/kv_offload.py), from XLA's thread while the engine thread
+waits for the window: only one window runs at a time, so the store needs no lock.
 
 int8 KV keeps its int8 values and float32 scales here too: the program dequantizes what it fetches.
 """
@@ -45,7 +45,7 @@ class KVHostStore:
 
     # ---- host callbacks (called from inside window programs) ------------------------------------------
 
-    def write(self, layer, slots, pos, *arrays) -> np.ndarray:
+    def write(self, layer, slots, pos, *arrays) -> None:
         """Store layer `layer`'s new entries ([R, L, ...] by name, as the cache keeps them) at their
         positions pos [R, L] that are >= resident; others (device positions, padding) are skipped."""
         layer = int(layer)
@@ -60,12 +60,14 @@ class KVHostStore:
                 dst = self._page(int(slot), int(pg))
                 for name, a in zip(self.names, arrays):
                     dst[name][layer, at[here]] = np.asarray(a[r])[sel][here]
-        return np.int32(0)
 
-    def fetch(self, length: int, token, layer, slots, ends, start) -> tuple[np.ndarray, ...]:
-        """Entries of layer `layer` at positions start..start+length of each row's slot ([R, length, ...]
-        by name). Positions at or past the row's end (ends [R]: its last query position + 1) and those
-        never written are zeros: no query of the row sees them."""
+    def fetch(self, length: int, layer, slots, ends, start, pos, *new) -> tuple[np.ndarray, ...]:
+        """Store the window's new entries of layer `layer` (`write(layer, slots, pos, *new)`: every fetch of
+        the layer gets them; storing twice stores the same), then -> the entries at positions
+        start..start+length of each row's slot ([R, length, ...] by name). Positions at or past the row's
+        end (ends [R]: its last query position + 1) and those never written are zeros: no query of the row
+        sees them."""
+        self.write(layer, slots, pos, *new)
         out, copied = self._copy(length, int(layer), slots, ends, int(start))
         self.fetches += 1
         self.fetched_bytes += copied * self.position_bytes

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ..gguf import ModelSpec
-from .kv_offload import HostKV, host_source, write_host
+from .kv_offload import HostKV, host_source
 from .layers import attend, combine_experts, expert_rows, mlp, moe, rms_norm, rope, route
 from .weights import embed_rows, linear
 
@@ -165,9 +165,7 @@ def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache
     more, on_device = None, kv_len
     if host is not None and kv_len > host.resident:
         on_device = host.resident
-        token = write_host(host, i, g.slots, g.pos, stored)
-        more = host_source(host, i, g.slots, g.pos, token, kv_len, chunk, {n: a.shape[2:] for n, a in stored.items()},
-                           {n: a.dtype for n, a in stored.items()}, dtype)
+        more = host_source(host, i, g.slots, g.pos, stored, kv_len, chunk, dtype)
     keys = _read(cache, "k", i, g.slots, on_device, dtype)                         # [R, on_device, K, D]
     vals = _read(cache, "v", i, g.slots, on_device, dtype)
     o = attend(q, keys, vals, g.pos, chunk, more)                                  # [R, L, H, Dv]
