@@ -9,6 +9,10 @@ decode rate of the sequences, and the host KV brought in per decoded token.
 
     python scripts/bench_kv_resident.py                      # SmolLM2, 3072-token context, N = 1024
     python scripts/bench_kv_resident.py MODEL.gguf --context 6000 --max-context 8192 --kv-resident 2048
+
+--windows W: no prompt reading; decode windows run straight on the runner with every slot at position
+--context (the KV holds zeros: the values do not change the work), W windows a round: the time of a
+decode window, with only one program a setting to build.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv", default="auto")
     ap.add_argument("--attn-chunk", default="auto")
+    ap.add_argument("--windows", type=int, default=0, help="time W decode windows a round on the runner instead")
     args = ap.parse_args()
     if args.model is None:
         from strata_jax.testing.fetch import smollm2_path
@@ -57,11 +62,54 @@ def main() -> int:
                f"kv-resident {args.kv_resident}": Engine.from_gguf(
                    args.model, EngineConfig(**base, kv_resident=args.kv_resident))}
     try:
-        report(args, engines, plist)
+        (report_windows if args.windows else report)(args, engines, plist)
     finally:
         for eng in engines.values():
             eng.close()
     return 0
+
+
+def report_windows(args, engines: dict[str, Engine], plist: list[int]) -> None:
+    from strata_jax.engine.runner import GroupInput
+    from strata_jax.engine.sampler import SamplingRows
+    from strata_jax.engine.scheduler import bucket
+
+    def window(n: int) -> GroupInput:
+        rows = bucket(n, 2)
+        pos = np.full((rows, 1), -1, np.int32)
+        pos[:n] = args.context
+        return GroupInput(np.ones((rows, 1), np.int32), pos, np.arange(rows, dtype=np.int32) % n,
+                          SamplingRows.greedy(rows))
+
+    for name, eng in engines.items():
+        r, t = eng.runner, time.perf_counter()
+        if r.kv_host is not None:                           # the host part holds positions device_len..context
+            n_host = args.context - r.device_len
+            zeros = {k: np.zeros((r.kv_host.n_layers, n_host, *shape), dt) for k, (shape, dt) in r.kv_host.entries.items()}
+            for slot in range(max(plist)):
+                r.kv_host.put(slot, r.device_len, zeros)
+        for n in plist:
+            r.run([window(n)], args.context + 1)
+        print(f"{name}: programs built in {time.perf_counter() - t:.0f} s", flush=True)
+    times: dict[tuple[str, int], list[float]] = {}
+    for rnd in range(args.rounds):
+        for name, eng in engines.items():
+            for n in plist:
+                g = window(n)
+                t = time.perf_counter()
+                for _ in range(args.windows):
+                    eng.runner.run([g], args.context + 1)
+                ms = (time.perf_counter() - t) / args.windows * 1000
+                times.setdefault((name, n), []).append(ms)
+                print(f"round {rnd + 1}: {name}, {n} row(s): {ms:.1f} ms a window", flush=True)
+    print(f"\nmodel {args.model}, decode windows at position {args.context}, max_context {args.max_context}, "
+          f"{args.windows} windows a round, median of {args.rounds} rounds")
+    print("| KV placement | rows | ms a decode window | decode tok/s (sum) | vs all on device |")
+    print("| --- | --- | --- | --- | --- |")
+    first = next(iter(engines))
+    for (name, n), xs in times.items():
+        med = statistics.median(xs)
+        print(f"| {name} | {n} | {med:.1f} | {n * 1000 / med:.1f} | {statistics.median(times[(first, n)]) / med:.2f} |")
 
 
 def report(args, engines: dict[str, Engine], plist: list[int]) -> None:
