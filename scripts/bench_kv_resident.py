@@ -56,8 +56,8 @@ def main() -> int:
 
         args.model = str(smollm2_path())
     plist = [int(x) for x in args.parallel_list.split(",")]
-    base = dict(parallel=max(plist), max_context=args.max_context, kv=args.kv, attn_chunk=args.attn_chunk,
-                request_timeout_s=7200.0)
+    base = {"parallel": max(plist), "max_context": args.max_context, "kv": args.kv, "attn_chunk": args.attn_chunk,
+            "request_timeout_s": 7200.0}
     engines = {"all on device": Engine.from_gguf(args.model, EngineConfig(**base)),
                f"kv-resident {args.kv_resident}": Engine.from_gguf(
                    args.model, EngineConfig(**base, kv_resident=args.kv_resident))}

@@ -11,8 +11,8 @@ import pytest
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
 
-LLAMA = dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, experts=0)
-BASE = dict(parallel=2, max_context=128, attn_chunk=16, prefill=32, warmup=False)
+LLAMA = {"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 0}
+BASE = {"parallel": 2, "max_context": 128, "attn_chunk": 16, "prefill": 32, "warmup": False}
 N = 32
 
 

@@ -23,7 +23,6 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 class HostKV(Protocol):
