@@ -19,6 +19,8 @@ HELP = {
     "drafter": "ngram, mtp, none or draft:PATH.gguf",
     "expert_cache": "experts on the device: auto or a number of expert slots",
     "expert_profile": "expert hotness file: preload and pin the hottest experts",
+    "expert_policy": "device expert cache eviction: freq (frequency-aware LRU) or lru",
+    "expert_prefetch": "copy the experts the next layer will likely need into the device cache ahead of it",
     "resident_budget_gib": "host RAM for experts, GiB",
     "pool_workers": "file-tier reader threads",
     "vram_reserve_mib": "device memory kept free, MiB",

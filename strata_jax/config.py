@@ -18,6 +18,7 @@ class ConfigError(ValueError):
 KV_TYPES = ("bf16", "f16", "f32", "int8")
 DRAFTERS = ("ngram", "mtp", "none")
 WEIGHT_MODES = ("auto", "blocks", "dequantized")
+EXPERT_POLICIES = ("freq", "lru")          # experts/policy.py: frequency-aware LRU (default), plain LRU
 
 
 def _default_max_programs() -> int:
@@ -41,6 +42,8 @@ class EngineConfig:
     drafter: str = "ngram"               # ngram | mtp | none | draft:PATH.gguf
     expert_cache: str | int = "auto"     # experts kept on the device: auto or a number of expert slots
     expert_profile: str | None = None    # expert hotness file to preload and pin
+    expert_policy: str = "freq"          # device expert cache eviction: freq (frequency-aware LRU) | lru
+    expert_prefetch: bool = False        # copy the experts the next layer will likely need ahead of it
     resident_budget_gib: float | None = None   # host RAM for experts (None: all of them)
     pool_workers: int = 4                # reader threads for the file tier
     vram_reserve_mib: int = 700          # device memory kept free
@@ -88,6 +91,8 @@ class EngineConfig:
             except (TypeError, ValueError):
                 raise ConfigError(f"expert_cache = {self.expert_cache!r}: must be auto or a number of expert slots") from None
             need(self.expert_cache >= 0, "expert_cache", self.expert_cache, "must be auto or >= 0")
+        need(self.expert_policy in EXPERT_POLICIES, "expert_policy", self.expert_policy,
+             f"must be one of {', '.join(EXPERT_POLICIES)} (freq: frequency-aware LRU, the default; lru: plain LRU)")
         need(self.resident_budget_gib is None or self.resident_budget_gib >= 0, "resident_budget_gib",
              self.resident_budget_gib, "must be >= 0")
         need(isinstance(self.pool_workers, int) and 1 <= self.pool_workers <= 64, "pool_workers", self.pool_workers,

@@ -163,3 +163,168 @@ def test_upcycled_smollm2_device_cache(tmp_path):
     assert st["device_slots"] == 2
     assert np.array_equal(logits, ref_logits) and tokens == ref_tokens
     assert st["hits"] > 0 and st["evictions"] > 0
+
+
+def test_expert_policy_is_a_setting():
+    import argparse
+
+    from strata_jax.cli_flags import add_engine_flags, engine_config
+    from strata_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"expert_policy = 'lfu': must be one of freq, lru"):
+        EngineConfig(expert_policy="lfu")
+    ap = argparse.ArgumentParser()
+    add_engine_flags(ap)
+    cfg = engine_config(ap.parse_args(["--expert-policy", "lru", "--expert-prefetch"]))
+    assert cfg.expert_policy == "lru" and cfg.expert_prefetch is True
+    assert EngineConfig().expert_policy == "freq"
+
+
+def _profile_traffic(eng):
+    eng.logits(_prompts()[0])
+    return _answers(eng, _prompts())
+
+
+def test_expert_profile_written_read_back_and_pinned(reference, tmp_path):
+    """The profile counts the same routing in both modes (one program with every expert on the device, and
+    layer-stepped windows); read back at start, it pins each layer's hottest experts, which are there
+    before the first request and never leave, and the tokens do not change."""
+    import json
+
+    from strata_jax.experts.profile import ExpertProfile, pins_for
+
+    path, _, answers = reference["qwen3moe"]
+    with Engine.from_gguf(path, EngineConfig(**BASE)) as eng:
+        assert _profile_traffic(eng) == answers
+        saved = eng.save_expert_profile(tmp_path / "device.json")
+    with Engine.from_gguf(path, EngineConfig(**BASE, expert_cache=3)) as eng:
+        assert _profile_traffic(eng) == answers
+        eng.save_expert_profile(tmp_path / "arena.json")
+        routed = eng.stats()["experts"]["routed"]
+    device, arena = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("device", "arena"))
+    assert device["counts"] == arena["counts"]            # the same routing, counted in both modes
+    assert saved["routed"] == device["routed"] == routed > 0
+    assert device["n_experts"] == 8 and set(device["counts"]) == {"0", "1"}
+    prof = ExpertProfile.load(tmp_path / "device.json", GGUFModel_spec(path))
+    hot = {i: prof.hottest(i, pins_for(4)) for i in (0, 1)}
+    assert all(len(h) == 3 for h in hot.values())
+    cfg = EngineConfig(**BASE, expert_cache=4, expert_profile=str(tmp_path / "device.json"))
+    with Engine.from_gguf(path, cfg) as eng:
+        arena_ = eng.runner.stepper.arena
+        assert {i: sorted(arena_.pinned[i]) for i in (0, 1)} == {i: sorted(h) for i, h in hot.items()}
+        assert all(arena_.slot_of[i][e] >= 0 for i in (0, 1) for e in hot[i])     # resident before any request
+        slots = {i: [int(arena_.slot_of[i][e]) for e in hot[i]] for i in (0, 1)}
+        assert _answers(eng, _prompts()) == answers
+        st = eng.stats()["experts"]
+        assert st["pinned"] == 6 and st["evictions"] > 0                      # the free slot turned over ...
+        assert {i: [int(arena_.slot_of[i][e]) for e in hot[i]] for i in (0, 1)} == slots   # ... the pins did not
+
+
+def GGUFModel_spec(path):
+    from strata_jax.gguf import GGUFModel
+
+    return GGUFModel.open(path).spec
+
+
+def test_bad_expert_profile_is_a_clear_error(reference, tmp_path):
+    import json
+
+    from strata_jax.experts.profile import ExpertProfile, ExpertProfileError
+
+    path = reference["qwen3moe"][0]
+    spec = GGUFModel_spec(path)
+    good = ExpertProfile(spec).to_json()
+    cases = {
+        "missing.json": (None, "cannot be read"),
+        "broken.json": ("{not json", "is not valid JSON"),
+        "other.json": ({"hello": 1}, "is not an expert profile"),
+        "experts.json": ({**good, "n_experts": 16, "counts": {"0": [0] * 16, "1": [0] * 16}},
+                         "was made on a model with 16 experts a layer; this model .* has 8"),
+        "layers.json": ({**good, "counts": {str(i): [0] * 8 for i in range(4)}}, "counts MoE layers 0..3 .4.; this"),
+        "row.json": ({**good, "counts": {"0": [0] * 8, "1": [1, -2] + [0] * 6}}, "layer 1's counts must be 8 whole"),
+    }
+    for name, (body, message) in cases.items():
+        f = tmp_path / name
+        if body is not None:
+            f.write_text(body if isinstance(body, str) else json.dumps(body))
+        with pytest.raises(ExpertProfileError, match=f"expert profile {f}: {message}"):
+            ExpertProfile.load(f, spec)
+    for cache in ("auto", 3):            # the engine refuses it at start, in both modes
+        cfg = EngineConfig(**BASE, expert_cache=cache, expert_profile=str(tmp_path / "experts.json"))
+        with pytest.raises(ExpertProfileError, match="experts.json: was made on a model with 16"):
+            Engine.from_gguf(path, cfg)
+
+
+def test_prefetch_changes_where_experts_come_from_not_the_bits(reference):
+    path, logits, answers = reference["qwen2moe"]
+    with Engine.from_gguf(path, EngineConfig(**BASE, expert_cache=4, expert_prefetch=True)) as eng:
+        assert np.array_equal(eng.logits(_prompts()[0]), logits)
+        assert _answers(eng, _prompts()) == answers
+        st = eng.stats()["experts"]
+        assert st["prefetch"] == 1 and st["prefetched"] > 0
+        assert 0 < st["prefetch_hits"] <= st["hits"]
+        assert st["lookups"] == st["hits"] + st["misses_host"] + st["misses_file"]
+        assert any("predict" in lay for lay in eng.stats()["programs"]["layouts"])
+    # The same traffic through a cache of every expert, traced, then replayed with 4 slots: the replay's
+    # counters are the ones the 4-slot engine reported (experts/sweep.py's hit rates come from replays).
+    from strata_jax.experts.replay import replay
+
+    with Engine.from_gguf(path, EngineConfig(**BASE, expert_cache=8, expert_prefetch=True)) as eng:
+        eng.runner.stepper.trace = trace = []
+        eng.logits(_prompts()[0])
+        assert _answers(eng, _prompts()) == answers
+    got = replay(trace, [0, 1], 8, 4, "freq", prefetch=True).as_dict()
+    for name in ("lookups", "hits", "decode_lookups", "decode_hits", "evictions", "passes", "prefetched",
+                 "prefetch_hits", "routed"):
+        assert got[name] == st[name], name
+
+
+def test_server_writes_the_expert_profile(reference, tmp_path):
+    """POST /expert-profile on a real server process: the engine process writes the file; a bad body is a
+    400 naming the field; the written file starts a new engine with pinned experts."""
+    import json
+
+    import httpx
+
+    from strata_jax.serve.launch import ServerProcess
+
+    path = reference["qwen3moe"][0]
+    out = tmp_path / "served.json"
+    with ServerProcess([str(path), "--parallel", "1", "--max-context", "64", "--no-warmup"]) as srv:
+        srv.wait_ready()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        r = httpx.post(srv.url + "/expert-profile", json={"path": str(out)}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["path"] == str(out) and r.json()["routed"] > 0
+        bad = httpx.post(srv.url + "/expert-profile", json={"file": "x"}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "path"
+        nowhere = httpx.post(srv.url + "/expert-profile", json={"path": str(tmp_path / "no" / "dir.json")}, timeout=60)
+        assert nowhere.status_code == 400 and "not written" in nowhere.json()["error"]["message"]
+    data = json.loads(out.read_text())
+    assert data["routed"] == r.json()["routed"] == sum(map(sum, data["counts"].values()))
+    cfg = EngineConfig(**BASE, expert_cache=4, expert_profile=str(out))
+    with Engine.from_gguf(path, cfg) as eng:
+        assert eng.stats()["experts"]["pinned"] > 0
+
+
+def test_dense_layers_among_moe_layers(tiny_model, tmp_path):
+    """A glm4moe model whose first layer is dense (as GLM-4.5's are): the dense layer runs attention and FFN
+    in a stage of its own; the device cache (with prefetch) gives the same bits as every expert on the
+    device, and the profile counts only the MoE layers."""
+    import json
+
+    path = tiny_model(**dict(MOE, arch="glm4moe", layers=3, leading_dense=1))     # GLM-4.5: sigmoid router, bias
+    spec = GGUFModel_spec(path)
+    assert spec.moe_layers == (1, 2) and spec.dense_layers == (0,)
+    with Engine.from_gguf(path, EngineConfig(**BASE)) as eng:
+        logits = eng.logits(_prompts()[0])
+        answers = _answers(eng, _prompts())
+    with Engine.from_gguf(path, EngineConfig(**BASE, expert_cache=3, expert_prefetch=True)) as eng:
+        assert eng.runner.stepper.arena.layers == [1, 2]
+        assert np.array_equal(eng.logits(_prompts()[0]), logits)
+        assert _answers(eng, _prompts()) == answers
+        assert any("dense" in lay for lay in eng.stats()["programs"]["layouts"])
+        eng.save_expert_profile(tmp_path / "p.json")
+        assert eng.stats()["experts"]["experts_total"] == 16
+    assert set(json.loads((tmp_path / "p.json").read_text())["counts"]) == {"1", "2"}

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,13 +45,15 @@ class Completion:
 class Engine:
     def __init__(self, model: GGUFModel, config: EngineConfig | None = None, progress: bool = False,
                  expert_policy: str | None = None):
-        """expert_policy: the device expert cache's eviction policy, "freq" (default) or "lru" (also
-        STRATA_EXPERT_POLICY); it matters only when the experts do not all sit on the device."""
+        """expert_policy: overrides config.expert_policy ("freq" or "lru"), the device expert cache's
+        eviction policy; it matters only when the experts do not all sit on the device."""
         self.config = config or EngineConfig()
+        if expert_policy is not None:
+            self.config = replace(self.config, expert_policy=expert_policy)     # validated again
         self.model = model
         self.spec = model.spec
         self.tokenizer = load_tokenizer(model.metadata)
-        self.runner = ModelRunner(model, self.config, progress, expert_policy)
+        self.runner = ModelRunner(model, self.config, progress)
         if self.config.warmup:
             self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
@@ -163,6 +165,19 @@ class Engine:
             raise out
         return out
 
+    def save_expert_profile(self, path: str | Path) -> dict[str, Any]:
+        """Write the expert profile (how often live traffic routed to each (MoE layer, expert) since start;
+        see experts/profile.py) to `path`, for `--expert-profile` to preload and pin at a later start.
+        Returns {"path", "routed"}. Runs on the engine thread between windows."""
+        done: queue.Queue = queue.Queue()
+        self._ensure_thread()
+        self.inbox.put(("profile", str(path), done))       # type: ignore[arg-type]
+        self._wake.set()
+        out = done.get()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
     def stats(self) -> dict[str, Any]:
         busy = sum(not s.free for s in self.slots)
         out = {**dict(self.counters), **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
@@ -220,7 +235,9 @@ class Engine:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, tuple):
+            if isinstance(item, tuple) and item[0] == "profile":
+                self._save_profile(*item[1:])
+            elif isinstance(item, tuple):
                 (self._run_logits if item[0] == "logits" else self._run_logits_reusing)(*item[1:])
             else:
                 self.waiting.append(item)
@@ -431,6 +448,16 @@ class Engine:
             out["experts"] = c.as_dict()
             out["expert_lines"] = [c.hit_line(), resident_line(st["resident_bytes"], st["exchanged"], st["file_reads"])]
         return out
+
+    def _save_profile(self, path: str, done: queue.Queue) -> None:
+        try:
+            prof = self.runner.expert_profile()
+            prof.save(path)
+            routed = int(prof.counts.sum())
+            log.info("expert profile: %d routed token-expert pairs since start written to %s", routed, path)
+            done.put({"path": path, "routed": routed})
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            done.put(e)
 
     def _run_logits(self, ids: list[int], done: queue.Queue) -> None:
         """All-token logits for `ids` on a scratch copy of the cache: the slots' KV is untouched."""

@@ -8,7 +8,6 @@ returns each group's sampled tokens. The KV cache is donated to every program an
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ import pallas_kernels as pk
 from ..config import EngineConfig
 from ..gguf import GGUFModel
 from ..experts import EXPERT_TENSORS, ExpertArena, HostTier
-from ..experts.policy import POLICIES
+from ..experts.profile import ExpertProfile, pins_for
 from ..model import Group, RunOptions, expert_tensor_bytes, forward, load_experts, load_params, new_kv_cache
 from ..testing.faults import Faults
 from .kv_host import KVHostStore
@@ -64,7 +63,7 @@ def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
 
 
 class ModelRunner:
-    def __init__(self, model: GGUFModel, cfg: EngineConfig, progress: bool = False, expert_policy: str | None = None):
+    def __init__(self, model: GGUFModel, cfg: EngineConfig, progress: bool = False):
         self.spec = model.spec
         self.cfg = cfg
         self.choices = resolve(cfg, model)
@@ -90,8 +89,9 @@ class ModelRunner:
                      self.device_len, self.cache_len - self.device_len)
         self.stepper: LayerStepper | None = None
         self.expert_mode = "none"          # none (a dense model) | device (every expert) | arena (expert tiers)
+        self.expert_counts = None          # device mode: int32 [n_layers, E], routing of live traffic
         if self.spec.is_moe:
-            self._place_experts(model, expert_policy or os.environ.get("STRATA_EXPERT_POLICY") or "freq")
+            self._place_experts(model, cfg.expert_policy)
         self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.wait_for_device, self.faults)
         self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
         self._verify = jax.jit(verify)          # the speculative accept rule, one per verify group shape
@@ -135,7 +135,14 @@ class ModelRunner:
         args = []
         for g in groups:
             args += [g.tokens, g.pos, g.slots]
-        logits, self.cache = self.programs.run(layout, self.params, self.cache, *args)
+        if self.expert_counts is None:
+            logits, self.cache = self.programs.run(layout, self.params, self.cache, *args)
+        else:
+            if self.expert_counts.is_deleted():   # a failed run consumed it: the profile starts again
+                log.warning("the expert profile's counts were lost in a failed window: counting anew")
+                self.expert_counts = self._new_counts()
+            logits, self.cache, self.expert_counts = self.programs.run(
+                layout, self.params, self.cache, self.expert_counts, *args)
         return logits
 
     def set_faults(self, faults: Faults) -> None:
@@ -195,16 +202,19 @@ class ModelRunner:
         if layout.stage != "window":
             return self.stepper.build(layout)
         spec, opts = self.spec, self.opts
+        counting = self.expert_counts is not None     # the expert profile: counts in, counts out (donated)
 
         def window(params, cache, *flat):
+            counts, flat = (flat[0], flat[1:]) if counting else (None, flat)
             groups = [Group(*flat[3 * n: 3 * n + 3], all_logits) for n, (_, _, all_logits) in enumerate(layout.groups)]
-            return forward(params, spec, opts, tuple(groups), cache, layout.kv_len, host=self.kv_host)
+            return forward(params, spec, opts, tuple(groups), cache, layout.kv_len, host=self.kv_host, counts=counts)
 
-        args = []
+        args = [self.expert_counts] if counting else []
         for rows, length, _ in layout.groups:
             args += [jax.ShapeDtypeStruct((rows, length), jnp.int32), jax.ShapeDtypeStruct((rows, length), jnp.int32),
                      jax.ShapeDtypeStruct((rows,), jnp.int32)]
-        return jax.jit(window, donate_argnums=(1,)).lower(self.params, self.cache, *args).compile()
+        donate = (1, 2) if counting else (1,)
+        return jax.jit(window, donate_argnums=donate).lower(self.params, self.cache, *args).compile()
 
     def _kv_bytes(self) -> int:
         s = self.spec
@@ -221,17 +231,19 @@ class ModelRunner:
         the largest window's temporary memory and the reserve (today's one-program path); otherwise, or
         with an explicit number of slots, a device arena of that many expert slots a layer."""
         cfg, spec, mode, dtype = self.cfg, self.spec, self.choices["weights"], self.choices["dtype"]
-        if policy not in POLICIES:
-            raise ValueError(f"expert cache policy {policy!r}: choose one of {', '.join(POLICIES)}")
         all_bytes = expert_tensor_bytes(model, mode, dtype)
         free, temp = self.ledger.free, self._largest_window_temp_bytes()
-        layers = list(range(spec.n_layers))
+        layers = list(spec.moe_layers)          # dense layers among them (GLM-4.5's first ones) keep their FFN
         slot_bytes = all_bytes // (spec.n_experts * len(layers))
         if cfg.expert_cache == "auto":
             if free is None or all_bytes + temp <= free:
                 load_experts(model, self.params, mode, dtype)
                 self.ledger.reserve_bytes("experts", all_bytes, "every expert on the device")
                 self.expert_mode = "device"
+                self.expert_counts = self._new_counts()
+                if cfg.expert_profile:        # checked all the same: a bad file is an error, not a surprise
+                    ExpertProfile.load(cfg.expert_profile, spec)
+                    log.info("expert profile %s: every expert is on the device, nothing to pin", cfg.expert_profile)
                 return
             # A layer-stepped window runs 4 programs, each reserved at no less than MIN_PROGRAM_BYTES: leave
             # room for a few windows' worth of them.
@@ -246,9 +258,10 @@ class ModelRunner:
             if n_slots < 1:
                 raise ValueError("expert_cache = 0: the device cache needs at least 1 expert slot a layer "
                                  "(or auto)")
+        profile = ExpertProfile.load(cfg.expert_profile, spec, layers) if cfg.expert_profile else None
         budget = None if cfg.resident_budget_gib is None else int(cfg.resident_budget_gib * (1 << 30))
         host = HostTier(model, layers, budget, cfg.pool_workers)
-        first = {n: host.tensors[0][n] for n in EXPERT_TENSORS}
+        first = {n: host.tensors[layers[0]][n] for n in EXPERT_TENSORS}
         if mode == "dequantized":
             jdt = jnp.dtype(dtype)
             leaf_shapes = {n: ((t.shape[2], t.shape[1]), jdt) for n, t in first.items()}     # stored [k, n]
@@ -265,12 +278,31 @@ class ModelRunner:
             def to_arena(name: str, blocks: np.ndarray):
                 return jnp.asarray(blocks)
         arena = ExpertArena(host, n_slots, to_arena, leaf_shapes, policy)
+        if profile is not None:              # preload and pin each layer's hottest experts
+            for i in layers:
+                arena.pin(i, profile.hottest(i, pins_for(arena.n_slots)))
+            log.info("expert profile %s: %d experts pinned in the device cache (up to %d of %d slots a layer)",
+                     cfg.expert_profile, sum(len(p) for p in arena.pinned.values()), pins_for(arena.n_slots),
+                     arena.n_slots)
         self.ledger.reserve_bytes("experts", arena.nbytes, f"the device expert cache ({arena.n_slots} slots a layer)")
         self.stepper = LayerStepper(self, arena, qtypes, {n: tuple(t.shape[1:]) for n, t in first.items()})
         self.expert_mode = "arena"
         log.info("expert tiers: %d of %d experts a layer on the device (%s policy), %.2f GiB of %.2f GiB in host "
                  "RAM, the rest read from the file by %d threads", arena.n_slots, spec.n_experts, policy,
                  host.resident_bytes / 2**30, host.total_bytes / 2**30, cfg.pool_workers)
+
+    def _new_counts(self):
+        return jnp.zeros((self.spec.n_layers, self.spec.n_experts), jnp.int32)
+
+    def expert_profile(self) -> ExpertProfile:
+        """The routing of live traffic since start, per (MoE layer, expert). Call from the engine thread."""
+        if self.stepper is not None:
+            return self.stepper.profile
+        if self.expert_counts is None:
+            raise ValueError("this model has no experts: there is no expert profile to write")
+        prof = ExpertProfile(self.spec)
+        prof.add_all(np.asarray(self.expert_counts))
+        return prof
 
     def _largest_window_temp_bytes(self) -> int:
         """An estimate of the largest window's temporary device memory (decode rows of every slot plus one
@@ -305,7 +337,7 @@ class ModelRunner:
         if self.stepper is not None:
             return self.stepper.stats()
         if self.spec.is_moe:
-            n = self.spec.n_experts * self.spec.n_layers
+            n = self.spec.n_experts * len(self.spec.moe_layers)
             return {"device_slots": self.spec.n_experts, "experts_total": n, "all_on_device": 1}
         return {}
 

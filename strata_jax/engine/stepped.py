@@ -4,14 +4,21 @@ The window becomes a chain of small programs, each built once per layout shape a
 layer (the layer's weights and index are arguments), all held in the ProgramCache (so its bound and its
 out-of-memory handling apply; their layouts carry a `stage` name):
 
-    embed -> for each layer: attn (attention, FFN norm, router: the expert ids come back to the host)
-                             the host makes the chosen experts resident in the device arena
-                             experts (the expert matmul over arena slots; the shared expert; residual)
+    embed -> for each MoE layer: attn (attention, FFN norm, router: the expert ids come back to the host)
+                                 the host makes the chosen experts resident in the device arena
+                                 experts (the expert matmul over arena slots; the shared expert; residual)
+             for each dense layer (GLM-4.5's leading ones): dense (attention and FFN in one program)
           -> head (final norm and logits)
 
 The arithmetic is forward()'s, op for op and in the same order, so logits are the same bits as with
 every expert on the device. A layer whose window chose more distinct experts than the arena has slots
 runs its experts program in several passes; each pass fills in the rows whose experts it holds.
+
+Prefetch (--expert-prefetch): after layer i's experts program is queued, a small "predict" program applies
+layer i+1's FFN norm and router to layer i's output (layer i+1's input, before its attention adds to
+it), and while the device runs layer i+1's attention the host copies the experts that guess names into
+layer i+1's arena. Only where the experts come from changes, never the math: the logits stay the same bits.
+The router ids of every layer come back to the host anyway; they are also counted into the expert profile.
 """
 
 from __future__ import annotations
@@ -23,11 +30,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..experts import EXPERT_TENSORS, ExpertArena, ExpertCounters
+from ..experts.profile import ExpertProfile
 from ..model import Group, QTensor
-from ..model.transformer import attn_router_stage, embed_stage, experts_stage, head_stage
+from ..model.layers import rms_norm, route
+from ..model.transformer import (
+    attn_router_stage,
+    dense_stage,
+    embed_stage,
+    experts_stage,
+    head_stage,
+)
 from .programs import Layout
 
 STAGES = ("embed", "attn", "experts", "head")
+
+
+def predict_stage(p: dict, spec, opts, xs) -> list:
+    """The next layer's router over this layer's output: x [R, L, h] per group -> expert ids [R*L, k]."""
+    out = []
+    for x in xs:
+        R, L, _ = x.shape
+        hx = rms_norm(x, p["ffn_norm"], spec.rms_eps).reshape(R * L, -1)
+        out.append(route(hx, p["router"], spec, opts.backend, p.get("exp_bias"))[1])
+    return out
 
 
 def _sds(tree):
@@ -41,22 +66,28 @@ class LayerStepper:
         self.spec, self.opts = runner.spec, runner.opts
         params = runner.params
         layers = params["layers"]
-        if not all("router" in lp for lp in layers):
-            raise NotImplementedError("the expert tiers need every layer to be a MoE layer (dense layers among "
-                                      "MoE ones are not supported yet); use --expert-cache auto")
+        self.moe = [i for i, lp in enumerate(layers) if "router" in lp]           # the others are dense
         self.embed_p = {"embed": params["embed"]}
         self.head_p = {"norm": params["norm"], "output": params["output"]}
-        self.attn_p = [{k: v for k, v in lp.items() if not k.startswith("sh_")} for lp in layers]
-        self.moe_p = [{k: v for k, v in lp.items() if k.startswith("sh_")} for lp in layers]
-        for i in range(1, len(layers)):     # one program serves every layer: their weights must match
-            if _sds(self.attn_p[i]) != _sds(self.attn_p[0]) or _sds(self.moe_p[i]) != _sds(self.moe_p[0]):
-                raise NotImplementedError(f"layer {i}'s weights differ in shape or type from layer 0's: "
-                                          "the expert tiers need uniform layers; use --expert-cache auto")
+        self.attn_p = {i: {k: v for k, v in layers[i].items() if not k.startswith("sh_")} for i in self.moe}
+        self.moe_p = {i: {k: v for k, v in layers[i].items() if k.startswith("sh_")} for i in self.moe}
+        self.dense_p = {i: lp for i, lp in enumerate(layers) if i not in self.attn_p}
+        for kind in (self.attn_p, self.moe_p, self.dense_p):   # one program serves every layer of a kind
+            first = min(kind, default=None)
+            for i in kind:
+                if _sds(kind[i]) != _sds(kind[first]):
+                    raise NotImplementedError(f"layer {i}'s weights differ in shape or type from layer {first}'s: "
+                                              "the expert tiers need uniform layers; use --expert-cache auto")
         self.qtypes = qtypes                 # tensor -> quant type name, or None where the arena holds floats
         self.shapes = expert_shapes          # tensor -> logical shape of one expert [n, k]
         self.index = [jnp.int32(i) for i in range(len(layers))]
+        self.predict_p = {i: {k: lp[k] for k in ("ffn_norm", "router", "exp_bias") if k in lp}
+                          for i, lp in self.attn_p.items()}
+        self.prefetch = runner.cfg.expert_prefetch
+        self.profile = ExpertProfile(self.spec, arena.layers)    # routing of live traffic, per (layer, expert)
         self.last = ExpertCounters()         # the last window's counters
         self.total = ExpertCounters()
+        self.trace: list | None = None       # a list: record every lookup and prefetch (experts/sweep.py replays it)
 
     def arena_tree(self, layer: int) -> dict:
         leaves, N = self.arena.arena[layer], self.arena.n_slots
@@ -64,7 +95,8 @@ class LayerStepper:
                 for n in EXPERT_TENSORS}
 
     def stage_layouts(self, layout: Layout) -> list[Layout]:
-        return [replace(layout, stage=s, kv_len=layout.kv_len if s == "attn" else 0) for s in STAGES]
+        stages = STAGES + ("predict",) * self.prefetch + ("dense",) * bool(self.dense_p)
+        return [replace(layout, stage=s, kv_len=layout.kv_len if s in ("attn", "dense") else 0) for s in stages]
 
     def run(self, groups, layout: Layout) -> list:
         """One window (GroupInputs) -> logits per group, as forward() gives them."""
@@ -76,20 +108,36 @@ class LayerStepper:
 
     def _run(self, groups, layouts: list[Layout], counters: ExpertCounters) -> list:
         progs, r = self.runner.programs, self.runner
-        embed_l, attn_l, experts_l, head_l = layouts
+        embed_l, attn_l, experts_l, head_l = layouts[:4]
         k, h = self.spec.n_experts_used, self.spec.hidden
         gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits) for g in groups)
         decode = all(g.tokens.shape[1] == 1 for g in groups)            # no prompt chunk in the window
         reals = [np.asarray(g.pos).reshape(-1) >= 0 for g in groups]      # [R*L] per group: real tokens
         xs = progs.run(embed_l, self.embed_p, tuple(g.tokens for g in groups))
-        for i in range(len(self.attn_p)):
+        guess = None                          # the predict program's ids for this layer (prefetch)
+        n_layers = self.spec.n_layers
+        stage = {lay.stage: lay for lay in layouts}
+        for i in range(n_layers):
+            if i in self.dense_p:
+                xs, r.cache = progs.run(stage["dense"], self.dense_p[i], self.index[i], r.cache, gs, xs)
+                continue
             parts, r.cache = progs.run(attn_l, self.attn_p[i], self.index[i], r.cache, gs, xs)
+            if guess is not None:             # the device runs this layer's attention meanwhile
+                want = _by_count(guess, reals)
+                self.arena.prefetch(i, want, counters)
+                if self.trace is not None:
+                    self.trace.append(("prefetch", i, want))
             # Only real tokens' experts are brought in: padding rows (pos -1) whose experts are absent get
             # zeros, and nothing reads a padding row's output.
             ids = np.concatenate([np.asarray(p[3])[real] for p, real in zip(parts, reals)])
+            self.profile.add(i, ids)
+            if self.trace is not None:
+                self.trace.append(("lookup", i, ids, decode))
             ys = [jnp.zeros((p[3].shape[0], k, h), jnp.float32) for p in parts]
             for table in self.arena.passes(i, ids, counters, decode):
                 xs, ys = progs.run(experts_l, self.moe_p[i], self.arena_tree(i), table, parts, ys)
+            if self.prefetch and i + 1 in self.predict_p:
+                guess = progs.run(stage["predict"], self.predict_p[i + 1], xs)
         return progs.run(head_l, self.head_p, gs, xs)
 
     def build(self, layout: Layout):
@@ -103,20 +151,30 @@ class LayerStepper:
         if layout.stage == "embed":
             fn = jax.jit(lambda p, tokens: embed_stage(p, opts, tokens))
             return fn.lower(_sds(self.embed_p), tuple(g.tokens for g in groups)).compile()
+        first = self.moe[0]
         if layout.stage == "attn":
             kv = layout.kv_len
             host = self.runner.kv_host
             fn = jax.jit(lambda lp, i, cache, gs, xs: attn_router_stage(lp, i, spec, opts, gs, xs, cache, kv, host),
                          donate_argnums=(2,))
-            return fn.lower(_sds(self.attn_p[0]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
+            return fn.lower(_sds(self.attn_p[first]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
+        if layout.stage == "dense":
+            kv = layout.kv_len
+            fn = jax.jit(lambda lp, i, cache, gs, xs: dense_stage(lp, i, spec, opts, gs, xs, cache, kv),
+                         donate_argnums=(2,))
+            dense0 = self.dense_p[min(self.dense_p)]
+            return fn.lower(_sds(dense0), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
         if layout.stage == "experts":
             parts = [(S((r, n, h), dtype), S((r * n, h), dtype), S((r * n, k), jnp.float32), S((r * n, k), jnp.int32))
                      for r, n, _ in layout.groups]
             ys = [S((r * n, k, h), jnp.float32) for r, n, _ in layout.groups]
             fn = jax.jit(lambda lp, arena, table, parts, ys: experts_stage(lp, arena, table, spec, opts, parts, ys),
                          donate_argnums=(4,))
-            return fn.lower(_sds(self.moe_p[0]), _sds(self.arena_tree(self.arena.layers[0])),
+            return fn.lower(_sds(self.moe_p[first]), _sds(self.arena_tree(first)),
                             S((spec.n_experts,), jnp.int32), parts, ys).compile()
+        if layout.stage == "predict":
+            fn = jax.jit(lambda p, xs: predict_stage(p, spec, opts, xs))
+            return fn.lower(_sds(self.predict_p[first]), xs).compile()
         if layout.stage == "head":
             fn = jax.jit(lambda p, gs, xs: head_stage(p, spec, opts, gs, xs))
             return fn.lower(_sds(self.head_p), groups, xs).compile()
@@ -127,4 +185,12 @@ class LayerStepper:
         return {**self.total.as_dict(), "device_slots": a.n_slots, "device_bytes": a.nbytes,
                 "exchanged": a.exchanged, "copy_seconds": round(a.copy_seconds, 3),
                 "resident_bytes": host.resident_bytes, "resident_experts": len(host.resident),
-                "file_reads": host.file_reads, "experts_total": host.n_experts * len(host.layers)}
+                "file_reads": host.file_reads, "experts_total": host.n_experts * len(host.layers),
+                "pinned": sum(len(p) for p in a.pinned.values()), "prefetch": int(self.prefetch)}
+
+
+def _by_count(guess: list, reals: list) -> list[int]:
+    """The distinct experts of the predicted ids (real tokens only), most often chosen first."""
+    ids = np.concatenate([np.asarray(g)[real] for g, real in zip(guess, reals)]).reshape(-1)
+    counts = np.bincount(ids)
+    return [int(e) for e in np.argsort(-counts, kind="stable") if counts[e] > 0]

@@ -6,4 +6,4 @@ from .host import EXPERT_TENSORS, HostTier
 from .policy import POLICIES, make_policy
 from .stats import ExpertCounters, resident_line
 
-__all__ = ["EXPERT_TENSORS", "ExpertArena", "ExpertCounters", "HostTier", "POLICIES", "make_policy", "resident_line"]
+__all__ = ["EXPERT_TENSORS", "POLICIES", "ExpertArena", "ExpertCounters", "HostTier", "make_policy", "resident_line"]

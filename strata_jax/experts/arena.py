@@ -9,13 +9,18 @@ jitted update that donates the arena leaf, so it is written in place, never copi
 `passes(layer, ids)` is the host's side of one layer: it yields the device page table once for every
 pass the layer needs (one, unless the window chose more distinct experts than the arena has slots),
 after making that pass's experts resident.
+
+Pinned experts (`pin`, from an expert profile at start) stay in their slots for good: the policy never
+picks them, and a pass fits the layer's other experts into the unpinned slots. `prefetch(layer, experts)`
+copies experts in ahead of the layer's lookup (the engine's guess of what the layer will need); it never
+counts as a lookup, and a later lookup that finds a prefetched expert counts as a prefetch hit.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +59,8 @@ class ExpertArena:
         self.tables = {i: jnp.array(self.slot_of[i].copy()) for i in self.layers}   # a copy: never aliased
         self.policies = {i: make_policy(policy, self.n_experts) for i in self.layers}
         self.policy = policy
+        self.pinned = {i: set() for i in self.layers}    # experts that never leave (an expert profile's hottest)
+        self.fresh = {i: set() for i in self.layers}     # prefetched experts not looked up yet
         self.clock = 0
         self.exchanged = 0            # experts copied host -> device since start
         self.copy_seconds = 0.0
@@ -78,22 +85,56 @@ class ExpertArena:
             counters.decode_hits += len(hits)
             counters.decode_misses += len(missing)
         self.policies[layer].access(needed, self.clock)
-        order = hits + missing                            # resident ones first: the first pass moves least
-        for start in range(0, len(order), self.n_slots):
-            chunk = order[start:start + self.n_slots]
-            if start:
+        fresh = self.fresh[layer]
+        counters.prefetch_hits += len(fresh.intersection(hits))
+        fresh.clear()
+        pinned = self.pinned[layer]
+        # Pinned experts sit in their slots already; the others share the unpinned slots, resident ones
+        # first (the first pass moves least), as many a pass as there are unpinned slots.
+        free_slots = self.n_slots - len(pinned)
+        first = [e for e in needed if e in pinned]
+        order = [e for e in hits if e not in pinned] + missing
+        for n, start in enumerate(range(0, max(len(order), 1), free_slots)):
+            chunk = (first if n == 0 else []) + order[start:start + free_slots]
+            if n:
                 counters.passes += 1
             self._load(layer, [e for e in chunk if slot_of[e] < 0], set(chunk), counters)
             yield self.tables[layer]
 
-    def _load(self, layer: int, experts: list[int], protected: set[int], counters: ExpertCounters) -> None:
+    def pin(self, layer: int, experts: list[int]) -> None:
+        """Bring `experts` in now and keep them for good (at least one slot always stays unpinned)."""
+        room = self.n_slots - 1 - len(self.pinned[layer])
+        experts = [e for e in experts if e not in self.pinned[layer]][:max(room, 0)]
+        self._load(layer, [e for e in experts if self.slot_of[layer][e] < 0], set(experts), None)
+        self.pinned[layer].update(experts)
+
+    def prefetch(self, layer: int, experts: list[int], counters: ExpertCounters) -> None:
+        """Copy in the experts that `layer` will likely need (up to its unpinned slots), before it asks."""
+        slot_of, pinned = self.slot_of[layer], self.pinned[layer]
+        room = self.n_slots - len(pinned)
+        want = [e for e in experts if e not in pinned][:room]
+        todo = [e for e in want if slot_of[e] < 0]
+        if todo:
+            self._load(layer, todo, set(want), counters, prefetch=True)
+            self.fresh[layer].update(todo)
+
+    def _load(self, layer: int, experts: list[int], protected: set[int], counters: ExpertCounters | None,
+              prefetch: bool = False) -> None:
+        """Copy `experts` into free slots or ones the policy frees (never a protected or pinned expert's).
+        counters None: at start (pinning), counted nowhere but in `exchanged`."""
         if not experts:
             return
         t0 = time.perf_counter()
         slot_of, expert_in, policy = self.slot_of[layer], self.expert_in[layer], self.policies[layer]
-        for e in experts:
-            counters.misses_host += self.host.tier_of(layer, e) == "host"
-            counters.misses_file += self.host.tier_of(layer, e) == "file"
+        protected = protected | self.pinned[layer]
+        if counters is None:
+            counters = ExpertCounters()
+        elif prefetch:
+            counters.prefetched += len(experts)
+        else:
+            for e in experts:
+                counters.misses_host += self.host.tier_of(layer, e) == "host"
+                counters.misses_file += self.host.tier_of(layer, e) == "file"
         blocks = self.host.get(layer, experts)            # file-tier ones read by the pool's threads
         slots = []
         for e in experts:
@@ -104,6 +145,7 @@ class ExpertArena:
                 old = policy.victim([int(x) for x in expert_in], protected, self.clock)
                 s = int(slot_of[old])
                 slot_of[old] = -1
+                self.fresh[layer].discard(old)
                 counters.evictions += 1
             slot_of[e], expert_in[s] = s, e
             slots.append(s)

@@ -13,7 +13,7 @@ Two policies, one interface (per MoE layer; `now` is a clock that ticks once a l
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 POLICIES = ("freq", "lru")
 

@@ -20,6 +20,8 @@ class ExpertCounters:
     bytes_moved: int = 0       # bytes copied into the arena
     evictions: int = 0
     passes: int = 0            # extra passes: a layer that needed more experts than the arena has slots
+    prefetched: int = 0        # experts copied in ahead of their layer by prefetch (not in lookups)
+    prefetch_hits: int = 0     # lookups that found an expert prefetch had brought (counted in hits too)
 
     def add(self, other: ExpertCounters) -> None:
         for f in fields(self):

@@ -75,9 +75,12 @@ jax.tree_util.register_pytree_node_class(Group)
 
 
 def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group, ...],
-            cache: dict[str, jax.Array], kv_len: int, with_hidden: bool = False, host: HostKV | None = None):
+            cache: dict[str, jax.Array], kv_len: int, with_hidden: bool = False, host: HostKV | None = None,
+            counts: jax.Array | None = None):
     """One window -> (logits float32 per group: [R, V] or [R, L, V] with all_logits; the updated cache).
     host: where positions >= host.resident live (--kv-resident; see kv_offload.py), else None.
+    With counts (int32 [n_layers, E], the expert profile): each MoE layer adds the experts its real tokens
+    routed to, and the updated counts come back last.
 
     with_hidden (static): -> (logits, hiddens, cache), hiddens per group [R, L, h] in opts.dtype: every
     token's last hidden state AFTER the final norm (output_norm), the input of the MTP layer (mtp.py), as
@@ -89,7 +92,10 @@ def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group
     dtype = jnp.dtype(opts.dtype)
     xs = [embed_rows(params["embed"], g.tokens, dtype) for g in groups]               # [R, L, h] each
     for i, lp in enumerate(params["layers"]):
-        xs, cache = _layer(lp, i, spec, opts, groups, xs, cache, kv_len, host)
+        if counts is None:
+            xs, cache = _layer(lp, i, spec, opts, groups, xs, cache, kv_len, host)
+        else:
+            xs, cache, counts = _layer(lp, i, spec, opts, groups, xs, cache, kv_len, host, counts)
     out, hiddens = [], []
     for x, g in zip(xs, groups):
         x = rms_norm(x, params["norm"], spec.rms_eps)
@@ -99,7 +105,8 @@ def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group
             last = jnp.maximum(jnp.sum(g.pos >= 0, axis=1) - 1, 0)
             x = x[jnp.arange(R), last]                                                 # [R, h]
         out.append(linear(x, params["output"], opts.backend).astype(jnp.float32))
-    return (out, hiddens, cache) if with_hidden else (out, cache)
+    ret = (out, hiddens, cache) if with_hidden else (out, cache)
+    return ret if counts is None else (*ret, counts)
 
 
 def _stored(cache: dict, name: str, x: jax.Array) -> dict[str, jax.Array]:
@@ -123,9 +130,11 @@ def _read(cache: dict, name: str, i: int, slots, kv_len: int, dtype) -> jax.Arra
     return x.astype(dtype)
 
 
-def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None):
+def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None,
+           counts=None):
     """Decoder layer i over every group of the window: attention (writing the new keys and values into
-    the cache first) and the FFN or experts."""
+    the cache first) and the FFN or experts -> (xs, cache), and the updated counts third when `counts` (the
+    expert profile, int32 [n_layers, E]) is given."""
     xs = list(xs)
     for n, g in enumerate(groups):
         x, cache = attention(lp, i, spec, opts, g, xs[n], cache, kv_len, host)
@@ -133,10 +142,14 @@ def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv
         hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps)
         if "router" in lp:
             ffn = moe(hx.reshape(R * L, -1), lp, spec, opts.backend).reshape(R, L, -1)
+            if counts is not None:      # the same router math as moe()'s: XLA computes it once
+                _, ids = route(hx.reshape(R * L, -1), lp["router"], spec, opts.backend, lp.get("exp_bias"))        # [R*L, k]
+                real = jnp.repeat((g.pos.reshape(-1) >= 0).astype(jnp.int32), ids.shape[1])
+                counts = counts.at[i, ids.reshape(-1)].add(real)
         else:
             ffn = mlp(hx, lp["w_gate"], lp["w_up"], lp["w_down"], opts.backend)
         xs[n] = x + ffn
-    return xs, cache
+    return (xs, cache) if counts is None else (xs, cache, counts)
 
 
 def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache, kv_len: int, host=None):
@@ -212,6 +225,12 @@ def experts_stage(lp: dict, arena: dict, table, spec: ModelSpec, opts: RunOption
         xs.append(x + ffn)
         ys.append(y)
     return xs, ys
+
+
+def dense_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
+    """A dense layer (attention and FFN) among MoE ones (e.g. GLM-4.5's leading layers): forward()'s own
+    layer code, so the same bits."""
+    return _layer(lp, i, spec, opts, groups, xs, cache, kv_len)
 
 
 def head_stage(params: dict, spec: ModelSpec, opts: RunOptions, groups, xs) -> list:

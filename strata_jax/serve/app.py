@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (also without /v1, as llama.cpp)
     GET /health   GET /metrics   GET /slots   GET /faults
+    POST /expert-profile {"path": FILE}   (writes the engine's expert profile: see experts/profile.py)
 
 Every answer that is an error has OpenAI's shape, from whatever raised it (our ApiError, Litestar's
 HTTPException for 404/405/413, or a bug: 500), so no input can take the server down. With an API key
@@ -100,6 +101,20 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         return {"state": sup.state, "reason": sup.reason, "generation": sup.generation, "restarts": sup.restarts,
                 **sup.ledger.to_json()}
 
+    @post("/expert-profile", status_code=200)
+    async def expert_profile(request: Request) -> dict[str, Any]:
+        """Write how often live traffic routed to each (layer, expert) to a file on the server's machine,
+        for `--expert-profile FILE` at a later start."""
+        try:
+            body = await request.json()
+        except Exception:  # noqa: BLE001 - any unreadable body is the caller's error
+            body = None
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise ApiError(400, 'path: a JSON body {"path": "FILE"} naming where to write the profile is needed',
+                           "invalid_request_error", "path")
+        return await sup.save_expert_profile(path)
+
     sup.on_fault = lambda fault: metrics.restarts.inc()
 
     def api_error(_: Request, exc: ApiError) -> Response:
@@ -121,7 +136,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
                         media_type=JSON)
 
     return Litestar(
-        route_handlers=[chat_completions, completions, models, health, prometheus, slots, faults],
+        route_handlers=[chat_completions, completions, models, health, prometheus, slots, faults, expert_profile],
         guards=[_api_key_guard(cfg.api_key)] if cfg.api_key else [],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
         on_startup=[_hook(sup.start)], on_shutdown=[_hook(sup.stop)],

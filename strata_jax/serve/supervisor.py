@@ -281,7 +281,7 @@ class Supervisor:
                 t.events.put_nowait(ev)
             else:
                 self._end(t, ev)
-        elif kind in ("prepared", "rejected", "stats"):
+        elif kind in ("prepared", "rejected", "stats", "saved"):
             fut = self._replies.pop(msg["id"], None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -410,6 +410,19 @@ class Supervisor:
             except (TimeoutError, EngineGone):
                 pass
         return self.last_stats
+
+    async def save_expert_profile(self, path: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Have the engine write its expert profile to `path` -> {"path", "routed"}."""
+        if not self.ready:
+            raise ApiError(503, f"the engine is not ready ({self.state}: {self.reason})", "unavailable_error")
+        try:
+            reply = await self._ask({"op": "expert_profile", "id": f"profile-{next(self._ids)}", "path": path},
+                                    time.monotonic() + timeout)
+        except (TimeoutError, EngineGone):
+            raise ApiError(503, "the engine did not write the expert profile in time", "unavailable_error") from None
+        if reply["t"] == "saved":
+            return {"path": reply["path"], "routed": reply["routed"]}
+        raise _rejection(reply)
 
     def slots(self) -> list[dict[str, Any]]:
         now = time.monotonic()

@@ -113,6 +113,14 @@ class Worker:
                 h = self.handles.get(cmd["id"])
             if h is not None:
                 h.cancel()
+        elif op == "expert_profile":
+            try:
+                out = self.engine.save_expert_profile(cmd["path"])
+            except (OSError, ValueError) as e:     # a path it cannot write, a model without experts
+                self.writer.send({"t": "rejected", "id": cmd["id"], "kind": "invalid", "param": "path",
+                                  "message": f"the expert profile was not written: {_one_line(e)}"})
+            else:
+                self.writer.send({"t": "saved", "id": cmd["id"], **out})
         elif op == "stats":
             self.writer.send({"t": "stats", "id": cmd["id"], "stats": self._stats()})
         else:
