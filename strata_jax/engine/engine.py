@@ -138,27 +138,21 @@ class Engine:
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 [T, vocab] for the given tokens, no sampling (research and checks). Runs on a slot of
         its own between windows, so it never disturbs requests in flight."""
-        ids = self.prompt_ids([int(t) for t in token_ids])
-        if len(ids) > self.config.max_context:
-            raise ContextOverflowError(len(ids), 0, self.config.max_context)
-        done: queue.Queue = queue.Queue()
-        self._ensure_thread()
-        self.inbox.put(("logits", ids, done))       # type: ignore[arg-type]
-        self._wake.set()
-        out = done.get()
-        if isinstance(out, BaseException):
-            raise out
-        return out
+        return self._ask_engine_thread("logits", token_ids)
 
     def logits_reusing(self, token_ids: list[int]) -> tuple[int, np.ndarray]:
         """Like logits, but on a free slot through the prefix cache, as a request would read the prompt:
         -> (tokens reused, float32 [T - reused, vocab] for the tokens read). The slot keeps the KV."""
+        return self._ask_engine_thread("logits_reusing", token_ids)
+
+    def _ask_engine_thread(self, kind: str, token_ids: list[int]):
+        """Run a logits job on the engine thread (which alone touches the device) and wait for its answer."""
         ids = self.prompt_ids([int(t) for t in token_ids])
         if len(ids) > self.config.max_context:
             raise ContextOverflowError(len(ids), 0, self.config.max_context)
         done: queue.Queue = queue.Queue()
         self._ensure_thread()
-        self.inbox.put(("logits_reusing", ids, done))       # type: ignore[arg-type]
+        self.inbox.put((kind, ids, done))       # type: ignore[arg-type]
         self._wake.set()
         out = done.get()
         if isinstance(out, BaseException):
