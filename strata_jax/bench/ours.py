@@ -78,9 +78,10 @@ def steady_rates(times: list[list[float]]) -> tuple[list[float], float]:
 
 
 def measure_prefill(eng, opts: BenchOptions) -> dict:
-    ids = prompt_ids(eng.spec.vocab_size, opts.prompt_tokens, opts.seed)
     runs = []
     for i in range(opts.repeat + 1):                    # the first run builds the prompt's programs
+        # A new prompt each run: the prefix cache would otherwise reuse the last run's KV and read 1 token.
+        ids = prompt_ids(eng.spec.vocab_size, opts.prompt_tokens, opts.seed + 7919 * i)
         c = eng.generate(ids, max_tokens=1, temperature=0.0, ignore_eos=True)
         if i:
             runs.append(c.stats["prompt_per_second"])
