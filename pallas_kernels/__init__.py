@@ -19,15 +19,40 @@ import jax.numpy as jnp
 from . import gpu, xla
 from .grouping import gather_rows, group_rows, scatter_rows
 from .layout import Layout, layout_for
-from .qtypes import SUPPORTED, QType, UnsupportedQuantType, as_qtype, block_size, row_bytes, type_size
+from .qtypes import (
+    SUPPORTED,
+    QType,
+    UnsupportedQuantType,
+    as_qtype,
+    block_size,
+    row_bytes,
+    type_size,
+)
 from .random_blocks import random_blocks
 
 BACKENDS = ("xla", "pallas", "interpret", "auto")
 
 __all__ = [
-    "BACKENDS", "SUPPORTED", "QType", "UnsupportedQuantType", "as_qtype", "block_size", "type_size", "row_bytes",
-    "dequantize", "qmatmul", "expert_matmul", "expert_matmul_tiles", "expert_tile", "group_rows",
-    "scatter_rows", "gather_rows", "random_blocks", "resolve_backend", "layout_for", "Layout",
+    "BACKENDS",
+    "SUPPORTED",
+    "Layout",
+    "QType",
+    "UnsupportedQuantType",
+    "as_qtype",
+    "block_size",
+    "dequantize",
+    "expert_matmul",
+    "expert_matmul_tiles",
+    "expert_tile",
+    "gather_rows",
+    "group_rows",
+    "layout_for",
+    "qmatmul",
+    "random_blocks",
+    "resolve_backend",
+    "row_bytes",
+    "scatter_rows",
+    "type_size",
 ]
 
 

@@ -17,7 +17,8 @@ FMA. Layouts: ggml-quants.c / ggml-common.h (block_q4_0 ... block_iq2_s).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp

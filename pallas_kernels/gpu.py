@@ -11,8 +11,6 @@ clamping the rows read (loads stay in bounds) and slicing the padded output.
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

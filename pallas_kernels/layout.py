@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .bodies import BODIES, FLOAT_BODIES, FLOAT_BYTES
 from .qtypes import TABLES, QType, as_qtype, block_size, type_size

@@ -6,7 +6,7 @@ implementation (`gguf.quants`), so that our kernels and the oracle read the same
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -71,7 +71,7 @@ def row_bytes(qtype: QType, n_values: int) -> int:
     return n_values // bs * ts
 
 
-@lru_cache(maxsize=None)
+@cache
 def table(name: str) -> np.ndarray:
     """Lookup tables of the IQ types, as flat arrays the kernels index.
 

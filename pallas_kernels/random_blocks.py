@@ -8,7 +8,7 @@ dequantized weights have mean ~0 and the standard deviation asked for. Used by k
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from gguf import quants as gq
@@ -44,7 +44,7 @@ def _set_fields(blocks: np.ndarray, qtype: QType, scale: float | np.ndarray, off
         blocks[..., pos:pos + 2] = np.broadcast_to(value, blocks.shape[:-1])[..., None].view(np.uint8)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _unit_stats(qtype: QType) -> tuple[float, float]:
     """(offset per unit scale that centres the values, std of the values at unit scale)."""
     rng = np.random.default_rng(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tokenizer_data import made_vocab, smollm2_tokenizer, smollm2_transformers
 
 from strata_jax.gguf.chat_template import (
     ChatMessageError,
@@ -14,7 +15,6 @@ from strata_jax.gguf.chat_template import (
     validate_messages,
 )
 from strata_jax.gguf.tokenizer import load_tokenizer
-from tokenizer_data import made_vocab, smollm2_tokenizer, smollm2_transformers
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -17,7 +17,12 @@ from strata_jax.serve.errors import ApiError
 from strata_jax.serve.generate import ModelNames, parse_chat, parse_completion
 from strata_jax.serve.ledger import Fault, describe_exit
 from strata_jax.serve.protocol import pack, read_frame
-from strata_jax.serve.reasoning import CONTENT, REASONING, ReasoningParser, split_reasoning
+from strata_jax.serve.reasoning import (
+    CONTENT,
+    REASONING,
+    ReasoningParser,
+    split_reasoning,
+)
 from strata_jax.serve.supervisor import Prepared, StderrTail, Supervisor
 
 # ---- reasoning -------------------------------------------------------------------------------------------

@@ -15,15 +15,6 @@ import io
 
 import pytest
 import regex
-
-from strata_jax.gguf.pretokenizers import PRE_TOKENIZERS
-from strata_jax.gguf.tokenizer import (
-    CONTROL,
-    NORMAL,
-    TokenizerError,
-    UnknownPreTokenizerError,
-    load_tokenizer,
-)
 from tokenizer_data import (
     EMOJI_CJK,
     TEXTS,
@@ -32,6 +23,15 @@ from tokenizer_data import (
     made_vocab,
     smollm2_tokenizer,
     smollm2_transformers,
+)
+
+from strata_jax.gguf.pretokenizers import PRE_TOKENIZERS
+from strata_jax.gguf.tokenizer import (
+    CONTROL,
+    NORMAL,
+    TokenizerError,
+    UnknownPreTokenizerError,
+    load_tokenizer,
 )
 
 SPECIAL_MARKERS = ("<|", "<think>", "</think>")
@@ -139,7 +139,7 @@ def test_bpe_ids_are_merges_of_llama_cpp_split(pre):
 
 def test_deepseek_v3_split_examples():
     tok = made_tokenizer("deepseek-v3")
-    pieces = lambda text: [tok.decode([i]) for i in tok.encode(text, add_special=False)]  # noqa: E731
+    pieces = lambda text: [tok.decode([i]) for i in tok.encode(text, add_special=False)]
     assert "".join(pieces("1234567")) == "1234567" and all(len(p) <= 3 for p in pieces("1234567"))
     # A run of CJK is cut away from neighbouring latin text, never merged with it.
     assert not any("日" in p and "a" in p for p in pieces("a日本語a"))

@@ -14,7 +14,12 @@ from pathlib import Path
 
 from strata_jax.gguf.tokenizer import Tokenizer, load_tokenizer
 from strata_jax.testing.fetch import smollm2_path
-from strata_jax.testing.vocab_files import CORPUS, bpe_vocab_metadata, sentencepiece_vocab_metadata, write_vocab_gguf
+from strata_jax.testing.vocab_files import (
+    CORPUS,
+    bpe_vocab_metadata,
+    sentencepiece_vocab_metadata,
+    write_vocab_gguf,
+)
 
 # Text the tokenizers must agree on: unicode (CJK, emoji with joiners and modifiers), digits and long
 # numbers, code, whitespace runs, newlines, contractions, and special-token text.
@@ -40,24 +45,24 @@ TEXTS = [
 EMOJI_CJK = "🇫🇷 👨‍👩‍👧‍👦 é 日本語 😀🦜 中文 🫠 ∑√∞ 한국어"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def workdir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="strata-tokenizer-tests-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2_gguf() -> Path:
     return smollm2_path()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2_tokenizer() -> Tokenizer:
     return load_tokenizer(smollm2_gguf())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2_transformers():
     from transformers import AutoTokenizer
 
@@ -65,7 +70,7 @@ def smollm2_transformers():
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def made_vocab(name: str) -> tuple[Path, dict]:
     """(GGUF path, metadata) of a made vocabulary: a byte-level BPE for pre-tokenizer `name`, or "spm"."""
     metadata = sentencepiece_vocab_metadata() if name == "spm" else bpe_vocab_metadata(name)
@@ -73,12 +78,12 @@ def made_vocab(name: str) -> tuple[Path, dict]:
     return path, metadata
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def made_tokenizer(name: str) -> Tokenizer:
     return load_tokenizer(made_vocab(name)[0])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def made_transformers(name: str):
     from transformers import AutoTokenizer
 

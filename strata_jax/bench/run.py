@@ -7,7 +7,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from strata_jax.bench.machine import limit_threads, load_average, machine_info, memory_bandwidth
+from strata_jax.bench.machine import (
+    limit_threads,
+    load_average,
+    machine_info,
+    memory_bandwidth,
+)
 from strata_jax.bench.options import BenchOptions
 from strata_jax.bench.traffic import bound, bytes_per_token
 from strata_jax.gguf import GGUFModel

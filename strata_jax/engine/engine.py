@@ -13,9 +13,10 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,14 @@ from ..experts import ExpertCounters, resident_line
 from ..gguf import GGUFModel, load_tokenizer
 from .memory import is_resource_exhausted
 from .prefix_cache import PrefixCache
-from .request import ContextOverflowError, Event, Handle, Request, RequestError, SamplingParams
+from .request import (
+    ContextOverflowError,
+    Event,
+    Handle,
+    Request,
+    RequestError,
+    SamplingParams,
+)
 from .runner import GroupInput, ModelRunner
 from .sampler import SamplingRows
 from .scheduler import Scheduler, Window, bucket, decode_group, prefill_group

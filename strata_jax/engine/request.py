@@ -6,8 +6,9 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 
 class RequestError(ValueError):

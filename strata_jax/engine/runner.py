@@ -18,10 +18,18 @@ import numpy as np
 import pallas_kernels as pk
 
 from ..config import EngineConfig
-from ..gguf import GGUFModel
 from ..experts import EXPERT_TENSORS, ExpertArena, HostTier
 from ..experts.profile import ExpertProfile, pins_for
-from ..model import Group, RunOptions, expert_tensor_bytes, forward, load_experts, load_params, new_kv_cache
+from ..gguf import GGUFModel
+from ..model import (
+    Group,
+    RunOptions,
+    expert_tensor_bytes,
+    forward,
+    load_experts,
+    load_params,
+    new_kv_cache,
+)
 from ..testing.faults import Faults
 from .kv_host import KVHostStore
 from .memory import MemoryLedger

@@ -71,7 +71,9 @@ def load_tokenizer(path_or_metadata: str | os.PathLike | Mapping[str, Any], **kw
     """
     if isinstance(path_or_metadata, Mapping):
         return Tokenizer(path_or_metadata, **kwargs)
-    from strata_jax.gguf.reader import read_metadata  # reads the key-value section only, no tensor data
+    from strata_jax.gguf.reader import (
+        read_metadata,  # reads the key-value section only, no tensor data
+    )
 
     metadata = read_metadata(path_or_metadata)
     try:

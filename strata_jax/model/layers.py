@@ -6,10 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
+
 from ..gguf import ModelSpec
 from .weights import Weight, expert_linear_tiles, linear
-
-import pallas_kernels as pk
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

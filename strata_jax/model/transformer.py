@@ -20,7 +20,16 @@ import jax.numpy as jnp
 
 from ..gguf import ModelSpec
 from .kv_offload import HostKV, host_source
-from .layers import attend, combine_experts, expert_rows, mlp, moe, rms_norm, rope, route
+from .layers import (
+    attend,
+    combine_experts,
+    expert_rows,
+    mlp,
+    moe,
+    rms_norm,
+    rope,
+    route,
+)
 from .weights import embed_rows, linear
 
 
