@@ -308,6 +308,22 @@ class Engine:
                         s.request.experts = ExpertCounters()
                     s.request.experts.add(self.runner.stepper.last)
         self._apply(w, outs)
+        if self.speculator is not None and self.runner.last_hiddens is not None:
+            self._after_window(w)
+
+    def _after_window(self, w: Window) -> None:
+        """Hand the window's hidden states to the drafter (mtp). A failure there costs drafts, not requests."""
+        try:
+            self.speculator.after_window(w, self.runner.last_hiddens)
+        except Exception as e:  # noqa: BLE001 - the window's tokens are out; only drafting is affected
+            log.warning("the drafter failed after window %s (%s): no drafts for its slots until their next window",
+                        self._describe(w), _first_line(e))
+            for s in w.decode + ([w.prefill] if w.prefill is not None else []):
+                self.speculator.reset(s)
+            if self.runner.cache_lost():
+                self._lose_cache(e)
+        finally:
+            self.runner.last_hiddens = None
 
     def _recover(self, w: Window, e: Exception) -> None:
         if self.runner.cache_lost():

@@ -72,6 +72,9 @@ class PrefixCache:
             kw = {"key_fn": key_fn} if key_fn is not None else {}
             self.host = ConversationCache(self.block, int(cfg.conversation_cache_mib * 2**20),
                                           cfg.conversation_cache_slots, **kw)
+        # The mtp drafter's layer keeps, at each position, an entry made from the NEXT token too: the last
+        # reused position's was made with the old conversation's next token, so it is read again.
+        self.reread = 1 if cfg.spec > 0 and cfg.drafter == "mtp" else 0
         self.counters = {"requests": 0, "slot_hits": 0, "slot_reused_tokens": 0}
         self.on_restore: Callable[[list[int], np.ndarray], None] | None = None    # tests: (prompt, restored tokens)
         self._read = jax.jit(_read_block, static_argnames=("size",))
@@ -96,10 +99,12 @@ class PrefixCache:
         if self.host is not None and len(slot.kept) // B > n // B:    # kept blocks past the match would be lost
             self._store(slot)
         if blocks:
-            n = self._restore(slot, prompt, blocks, n)
-        elif n:
-            self.counters["slot_hits"] += 1
-            self.counters["slot_reused_tokens"] += n
+            n = self._restore(slot, prompt, blocks, n) - self.reread
+        else:
+            n = max(n - self.reread, 0)
+            if n:
+                self.counters["slot_hits"] += 1
+                self.counters["slot_reused_tokens"] += n
         return slot, n
 
     # ---- host RAM -------------------------------------------------------------------------------------

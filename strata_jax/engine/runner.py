@@ -100,6 +100,11 @@ class ModelRunner:
         self.expert_counts = None          # device mode: int32 [n_layers, E], routing of live traffic
         if self.spec.is_moe:
             self._place_experts(model, cfg.expert_policy)
+        # --drafter mtp: window programs also hand back every token's last hidden state (the MTP layer's
+        # input), kept on the device in last_hiddens until the next window
+        self.with_hidden = cfg.spec > 0 and cfg.drafter == "mtp"
+        self.last_hiddens: list[jax.Array] | None = None
+        self.builders: dict = {}            # stage -> build(layout): programs of other parts (the MTP drafter's)
         self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.wait_for_device, self.faults)
         self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
         self._verify = jax.jit(verify)          # the speculative accept rule, one per verify group shape
@@ -138,20 +143,25 @@ class ModelRunner:
         layout = self.layout_of(groups, kv_needed)
         self.windows += 1
         self.faults.on_window()
+        self.last_hiddens = None
         if self.stepper is not None:
-            return self.stepper.run(groups, layout)
-        args = []
-        for g in groups:
-            args += [g.tokens, g.pos, g.slots]
-        if self.expert_counts is None:
-            logits, self.cache = self.programs.run(layout, self.params, self.cache, *args)
+            out = self.stepper.run(groups, layout)
         else:
-            if self.expert_counts.is_deleted():   # a failed run consumed it: the profile starts again
-                log.warning("the expert profile's counts were lost in a failed window: counting anew")
-                self.expert_counts = self._new_counts()
-            logits, self.cache, self.expert_counts = self.programs.run(
-                layout, self.params, self.cache, self.expert_counts, *args)
-        return logits
+            args = []
+            for g in groups:
+                args += [g.tokens, g.pos, g.slots]
+            if self.expert_counts is None:
+                *out, self.cache = self.programs.run(layout, self.params, self.cache, *args)
+            else:
+                if self.expert_counts.is_deleted():   # a failed run consumed it: the profile starts again
+                    log.warning("the expert profile's counts were lost in a failed window: counting anew")
+                    self.expert_counts = self._new_counts()
+                *out, self.cache, self.expert_counts = self.programs.run(
+                    layout, self.params, self.cache, self.expert_counts, *args)
+            out = tuple(out) if self.with_hidden else out[0]
+        if self.with_hidden:
+            out, self.last_hiddens = out
+        return out
 
     def set_faults(self, faults: Faults) -> None:
         """Swap the fault injector (tests)."""
@@ -207,6 +217,8 @@ class ModelRunner:
         """Compile the window program of `layout`: tokens, positions and slots in, logits out (sampling is
         a small program of its own, `_sample`, compiled once per row count: keeping it out of every window
         program makes each build ~0.7 s faster on a CPU)."""
+        if layout.stage in self.builders:
+            return self.builders[layout.stage](layout)
         if layout.stage != "window":
             return self.stepper.build(layout)
         spec, opts = self.spec, self.opts
@@ -215,7 +227,8 @@ class ModelRunner:
         def window(params, cache, *flat):
             counts, flat = (flat[0], flat[1:]) if counting else (None, flat)
             groups = [Group(*flat[3 * n: 3 * n + 3], all_logits) for n, (_, _, all_logits) in enumerate(layout.groups)]
-            return forward(params, spec, opts, tuple(groups), cache, layout.kv_len, host=self.kv_host, counts=counts)
+            return forward(params, spec, opts, tuple(groups), cache, layout.kv_len, with_hidden=self.with_hidden,
+                           host=self.kv_host, counts=counts)
 
         args = [self.expert_counts] if counting else []
         for rows, length, _ in layout.groups:

@@ -98,8 +98,9 @@ class LayerStepper:
         stages = STAGES + ("predict",) * self.prefetch + ("dense",) * bool(self.dense_p)
         return [replace(layout, stage=s, kv_len=layout.kv_len if s in ("attn", "dense") else 0) for s in stages]
 
-    def run(self, groups, layout: Layout) -> list:
-        """One window (GroupInputs) -> logits per group, as forward() gives them."""
+    def run(self, groups, layout: Layout):
+        """One window (GroupInputs) -> logits per group, as forward() gives them (and the hidden states, as
+        (logits, hiddens), when the runner asks for them: the MTP drafter)."""
         counters = self.last = ExpertCounters()
         try:
             return self._run(groups, self.stage_layouts(layout), counters)
@@ -176,7 +177,8 @@ class LayerStepper:
             fn = jax.jit(lambda p, xs: predict_stage(p, spec, opts, xs))
             return fn.lower(_sds(self.predict_p[first]), xs).compile()
         if layout.stage == "head":
-            fn = jax.jit(lambda p, gs, xs: head_stage(p, spec, opts, gs, xs))
+            hidden = self.runner.with_hidden
+            fn = jax.jit(lambda p, gs, xs: head_stage(p, spec, opts, gs, xs, hidden))
             return fn.lower(_sds(self.head_p), groups, xs).compile()
         raise ValueError(f"unknown stage {layout.stage!r}")
 

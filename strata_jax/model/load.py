@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from ..gguf import GGUFModel
@@ -90,6 +91,20 @@ def load_experts(model: GGUFModel, params: dict, mode: str, dtype: str) -> None:
             name = f"blk.{i}.{suffix}"
             if short in EXPERT_TENSORS and name in model.tensors:
                 lp[short] = to_device(model.tensors[name], mode, dtype)
+
+
+def load_nextn_experts(model: GGUFModel, params: dict, mode: str, dtype: str) -> int:
+    """Put the NextN (MTP) layer's routed experts on the device (the expert tiers hold only the main layers'):
+    -> their device bytes (0 when there is no such layer or they are there already)."""
+    if "mtp" not in params or "exp_gate" in params["mtp"]["layer"]:
+        return 0
+    lp, nbytes = params["mtp"]["layer"], 0
+    for suffix, short in _LAYER_TENSORS.items():
+        name = f"blk.{model.spec.n_layers}.{suffix}"
+        if short in EXPERT_TENSORS and name in model.tensors:
+            lp[short] = to_device(model.tensors[name], mode, dtype)
+            nbytes += sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(lp[short]))
+    return nbytes
 
 
 def expert_tensor_bytes(model: GGUFModel, mode: str, dtype: str) -> int:

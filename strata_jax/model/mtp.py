@@ -33,6 +33,8 @@ Interface (the speculative-decoding drafter codes against it):
         pos    [R, L]     int32: the hidden states' positions; -1: padding (real tokens first)
         slots  [R]        int32: the rows' KV slots
         -> (logits [R, L, V] float32, hidden_out [R, L, h] in opts.dtype, cache)
+    with last_only=True: logits [R, V] and hidden_out [R, h] of each row's last real position only (the
+    drafter's case: the head over a whole prompt chunk would cost chunk x vocab for one draft).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def has_mtp(params: dict) -> bool:
 
 
 def mtp_forward(params: dict, spec: ModelSpec, opts: RunOptions, hidden: jax.Array, tokens: jax.Array,
-                pos: jax.Array, slots: jax.Array, cache: dict[str, jax.Array], kv_len: int, host=None):
+                pos: jax.Array, slots: jax.Array, cache: dict[str, jax.Array], kv_len: int, host=None,
+                last_only: bool = False):
     """The NextN layer over R rows of L positions -> (logits [R, L, V] float32, hidden_out [R, L, h], cache).
     Writes the layer's keys and values at cache layer spec.n_layers (see the module docstring). host: the
     runner's kv_host (--kv-resident), as for forward()."""
@@ -67,5 +70,8 @@ def mtp_forward(params: dict, spec: ModelSpec, opts: RunOptions, hidden: jax.Arr
     group = Group(tokens, pos, slots, all_logits=True)
     (y,), cache = _layer(p["layer"], spec.n_layers, spec, opts, (group,), [x], cache, kv_len, host)
     out = rms_norm(y, p["head_norm"], spec.rms_eps)                                          # [R, L, h]
+    if last_only:
+        last = jnp.maximum(jnp.sum(pos >= 0, axis=1) - 1, 0)
+        out = out[jnp.arange(out.shape[0]), last]                                            # [R, h]
     logits = linear(out, p["head"], opts.backend).astype(jnp.float32)                        # [R, L, V]
     return logits, out, cache

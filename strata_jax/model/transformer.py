@@ -242,13 +242,15 @@ def dense_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cach
     return _layer(lp, i, spec, opts, groups, xs, cache, kv_len)
 
 
-def head_stage(params: dict, spec: ModelSpec, opts: RunOptions, groups, xs) -> list:
-    out = []
+def head_stage(params: dict, spec: ModelSpec, opts: RunOptions, groups, xs, with_hidden: bool = False):
+    """The final norm and the logits per group; with_hidden: -> (logits, hiddens) as forward() gives them."""
+    out, hiddens = [], []
     for x, g in zip(xs, groups):
         x = rms_norm(x, params["norm"], spec.rms_eps)
+        hiddens.append(x)
         if not g.all_logits:
             R = x.shape[0]
             last = jnp.maximum(jnp.sum(g.pos >= 0, axis=1) - 1, 0)
             x = x[jnp.arange(R), last]                                                 # [R, h]
         out.append(linear(x, params["output"], opts.backend).astype(jnp.float32))
-    return out
+    return (out, hiddens) if with_hidden else out

@@ -1,22 +1,165 @@
-"""The MTP drafter (`--drafter mtp`): the model's own next-token-prediction (NextN) layer.
+"""The MTP drafter (`--drafter mtp`): the model's own next-token-prediction (NextN) layer (model/mtp.py).
 
-Not wired yet: it needs the window programs to hand back the main model's hidden states (forward(...,
-with_hidden=True)) and the glm4moe family's model/mtp.py. Until then `--drafter mtp` is refused with a
-clear error, at start, naming the setting.
+The layer maps (h_p, t_{p+1}) -> a guess of t_{p+2}, where h_p is the main model's last hidden state at
+position p; it has a KV cache of its own (cache layer n_layers), whose entry at p depends on both. So:
+
+- Sync, after every window (`after_window`): the window programs hand back every token's hidden state
+  (ModelRunner.with_hidden). For each row, the positions the window committed (p < the slot's n_past
+  after the window: a prompt chunk, a decode token, a verify row's accepted run) whose next token is
+  known are run through the layer, one small program a group of the window, which writes the layer's KV
+  at those positions (overwriting what drafting wrote there) and returns, for each row's last committed
+  position p = n_past - 1, the first draft (t_{p+2}: the token after the one the next window reads), its
+  probability, and the layer's hidden_out.
+- Propose, before a window: the first draft is there already; each further draft applies the layer to
+  its own hidden_out and the draft just made, one position on ([rows, 1] programs), as transformers'
+  MtpModel and SGLang chain it. Drafting stops at --spec-min-p (softmax at temperature 1 of the layer's
+  logits), so q is one-hot at the draft, as for the other drafters.
+
+The prefix cache reuses one token fewer with this drafter (PrefixCache.reread): the layer's entry at
+the last reused position was written with the old conversation's next token, which the new prompt may
+not share; reading that token again rewrites it from this conversation's own tokens.
+
+The programs live in the runner's ProgramCache (stage "mtp": bounded, budgeted, freed on OOM like the
+windows'). With the expert tiers the NextN layer's own experts (one layer's worth) sit on the device.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from ...config import ConfigError
+from ...model import load_nextn_experts, mtp_forward
+from ..programs import Layout
+from ..scheduler import bucket
+from .draft_model import top1
+
+log = logging.getLogger("strata_jax.engine")
+
+
+@dataclass
+class Next:
+    """A decoding slot's first draft, from the sync of its last window."""
+    pos: int                 # p: the slot's last committed position (n_past - 1 then)
+    hidden: jax.Array        # [R, h] the sync program's hidden_out; this slot's is row `row`
+    row: int
+    token: int               # the draft of t_{p+2}
+    prob: float
 
 
 class MtpDrafter:
     name = "mtp"
 
     def __init__(self, model, runner):
-        n_nextn = getattr(model.spec, "n_nextn", 0) or 0
-        if n_nextn == 0:
-            raise ConfigError(f"drafter = 'mtp': this {model.spec.architecture} model has no next-token-prediction "
+        spec = model.spec
+        if not spec.n_nextn:
+            raise ConfigError(f"drafter = 'mtp': this {spec.architecture} model has no next-token-prediction "
                               "(nextn) layer; use --drafter ngram or draft:PATH.gguf")
-        raise ConfigError("drafter = 'mtp': the MTP drafter is not available in this version yet; use --drafter "
-                          "ngram or draft:PATH.gguf")
+        if not runner.with_hidden:
+            raise ConfigError("drafter = 'mtp': the runner was built without hidden states (needs --spec > 0)")
+        self.runner, self.spec = runner, spec
+        nbytes = load_nextn_experts(model, runner.params, runner.choices["weights"], runner.choices["dtype"])
+        if nbytes:
+            runner.ledger.reserve_bytes("experts", nbytes, "the NextN (MTP) layer's experts, for the mtp drafter")
+        self.params = runner.params["mtp"]
+        runner.builders["mtp"] = self._build
+        self.next: dict[int, Next] = {}           # slot index -> its first draft
+        self.record: list | None = None           # tests: a list gets (slot tokens, drafts, probs) each propose
+        self.synced = 0                           # positions run through the layer to keep its KV in sync
+        self.chained = 0                          # further drafts made by chaining the layer
+
+    def reset(self, slot) -> None:
+        self.next.pop(slot.index, None)
+
+    # ---- after a window: keep the layer's KV in sync, and make the first drafts ----------------------
+
+    def after_window(self, window, hiddens: list[jax.Array]) -> None:
+        rows_of = []                                      # each group's slots, by row (scheduler.Scheduler.plan)
+        if window.decode:
+            rows_of.append(window.decode)
+        if window.prefill is not None:
+            rows_of.append([window.prefill])
+        for g, hidden, slots in zip(window.groups, hiddens, rows_of):
+            tokens = np.zeros_like(g.tokens)
+            pos = np.full_like(g.pos, -1)
+            for i, s in enumerate(slots):
+                for j, p in enumerate(g.pos[i]):
+                    if p < 0 or p >= s.n_past or p + 1 >= len(s.tokens):     # not committed, or next unknown
+                        break
+                    tokens[i, j], pos[i, j] = s.tokens[p + 1], p
+            if (pos < 0).all():
+                continue
+            self.synced += int((pos >= 0).sum())
+            tok, prob, out = self._apply(hidden, tokens, pos, g.slots)
+            for i, s in enumerate(slots):
+                if s.decoding and pos[i, 0] >= 0 and int(pos[i].max()) == s.n_past - 1:
+                    self.next[s.index] = Next(s.n_past - 1, out, i, int(tok[i]), float(prob[i]))
+                else:
+                    self.next.pop(s.index, None)
+
+    def _apply(self, hidden, tokens: np.ndarray, pos: np.ndarray, slots: np.ndarray):
+        """The layer over rows of positions -> (draft [R], probability [R]) as numpy, hidden_out [R, h]."""
+        r = self.runner
+        R, L = tokens.shape
+        layout = Layout(((R, L, True),), r.kv_bucket(int(pos.max()) + 1), stage="mtp")
+        tok, prob, out, r.cache = r.programs.run(layout, self.params, r.cache, hidden, tokens, pos, slots)
+        return np.asarray(tok), np.asarray(prob), out
+
+    def _build(self, layout: Layout):
+        (R, L, _), = layout.groups
+        spec, opts, kv_len, host = self.spec, self.runner.opts, layout.kv_len, self.runner.kv_host
+
+        def program(params, cache, hidden, tokens, pos, slots):
+            logits, out, cache = mtp_forward({"mtp": params}, spec, opts, hidden, tokens, pos, slots, cache, kv_len, host,
+                                             last_only=True)
+            tok, prob = top1(logits)
+            return tok, prob, out, cache
+
+        S = jax.ShapeDtypeStruct
+        i32 = jnp.int32
+        return jax.jit(program, donate_argnums=(1,)).lower(
+            self.params, self.runner.cache, S((R, L, spec.hidden), jnp.dtype(opts.dtype)), S((R, L), i32),
+            S((R, L), i32), S((R,), i32)).compile()
+
+    # ---- before a window: drafts ----------------------------------------------------------------------
+
+    def propose(self, slots, counts: list[int], min_p: float) -> list[tuple[list[int], list[float]]]:
+        drafts: list[list[int]] = [[] for _ in slots]
+        probs: list[list[float]] = [[] for _ in slots]
+        state = {}                                        # i -> (position of the next step, hidden [h])
+        for i, s in enumerate(slots):
+            n = self.next.get(s.index)
+            if n is None or n.pos != s.n_past - 1:        # e.g. the slot's last window failed
+                continue
+            drafts[i], probs[i] = [n.token], [n.prob]
+            state[i] = (n.pos + 1, n.hidden[n.row])
+        for step in range(1, max(counts, default=0)):
+            live = [i for i in state if counts[i] > step and probs[i][-1] >= min_p]
+            if not live:
+                break
+            rows = bucket(len(live), 2)
+            tokens = np.zeros((rows, 1), np.int32)
+            pos = np.full((rows, 1), -1, np.int32)
+            idx = np.zeros(rows, np.int32)
+            for j, i in enumerate(live):
+                tokens[j, 0], pos[j, 0], idx[j] = drafts[i][-1], state[i][0], slots[i].index
+            hidden = jnp.stack([state[i][1] for i in live] + [jnp.zeros_like(state[live[0]][1])] * (rows - len(live)))
+            tok, prob, out = self._apply(hidden[:, None], tokens, pos, idx)
+            self.chained += len(live)
+            for j, i in enumerate(live):
+                drafts[i].append(int(tok[j]))
+                probs[i].append(float(prob[j]))
+                state[i] = (state[i][0] + 1, out[j])
+        if self.record is not None:
+            self.record += [(list(s.tokens), d, p) for s, d, p in zip(slots, drafts, probs) if d]
+        return list(zip(drafts, probs))
+
+    def stats(self) -> dict:
+        return {"mtp_synced_positions": self.synced, "mtp_chained_drafts": self.chained}
+
+    def close(self) -> None:
+        pass

@@ -7,6 +7,7 @@ ends the request right there). A drafter (ngram.py, draft_model.py, mtp.py) only
 
     drafter.propose(slots, counts, min_p) -> [(tokens, probs)] a slot   # at most counts[i] tokens each
     drafter.reset(slot)                                                 # a new request took the slot
+    drafter.after_window(window, hiddens)     # optional: every window's hidden states (the mtp drafter)
 
 Drafts are cut at the first one whose drafter probability is below --spec-min-p.
 """
@@ -66,6 +67,13 @@ class Speculator:
             if k:
                 out[s.index] = [int(t) for t in toks[:k]]
         return out
+
+    def after_window(self, window, hiddens) -> None:
+        """A window ran and its tokens were emitted: a drafter that follows the model's hidden states (mtp)
+        catches up here; the others need nothing."""
+        hook = getattr(self.drafter, "after_window", None)
+        if hook is not None:
+            hook(window, hiddens)
 
     def record(self, request, drafted: int, accepted: int) -> None:
         self.counters.drafted += drafted
