@@ -140,3 +140,29 @@ def test_mtp_on_a_model_without_nextn_says_so(tiny_model):
 
     with pytest.raises(ConfigError, match="no next-token-prediction"):
         Engine.from_gguf(tiny_model(**dict(GLM, nextn=0)), EngineConfig(**BASE, **MTP))
+
+
+def test_a_failing_drafter_costs_drafts_not_requests(glm, reference, caplog):
+    """The drafter fails in propose (before a window) and in its sync (after one): the requests still get
+    the plain greedy tokens, and the log says what happened."""
+    with Engine.from_gguf(glm, EngineConfig(**BASE, **MTP)) as eng:
+        drafter = eng.speculator.drafter
+        calls = {"propose": 0, "sync": 0}
+        propose, sync = drafter.propose, drafter.after_window
+
+        def failing(real, name):
+            def call(*a, **kw):
+                calls[name] += 1
+                if calls[name] in (2, 5):
+                    raise RuntimeError(f"injected {name} failure")
+                return real(*a, **kw)
+            return call
+
+        drafter.propose, drafter.after_window = failing(propose, "propose"), failing(sync, "sync")
+        with caplog.at_level("WARNING", logger="strata_jax.engine"):
+            got = _run_all(eng, _prompts(), max_tokens=24, ignore_eos=True)
+    assert [t for t, _ in got] == reference
+    assert calls["propose"] > 5 and calls["sync"] > 5
+    text = caplog.text
+    assert "the drafter failed (injected propose failure)" in text
+    assert "the drafter failed after window" in text and "injected sync failure" in text

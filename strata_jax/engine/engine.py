@@ -228,7 +228,17 @@ class Engine:
     def _plan(self) -> Window | None:
         if self.speculator is None:
             return self.scheduler.plan(self.slots)
-        drafts = self.speculator.propose([s for s in self.slots if s.decoding])
+        decoding = [s for s in self.slots if s.decoding]
+        try:
+            drafts = self.speculator.propose(decoding)
+        except Exception as e:  # noqa: BLE001 - a drafter's failure costs drafts, never the requests
+            log.warning("the drafter failed (%s): this window runs without drafts", _first_line(e))
+            drafts = {}
+            for s in decoding:
+                self.speculator.reset(s)
+            if self.runner.cache_lost():
+                self._lose_cache(e)
+                return None
         return self.scheduler.plan(self.slots, drafts, self.speculator.verify_len)
 
     def _take_new(self) -> None:

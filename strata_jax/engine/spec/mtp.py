@@ -17,7 +17,9 @@ position p; it has a KV cache of its own (cache layer n_layers), whose entry at 
 
 The prefix cache reuses one token fewer with this drafter (PrefixCache.reread): the layer's entry at
 the last reused position was written with the old conversation's next token, which the new prompt may
-not share; reading that token again rewrites it from this conversation's own tokens.
+not share; reading that token again rewrites it from this conversation's own tokens. (Engine.logits and
+logits_reusing, the research path, do not sync the layer: a request reusing a prefix that logits_reusing
+left in a slot drafts from partly stale layer KV. Drafts only: verified output never depends on them.)
 
 The programs live in the runner's ProgramCache (stage "mtp": bounded, budgeted, freed on OOM like the
 windows'). With the expert tiers the NextN layer's own experts (one layer's worth) sit on the device.
