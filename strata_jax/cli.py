@@ -48,7 +48,10 @@ _MAKE_MODEL_HELP = {
     "context": "training context length", "rope_theta": "rope.freq_base", "rms_eps": "RMS norm epsilon",
     "quant": "type of every weight matrix", "expert_quant": "type of the expert tensors (default --quant)",
     "attn_quant": "type of the attention weights (default --quant)",
-    "embed_quant": "type of token_embd and output (default --quant)", "seed": "random seed",
+    "embed_quant": "type of token_embd and output (default --quant)",
+    "more_bits_quant": "as llama.cpp's Q4_K_M: type of ffn_down (dense, shared, experts) and attn_v in the "
+    "layers it gives more bits (i < n/8, i >= 7n/8, (i - n/8) % 3 == 2); e.g. --quant Q4_K --more-bits-quant Q6_K",
+    "seed": "random seed",
     "split": "write N parts in llama.cpp's gguf-split layout", "tokenizer_from": "copy tokenizer.* keys "
     "(and the vocabulary size) from this GGUF instead of the built-in byte-level BPE",
     "name": "general.name",
@@ -86,7 +89,7 @@ def add_make_model(sub: Subparsers) -> None:
                            help=_MAKE_MODEL_HELP.get(f.name, ""))
             continue
         kind = {"rope_theta": float, "rms_eps": float, "expert_weights_scale": float}.get(f.name, str if f.name in (
-            "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "tokenizer_from", "name") else int)
+            "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "more_bits_quant", "tokenizer_from", "name") else int)
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.split("_")[-1].upper(),
                        choices=SUPPORTED_ARCHITECTURES if f.name == "arch" else None,
                        help=_MAKE_MODEL_HELP.get(f.name, "") + shown)

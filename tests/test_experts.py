@@ -68,9 +68,19 @@ def test_device_cache_gives_the_same_bits(reference, arch, caplog):
         assert st["misses_file"] == 0 and st["resident_experts"] == 16
         programs = eng.stats()["programs"]["layouts"]
         assert any("attn" in lay for lay in programs) and any("experts" in lay for lay in programs)
+        # uniform layers: one program a stage, under the plain stage names (no "attn.1" kinds)
+        assert _stages(eng) == ["embed", "attn", "experts", "head"]
+        assert {lay.stage for lay in eng.runner.programs.programs} == {"embed", "attn", "experts", "head"}
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("decode expert cache hit rate: ") and "lookups" in line for line in lines)
     assert any(line.startswith("resident RAM: ") and "blob reads from the file" in line for line in lines)
+
+
+def _stages(eng) -> list[str]:
+    """The stage names of the programs a decode window of 2 rows runs (ModelRunner.warmup builds these)."""
+    from strata_jax.engine.programs import Layout
+
+    return [lay.stage for lay in eng.runner.stepper.stage_layouts(Layout(((2, 1, False),), 16))]
 
 
 def test_file_tier_serves_what_ram_does_not_hold(reference):
@@ -325,6 +335,56 @@ def test_dense_layers_among_moe_layers(tiny_model, tmp_path):
         assert np.array_equal(eng.logits(_prompts()[0]), logits)
         assert _answers(eng, _prompts()) == answers
         assert any("dense" in lay for lay in eng.stats()["programs"]["layouts"])
+        assert _stages(eng) == ["embed", "attn", "experts", "head", "predict", "dense"]
         eng.save_expert_profile(tmp_path / "p.json")
         assert eng.stats()["experts"]["experts_total"] == 16
     assert set(json.loads((tmp_path / "p.json").read_text())["counts"]) == {"1", "2"}
+
+
+# llama.cpp's Q4_K_M mix: Q4_K, with attn_v and ffn_down_exps Q6_K in the layers it gives more bits (2 and 3
+# of 4). K-quant rows are 256 values, so hidden and expert_ffn are 256.
+MIXED = dict(MOE, layers=4, hidden=256, expert_ffn=256, quant="Q4_K", more_bits_quant="Q6_K")
+
+
+@pytest.mark.parametrize("weights", ["blocks", "dequantized"])
+def test_layers_that_mix_quant_types(tiny_model, weights):
+    """A Q4_K_M-like file (layers 2 and 3 have Q6_K attn_v and ffn_down_exps) through 2 expert slots a layer:
+    a program per kind of layer, an arena whose leaves differ by layer, and the same logits, bit for bit,
+    and the same greedy tokens as every expert on the device."""
+    from strata_jax.gguf import GGUFModel
+    from strata_jax.testing.make_model import use_more_bits
+
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]       # llama.cpp's rule at 8 layers
+    path = tiny_model(**MIXED)
+    t = GGUFModel.open(path).tensors
+    for name in ("attn_v", "ffn_down_exps"):
+        assert [t[f"blk.{i}.{name}.weight"].qtype.name for i in range(4)] == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert {t[f"blk.{i}.{n}.weight"].qtype.name for i in range(4) for n in ("attn_q", "ffn_up_exps")} == {"Q4_K"}
+    one_expert = {i: sum(int(t[f"blk.{i}.ffn_{n}_exps.weight"].data[0].nbytes) for n in ("gate", "up", "down"))
+                  for i in range(4)}
+    assert one_expert[0] < one_expert[2]                            # a Q6_K layer's expert is bigger
+
+    base = dict(BASE, weights=weights)
+    with Engine.from_gguf(path, EngineConfig(**base)) as eng:
+        assert eng.runner.expert_mode == "device"
+        logits = eng.logits(_prompts()[0])
+        answers = _answers(eng, _prompts())
+    with Engine.from_gguf(path, EngineConfig(**base, expert_cache=2)) as eng:
+        stepper = eng.runner.stepper
+        arena = stepper.arena
+        stages = _stages(eng)
+        if weights == "blocks":     # quant types are baked into programs: two kinds of attention and of experts
+            assert stages == ["embed", "attn", "attn.1", "experts", "experts.1", "head"]
+            assert stepper.kind_of["experts"] == {0: "experts", 1: "experts", 2: "experts.1", 3: "experts.1"}
+            assert arena.arena[2]["exp_down"].shape[-1] > arena.arena[0]["exp_down"].shape[-1]
+            assert arena.nbytes == 2 * sum(one_expert.values())     # 2 slots of each layer's own size
+        else:                       # floats of one shape: one kind, each layer dequantized with its own type
+            assert stages == ["embed", "attn", "experts", "head"]
+        assert eng.runner.ledger.snapshot()["experts_bytes"] == arena.nbytes
+        assert np.array_equal(eng.logits(_prompts()[0]), logits)
+        assert _answers(eng, _prompts()) == answers
+        st = eng.stats()["experts"]
+        _check_counters(st, 2)
+        assert st["resident_bytes"] == 8 * sum(one_expert.values())
+        built = {lay.stage for lay in eng.runner.programs.programs}
+        assert built == set(stages)                                 # every kind ran

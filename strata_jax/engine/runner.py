@@ -18,7 +18,7 @@ import numpy as np
 import pallas_kernels as pk
 
 from ..config import EngineConfig
-from ..experts import EXPERT_TENSORS, ExpertArena, HostTier
+from ..experts import EXPERT_TENSORS, ExpertArena, HostTier, expert_tensors, slot_bytes
 from ..experts.profile import ExpertProfile, pins_for
 from ..gguf import GGUFModel
 from ..model import (
@@ -255,7 +255,26 @@ class ModelRunner:
         all_bytes = expert_tensor_bytes(model, mode, dtype)
         free, temp = self.ledger.free, self._largest_window_temp_bytes()
         layers = list(spec.moe_layers)          # dense layers among them (GLM-4.5's first ones) keep their FFN
-        slot_bytes = all_bytes // (spec.n_experts * len(layers))
+        # Layers may differ in quant type (Q4_K_M files give some layers' ffn_down_exps Q6_K): the arena's leaf
+        # shapes, quant types and conversion are per layer.
+        infos = {i: expert_tensors(model, i) for i in layers}       # layer -> tensor -> GGUF TensorInfo
+        if mode == "dequantized":
+            jdt = jnp.dtype(dtype)
+            leaf_shapes = {i: {n: ((t.shape[2], t.shape[1]), jdt) for n, t in ts.items()}   # stored [k, n]
+                           for i, ts in infos.items()}
+            qtypes = {i: dict.fromkeys(EXPERT_TENSORS) for i in layers}
+
+            def to_arena(layer: int, name: str, blocks: np.ndarray):
+                t = infos[layer][name]          # as to_device does at load: dequantize, cast, transpose
+                vals = pk.dequantize(blocks, t.qtype).reshape(blocks.shape[0], *t.shape[1:]).astype(dtype)
+                return jnp.swapaxes(vals, -1, -2).copy()
+        else:
+            leaf_shapes = {i: {n: (t.data.shape[1:], jnp.uint8) for n, t in ts.items()} for i, ts in infos.items()}
+            qtypes = {i: {n: t.qtype.name for n, t in ts.items()} for i, ts in infos.items()}
+
+            def to_arena(layer: int, name: str, blocks: np.ndarray):
+                return jnp.asarray(blocks)
+        one_slot = slot_bytes(leaf_shapes)     # one expert slot in every MoE layer
         if cfg.expert_cache == "auto":
             if free is None or all_bytes + temp <= free:
                 load_experts(model, self.params, mode, dtype)
@@ -269,7 +288,7 @@ class ModelRunner:
             # A layer-stepped window runs 4 programs, each reserved at no less than MIN_PROGRAM_BYTES: leave
             # room for a few windows' worth of them.
             temp = max(temp, 16 * MIN_PROGRAM_BYTES)
-            n_slots = (free - temp) // (slot_bytes * len(layers))
+            n_slots = (free - temp) // one_slot
             if n_slots < 1:
                 raise self._no_room(all_bytes, temp, free)
             log.info("the experts (%.1f MiB) do not fit on the device: %d expert slots a layer in the device "
@@ -282,22 +301,6 @@ class ModelRunner:
         profile = ExpertProfile.load(cfg.expert_profile, spec, layers) if cfg.expert_profile else None
         budget = None if cfg.resident_budget_gib is None else int(cfg.resident_budget_gib * (1 << 30))
         host = HostTier(model, layers, budget, cfg.pool_workers)
-        first = {n: host.tensors[layers[0]][n] for n in EXPERT_TENSORS}
-        if mode == "dequantized":
-            jdt = jnp.dtype(dtype)
-            leaf_shapes = {n: ((t.shape[2], t.shape[1]), jdt) for n, t in first.items()}     # stored [k, n]
-            qtypes = {n: None for n in EXPERT_TENSORS}
-
-            def to_arena(name: str, blocks: np.ndarray):
-                t = first[name]                 # as to_device does at load: dequantize, cast, transpose
-                vals = pk.dequantize(blocks, t.qtype).reshape(blocks.shape[0], *t.shape[1:]).astype(dtype)
-                return jnp.swapaxes(vals, -1, -2).copy()
-        else:
-            leaf_shapes = {n: (t.data.shape[1:], jnp.uint8) for n, t in first.items()}
-            qtypes = {n: t.qtype.name for n, t in first.items()}
-
-            def to_arena(name: str, blocks: np.ndarray):
-                return jnp.asarray(blocks)
         arena = ExpertArena(host, n_slots, to_arena, leaf_shapes, policy)
         if profile is not None:              # preload and pin each layer's hottest experts
             for i in layers:
@@ -306,7 +309,8 @@ class ModelRunner:
                      cfg.expert_profile, sum(len(p) for p in arena.pinned.values()), pins_for(arena.n_slots),
                      arena.n_slots)
         self.ledger.reserve_bytes("experts", arena.nbytes, f"the device expert cache ({arena.n_slots} slots a layer)")
-        self.stepper = LayerStepper(self, arena, qtypes, {n: tuple(t.shape[1:]) for n, t in first.items()})
+        shapes = {i: {n: tuple(t.shape[1:]) for n, t in ts.items()} for i, ts in infos.items()}
+        self.stepper = LayerStepper(self, arena, qtypes, shapes)
         self.expert_mode = "arena"
         log.info("expert tiers: %d of %d experts a layer on the device (%s policy), %.2f GiB of %.2f GiB in host "
                  "RAM, the rest read from the file by %d threads", arena.n_slots, spec.n_experts, policy,

@@ -10,6 +10,15 @@ out-of-memory handling apply; their layouts carry a `stage` name):
              for each dense layer (GLM-4.5's leading ones): dense (attention and FFN in one program)
           -> head (final norm and logits)
 
+Kinds of layer: one program serves every layer whose weights have the same shapes, dtypes and quant types
+(the layer's weights are arguments, but their shapes and quant types are baked into the program). Files
+may mix them: llama.cpp's Q4_K_M gives some layers' attn_v and ffn_down (ffn_down_exps too) Q6_K. So the
+layers are grouped, stage by stage, into kinds by that signature, and each kind gets its own programs:
+stages "attn", "attn.1", ..., "experts", "experts.1", ... (kind 0 keeps the plain name, so a uniform model
+builds exactly one program a stage, as before). The attention kinds and the expert kinds are counted apart
+(the experts' kind covers the shared expert and the arena's leaves), so a file whose attn_v and
+ffn_down_exps get more bits in the same layers builds two of each, not four.
+
 The arithmetic is forward()'s, op for op and in the same order, so logits are the same bits as with
 every expert on the device. A layer whose window chose more distinct experts than the arena has slots
 runs its experts program in several passes; each pass fills in the rows whose experts it holds.
@@ -42,7 +51,7 @@ from ..model.transformer import (
 )
 from .programs import Layout
 
-STAGES = ("embed", "attn", "experts", "head")
+KINDED = ("attn", "experts", "predict", "dense")     # stages built once per kind of layer
 
 
 def predict_stage(p: dict, spec, opts, xs) -> list:
@@ -59,6 +68,29 @@ def _sds(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+def _signature(tree) -> tuple:
+    """What a program built for `tree` depends on: its structure (QTensors' quant types and logical shapes
+    are static aux data there) and every leaf's shape and dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in leaves)
+
+
+def group_kinds(stage: str, trees: dict[int, object]) -> tuple[dict[int, str], dict[str, int]]:
+    """Layers -> the stage name of their kind ("attn" for the first signature met, then "attn.1", ...), and
+    each kind's stage name -> its first layer (whose weights' shapes its program is built for)."""
+    sigs: list[tuple] = []
+    kind_of: dict[int, str] = {}
+    first_of: dict[str, int] = {}
+    for i in sorted(trees):
+        sig = _signature(trees[i])
+        if sig not in sigs:
+            sigs.append(sig)
+        k = sigs.index(sig)
+        kind_of[i] = stage if k == 0 else f"{stage}.{k}"
+        first_of.setdefault(kind_of[i], i)
+    return kind_of, first_of
+
+
 class LayerStepper:
     def __init__(self, runner, arena: ExpertArena, qtypes: dict[str, str], expert_shapes: dict[str, tuple]):
         self.runner = runner
@@ -72,17 +104,20 @@ class LayerStepper:
         self.attn_p = {i: {k: v for k, v in layers[i].items() if not k.startswith("sh_")} for i in self.moe}
         self.moe_p = {i: {k: v for k, v in layers[i].items() if k.startswith("sh_")} for i in self.moe}
         self.dense_p = {i: lp for i, lp in enumerate(layers) if i not in self.attn_p}
-        for kind in (self.attn_p, self.moe_p, self.dense_p):   # one program serves every layer of a kind
-            first = min(kind, default=None)
-            for i in kind:
-                if _sds(kind[i]) != _sds(kind[first]):
-                    raise NotImplementedError(f"layer {i}'s weights differ in shape or type from layer {first}'s: "
-                                              "the expert tiers need uniform layers; use --expert-cache auto")
-        self.qtypes = qtypes                 # tensor -> quant type name, or None where the arena holds floats
-        self.shapes = expert_shapes          # tensor -> logical shape of one expert [n, k]
+        self.qtypes = qtypes                 # layer -> tensor -> quant type name, or None where the arena holds floats
+        self.shapes = expert_shapes          # layer -> tensor -> logical shape of one expert [n, k]
         self.index = [jnp.int32(i) for i in range(len(layers))]
         self.predict_p = {i: {k: lp[k] for k in ("ffn_norm", "router", "exp_bias") if k in lp}
                           for i, lp in self.attn_p.items()}
+        # One program a kind of layer and stage (see the module docstring): kind_of[stage][layer] is the stage
+        # name that layer's program runs under, first_of[that name] the layer its program is built for.
+        trees = {"attn": self.attn_p, "experts": {i: (self.moe_p[i], self.arena_tree(i)) for i in self.moe},
+                 "predict": self.predict_p, "dense": self.dense_p}
+        self.kind_of: dict[str, dict[int, str]] = {}
+        self.first_of: dict[str, int] = {}
+        for stage in KINDED:
+            self.kind_of[stage], first_of = group_kinds(stage, trees[stage])
+            self.first_of.update(first_of)
         self.prefetch = runner.cfg.expert_prefetch
         self.profile = ExpertProfile(self.spec, arena.layers)    # routing of live traffic, per (layer, expert)
         self.last = ExpertCounters()         # the last window's counters
@@ -91,12 +126,20 @@ class LayerStepper:
 
     def arena_tree(self, layer: int) -> dict:
         leaves, N = self.arena.arena[layer], self.arena.n_slots
-        return {n: QTensor(leaves[n], self.qtypes[n], (N, *self.shapes[n])) if self.qtypes[n] else leaves[n]
-                for n in EXPERT_TENSORS}
+        qtypes, shapes = self.qtypes[layer], self.shapes[layer]
+        return {n: QTensor(leaves[n], qtypes[n], (N, *shapes[n])) if qtypes[n] else leaves[n] for n in EXPERT_TENSORS}
+
+    def kinds(self, stage: str) -> list[str]:
+        """The stage names of `stage`'s kinds of layer, in order ("attn", "attn.1", ...; none without layers)."""
+        return list(dict.fromkeys(self.kind_of[stage][i] for i in sorted(self.kind_of[stage])))
 
     def stage_layouts(self, layout: Layout) -> list[Layout]:
-        stages = STAGES + ("predict",) * self.prefetch + ("dense",) * bool(self.dense_p)
-        return [replace(layout, stage=s, kv_len=layout.kv_len if s in ("attn", "dense") else 0) for s in stages]
+        """Every program one window of `layout` may run: the embedding, each kind's attention and experts
+        programs, the head, then each kind's predict (with prefetch) and dense programs."""
+        stages = (["embed", *self.kinds("attn"), *self.kinds("experts"), "head"]
+                  + self.kinds("predict") * self.prefetch + self.kinds("dense"))
+        return [replace(layout, stage=s, kv_len=layout.kv_len if s.partition(".")[0] in ("attn", "dense") else 0)
+                for s in stages]
 
     def run(self, groups, layout: Layout):
         """One window (GroupInputs) -> logits per group, as forward() gives them (and the hidden states, as
@@ -109,20 +152,19 @@ class LayerStepper:
 
     def _run(self, groups, layouts: list[Layout], counters: ExpertCounters) -> list:
         progs, r = self.runner.programs, self.runner
-        embed_l, attn_l, experts_l, head_l = layouts[:4]
+        stage = {lay.stage: lay for lay in layouts}
+        kind_of = self.kind_of
         k, h = self.spec.n_experts_used, self.spec.hidden
         gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits) for g in groups)
         decode = all(g.tokens.shape[1] == 1 for g in groups)            # no prompt chunk in the window
         reals = [np.asarray(g.pos).reshape(-1) >= 0 for g in groups]      # [R*L] per group: real tokens
-        xs = progs.run(embed_l, self.embed_p, tuple(g.tokens for g in groups))
+        xs = progs.run(stage["embed"], self.embed_p, tuple(g.tokens for g in groups))
         guess = None                          # the predict program's ids for this layer (prefetch)
-        n_layers = self.spec.n_layers
-        stage = {lay.stage: lay for lay in layouts}
-        for i in range(n_layers):
+        for i in range(self.spec.n_layers):
             if i in self.dense_p:
-                xs, r.cache = progs.run(stage["dense"], self.dense_p[i], self.index[i], r.cache, gs, xs)
+                xs, r.cache = progs.run(stage[kind_of["dense"][i]], self.dense_p[i], self.index[i], r.cache, gs, xs)
                 continue
-            parts, r.cache = progs.run(attn_l, self.attn_p[i], self.index[i], r.cache, gs, xs)
+            parts, r.cache = progs.run(stage[kind_of["attn"][i]], self.attn_p[i], self.index[i], r.cache, gs, xs)
             if guess is not None:             # the device runs this layer's attention meanwhile
                 want = _by_count(guess, reals)
                 self.arena.prefetch(i, want, counters)
@@ -135,11 +177,12 @@ class LayerStepper:
             if self.trace is not None:
                 self.trace.append(("lookup", i, ids, decode))
             ys = [jnp.zeros((p[3].shape[0], k, h), jnp.float32) for p in parts]
+            experts_l = stage[kind_of["experts"][i]]
             for table in self.arena.passes(i, ids, counters, decode):
                 xs, ys = progs.run(experts_l, self.moe_p[i], self.arena_tree(i), table, parts, ys)
             if self.prefetch and i + 1 in self.predict_p:
-                guess = progs.run(stage["predict"], self.predict_p[i + 1], xs)
-        return progs.run(head_l, self.head_p, gs, xs)
+                guess = progs.run(stage[kind_of["predict"][i + 1]], self.predict_p[i + 1], xs)
+        return progs.run(stage["head"], self.head_p, gs, xs)
 
     def build(self, layout: Layout):
         spec, opts = self.spec, self.opts
@@ -152,20 +195,22 @@ class LayerStepper:
         if layout.stage == "embed":
             fn = jax.jit(lambda p, tokens: embed_stage(p, opts, tokens))
             return fn.lower(_sds(self.embed_p), tuple(g.tokens for g in groups)).compile()
-        first = self.moe[0]
-        if layout.stage == "attn":
+        base = layout.stage.partition(".")[0]
+        first = self.first_of.get(layout.stage)       # the first layer of the stage's kind
+        if base in KINDED and first is None:
+            raise ValueError(f"unknown stage {layout.stage!r}: this model's kinds are {sorted(self.first_of)}")
+        if base == "attn":
             kv = layout.kv_len
             host = self.runner.kv_host
             fn = jax.jit(lambda lp, i, cache, gs, xs: attn_router_stage(lp, i, spec, opts, gs, xs, cache, kv, host),
                          donate_argnums=(2,))
             return fn.lower(_sds(self.attn_p[first]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
-        if layout.stage == "dense":
+        if base == "dense":
             kv = layout.kv_len
             fn = jax.jit(lambda lp, i, cache, gs, xs: dense_stage(lp, i, spec, opts, gs, xs, cache, kv),
                          donate_argnums=(2,))
-            dense0 = self.dense_p[min(self.dense_p)]
-            return fn.lower(_sds(dense0), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
-        if layout.stage == "experts":
+            return fn.lower(_sds(self.dense_p[first]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
+        if base == "experts":
             parts = [(S((r, n, h), dtype), S((r * n, h), dtype), S((r * n, k), jnp.float32), S((r * n, k), jnp.int32))
                      for r, n, _ in layout.groups]
             ys = [S((r * n, k, h), jnp.float32) for r, n, _ in layout.groups]
@@ -173,7 +218,7 @@ class LayerStepper:
                          donate_argnums=(4,))
             return fn.lower(_sds(self.moe_p[first]), _sds(self.arena_tree(first)),
                             S((spec.n_experts,), jnp.int32), parts, ys).compile()
-        if layout.stage == "predict":
+        if base == "predict":
             fn = jax.jit(lambda p, xs: predict_stage(p, spec, opts, xs))
             return fn.lower(_sds(self.predict_p[first]), xs).compile()
         if layout.stage == "head":

@@ -1,9 +1,11 @@
 """The device cache: a preallocated arena of expert slots per MoE layer, updated in place.
 
-Each MoE layer has N slots for each of its three expert tensors (GGUF blocks [N, rows, row_bytes] in the
-experts' quant type, or float [N, k, n] where the engine keeps weights dequantized), a page table
+Each MoE layer has N slots for each of its three expert tensors (GGUF blocks [N, rows, row_bytes] in that
+layer's quant type, or float [N, k, n] where the engine keeps weights dequantized), a page table
 (layer, expert) -> slot on the host, and the same table on the device as int32 [E] per layer (slot, or
--1), which the experts program reads to find each chosen expert. Missing experts are copied in by a small
+-1), which the experts program reads to find each chosen expert. Layers may differ in quant type (a Q4_K_M
+file gives some layers' ffn_down_exps Q6_K, whose blocks are bigger), so leaf shapes and the conversion
+to the arena's form are per layer. Missing experts are copied in by a small
 jitted update that donates the arena leaf, so it is written in place, never copied.
 
 `passes(layer, ids)` is the host's side of one layer: it yields the device page table once for every
@@ -41,19 +43,27 @@ def _put(leaf: jax.Array, slots: jax.Array, vals: jax.Array) -> jax.Array:
 _put_jit = jax.jit(_put, donate_argnums=(0,))
 
 
+def slot_bytes(leaf_shapes: dict[int, dict[str, tuple[tuple[int, ...], object]]]) -> int:
+    """Bytes of one expert slot in every layer of `leaf_shapes` (layer -> tensor -> (shape, dtype))."""
+    return sum(int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+               for leaves in leaf_shapes.values() for shape, dtype in leaves.values())
+
+
 class ExpertArena:
-    def __init__(self, host: HostTier, n_slots: int, to_device: Callable[[str, np.ndarray], jax.Array],
-                 leaf_shapes: dict[str, tuple[tuple[int, ...], object]], policy: str = "freq"):
-        """to_device(tensor name, blocks [m, rows, row_bytes]) -> the arena's form of m experts (blocks, or
-        dequantized floats); leaf_shapes: tensor name -> (shape of one expert in the arena, dtype)."""
+    def __init__(self, host: HostTier, n_slots: int, to_device: Callable[[int, str, np.ndarray], jax.Array],
+                 leaf_shapes: dict[int, dict[str, tuple[tuple[int, ...], object]]], policy: str = "freq"):
+        """to_device(layer, tensor name, blocks [m, rows, row_bytes]) -> the arena's form of m experts of that
+        layer (its blocks, or floats dequantized from its quant type); leaf_shapes: layer -> tensor name ->
+        (shape of one expert in the arena, dtype)."""
         self.host = host
         self.layers = host.layers
         self.n_experts = host.n_experts
         self.n_slots = min(n_slots, self.n_experts)
         self.to_device = to_device
-        self.arena = {i: {n: jnp.zeros((self.n_slots, *shape), dtype) for n, (shape, dtype) in leaf_shapes.items()}
+        self.arena = {i: {n: jnp.zeros((self.n_slots, *shape), dtype) for n, (shape, dtype) in leaf_shapes[i].items()}
                       for i in self.layers}
-        self.slot_bytes = sum(int(np.prod(shape)) * jnp.dtype(dtype).itemsize for shape, dtype in leaf_shapes.values())
+        # bytes of one slot in every MoE layer (the device memory one more slot a layer costs)
+        self.slot_bytes = slot_bytes(leaf_shapes)
         self.slot_of = {i: np.full(self.n_experts, -1, np.int32) for i in self.layers}      # expert -> slot
         self.expert_in = {i: np.full(self.n_slots, -1, np.int32) for i in self.layers}      # slot -> expert
         self.tables = {i: jnp.array(self.slot_of[i].copy()) for i in self.layers}   # a copy: never aliased
@@ -67,7 +77,7 @@ class ExpertArena:
 
     @property
     def nbytes(self) -> int:
-        return self.slot_bytes * self.n_slots * len(self.layers)
+        return self.slot_bytes * self.n_slots
 
     def passes(self, layer: int, ids: np.ndarray, counters: ExpertCounters, decode: bool) -> Iterator[jax.Array]:
         """Make the experts of `ids` (any shape) resident, in as few passes as the slots allow; yield the
@@ -156,8 +166,8 @@ class ExpertArena:
         leaves = self.arena[layer]
         for n in EXPERT_TENSORS:
             stacked = np.stack([b[n] for b in blocks] + [blocks[-1][n]] * (bucket - m))
-            leaves[n] = _put_jit(leaves[n], idx, self.to_device(n, stacked))
+            leaves[n] = _put_jit(leaves[n], idx, self.to_device(layer, n, stacked))
         self.tables[layer] = jnp.array(slot_of.copy())
-        counters.bytes_moved += m * self.host.expert_bytes
+        counters.bytes_moved += m * self.host.expert_bytes[layer]
         self.exchanged += m
         self.copy_seconds += time.perf_counter() - t0

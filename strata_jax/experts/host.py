@@ -3,7 +3,8 @@
 Host tier: experts copied into host RAM (numpy) up to `--resident-budget-gib` (default: all of them),
 layer by layer. File tier: the rest, read from the GGUF memory map in place when needed, by a pool of
 `--pool-workers` reader threads (a read is a page-in of a few MiB: the threads overlap the disk's latency).
-Experts stay in their GGUF quant blocks in both tiers.
+Experts stay in their GGUF quant blocks in both tiers. Layers may differ in quant types (a Q4_K_M file
+gives some layers' ffn_down_exps Q6_K), so an expert's size is per layer.
 """
 
 from __future__ import annotations
@@ -17,24 +18,35 @@ EXPERT_TENSORS = ("exp_gate", "exp_up", "exp_down")
 _GGUF_NAMES = {"exp_gate": "ffn_gate_exps", "exp_up": "ffn_up_exps", "exp_down": "ffn_down_exps"}
 
 
+def expert_tensors(model, layer: int) -> dict:
+    """A MoE layer's three expert tensors: name -> GGUF TensorInfo ([E, rows, row_bytes] blocks, its qtype)."""
+    return {n: model.tensors[f"blk.{layer}.{_GGUF_NAMES[n]}.weight"] for n in EXPERT_TENSORS}
+
+
 class HostTier:
     def __init__(self, model, layers: list[int], budget_bytes: int | None, workers: int):
         self.layers = layers
-        self.tensors = {i: {n: model.tensors[f"blk.{i}.{_GGUF_NAMES[n]}.weight"] for n in EXPERT_TENSORS}
-                        for i in layers}
-        first = self.tensors[layers[0]]
-        self.n_experts = first["exp_gate"].shape[0]
-        self.qtypes = {n: first[n].qtype for n in EXPERT_TENSORS}
-        self.expert_bytes = sum(int(first[n].data[0].nbytes) for n in EXPERT_TENSORS)
-        self.total_bytes = self.expert_bytes * self.n_experts * len(layers)
+        self.tensors = {i: expert_tensors(model, i) for i in layers}
+        self.n_experts = self.tensors[layers[0]]["exp_gate"].shape[0]
+        for i, ts in self.tensors.items():        # quant types and widths may differ by layer; the count may not
+            for n, t in ts.items():
+                if t.shape[0] != self.n_experts:
+                    raise ValueError(f"blk.{i}.{_GGUF_NAMES[n]}.weight holds {t.shape[0]} experts, but layer "
+                                     f"{layers[0]}'s hold {self.n_experts}: the expert tiers need the same number of "
+                                     "experts in every MoE layer")
+        self.qtypes = {i: {n: t.qtype for n, t in ts.items()} for i, ts in self.tensors.items()}
+        # layer -> bytes of one expert (its gate, up and down blocks)
+        self.expert_bytes = {i: sum(int(t.data[0].nbytes) for t in ts.values()) for i, ts in self.tensors.items()}
+        self.total_bytes = sum(self.expert_bytes.values()) * self.n_experts
         self.resident: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         budget = self.total_bytes if budget_bytes is None else budget_bytes
+        self.resident_bytes = 0
         for i in layers:                                 # layer by layer, as far as the budget goes
             for e in range(self.n_experts):
-                if (len(self.resident) + 1) * self.expert_bytes > budget:
+                if self.resident_bytes + self.expert_bytes[i] > budget:
                     break
                 self.resident[(i, e)] = {n: np.array(t.data[e]) for n, t in self.tensors[i].items()}
-        self.resident_bytes = len(self.resident) * self.expert_bytes
+                self.resident_bytes += self.expert_bytes[i]
         self.file_reads = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="strata-expert-read")

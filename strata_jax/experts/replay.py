@@ -21,7 +21,7 @@ class _StubHost:
     """What ExpertArena asks of a host tier, with one float an expert."""
 
     def __init__(self, layers: list[int], n_experts: int):
-        self.layers, self.n_experts, self.expert_bytes = layers, n_experts, 0
+        self.layers, self.n_experts, self.expert_bytes = layers, n_experts, dict.fromkeys(layers, 0)
         self._blob = {n: np.zeros((1,), np.float32) for n in EXPERT_TENSORS}
 
     def tier_of(self, layer: int, expert: int) -> str:
@@ -35,8 +35,8 @@ def replay(trace: list, layers: list[int], n_experts: int, n_slots: int, policy:
            pins: dict[int, list[int]] | None = None, count_from: int = 0) -> ExpertCounters:
     """trace: [("lookup", layer, ids, decode) | ("prefetch", layer, experts)] in the order they happened;
     the entries before `count_from` warm the cache up and are not counted."""
-    arena = ExpertArena(_StubHost(layers, n_experts), n_slots, lambda name, blocks: jnp.asarray(blocks),
-                        {n: ((1,), jnp.float32) for n in EXPERT_TENSORS}, policy)
+    arena = ExpertArena(_StubHost(layers, n_experts), n_slots, lambda layer, name, blocks: jnp.asarray(blocks),
+                        {i: {n: ((1,), jnp.float32) for n in EXPERT_TENSORS} for i in layers}, policy)
     for layer, experts in (pins or {}).items():
         arena.pin(layer, experts)
     warm, counters = ExpertCounters(), ExpertCounters()

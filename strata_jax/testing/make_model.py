@@ -61,6 +61,10 @@ class ModelOptions:
     expert_quant: str | None = None
     attn_quant: str | None = None
     embed_quant: str | None = None  # token_embd and output
+    # As llama.cpp's Q4_K_M mix: the ffn_down (dense, shared and experts) and attn_v tensors of the layers it
+    # gives more bits (llama.cpp's use_more_bits(i, n): i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2, over the
+    # file's blocks) use this type instead (e.g. quant Q4_K, more_bits_quant Q6_K); None: no such layers.
+    more_bits_quant: str | None = None
     tied: bool = False  # no output.weight: the output projection is token_embd
     seed: int = 0
     split: int = 1
@@ -97,7 +101,7 @@ class ModelOptions:
             head_dim = self.hidden // self.heads
         if head_dim % 2:
             raise ValueError(f"the head size must be even for rotary embeddings (got {head_dim})")
-        for q in (self.quant, self.expert_quant, self.attn_quant, self.embed_quant):
+        for q in (self.quant, self.expert_quant, self.attn_quant, self.embed_quant, self.more_bits_quant):
             if q is not None:
                 as_qtype(q)  # raises UnsupportedQuantType listing the supported ones
         if self.arch != "glm4moe":
@@ -181,6 +185,7 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
     attn_q = as_qtype(o.attn_quant or quant)
     expert_q = as_qtype(o.expert_quant or quant)
     residual = 1.0 / math.sqrt(2 * o.layers)  # keeps the residual stream O(1) however deep the model
+    n_blocks = o.layers + o.nextn
 
     def weight(name: str, shape: tuple[int, ...], qtype: QType, std: float) -> _Planned:
         fitted = qtype if shape[-1] % block_size(qtype) == 0 else _fallback(qtype)
@@ -198,10 +203,11 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
     plan = [weight("token_embd.weight", (vocab, h), embed_q, 1 / math.sqrt(h))]
     for i in range(o.layers + o.nextn):  # GLM-4.5's NextN (MTP) blocks come after the main ones
         b = f"blk.{i}."
+        more = as_qtype(o.more_bits_quant) if o.more_bits_quant and use_more_bits(i, n_blocks) else None
         plan += [norm(b + "attn_norm.weight", (h,)),
                  weight(b + "attn_q.weight", (q, h), attn_q, 1 / math.sqrt(h)),
                  weight(b + "attn_k.weight", (kv, h), attn_q, 1 / math.sqrt(h)),
-                 weight(b + "attn_v.weight", (kv, h), attn_q, 1 / math.sqrt(h))]
+                 weight(b + "attn_v.weight", (kv, h), more or attn_q, 1 / math.sqrt(h))]
         if o.arch in ("qwen2", "qwen2moe", "glm4moe"):
             plan += [f32(b + "attn_q.bias", (q,), 0.0, 0.1), f32(b + "attn_k.bias", (kv,), 0.0, 0.1),
                      f32(b + "attn_v.bias", (kv,), 0.0, 0.1)]
@@ -216,7 +222,7 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
             plan += [f32(b + "ffn_gate_inp.weight", (e, h), 0.0, 1 / math.sqrt(h)),
                      weight(b + "ffn_gate_exps.weight", (e, f, h), expert_q, 1 / math.sqrt(h)),
                      weight(b + "ffn_up_exps.weight", (e, f, h), expert_q, 1 / math.sqrt(h)),
-                     weight(b + "ffn_down_exps.weight", (e, h, f), expert_q, residual / math.sqrt(f))]
+                     weight(b + "ffn_down_exps.weight", (e, h, f), more or expert_q, residual / math.sqrt(f))]
             if glm:  # the choosing bias: large enough against the sigmoid scores' gaps to change some choices
                 plan.append(f32(b + "exp_probs_b.bias", (e,), 0.0, 0.05))
             if o.arch in ("qwen2moe", "glm4moe"):
@@ -225,15 +231,21 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
                     plan.append(f32(b + "ffn_gate_inp_shexp.weight", (h,), 0.0, 1 / math.sqrt(h)))
                 plan += [weight(b + "ffn_gate_shexp.weight", (s, h), quant, 1 / math.sqrt(h)),
                          weight(b + "ffn_up_shexp.weight", (s, h), quant, 1 / math.sqrt(h)),
-                         weight(b + "ffn_down_shexp.weight", (h, s), quant, residual / math.sqrt(s))]
+                         weight(b + "ffn_down_shexp.weight", (h, s), more or quant, residual / math.sqrt(s))]
         else:
             plan += [weight(b + "ffn_gate.weight", (o.ffn, h), quant, 1 / math.sqrt(h)),
                      weight(b + "ffn_up.weight", (o.ffn, h), quant, 1 / math.sqrt(h)),
-                     weight(b + "ffn_down.weight", (h, o.ffn), quant, residual / math.sqrt(o.ffn))]
+                     weight(b + "ffn_down.weight", (h, o.ffn), more or quant, residual / math.sqrt(o.ffn))]
     plan.append(norm("output_norm.weight", (h,)))
     if not o.tied:
         plan.append(weight("output.weight", (vocab, h), embed_q, 1 / math.sqrt(h)))
     return plan
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's rule (src/llama-quant.cpp) for the layers whose attn_v and ffn_down Q4_K_M makes Q6_K:
+    the first and last eighth of the layers, and every third one between."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
 def _nextn_tensors(b: str, o: ModelOptions, vocab: int, quant: QType, embed_q: QType, weight, norm) -> list[_Planned]:
