@@ -50,7 +50,7 @@ _MAKE_MODEL_HELP = {
     "attn_quant": "type of the attention weights (default --quant)",
     "embed_quant": "type of token_embd and output (default --quant)",
     "more_bits_quant": "as llama.cpp's Q4_K_M: type of ffn_down (dense, shared, experts) and attn_v in the "
-    "layers it gives more bits (i < n/8, i >= 7n/8, (i - n/8) % 3 == 2); e.g. --quant Q4_K --more-bits-quant Q6_K",
+    "layers it gives more bits (i < n/8, i >= 7n/8, (i - n/8) %% 3 == 2); e.g. --quant Q4_K --more-bits-quant Q6_K",
     "seed": "random seed",
     "split": "write N parts in llama.cpp's gguf-split layout", "tokenizer_from": "copy tokenizer.* keys "
     "(and the vocabulary size) from this GGUF instead of the built-in byte-level BPE",

@@ -118,3 +118,22 @@ def test_make_model_command(tmp_path):
     same = make_model(tmp_path / "py" / "cli.gguf", arch="qwen3moe", layers=3, experts=4, experts_used=2,
                       expert_ffn=64, quant="Q4_K", attn_quant="Q8_0", split=2, tied=True, seed=5)
     assert [p.read_bytes() for p in same] == [p.read_bytes() for p in parts]
+
+
+def test_more_bits_quant_flag(tmp_path, capsys):
+    """--more-bits-quant: attn_v and ffn_down (experts too) of llama.cpp's Q4_K_M "more bits" layers take
+    that type, every other matrix keeps --quant; the flag is in make-model's help."""
+    from strata_jax.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["make-model", "--help"])
+    assert done.value.code == 0 and "--more-bits-quant" in capsys.readouterr().out
+    out = tmp_path / "mix.gguf"
+    assert main(["make-model", str(out), "--arch", "qwen2moe", "--layers", "3", "--hidden", "256", "--ffn", "256",
+                 "--expert-ffn", "256", "--shared-ffn", "256", "--experts", "2", "--experts-used", "1",
+                 "--quant", "Q4_K", "--more-bits-quant", "Q6_K"]) == 0
+    t = GGUFModel.open(out).tensors
+    for name in ("attn_v", "ffn_down_exps", "ffn_down_shexp"):     # use_more_bits(i, 3): layer 2 (i >= 7*3//8)
+        assert [t[f"blk.{i}.{name}.weight"].qtype.name for i in range(3)] == ["Q4_K", "Q4_K", "Q6_K"], name
+    others = {t[f"blk.{i}.{n}.weight"].qtype.name for i in range(3) for n in ("attn_q", "ffn_gate_exps", "ffn_up_shexp")}
+    assert others == {"Q4_K"}
