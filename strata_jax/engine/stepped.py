@@ -92,7 +92,8 @@ def group_kinds(stage: str, trees: dict[int, object]) -> tuple[dict[int, str], d
 
 
 class LayerStepper:
-    def __init__(self, runner, arena: ExpertArena, qtypes: dict[str, str], expert_shapes: dict[str, tuple]):
+    def __init__(self, runner, arena: ExpertArena, qtypes: dict[int, dict[str, str | None]],
+                 expert_shapes: dict[int, dict[str, tuple]]):
         self.runner = runner
         self.arena = arena
         self.spec, self.opts = runner.spec, runner.opts
