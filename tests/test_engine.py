@@ -148,7 +148,7 @@ def reference(moe_path):
 def _budget(stats, programs: float) -> float:
     mem = stats["memory"]
     per = max(int(x) for x in stats["programs"]["program_bytes"])
-    return (mem["weights_bytes"] + mem["kv_bytes"] + programs * per) / 2**20
+    return (mem["weights_bytes"] + mem["kv_bytes"] + mem.get("experts_bytes", 0) + programs * per) / 2**20
 
 
 @pytest.mark.parametrize("batch_graphs", ["64", "0"])

@@ -144,9 +144,9 @@ def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv
     """Decoder layer i over every group of the window: attention (writing the new keys and values into
     the cache first) and the FFN or experts -> (xs, cache), and the updated counts third when `counts` (the
     expert profile, int32 [n_layers, E]) is given."""
-    xs = list(xs)
+    xs, cache = attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
     for n, g in enumerate(groups):
-        x, cache = attention(lp, i, spec, opts, g, xs[n], cache, kv_len, host)
+        x = xs[n]
         R, L = g.tokens.shape
         hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps)
         if "router" in lp:
@@ -161,14 +161,40 @@ def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv
     return (xs, cache) if counts is None else (xs, cache, counts)
 
 
-def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache, kv_len: int, host=None):
-    """The attention half of decoder layer i for one group: x [R, L, h] -> (x + attention, the cache with
-    the group's new keys and values). `i` may be a traced layer index (layer-stepped programs). With a
-    host store and kv_len past its resident positions, positions >= host.resident are written to and read
-    from host RAM (kv_offload.py); the device cache holds the first ones and a scratch position."""
+def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None):
+    """The attention half of decoder layer i for every group of the window: xs [R, L, h] per group ->
+    (x + attention per group, the cache with the groups' new keys and values). `i` may be a traced layer
+    index (layer-stepped programs). Every group's keys and values are written before any group reads: with
+    a read between two writes XLA copied the whole donated cache (a window of decode rows and a prompt
+    chunk showed the cache's size as temporary memory); written first, it is updated in place. The groups'
+    rows are distinct slots, so no group reads another's new entries either way: the same bits."""
+    new = [_project_qkv(lp, i, spec, opts, g, x, cache) for g, x in zip(groups, xs)]
+    for g, (_, stored) in zip(groups, new):
+        cache = _write(cache, i, g.slots, _write_at(cache, g), stored)
+    on_device = kv_len if host is None or kv_len <= host.resident else host.resident
+    dtype = jnp.dtype(opts.dtype)
+    slots = jnp.concatenate([g.slots for g in groups])          # one read of all the window's rows
+    keys = _read(cache, "k", i, slots, on_device, dtype)      # [rows, on_device, K, D]
+    vals = _read(cache, "v", i, slots, on_device, dtype)
+    out, at = [], 0
+    for g, x, (q, stored) in zip(groups, xs, new):
+        R = g.tokens.shape[0]
+        out.append(_attend(lp, i, spec, opts, g, x, q, stored, keys[at:at + R], vals[at:at + R], kv_len, host))
+        at += R
+    return out, cache
+
+
+def _write_at(cache: dict, g: Group) -> jax.Array:
+    """Where a group's new entries go [R, L]: their positions; padding (and any position past the cache,
+    --kv-resident's host part) to the scratch position, which no query reads."""
+    scratch = cache["k"].shape[2] - 1
+    return jnp.where((g.pos >= 0) & (g.pos < scratch), g.pos, scratch)
+
+
+def _project_qkv(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache):
+    """Queries [R, L, H, D] and the new keys and values as the cache stores them (_stored) for one group."""
     dtype = jnp.dtype(opts.dtype)
     H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
-    scratch = cache["k"].shape[2] - 1
     R, L = g.tokens.shape
     hx = rms_norm(x, lp["attn_norm"], spec.rms_eps)
     q = linear(hx, lp["wq"], opts.backend)
@@ -180,18 +206,24 @@ def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache
     if "q_norm" in lp:
         q, k = rms_norm(q, lp["q_norm"], spec.rms_eps), rms_norm(k, lp["k_norm"], spec.rms_eps)
     q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
-    write_at = jnp.where((g.pos >= 0) & (g.pos < scratch), g.pos, scratch)        # [R, L]
-    stored = _stored(cache, "k", k) | _stored(cache, "v", v)
-    cache = _write(cache, i, g.slots, write_at, stored)
+    return q, _stored(cache, "k", k) | _stored(cache, "v", v)
+
+
+def _attend(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, q, stored, keys, vals, kv_len: int,
+            host=None):
+    """One group's queries over its slots' keys and values read from the device cache (keys [R, on_device,
+    K, D], vals) -> x + attention. With a host store and kv_len past its resident positions, positions >=
+    host.resident are written to and read from host RAM (kv_offload.py); the device cache holds the first
+    ones and a scratch position."""
+    dtype = jnp.dtype(opts.dtype)
+    H, Dv = spec.n_heads, spec.value_dim
+    R, L = g.tokens.shape
     chunk = min(opts.attn_chunk, kv_len)
-    more, on_device = None, kv_len
+    more = None
     if host is not None and kv_len > host.resident:
-        on_device = host.resident
         more = host_source(host, i, g.slots, g.pos, stored, kv_len, chunk, dtype)
-    keys = _read(cache, "k", i, g.slots, on_device, dtype)                         # [R, on_device, K, D]
-    vals = _read(cache, "v", i, g.slots, on_device, dtype)
     o = attend(q, keys, vals, g.pos, chunk, more)                                  # [R, L, H, Dv]
-    return x + linear(o.reshape(R, L, H * Dv), lp["wo"], opts.backend), cache
+    return x + linear(o.reshape(R, L, H * Dv), lp["wo"], opts.backend)
 
 
 # ---- layer-stepped windows (expert tiers) ----------------------------------------------------------------
@@ -210,8 +242,8 @@ def attn_router_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs
     """Attention of layer i, then the FFN norm and the router, per group -> (x [R, L, h], hx [R*L, h],
     router weights [R*L, k] float32, expert ids [R*L, k] int32) per group, and the cache."""
     outs = []
+    xs, cache = attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
     for g, x in zip(groups, xs):
-        x, cache = attention(lp, i, spec, opts, g, x, cache, kv_len, host)
         R, L = g.tokens.shape
         hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps).reshape(R * L, -1)
         w, ids = route(hx, lp["router"], spec, opts.backend, lp.get("exp_bias"))
