@@ -57,12 +57,15 @@ def test_concurrent_greedy_equals_alone(engine8):
 
 
 def test_slot_ids_never_multiply_programs(engine8):
-    """The same shapes on other slots reuse the same programs (Strata keyed graphs on slot ids)."""
+    """The same shapes on other slots reuse the same programs (Strata keyed graphs on slot ids). Each round's
+    prompts have the lengths of the first's but other tokens: no prefix to reuse (that would read fewer
+    tokens: other shapes), and the prefix cache gives them the least recently used slots: other slots."""
     prompts = _prompts(4, seed=1)
     _run_all(engine8, prompts, max_tokens=4, ignore_eos=True)
     built = engine8.stats()["programs"]["built"]
-    for shift in range(3):                                  # other slots, same layouts
-        _run_all(engine8, prompts[shift:] + prompts[:shift], max_tokens=4, ignore_eos=True)
+    for shift in range(1, 4):                               # other slots, same layouts
+        other = [[3 + (t + 97 * shift) % 400 for t in p] for p in prompts[shift:] + prompts[:shift]]
+        _run_all(engine8, other, max_tokens=4, ignore_eos=True)
     assert engine8.stats()["programs"]["built"] == built
 
 
