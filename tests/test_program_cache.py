@@ -84,3 +84,21 @@ def test_a_refused_program_with_nothing_to_free_goes_up_and_is_compiled_next_tim
     cache.ledger.release("weights", 4 * MiB)
     cache.get(lay(1))
     assert compiled == [1, 1] and cache.ledger.used["programs"] == 8 * MiB
+
+
+def test_a_mixed_window_does_not_copy_the_kv_cache(tiny_model):
+    """A window of decode rows and a prompt chunk updates the donated KV cache in place: its temporary
+    memory is its own work, not a copy of the cache (the load ladder found 452 MiB for a 450 MiB cache:
+    every mixed window split on a small device; transformer.attention now writes every group's keys and
+    values before one read)."""
+    from strata_jax import Engine, EngineConfig
+
+    path = tiny_model(arch="llama", layers=4, hidden=64, heads=4, kv_heads=2)
+    with Engine.from_gguf(path, EngineConfig(parallel=8, max_context=4096, prefill=64, warmup=False)) as eng:
+        r = eng.runner
+        kv = sum(a.nbytes for a in r.cache.values())                       # 32 MiB
+        temp = {lay: r._build(lay).memory_analysis().temp_size_in_bytes
+                for lay in (Layout(((4, 1, False),), 1024), Layout(((1, 64, False),), 1024),
+                            Layout(((4, 1, False), (1, 64, False)), 1024))}
+    decode, chunk, mixed = temp.values()
+    assert mixed <= 1.5 * (decode + chunk) < kv / 4, (temp, kv)
