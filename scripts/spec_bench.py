@@ -1,7 +1,7 @@
 """Speculative decoding on a repetitive text: acceptance rate and decode speed with and without --spec.
 
-    python scripts/spec_bench.py [MODEL.gguf] [--spec 4] [--drafter ngram|draft:PATH.gguf] [--parallel 1]
-                                 [--max-tokens 160] [--spec-min-p 0.5]
+    python scripts/spec_bench.py [MODEL.gguf] [--spec 4] [--drafter ngram|mtp|draft:PATH.gguf] [--parallel 1]
+                                 [--max-tokens 160] [--spec-min-p 0.5] [--ignore-eos]
 
 The task is a code edit: the model is given Python snippets and asked to write them out again with one
 name changed, so most of the answer is in the prompt (prompt lookup's best case, and a common real one).
@@ -65,15 +65,23 @@ def messages(i: int) -> list[dict]:
                                         f"write out the whole function:\n\n```python\n{code}\n```"}]
 
 
+def prompt(eng, i: int):
+    """The chat messages, or their text where the model has no chat template (a made model)."""
+    if eng.model.metadata.get("tokenizer.chat_template"):
+        return messages(i)
+    return messages(i)[0]["content"]
+
+
 def run(model: str, spec: int, drafter: str, args) -> tuple[float, int, int, list[list[int]]]:
     from strata_jax import Engine, EngineConfig
 
     cfg = EngineConfig(parallel=max(args.parallel, 2), max_context=1024, spec=spec, drafter=drafter,
                        spec_min_p=args.spec_min_p)
+    kw = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
     with Engine.from_gguf(model, cfg) as eng:
         for i in range(args.parallel):                     # warm-up: builds the programs of this workload
-            eng.generate(messages(i), max_tokens=args.max_tokens)
-        handles = [eng.submit(messages(i), max_tokens=args.max_tokens) for i in range(args.parallel)]
+            eng.generate(prompt(eng, i), **kw)
+        handles = [eng.submit(prompt(eng, i), **kw) for i in range(args.parallel)]
         toks, stats = [], []
         for h in handles:
             evs = list(h)
@@ -92,6 +100,7 @@ def main() -> int:
     ap.add_argument("--spec-min-p", type=float, default=0.5)
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--ignore-eos", action="store_true", help="decode --max-tokens tokens whatever comes (made models)")
     args = ap.parse_args()
     model = args.model
     if model is None:
