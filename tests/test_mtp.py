@@ -18,8 +18,12 @@ import numpy as np
 import pytest
 
 from strata_jax import Engine, EngineConfig
-from strata_jax.gguf import GGUFModel
-from strata_jax.model import Group, RunOptions, forward, load_params, mtp_forward, new_kv_cache
+from strata_jax.model import (
+    Group,
+    forward,
+    mtp_forward,
+    new_kv_cache,
+)
 
 GLM = dict(arch="glm4moe", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, expert_ffn=32, shared_ffn=32,
            experts=4, experts_used=2, nextn=1, quant="F32")
