@@ -75,8 +75,11 @@ def prompt(eng, i: int):
 def run(model: str, spec: int, drafter: str, args) -> tuple[float, int, int, list[list[int]]]:
     from strata_jax import Engine, EngineConfig
 
+    # No prefix cache: the timed requests repeat the warm-up's prompts, and reusing their KV would make them
+    # read 1-2 tokens, i.e. other layouts, whose programs (and the mtp drafter's) would then be built inside
+    # the timed decode.
     cfg = EngineConfig(parallel=max(args.parallel, 2), max_context=1024, spec=spec, drafter=drafter,
-                       spec_min_p=args.spec_min_p)
+                       spec_min_p=args.spec_min_p, prefix_cache=False)
     kw = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
     with Engine.from_gguf(model, cfg) as eng:
         for i in range(args.parallel):                     # warm-up: builds the programs of this workload
