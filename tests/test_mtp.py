@@ -24,6 +24,7 @@ from strata_jax.model import (
     mtp_forward,
     new_kv_cache,
 )
+from strata_jax.testing.requests import run_all as _run_all
 
 GLM = dict(arch="glm4moe", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, expert_ffn=32, shared_ffn=32,
            experts=4, experts_used=2, nextn=1, quant="F32")
@@ -36,16 +37,6 @@ def _prompts():
     rng = np.random.default_rng(3)
     a = [int(t) for t in rng.integers(3, 500, 10)]
     return [a * 3, [int(t) for t in rng.integers(3, 500, 23)], a[:4] * 5]
-
-
-def _run_all(eng, prompts, **kw):
-    handles = [eng.submit(p, **kw) for p in prompts]
-    out = []
-    for h in handles:
-        evs = list(h)
-        assert evs[-1].kind == "final", evs[-1]
-        out.append(([e.token for e in evs if e.kind == "token"], evs[-1].stats))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +161,17 @@ def test_a_failing_drafter_costs_drafts_not_requests(glm, reference, caplog):
     text = caplog.text
     assert "the drafter failed (injected propose failure)" in text
     assert "the drafter failed after window" in text and "injected sync failure" in text
+
+
+def test_mtp_with_kv_in_host_ram(glm):
+    """--kv-resident 32 with a 16-key attention chunk: the NextN layer's KV past 32 positions lives in host RAM
+    too. Greedy --spec 4 --drafter mtp gives the tokens of the same engine without speculation."""
+    cfg = dict(BASE, attn_chunk=16, kv_resident=32)
+    prompts = _prompts()[:2]                                    # 30 and 23 tokens, then 24 generated: past 32
+    with Engine.from_gguf(glm, EngineConfig(**cfg)) as eng:
+        plain = [t for t, _ in _run_all(eng, prompts, max_tokens=24, ignore_eos=True)]
+    with Engine.from_gguf(glm, EngineConfig(**cfg, **MTP)) as eng:
+        got = _run_all(eng, prompts, max_tokens=24, ignore_eos=True)
+        st = eng.stats()
+    assert [t for t, _ in got] == plain
+    assert st["spec"]["draft_n"] > 0 and st["kv_cache"]["device_positions"] == 32

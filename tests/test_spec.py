@@ -13,6 +13,7 @@ from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
 from strata_jax.engine.spec.accept import accept_row, verify
 from strata_jax.engine.spec.ngram import NgramDrafter
+from strata_jax.testing.requests import run_all as _run_all
 
 TINY = dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2)
 BASE = dict(parallel=2, max_context=128, prefill=16, warmup=False)
@@ -24,16 +25,6 @@ def _prompts():
     a = [int(t) for t in rng.integers(3, 500, 12)]
     b = [int(t) for t in rng.integers(3, 500, 20)]
     return [a * 4, a[:5] * 6, b * 2 + [int(t) for t in rng.integers(3, 500, 9)]]
-
-
-def _run_all(eng, prompts, **kw):
-    handles = [eng.submit(p, **kw) for p in prompts]
-    out = []
-    for h in handles:
-        evs = list(h)
-        assert evs[-1].kind == "final", evs[-1]
-        out.append(([e.token for e in evs if e.kind == "token"], evs[-1].stats))
-    return out
 
 
 @pytest.fixture(scope="module")
