@@ -1,7 +1,7 @@
 """Speculative decoding on a repetitive text: acceptance rate and decode speed with and without --spec.
 
     python scripts/spec_bench.py [MODEL.gguf] [--spec 4] [--drafter ngram|mtp|draft:PATH.gguf] [--parallel 1]
-                                 [--max-tokens 160] [--spec-min-p 0.5] [--ignore-eos]
+                                 [--max-tokens 160] [--spec-min-p 0.5] [--spec-max-rows 0] [--ignore-eos]
 
 The task is a code edit: the model is given Python snippets and asked to write them out again with one
 name changed, so most of the answer is in the prompt (prompt lookup's best case, and a common real one).
@@ -79,7 +79,7 @@ def run(model: str, spec: int, drafter: str, args) -> tuple[float, int, int, lis
     # read 1-2 tokens, i.e. other layouts, whose programs (and the mtp drafter's) would then be built inside
     # the timed decode.
     cfg = EngineConfig(parallel=max(args.parallel, 2), max_context=1024, spec=spec, drafter=drafter,
-                       spec_min_p=args.spec_min_p, prefix_cache=False)
+                       spec_min_p=args.spec_min_p, spec_max_rows=args.spec_max_rows, prefix_cache=False)
     kw = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
     with Engine.from_gguf(model, cfg) as eng:
         for i in range(args.parallel):                     # warm-up: builds the programs of this workload
@@ -102,6 +102,7 @@ def main() -> int:
     ap.add_argument("--drafter", default="ngram")
     ap.add_argument("--spec-min-p", type=float, default=0.5)
     ap.add_argument("--parallel", type=int, default=1)
+    ap.add_argument("--spec-max-rows", type=int, default=0, help="draft only while at most this many slots decode")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--ignore-eos", action="store_true", help="decode --max-tokens tokens whatever comes (made models)")
     args = ap.parse_args()

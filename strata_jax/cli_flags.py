@@ -16,6 +16,7 @@ HELP = {
     "prefill": "prompt tokens a window reads for one slot (auto or a power of two)",
     "spec": "draft tokens a row (speculative decoding)",
     "spec_min_p": "stop drafting below this drafter probability",
+    "spec_max_rows": "draft only while at most this many slots decode (0: always), like vLLM's speculative_disable_by_batch_size",
     "drafter": "ngram, mtp, none or draft:PATH.gguf",
     "expert_cache": "experts on the device: auto or a number of expert slots",
     "expert_profile": "expert hotness file: preload and pin the hottest experts",

@@ -39,6 +39,7 @@ class EngineConfig:
     prefill: str | int = "auto"          # prompt tokens a window reads for one slot (auto: 256 on a CPU, 1024 on a GPU)
     spec: int = 0                        # draft tokens a row (speculative decoding)
     spec_min_p: float = 0.5              # stop drafting below this drafter probability
+    spec_max_rows: int = 0               # draft only while at most this many slots decode (0: always)
     drafter: str = "ngram"               # ngram | mtp | none | draft:PATH.gguf
     expert_cache: str | int = "auto"     # experts kept on the device: auto or a number of expert slots
     expert_profile: str | None = None    # expert hotness file to preload and pin
@@ -83,6 +84,8 @@ class EngineConfig:
                  self.prefill, "must be auto or a power of two from 16 to 65536")
         need(isinstance(self.spec, int) and 0 <= self.spec <= 16, "spec", self.spec, "must be 0 to 16 draft tokens")
         need(0.0 <= self.spec_min_p <= 1.0, "spec_min_p", self.spec_min_p, "must be between 0 and 1")
+        need(isinstance(self.spec_max_rows, int) and self.spec_max_rows >= 0, "spec_max_rows", self.spec_max_rows,
+             "must be 0 (always draft) or a number of decoding slots")
         need(self.drafter in DRAFTERS or self.drafter.startswith("draft:"), "drafter", self.drafter,
              "must be ngram, mtp, none or draft:PATH.gguf")
         if self.expert_cache != "auto":

@@ -197,3 +197,22 @@ def test_smollm2_ngram_greedy_equals_plain():
     assert spec.tokens == plain.tokens
     assert spec.stats["draft_n_accepted"] >= 10, spec.stats
     assert "result" in spec.text
+
+
+def test_spec_max_rows_drafts_only_for_few_decoding_slots(tiny, reference):
+    """--spec-max-rows 1: a window drafts only while at most one slot decodes (vLLM's
+    speculative_disable_by_batch_size); the tokens stay the plain greedy ones."""
+    with Engine.from_gguf(tiny, EngineConfig(**BASE, spec=4, drafter="ngram", spec_min_p=0.0, spec_max_rows=1)) as eng:
+        verify_rows, run = [], eng._run
+
+        def spy(w):
+            if w.drafts is not None:
+                verify_rows.append(len(w.decode))
+            return run(w)
+
+        eng._run = spy
+        got = _run_all(eng, _prompts(), max_tokens=32, ignore_eos=True)
+    assert [t for t, _ in got] == reference
+    assert verify_rows and max(verify_rows) == 1
+    with pytest.raises(ConfigError, match="spec_max_rows"):
+        EngineConfig(spec_max_rows=-1)

@@ -229,6 +229,9 @@ class Engine:
         if self.speculator is None:
             return self.scheduler.plan(self.slots)
         decoding = [s for s in self.slots if s.decoding]
+        limit = self.config.spec_max_rows
+        if limit and len(decoding) > limit:            # a verify window of many rows costs more than it saves
+            return self.scheduler.plan(self.slots)
         try:
             drafts = self.speculator.propose(decoding)
         except Exception as e:  # noqa: BLE001 - a drafter's failure costs drafts, never the requests
