@@ -58,7 +58,7 @@ def _bit_dims(off: np.ndarray) -> list[tuple[int, int]] | None:
 
 
 def _strided_view(blocks: jax.Array, off: np.ndarray) -> jax.Array | None:
-    rows, width = blocks.shape
+    rows, _width = blocks.shape
     base = int(off[0])
     if len(off) == 1:
         return blocks[:, base:base + 1]

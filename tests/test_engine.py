@@ -13,7 +13,7 @@ from strata_jax import Engine, EngineConfig
 from strata_jax.engine import ContextOverflowError, RequestError
 from strata_jax.testing.faults import Faults
 
-MOE = dict(arch="qwen3moe", layers=2, hidden=64, heads=4, kv_heads=2, experts=8, experts_used=2, expert_ffn=32)
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2, "expert_ffn": 32}
 # Prompt lengths: short ones, and ones longer than the 16-token prefill chunk, read in several windows.
 LENGTHS = [3, 9, 17, 40, 5, 33, 12, 60]
 
@@ -71,7 +71,7 @@ def test_slot_ids_never_multiply_programs(engine8):
 
 def test_seeded_sampling_is_reproducible(engine8):
     p = _prompts(1, seed=2)[0]
-    kw = dict(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    kw = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "ignore_eos": True}
     a = engine8.generate(p, **kw).tokens
     b = _run_all(engine8, [p] + _prompts(3, seed=3), **kw)[0]     # with others in the window
     c = engine8.generate(p, **dict(kw, seed=99)).tokens

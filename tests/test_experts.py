@@ -14,9 +14,9 @@ from strata_jax.engine.programs import MIN_PROGRAM_BYTES
 from strata_jax.experts import ExpertCounters
 from strata_jax.experts.policy import FreqLRUPolicy, LRUPolicy, make_policy
 
-MOE = dict(arch="qwen3moe", layers=2, hidden=64, heads=4, kv_heads=2, experts=8, experts_used=2, expert_ffn=32)
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2, "expert_ffn": 32}
 QWEN2MOE = dict(MOE, arch="qwen2moe", shared_ffn=48)
-BASE = dict(parallel=2, max_context=64, prefill=16, warmup=False)
+BASE = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False}
 
 
 def _prompts(n=2, seed=0, lengths=(21, 6)):
@@ -84,7 +84,7 @@ def _stages(eng) -> list[str]:
 
 
 def test_file_tier_serves_what_ram_does_not_hold(reference):
-    path, logits, answers = reference["qwen3moe"]
+    path, _logits, answers = reference["qwen3moe"]
     budget_gib = 5 * _one_expert_bytes(path) / (1 << 30)              # 5 of the 16 experts in RAM
     cfg = EngineConfig(**BASE, expert_cache=4, resident_budget_gib=budget_gib, pool_workers=2)
     with Engine.from_gguf(path, cfg, expert_policy="lru") as eng:
@@ -158,7 +158,7 @@ def test_upcycled_smollm2_device_cache(tmp_path):
     from strata_jax.testing.upcycle import upcycle
 
     path = upcycle(smollm2_path(), tmp_path / "smollm2-8x2.gguf", experts=8, top_k=2)
-    base = dict(parallel=1, max_context=32, prefill=16, warmup=False, weights="blocks")
+    base = {"parallel": 1, "max_context": 32, "prefill": 16, "warmup": False, "weights": "blocks"}
     with Engine.from_gguf(path, EngineConfig(**base)) as eng:
         assert eng.stats()["experts"].get("all_on_device") == 1
         ids = eng.prompt_ids("The capital of France is")

@@ -30,12 +30,12 @@ from strata_jax.testing.hf_glm4moe import load_glm4moe
 from strata_jax.testing.make_model import make_model
 
 # Rows of 256 values (whole K-quant blocks); one leading dense layer, one MoE layer, one NextN layer.
-SIZES = dict(arch="glm4moe", layers=2, hidden=256, heads=4, kv_heads=2, ffn=256, expert_ffn=256, shared_ffn=256,
-             experts=4, experts_used=2, nextn=1)
+SIZES = {"arch": "glm4moe", "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 256, "expert_ffn": 256, "shared_ffn": 256,
+             "experts": 4, "experts_used": 2, "nextn": 1}
 VARIANTS = {
-    "F32": dict(quant="F32"),
+    "F32": {"quant": "F32"},
     # GLM-4.5 355B's q/k norms, and a NextN layer with its own embedding and head.
-    "Q4_K-qknorm-ownhead": dict(quant="Q4_K", qk_norm=True, nextn_head=True),
+    "Q4_K-qknorm-ownhead": {"quant": "Q4_K", "qk_norm": True, "nextn_head": True},
 }
 TOL = 1e-4
 

@@ -20,8 +20,8 @@ from strata_jax.testing.hf import load_hf_model
 ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"]
 QUANTS = ["F32", "Q8_0", "Q4_K", "IQ4_XS"]
 # Rows of 256 values: a whole number of K-quant and IQ4_XS super-blocks.
-SIZES = dict(layers=2, hidden=256, heads=4, kv_heads=2, ffn=256, expert_ffn=256, shared_ffn=256, experts=4,
-             experts_used=2)
+SIZES = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 256, "expert_ffn": 256, "shared_ffn": 256, "experts": 4,
+             "experts_used": 2}
 
 
 def _hf_logits(path, ids):

@@ -26,10 +26,10 @@ from strata_jax.model import (
 )
 from strata_jax.testing.requests import run_all as _run_all
 
-GLM = dict(arch="glm4moe", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, expert_ffn=32, shared_ffn=32,
-           experts=4, experts_used=2, nextn=1, quant="F32")
-BASE = dict(parallel=2, max_context=128, prefill=16, warmup=False)
-MTP = dict(spec=4, drafter="mtp", spec_min_p=0.0)
+GLM = {"arch": "glm4moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "expert_ffn": 32, "shared_ffn": 32,
+           "experts": 4, "experts_used": 2, "nextn": 1, "quant": "F32"}
+BASE = {"parallel": 2, "max_context": 128, "prefill": 16, "warmup": False}
+MTP = {"spec": 4, "drafter": "mtp", "spec_min_p": 0.0}
 PAD = 128                       # the offline reference runs every sequence padded to this length (one program)
 
 

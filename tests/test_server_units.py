@@ -263,5 +263,5 @@ def test_serve_refuses_bad_settings_before_starting(args, says):
     import subprocess
 
     out = subprocess.run([sys.executable, "-m", "strata_jax", "serve", *args, "--port", "0"], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=60, check=False)
     assert out.returncode == 1 and says in out.stderr and "strata-jax serve: error:" in out.stderr

@@ -15,8 +15,8 @@ from strata_jax.engine.spec.accept import accept_row, verify
 from strata_jax.engine.spec.ngram import NgramDrafter
 from strata_jax.testing.requests import run_all as _run_all
 
-TINY = dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2)
-BASE = dict(parallel=2, max_context=128, prefill=16, warmup=False)
+TINY = {"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}
+BASE = {"parallel": 2, "max_context": 128, "prefill": 16, "warmup": False}
 
 
 def _prompts():
@@ -145,7 +145,7 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny, tiny_model):
 
 def test_seeded_sampled_requests_repeat(self_drafted):
     p = _prompts()[0]
-    kw = dict(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True)
+    kw = {"max_tokens": 24, "temperature": 0.9, "seed": 11, "ignore_eos": True}
     a = self_drafted.generate(p, **kw)
     b = _run_all(self_drafted, [p] + _prompts()[1:], **kw)[0]
     c = self_drafted.generate(p, **dict(kw, seed=12))

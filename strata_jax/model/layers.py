@@ -91,7 +91,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
             return carry, None
 
         carry, _ = jax.lax.scan(host_block, carry, block_starts)
-    m, s, acc = carry
+    _m, s, acc = carry
     o = acc / jnp.where(s > 0, s, 1.0)[..., None]                                       # padding rows: 0
     return o.transpose(0, 3, 1, 2, 4).reshape(R, L, H, Dv).astype(q.dtype)
 

