@@ -236,12 +236,9 @@ class Engine:
             drafts = self.speculator.propose(decoding)
         except Exception as e:  # noqa: BLE001 - a drafter's failure costs drafts, never the requests
             log.warning("the drafter failed (%s): this window runs without drafts", _first_line(e))
-            drafts = {}
-            for s in decoding:
-                self.speculator.reset(s)
-            if self.runner.cache_lost():
-                self._lose_cache(e)
+            if self._drafter_failed(decoding, e):
                 return None
+            drafts = {}
         return self.scheduler.plan(self.slots, drafts, self.speculator.verify_len)
 
     def _take_new(self) -> None:
@@ -331,12 +328,19 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the window's tokens are out; only drafting is affected
             log.warning("the drafter failed after window %s (%s): no drafts for its slots until their next window",
                         self._describe(w), _first_line(e))
-            for s in w.decode + ([w.prefill] if w.prefill is not None else []):
-                self.speculator.reset(s)
-            if self.runner.cache_lost():
-                self._lose_cache(e)
+            self._drafter_failed(w.decode + ([w.prefill] if w.prefill is not None else []), e)
         finally:
             self.runner.last_hiddens = None
+
+    def _drafter_failed(self, slots: list[Slot], e: Exception) -> bool:
+        """Forget the slots' pending drafts; if the failure took the KV cache, end the requests in flight
+        (-> True)."""
+        for s in slots:
+            self.speculator.reset(s)
+        if self.runner.cache_lost():
+            self._lose_cache(e)
+            return True
+        return False
 
     def _recover(self, w: Window, e: Exception) -> None:
         if self.runner.cache_lost():
