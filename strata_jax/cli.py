@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from strata_jax.config import ServerConfig
@@ -196,8 +197,22 @@ def add_serve(sub: Subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: env STRATA_API_KEY)")
     p.add_argument("--model-name", metavar="NAME", help="the model id /v1/models shows (default: the file name)")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="read the API key from FILE (its first line): unlike --api-key, not visible in `ps`")
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig().max_body_bytes, metavar="N",
                    help="largest request body (default 8 MiB)")
+    p.add_argument("--max-queue", type=int, default=ServerConfig().max_queue, metavar="N",
+                   help="requests that may wait for a slot; one more gets 503 with Retry-After at once "
+                        f"(default {ServerConfig().max_queue})")
+    p.add_argument("--engine-stall-s", type=float, default=ServerConfig().engine_stall_s, metavar="S",
+                   help="an engine that has work and makes no progress for S seconds is killed and started again "
+                        f"(default {ServerConfig().engine_stall_s:g})")
+    p.add_argument("--expert-profile-dir", metavar="DIR",
+                   help="where POST /expert-profile writes its named files (default: the cache folder's "
+                        "expert-profiles/)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request's chat_template_kwargs replace the chat template or its inputs (chat_template, "
+                        "messages, tools, ...): a request could then run its own Jinja (vLLM's flag; off by default)")
     add_engine_flags(p)
     p.set_defaults(run=run_serve)
 
@@ -210,8 +225,10 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = engine_config(args)
     path = args.model or _default_model()
     GGUFModel.open(path)   # a missing or broken file is an error now, not an engine that never starts
-    server = ServerConfig(model=path, host=args.host, port=args.port, api_key=args.api_key,
-                          model_name=args.model_name, max_body_bytes=args.max_body_bytes)
+    server = ServerConfig(model=path, host=args.host, port=args.port, api_key=_api_key(args),
+                          model_name=args.model_name, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                          engine_stall_s=args.engine_stall_s, expert_profile_dir=args.expert_profile_dir,
+                          trust_request_chat_template=args.trust_request_chat_template)
     return serve(server, engine)
 
 
@@ -273,6 +290,19 @@ def run_bench(args: argparse.Namespace) -> int:
         write_json(result, args.json)
         print(f"wrote {args.json}")
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key-file FILE (its first line), else --api-key, else $STRATA_API_KEY."""
+    if not args.api_key_file:
+        return args.api_key
+    try:
+        key = Path(args.api_key_file).read_text(encoding="utf-8").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+    if not key or not key[0].strip():
+        raise ValueError(f"--api-key-file {args.api_key_file}: the file is empty (put the key on its first line)")
+    return key[0].strip()
 
 
 def _default_model() -> str:

@@ -159,7 +159,15 @@ class ServerConfig:
     api_key: str | None = None
     model_name: str | None = None        # the id /v1/models reports (default: the file's name)
     max_body_bytes: int = 8 << 20
+    max_queue: int = 256                 # requests waiting for a slot; beyond it: 503 + Retry-After at once
+    engine_stall_s: float = 60.0         # an engine with work and no progress this long is killed and restarted
+    expert_profile_dir: str | None = None   # where POST /expert-profile writes (None: <cache>/expert-profiles)
+    trust_request_chat_template: bool = False   # let chat_template_kwargs replace the template or its inputs
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"port = {self.port!r}: must be 0 to 65535")
+        if not (isinstance(self.max_queue, int) and 0 <= self.max_queue <= 1 << 20):
+            raise ConfigError(f"max_queue = {self.max_queue!r}: must be a whole number from 0 to 1048576")
+        if not (self.engine_stall_s > 0):
+            raise ConfigError(f"engine_stall_s = {self.engine_stall_s!r}: must be > 0 seconds")
