@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
@@ -24,6 +25,15 @@ class ContextOverflowError(RequestError):
                          f"{prompt_tokens + max_tokens} tokens, but a slot holds {n_ctx} (--max-context)")
 
 
+# Bounds a request's values must keep, so that no value can break the arrays it goes into (int32 top_k,
+# uint32 seeds) or make stop-string matching expensive. The server checks them before the engine sees a
+# request; Engine.submit checks them again for Python callers.
+MAX_STOPS = 16                  # stop strings a request (OpenAI allows 4; llama.cpp any)
+MAX_STOP_CHARS = 512            # characters of one stop string
+GREEDY_BELOW = 1e-5             # a temperature below this is greedy (dividing logits by it overflows float32)
+MAX_TEMPERATURE = 100.0
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -35,19 +45,46 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """RequestError naming the field and the value, for anything the engine cannot hold or use."""
         def need(cond, name, what):
             if not cond:
-                raise RequestError(f"{name} = {getattr(self, name)!r}: {what}")
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be a whole number >= 1")
-        need(0.0 <= self.temperature <= 100.0, "temperature", "must be between 0 and 100")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be a whole number >= 0 (0: off)")
-        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        need(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32), "seed",
+                raise RequestError(f"{name} = {_shown(getattr(self, name))}: {what}")
+
+        def number(name):
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need(_whole(self.max_tokens) and 1 <= self.max_tokens < 2**31, "max_tokens", "must be a whole number >= 1")
+        need(number("temperature") and 0.0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+             f"must be a finite number from 0 to {MAX_TEMPERATURE:g} (0: greedy)")
+        top_k_limit = vocab_size if vocab_size else 2**31 - 1
+        need(_whole(self.top_k) and 0 <= self.top_k <= top_k_limit, "top_k",
+             f"must be a whole number from 0 (off) to {top_k_limit}" + (" (the vocabulary)" if vocab_size else ""))
+        need(number("top_p") and 0.0 < self.top_p <= 1.0, "top_p", "must be a finite number in (0, 1]")
+        need(number("min_p") and 0.0 <= self.min_p <= 1.0, "min_p", "must be a finite number in [0, 1]")
+        need(self.seed is None or (_whole(self.seed) and 0 <= self.seed < 2**32), "seed",
              "must be a whole number from 0 to 4294967295")
-        need(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
-             "must be up to 16 non-empty strings")
+        need(isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOPS, "stop",
+             f"must be at most {MAX_STOPS} strings")
+        need(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+             f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
+
+    @property
+    def sampled_temperature(self) -> float:
+        """The temperature the sampler uses: 0 (greedy) below GREEDY_BELOW."""
+        return 0.0 if self.temperature < GREEDY_BELOW else float(self.temperature)
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _shown(v: Any) -> str:
+    """A value for an error message, cut short: a request may send a megabyte of it."""
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Sampling on the device: each row has its own temperature, top_k, top_p, min_p and seed.
 
 A row's random key is fold_in(key(seed), n) for its n-th generated token, so the same seed gives the
-same text whatever else shares the window. Temperature 0 is greedy (argmax). Order as vLLM's: logits are
+same text whatever else shares the window. Temperature 0 is greedy (argmax). Logits with a NaN or an inf give token -1 (see `mark_non_finite`). Order as vLLM's: logits are
 divided by the temperature, then top_k, top_p and min_p cut the candidates, then one is drawn.
 """
 
@@ -67,4 +67,11 @@ def sample(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step) -> j
         return jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32)
 
     drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return mark_non_finite(logits, jnp.where(temperature > 0, drawn, greedy))
+
+
+def mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """tokens where the logits they came from ([..., V]) hold a NaN or an inf are -1, which the engine turns
+    into an error for that request (argmax over NaNs would give token 0 forever)."""
+    finite = jnp.isfinite(jnp.max(logits, axis=-1))       # max propagates NaN, and is inf if any is
+    return jnp.where(finite, tokens, -1)

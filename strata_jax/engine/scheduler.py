@@ -47,7 +47,7 @@ def sampling_rows(slots: list[Slot | None], rows: int) -> SamplingRows:
         if slot is None:
             continue
         p = slot.request.params
-        s.temperature[i], s.top_k[i], s.top_p[i], s.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        s.temperature[i], s.top_k[i], s.top_p[i], s.min_p[i] = p.sampled_temperature, p.top_k, p.top_p, p.min_p
         s.seed[i] = p.seed if p.seed is not None else (slot.request.id * 2654435761) & 0xFFFFFFFF
         s.step[i] = len(slot.tokens) - len(slot.request.prompt)
     return s

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from .request import Request
+from .stops import StopMatcher
 
 
 @dataclass(eq=False)
@@ -17,6 +18,7 @@ class Slot:
     decoder: object = None            # the request's incremental detokenizer
     text: str = ""                    # generated text so far (before stop-string trimming)
     emitted: int = 0                  # characters of `text` already sent
+    stops: StopMatcher = field(default_factory=lambda: StopMatcher(()))   # the request's stop strings
     last_used: float = 0.0            # when its last request ended (prefix cache: least recently used first)
 
     @property
@@ -43,6 +45,7 @@ class Slot:
         self.tokens = list(request.prompt)
         self.n_past = reused
         self.text, self.emitted = "", 0
+        self.stops = StopMatcher(request.params.stop)
 
     def release(self, keep: bool = True) -> None:
         """End the request; keep=False also forgets the KV (after a failure it is not trusted)."""

@@ -19,7 +19,8 @@ def build(server: ServerConfig, engine: EngineConfig, *, progress: bool = True):
 
     if server.model is None:
         raise ValueError("ServerConfig.model is None: pass a GGUF path (the CLI fills in the default model)")
-    sup = Supervisor(server.model, engine, console=Console(bars=progress))
+    sup = Supervisor(server.model, engine, console=Console(bars=progress), max_queue=server.max_queue,
+                     stall_s=server.engine_stall_s)
     return create_app(sup, server)
 
 

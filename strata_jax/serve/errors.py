@@ -16,8 +16,9 @@ class ApiError(Exception):
     """An answer that is an error: raised anywhere in a request, turned into a response by the app."""
 
     def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
-                 **extra: Any):
+                 headers: dict[str, str] | None = None, **extra: Any):
         super().__init__(message)
+        self.headers = headers                  # e.g. Retry-After on a 503
         self.status = status
         self.message = message
         self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -92,11 +94,28 @@ def _decode(body: bytes, kind: type) -> Any:
     except msgspec.ValidationError as e:
         text = str(e)
         param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        if param:
+            text += f" (got {_value_at(body, param)})"
         if param and param.endswith(".role"):
             text += " (a role is one of system, developer, user, assistant, tool)"
         raise invalid(f"invalid request: {text}", param) from None
     except msgspec.DecodeError as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None
+
+
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _value_at(body: bytes, path: str) -> str:
+    """The value at msgspec's error path (`stop[0]`, `messages[1].role`) in the raw body, shown short."""
+    try:
+        value: Any = msgspec.json.decode(body)
+        for key, index in _PATH_PART.findall(path):
+            value = value[int(index)] if index else value[key]
+    except Exception:  # noqa: BLE001 - only decoration for the message
+        return "a value of another type"
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _message(m: Message, i: int) -> dict[str, Any]:
@@ -126,9 +145,10 @@ def _params(req: Any, max_tokens: int | None) -> dict[str, Any]:
         raise invalid(f"n = {req.n}: this server makes one choice a request (n = 1)", "n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     seed = None if req.seed is None or req.seed == -1 else req.seed % 2**32
-    return {"max_tokens": max_tokens,
-            **{k: (getattr(req, k) if getattr(req, k) is not None else v) for k, v in DEFAULTS.items()},
-            "seed": seed, "stop": stop, "ignore_eos": req.ignore_eos}
+    params = {k: (getattr(req, k) if getattr(req, k) is not None else v) for k, v in DEFAULTS.items()}
+    params["top_k"] = max(params["top_k"], 0)       # -1 is vLLM's "off", 0 ours and llama.cpp's
+    params["temperature"] = float(params["temperature"])
+    return {"max_tokens": max_tokens, **params, "seed": seed, "stop": stop, "ignore_eos": req.ignore_eos}
 
 
 def _include_usage(req: Any) -> bool:
@@ -154,8 +174,28 @@ class ModelNames:
 
 async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
     deadline = job.arrived + sup.config.request_timeout_s
+    _refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))
     prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline)
     return prepared, sup.enqueue(job.id, prepared, job.params, deadline)
+
+
+def _refuse_if_too_long(job: Job, n_ctx: int, max_token_bytes: int | None) -> None:
+    """A prompt that cannot fit the context, told from its length alone, before anything tokenizes it (a
+    megabyte prompt would cost the engine seconds to tokenize, only to be refused): a token stands for at
+    most `max_token_bytes` bytes of text, and the chat template only adds to the messages' text."""
+    if isinstance(job.prompt, list) and job.prompt and isinstance(job.prompt[0], int):
+        at_least = len(job.prompt)
+    elif max_token_bytes:
+        texts = [job.prompt] if isinstance(job.prompt, str) else [m.get("content") or "" for m in job.prompt]
+        at_least = math.ceil(sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) / max_token_bytes)
+    else:
+        return
+    if at_least >= n_ctx:           # (a prompt that fits, with too many max_tokens, gets the exact count later)
+        raise ApiError(400, f"the request exceeds the available context size: its prompt is at least {at_least} "
+                            f"tokens (told from its length, before tokenizing), but a slot holds {n_ctx} "
+                            "(--max-context) with room for at least one generated token; shorten the prompt or "
+                            "raise --max-context",
+                       "exceed_context_size_error", None, n_prompt_tokens=at_least, n_ctx=n_ctx)
 
 
 async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[EngineEvent]:

@@ -27,11 +27,16 @@ class Fault:
     was_ready: bool                     # it had finished loading
     restart_in_s: float = 0.0
     last_lines: list[str] = field(default_factory=list)
+    kind: str = "exit"                  # exit: it ended by itself | stall: the watchdog killed it
+    stall: str | None = None            # what the watchdog saw
     time: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="milliseconds"))
     unix_time: float = field(default_factory=unix_now)
 
     @property
     def message(self) -> str:
+        if self.kind == "stall":
+            return (f"the engine stalled and the watchdog stopped it ({describe_exit(self.exit_code)}): "
+                    f"{self.stall}")
         what = "Its last error" if self.error_line else "Its last log line"
         return f"the engine stopped unexpectedly ({describe_exit(self.exit_code)}). {what}: {self.reason}"
 

@@ -8,10 +8,18 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-# Bounds that catch nonsense early; the engine checks the finer rules (top_p in (0, 1], ...).
+from ..engine.request import MAX_STOP_CHARS, MAX_STOPS, MAX_TEMPERATURE
+
+# Bounds that catch nonsense before anything is built from it: every number fits the array it goes into
+# (int32 top_k, a 64-bit seed folded to 32), no float is NaN or inf (JSON has neither; 1e999 is refused),
+# stop strings are few and short. The engine checks the finer rules again (top_k within the vocabulary, ...).
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
-Seed = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]   # -1: a random seed (llama.cpp)
-Stop = str | list[str] | None
+Seed = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]   # -1: a random seed (llama.cpp); int64 (OpenAI), folded to 32 bits
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]   # 0 or -1 (vLLM's): off
+Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOPS)] | None
 
 
 class TextPart(msgspec.Struct):
@@ -37,13 +45,13 @@ class _Sampling(msgspec.Struct):
 
     model: str | None = None
     max_tokens: MaxTokens | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    temperature: Temperature | None = None
+    top_p: Unit | None = None
+    top_k: TopK | None = None
+    min_p: Unit | None = None
     seed: Seed | None = None
     stop: Stop = None
-    n: int | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False            # llama.cpp's extra: keep going past the end-of-text token

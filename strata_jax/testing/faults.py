@@ -6,6 +6,10 @@
     STRATA_FAULT="exit:7"           the process prints an error line and exits with code 1 at the 7th window
     STRATA_FAULT="oom_rows:2"       building any window of more than 2 rows raises RESOURCE_EXHAUSTED (a layout
                                     too big for the device whatever else is freed)
+    STRATA_FAULT="block:4"          the 4th window blocks the engine loop for good (the process stays alive and
+                                    keeps its heartbeat: the watchdog must see that it makes no progress)
+    STRATA_FAULT="plan_error:3"     the 3rd planned window raises a RuntimeError before it runs (a bug in the loop)
+    STRATA_FAULT="loop_death:3"     the 3rd window ends the engine loop's thread (a BaseException no handler takes)
     several, comma-separated: "build_oom:2,exit:40"
 
 Counts are per engine process, so a restarted engine (a new process) starts again from zero unless the
@@ -16,10 +20,15 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import jax
 
 ENV = "STRATA_FAULT"
+
+
+class InjectedLoopDeath(BaseException):
+    """Not an Exception: nothing in the engine loop catches it, so the loop's thread ends."""
 
 
 def resource_exhausted(what: str) -> jax.errors.JaxRuntimeError:
@@ -31,13 +40,15 @@ class Faults:
         if generation is None:  # the server numbers its engine processes 1, 2, ... in this variable
             generation = int(os.environ.get("STRATA_ENGINE_GENERATION", "1"))
         self.rules: dict[str, tuple[int, bool]] = {}
-        self.counts = {"build_oom": 0, "run_oom": 0, "exit": 0, "oom_rows": 0}
+        self.counts = {"build_oom": 0, "run_oom": 0, "exit": 0, "oom_rows": 0, "block": 0, "plan_error": 0,
+                       "loop_death": 0}
         spec = os.environ.get(ENV, "") if spec is None else spec
         for part in filter(None, (p.strip() for p in spec.split(","))):
             kind, _, rest = part.partition(":")
             rest, _, only = rest.partition("@")
             if kind not in self.counts or not rest.rstrip("+").isdigit():
-                raise ValueError(f"{ENV}: cannot read {part!r}; use build_oom:N, run_oom:N, exit:N or oom_rows:N "
+                raise ValueError(f"{ENV}: cannot read {part!r}; use build_oom:N, run_oom:N, exit:N, oom_rows:N, "
+                                 "block:N, plan_error:N or loop_death:N "
                                  "(N+ for every time from the N-th, @G for engine generation G only)")
             if only and int(only) != generation:
                 continue
@@ -63,3 +74,13 @@ class Faults:
             os._exit(1)
         if self._hit("run_oom"):
             raise resource_exhausted(f"injected by {ENV} at window {self.counts['run_oom']}")
+        if self._hit("loop_death"):
+            raise InjectedLoopDeath(f"injected by {ENV} at window {self.counts['loop_death']}")
+        if self._hit("block"):
+            print(f"injected by {ENV}: window {self.counts['block']} blocks the engine loop", file=sys.stderr,
+                  flush=True)
+            threading.Event().wait()
+
+    def on_plan(self) -> None:
+        if self._hit("plan_error"):
+            raise RuntimeError(f"injected by {ENV} while planning window {self.counts['plan_error']}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..sampler import filter_logits, token_key
+from ..sampler import filter_logits, mark_non_finite, token_key
 
 
 def accept_row(p: jax.Array, q: jax.Array, drafts: jax.Array, n_draft, keys: jax.Array):
@@ -72,4 +72,5 @@ def verify(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, temperature
 
     sampled, n_sampled = jax.lax.cond(jnp.any(temperature > 0), draw, lambda: (target, n_greedy))
     hot = temperature > 0
-    return jnp.where(hot[:, None], sampled, target), jnp.where(hot, n_sampled, n_greedy)
+    tokens = mark_non_finite(logits, jnp.where(hot[:, None], sampled, target))
+    return tokens, jnp.where(hot, n_sampled, n_greedy)
