@@ -38,6 +38,8 @@ HELP = {
     "request_timeout_s": "a request's deadline, seconds",
     "seed": "default sampling seed",
     "warmup": "build the decode programs for 1..parallel rows at start",
+    "compile_cache": "keep compiled programs in <cache folder>/jax-compile (private) so a restart does not compile "
+                     "again (env STRATA_JAX_COMPILE_CACHE=DIR or off)",
 }
 
 

@@ -60,6 +60,7 @@ class EngineConfig:
     dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16
     request_timeout_s: float = 600.0     # a request's deadline
     warmup: bool = True                  # build the decode programs for 1..parallel rows at start
+    compile_cache: bool = True           # JAX's persistent compilation cache in the cache folder (compile_cache.py)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from strata_jax.testing.make_model import make_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_compile_cache(tmp_path_factory: pytest.TempPathFactory):
+    """JAX's compilation cache (strata_jax/compile_cache.py) in a folder of this session, not the user's
+    ~/.cache: for the engines made here and the servers started from here (they inherit the variable).
+    Only the compile cache moves: the default model is still fetched into the real cache folder."""
+    from strata_jax.compile_cache import ENV
+
+    if ENV in os.environ:               # the developer chose one (a warm cache, or "off"): keep it
+        yield os.environ[ENV]
+        return
+    os.environ[ENV] = str(tmp_path_factory.mktemp("jax-compile"))
+    try:
+        yield os.environ[ENV]
+    finally:
+        os.environ.pop(ENV, None)
 
 
 @pytest.fixture(scope="session")

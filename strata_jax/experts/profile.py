@@ -2,7 +2,7 @@
 and read back at start (`--expert-profile FILE`) to preload and pin the hottest experts in the device arena.
 
 The file is JSON (small: layers x experts counts), written by `Engine.save_expert_profile(path)` or the
-server's `POST /expert-profile`:
+server's `POST /expert-profile {"name": NAME}` (NAME.json in the server's --expert-profile-dir):
 
     {"format": "strata-jax expert profile", "version": 1, "model": "<general.name>",
      "architecture": "qwen3moe", "n_layers": 48, "n_experts": 128, "n_experts_used": 8,
@@ -15,9 +15,11 @@ MoE layers) is refused with an error that names the file and what differs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -61,12 +63,30 @@ class ExpertProfile:
                 "routed": int(self.counts.sum()),
                 "counts": {str(layer): [int(x) for x in self.counts[r]] for r, layer in enumerate(self.layers)}}
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the profile (atomically: a reader never sees half a file); returns the path."""
+    def copy(self) -> ExpertProfile:
+        """A snapshot of the counts, for another thread to write while the engine counts on."""
+        out = ExpertProfile(self.spec, self.layers)
+        out.counts[:] = self.counts
+        return out
+
+    def save(self, path: str | os.PathLike, private_dir: bool = False) -> Path:
+        """Write the profile atomically (a reader never sees half a file) and privately: through a temporary
+        file made in the same directory with mode 0o600, then renamed over `path`. private_dir: create the
+        directory (0o700) if it is missing, as the server does for its --expert-profile-dir. -> the path."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        os.replace(tmp, path)
+        if private_dir:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return path
 
     @classmethod
