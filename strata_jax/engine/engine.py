@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import compile_cache
 from ..config import EngineConfig
 from ..experts import ExpertCounters, resident_line
 from ..gguf import GGUFModel, load_tokenizer
@@ -61,6 +62,7 @@ class Engine:
         self.model = model
         self.spec = model.spec
         self.tokenizer = load_tokenizer(model.metadata)
+        compile_cache.enable(self.config.compile_cache)     # before the first program: serve, generate, bench, Python
         self.runner = ModelRunner(model, self.config, progress)
         if self.config.warmup:
             self.runner.warmup(progress=progress)
@@ -74,6 +76,9 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.progress_at = time.monotonic()     # last sign of life of the loop (heartbeat)
+        self.loop_error: str | None = None       # why the loop thread ended, if it did
+        self.on_loop_death = None                # called with that reason (the worker exits the process)
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                          "generated_tokens": 0, "windows": 0, "window_rows": 0, "split_windows": 0}
 
@@ -92,7 +97,7 @@ class Engine:
         if isinstance(stop, str):
             stop = [stop]
         params = SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()), ignore_eos)
-        params.validate()
+        params.validate(self.spec.vocab_size)
         ids = self.prompt_ids(prompt, chat_template_kwargs)
         n_ctx = self.config.max_context
         if len(ids) + max_tokens > n_ctx:
@@ -118,6 +123,15 @@ class Engine:
             ids = self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
         else:
             raise RequestError("prompt must be a non-empty string, list of chat messages, or list of token ids")
+        if not ids:
+            raise RequestError("the prompt is empty after tokenization")
+        return ids
+
+    def chat_text_ids(self, text: str) -> list[int]:
+        """The ids of a chat already rendered to `text` (the server renders once, and reads the text too):
+        as prompt_ids does for a chat, BOS is added unless the template wrote it."""
+        bos = self.tokenizer.bos_token
+        ids = self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
         if not ids:
             raise RequestError("the prompt is empty after tokenization")
         return ids
@@ -167,13 +181,23 @@ class Engine:
             raise out
         return out
 
-    def save_expert_profile(self, path: str | Path) -> dict[str, Any]:
+    def save_expert_profile(self, path: str | Path, private_dir: bool = False) -> dict[str, Any]:
         """Write the expert profile (how often live traffic routed to each (MoE layer, expert) since start;
         see experts/profile.py) to `path`, for `--expert-profile` to preload and pin at a later start.
-        Returns {"path", "routed"}. Runs on the engine thread between windows."""
+        Returns {"path", "routed"}. The file is written in the caller's thread (atomically, mode 0o600),
+        never on the engine thread; private_dir: create its directory 0o700 if missing."""
+        prof = self.expert_profile()
+        prof.save(path, private_dir=private_dir)
+        routed = int(prof.counts.sum())
+        log.info("expert profile: %d routed token-expert pairs since start written to %s", routed, path)
+        return {"path": str(path), "routed": routed}
+
+    def expert_profile(self):
+        """A copy of the expert profile's counts (an ExpertProfile), taken on the engine thread between
+        windows; ValueError for a model without experts."""
         done: queue.Queue = queue.Queue()
         self._ensure_thread()
-        self.inbox.put(("profile", str(path), done))       # type: ignore[arg-type]
+        self.inbox.put(("profile", done))       # type: ignore[arg-type]
         self._wake.set()
         out = done.get()
         if isinstance(out, BaseException):
@@ -212,18 +236,50 @@ class Engine:
                 self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._take_new()
-            self._check_cancelled()
-            window = self._plan()
-            if window is None:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            self._run(window)
+        try:
+            while not self._stop.is_set():
+                self.beat()
+                if not self._iteration():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as e:          # noqa: BLE001 - only a bug gets here; say so, then let the owner act
+            log.critical("the engine loop ended: %s: %s", type(e).__name__, _first_line(e), exc_info=True)
+            self.loop_error = f"{type(e).__name__}: {_first_line(e)}"
+            if self.on_loop_death is not None:
+                self.on_loop_death(self.loop_error)
+            raise
         for s in self.slots:
             if not s.free:
                 self._fail(s, "the engine was closed")
+
+    def beat(self) -> None:
+        """The loop is alive and moving (the worker's heartbeat reads `progress_at`)."""
+        self.progress_at = time.monotonic()
+
+    def _iteration(self) -> bool:
+        """Take new requests, plan one window and run it -> whether there was a window. A failure anywhere
+        here ends the requests it concerns with an error (all busy slots when it cannot tell which), and the
+        loop goes on: no request can stop the engine."""
+        stage = "admitting requests"
+        try:
+            self._take_new()
+            self._check_cancelled()
+            stage = "planning a window"
+            window = self._plan()
+            if window is None:
+                return False
+            self.runner.faults.on_plan()
+            stage = "running a window"
+            self._run(window)
+            return True
+        except Exception as e:  # noqa: BLE001 - reported to the requests, never lost
+            log.exception("the engine failed while %s", stage)
+            for s in self.slots:
+                if not s.free:
+                    self._fail(s, f"the engine failed while {stage}: {type(e).__name__}: {_first_line(e)}")
+            if self.runner.cache_lost():
+                self._lose_cache(e)
+            return True
 
     def _plan(self) -> Window | None:
         if self.speculator is None:
@@ -408,13 +464,25 @@ class Engine:
                     break
 
     def _emit(self, s: Slot, token: int) -> None:
+        """Hand a sampled token to its request; a failure here ends that request alone."""
+        if token < 0:                                   # the sampler's mark for NaN or inf logits
+            self._fail(s, "the model's logits were NaN or inf at this position (the weights or the activations "
+                          "overflowed): the request cannot go on")
+            return
+        try:
+            self._emit_token(s, token)
+        except Exception as e:  # noqa: BLE001 - detokenizing or matching failed for this row only
+            log.exception("request %d: its token %d could not be handled", s.request.id, token)
+            self._fail(s, f"the engine could not handle token {token}: {type(e).__name__}: {_first_line(e)}")
+
+    def _emit_token(self, s: Slot, token: int) -> None:
         req = s.request
         s.tokens.append(token)
         n_gen = len(s.tokens) - len(req.prompt)
         eos = self.tokenizer.is_eos(token) and not req.params.ignore_eos
         if not eos:
             s.text += s.decoder.add(token)
-        stop_at = _find_stop(s.text, req.params.stop)
+        stop_at = s.stops.find(s.text)
         if stop_at is not None:
             s.text = s.text[:stop_at]
             self._send_text(s, token, len(s.text))
@@ -423,8 +491,7 @@ class Engine:
         if eos:
             self._finish(s, "stop")
             return
-        hold = _stop_prefix_len(s.text, req.params.stop)
-        self._send_text(s, token, len(s.text) - hold)
+        self._send_text(s, token, len(s.text) - s.stops.held(s.text))
         if n_gen >= req.params.max_tokens or s.n_past + 1 >= self.runner.cache_len:
             self._finish(s, "length")
 
@@ -484,13 +551,10 @@ class Engine:
             out["expert_lines"] = [c.hit_line(), resident_line(st["resident_bytes"], st["exchanged"], st["file_reads"])]
         return out
 
-    def _save_profile(self, path: str, done: queue.Queue) -> None:
+    def _save_profile(self, done: queue.Queue) -> None:
+        """Hand a copy of the counts to the caller, who writes the file (no file I/O on this thread)."""
         try:
-            prof = self.runner.expert_profile()
-            prof.save(path)
-            routed = int(prof.counts.sum())
-            log.info("expert profile: %d routed token-expert pairs since start written to %s", routed, path)
-            done.put({"path": path, "routed": routed})
+            done.put(self.runner.expert_profile().copy())
         except Exception as e:  # noqa: BLE001 - handed to the caller
             done.put(e)
 
@@ -548,22 +612,6 @@ class Engine:
             done.put((n, np.concatenate(out, axis=0)))
         except Exception as e:  # noqa: BLE001 - handed to the caller
             done.put(e)
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [text.find(s) for s in stops if s in text]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` that could be the start of a stop string: held back."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                best = max(best, n)
-                break
-    return best
 
 
 def _first_line(e: BaseException) -> str:

@@ -13,6 +13,17 @@ last error: ...` (its ERR line from stderr, else its last log line), records it 
 each request in flight with an error event, waits (1, 2, 4 ... up to 30 s when it keeps stopping), starts
 the next engine process (STRATA_ENGINE_GENERATION=1, 2, ...), and dispatches the waiting requests to it.
 Requests that arrive meanwhile wait for it, each until its deadline; no wait here is unbounded.
+
+Bounds (README, "Limits and safety"):
+- the watchdog: the engine sends a heartbeat every second saying how long ago its loop last moved (a
+  program build counts as moving). While requests are in the engine, an engine that is silent (stopped,
+  SIGSTOP) or whose loop has not moved for `stall_s` (--engine-stall-s) is killed: the stall goes in the
+  fault ledger, the requests in flight end with an error, the queued ones go to the next engine. /health is
+  503 as soon as the engine is silent for SILENT_S or its loop is stuck.
+- the queue: at most `max_queue` (--max-queue) requests wait here (reading or queued for a seat); one more
+  is answered 503 with Retry-After at once.
+- the pipe: at most MAX_UNREAD_BYTES written to the engine and not yet read by it; beyond that new prompts
+  wait (submit) or are answered 503 (prepare), so a stopped engine cannot make the server's memory grow.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import sys
 import time
@@ -37,6 +49,9 @@ from .protocol import length, pack, unpack
 log = logging.getLogger("strata_jax.serve")
 
 STDERR_LINES = 200
+SILENT_S = 5.0                      # no frame (not even a heartbeat) this long: /health says 503
+WATCH_S = 0.5                       # how often the watchdog looks
+MAX_UNREAD_BYTES = 32 << 20         # prompts written to the engine and not read by it yet
 
 
 @dataclass
@@ -77,6 +92,10 @@ class EngineGone(Exception):
     """The engine process ended while we waited for its answer."""
 
 
+class EngineBusy(Exception):
+    """The engine has not read what was written to it (MAX_UNREAD_BYTES): nothing more is sent for now."""
+
+
 class StderrTail:
     """The engine's last log lines and its last ERR line."""
 
@@ -98,7 +117,7 @@ class StderrTail:
 class Supervisor:
     def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, stable_after_s: float = 60.0, on_fault: Callable[[Fault], None] | None = None,
-                 command: list[str] | None = None):
+                 command: list[str] | None = None, max_queue: int = 256, stall_s: float = 60.0):
         self.model = str(model)
         self.config = config
         self.console = console
@@ -106,6 +125,8 @@ class Supervisor:
         self.max_backoff_s = max_backoff_s
         self.stable_after_s = stable_after_s
         self.on_fault = on_fault
+        self.max_queue = max_queue                  # requests waiting here (reading + queued); 0 = no bound
+        self.stall_s = stall_s                      # the watchdog's patience with an engine that has work
         # the engine process; tests may put a mock engine that speaks the same frames here
         self.command = command or [sys.executable, "-m", "strata_jax.serve.worker"]
         self.ledger = FaultLedger()
@@ -126,6 +147,11 @@ class Supervisor:
         self._ids = itertools.count(1)
         self._crashes = 0
         self._ready_at = 0.0
+        self._preparing = 0                         # requests being read by the engine (prepare)
+        self._heard_at = 0.0                        # the last frame of any kind from the engine
+        self._beat: dict[str, Any] = {}             # the last heartbeat, with the time it came ("at")
+        self._stall: str | None = None              # why the watchdog killed the engine process
+        self._request_s = 10.0                      # a running mean of request seconds (Retry-After)
 
     # ---- life ------------------------------------------------------------------------------------------
 
@@ -183,7 +209,8 @@ class Supervisor:
                 pass
 
     async def _run_process(self, gen: int) -> int | None:
-        env = {**os.environ, "STRATA_ENGINE_GENERATION": str(gen), "PYTHONUNBUFFERED": "1"}
+        env = {**{k: v for k, v in os.environ.items() if k != "STRATA_API_KEY"},    # the engine needs no key
+               "STRATA_ENGINE_GENERATION": str(gen), "PYTHONUNBUFFERED": "1"}
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.PIPE,
@@ -196,8 +223,11 @@ class Supervisor:
         self._proc = proc
         log.info("engine process %d started (pid %d)", gen, proc.pid)
         self._send({"model": self.model, "engine": self.config.to_dict()})
+        self._stall, self._beat, self._heard_at = None, {}, time.monotonic()
         errs = asyncio.create_task(self._read_stderr(proc.stderr))
+        watchdog = asyncio.create_task(self._watch(proc))
         await self._read_frames(proc)
+        watchdog.cancel()
         rc = await proc.wait()
         try:
             await asyncio.wait_for(errs, 2.0)       # the last lines, the ERR line among them
@@ -217,7 +247,7 @@ class Supervisor:
         running = self.running
         fault = Fault(gen, rc, tail.error_line or tail.last_line or "(it printed nothing)", tail.error_line,
                       len(running), [t.id for t in running], round(uptime, 3), was_ready, delay,
-                      list(tail.lines)[-20:])
+                      list(tail.lines)[-20:], "stall" if self._stall else "exit", self._stall)
         self.ledger.add(fault)
         self.restarts += 1
         log.error("%s", fault.message)
@@ -268,8 +298,39 @@ class Supervisor:
             except Exception:  # one bad frame must not stop the reader
                 log.exception("could not handle the engine's %r frame", msg.get("t"))
 
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        """Kill an engine that has requests and makes no progress (see the module's docstring)."""
+        while proc.returncode is None:
+            await asyncio.sleep(WATCH_S)
+            stall = self.stalled() if self.running else None
+            if stall is not None and stall[1] >= self.stall_s:
+                self._stall = (f"{stall[0]} for {stall[1]:.1f} s with {len(self.running)} request(s) in it "
+                               f"(--engine-stall-s {self.stall_s:g})")
+                log.error("watchdog: the engine %s; killing process %d", self._stall, proc.pid)
+                proc.kill()
+                return
+
+    def stalled(self) -> tuple[str, float] | None:
+        """(what is wrong, for how many seconds) when the engine is silent or its loop does not move."""
+        now = time.monotonic()
+        silent = now - self._heard_at
+        if silent >= SILENT_S:
+            return "sent nothing, not even its heartbeat", silent
+        beat = self._beat
+        if beat.get("loop") == "ended":
+            return "has no engine loop (its thread ended)", now - beat["at"]
+        stuck = beat.get("stuck_s", 0.0) + (now - beat["at"] if beat else 0.0)
+        if beat and stuck >= SILENT_S:
+            return "loop has not moved", stuck
+        return None
+
     def _on_frame(self, msg: dict[str, Any]) -> None:
         kind = msg["t"]
+        self._heard_at = time.monotonic()
+        if kind == "beat":
+            self._beat = {**msg, "at": self._heard_at}
+            self._dispatch()                        # prompts held back by a full pipe go now
+            return
         if kind == "ev":
             t = self._seat_of(msg["id"])
             if t is None:
@@ -309,11 +370,19 @@ class Supervisor:
         proc = self._proc
         if proc is None or proc.stdin is None or proc.stdin.is_closing():
             return False
+        if msg.get("op") in ("prepare", "submit") and self._unread() > MAX_UNREAD_BYTES:
+            raise EngineBusy(f"the engine has not read the last {self._unread()} bytes sent to it")
         try:
             proc.stdin.write(pack(msg))
         except (ConnectionError, RuntimeError, OSError):
             return False                            # it is ending: _on_exit follows
         return True
+
+    def _unread(self) -> int:
+        """Bytes written to the engine's stdin that it has not read yet (the transport's buffer)."""
+        proc = self._proc
+        transport = getattr(proc.stdin, "transport", None) if proc is not None and proc.stdin else None
+        return transport.get_write_buffer_size() if transport is not None else 0
 
     async def _ask(self, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
         fut = asyncio.get_running_loop().create_future()
@@ -343,12 +412,36 @@ class Supervisor:
         when no engine answers before the deadline)."""
         msg = {"op": "prepare", "id": rid, "prompt": prompt, "params": params,
                "chat_template_kwargs": chat_template_kwargs}
+        self.admit()
+        self._preparing += 1
+        try:
+            return await self._prepare(msg, deadline)
+        finally:
+            self._preparing -= 1
+
+    def admit(self) -> None:
+        """Refuse at once (503 + Retry-After) a request beyond --max-queue waiting ones: a burst is answered
+        quickly instead of waiting out its deadline, and the server's memory stays bounded."""
+        waiting = self._preparing + len(self._queue)
+        free = self._seats.count(None)
+        if self.max_queue and waiting >= self.max_queue + free:
+            raise self.busy(f"the server is full: {waiting} requests wait for {self.config.parallel} slots "
+                            f"(--max-queue {self.max_queue})")
+
+    def busy(self, why: str) -> ApiError:
+        waiting = self._preparing + len(self._queue) + 1
+        retry = max(1, min(60, math.ceil(self._request_s * waiting / self.config.parallel)))
+        return ApiError(503, f"{why}; retry in {retry} s", "unavailable_error", headers={"Retry-After": str(retry)})
+
+    async def _prepare(self, msg: dict[str, Any], deadline: float) -> Prepared:
         for _ in range(3):                          # an engine that stops meanwhile: ask the next one
             await self.wait_ready(deadline)
             try:
                 reply = await self._ask(msg, deadline)
             except EngineGone:
                 continue
+            except EngineBusy as e:
+                raise self.busy(str(e)) from None
             except TimeoutError:
                 raise ApiError(503, "the engine did not read the request before its deadline "
                                     f"({self.config.request_timeout_s:g} s)", "unavailable_error") from None
@@ -379,19 +472,25 @@ class Supervisor:
         if not self.ready:
             return
         while self._queue and None in self._seats:
-            t = self._queue.popleft()
+            t = self._queue[0]
             if time.monotonic() > t.deadline:
+                self._queue.popleft()
                 t.state = "done"
                 t.events.put_nowait(EngineEvent("error", error="the request waited for a slot past its deadline"))
                 continue
+            try:
+                self._send({"op": "submit", "id": t.id, "ids": t.ids, "params": t.params})
+            except EngineBusy:
+                return                              # it waits at the head of the queue for the next heartbeat
+            self._queue.popleft()
             seat = self._seats.index(None)
             self._seats[seat] = t
             t.state, t.seat, t.generation, t.started = "running", seat, self.generation, time.monotonic()
-            self._send({"op": "submit", "id": t.id, "ids": t.ids, "params": t.params})
 
     def _end(self, t: Ticket, ev: EngineEvent) -> None:
         if t.state == "running" and t.seat is not None and self._seats[t.seat] is t:
             self._seats[t.seat] = None
+            self._request_s = 0.9 * self._request_s + 0.1 * (time.monotonic() - t.started)
         elif t.state == "queued" and t in self._queue:
             self._queue.remove(t)
         t.state = "done"
@@ -412,7 +511,9 @@ class Supervisor:
         return self.last_stats
 
     async def save_expert_profile(self, path: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Have the engine write its expert profile to `path` -> {"path", "routed"}."""
+        """Have the engine process write its expert profile to `path` (a file in the server's own
+        --expert-profile-dir, made by the app from a checked name; never a path a request named)
+        -> {"path", "routed"}."""
         if not self.ready:
             raise ApiError(503, f"the engine is not ready ({self.state}: {self.reason})", "unavailable_error")
         try:
@@ -437,13 +538,17 @@ class Supervisor:
         return out
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        body: dict[str, Any] = {"status": "ok" if self.ready else self.state, "generation": self.generation,
-                                "restarts": self.restarts, "slots_idle": self._seats.count(None),
-                                "slots_processing": len(self.running), "queued": self.queued}
-        if not self.ready:
-            body["reason"] = self.reason
-            body["error"] = {"message": self.reason, "type": "unavailable_error", "code": 503}
-        return self.ready, body
+        stall = self.stalled() if self.ready else None
+        ok = self.ready and stall is None
+        body: dict[str, Any] = {"status": "ok" if ok else ("stalled" if stall else self.state),
+                                "generation": self.generation, "restarts": self.restarts,
+                                "slots_idle": self._seats.count(None), "slots_processing": len(self.running),
+                                "queued": self.queued}
+        if not ok:
+            reason = f"the engine {stall[0]} for {stall[1]:.1f} s" if stall else self.reason
+            body["reason"] = reason
+            body["error"] = {"message": reason, "type": "unavailable_error", "code": 503}
+        return ok, body
 
 
 def _rejection(reply: dict[str, Any]) -> ApiError:
@@ -454,7 +559,11 @@ def _rejection(reply: dict[str, Any]) -> ApiError:
         return ApiError(400, reply["message"], "invalid_request_error", "messages")
     if kind == "invalid":
         return ApiError(400, reply["message"], "invalid_request_error", reply.get("param"))
-    return ApiError(500, reply["message"], "server_error")
+    if kind == "server":                        # a message made to be shown (no paths, no exception text)
+        return ApiError(500, reply["message"], "server_error")
+    log.error("the engine could not take %s: %s", reply.get("id"), reply.get("message"))   # a bug: log, don't echo
+    return ApiError(500, f"internal error in the engine ({reply.get('id')}): the server's log has the details",
+                    "server_error")
 
 
 def _strip_level(line: str) -> str:

@@ -2,8 +2,11 @@
 (see protocol.py); its stderr is the engine's log, read by the server.
 
 Threads: the main thread reads commands from stdin and answers `prepare` and `stats` itself (tokenizing
-is quick); each submitted request gets a thread that forwards its events; every write to stdout goes
-through one lock. stdout is reserved for frames: fd 1 is pointed at stderr before anything else runs, so
+is quick); each submitted request gets a thread that forwards its events; a heartbeat thread says every
+BEAT_S seconds how long ago the engine loop last moved (see `heartbeat`), for the server's watchdog; every
+write to stdout goes through one lock. If the engine loop's thread ever ends, the process prints an ERR line
+and exits, so that the server starts a new engine instead of keeping one that takes requests and never
+answers. stdout is reserved for frames: fd 1 is pointed at stderr before anything else runs, so
 a stray print (ours, a library's) cannot corrupt the stream. When stdin closes (the server went away) the
 process ends. Errors that end the process are printed as one `ERR ...` line first, so the server can say why.
 """
@@ -23,6 +26,8 @@ from typing import Any, BinaryIO
 from .protocol import pack, read_frame
 
 log = logging.getLogger("strata_jax.serve.worker")
+
+BEAT_S = 1.0
 
 class Writer:
     def __init__(self, out: BinaryIO):
@@ -62,7 +67,7 @@ def main() -> int:
 
 class Worker:
     def __init__(self, start: dict[str, Any], writer: Writer):
-        from strata_jax import Engine, EngineConfig
+        from strata_jax import Engine, EngineConfig, compile_cache
         from strata_jax.gguf import GGUFModel
 
         self.writer = writer
@@ -73,6 +78,7 @@ class Worker:
             self.engine = Engine(model, cfg, progress=True)     # loads the weights, builds the decode programs
         self.handles: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.engine.on_loop_death = _exit_with_error
         spec = self.engine.spec
         programs = self.engine.stats().get("programs", {})
         writer.send({"t": "ready", "info": {
@@ -82,8 +88,25 @@ class Worker:
             "chat_template": self.engine.tokenizer.chat_template is not None,
             "start_s": round(time.monotonic() - t0, 3), "programs_built": programs.get("built", 0),
             "build_s": programs.get("build_seconds", 0.0), "pid": os.getpid(),
-            "choices": self.engine.runner.choices,
+            "choices": self.engine.runner.choices, "max_token_bytes": _max_token_bytes(self.engine.tokenizer),
+            "compile_cache": compile_cache.counters(),
         }})
+        threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True).start()
+
+    def heartbeat(self) -> None:
+        """Every BEAT_S: {"t": "beat", "stuck_s", "compiling", "loop"}. stuck_s: seconds since the engine
+        loop last began a turn (it begins one at least every half second when idle, and after every window).
+        A program build is progress however long it takes: while the engine thread is lowering or
+        compiling (see `_in_build`), stuck_s is 0. A stopped process (SIGSTOP)
+        sends nothing: the server's watchdog sees the silence itself."""
+        eng = self.engine
+        while True:
+            time.sleep(BEAT_S)
+            thread = eng._thread
+            compiling = thread is not None and _in_build(thread)
+            stuck = 0.0 if compiling or thread is None else max(time.monotonic() - eng.progress_at, 0.0)
+            self.writer.send({"t": "beat", "stuck_s": round(stuck, 3), "compiling": compiling,
+                              "loop": "none" if thread is None else ("alive" if thread.is_alive() else "ended")})
 
     # ---- commands -------------------------------------------------------------------------------------
 
@@ -113,18 +136,31 @@ class Worker:
                 h = self.handles.get(cmd["id"])
             if h is not None:
                 h.cancel()
-        elif op == "expert_profile":
-            try:
-                out = self.engine.save_expert_profile(cmd["path"])
-            except (OSError, ValueError) as e:     # a path it cannot write, a model without experts
-                self.writer.send({"t": "rejected", "id": cmd["id"], "kind": "invalid", "param": "path",
-                                  "message": f"the expert profile was not written: {_one_line(e)}"})
-            else:
-                self.writer.send({"t": "saved", "id": cmd["id"], **out})
+        elif op == "expert_profile":      # a thread of its own: commands keep flowing while it waits a window
+            threading.Thread(target=self._save_profile, args=(cmd,), name="expert-profile", daemon=True).start()
         elif op == "stats":
             self.writer.send({"t": "stats", "id": cmd["id"], "stats": self._stats()})
         else:
             raise ValueError(f"unknown command {op!r}")
+
+    def _save_profile(self, cmd: dict[str, Any]) -> None:
+        """The engine thread hands over a copy of the counts between windows; the file is written here, into
+        the directory the server chose (created 0o700), through a private temporary file."""
+        rid = cmd["id"]
+        try:
+            out = self.engine.save_expert_profile(cmd["path"], private_dir=True)
+        except ValueError as e:                 # a model without experts
+            self.writer.send({"t": "rejected", "id": rid, "kind": "invalid", "param": "name", "message": str(e)})
+        except OSError as e:                    # the server's directory cannot be written: said without its path
+            log.error("the expert profile was not written to %s: %s", cmd["path"], e)
+            self.writer.send({"t": "rejected", "id": rid, "kind": "server", "message": "the expert profile was not "
+                              f"written: {e.strerror or type(e).__name__} (the server's log has the details)"})
+        except Exception:  # noqa: BLE001 - this thread must answer, whatever went wrong
+            log.exception("the expert profile was not written")
+            self.writer.send({"t": "rejected", "id": rid, "kind": "internal", "message": "the expert profile "
+                              "was not written"})
+        else:
+            self.writer.send({"t": "saved", "id": rid, **out})
 
     def _stats(self) -> dict[str, Any]:
         for _ in range(3):      # read while the engine thread changes its dicts: a rare "changed size" error
@@ -146,12 +182,18 @@ class Worker:
         try:
             think = False
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                text = self.engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kwargs)
-                think = text.rstrip().endswith("<think>")   # the template opened the reasoning part
-            ids = self.engine.prompt_ids(prompt, kwargs)
+                # Rendered once: the text is tokenized and says whether the template opened the reasoning
+                # part. kwargs go over the defaults: the server lets them name messages or
+                # add_generation_prompt only with --trust-request-chat-template.
+                text = self.engine.tokenizer.apply_chat_template(
+                    **{"messages": prompt, "add_generation_prompt": True, **kwargs})
+                think = text.rstrip().endswith("<think>")
+                ids = self.engine.chat_text_ids(text)
+            else:
+                ids = self.engine.prompt_ids(prompt)
             max_tokens = p.get("max_tokens") or max(n_ctx - len(ids), 1)
             SamplingParams(max_tokens, p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seed"],
-                           tuple(p["stop"]), p["ignore_eos"]).validate()
+                           tuple(p["stop"]), p["ignore_eos"]).validate(self.engine.spec.vocab_size)
             if len(ids) + max_tokens > n_ctx:
                 raise ContextOverflowError(len(ids), max_tokens, n_ctx)
         except ContextOverflowError as e:
@@ -189,6 +231,35 @@ class Worker:
         finally:
             with self._lock:
                 self.handles.pop(rid, None)
+
+
+def _max_token_bytes(tokenizer) -> int:
+    """The most bytes of text one token stands for, bounded above by its vocabulary string's UTF-8 length
+    (byte-level BPE spells a byte in 1-2 bytes, SentencePiece a space as 3, a special token as itself): a
+    text of B bytes needs at least B / this many tokens, which lets the server refuse a prompt that cannot
+    fit the context before anything tokenizes it."""
+    return max((len(t.encode("utf-8", "replace")) for t in tokenizer.tokens), default=1) or 1
+
+
+def _exit_with_error(reason: str) -> None:
+    """The engine loop's thread ended: say why on the ERR line and end the process (the server restarts it)."""
+    print(f"ERR the engine loop stopped: {reason}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _in_build(thread: threading.Thread) -> bool:
+    """Whether `thread` is building a program now: a frame of our ProgramCache._build_one, or of JAX lowering
+    or compiling (a jit's first call, e.g. the sampler's for a new row count), is on its stack. Running a
+    program is not building one: its frames (pxla's ExecuteReplicated) match neither."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_build_one" and code.co_filename.endswith("programs.py"):
+            return True
+        if f"jax{os.sep}_src{os.sep}" in code.co_filename and ("compil" in code.co_name or "lower" in code.co_name):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _die_with_parent() -> None:
