@@ -397,6 +397,7 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
+        /,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
@@ -406,8 +407,10 @@ class Tokenizer:
     ) -> str:
         """The prompt text for a chat, rendered with the model's template (`tokenizer.chat_template`).
 
-        Extra keyword arguments reach the template as variables (e.g. `enable_thinking=False`).
-        Raises NoChatTemplateError when the model has none and `chat_template` is not given.
+        Extra keyword arguments reach the template as variables (e.g. `enable_thinking=False`; any name, even
+        `self`), and override the special tokens. Raises NoChatTemplateError when the model has none and
+        `chat_template` is not given, ChatTemplateError when rendering fails or passes its bounds (output
+        size, time: see chat_template.py).
         """
         from strata_jax.gguf.chat_template import ChatTemplate, NoChatTemplateError
 
