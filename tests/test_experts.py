@@ -290,8 +290,9 @@ def test_prefetch_changes_where_experts_come_from_not_the_bits(reference):
 
 
 def test_server_writes_the_expert_profile(reference, tmp_path):
-    """POST /expert-profile on a real server process: the engine process writes the file; a bad body is a
-    400 naming the field; the written file starts a new engine with pinned experts."""
+    """POST /expert-profile {"name"} on a real server process: the engine process writes NAME.json in the
+    server's --expert-profile-dir; a body that is not {"name"} is a 400 naming the field; the written file
+    starts a new engine with pinned experts. (Bad names, modes, other routes: tests/test_server_safety.py.)"""
     import json
 
     import httpx
@@ -299,18 +300,20 @@ def test_server_writes_the_expert_profile(reference, tmp_path):
     from strata_jax.serve.launch import ServerProcess
 
     path = reference["qwen3moe"][0]
-    out = tmp_path / "served.json"
-    with ServerProcess([str(path), "--parallel", "1", "--max-context", "64", "--no-warmup"]) as srv:
+    out = tmp_path / "profiles" / "served.json"
+    with ServerProcess([str(path), "--parallel", "1", "--max-context", "64", "--no-warmup",
+                        "--expert-profile-dir", str(tmp_path / "profiles")]) as srv:
         srv.wait_ready()
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 4}, timeout=120)
         assert r.status_code == 200, r.text
-        r = httpx.post(srv.url + "/expert-profile", json={"path": str(out)}, timeout=60)
+        r = httpx.post(srv.url + "/expert-profile", json={"name": "served"}, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.json()["path"] == str(out) and r.json()["routed"] > 0
+        assert r.json()["name"] == "served" and r.json()["path"] == "served.json" and r.json()["routed"] > 0
         bad = httpx.post(srv.url + "/expert-profile", json={"file": "x"}, timeout=60)
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "path"
-        nowhere = httpx.post(srv.url + "/expert-profile", json={"path": str(tmp_path / "no" / "dir.json")}, timeout=60)
-        assert nowhere.status_code == 400 and "not written" in nowhere.json()["error"]["message"]
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "file"
+        named = httpx.post(srv.url + "/expert-profile", json={"path": str(tmp_path / "x.json")}, timeout=60)
+        assert named.status_code == 400 and named.json()["error"]["param"] == "path"
+        assert not (tmp_path / "x.json").exists()
     data = json.loads(out.read_text())
     assert data["routed"] == r.json()["routed"] == sum(map(sum, data["counts"].values()))
     cfg = EngineConfig(**BASE, expert_cache=4, expert_profile=str(out))

@@ -15,7 +15,7 @@ engines would report, over the prompts after the warm-up (tests/test_experts.py 
 a real run). `speed`: each row is a real engine with `--expert-cache N` (N = the fraction of a layer's
 experts, at least the top-k), measuring decode tokens/s (decode time only) and the hit rate; a last row
 runs `--expert-cache auto` (every expert on the device, one program a window). Prints Markdown tables, a
-row as soon as it is measured. JAX's persistent compilation cache (in the cache folder) spares most builds.
+row as soon as it is measured. JAX's persistent compilation cache (the engine's, in the cache folder) spares most builds.
 """
 
 from __future__ import annotations
@@ -118,12 +118,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--what", default="hits,speed", help="hits (by trace replay), speed (real runs), or both")
     a = ap.parse_args(argv)
     del PROMPTS[a.prompts:]
-    import jax
-
-    from ..testing import cache_dir
-
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     path = a.model
     if path is None:
         from ..testing import smollm2_path

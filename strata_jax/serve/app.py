@@ -2,18 +2,24 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (also without /v1, as llama.cpp)
     GET /health   GET /metrics   GET /slots   GET /faults
-    POST /expert-profile {"path": FILE}   (writes the engine's expert profile: see experts/profile.py)
+    POST /expert-profile {"name": NAME}   (writes NAME.json in --expert-profile-dir: see experts/profile.py)
 
 Every answer that is an error has OpenAI's shape, from whatever raised it (our ApiError, Litestar's
 HTTPException for 404/405/413, or a bug: 500), so no input can take the server down. With an API key
-every route but /health needs `Authorization: Bearer KEY`.
+every route but /health needs `Authorization: Bearer KEY`. No request names a file: /expert-profile takes a
+name and writes into the server's own directory; POST bodies must be `Content-Type: application/json` (415
+otherwise); /v1/models shows the model's file name, not its path; a 500 says where the log has the details
+(a reference to its log line), never the exception's text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import re
 import secrets
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.response import Stream
 
 from ..config import ServerConfig
+from ..testing.fetch import cache_dir
 from . import generate
 from .errors import ApiError, error_body
 from .generate import Job, ModelNames
@@ -33,12 +40,17 @@ from .supervisor import Supervisor
 log = logging.getLogger("strata_jax.serve")
 
 JSON = "application/json"
+# An expert profile's name: a file name of our choosing in the server's directory, never a path.
+PROFILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
 
 def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     path = Path(sup.model)
     names = ModelNames(cfg.model_name or path.name, path.name, path.stem, str(path), sup.model)
     metrics = Metrics(lambda: _snapshot(sup))
+    parse_chat = functools.partial(generate.parse_chat, trust_template=cfg.trust_request_chat_template)
+    profile_dir = Path(cfg.expert_profile_dir).expanduser().absolute() if cfg.expert_profile_dir else \
+        cache_dir().absolute() / "expert-profiles"
 
     def done(endpoint: str, outcome: str, stats: dict | None, seconds: float) -> None:
         metrics.finished(endpoint, outcome, stats, seconds)
@@ -59,9 +71,9 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
             watcher.cancel()
         return Response(body, media_type=JSON)
 
-    @post(["/v1/chat/completions", "/chat/completions"], status_code=200)
+    @post(["/v1/chat/completions", "/chat/completions"], status_code=200, guards=[_json_body])
     async def chat_completions(request: Request) -> Response:
-        job = _parsed(metrics, "chat", generate.parse_chat, await request.body(), names)
+        job = _parsed(metrics, "chat", parse_chat, await request.body(), names)
         if sup.info and not sup.info.get("chat_template", True):
             metrics.requests.labels("chat", "rejected").inc()
             raise ApiError(400, "this model has no chat template (tokenizer.chat_template is not in its GGUF), so "
@@ -69,7 +81,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
                            "invalid_request_error", "messages")
         return await run(request, job)
 
-    @post(["/v1/completions", "/completions"], status_code=200)
+    @post(["/v1/completions", "/completions"], status_code=200, guards=[_json_body])
     async def completions(request: Request) -> Response:
         return await run(request, _parsed(metrics, "completions", generate.parse_completion,
                                           await request.body(), names))
@@ -77,7 +89,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     @get(["/v1/models", "/models"])
     async def models() -> dict[str, Any]:
         info = sup.info
-        meta = {"n_ctx": sup.config.max_context, "parallel": sup.config.parallel, "path": sup.model,
+        meta = {"n_ctx": sup.config.max_context, "parallel": sup.config.parallel, "path": path.name,
                 **{k: info[k] for k in ("architecture", "vocab_size", "n_experts", "name") if k in info}}
         return {"object": "list", "data": [{"id": names.served, "object": "model", "created": int(path.stat().st_mtime)
                 if path.exists() else 0, "owned_by": "strata-jax", "meta": meta}]}
@@ -101,24 +113,23 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         return {"state": sup.state, "reason": sup.reason, "generation": sup.generation, "restarts": sup.restarts,
                 **sup.ledger.to_json()}
 
-    @post("/expert-profile", status_code=200)
+    @post("/expert-profile", status_code=200, guards=[_json_body])
     async def expert_profile(request: Request) -> dict[str, Any]:
-        """Write how often live traffic routed to each (layer, expert) to a file on the server's machine,
-        for `--expert-profile FILE` at a later start."""
+        """Write how often live traffic routed to each (layer, expert) to NAME.json in the server's
+        --expert-profile-dir, for `--expert-profile FILE` at a later start."""
         try:
             body = await request.json()
         except Exception:  # noqa: BLE001 - any unreadable body is the caller's error
             body = None
-        path = body.get("path") if isinstance(body, dict) else None
-        if not isinstance(path, str) or not path:
-            raise ApiError(400, 'path: a JSON body {"path": "FILE"} naming where to write the profile is needed',
-                           "invalid_request_error", "path")
-        return await sup.save_expert_profile(path)
+        name, file = _profile_file(body)
+        saved = await sup.save_expert_profile(str(profile_dir / file))
+        log.info("expert profile %r written to %s", name, saved["path"])
+        return {"name": name, "path": file, "routed": saved["routed"]}
 
     sup.on_fault = lambda fault: metrics.restarts.inc()
 
     def api_error(_: Request, exc: ApiError) -> Response:
-        return Response(exc.body(), status_code=exc.status, media_type=JSON)
+        return Response(exc.body(), status_code=exc.status, media_type=JSON, headers=exc.headers)
 
     def http_error(_: Request, exc: HTTPException) -> Response:
         status = exc.status_code
@@ -131,9 +142,12 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         return Response(error_body(status, message), status_code=status, media_type=JSON, headers=headers)
 
     def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return Response(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500,
-                        media_type=JSON)
+        # The exception's text can hold paths, keys, a prompt: it goes to the log only, under a reference
+        # the answer gives, so an operator finds the traceback from a client's report.
+        ref, now = f"err-{secrets.token_hex(4)}", datetime.now(UTC).isoformat(timespec="seconds")
+        log.error("%s %s failed [%s]", request.method, request.url.path, ref, exc_info=exc)
+        return Response(error_body(500, f"internal error [{ref}] at {now}: the server's log has the details "
+                                        "under that reference"), status_code=500, media_type=JSON)
 
     return Litestar(
         route_handlers=[chat_completions, completions, models, health, prometheus, slots, faults, expert_profile],
@@ -174,6 +188,37 @@ async def _cancel_on_disconnect(request: Request, sup: Supervisor, ticket) -> No
         return
 
 
+def _json_body(connection: ASGIConnection, _handler: BaseRouteHandler) -> None:
+    """POST routes read JSON only: another Content-Type (a form, text) is a 415, not a guess."""
+    given = connection.headers.get("content-type")
+    if (given or "").split(";", 1)[0].strip().lower() != JSON:
+        what = f"Content-Type {given!r}" if given else "no Content-Type header"
+        raise ApiError(415, f"{what}: this route reads a JSON body; send it with 'Content-Type: application/json'",
+                       "invalid_request_error", "Content-Type")
+
+
+def _profile_file(body: Any) -> tuple[str, str]:
+    """{"name": NAME} -> (NAME, its file name in the profile directory); anything else is a 400."""
+    where = "into the server's --expert-profile-dir (default: the cache folder's expert-profiles/)"
+    if not isinstance(body, dict):
+        raise ApiError(400, f'a JSON body {{"name": "NAME"}} is needed: the profile is written as NAME.json {where}',
+                       "invalid_request_error", "name")
+    if "path" in body:
+        raise ApiError(400, f"path: a request cannot choose where the server writes; send {{\"name\": \"NAME\"}} "
+                            f"instead: the profile is written as NAME.json {where}", "invalid_request_error", "path")
+    unknown = sorted(set(body) - {"name"})
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r}: the body is {{\"name\": \"NAME\"}} only",
+                       "invalid_request_error", unknown[0])
+    name = body.get("name")
+    if not isinstance(name, str) or not PROFILE_NAME.fullmatch(name) or ".." in name:
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 120 else repr(name[:120]) + "..."
+        raise ApiError(400, f"name = {shown}: a profile name is 1 to 100 letters, digits, '.', '_' or '-', not "
+                            "starting with '.', with no '/' and no '..' (e.g. \"hot-2026\")",
+                       "invalid_request_error", "name")
+    return name, name if name.endswith(".json") else name + ".json"
+
+
 def _api_key_guard(key: str):
     def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
         if handler.opt.get("public"):
@@ -181,7 +226,7 @@ def _api_key_guard(key: str):
         scheme, _, given = connection.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
             raise NotAuthorizedException("invalid or missing API key: send the header 'Authorization: Bearer KEY' "
-                                         "with the key given to --api-key")
+                                         "with the key given to --api-key or --api-key-file")
 
     return guard
 
