@@ -265,3 +265,34 @@ def test_serve_refuses_bad_settings_before_starting(args, says):
     out = subprocess.run([sys.executable, "-m", "strata_jax", "serve", *args, "--port", "0"], capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 1 and says in out.stderr and "strata-jax serve: error:" in out.stderr
+
+
+def test_pipe_to_a_deaf_engine_is_bounded():
+    """An engine that stops reading its input: prompts written to it and not read stay under
+    MAX_UNREAD_BYTES, and a prepare beyond it is a 503 with Retry-After at once, not a wait."""
+    from strata_jax.serve.errors import ApiError
+    from strata_jax.serve.supervisor import MAX_UNREAD_BYTES
+
+    async def go():
+        sup = Supervisor("mock.gguf", EngineConfig(parallel=2, max_context=1 << 20, request_timeout_s=20),
+                         command=MOCK)
+        await sup.start()
+        await sup.wait_ready(time.monotonic() + 20)
+        deaf = asyncio.create_task(sup.prepare("deaf", "DEAF", PARAMS, None, time.monotonic() + 20))
+        await asyncio.sleep(0.3)
+        big = "x" * (1 << 20)
+        tasks = [asyncio.create_task(sup.prepare(f"big{i}", big, PARAMS, None, time.monotonic() + 20))
+                 for i in range(60)]
+        await asyncio.sleep(1.0)
+        refused = [t.exception() for t in tasks if t.done()]
+        unread = sup._unread()
+        for t in [*tasks, deaf]:
+            t.cancel()
+        await sup.stop(timeout=1.0)
+        return refused, unread
+
+    refused, unread = asyncio.run(go())
+    assert len(refused) >= 20, len(refused)
+    assert all(isinstance(e, ApiError) and e.status == 503 and e.headers["Retry-After"] for e in refused)
+    assert "has not read" in refused[0].message
+    assert unread <= MAX_UNREAD_BYTES + (2 << 20), unread

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from ..gguf.chat_template import reserved_kwargs
 from .console import done_line
 from .errors import ApiError, error_body, invalid
 from .reasoning import CONTENT, REASONING, ReasoningParser
@@ -59,11 +60,17 @@ class Job:
 # ---- parsing ---------------------------------------------------------------------------------------------
 
 
-def parse_chat(body: bytes, names: ModelNames) -> Job:
+def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False) -> Job:
     req = _decode(body, ChatCompletionRequest)
     if not req.messages:
         raise invalid("messages is empty: a chat needs at least one message", "messages")
+    reserved = [] if trust_template else reserved_kwargs(req.chat_template_kwargs or {})
+    if reserved:   # a template is code the server runs: see RESERVED_TEMPLATE_KWARGS
+        raise invalid(f"chat_template_kwargs.{reserved[0]}: chat_template_kwargs may set the template's variables "
+                      f"only, and {', '.join(reserved)} would replace the template or its inputs; leave them out, "
+                      "or start the server with --trust-request-chat-template", f"chat_template_kwargs.{reserved[0]}")
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    _check_carried(messages=messages, chat_template_kwargs=req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
                _params(req, max_tokens), req.stream, _include_usage(req), req.chat_template_kwargs,
@@ -101,6 +108,8 @@ def _decode(body: bytes, kind: type) -> Any:
         raise invalid(f"invalid request: {text}", param) from None
     except msgspec.DecodeError as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:      # msgspec's answer to arrays or objects nested ~1000 deep, in any field
+        raise invalid("the request body nests arrays or objects too deeply to read") from None
 
 
 _PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
@@ -116,6 +125,17 @@ def _value_at(body: bytes, path: str) -> str:
         return "a value of another type"
     text = msgspec.json.encode(value).decode()
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_carried(**values: Any) -> None:
+    """Free-form values (tool_calls, chat_template_kwargs) go to the engine as msgpack, whose integers are
+    64-bit: a larger one is the client's error, not the pipe's."""
+    for param, value in values.items():
+        try:
+            msgspec.msgpack.encode(value)
+        except (OverflowError, RecursionError):
+            raise invalid(f"{param} holds an integer beyond 64 bits (or nests too deeply): the server passes "
+                          "integers from -2**63 to 2**64 - 1", param) from None
 
 
 def _message(m: Message, i: int) -> dict[str, Any]:

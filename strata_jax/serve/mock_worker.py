@@ -7,6 +7,7 @@ A prompt's characters are its token ids; the answer is `max_tokens` tokens "w0 w
 STRATA_MOCK_TOKEN_S seconds (default 0.005). Prompts that contain a word ask for trouble:
     EXIT    the process prints `ERR mock: ...` and exits with code 3 after the third token
     HANG    the prepare command is never answered (an engine that is stuck)
+    DEAF    the process stops reading its input for good, alive (what the server writes piles up)
 Env STRATA_MOCK_START_FAIL=1: the process fails at start (prints an ERR line, exits 2).
 """
 
@@ -63,6 +64,8 @@ def main() -> int:
                 if isinstance(prompt[0], dict) else "".join(map(chr, prompt))
             if "HANG" in text:
                 continue
+            if "DEAF" in text:
+                time.sleep(3600)
             ids = [ord(c) for c in text]
             max_tokens = cmd["params"]["max_tokens"] or n_ctx - len(ids)
             if len(ids) + max_tokens > n_ctx:

@@ -20,6 +20,7 @@ Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOPS)] | None
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]   # int32 arrays; the engine checks the vocabulary
 
 
 class TextPart(msgspec.Struct):
@@ -65,7 +66,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int | str] | None = None     # text, token ids, or a list of one text
+    prompt: str | list[TokenId | str] | None = None     # text, token ids, or a list of one text
     echo: bool = False
 
 
