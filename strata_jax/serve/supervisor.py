@@ -125,7 +125,7 @@ class Supervisor:
         self.max_backoff_s = max_backoff_s
         self.stable_after_s = stable_after_s
         self.on_fault = on_fault
-        self.max_queue = max_queue                  # requests waiting here (reading + queued); 0 = no bound
+        self.max_queue = max_queue                  # requests waiting here beyond the free slots
         self.stall_s = stall_s                      # the watchdog's patience with an engine that has work
         # the engine process; tests may put a mock engine that speaks the same frames here
         self.command = command or [sys.executable, "-m", "strata_jax.serve.worker"]
@@ -424,7 +424,7 @@ class Supervisor:
         quickly instead of waiting out its deadline, and the server's memory stays bounded."""
         waiting = self._preparing + len(self._queue)
         free = self._seats.count(None)
-        if self.max_queue and waiting >= self.max_queue + free:
+        if waiting >= self.max_queue + free:         # (0: none wait beyond the free slots)
             raise self.busy(f"the server is full: {waiting} requests wait for {self.config.parallel} slots "
                             f"(--max-queue {self.max_queue})")
 
