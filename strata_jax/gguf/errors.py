@@ -31,6 +31,12 @@ class TruncatedGGUFError(GGUFError):
     """The header is cut short, or tensor data runs past the end of the file."""
 
 
+class HeaderLimitError(GGUFError):
+    """The header claims more than any real GGUF holds: arrays nested too deep, an array, a string, the metadata
+    or the tensor count beyond strata-jax's bounds (`header.py` says each one and why), or a size that cannot
+    fit in the file at all. Raised before anything that size is built."""
+
+
 class MissingSplitPartError(GGUFError):
     """A part of a split model (NAME-0000i-of-0000N.gguf) is not there."""
 

@@ -187,6 +187,12 @@ def _read_header(path: Path) -> Header:
 
 
 def _check_split(paths: list[Path], headers: list[Header]) -> None:
+    for h in headers:  # compared and added below: a string or a list there must be an error, not a TypeError
+        for key in SPLIT_KEYS:
+            value = h.metadata.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise GGUFError(h.path, f"metadata key {key!r} is {str(value)[:100]!r}, not a count",
+                                "The file is corrupt: re-download or re-convert it")
     first = headers[0].metadata
     count = first.get("split.count", 1)
     if len(paths) == 1:

@@ -21,12 +21,15 @@ from __future__ import annotations
 import codecs
 import logging
 import os
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from strata_jax.gguf.header import MAX_ARRAY_STRING_BYTES
 from strata_jax.gguf.pretokenizers import PRE_TOKENIZERS, supported_names
 
 _log = logging.getLogger(__name__)
@@ -35,6 +38,23 @@ _log = logging.getLogger(__name__)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
+
+# ---- bounds on a vocabulary: a GGUF may come from anywhere, and building its tokenizer must take seconds at most
+# Tokens: the largest real vocabularies have 262,144 (Gemma 3); a million builds in about 4 s here.
+MAX_VOCAB_TOKENS = 1 << 20
+# One token: llama.cpp's vocabularies hold tokens of at most a few hundred bytes (SmolLM2's longest: 162).
+# The same bound as the GGUF reader's for any string in an array, so a file and its metadata as a dict agree.
+MAX_TOKEN_BYTES = MAX_ARRAY_STRING_BYTES
+# Tokens matched whole in the text (CONTROL, USER_DEFINED, UNKNOWN), all together: the `tokenizers` library
+# builds an automaton over them that costs about 2.5 s a MB here (20 MB: 10 to 110 s). Real vocabularies
+# have a few thousand short ones (Gemma 3's ~6,000 `<unusedN>` are under 100 KB).
+MAX_SPECIAL_TOKEN_BYTES = 512 << 10
+# Merges made from SentencePiece pieces (pairs of pieces that join into a piece), each kept in Python and in
+# the `tokenizers` model while it is built: real vocabularies make one to two a piece (a 32,000-piece one
+# trained on Python's sources: 60,874, as many as Llama 2's), so even a 262,144-piece one is far below.
+MAX_SPM_MERGES = 1 << 21
+# Pieces up to this long have their merges found by slicing (a few dozen cuts at most); longer ones by chains.
+_SHORT_PIECE = 64
 
 # Tokens that end a turn when the file does not say so, by their text (llama.cpp's list, in its priority).
 _EOT_TEXTS = (
@@ -136,6 +156,7 @@ class Tokenizer:
         for key, values in (("tokenizer.ggml.token_type", self.token_types), ("tokenizer.ggml.scores", self.scores)):
             if len(values) < n:
                 raise TokenizerError(f"{key} has {len(values)} entries for {n} tokens")
+        _check_vocabulary_bounds(self.tokens, self.token_types)
         self._ids: dict[str, int] = {}
         for i, text in enumerate(self.tokens):
             if not text:  # llama.cpp's name for an empty token
@@ -269,17 +290,41 @@ class Tokenizer:
     def _merges_from_scores(self) -> list[tuple[str, str]]:
         # Every way to cut a piece into two pieces is a merge; a better-scored result merges first.
         # Ties: longer left part first (as transformers orders them), then vocabulary order.
-        ids, scores = self._ids, self.scores
-        merges = []
-        for i, piece in enumerate(self.tokens):
-            if self.token_types[i] == BYTE:
+        # The cuts tried are at the piece's token prefixes only (a chain, see `_longest_token_prefixes`). For a
+        # long piece the right parts are found the same way, from its chain of token suffixes, not by slicing
+        # and hashing: that keeps the cost linear in the vocabulary's length, where trying every cut of every
+        # piece is quadratic in a piece's length (0.6 s for one piece of 60,000 characters here).
+        # The sort keys go in flat arrays: 24 bytes a merge, not a tuple of five Python objects.
+        tokens, scores, ids, lengths = self.tokens, self.scores, self._ids, [len(t) for t in self.tokens]
+        prefix = _longest_token_prefixes(tokens)
+        suffix: list[int] | None = None  # made when a long piece first needs it
+        by_score, by_lengths, by_ids = array("d"), array("q"), array("q")
+        add_score, add_lengths, add_ids = by_score.append, by_lengths.append, by_ids.append
+        for i, kind in zip(range(len(tokens)), self.token_types):
+            j = prefix[i]
+            if kind == BYTE or j < 0:
                 continue
-            for cut in range(1, len(piece)):
-                left, right = piece[:cut], piece[cut:]
-                if left in ids and right in ids:
-                    merges.append((-scores[i], -len(left), -len(right), ids[left], ids[right], left, right))
-        merges.sort()
-        return [(m[5], m[6]) for m in merges]
+            piece, n, rights = tokens[i], lengths[i], None
+            if n > _SHORT_PIECE:
+                if suffix is None:
+                    suffix = _longest_token_prefixes([t[::-1] for t in tokens])
+                rights = _chain_by_length(suffix, lengths, i)
+            while j >= 0:
+                right = ids.get(piece[lengths[j]:]) if rights is None else rights.get(n - lengths[j])
+                if right is not None:
+                    add_score(-scores[i])
+                    add_lengths(-(lengths[j] << 32 | lengths[right]))  # longer left, then longer right
+                    add_ids(j << 32 | right)
+                j = prefix[j]
+            if len(by_ids) > MAX_SPM_MERGES:
+                raise TokenizerError(
+                    f"tokenizer.ggml.tokens: its first {i + 1:,} SentencePiece pieces already make more than "
+                    f"{MAX_SPM_MERGES:,} merges (pairs of pieces that join into a piece), where real vocabularies "
+                    "make one to two a piece. This is not a real vocabulary: re-convert the model"
+                )
+        keys = np.frombuffer(by_ids, dtype=np.int64)
+        order = np.lexsort((keys, np.frombuffer(by_lengths, dtype=np.int64), np.frombuffer(by_score)))
+        return [(tokens[k >> 32], tokens[k & 0xFFFFFFFF]) for k in keys[order].tolist()]
 
     def _add_special_tokens(self) -> None:
         special, plain = [], []
@@ -529,7 +574,79 @@ def _get_list(md: Mapping[str, Any], key: str, kind: type) -> list:
         raise TokenizerError(f"{key} should be a list, got {type(value).__name__}")
     if kind is str:
         return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in value]
-    return [kind(v) for v in value]
+    try:
+        return [kind(v) for v in value]
+    except (TypeError, ValueError):
+        i, bad = next((i, v) for i, v in enumerate(value) if not _converts(kind, v))
+        what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        raise TokenizerError(f"{key}[{i}] should be {what}, got {str(bad)[:100]!r}") from None
+
+
+def _converts(kind: type, value: Any) -> bool:
+    try:
+        kind(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _check_vocabulary_bounds(tokens: Sequence[str], token_types: Sequence[int]) -> None:
+    """Refuse, before anything is built from them, vocabularies beyond MAX_VOCAB_TOKENS, tokens beyond
+    MAX_TOKEN_BYTES and special tokens beyond MAX_SPECIAL_TOKEN_BYTES (see there why)."""
+    if len(tokens) > MAX_VOCAB_TOKENS:
+        raise TokenizerError(
+            f"tokenizer.ggml.tokens holds {len(tokens):,} tokens; strata-jax reads vocabularies of at most "
+            f"{MAX_VOCAB_TOKENS:,} (the largest real ones: 262,144). This is not a real vocabulary: "
+            "re-convert the model"
+        )
+    if max(map(len, tokens)) * 4 > MAX_TOKEN_BYTES:  # a character is at most 4 bytes: else none is too long
+        for i, text in enumerate(tokens):
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > MAX_TOKEN_BYTES:
+                raise TokenizerError(
+                    f"tokenizer.ggml.tokens[{i}] is a token of {size:,} bytes; strata-jax reads tokens of at most "
+                    f"{MAX_TOKEN_BYTES:,} bytes (llama.cpp's vocabularies: a few hundred at most). This is not a "
+                    "real vocabulary: re-convert the model"
+                )
+    special = [text for text, kind in zip(tokens, token_types) if kind in (CONTROL, UNKNOWN, USER_DEFINED)]
+    size = sum(len(text.encode("utf-8", "surrogatepass")) for text in special)
+    if size > MAX_SPECIAL_TOKEN_BYTES:
+        raise TokenizerError(
+            f"tokenizer.ggml.tokens: its {len(special):,} CONTROL, USER_DEFINED and UNKNOWN tokens (by "
+            f"tokenizer.ggml.token_type) hold {size:,} bytes; strata-jax matches at most {MAX_SPECIAL_TOKEN_BYTES:,} "
+            "bytes of such tokens, as building their matcher takes seconds a MB (real vocabularies: well under "
+            "100 KB). This is not a real vocabulary: re-convert the model"
+        )
+
+
+def _chain_by_length(parent: Sequence[int], lengths: Sequence[int], i: int) -> dict[int, int]:
+    """The chain of token `i`'s `parent` links (its token prefixes, or suffixes), by length."""
+    chain = {}
+    j = parent[i]
+    while j >= 0:
+        chain[lengths[j]] = j
+        j = parent[j]
+    return chain
+
+
+def _longest_token_prefixes(tokens: Sequence[str]) -> list[int]:
+    """For each token, the id of its longest proper prefix that is also a token (-1 if none): following these
+    ids from a token gives all its token prefixes, longest first.
+
+    In sorted order every prefix of a string comes before it, and a prefix A of P is also a prefix of every
+    string sorted between A and P. So a stack of tokens, each a prefix of the next, popped of those that are
+    not a prefix of the next token in sorted order, holds exactly that token's token prefixes when it comes.
+    """
+    parent = [-1] * len(tokens)
+    stack: list[int] = []
+    for i in sorted(range(len(tokens)), key=tokens.__getitem__):
+        text = tokens[i]
+        while stack and not text.startswith(tokens[stack[-1]]):
+            stack.pop()
+        if stack:
+            parent[i] = stack[-1]
+        stack.append(i)
+    return parent
 
 
 def _is_byte_piece(text: str) -> bool:
