@@ -240,7 +240,7 @@ def test_a_256k_vocabulary_still_reads_fast(tmp_path):
                           kv("tokenizer.ggml.token_type", T.ARRAY, u32(T.INT32) + u64(n) + u32(1) * n)))
     metadata, took = _timed(lambda: read_metadata(path))
     assert len(metadata["tokenizer.ggml.tokens"]) == n and metadata["tokenizer.ggml.merges"][-1] == f"\u0120tok {n - 1}"
-    assert took < FAST_S, took  # 0.3 s here (0.6 s before the bounds: the loop is tighter now)
+    assert took < FAST_S, took  # 0.3-0.5 s here (0.75-0.9 s before the bounds: the loop is tighter now)
 
 
 # ---- the tokenizer: long tokens build in linear time; what would not is refused
