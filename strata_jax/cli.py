@@ -219,12 +219,13 @@ def add_serve(sub: Subparsers) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from strata_jax.cli_flags import engine_config
-    from strata_jax.gguf import GGUFModel
+    from strata_jax.gguf import GGUFModel, load_tokenizer
     from strata_jax.serve import serve
 
     engine = engine_config(args)
     path = args.model or _default_model()
-    GGUFModel.open(path)   # a missing or broken file is an error now, not an engine that never starts
+    model = GGUFModel.open(path)   # a missing or broken file is an error now, not an engine that never starts
+    load_tokenizer(model.metadata)   # so is a vocabulary the engine could not load (it would restart forever)
     server = ServerConfig(model=path, host=args.host, port=args.port, api_key=_api_key(args),
                           model_name=args.model_name, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                           engine_stall_s=args.engine_stall_s, expert_profile_dir=args.expert_profile_dir,

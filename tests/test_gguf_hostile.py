@@ -410,3 +410,23 @@ def test_serve_exits_at_once_naming_the_key(name, hostile_files, enormous_tokens
     assert len(errors) == 1 and errors[0].startswith("strata-jax serve: error: " + str(path)), log
     assert f"metadata key '{key}'" in errors[0], log
     assert took < 30, took  # no engine was started: only the interpreter's start and imports
+
+
+def test_serve_exits_at_once_on_a_vocabulary_the_tokenizer_refuses(tiny_model, tmp_path_factory):
+    """A header within its bounds whose vocabulary the tokenizer refuses (600 KB of control tokens): serve
+    checks the tokenizer before it starts an engine, so it exits with one line instead of restarting engines
+    that can never load."""
+    src = tiny_model(arch="qwen3", layers=2, hidden=64)
+    md = GGUFModel.open(src).metadata
+    tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
+    for i in range(1, 301):
+        tokens[i], types[i] = f"<|ctl{i}|" + "c" * 2000 + ">", 3          # CONTROL
+    path = rewrite_gguf(src, tmp_path_factory.mktemp("ctl") / "ctl.gguf",
+                        set_metadata={"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types})
+    with ServerProcess([str(path), "--parallel", "1"]) as srv:
+        code = srv.proc.wait(timeout=60)
+        log = srv.log()
+    assert code != 0 and "Traceback" not in log and "engine process" not in log, log
+    errors = [line for line in log.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("strata-jax serve: error: "), log
+    assert "control" in errors[0].lower() or "special" in errors[0].lower(), errors[0]

@@ -2,6 +2,7 @@
 
 from .errors import (
     GGUFError,
+    HeaderLimitError,
     MetadataError,
     MissingSplitPartError,
     MissingTensorError,
@@ -20,6 +21,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "GGUFError",
     "GGUFModel",
+    "HeaderLimitError",
     "MetadataError",
     "MissingSplitPartError",
     "MissingTensorError",

@@ -229,6 +229,9 @@ class ModelSpec:
         else:
             moe_layers = ()
         vocab = metadata.get("tokenizer.ggml.tokens")
+        if vocab is not None and not isinstance(vocab, list):
+            raise MetadataError(path, f"tokenizer.ggml.tokens is a {type(vocab).__name__}, not an array of strings",
+                                "Re-convert the model with llama.cpp's convert_hf_to_gguf.py")
         if vocab is not None:
             vocab_size = len(vocab)
         elif "token_embd.weight" in shapes:
