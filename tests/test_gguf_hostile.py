@@ -17,7 +17,13 @@ from gguf import GGUFValueType as T
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata_jax.gguf import GGUFError, GGUFModel, TruncatedGGUFError, load_tokenizer, read_metadata
+from strata_jax.gguf import (
+    GGUFError,
+    GGUFModel,
+    TruncatedGGUFError,
+    load_tokenizer,
+    read_metadata,
+)
 from strata_jax.gguf.errors import HeaderLimitError
 from strata_jax.gguf.header import (
     MAX_ARRAY_DEPTH,

@@ -22,7 +22,12 @@ from tokenizer_data import smollm2_tokenizer
 
 from strata_jax.engine.engine import Engine
 from strata_jax.gguf import chat_template as ct
-from strata_jax.gguf.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, ChatTemplateError, render_bounded
+from strata_jax.gguf.chat_template import (
+    RESERVED_TEMPLATE_KWARGS,
+    ChatTemplate,
+    ChatTemplateError,
+    render_bounded,
+)
 from strata_jax.gguf.tokenizer import load_tokenizer
 from strata_jax.serve.errors import ApiError
 from strata_jax.serve.generate import ModelNames, parse_chat
@@ -101,18 +106,18 @@ HOSTILE = {
     "huge output": ("{% for i in range(100000) %}{% for j in range(1000) %}{{ 'y' * 100 }}{% endfor %}{% endfor %}",
                     "characters of output"),
     "a power": ("{{ 7 ** 1000000 }}", "MAX_INT_BITS"),
-    "squaring in a loop": ("{% set ns = namespace(x=2**60) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
-                           "{% endfor %}", "MAX_INT_BITS"),
-    "doubling with +": ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
-                        "{% endfor %}", "MAX_RENDER_CHARS"),
-    "doubling with ~": ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-                        "{% endfor %}", "MAX_RENDER_CHARS"),
-    "doubling with %": ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = '%s%s' % (ns.s, ns.s) %}"
-                        "{% endfor %}", "MAX_RENDER_CHARS"),
-    "doubling a block set": ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set t %}{{ ns.s }}{{ ns.s }}"
-                             "{% endset %}{% set ns.s = t %}{% endfor %}", "MAX_RENDER_CHARS"),
-    "a list that holds itself twice": ("{% set ns = namespace(x=[1]) %}{% for i in range(60) %}"
-                                       "{% set ns.x = [ns.x, ns.x] %}{% endfor %}{{ ns.x | tojson }}",
+    "squaring in a loop": (("{% set ns = namespace(x=2**60) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+                           "{% endfor %}"), "MAX_INT_BITS"),
+    "doubling with +": (("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+                        "{% endfor %}"), "MAX_RENDER_CHARS"),
+    "doubling with ~": (("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                        "{% endfor %}"), "MAX_RENDER_CHARS"),
+    "doubling with %": (("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = '%s%s' % (ns.s, ns.s) %}"
+                        "{% endfor %}"), "MAX_RENDER_CHARS"),
+    "doubling a block set": (("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set t %}{{ ns.s }}{{ ns.s }}"
+                             "{% endset %}{% set ns.s = t %}{% endfor %}"), "MAX_RENDER_CHARS"),
+    "a list that holds itself twice": (("{% set ns = namespace(x=[1]) %}{% for i in range(60) %}"
+                                       "{% set ns.x = [ns.x, ns.x] %}{% endfor %}{{ ns.x | tojson }}"),
                                        "MAX_PRINTED_ITEMS"),
     "a width": ("{{ 'x' | center(10**9) }}", "MAX_COUNT"),
     "a method's width": ("{{ 'x'.ljust(10**9) }}", "MAX_COUNT"),

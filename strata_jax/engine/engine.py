@@ -242,7 +242,7 @@ class Engine:
                 if not self._iteration():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-        except BaseException as e:          # noqa: BLE001 - only a bug gets here; say so, then let the owner act
+        except BaseException as e:
             log.critical("the engine loop ended: %s: %s", type(e).__name__, _first_line(e), exc_info=True)
             self.loop_error = f"{type(e).__name__}: {_first_line(e)}"
             if self.on_loop_death is not None:
@@ -272,7 +272,7 @@ class Engine:
             stage = "running a window"
             self._run(window)
             return True
-        except Exception as e:  # noqa: BLE001 - reported to the requests, never lost
+        except Exception as e:
             log.exception("the engine failed while %s", stage)
             for s in self.slots:
                 if not s.free:
@@ -471,7 +471,7 @@ class Engine:
             return
         try:
             self._emit_token(s, token)
-        except Exception as e:  # noqa: BLE001 - detokenizing or matching failed for this row only
+        except Exception as e:
             log.exception("request %d: its token %d could not be handled", s.request.id, token)
             self._fail(s, f"the engine could not handle token {token}: {type(e).__name__}: {_first_line(e)}")
 

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     del PROMPTS[a.prompts:]
     path = a.model
     if path is None:
-        from ..testing import smollm2_path
+        from ..testing import cache_dir, smollm2_path
         from ..testing.upcycle import upcycle
 
         path = cache_dir() / f"smollm2-{a.experts}x2.gguf"

@@ -451,16 +451,16 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         _check_binop(operator, left, right)
         return _checked(super().call_binop(context, operator, left, right))
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's names
-        _check_clock(__context)
-        method = getattr(__obj, "__wrapped__", __obj)   # the sandbox wraps str.format; its method is inside
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        _check_clock(context)
+        method = getattr(obj, "__wrapped__", obj)   # the sandbox wraps str.format; its method is inside
         if isinstance(method, types.BuiltinMethodType) and isinstance(method.__self__, str):
             if method.__name__ in ("format", "format_map"):
                 _check_str_format(method.__self__, args if method.__name__ == "format" else (),
                                   kwargs if method.__name__ == "format" else dict(args[0]) if args else {})
             else:
                 args = _sized_str_call(method.__self__, method.__name__, args, kwargs)
-        return _checked(super().call(__context, __obj, *args, **kwargs))
+        return _checked(super().call(context, obj, *args, **kwargs))
 
     def concat(self, parts: tuple) -> str:
         _check_size("joined text", sum(_printed_size(p) for p in parts))
@@ -538,7 +538,7 @@ class ChatTemplate:
             raise
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"the chat template failed: {e}") from e
-        except Exception as e:  # noqa: BLE001 - a template is code: what it raises (1/0, RecursionError) is its failure
+        except Exception as e:
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
 
 

@@ -155,7 +155,7 @@ class Worker:
             log.error("the expert profile was not written to %s: %s", cmd["path"], e)
             self.writer.send({"t": "rejected", "id": rid, "kind": "server", "message": "the expert profile was not "
                               f"written: {e.strerror or type(e).__name__} (the server's log has the details)"})
-        except Exception:  # noqa: BLE001 - this thread must answer, whatever went wrong
+        except Exception:
             log.exception("the expert profile was not written")
             self.writer.send({"t": "rejected", "id": rid, "kind": "internal", "message": "the expert profile "
                               "was not written"})
