@@ -16,18 +16,10 @@ import pytest
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.serve.reasoning import split_reasoning
 from strata_jax.testing.edit_gguf import rewrite_gguf
+from strata_jax.testing.templates import THINK_TEMPLATE
 
 N_CTX = 256
 MAX_BODY = 100_000
-# Qwen3's way: the generation prompt opens the reasoning, unless enable_thinking is false.
-THINK_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
-)
 HI = [{"role": "user", "content": "Hi"}]
 
 

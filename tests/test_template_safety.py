@@ -34,19 +34,11 @@ from strata_jax.serve.generate import ModelNames, parse_chat
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.serve.worker import Worker
 from strata_jax.testing.edit_gguf import rewrite_gguf
+from strata_jax.testing.templates import THINK_TEMPLATE
 
 HI = [{"role": "user", "content": "Hi"}]
 N_CTX = 256
 
-# Qwen3's way: the generation prompt opens the reasoning, unless enable_thinking is false.
-THINK_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
-)
 
 # A template that uses what real ones use (Qwen3's, Llama 3's): namespace, reversed loops, loop.index,
 # string methods, tojson with indent, `~`, `%`, `+`, macros, filters. It must render as plain jinja does.
