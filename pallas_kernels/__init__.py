@@ -5,18 +5,24 @@
     pk.qmatmul(x, w_blocks, "Q4_K", backend="pallas")        # x [T, k] @ W^T, W stored as GGUF blocks
     pk.expert_matmul(x, w_blocks, expert_ids, "Q4_K")        # row r times expert expert_ids[r]
 
-Backends: "xla" (plain jax.numpy, the fast path on a CPU), "pallas" (Pallas kernels through Triton, for
-GPUs: weights are dequantized in registers, the float matrix never exists), "interpret" (the same Pallas
-kernels in interpret mode, for tests on a CPU), "auto" (pallas on a GPU, else xla). One dequant body per
-type (bodies.py) serves all three, and is checked bit for bit against `gguf.quants.dequantize`.
+Backends: "xla" (plain jax.numpy), "cpu" (C++ custom calls through jax.ffi, cpu/: the GGUF blocks read
+in place and dequantized in registers; dequantize itself runs on xla), "pallas" (Pallas kernels through
+Triton, for GPUs: weights are dequantized in registers, the float matrix never exists), "interpret" (the
+same Pallas kernels in interpret mode, for tests on a CPU), "auto" (pallas on a GPU; on a CPU, cpu when
+its library is built, else xla with one log line saying why). One dequant body per type (bodies.py)
+serves xla and the Pallas kernels and is checked bit for bit against `gguf.quants.dequantize`; the C++
+dequantization follows the same bodies and is checked against the xla backend.
 """
 
 from __future__ import annotations
 
+import logging
+from functools import cache
+
 import jax
 import jax.numpy as jnp
 
-from . import gpu, xla
+from . import cpu, gpu, xla
 from .grouping import gather_rows, group_rows, scatter_rows
 from .layout import Layout, layout_for
 from .qtypes import (
@@ -30,7 +36,9 @@ from .qtypes import (
 )
 from .random_blocks import random_blocks
 
-BACKENDS = ("xla", "pallas", "interpret", "auto")
+BACKENDS = ("xla", "cpu", "pallas", "interpret", "auto")
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "BACKENDS",
@@ -60,8 +68,19 @@ def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if jax.default_backend() == "gpu":
+            return "pallas"
+        if jax.default_backend() == "cpu" and cpu.available():
+            return "cpu"
+        _say_auto_is_xla()
+        return "xla"
     return backend
+
+
+@cache
+def _say_auto_is_xla() -> None:
+    why = cpu.unavailable_reason() or f"the default JAX backend is {jax.default_backend()!r}"
+    _log.warning("pallas_kernels: backend auto uses xla: %s", why)
 
 
 def dequantize(blocks, qtype, backend: str = "xla") -> jax.Array:
@@ -70,7 +89,7 @@ def dequantize(blocks, qtype, backend: str = "xla") -> jax.Array:
     blocks = xla._as_bytes(blocks)
     lay = layout_for(qtype, blocks.shape[-1])
     backend = resolve_backend(backend)
-    if backend == "xla":
+    if backend in ("xla", "cpu"):
         return xla.dequantize_rows(blocks, lay)
     return gpu.dequantize_rows(blocks, lay, interpret=backend == "interpret")
 
@@ -78,10 +97,13 @@ def dequantize(blocks, qtype, backend: str = "xla") -> jax.Array:
 def qmatmul(x: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
     """x [T, k] @ W^T, W [n, k] stored as GGUF blocks uint8 [n, row_bytes] -> float32 [T, n].
 
-    The product runs in x's dtype (float32 on a CPU, bfloat16 on a GPU) and accumulates in float32."""
+    The product runs in x's dtype (float32 on a CPU, bfloat16 on a GPU) and accumulates in float32; the
+    cpu backend always multiplies in float32 (x is upcast), in a fixed order a row."""
     w_blocks = xla._as_bytes(w_blocks)
     lay = layout_for(qtype, w_blocks.shape[-1])
     backend = resolve_backend(backend)
+    if backend == "cpu":
+        return cpu.qmatmul(x, w_blocks, lay)
     if backend == "xla":
         w = xla.dequantize_rows(w_blocks, lay).astype(x.dtype)
         return jnp.einsum("tk,nk->tn", x, w, preferred_element_type=jnp.float32)
@@ -89,12 +111,14 @@ def qmatmul(x: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
 
 
 # Rows a tile of the expert matmul: small on the XLA path, where a tile costs one expert dequantization
-# whatever its fill; Triton's dot wants at least 16.
-_XLA_TILE, _PALLAS_TILE = 8, 16
+# whatever its fill; Triton's dot wants at least 16. The cpu kernel takes an expert a row (padding rows
+# cost it nothing), but float expert weights on a CPU still go through XLA's tiles, so cpu keeps 8.
+_XLA_TILE, _PALLAS_TILE, _CPU_TILE = 8, 16, 8
 
 
 def expert_tile(backend: str = "xla") -> int:
-    return _XLA_TILE if resolve_backend(backend) == "xla" else _PALLAS_TILE
+    backend = resolve_backend(backend)
+    return {"xla": _XLA_TILE, "cpu": _CPU_TILE}.get(backend, _PALLAS_TILE)
 
 
 def expert_matmul_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
@@ -107,6 +131,8 @@ def expert_matmul_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w_blocks, qt
     backend = resolve_backend(backend)
     n_tiles = tile_expert.shape[0]
     tile = x_tiles.shape[0] // n_tiles
+    if backend == "cpu":                          # every row of tile i takes expert tile_expert[i]
+        return cpu.expert_matmul(x_tiles, w_blocks, jnp.repeat(tile_expert, tile), lay)
     if backend == "xla":
         # Empty tiles repeat tile 0's expert (always a chosen one), so no unchosen expert is ever read.
         te = jnp.where(tile_expert >= 0, tile_expert, tile_expert[0])
@@ -119,7 +145,11 @@ def expert_matmul_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w_blocks, qt
 def expert_matmul(x: jax.Array, w_blocks, expert_ids: jax.Array, qtype, backend: str = "xla") -> jax.Array:
     """Row r of x [R, k] times expert expert_ids[r] of w_blocks [E, n, row_bytes] -> float32 [R, n].
 
-    Rows are grouped by expert (grouping.py); only the experts some row chose are dequantized."""
+    Rows are grouped by expert (grouping.py; the cpu kernel groups them itself); only the experts some
+    row chose are read. An id outside [0, E) gives a zero row on the cpu backend."""
+    if resolve_backend(backend) == "cpu":
+        w_blocks = xla._as_bytes(w_blocks)
+        return cpu.expert_matmul(x, w_blocks, expert_ids, layout_for(qtype, w_blocks.shape[-1]))
     g = group_rows(expert_ids, w_blocks.shape[0], expert_tile(backend))
     y = expert_matmul_tiles(scatter_rows(x, g), g.tile_expert, w_blocks, qtype, backend)
     return gather_rows(y, g)

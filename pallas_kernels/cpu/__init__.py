@@ -1,0 +1,179 @@
+"""The `cpu` backend: quantized and expert matmul as XLA custom calls into C++ (this folder).
+
+    y = qmatmul(x, w_blocks, lay)                  # x [M, k] @ W^T, W [n, k] as GGUF blocks -> [M, n]
+    y = expert_matmul(x, w_blocks, ids, lay)       # row r times expert ids[r] of [E, n, row_bytes]
+
+The library (`_strata_cpu*.so`, built by `pip install` from the .cc files here, see setup.py) is
+loaded with ctypes and its handlers registered with `jax.ffi` on first use. Weights are read as GGUF
+blocks where they lie and dequantized in registers exactly as gguf.quants.dequantize does; x stays
+float32; each output is one fixed-order float32 sum (simd.h), so a row's result depends only on that
+row, whatever else is in the call.
+
+Which path each type takes:
+- FAST (C++ dequantization): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS.
+- every other supported type (the IQ2_* / IQ3_* grid types): a loop over tiles of weight rows, each
+  tile dequantized by the xla backend into a float32 buffer of ~256 KiB and multiplied by the C++
+  F32 kernel (so the same fixed-order sums). No float copy of the whole matrix exists.
+
+Expert ids outside [0, E) (-1: no expert) give zero rows and read no weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from functools import cache
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..layout import Layout
+from ..qtypes import QType
+
+# Set to a library path to use that build instead of the installed one (tests of other SIMD paths).
+LIB_ENV = "STRATA_CPU_KERNELS_LIB"
+_STEM = "_strata_cpu"
+_TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataExpertMatmul"}
+
+FAST: frozenset[QType] = frozenset(
+    QType[name]
+    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+)
+
+# Bytes of float32 a slow-path tile dequantizes at a time (L2-sized: the tile is read right back).
+_SLOW_TILE_BYTES = 256 << 10
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """backend="cpu" was asked for but the C++ library is not built or does not load."""
+
+
+def library_path() -> Path | None:
+    if os.environ.get(LIB_ENV):
+        return Path(os.environ[LIB_ENV])
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if (here / f"{_STEM}{suffix}").exists():
+            return here / f"{_STEM}{suffix}"
+    return None
+
+
+@cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) once loaded and registered, or (None, why not)."""
+    path = library_path()
+    if path is None:
+        return None, (f"the C++ kernels are not built (no {_STEM}*.so in {Path(__file__).parent}); "
+                      "install a C++ compiler (g++) and run `pip install -e .` again")
+    if not path.exists():
+        return None, f"{LIB_ENV}={path} does not exist"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"the C++ kernels at {path} do not load: {e}"
+    for name, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    lib.strata_cpu_isa.restype = ctypes.c_char_p
+    return lib, None
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    return _load()[1]
+
+
+def isa() -> str:
+    """The SIMD path the library was built with: "avx512", "avx2" or "scalar"."""
+    return _require().strata_cpu_isa().decode()
+
+
+def _require() -> ctypes.CDLL:
+    lib, why = _load()
+    if lib is None:
+        raise CpuKernelsUnavailable(f'backend="cpu" is not available: {why}')
+    return lib
+
+
+def _qmatmul_call(x: jax.Array, w: jax.Array, qtype: QType) -> jax.Array:
+    """The C++ kernel: x float32 [M, k], w [n, row_bytes] bytes of a FAST type -> [M, n]."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("strata_qmatmul", out, vmap_method="sequential")(x, w, qtype=np.int32(qtype))
+
+
+def _check_k(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> None:
+    k = lay.blocks_in(w_blocks.shape[-1]) * lay.values
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x has shape {tuple(x.shape)} but the {lay.qtype.name} weight rows of "
+                         f"{w_blocks.shape[-1]} bytes hold k = {k} values: x must be [M, {k}]")
+
+
+def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> jax.Array:
+    """x [M, k] @ W^T, W [n, k] given as GGUF blocks uint8 [n, row_bytes] -> float32 [M, n]."""
+    _require()
+    _check_k(x, w_blocks, lay)
+    x = x.astype(jnp.float32)
+    if lay.qtype in FAST:
+        return _qmatmul_call(x, w_blocks, lay.qtype)
+    return _tiled_qmatmul(x, w_blocks, lay)
+
+
+def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay: Layout) -> jax.Array:
+    """Row r of x [R, k] times expert expert_ids[r] of w_blocks [E, n, row_bytes] -> float32 [R, n]."""
+    _require()
+    _check_k(x, w_blocks, lay)
+    if w_blocks.ndim != 3 or expert_ids.shape != (x.shape[0],):
+        raise ValueError(f"w_blocks must be [E, n, row_bytes] (got {tuple(w_blocks.shape)}) and expert_ids "
+                         f"[{x.shape[0]}] (got {tuple(expert_ids.shape)})")
+    x = x.astype(jnp.float32)
+    ids = expert_ids.astype(jnp.int32)
+    if lay.qtype in FAST:
+        out = jax.ShapeDtypeStruct((x.shape[0], w_blocks.shape[1]), jnp.float32)
+        return jax.ffi.ffi_call("strata_expert_matmul", out, vmap_method="sequential")(
+            x, w_blocks, ids, qtype=np.int32(lay.qtype))
+    return _tiled_expert_matmul(x, w_blocks, ids, lay)
+
+
+# ---- the slow path: one tile of weight rows dequantized at a time --------------------------------
+
+def _tiled_qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> jax.Array:
+    from ..xla import dequantize_rows
+
+    n, k = w_blocks.shape[0], x.shape[1]
+    rows = max(1, min(n, _SLOW_TILE_BYTES // (4 * k)))
+    full, rest = divmod(n, rows)
+
+    def tile(blocks):                                              # uint8 [t, row_bytes] -> [M, t]
+        return _qmatmul_call(x, dequantize_rows(blocks, lay), QType.F32)
+
+    parts = []
+    if full:
+        ys = jax.lax.map(lambda i: tile(jax.lax.dynamic_slice_in_dim(w_blocks, i * rows, rows)),
+                         jnp.arange(full))                         # [full, M, rows]
+        parts.append(jnp.transpose(ys, (1, 0, 2)).reshape(x.shape[0], full * rows))
+    if rest:
+        parts.append(tile(w_blocks[full * rows:]))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _tiled_expert_matmul(x: jax.Array, w_blocks: jax.Array, ids: jax.Array, lay: Layout) -> jax.Array:
+    """Each distinct chosen expert once: all rows times it, kept where a row chose it."""
+    n_exp, n = w_blocks.shape[0], w_blocks.shape[1]
+    valid = (ids >= 0) & (ids < n_exp)
+    slots = min(n_exp, ids.shape[0])
+    chosen = jnp.unique(jnp.where(valid, ids, n_exp), size=slots, fill_value=n_exp)   # sorted, E = unused
+
+    def step(i, y):
+        e = chosen[i]
+        def one(y):
+            w = jax.lax.dynamic_index_in_dim(w_blocks, e, axis=0, keepdims=False)
+            return jnp.where((ids == e)[:, None], _tiled_qmatmul(x, w, lay), y)
+        return jax.lax.cond(e < n_exp, one, lambda y: y, y)
+
+    return jax.lax.fori_loop(0, slots, step, jnp.zeros((x.shape[0], n), jnp.float32))

@@ -1,0 +1,229 @@
+"""The cpu backend (C++ custom calls through jax.ffi, pallas_kernels/cpu) against gguf's reference and
+the xla backend: dequantization bit for bit, products to float32 rounding, a row's bits independent of
+the other rows, and experts that no row chose never read."""
+
+import logging
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import quants as gq
+
+import pallas_kernels as pk
+from pallas_kernels import cpu
+from pallas_kernels.random_blocks import SCALE_FIELDS
+
+FAST = [t.name for t in pk.SUPPORTED if t in cpu.FAST]
+SLOW = [t.name for t in pk.SUPPORTED if t not in cpu.FAST]
+FLOATS = ("F32", "F16", "BF16")
+EPS = float(np.finfo(np.float32).eps)
+
+
+def _blocks(qtype, shape, seed=0):
+    return pk.random_blocks(qtype, shape, np.random.default_rng(seed))
+
+
+def _bits(a):
+    return np.asarray(a, dtype=np.float32).view(np.uint32)
+
+
+def _mm(backend):
+    return jax.jit(lambda x, b, t: pk.qmatmul(x, b, t, backend=backend), static_argnums=2)
+
+
+def _emm(backend):
+    return jax.jit(lambda x, b, i, t: pk.expert_matmul(x, b, i, t, backend=backend), static_argnums=3)
+
+
+cpu_mm, xla_mm = _mm("cpu"), _mm("xla")
+cpu_emm, xla_emm = _emm("cpu"), _emm("xla")
+
+
+def _assert_close(y, y_ref, x, w, what):
+    """|y - y_ref| within float32 summation error: a few eps * sqrt(k) * (|x| @ |w|^T), elementwise."""
+    k = x.shape[1]
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    bound = 4 * EPS * np.sqrt(k) * scale + 1e-30
+    err = np.abs(np.asarray(y, np.float64) - np.asarray(y_ref, np.float64))
+    assert np.isfinite(y).all(), what
+    worst = float((err / bound).max())
+    assert worst <= 1.0, f"{what}: error {worst:.2f}x the float32 bound"
+
+
+def test_the_library_is_built():
+    """Part of "pip install builds the extension": on this machine it must exist and load (a failure,
+    not a skip, if it does not)."""
+    assert cpu.available(), cpu.unavailable_reason()
+    assert cpu.isa() in ("avx512", "avx2", "scalar")
+    if not os.environ.get(cpu.LIB_ENV):
+        assert cpu.library_path().parent == Path(cpu.__file__).parent
+    if jax.default_backend() == "cpu":
+        assert pk.resolve_backend("auto") == "cpu"
+
+
+@pytest.mark.parametrize("qtype", FAST)
+def test_dequantization_is_bit_exact(qtype):
+    """x = the identity makes the product the dequantized matrix itself: the C++ dequantization gives
+    gguf.quants.dequantize's float32 values exactly (each output is one weight times 1 plus zeros)."""
+    k = 512
+    b = _blocks(qtype, (40, k), seed=1)
+    ref = gq.dequantize(b, pk.as_qtype(qtype))                       # [40, k]
+    y = np.asarray(cpu_mm(jnp.eye(k, dtype=jnp.float32), jnp.asarray(b), qtype))   # [k, 40]
+    np.testing.assert_array_equal(y.T, ref, err_msg=qtype)
+
+
+@pytest.mark.parametrize("qtype", FAST)
+def test_qmatmul_matches_xla(qtype):
+    k, n = 512, 40                                   # n = 40: not a whole number of register tiles
+    b = _blocks(qtype, (n, k), seed=2)
+    w = gq.dequantize(b, pk.as_qtype(qtype))
+    rng = np.random.default_rng(3)
+    for m in (1, 3, 8, 64):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = np.asarray(cpu_mm(jnp.asarray(x), jnp.asarray(b), qtype))
+        assert y.shape == (m, n)
+        _assert_close(y, xla_mm(jnp.asarray(x), jnp.asarray(b), qtype), x, w, f"{qtype} M={m} vs xla")
+        _assert_close(y, x.astype(np.float64) @ w.astype(np.float64).T, x, w, f"{qtype} M={m} vs float64")
+
+
+@pytest.mark.parametrize("qtype", FAST + SLOW[:1])
+def test_a_row_alone_equals_the_row_in_a_batch(qtype):
+    """Batch invariance: the bits of a row's result do not depend on M or on the other rows."""
+    k, n = 512, 72
+    b = jnp.asarray(_blocks(qtype, (n, k), seed=4))
+    x = np.random.default_rng(5).standard_normal((64, k)).astype(np.float32)
+    y64 = _bits(cpu_mm(jnp.asarray(x), b, qtype))
+    y8 = _bits(cpu_mm(jnp.asarray(x[:8]), b, qtype))
+    for i in (0, 3, 7):
+        alone = _bits(cpu_mm(jnp.asarray(x[i:i + 1]), b, qtype))[0]
+        np.testing.assert_array_equal(alone, y8[i], err_msg=f"{qtype}: row {i} alone vs in 8")
+        np.testing.assert_array_equal(alone, y64[i], err_msg=f"{qtype}: row {i} alone vs in 64")
+
+
+@pytest.mark.parametrize("qtype", FLOATS)
+def test_float_rows_of_any_length(qtype):
+    """Float weights have no blocks: k need not be a multiple of 16 (x's tail is padded inside)."""
+    rng = np.random.default_rng(6)
+    for k in (7, 100):
+        b = _blocks(qtype, (9, k), seed=k)
+        w = gq.dequantize(b, pk.as_qtype(qtype))
+        x = rng.standard_normal((3, k)).astype(np.float32)
+        y = np.asarray(cpu_mm(jnp.asarray(x), jnp.asarray(b), qtype))
+        _assert_close(y, x.astype(np.float64) @ w.astype(np.float64).T, x, w, f"{qtype} k={k}")
+
+
+def _poison(blocks: np.ndarray, qtype: str, experts) -> np.ndarray:
+    """The experts' blocks with NaN scales and inf offsets (float types: all NaN): a kernel that read
+    any of them would put NaN in its output."""
+    out = blocks.copy()
+    if qtype in FLOATS:
+        out[list(experts)] = 0xFF
+        return out
+    t = pk.as_qtype(qtype)
+    per = out[list(experts)].reshape(len(experts), -1, pk.type_size(t))
+    for pos, role in SCALE_FIELDS[t]:
+        per[..., pos:pos + 2] = np.frombuffer(np.float16(np.nan if role == "scale" else np.inf).tobytes(), np.uint8)
+    out[list(experts)] = per.reshape(out[list(experts)].shape)
+    return out
+
+
+@pytest.mark.parametrize("qtype", FAST + SLOW[:1])
+def test_expert_matmul_reads_only_chosen_experts(qtype):
+    E, n, k, R = 6, 24, 256, 19
+    b = _blocks(qtype, (E, n, k), seed=7)
+    rng = np.random.default_rng(8)
+    ids = rng.choice([0, 1, 3, 5], size=R).astype(np.int32)     # experts 2 and 4 never chosen
+    ids[[4, 11]] = -1                                            # no expert: a zero row
+    ids[15] = E                                                  # out of range: a zero row too
+    valid = (ids >= 0) & (ids < E)
+    x = rng.standard_normal((R, k)).astype(np.float32)
+    poisoned = _poison(b, qtype, [2, 4])
+    y = np.asarray(cpu_emm(jnp.asarray(x), jnp.asarray(poisoned), jnp.asarray(ids), qtype))
+    assert np.isfinite(y).all(), qtype
+    assert (y[~valid] == 0).all()
+    clean = np.asarray(cpu_emm(jnp.asarray(x), jnp.asarray(b), jnp.asarray(ids), qtype))
+    np.testing.assert_array_equal(_bits(y), _bits(clean), err_msg="poisoned experts changed the result")
+    ref = np.asarray(xla_emm(jnp.asarray(x), jnp.asarray(b), jnp.asarray(np.where(valid, ids, 0)), qtype))
+    w = gq.dequantize(b, pk.as_qtype(qtype))
+    for r in np.flatnonzero(valid):
+        _assert_close(y[r:r + 1], ref[r:r + 1], x[r:r + 1], w[ids[r]], f"{qtype} row {r} vs xla")
+    # Each row as the plain qmatmul of its expert gives the same bits (the same kernel, row by row).
+    for r in np.flatnonzero(valid)[:3]:
+        alone = cpu_mm(jnp.asarray(x[r:r + 1]), jnp.asarray(b[ids[r]]), qtype)
+        np.testing.assert_array_equal(_bits(alone)[0], _bits(y)[r])
+
+
+def test_expert_matmul_tiles_and_no_expert_at_all():
+    qtype, E, n, k = "Q4_K", 4, 16, 256
+    b = jnp.asarray(_blocks(qtype, (E, n, k), seed=9))
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((6, k)).astype(np.float32))
+    ids = jnp.array([3, 0, 3, 1, 0, 3], jnp.int32)
+    tile = pk.expert_tile("cpu")
+    g = pk.group_rows(ids, E, tile)
+    xt = pk.scatter_rows(x, g)
+    f = jax.jit(lambda xt, te, b: pk.expert_matmul_tiles(xt, te, b, qtype, backend="cpu"))
+    y = np.asarray(pk.gather_rows(f(xt, g.tile_expert, b), g))
+    np.testing.assert_array_equal(_bits(y), _bits(cpu_emm(x, b, ids, qtype)))
+    none = np.asarray(cpu_emm(x, b, jnp.full((6,), -1, jnp.int32), qtype))
+    assert (none == 0).all()
+
+
+@pytest.mark.parametrize("qtype", SLOW)
+def test_slow_path_types_run(qtype):
+    """Types without a C++ dequantization: a tile of rows dequantized by xla at a time, then the C++
+    float32 kernel."""
+    k, n = 256, 40
+    b = _blocks(qtype, (n, k), seed=11)
+    w = gq.dequantize(b, pk.as_qtype(qtype))
+    x = np.random.default_rng(12).standard_normal((3, k)).astype(np.float32)
+    y = np.asarray(cpu_mm(jnp.asarray(x), jnp.asarray(b), qtype))
+    _assert_close(y, xla_mm(jnp.asarray(x), jnp.asarray(b), qtype), x, w, qtype)
+
+
+def test_tiled_slow_path_with_a_partial_tile(monkeypatch):
+    """Weight rows not a whole number of tiles: the last tile is shorter."""
+    monkeypatch.setattr(cpu, "_SLOW_TILE_BYTES", 3 * 4 * 256)        # 3 rows a tile, 40 = 13 * 3 + 1
+    qtype, k, n = "IQ3_S", 256, 40
+    b = _blocks(qtype, (n, k), seed=13)
+    w = gq.dequantize(b, pk.as_qtype(qtype))
+    x = np.random.default_rng(14).standard_normal((2, k)).astype(np.float32)
+    y = np.asarray(pk.qmatmul(jnp.asarray(x), jnp.asarray(b), qtype, backend="cpu"))
+    _assert_close(y, x.astype(np.float64) @ w.astype(np.float64).T, x, w, qtype)
+
+
+def test_weights_as_jit_constants_and_bfloat16_x():
+    qtype, k, n = "Q4_1", 576, 48
+    b = _blocks(qtype, (n, k), seed=15)
+    x = np.random.default_rng(16).standard_normal((4, k)).astype(np.float32)
+    f = jax.jit(lambda x: pk.qmatmul(x, jnp.asarray(b), qtype, backend="cpu"))      # b: a constant
+    np.testing.assert_array_equal(_bits(f(jnp.asarray(x))), _bits(cpu_mm(jnp.asarray(x), jnp.asarray(b), qtype)))
+    xb = jnp.asarray(x, jnp.bfloat16)                                              # upcast exactly
+    np.testing.assert_array_equal(_bits(cpu_mm(xb, jnp.asarray(b), qtype)),
+                                  _bits(cpu_mm(xb.astype(jnp.float32), jnp.asarray(b), qtype)))
+
+
+def test_a_wrong_row_length_is_refused():
+    b = jnp.asarray(_blocks("Q8_0", (4, 64)))
+    with pytest.raises(ValueError, match="k = 64"):
+        cpu_mm(jnp.ones((1, 96), jnp.float32), b, "Q8_0")
+
+
+def test_missing_library_auto_uses_xla_and_cpu_raises(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(cpu.LIB_ENV, str(tmp_path / "nothing.so"))
+    cpu._load.cache_clear()
+    pk._say_auto_is_xla.cache_clear()
+    try:
+        assert not cpu.available()
+        with caplog.at_level(logging.WARNING, logger="pallas_kernels"):
+            assert pk.resolve_backend("auto") == "xla"
+        assert "nothing.so" in caplog.text
+        with pytest.raises(cpu.CpuKernelsUnavailable, match="nothing.so"):
+            pk.qmatmul(jnp.ones((1, 32)), jnp.asarray(_blocks("Q8_0", (4, 32))), "Q8_0", backend="cpu")
+    finally:
+        monkeypatch.undo()
+        cpu._load.cache_clear()
+        pk._say_auto_is_xla.cache_clear()
+    assert cpu.available()
