@@ -21,8 +21,10 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["pallas_kernels/cpu/dequant.cc", "pallas_kernels/cpu/matmul.cc", "pallas_kernels/cpu/ffi.cc"]
-HEADERS = ["pallas_kernels/cpu/simd.h", "pallas_kernels/cpu/dequant.h", "pallas_kernels/cpu/matmul.h"]
+SOURCES = ["pallas_kernels/cpu/dequant.cc", "pallas_kernels/cpu/direct.cc", "pallas_kernels/cpu/matmul.cc",
+           "pallas_kernels/cpu/ffi.cc"]
+HEADERS = ["pallas_kernels/cpu/simd.h", "pallas_kernels/cpu/blocks.h", "pallas_kernels/cpu/dequant.h",
+           "pallas_kernels/cpu/matmul.h"]
 
 # -march=native: the library is built on the machine that runs it (an editable or source install;
 # no binary wheel of this package is published), so it uses that CPU's widest SIMD (AVX-512, else

@@ -2,8 +2,12 @@
 the xla backend: dequantization bit for bit, products to float32 rounding, a row's bits independent of
 the other rows, and experts that no row chose never read."""
 
+import ast
 import logging
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -227,3 +231,45 @@ def test_missing_library_auto_uses_xla_and_cpu_raises(monkeypatch, tmp_path, cap
         cpu._load.cache_clear()
         pk._say_auto_is_xla.cache_clear()
     assert cpu.available()
+
+
+_HASH_SCRIPT = """
+import hashlib, sys, numpy as np, jax.numpy as jnp, pallas_kernels as pk
+from pallas_kernels import cpu
+out = [cpu.isa()]
+for t in sys.argv[1:]:
+    b = jnp.asarray(pk.random_blocks(t, (37, 512), np.random.default_rng(1)))
+    x = np.random.default_rng(2).standard_normal((9, 512)).astype(np.float32)
+    ys = [np.asarray(pk.qmatmul(jnp.asarray(x[a:z]), b, t, backend="cpu")) for a, z in ((0, 1), (1, 3), (3, 9))]
+    out.append(hashlib.sha1(np.concatenate(ys).tobytes()).hexdigest())
+print(" ".join(out))
+"""
+
+
+def test_every_simd_path_gives_the_same_bits(tmp_path):
+    """The AVX2 and scalar builds (compiled here with setup.py's flags) give the bits of this machine's
+    build, on the direct (M <= 4) and buffered paths: the order of every sum is defined in simd.h, not
+    by the ISA."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx}) to build the other SIMD paths")
+    root = Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "setup.py").read_text())
+    consts = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+              for t in node.targets if isinstance(t, ast.Name) and t.id in ("FLAGS", "SOURCES")}
+    include = Path(jax.ffi.include_dir())
+    builds = {}
+    for name, arch in (("avx2", "-march=x86-64-v3"), ("scalar", "-march=x86-64")):
+        out = tmp_path / f"{name}.so"
+        cmd = [cxx, *consts["FLAGS"], arch, "-I", str(include), *[str(root / s) for s in consts["SOURCES"]], "-o", str(out)]
+        builds[name] = (out, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+    types = ["F16", "Q4_1", "Q5_K", "Q6_K", "IQ4_XS"]
+    here = subprocess.run([sys.executable, "-c", _HASH_SCRIPT, *types], capture_output=True, text=True,
+                          env={**os.environ, cpu.LIB_ENV: str(cpu.library_path())}, check=True).stdout.split()
+    for name, (out, proc) in builds.items():
+        assert proc.wait() == 0, proc.stderr.read()
+        other = subprocess.run([sys.executable, "-c", _HASH_SCRIPT, *types], capture_output=True, text=True,
+                               env={**os.environ, cpu.LIB_ENV: str(out)}, check=True).stdout.split()
+        assert other[0] == name
+        assert other[1:] == here[1:], f"{name} build differs from {here[0]}: " + str(
+            [t for t, a, b in zip(types, other[1:], here[1:]) if a != b])

@@ -1,11 +1,8 @@
-// Dequantization of GGUF blocks into float32, value for value as pallas_kernels/bodies.py (and so
-// gguf.quants.dequantize) computes them: the same products in the same order, f16 scales converted
-// exactly. Block layouts: llama.cpp's ggml-common.h. A "vector" below is 16 consecutive values.
+// The types the C++ kernels handle and, for each, its two ways into a product: dequantization into a
+// float buffer (any M) and a direct kernel that dequantizes into the accumulators (small M).
 #pragma once
 
 #include <cstdint>
-
-#include "simd.h"
 
 namespace strata {
 
@@ -15,18 +12,42 @@ enum QType : int32_t {
   Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
 };
 
+// The rows one weight matrix multiplies: x[i] has k values readable up to the next multiple of 16
+// (zeros there), y[i] has one value per weight row.
+struct RowSet {
+  const float* const* x;
+  float* const* y;
+  int64_t m;
+};
+
 // Writes values [v0, v0 + nv) of one weight row to out. v0 and nv are whole blocks (any count for
 // the float types).
 using DequantFn = void (*)(const uint8_t* row, int64_t v0, int64_t nv, float* out);
 
+// y[i][n] = x[i] . w[n] for weight rows n in [n0, n1) (row n at w + n * row_bytes), for
+// rows.m <= kDirectMaxM; k is a whole number of blocks.
+using DirectFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t k, const RowSet& rows, int64_t n0,
+                          int64_t n1);
+
+// Up to kDirectMaxM x rows the direct kernel keeps every accumulator in registers, for a tile of
+// kDirectRows weight rows (4 chains of FMAs: the dequantization, not the FMA latency, bounds it).
+#if defined(__AVX512F__)
+constexpr int kDirectMaxM = 4, kDirectRows = 4;
+#elif defined(__AVX2__)
+constexpr int kDirectMaxM = 2, kDirectRows = 2;
+#else
+constexpr int kDirectMaxM = 1, kDirectRows = 2;
+#endif
+
 struct TypeInfo {
-  DequantFn fn;
+  DequantFn fn;       // nullptr: no C++ kernel for the type
+  DirectFn direct;    // nullptr: the buffered path only (the float types)
   int block_values;   // values a block (1 for the float types)
   int block_bytes;    // bytes a block
 };
 
-// nullptr fn for a type without a C++ kernel.
 TypeInfo type_info(int32_t qtype);
+DirectFn direct_fn(int32_t qtype);
 
 // IQ4_NL / IQ4_XS levels (gguf.quants.IQ4_NL.kvalues; the tests check the kernels against gguf).
 alignas(16) static const int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,

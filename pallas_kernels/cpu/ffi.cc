@@ -82,19 +82,22 @@ int64_t rows_per_unit(int64_t total_rows) {
   return std::clamp<int64_t>((want + tile - 1) / tile * tile, tile, 256);
 }
 
-// x rows as pointers with k readable up to a multiple of 16: in place when k is one (every quant
-// type), else copied into `pad` with zeros after k.
-std::vector<const float*> x_rows(const float* x, int64_t m, int64_t k, std::vector<float>& pad) {
+// x rows as pointers, each 64-byte aligned with k readable up to a multiple of 16: in place when
+// they are (XLA aligns buffers to 64 bytes, so whenever k is a multiple of 16), else copied into
+// `pad` with zeros after k (the small-M kernels load x once an FMA: a load split across two cache
+// lines costs two).
+std::vector<const float*> x_rows(const float* x, int64_t m, int64_t k, std::vector<f32x16>& pad) {
   std::vector<const float*> p(m);
-  if (k % 16 == 0) {
+  if (k % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 64 == 0) {
     for (int64_t i = 0; i < m; i++) p[i] = x + i * k;
     return p;
   }
   int64_t k16 = (k + 15) / 16 * 16;
-  pad.assign(m * k16, 0.0f);
+  pad.assign(m * k16 / 16, zero16());
+  float* base = reinterpret_cast<float*>(pad.data());
   for (int64_t i = 0; i < m; i++) {
-    std::copy(x + i * k, x + (i + 1) * k, pad.begin() + i * k16);
-    p[i] = pad.data() + i * k16;
+    std::copy(x + i * k, x + (i + 1) * k, base + i * k16);
+    p[i] = base + i * k16;
   }
   return p;
 }
@@ -119,7 +122,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   int64_t m = xd[0], k = xd[1], n = wd[0], row_bytes = wd[1] * (int64_t)ffi::ByteWidth(w.element_type());
   TypeInfo t;
   if (ffi::Error err = check_type(qtype, k, row_bytes, t); err.failure()) return err;
-  std::vector<float> pad;
+  std::vector<f32x16> pad;
   std::vector<const float*> xp = x_rows(x.typed_data(), m, k, pad);
   std::vector<float*> yp(m);
   for (int64_t i = 0; i < m; i++) yp[i] = y->typed_data() + i * n;
@@ -156,7 +159,7 @@ ffi::Error ExpertMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   for (int64_t e = 0; e < n_exp; e++) count[e + 1] += count[e];
   int64_t chosen_rows = count[n_exp];
-  std::vector<float> pad;
+  std::vector<f32x16> pad;
   std::vector<const float*> xall = x_rows(x.typed_data(), r_all, k, pad);
   std::vector<const float*> xp(chosen_rows);
   std::vector<float*> yp(chosen_rows);

@@ -1,49 +1,54 @@
-// Loop order, for one range of weight rows: a tile of NR weight rows is dequantized KC values at a
-// time into a small buffer (L1), and every x row is multiplied with it by an MR x NR register tile
-// of 16-lane accumulators (simd.h defines the arithmetic). So each weight row is read and
-// dequantized once a call, whatever M, and the accumulators of all M rows for the tile live in a
-// buffer of M * NR vectors between chunks (stored and reloaded exactly: chunking changes no bits).
+// The buffered path (M above kDirectMaxM, and the float types). For one range of weight rows: a tile
+// of NR weight rows is dequantized up to KC values at a time into a buffer (L1 for k <= ~500, else
+// L2), and every x row is multiplied with it by an MR x NR register tile of 16-lane accumulators
+// (simd.h defines the arithmetic). So each weight row is read and dequantized once a call, whatever
+// M; x streams from L2 once a tile. When k > KC the accumulators of all M rows for the tile wait in
+// a buffer between chunks (stored and reloaded exactly: chunking changes no bits), which costs L2
+// traffic, hence a large KC.
 #include "matmul.h"
 
 #include <algorithm>
 #include <array>
+#include <numeric>
 #include <utility>
 #include <vector>
 
 namespace strata {
 namespace {
 
+// Register tiles of MR x rows by NR weight rows: each x vector (from L2 when M is large) serves NR
+// FMAs, each weight vector MR.
 #if defined(__AVX512F__)
-constexpr int MR = 4, NR = 4;        // 16 accumulators + 4 weight vectors + 1 x vector of 32 registers
+constexpr int MR = 4, NR = 6;        // 24 accumulators + 6 weight vectors + 1 x vector of 32 registers
 #elif defined(__AVX2__)
-constexpr int MR = 2, NR = 2;        // a 16-lane vector is two of the 16 ymm registers
+constexpr int MR = 1, NR = 6;        // a 16-lane vector is two of the 16 ymm registers
 #else
 constexpr int MR = 1, NR = 4;
 #endif
-constexpr int KC = 256;              // values a chunk: a k-quant super-block, 8 blocks of 32
+constexpr int KC = 1024;             // values a chunk: a whole number of blocks of 32 and of 256
 
 template <int mr, int nr>
 void micro(const float* const* x, int64_t kc, const float* wbuf, f32x16* acc, int nvec, bool first,
            bool last, float* const* y, int64_t n) {
   f32x16 a[mr][nr];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
   for (int i = 0; i < mr; i++)
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int r = 0; r < nr; r++) a[i][r] = first ? zero16() : acc[i * NR + r];
   for (int v = 0; v < nvec; v++) {
     f32x16 w[nr];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int r = 0; r < nr; r++) w[r] = load16(wbuf + r * KC + 16 * v);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int i = 0; i < mr; i++) {
       f32x16 xv = load16(x[i] + kc + 16 * v);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int r = 0; r < nr; r++) a[i][r] = fma16(xv, w[r], a[i][r]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 16
   for (int i = 0; i < mr; i++)
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int r = 0; r < nr; r++) {
       if (last) y[i][n + r] = hsum16(a[i][r]);
       else acc[i * NR + r] = a[i][r];
@@ -67,13 +72,14 @@ const auto kMicro = micro_table(std::make_integer_sequence<int, MR>());
 
 }  // namespace
 
-int weight_rows_per_tile() { return NR; }
+int weight_rows_per_tile() { return std::lcm(NR, kDirectRows); }
 
 void matmul_rows(const TypeInfo& t, const uint8_t* w, int64_t row_bytes, int64_t k, const RowSet& rows,
                  int64_t n0, int64_t n1) {
+  if (t.direct && rows.m <= kDirectMaxM) return t.direct(w, row_bytes, k, rows, n0, n1);
   // Per thread, reused across calls (the XLA pool's threads live as long as the process).
-  thread_local std::vector<f32x16> acc;
-  alignas(64) float wbuf[NR * KC];
+  thread_local std::vector<f32x16> acc, wvec(NR * KC / 16);
+  float* wbuf = reinterpret_cast<float*>(wvec.data());
   if ((int64_t)acc.size() < rows.m * NR) acc.resize(rows.m * NR);
   for (int64_t n = n0; n < n1; n += NR) {
     int nr = (int)std::min<int64_t>(NR, n1 - n);

@@ -41,15 +41,72 @@ constexpr const char* kIsa = "scalar";
 static inline f32x16 load16(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 static inline f32x16 zero16() { return f32x16{}; }
-static inline f32x16 splat(float s) { return f32x16{} + s; }
+// A broadcast (not 0 + s, which costs an add and turns -0 into +0).
+static inline f32x16 splat(float s) { return f32x16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
-// 16 bytes -> 16 int32 lanes (zero- or sign-extended).
+// 16 bytes (or halfwords) -> 16 int32 lanes, zero- or sign-extended. Intrinsics: GCC turns a
+// __builtin_convertvector of bytes into a byte-by-byte loop.
+#if defined(__AVX512F__)
 static inline i32x16 u8_lanes(const uint8_t* p) {
-  u8x16 b; std::memcpy(&b, p, 16); return __builtin_convertvector(b, i32x16);
+  return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
 }
+static inline i32x16 widen_i8(__m128i b) { return (i32x16)_mm512_cvtepi8_epi32(b); }
+static inline i32x16 u16_lanes(const uint8_t* p) {
+  return (i32x16)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+}
+#elif defined(__AVX2__)
+static inline i32x16 join(__m256i lo, __m256i hi) {
+  i32x16 r; std::memcpy(&r, &lo, 32); std::memcpy((char*)&r + 32, &hi, 32); return r;
+}
+static inline i32x16 u8_lanes(const uint8_t* p) {
+  __m128i b = _mm_loadu_si128((const __m128i*)p);
+  return join(_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+}
+static inline i32x16 widen_i8(__m128i b) {
+  return join(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+static inline i32x16 u16_lanes(const uint8_t* p) {
+  return join(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)),
+              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+}
+#else
+static inline i32x16 u8_lanes(const uint8_t* p) {
+  i32x16 r;
+  for (int i = 0; i < kLanes; i++) r[i] = p[i];
+  return r;
+}
+static inline i32x16 u16_lanes(const uint8_t* p) {
+  i32x16 r;
+  for (int i = 0; i < kLanes; i++) r[i] = p[2 * i] | (p[2 * i + 1] << 8);
+  return r;
+}
+#endif
+
+// The 16 bytes of lo (bytes 0..7) and hi (8..15), zero-extended: built in registers (a vector load of
+// bytes just stored one by one would stall on store forwarding).
+static inline i32x16 u8_lanes_of(uint64_t lo, uint64_t hi) {
+#if defined(__AVX512F__)
+  return (i32x16)_mm512_cvtepu8_epi32(_mm_set_epi64x((long long)hi, (long long)lo));
+#elif defined(__AVX2__)
+  __m128i b = _mm_set_epi64x((long long)hi, (long long)lo);
+  return join(_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+#else
+  i32x16 r;
+  for (int i = 0; i < 8; i++) r[i] = (lo >> (8 * i)) & 0xFF, r[8 + i] = (hi >> (8 * i)) & 0xFF;
+  return r;
+#endif
+}
+
 static inline i32x16 i8_lanes(const uint8_t* p) {
-  i8x16 b; std::memcpy(&b, p, 16); return __builtin_convertvector(b, i32x16);
+#if defined(__AVX2__)
+  return widen_i8(_mm_loadu_si128((const __m128i*)p));
+#else
+  i32x16 r;
+  for (int i = 0; i < kLanes; i++) r[i] = int8_t(p[i]);
+  return r;
+#endif
 }
+
 static inline f32x16 to_f32(i32x16 v) { return __builtin_convertvector(v, f32x16); }
 
 static inline const i32x16& lane_index() {
@@ -144,17 +201,60 @@ static inline f32x16 halves16(const uint8_t* p) {
 #endif
 }
 
-// A 16-entry signed-byte table indexed by 16 nibbles (IQ4's levels) -> int32 lanes.
-static inline i32x16 lookup16(const int8_t* table, i32x16 idx) {
-#if defined(__SSSE3__)
-  __m128i t = _mm_loadu_si128((const __m128i*)table);
-  u8x16 i8 = __builtin_convertvector(idx, u8x16);
-  __m128i r = _mm_shuffle_epi8(t, (__m128i)i8);
-  return __builtin_convertvector((i8x16)r, i32x16);
-#else
-  i32x16 r;
-  for (int i = 0; i < kLanes; i++) r[i] = table[idx[i]];
+// ---- table lookups: the dequantizers compute each block's (or sub-block's) possible values once,
+// with the reference's own operations, and pick a lane's value by its quant bits -------------------
+
+static inline const f32x16& iota16() {
+  static const f32x16 v = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return v;
+}
+
+// t[idx & 15] a lane.
+static inline f32x16 pick16(f32x16 t, i32x16 idx) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_permutexvar_ps((__m512i)idx, (__m512)t);
+#elif defined(__AVX2__)
+  __m256 t0, t1; __m256i i[2];
+  std::memcpy(&t0, &t, 32); std::memcpy(&t1, (const char*)&t + 32, 32);
+  std::memcpy(i, &idx, 64);
+  f32x16 r;
+  for (int h = 0; h < 2; h++) {      // vpermps takes 3 index bits: both halves, chosen by bit 3
+    __m256 lo = _mm256_permutevar8x32_ps(t0, i[h]), hi = _mm256_permutevar8x32_ps(t1, i[h]);
+    __m256 v = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i[h], 28)));
+    std::memcpy((char*)&r + 32 * h, &v, 32);
+  }
   return r;
+#else
+  f32x16 r;
+  for (int l = 0; l < kLanes; l++) r[l] = t[idx[l] & 15];
+  return r;
+#endif
+}
+
+// Lane l's bit of `high` chooses between two 16-entry tables (a fifth quant bit).
+static inline f32x16 pick32(f32x16 lo, f32x16 hi, i32x16 idx, uint32_t high) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_mask_permutexvar_ps((__m512)pick16(lo, idx), (__mmask16)high, (__m512i)idx, (__m512)hi);
+#else
+  f32x16 a = pick16(lo, idx), b = pick16(hi, idx);
+  i32x16 bit = (i32x16)(((u32x16{} + high) >> (u32x16)lane_index()) & 1u);
+  return bit ? b : a;
+#endif
+}
+
+// Bit `bit` of each lane, as a 16-bit lane mask (for pick32).
+static inline uint32_t lane_bits(i32x16 v, int bit) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)v, _mm512_set1_epi32(1 << bit));
+#elif defined(__AVX2__)
+  __m256i h[2]; std::memcpy(h, &v, 64);
+  uint32_t m0 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h[0], 31 - bit)));
+  uint32_t m1 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h[1], 31 - bit)));
+  return m0 | (m1 << 8);
+#else
+  uint32_t m = 0;
+  for (int l = 0; l < kLanes; l++) m |= uint32_t((v[l] >> bit) & 1) << l;
+  return m;
 #endif
 }
 
