@@ -29,20 +29,17 @@
 
 namespace strata {
 
-static inline const f32x16& levels_iq4() {
-  static const f32x16 v = [] {
-    f32x16 t;
-    for (int i = 0; i < 16; i++) t[i] = float(kIQ4Levels[i]);
-    return t;
-  }();
-  return v;
+// kIQ4Levels as floats.
+STRATA_INLINE f32x16 levels_iq4() {
+  alignas(64) static constexpr float v[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  return load16(v);
 }
 
 // The 2-bit fields sit at bits 2k of a byte: pick16 reads bits 2k..2k+3, so these tables depend only
 // on the low 2 index bits (entry i is the value of q = i & 3).
-static inline const f32x16& iota4() {
-  static const f32x16 v = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
-  return v;
+STRATA_INLINE f32x16 iota4() {
+  alignas(64) static constexpr float v[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+  return load16(v);
 }
 
 // ---- 32-value blocks ----------------------------------------------------------------------------
@@ -131,12 +128,6 @@ struct BQ5_1 {                       // d, m, qh[4], qs[16]: (d * q) + m
 // them back by broadcast loads (fields_barrier, below).
 STRATA_INLINE void fields_barrier();
 
-// lanes 0..7 times a, lanes 8..15 times b
-STRATA_INLINE f32x16 halves_times(i32x16 v, float a, float b) {
-  static const i32x16 upper = lane_index() >= 8;
-  return to_f32(v) * (upper ? splat(b) : splat(a));
-}
-
 struct BQ2_K {                       // scales[16] (4-bit scale | 4-bit min << 4), qs[64], d, dmin
   static constexpr int values = 256, bytes = 84, nf = 0;
   static constexpr int fields[1] = {0};
@@ -190,7 +181,7 @@ STRATA_INLINE void k_scales(const uint8_t* b, float* sc) {
   uint32_t s0 = u[0] & k1, s1 = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
   uint32_t m0 = u[1] & k1, m1 = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
   i32x16 v = u8_lanes_of(s0 | uint64_t(s1) << 32, m0 | uint64_t(m1) << 32);
-  store16(sc, halves_times(v, f16_at(b), -f16_at(b + 2)));
+  store16(sc, times_halves(v, f16_at(b), -f16_at(b + 2)));
 }
 
 struct BQ4_K {                       // d, dmin, scales[12], qs[128]: (ds * q) - dm

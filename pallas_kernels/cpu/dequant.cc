@@ -33,7 +33,7 @@ void dequant_f16(const uint8_t* row, int64_t v0, int64_t nv, float* out) {
 void dequant_bf16(const uint8_t* row, int64_t v0, int64_t nv, float* out) {
   const uint8_t* p = row + 2 * v0;
   int64_t i = 0;
-  for (; i + 16 <= nv; i += 16) store16(out + i, (f32x16)((u32x16)u16_lanes(p + 2 * i) << 16));
+  for (; i + 16 <= nv; i += 16) store16(out + i, bfloat16s(p + 2 * i));
   for (; i < nv; i++) {
     uint16_t h; std::memcpy(&h, p + 2 * i, 2);
     uint32_t bits = uint32_t(h) << 16;

@@ -1,5 +1,5 @@
-// 16-lane float/int vectors (GCC vector extensions) and the two operations whose order defines a
-// result: the lane-wise FMA chain and the fixed horizontal sum.
+// 16-lane float/int vectors and the two operations whose order defines a result: the lane-wise FMA
+// chain and the fixed horizontal sum.
 //
 // Every product y[m, n] = sum_k x[m, k] * w[n, k] is computed the same way on every ISA: lane l
 // (0..15) accumulates x*w over k = 16*i + l for i = 0, 1, ... with one FMA each (a single rounding),
@@ -8,7 +8,13 @@
 // whatever other rows are in the call (batch invariance).
 //
 // Dequantization is plain multiplies and adds: the build passes -ffp-contract=off so that
-// (d * q) + m stays two roundings, exactly as gguf.quants.dequantize computes it.
+// (d * q) + m stays two roundings, exactly as gguf.quants.dequantize computes it, unless an FMA is
+// written out where it is exact (blocks.h says why).
+//
+// Types: with AVX-512, GCC vector extensions (one zmm register a vector). With AVX2, a pair of ymm
+// registers in a struct with the few operators the dequantizers use: GCC keeps a 64-byte vector
+// extension type in memory when the machine has no 64-byte registers, which makes every operation
+// a store and a load. The scalar fallback uses the vector extensions with loops.
 #pragma once
 
 #include <cmath>
@@ -19,86 +25,94 @@
 #include <immintrin.h>
 #endif
 
-namespace strata {
+// Forced: a 16-lane vector passed to a function that is not inlined goes through the stack.
+#define SIMD_INLINE static inline __attribute__((always_inline))
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef float f32x8 __attribute__((vector_size(32)));
+namespace strata {
 
 constexpr int kLanes = 16;
 
 #if defined(__AVX512F__)
+#define STRATA_X86_SIMD 1
 constexpr const char* kIsa = "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define STRATA_X86_SIMD 1
+#define STRATA_AVX2 1
 constexpr const char* kIsa = "avx2";
 #else
 constexpr const char* kIsa = "scalar";
 #endif
 
-static inline f32x16 load16(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-static inline f32x16 zero16() { return f32x16{}; }
-// A broadcast (not 0 + s, which costs an add and turns -0 into +0).
-static inline f32x16 splat(float s) { return f32x16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+// ---- the types and their element-wise operators -------------------------------------------------
 
-// 16 bytes (or halfwords) -> 16 int32 lanes, zero- or sign-extended. Intrinsics: GCC turns a
-// __builtin_convertvector of bytes into a byte-by-byte loop.
-#if defined(__AVX512F__)
-static inline i32x16 u8_lanes(const uint8_t* p) {
-  return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-}
-static inline i32x16 widen_i8(__m128i b) { return (i32x16)_mm512_cvtepi8_epi32(b); }
-static inline i32x16 u16_lanes(const uint8_t* p) {
-  return (i32x16)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-}
-#elif defined(__AVX2__)
-static inline i32x16 join(__m256i lo, __m256i hi) {
-  i32x16 r; std::memcpy(&r, &lo, 32); std::memcpy((char*)&r + 32, &hi, 32); return r;
-}
-static inline i32x16 u8_lanes(const uint8_t* p) {
-  __m128i b = _mm_loadu_si128((const __m128i*)p);
-  return join(_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
-}
-static inline i32x16 widen_i8(__m128i b) {
-  return join(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-}
-static inline i32x16 u16_lanes(const uint8_t* p) {
-  return join(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)),
-              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
-}
+#if defined(STRATA_AVX2)
+
+struct f32x16 { __m256 lo, hi; };
+struct i32x16 { __m256i lo, hi; };
+
+SIMD_INLINE f32x16 operator*(f32x16 a, f32x16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+SIMD_INLINE f32x16 operator*(f32x16 a, float s) { __m256 v = _mm256_set1_ps(s); return {_mm256_mul_ps(a.lo, v), _mm256_mul_ps(a.hi, v)}; }
+SIMD_INLINE f32x16 operator*(float s, f32x16 a) { __m256 v = _mm256_set1_ps(s); return {_mm256_mul_ps(v, a.lo), _mm256_mul_ps(v, a.hi)}; }
+SIMD_INLINE f32x16 operator+(f32x16 a, float s) { __m256 v = _mm256_set1_ps(s); return {_mm256_add_ps(a.lo, v), _mm256_add_ps(a.hi, v)}; }
+SIMD_INLINE f32x16 operator-(f32x16 a, float s) { __m256 v = _mm256_set1_ps(s); return {_mm256_sub_ps(a.lo, v), _mm256_sub_ps(a.hi, v)}; }
+SIMD_INLINE i32x16 operator&(i32x16 a, int k) { __m256i v = _mm256_set1_epi32(k); return {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)}; }
+SIMD_INLINE i32x16 operator|(i32x16 a, i32x16 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+SIMD_INLINE i32x16 operator-(i32x16 a, int k) { __m256i v = _mm256_set1_epi32(k); return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)}; }
+SIMD_INLINE i32x16 operator>>(i32x16 a, int n) { __m128i c = _mm_cvtsi32_si128(n); return {_mm256_sra_epi32(a.lo, c), _mm256_sra_epi32(a.hi, c)}; }
+SIMD_INLINE i32x16 operator<<(i32x16 a, int n) { __m128i c = _mm_cvtsi32_si128(n); return {_mm256_sll_epi32(a.lo, c), _mm256_sll_epi32(a.hi, c)}; }
+
+SIMD_INLINE f32x16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+SIMD_INLINE void store16(float* p, f32x16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+SIMD_INLINE f32x16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+SIMD_INLINE f32x16 splat(float s) { __m256 v = _mm256_set1_ps(s); return {v, v}; }
+SIMD_INLINE f32x16 to_f32(i32x16 v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+
 #else
-static inline i32x16 u8_lanes(const uint8_t* p) {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+SIMD_INLINE f32x16 load16(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
+SIMD_INLINE void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+SIMD_INLINE f32x16 zero16() { return f32x16{}; }
+// A broadcast (not 0 + s, which costs an add and turns -0 into +0).
+SIMD_INLINE f32x16 splat(float s) { return f32x16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+SIMD_INLINE f32x16 to_f32(i32x16 v) { return __builtin_convertvector(v, f32x16); }
+
+#endif
+
+// Constants as loads from constant arrays (a function-local static vector would cost a guard check
+// a use).
+SIMD_INLINE f32x16 iota16() {
+  alignas(64) static constexpr float v[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return load16(v);
+}
+
+// ---- loading quant bytes as int32 lanes ---------------------------------------------------------
+// Intrinsics: GCC turns a __builtin_convertvector of bytes into a byte-by-byte loop.
+
+#if defined(__AVX512F__)
+SIMD_INLINE i32x16 widen_u8(__m128i b) { return (i32x16)_mm512_cvtepu8_epi32(b); }
+SIMD_INLINE i32x16 widen_i8(__m128i b) { return (i32x16)_mm512_cvtepi8_epi32(b); }
+#elif defined(STRATA_AVX2)
+SIMD_INLINE i32x16 widen_u8(__m128i b) { return {_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))}; }
+SIMD_INLINE i32x16 widen_i8(__m128i b) { return {_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))}; }
+#endif
+
+// 16 bytes -> 16 int32 lanes, zero- (u8) or sign-extended (i8).
+SIMD_INLINE i32x16 u8_lanes(const uint8_t* p) {
+#if defined(STRATA_X86_SIMD)
+  return widen_u8(_mm_loadu_si128((const __m128i*)p));
+#else
   i32x16 r;
   for (int i = 0; i < kLanes; i++) r[i] = p[i];
   return r;
-}
-static inline i32x16 u16_lanes(const uint8_t* p) {
-  i32x16 r;
-  for (int i = 0; i < kLanes; i++) r[i] = p[2 * i] | (p[2 * i + 1] << 8);
-  return r;
-}
-#endif
-
-// The 16 bytes of lo (bytes 0..7) and hi (8..15), zero-extended: built in registers (a vector load of
-// bytes just stored one by one would stall on store forwarding).
-static inline i32x16 u8_lanes_of(uint64_t lo, uint64_t hi) {
-#if defined(__AVX512F__)
-  return (i32x16)_mm512_cvtepu8_epi32(_mm_set_epi64x((long long)hi, (long long)lo));
-#elif defined(__AVX2__)
-  __m128i b = _mm_set_epi64x((long long)hi, (long long)lo);
-  return join(_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
-#else
-  i32x16 r;
-  for (int i = 0; i < 8; i++) r[i] = (lo >> (8 * i)) & 0xFF, r[8 + i] = (hi >> (8 * i)) & 0xFF;
-  return r;
 #endif
 }
 
-static inline i32x16 i8_lanes(const uint8_t* p) {
-#if defined(__AVX2__)
+SIMD_INLINE i32x16 i8_lanes(const uint8_t* p) {
+#if defined(STRATA_X86_SIMD)
   return widen_i8(_mm_loadu_si128((const __m128i*)p));
 #else
   i32x16 r;
@@ -107,32 +121,26 @@ static inline i32x16 i8_lanes(const uint8_t* p) {
 #endif
 }
 
-static inline f32x16 to_f32(i32x16 v) { return __builtin_convertvector(v, f32x16); }
-
-static inline const i32x16& lane_index() {
-  static const i32x16 idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return idx;
+// The 16 bytes of lo (bytes 0..7) and hi (8..15), zero-extended: built in registers (a vector load of
+// bytes just stored one by one would stall on store forwarding).
+SIMD_INLINE i32x16 u8_lanes_of(uint64_t lo, uint64_t hi) {
+#if defined(STRATA_X86_SIMD)
+  return widen_u8(_mm_set_epi64x((long long)hi, (long long)lo));
+#else
+  i32x16 r;
+  for (int i = 0; i < 8; i++) r[i] = (lo >> (8 * i)) & 0xFF, r[8 + i] = (hi >> (8 * i)) & 0xFF;
+  return r;
+#endif
 }
 
-// Bits first..first+15 of a little-endian uint32, one a lane, as 0 or 1.
-static inline i32x16 bit_lanes(uint32_t bits, int first) {
-  u32x16 v = u32x16{} + bits;
-  u32x16 s = (u32x16)(lane_index() + first);
-  return (i32x16)((v >> s) & 1u);
-}
+// ---- the arithmetic whose order is the definition ------------------------------------------------
 
 // a * b + c, one rounding a lane.
-static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+SIMD_INLINE f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a0, a1, b0, b1, c0, c1;
-  std::memcpy(&a0, &a, 32); std::memcpy(&a1, (const char*)&a + 32, 32);
-  std::memcpy(&b0, &b, 32); std::memcpy(&b1, (const char*)&b + 32, 32);
-  std::memcpy(&c0, &c, 32); std::memcpy(&c1, (const char*)&c + 32, 32);
-  __m256 r0 = _mm256_fmadd_ps(a0, b0, c0), r1 = _mm256_fmadd_ps(a1, b1, c1);
-  f32x16 r; std::memcpy(&r, &r0, 32); std::memcpy((char*)&r + 32, &r1, 32);
-  return r;
+#elif defined(STRATA_AVX2)
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 #else
   f32x16 r;
   for (int i = 0; i < kLanes; i++) r[i] = std::fma(a[i], b[i], c[i]);
@@ -141,17 +149,14 @@ static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
 }
 
 // The fixed reduction tree: lanes i and i+8, then i and i+4, then i and i+2, then 0 and 1.
-static inline float hsum16(f32x16 a) {
+SIMD_INLINE float hsum16(f32x16 a) {
+#if defined(STRATA_X86_SIMD)
 #if defined(__AVX512F__)
   __m512 v = (__m512)a;
   __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-#elif defined(__AVX2__)
-  __m256 lo, hi;
-  std::memcpy(&lo, &a, 32); std::memcpy(&hi, (const char*)&a + 32, 32);
-  __m256 s8 = _mm256_add_ps(lo, hi);
+#else
+  __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+#endif
   __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
@@ -164,8 +169,10 @@ static inline float hsum16(f32x16 a) {
 #endif
 }
 
+// ---- float16 and bfloat16 ------------------------------------------------------------------------
+
 // IEEE half -> float, exact for every value (subnormals, inf, NaN).
-static inline float half_to_float(uint16_t h) {
+SIMD_INLINE float half_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
 #else
@@ -183,17 +190,14 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-static inline float f16_at(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return half_to_float(h); }
+SIMD_INLINE float f16_at(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return half_to_float(h); }
 
 // 16 halves -> 16 floats.
-static inline f32x16 halves16(const uint8_t* p) {
+SIMD_INLINE f32x16 halves16(const uint8_t* p) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-#elif defined(__F16C__)
-  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
-  f32x16 r; std::memcpy(&r, &lo, 32); std::memcpy((char*)&r + 32, &hi, 32);
-  return r;
+#elif defined(STRATA_AVX2)
+  return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))};
 #else
   f32x16 r;
   for (int i = 0; i < kLanes; i++) r[i] = f16_at(p + 2 * i);
@@ -201,29 +205,38 @@ static inline f32x16 halves16(const uint8_t* p) {
 #endif
 }
 
+// 16 bfloat16 -> 16 floats (the 16 bits on top of zeros).
+SIMD_INLINE f32x16 bfloat16s(const uint8_t* p) {
+#if defined(__AVX512F__)
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return (f32x16)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#elif defined(STRATA_AVX2)
+  __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+#else
+  f32x16 r;
+  for (int i = 0; i < kLanes; i++) {
+    uint32_t bits = uint32_t(p[2 * i] | (p[2 * i + 1] << 8)) << 16;
+    std::memcpy(&r[i], &bits, 4);
+  }
+  return r;
+#endif
+}
+
 // ---- table lookups: the dequantizers compute each block's (or sub-block's) possible values once,
 // with the reference's own operations, and pick a lane's value by its quant bits -------------------
 
-static inline const f32x16& iota16() {
-  static const f32x16 v = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return v;
-}
-
 // t[idx & 15] a lane.
-static inline f32x16 pick16(f32x16 t, i32x16 idx) {
+SIMD_INLINE f32x16 pick16(f32x16 t, i32x16 idx) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_permutexvar_ps((__m512i)idx, (__m512)t);
-#elif defined(__AVX2__)
-  __m256 t0, t1; __m256i i[2];
-  std::memcpy(&t0, &t, 32); std::memcpy(&t1, (const char*)&t + 32, 32);
-  std::memcpy(i, &idx, 64);
-  f32x16 r;
-  for (int h = 0; h < 2; h++) {      // vpermps takes 3 index bits: both halves, chosen by bit 3
-    __m256 lo = _mm256_permutevar8x32_ps(t0, i[h]), hi = _mm256_permutevar8x32_ps(t1, i[h]);
-    __m256 v = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i[h], 28)));
-    std::memcpy((char*)&r + 32 * h, &v, 32);
-  }
-  return r;
+#elif defined(STRATA_AVX2)
+  auto half = [&](__m256i i) {       // vpermps takes 3 index bits: both table halves, chosen by bit 3
+    __m256 a = _mm256_permutevar8x32_ps(t.lo, i), b = _mm256_permutevar8x32_ps(t.hi, i);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
+  };
+  return {half(idx.lo), half(idx.hi)};
 #else
   f32x16 r;
   for (int l = 0; l < kLanes; l++) r[l] = t[idx[l] & 15];
@@ -232,29 +245,49 @@ static inline f32x16 pick16(f32x16 t, i32x16 idx) {
 }
 
 // Lane l's bit of `high` chooses between two 16-entry tables (a fifth quant bit).
-static inline f32x16 pick32(f32x16 lo, f32x16 hi, i32x16 idx, uint32_t high) {
+SIMD_INLINE f32x16 pick32(f32x16 lo, f32x16 hi, i32x16 idx, uint32_t high) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_mask_permutexvar_ps((__m512)pick16(lo, idx), (__mmask16)high, (__m512i)idx, (__m512)hi);
-#else
+#elif defined(STRATA_AVX2)
   f32x16 a = pick16(lo, idx), b = pick16(hi, idx);
-  i32x16 bit = (i32x16)(((u32x16{} + high) >> (u32x16)lane_index()) & 1u);
-  return bit ? b : a;
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  auto sel = [&](__m256 x, __m256 y, uint32_t bits) {
+    __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), bit), bit);
+    return _mm256_blendv_ps(x, y, _mm256_castsi256_ps(m));
+  };
+  return {sel(a.lo, b.lo, high & 0xFF), sel(a.hi, b.hi, (high >> 8) & 0xFF)};
+#else
+  f32x16 a = pick16(lo, idx), b = pick16(hi, idx), r;
+  for (int l = 0; l < kLanes; l++) r[l] = (high >> l) & 1 ? b[l] : a[l];
+  return r;
 #endif
 }
 
 // Bit `bit` of each lane, as a 16-bit lane mask (for pick32).
-static inline uint32_t lane_bits(i32x16 v, int bit) {
+SIMD_INLINE uint32_t lane_bits(i32x16 v, int bit) {
 #if defined(__AVX512F__)
   return _mm512_test_epi32_mask((__m512i)v, _mm512_set1_epi32(1 << bit));
-#elif defined(__AVX2__)
-  __m256i h[2]; std::memcpy(h, &v, 64);
-  uint32_t m0 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h[0], 31 - bit)));
-  uint32_t m1 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h[1], 31 - bit)));
+#elif defined(STRATA_AVX2)
+  __m128i c = _mm_cvtsi32_si128(31 - bit);
+  uint32_t m0 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sll_epi32(v.lo, c)));
+  uint32_t m1 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sll_epi32(v.hi, c)));
   return m0 | (m1 << 8);
 #else
   uint32_t m = 0;
   for (int l = 0; l < kLanes; l++) m |= uint32_t((v[l] >> bit) & 1) << l;
   return m;
+#endif
+}
+
+// Lanes 0..7 of v times a, lanes 8..15 times b.
+SIMD_INLINE f32x16 times_halves(i32x16 v, float a, float b) {
+#if defined(STRATA_AVX2)
+  f32x16 f = to_f32(v);
+  return {_mm256_mul_ps(f.lo, _mm256_set1_ps(a)), _mm256_mul_ps(f.hi, _mm256_set1_ps(b))};
+#else
+  f32x16 s = splat(a);
+  for (int l = 8; l < kLanes; l++) s[l] = b;
+  return to_f32(v) * s;
 #endif
 }
 
