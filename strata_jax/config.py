@@ -55,8 +55,8 @@ class EngineConfig:
     conversation_cache_slots: int = 0    # conversations kept there (0: no bound but the MiB)
     kv_resident: int | None = None       # a slot's KV beyond this many tokens lives in host RAM
     attn_chunk: str | int = "auto"       # keys an attention step reads (auto: 256, less for a small max_context)
-    weights: str = "auto"                # blocks | dequantized | auto (dequantized on a CPU when small)
-    backend: str = "auto"                # kernel backend: auto | xla | pallas | interpret
+    weights: str = "auto"                # blocks | dequantized | auto (blocks, read by the kernels; see runner.resolve)
+    backend: str = "auto"                # kernel backend: auto | xla | cpu | pallas | interpret
     dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16
     request_timeout_s: float = 600.0     # a request's deadline
     warmup: bool = True                  # build the decode programs for 1..parallel rows at start
@@ -126,8 +126,8 @@ class EngineConfig:
              f"must be a multiple of the attention chunk, {chunk} keys here (attn_chunk = {self.attn_chunk!r}, "
              f"max_context = {self.max_context}): try {max(chunk, (self.kv_resident or 0) // chunk * chunk)}")
         need(self.weights in WEIGHT_MODES, "weights", self.weights, f"must be one of {', '.join(WEIGHT_MODES)}")
-        need(self.backend in ("auto", "xla", "pallas", "interpret"), "backend", self.backend,
-             "must be auto, xla, pallas or interpret")
+        need(self.backend in ("auto", "xla", "cpu", "pallas", "interpret"), "backend", self.backend,
+             "must be auto, xla, cpu, pallas or interpret")
         need(self.dtype in ("auto", "float32", "bfloat16"), "dtype", self.dtype, "must be auto, float32 or bfloat16")
         need(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
 

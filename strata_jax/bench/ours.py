@@ -114,12 +114,26 @@ def measure_ours(opts: BenchOptions, cfg: EngineConfig, progress=print) -> dict:
     with Engine.from_gguf(opts.model, cfg) as eng:
         load_s = time.perf_counter() - t
         st = eng.stats()
+        rss = rss_mib()
         progress(f"strata-jax: loaded in {load_s:.1f} s (weights {st['weights']}, {st['dtype']}, kv {st['kv']}, "
-                 f"{cfg.parallel} slots); prefill of {opts.prompt_tokens} tokens")
+                 f"backend {st['backend']}, {cfg.parallel} slots; process RSS {rss:.0f} MiB); prefill of "
+                 f"{opts.prompt_tokens} tokens")
         prefill = measure_prefill(eng, opts)
         decode = []
         for n in opts.parallel_list:
             progress(f"strata-jax: decode, {n} sequence{'s' if n > 1 else ''}")
             decode.append(measure_decode(eng, opts, n))
     return {"engine": {k: st[k] for k in ("weights", "dtype", "kv", "backend", "prefill")},
-            "config": cfg.to_dict(), "load_seconds": load_s, "prefill": prefill, "decode": decode}
+            "config": cfg.to_dict(), "load_seconds": load_s, "rss_mib_after_load": rss, "prefill": prefill,
+            "decode": decode}
+
+
+def rss_mib() -> float:
+    """This process's resident memory (Linux /proc; NaN elsewhere): the weights and KV it holds after load."""
+    try:
+        for line in open("/proc/self/status"):  # noqa: SIM115 - a short read
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")

@@ -54,8 +54,9 @@ def render(result: dict) -> str:
         + f"{model['experts'] or 'dense'}, {model['types']})",
         f"machine: {m['cpu']}, {m['cores']} cores ({m['threads']} used), load average {_num(load, 2)} at start; "
         + f"{versions}; {m['date']}",
-        f"strata-jax engine: weights {weights}, kv {eng['kv']}, prefill chunk {eng['prefill']}, one engine of "
-        + f"{ours['config']['parallel']} slots; loaded in {ours['load_seconds']:.1f} s",
+        f"strata-jax engine: weights {weights}, backend {eng['backend']}, kv {eng['kv']}, prefill chunk "
+        + f"{eng['prefill']}, one engine of {ours['config']['parallel']} slots; loaded in {ours['load_seconds']:.1f} s, "
+        + f"process RSS {_num(ours.get('rss_mib_after_load'), 0)} MiB after load",
         f"sizes: prefill prompt {s['prompt_tokens']} tokens; decode {s['decode_tokens']} tokens a sequence after a "
         + f"{s['decode_prompt_tokens']}-token prompt; greedy; a warm-up run before each figure, best of {s['repeat']}",
         "",

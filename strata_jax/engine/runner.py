@@ -64,8 +64,11 @@ def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
     kv = cfg.kv if cfg.kv != "auto" else ("bf16" if on_gpu else "f32")
     weights = cfg.weights
     if weights == "auto":
+        # The cpu and pallas kernels read GGUF blocks at memory speed: keep them. XLA alone on a CPU has no
+        # fast low-bit path, so there a small model gets a float copy (DESIGN.md, Speed).
         f32_bytes = 4 * sum(t.n_values for t in model.tensors.values())
-        weights = "dequantized" if (not on_gpu and f32_bytes <= DEQUANTIZE_LIMIT) else "blocks"
+        small = f32_bytes <= DEQUANTIZE_LIMIT
+        weights = "dequantized" if (backend == "xla" and not on_gpu and small) else "blocks"
     prefill = cfg.prefill if cfg.prefill != "auto" else (1024 if on_gpu else 256)
     return {"backend": backend, "dtype": dtype, "kv": kv, "weights": weights, "prefill": prefill}
 
