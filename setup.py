@@ -39,7 +39,7 @@ def ffi_include_dir() -> Path:
     spec = importlib.util.find_spec("jaxlib")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("jaxlib is not importable in the build environment (it provides XLA's FFI headers)")
-    inc = Path(list(spec.submodule_search_locations)[0]) / "include"
+    inc = Path(next(iter(spec.submodule_search_locations))) / "include"
     if not (inc / "xla" / "ffi" / "api" / "ffi.h").exists():
         raise RuntimeError(f"jaxlib at {inc.parent} has no XLA FFI headers (include/xla/ffi/api/ffi.h)")
     return inc
@@ -49,7 +49,7 @@ class BuildCpuKernels(build_ext):
     def run(self):
         try:
             super().run()                            # builds each extension, then copies it in place if editable
-        except Exception as e:                       # the kernels are optional: say why, install the rest
+        except Exception as e:  # noqa: BLE001 - the kernels are optional: say why, install the rest
             msg = (f"strata-jax: the C++ CPU kernels were NOT built: {e}\n"
                    "pallas_kernels will use the xla backend on a CPU (backend='cpu' will raise).")
             print("\n" + "!" * 100 + "\n" + msg + "\n" + "!" * 100 + "\n", file=sys.stderr, flush=True)
@@ -64,7 +64,7 @@ class BuildCpuKernels(build_ext):
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [*cxx, *FLAGS, *arch, "-I", str(ffi_include_dir()), *ext.sources, "-o", str(out)]
         print("building the CPU kernels:", shlex.join(cmd), flush=True)
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{cxx[0]} failed with exit code {done.returncode}:\n{done.stderr[-4000:]}")
 

@@ -324,9 +324,16 @@ class Engine:
                 req.events.put(Event("error", error="the prefix cache failed to place the request (see the log)"))
                 continue
             slot, req.reused = placed
-            slot.assign(req, self.tokenizer.stream_decoder(), req.reused)
-            if self.speculator is not None:
-                self.speculator.reset(slot)
+            try:
+                slot.assign(req, self.tokenizer.stream_decoder(), req.reused)
+                if self.speculator is not None:
+                    self.speculator.reset(slot)
+            except Exception as e:
+                log.exception("request %d could not start", req.id)
+                slot.release(keep=False)
+                self.counters["failed"] += 1
+                req.events.put(Event("error", error=f"the engine could not start the request: "
+                                                    f"{type(e).__name__}: {_first_line(e)}"))
 
     def _place(self, prompt: list[int], free: list[Slot]) -> tuple[Slot, int] | None:
         """The prefix cache's choice of slot (and its stores and restores); None if that failed."""
