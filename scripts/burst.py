@@ -20,14 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from strata_jax.bench.machine import rss_mib
 from strata_jax.serve.launch import ServerProcess
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> None:

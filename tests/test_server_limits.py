@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
+from strata_jax.bench.machine import rss_mib
 from strata_jax.gguf import GGUFModel
 from strata_jax.serve.launch import ServerProcess
 
@@ -30,10 +30,6 @@ def _post(srv, path, body, timeout=60.0):
     return httpx.post(srv.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=timeout)
 
 
-def _engine_pids(srv) -> list[int]:
-    return [int(p) for p in re.findall(r"engine process \d+ started \(pid (\d+)\)", srv.log())]
-
-
 def _wait(cond, timeout: float, what: str):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -42,13 +38,6 @@ def _wait(cond, timeout: float, what: str):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +121,7 @@ def test_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(server):
 def test_a_burst_of_50x_parallel_is_answered_quickly_and_memory_stays_bounded(server):
     """100 requests at once on 2 slots with --max-queue 4: each gets a 200, or a 503 with Retry-After at
     once; nobody waits out a deadline; the server's memory grows by little; the next request is served."""
-    rss0 = _rss_kib(server.proc.pid)
+    rss0 = rss_mib(server.proc.pid)
     body = {"prompt": "Count: one two three " * 8, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
     def one(i):
@@ -152,14 +141,13 @@ def test_a_burst_of_50x_parallel_is_answered_quickly_and_memory_stays_bounded(se
             assert seconds < 15, seconds
         else:
             assert body_["usage"]["completion_tokens"] == 16
-    rss1 = _rss_kib(server.proc.pid)
-    assert rss1 - rss0 < 150 * 1024, (rss0, rss1)                # KiB
+    rss1 = rss_mib(server.proc.pid)
+    assert rss1 - rss0 < 150, (rss0, rss1)                       # MiB
     r = _post(server, CHAT, {"messages": HI, "max_tokens": 4})
     assert r.status_code == 200
     health = server.health().json()
     assert health["restarts"] == 0 and health["queued"] == 0
-    print(f"burst: {codes.count(200)} x 200, {codes.count(503)} x 503; server RSS {rss0 / 1024:.1f} -> "
-          f"{rss1 / 1024:.1f} MiB")
+    print(f"burst: {codes.count(200)} x 200, {codes.count(503)} x 503; server RSS {rss0:.1f} -> {rss1:.1f} MiB")
 
 
 # ---- 2. the watchdog: an engine stopped with SIGSTOP ----------------------------------------------------
@@ -167,7 +155,7 @@ def test_a_burst_of_50x_parallel_is_answered_quickly_and_memory_stays_bounded(se
 
 def test_watchdog_kills_a_stopped_engine_and_serves_the_queue(server):
     """Last in this module: it restarts the engine."""
-    pid = _engine_pids(server)[-1]
+    pid = server.engine_pids()[-1]
     long = {"prompt": "Once upon a time", "max_tokens": LONG_CTX - 100, "temperature": 0, "ignore_eos": True}
     with cf.ThreadPoolExecutor(3) as pool:
         running = [pool.submit(_post, server, TEXT, long, 120) for _ in range(2)]

@@ -119,12 +119,6 @@ def test_models_shows_no_path(server):
     assert "/" not in r.text and str(server.model.parent) not in r.text
 
 
-def _engine_pid(srv) -> int:
-    pids = re.findall(r"engine process \d+ started \(pid (\d+)\)", srv.log())
-    assert pids, srv.log()
-    return int(pids[-1])
-
-
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
@@ -136,7 +130,8 @@ def test_the_key_comes_from_the_file_and_the_engine_does_not_inherit_it(server):
     assert httpx.get(url, headers={"Authorization": f"Bearer {ENV_KEY}"}).status_code == 401   # the file wins
     assert httpx.get(url, headers=server.headers).status_code == 200
     assert _environ(server.proc.pid).get("STRATA_API_KEY") == ENV_KEY       # the server has it ...
-    engine = _engine_pid(server)
+    assert server.engine_pids(), server.log()
+    engine = server.engine_pids()[-1]
     assert engine != server.proc.pid
     env = _environ(engine)
     assert "STRATA_ENGINE_GENERATION" in env                               # ... this is the engine child ...

@@ -95,3 +95,14 @@ def memory_bandwidth(gib: float = 1.0, threads: int = 1, tries: int = 5) -> dict
     k_best = max(best, key=best.get)
     return {"bytes_per_second": best[k_best], "threads": k_best, "by_threads": {str(k): v for k, v in best.items()},
             "method": f"numpy sum of a {gib:g} GiB float64 array, best of {tries}, on {' and '.join(map(str, best))} thread(s)"}
+
+
+def rss_mib(pid: int | str = "self") -> float:
+    """A process's resident memory in MiB (Linux /proc; NaN where there is none)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")

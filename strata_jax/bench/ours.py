@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from strata_jax.bench.machine import rss_mib
 from strata_jax.bench.options import BenchOptions
 from strata_jax.config import EngineConfig
 
@@ -127,13 +128,3 @@ def measure_ours(opts: BenchOptions, cfg: EngineConfig, progress=print) -> dict:
             "config": cfg.to_dict(), "load_seconds": load_s, "rss_mib_after_load": rss, "prefill": prefill,
             "decode": decode}
 
-
-def rss_mib() -> float:
-    """This process's resident memory (Linux /proc; NaN elsewhere): the weights and KV it holds after load."""
-    try:
-        for line in open("/proc/self/status"):  # noqa: SIM115 - a short read
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")

@@ -258,12 +258,8 @@ def _check_printf(fmt: str, args: Any) -> None:
     specs = _PRINTF_SPEC.findall(fmt)
     values = list(args.values()) if isinstance(args, Mapping) else list(args) if isinstance(args, tuple) else [args]
     widths = [int(n) for spec in specs for n in spec if n.isdigit()]
-    if any("*" in spec for spec in specs):
-        widths += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-    for w in widths:
-        _check_count("a % width", w)
-    longest = max((_printed_size(v) for v in values), default=0)
-    _check_size("a % format's text", len(fmt) + len(specs) * (max(widths, default=0) + longest))
+    _check_formatted(("a % width", "a % format's text"), fmt, len(specs), widths, values,
+                     any("*" in spec for spec in specs))
 
 
 def _check_str_format(fmt: str, args: tuple, kwargs: dict) -> None:
@@ -274,12 +270,20 @@ def _check_str_format(fmt: str, args: tuple, kwargs: dict) -> None:
         return   # not a format string: format() itself says so
     values = [*args, *kwargs.values()]
     widths = [int(n) for spec in fields for n in re.findall(r"\d+", spec or "")]
-    if any("{" in (spec or "") for spec in fields):   # a nested field takes its width from the arguments
-        widths += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    nested = any("{" in (spec or "") for spec in fields)   # a nested field takes its width from the arguments
+    _check_formatted(("a format width", "a format's text"), fmt, len(fields), widths, values, nested)
+
+
+def _check_formatted(what: tuple[str, str], fmt: str, n_fields: int, widths: list[int], values: list,
+                     widths_from_args: bool) -> None:
+    """A formatted text is at most its template plus, for each field, the widest width and the longest value;
+    every width is bounded (those the arguments give too, when the template takes them from there)."""
+    if widths_from_args:
+        widths = widths + [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
     for w in widths:
-        _check_count("a format width", w)
+        _check_count(what[0], w)
     longest = max((_printed_size(v) for v in values), default=0)
-    _check_size("a format's text", len(fmt) + len(fields) * (max(widths, default=0) + longest))
+    _check_size(what[1], len(fmt) + n_fields * (max(widths, default=0) + longest))
 
 
 def _check_binop(op: str, left: Any, right: Any) -> None:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,6 +48,10 @@ class ServerProcess:
 
     def log(self) -> str:
         return self._logfile.read_text(errors="replace")
+
+    def engine_pids(self) -> list[int]:
+        """The engine processes the server started so far, oldest first (from its `started (pid N)` lines)."""
+        return [int(p) for p in re.findall(r"engine process \d+ started \(pid (\d+)\)", self.log())]
 
     def health(self) -> httpx.Response:
         return httpx.get(self.url + "/health", timeout=5.0)
