@@ -19,6 +19,13 @@ void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t nblocks, const flo
     for (int r = 0; r < R; r++) acc[m][r] = zero16();
   for (int64_t g = 0; g < nblocks; g += kGroup) {
     int cnt = (int)std::min<int64_t>(kGroup, nblocks - g);
+    // The same blocks two tiles on (rows are contiguous, so two tiles ahead of this read): without
+    // it the short matrices of a decode step stream from memory at ~60% of the rate (8.0 against
+    // 12.3 ms for SmolLM2's 210 products). A prefetch never faults, so past the matrix's end is harmless.
+    const uint8_t* ahead = w + (n + 2 * R) * row_bytes + g * B::bytes;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+      for (int64_t o = 0; o < cnt * B::bytes; o += 64) __builtin_prefetch(ahead + r * row_bytes + o, 0, 3);
     alignas(64) float f[R][16];
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) block_fields<B>(w + (n + r) * row_bytes + g * B::bytes, cnt, f[r]);
