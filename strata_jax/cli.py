@@ -258,6 +258,10 @@ def add_bench(sub: Subparsers) -> None:
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="measured runs a figure, best kept (default 1)")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, metavar="G",
                    help="size of the array memory bandwidth is measured on (default 1 GiB)")
+    p.add_argument("--moe-twin", metavar="E:K",
+                   help="bench a MoE twin of the dense MODEL instead (E experts, top-K, made by `strata-jax upcycle` "
+                        "and kept in <cache folder>/twins, made again when MODEL changes): both engines read the "
+                        "twin (default off)")
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
     add_engine_flags(p)
     for action in p._actions:            # the slots come from --parallel-list: --parallel is refused, so not shown
@@ -271,6 +275,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from strata_jax.bench import run_bench as bench
     from strata_jax.bench.report import render
     from strata_jax.bench.run import write_json
+    from strata_jax.bench.twin import parse_moe_twin
     from strata_jax.cli_flags import engine_config
 
     try:
@@ -279,11 +284,12 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--parallel-list {args.parallel_list!r}: must be whole numbers separated by commas") from None
     if hasattr(args, "parallel"):     # engine flags are only set on args when given
         raise ValueError("bench takes the number of sequences from --parallel-list, not --parallel")
+    twin = parse_moe_twin(args.moe_twin) if args.moe_twin is not None else None
     opts = BenchOptions(model=args.model or _default_model(), prompt_tokens=args.prompt_tokens,
                         decode_tokens=args.decode_tokens, decode_prompt_tokens=args.decode_prompt_tokens,
                         parallel_list=parallel, vs=args.vs, threads=args.threads, repeat=args.repeat,
                         engine=engine_config(args), max_context=getattr(args, "max_context", None),
-                        bandwidth_gib=args.bandwidth_gib)
+                        bandwidth_gib=args.bandwidth_gib, moe_twin=twin)
     logging.getLogger("strata_jax.engine").setLevel(logging.WARNING)   # not a log line for every request
     result = bench(opts, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(render(result))

@@ -23,6 +23,9 @@ class BenchOptions:
     max_context: int | None = None      # None: the smallest power of two (>= 256) the measurements fit
     bandwidth_gib: float = 1.0          # size of the array the memory bandwidth is measured on
     seed: int = 0
+    # (E, K): bench a MoE twin of the dense `model` (E experts, top-K; bench/twin.py) instead of it
+    moe_twin: tuple[int, int] | None = None
+    twin_cache: str | None = None       # where twins are kept (None: <cache folder>/twins)
 
     def validate(self) -> None:
         def need(cond: bool, flag: str, value, what: str) -> None:
@@ -40,6 +43,10 @@ class BenchOptions:
              f"must be 1 to this machine's {os.cpu_count()} cores")
         need(self.repeat >= 1, "--repeat", self.repeat, "must be at least 1")
         need(self.bandwidth_gib > 0, "--bandwidth-gib", self.bandwidth_gib, "must be > 0")
+        if self.moe_twin is not None:
+            from strata_jax.bench.twin import check_moe_twin
+
+            check_moe_twin(tuple(self.moe_twin))
 
     @property
     def max_parallel(self) -> int:

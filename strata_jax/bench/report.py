@@ -40,6 +40,15 @@ def table(result: dict) -> str:
     return "\n".join([line(head), rule] + [line(r) for r in body])
 
 
+def twin_line(twin: dict | None) -> str | None:
+    """The report's line for --moe-twin: which file was benchmarked, and that it is a twin."""
+    if not twin:
+        return None
+    how = "reused from the cache" if twin["reused"] else f"made in {twin['seconds']:.1f} s"
+    return (f"benchmarked: {twin['path']}, a MoE twin of {twin['source']} ({twin['experts']} experts, "
+            f"top-{twin['top_k']}; strata-jax upcycle, {how}): both engines read this file")
+
+
 def render(result: dict) -> str:
     m, model, s = result["machine"], result["model"], result["settings"]
     ours = result["strata_jax"]
@@ -52,6 +61,7 @@ def render(result: dict) -> str:
     lines = [
         f"model: {model['file']} ({model['architecture']}, {model['parameters'] / 1e6:,.1f}M parameters, "
         + f"{model['experts'] or 'dense'}, {model['types']})",
+        *filter(None, [twin_line(result.get("twin"))]),
         f"machine: {m['cpu']}, {m['cores']} cores ({m['threads']} used), load average {_num(load, 2)} at start; "
         + f"{versions}; {m['date']}",
         f"strata-jax engine: weights {weights}, backend {eng['backend']}, kv {eng['kv']}, prefill chunk "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from strata_jax.bench.machine import (
@@ -33,15 +34,26 @@ def run_bench(opts: BenchOptions, progress=print) -> dict:
 
     opts.validate()
     cfg = engine_config(opts)                    # a setting that cannot work is an error before anything runs
+    twin = None
+    if opts.moe_twin is not None:                # both engines then read the twin's file
+        from strata_jax.bench.twin import make_twin
+
+        experts, top_k = opts.moe_twin
+        t = time.perf_counter()
+        path, reused = make_twin(opts.model, experts, top_k, opts.twin_cache, progress=progress)
+        twin = {"source": str(opts.model), "path": str(path), "experts": experts, "top_k": top_k,
+                "reused": reused, "seconds": time.perf_counter() - t}
+        opts = replace(opts, model=str(path))
     started = time.perf_counter()
     machine = machine_info(opts.threads)         # before we load the machine ourselves
     machine["pinned_to_threads"] = limit_threads(opts.threads)
     model = GGUFModel.open(opts.model)
-    result: dict = {"machine": machine, "model": describe_model(model, opts.model),
+    result: dict = {"machine": machine, "model": describe_model(model, opts.model), "twin": twin,
                     "settings": {"prompt_tokens": opts.prompt_tokens, "decode_tokens": opts.decode_tokens,
                                  "decode_prompt_tokens": opts.decode_prompt_tokens,
                                  "parallel_list": list(opts.parallel_list), "threads": opts.threads,
-                                 "repeat": opts.repeat, "vs": opts.vs}}
+                                 "repeat": opts.repeat, "vs": opts.vs,
+                                 "moe_twin": list(opts.moe_twin) if opts.moe_twin else None}}
     progress(f"memory bandwidth: reading a {opts.bandwidth_gib:g} GiB array")
     result["bandwidth"] = memory_bandwidth(opts.bandwidth_gib, opts.threads)
     result["strata_jax"] = measure_ours(opts, cfg, progress)
