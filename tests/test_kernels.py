@@ -1,4 +1,12 @@
-"""pallas_kernels against the gguf package's reference dequantization, on every type and backend."""
+"""pallas_kernels against the gguf package's reference dequantization, on every type and backend.
+
+On a CPU the kernels run on the xla backend and the Pallas kernels in interpret mode. On a machine with a
+GPU, `STRATA_TEST_BACKEND=pallas` runs them on the GPU's real Pallas (Triton) backend instead of interpret
+mode, beside xla (scripts/device_check.sh does); any other value is a comma list of backends taken as is
+(e.g. `STRATA_TEST_BACKEND=pallas,interpret`). Without a GPU the pallas cases are skipped, saying why.
+"""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +17,23 @@ from gguf import quants as gq
 import pallas_kernels as pk
 
 TYPES = [t.name for t in pk.SUPPORTED]
-CPU_BACKENDS = ["xla", "interpret"]
+_ENV_BACKEND = os.environ.get("STRATA_TEST_BACKEND", "").strip()
+if not _ENV_BACKEND:
+    BACKENDS = ["xla", "interpret"]
+elif _ENV_BACKEND == "pallas":
+    BACKENDS = ["xla", "pallas"]
+else:
+    BACKENDS = [b.strip() for b in _ENV_BACKEND.split(",") if b.strip()]
+ON_GPU = jax.default_backend() == "gpu"
+# A float32 product on a GPU may run in TF32 (10-bit mantissa): XLA's default precision there, and Triton's
+# dot. Its error is ~1e-3 of a product, so the matmul checks allow 3e-3 of the scale there, 1e-4 elsewhere.
+MATMUL_ATOL = 3e-3 if ON_GPU else 1e-4
+
+
+def _need_device(backend):
+    if backend == "pallas" and not ON_GPU:
+        pytest.skip(f"STRATA_TEST_BACKEND={_ENV_BACKEND}: the pallas backend needs a GPU; JAX's is "
+                    f"{jax.default_backend()!r}")
 
 
 def _blocks(qtype, shape, seed=0):
@@ -20,9 +44,10 @@ def _bits(a):
     return np.asarray(a, dtype=np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_bit_exact(qtype, backend):
+    _need_device(backend)
     shapes = [(3, 512), (2, 2, 256)]
     if pk.block_size(pk.as_qtype(qtype)) <= 32:
         shapes.append((5, 96))                       # rows of 3 blocks (float types: runs of 32)
@@ -45,9 +70,10 @@ def test_dequantize_detects_a_wrong_bit():
     assert not np.array_equal(_bits(pk.dequantize(b2, "Q4_K")), _bits(ref))
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", TYPES)
 def test_qmatmul_matches_numpy(qtype, backend):
+    _need_device(backend)
     rng = np.random.default_rng(1)
     k = 512
     b = _blocks(qtype, (40, k), seed=2)              # n = 40: not a multiple of the 64-row tile
@@ -56,12 +82,13 @@ def test_qmatmul_matches_numpy(qtype, backend):
     y = np.asarray(pk.qmatmul(jnp.asarray(x), jnp.asarray(b), qtype, backend=backend))
     ref = x.astype(np.float64) @ w.astype(np.float64).T
     # float32 sums of 512 products: error ~ sqrt(k) * eps * |x||w|, far below 1e-4 of the scale.
-    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(y, ref, rtol=0, atol=MATMUL_ATOL * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", ["Q4_K", "IQ4_XS", "Q8_0", "IQ2_S", "BF16"])
 def test_expert_matmul(qtype, backend):
+    _need_device(backend)
     rng = np.random.default_rng(3)
     E, n, k, R = 6, 24, 256, 19
     b = _blocks(qtype, (E, n, k), seed=4)
@@ -74,7 +101,7 @@ def test_expert_matmul(qtype, backend):
     poisoned[[2, 4]] = 0xFF
     y = np.asarray(pk.expert_matmul(jnp.asarray(x), jnp.asarray(poisoned), jnp.asarray(ids), qtype, backend=backend))
     assert np.isfinite(y).all()
-    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(y, ref, rtol=0, atol=MATMUL_ATOL * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("qtype", TYPES)
