@@ -22,9 +22,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = ["pallas_kernels/cpu/dequant.cc", "pallas_kernels/cpu/direct.cc", "pallas_kernels/cpu/matmul.cc",
-           "pallas_kernels/cpu/ffi.cc"]
+           "pallas_kernels/cpu/ffi.cc", "pallas_kernels/cpu/attention.cc"]
 HEADERS = ["pallas_kernels/cpu/simd.h", "pallas_kernels/cpu/blocks.h", "pallas_kernels/cpu/dequant.h",
-           "pallas_kernels/cpu/matmul.h"]
+           "pallas_kernels/cpu/matmul.h", "pallas_kernels/cpu/parallel.h"]
 
 # -march=native: the library is built on the machine that runs it (an editable or source install;
 # no binary wheel of this package is published), so it uses that CPU's widest SIMD (AVX-512, else

@@ -2,6 +2,7 @@
 
     y = qmatmul(x, w_blocks, lay)                  # x [M, k] @ W^T, W [n, k] as GGUF blocks -> [M, n]
     y = expert_matmul(x, w_blocks, ids, lay)       # row r times expert ids[r] of [E, n, row_bytes]
+    o = attention(q, k_cache, v_cache, layer, slots, pos)   # queries over the KV cache where it lies
 
 The library (`_strata_cpu*.so`, built by `pip install` from the .cc files here, see setup.py) is
 loaded with ctypes and its handlers registered with `jax.ffi` on first use. Weights are read as GGUF
@@ -36,7 +37,8 @@ from ..qtypes import QType
 # Set to a library path to use that build instead of the installed one (tests of other SIMD paths).
 LIB_ENV = "STRATA_CPU_KERNELS_LIB"
 _STEM = "_strata_cpu"
-_TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataExpertMatmul"}
+_TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataExpertMatmul",
+            "strata_attention": "StrataAttention"}
 
 FAST: frozenset[QType] = frozenset(
     QType[name]
@@ -124,6 +126,15 @@ def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> jax.Array:
     return _tiled_qmatmul(x, w_blocks, lay)
 
 
+def f32_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, k] @ W^T for a float32 W [n, k] (a router): the F32 kernel on the array as it is (a byte view
+    would cost XLA a copy a call)."""
+    _require()
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, k] and [n, k]")
+    return _qmatmul_call(x.astype(jnp.float32), w.astype(jnp.float32), QType.F32)
+
+
 def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay: Layout) -> jax.Array:
     """Row r of x [R, k] times expert expert_ids[r] of w_blocks [E, n, row_bytes] -> float32 [R, n]."""
     _require()
@@ -138,6 +149,25 @@ def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay:
         return jax.ffi.ffi_call("strata_expert_matmul", out, vmap_method="sequential")(
             x, w_blocks, ids, qtype=np.int32(lay.qtype))
     return _tiled_expert_matmul(x, w_blocks, ids, lay)
+
+
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slots: jax.Array, pos: jax.Array,
+              k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
+    """q [R, L, H, D] over the cached keys and values [layers, slots, positions, K, D] (float32, bfloat16,
+    or int8 with scales [layers, slots, positions, K]) of `layer` (an int or a traced int32) for rows in
+    slots [R]: a query at position p = pos[r, l] sees keys 0..p of its slot; p < 0 (padding) gives zeros.
+    -> float32 [R, L, H, Dv]. Reads the cache in place (attention.cc says in which order)."""
+    _require()
+    R, L, H, D = q.shape
+    if k_cache.ndim != 5 or k_cache.shape[-1] != D or H % k_cache.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the key cache {tuple(k_cache.shape)}: the cache must be "
+                         f"[layers, slots, positions, K, {D}] with H a multiple of K")
+    none = jnp.zeros((1,), jnp.float32)
+    out = jax.ShapeDtypeStruct((R, L, H, v_cache.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call("strata_attention", out, vmap_method="sequential")(
+        q.astype(jnp.float32), k_cache, v_cache, none if k_scale is None else k_scale,
+        none if v_scale is None else v_scale, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
+        pos.astype(jnp.int32))
 
 
 # ---- the slow path: one tile of weight rows dequantized at a time --------------------------------

@@ -68,7 +68,7 @@ class Engine:
             self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
         self.prefix = PrefixCache(self.runner, self.config)      # which slot a request takes, and what it reuses
-        self.scheduler = Scheduler(self.runner.choices["prefill"])
+        self.scheduler = Scheduler(self.runner.choices["prefill"], self.runner.min_rows)
         self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.waiting: deque[Request] = deque()
@@ -420,7 +420,7 @@ class Engine:
         parts = [w.decode[: len(w.decode) // 2], w.decode[len(w.decode) // 2:]] if len(w.decode) > 1 else [w.decode]
         for part in parts:
             if part:
-                self._run(Window(part, None, 0, [decode_group(part)], max(s.n_past + 1 for s in part)))
+                self._run(Window(part, None, 0, [decode_group(part, self.scheduler.min_rows)], max(s.n_past + 1 for s in part)))
         if w.prefill is not None and not w.prefill.free:
             p = w.prefill
             self._run(Window([], p, w.chunk, [prefill_group(p, w.chunk, self.scheduler.max_chunk)], p.n_past + w.chunk))

@@ -80,6 +80,11 @@ class ModelRunner:
         self.choices = resolve(cfg, model)
         chunk = cfg.attention_chunk()
         self.opts = RunOptions(dtype=self.choices["dtype"], backend=self.choices["backend"], attn_chunk=chunk)
+        # The smallest row bucket of decode and verify windows. XLA's dot takes another path for one row
+        # than for 2..32 (DESIGN.md, Batch invariance), so a lone row is padded to two. With blocks on the
+        # cpu backend every product, the attention and the router run in its kernels, whose rows are
+        # independent of each other: a lone row runs alone (SmolLM2's decode step: ~25% less work).
+        self.min_rows = 1 if (self.choices["backend"], self.choices["weights"]) == ("cpu", "blocks") else 2
         self.cache_len = -(-cfg.max_context // chunk) * chunk       # positions a slot's cache holds
         # --kv-resident N: the device holds a slot's first N positions, host RAM the rest (kv_host.py)
         self.device_len = min(cfg.kv_resident or self.cache_len, self.cache_len)
@@ -171,10 +176,11 @@ class ModelRunner:
         self.faults = self.programs._faults = faults
 
     def warmup(self, progress: bool = True) -> None:
-        """Build the decode programs for 1..parallel rows (row buckets 2, 4, ...) at the first KV bucket."""
+        """Build the decode programs for 1..parallel rows (row buckets min_rows, 2 min_rows, ...) at the first KV
+        bucket."""
         from tqdm import tqdm
 
-        rows, buckets = 2, []
+        rows, buckets = self.min_rows, []
         while True:
             buckets.append(rows)
             if rows >= self.cfg.parallel:

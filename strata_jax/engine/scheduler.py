@@ -53,8 +53,8 @@ def sampling_rows(slots: list[Slot | None], rows: int) -> SamplingRows:
     return s
 
 
-def decode_group(slots: list[Slot]) -> GroupInput:
-    rows = bucket(len(slots), 2)
+def decode_group(slots: list[Slot], min_rows: int = 2) -> GroupInput:
+    rows = bucket(len(slots), min_rows)
     tokens = np.zeros((rows, 1), np.int32)
     pos = np.full((rows, 1), -1, np.int32)
     idx = np.zeros(rows, np.int32)
@@ -63,9 +63,9 @@ def decode_group(slots: list[Slot]) -> GroupInput:
     return GroupInput(tokens, pos, idx, sampling_rows(list(slots), rows))
 
 
-def verify_group(slots: list[Slot], drafts: list[list[int]], length: int) -> GroupInput:
+def verify_group(slots: list[Slot], drafts: list[list[int]], length: int, min_rows: int = 2) -> GroupInput:
     """Each slot's last token then its drafts, at its next positions; padded to `length` tokens a row."""
-    rows = bucket(len(slots), 2)
+    rows = bucket(len(slots), min_rows)
     tokens = np.zeros((rows, length), np.int32)
     pos = np.full((rows, length), -1, np.int32)
     idx = np.zeros(rows, np.int32)
@@ -89,8 +89,9 @@ def prefill_group(slot: Slot, chunk: int, max_chunk: int) -> GroupInput:
 
 
 class Scheduler:
-    def __init__(self, max_chunk: int):
+    def __init__(self, max_chunk: int, min_rows: int = 2):
         self.max_chunk = max_chunk
+        self.min_rows = min_rows        # the smallest row bucket (ModelRunner.min_rows says why)
         self._turn = 0
 
     def plan(self, slots: list[Slot], drafts: dict[int, list[int]] | None = None, verify_len: int = 0) -> Window | None:
@@ -108,10 +109,10 @@ class Scheduler:
         groups, needed, window_drafts = [], 0, None
         if decode and drafts and any(drafts.get(s.index) for s in decode):
             window_drafts = [drafts.get(s.index) or [] for s in decode]
-            groups.append(verify_group(decode, window_drafts, verify_len))
+            groups.append(verify_group(decode, window_drafts, verify_len, self.min_rows))
             needed = max(s.n_past + 1 + len(d) for s, d in zip(decode, window_drafts))
         elif decode:
-            groups.append(decode_group(decode))
+            groups.append(decode_group(decode, self.min_rows))
             needed = max(s.n_past + 1 for s in decode)
         if prefill is not None:
             groups.append(prefill_group(prefill, chunk, self.max_chunk))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 
 from ..gguf import ModelSpec
-from .weights import Weight, expert_linear_tiles, linear
+from .weights import QTensor, Weight, expert_linear_tiles, linear
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -107,7 +107,12 @@ def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
 
     `bias` [E] (GLM-4.5's exp_probs_b): added to the scores to choose the experts only; the weights are the
     unbiased scores of the chosen ones."""
-    logits = linear(x.astype(jnp.float32), router, backend, transposed=False)               # [N, E]
+    if backend == "cpu" and not isinstance(router, QTensor):
+        # the cpu kernel's fixed-order rows (ModelRunner.min_rows): the router's logits do not depend on
+        # how many rows the window has, so neither does the choice of experts
+        logits = pk.cpu.f32_matmul(x, router)
+    else:
+        logits = linear(x.astype(jnp.float32), router, backend, transposed=False)           # [N, E]
     probs = jax.nn.sigmoid(logits) if spec.expert_gating == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     if bias is None:
         w, ids = jax.lax.top_k(probs, spec.n_experts_used)
@@ -137,6 +142,13 @@ def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict, n_group
     N, h = x.shape
     k = ids.shape[1]
     rows = jnp.repeat(x, k, axis=0)                                                         # [N*k, h]
+    if backend == "cpu" and isinstance(p["exp_gate"], QTensor):
+        # The cpu kernel groups rows by expert itself and multiplies each row once: no tiles to fill
+        # (a tile of 8 rows for one decode token's expert is 7 rows of padding multiplied).
+        e = where.reshape(-1)                                                               # [N*k]
+        gate, up = (pk.expert_matmul(rows, p[n].data, e, p[n].qtype, backend) for n in ("exp_gate", "exp_up"))
+        y = pk.expert_matmul(jax.nn.silu(gate) * up, p["exp_down"].data, e, p["exp_down"].qtype, backend)
+        return y.reshape(N, k, h).astype(jnp.float32)
     g = pk.group_rows(where.reshape(-1), n_groups, pk.expert_tile(backend))
     xt = pk.scatter_rows(rows, g)
     gate = expert_linear_tiles(xt, g.tile_expert, p["exp_gate"], backend)
@@ -147,10 +159,17 @@ def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict, n_group
 
 def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, p: dict, backend: str) -> jax.Array:
     """The weighted sum of the experts' outputs y [N, k, h] (weights w [N, k]), plus the shared expert."""
-    out = jnp.einsum("nkh,nk->nh", y, w)
+    if backend == "cpu":        # element-wise, in expert order: no dot whose path depends on the row count
+        out = y[:, 0] * w[:, 0, None]
+        for j in range(1, y.shape[1]):
+            out = out + y[:, j] * w[:, j, None]
+    else:
+        out = jnp.einsum("nkh,nk->nh", y, w)
     if "sh_gate" in p:
         shared = mlp(x, p["sh_gate"], p["sh_up"], p["sh_down"], backend).astype(jnp.float32)
         if "sh_router" in p:
-            shared = shared * jax.nn.sigmoid(x.astype(jnp.float32) @ p["sh_router"].astype(jnp.float32))[:, None]
+            x32, g = x.astype(jnp.float32), p["sh_router"].astype(jnp.float32).reshape(-1)   # g [h]
+            score = pk.cpu.f32_matmul(x32, g[None, :])[:, 0] if backend == "cpu" else x32 @ g
+            shared = shared * jax.nn.sigmoid(score)[:, None]
         out = out + shared
     return out.astype(x.dtype)

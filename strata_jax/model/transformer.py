@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
+
 from ..gguf import ModelSpec
 from .kv_offload import HostKV, host_source
 from .layers import (
@@ -171,6 +173,8 @@ def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache,
     new = [_project_qkv(lp, i, spec, opts, g, x, cache) for g, x in zip(groups, xs)]
     for g, (_, stored) in zip(groups, new):
         cache = _write(cache, i, g.slots, _write_at(cache, g), stored)
+    if opts.backend == "cpu" and host is None:
+        return [_attend_in_place(lp, i, opts, g, x, q, cache) for g, x, (q, _) in zip(groups, xs, new)], cache
     on_device = kv_len if host is None or kv_len <= host.resident else host.resident
     dtype = jnp.dtype(opts.dtype)
     slots = jnp.concatenate([g.slots for g in groups])          # one read of all the window's rows
@@ -207,6 +211,15 @@ def _project_qkv(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, ca
         q, k = rms_norm(q, lp["q_norm"], spec.rms_eps), rms_norm(k, lp["k_norm"], spec.rms_eps)
     q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
     return q, _stored(cache, "k", k) | _stored(cache, "v", v)
+
+
+def _attend_in_place(lp: dict, i, opts: RunOptions, g: Group, x, q, cache):
+    """The cpu backend's attention for one group: its C++ kernel reads the slots' keys and values from the
+    cache where they lie, only the positions each query sees (no gather, no transposed copy: XLA's cost
+    more than the layer's products at one decode row), in a fixed order a query (cpu/attention.cc)."""
+    R, L = g.tokens.shape
+    o = pk.cpu.attention(q, cache["k"], cache["v"], i, g.slots, g.pos, cache.get("k_scale"), cache.get("v_scale"))
+    return x + linear(o.astype(x.dtype).reshape(R, L, -1), lp["wo"], opts.backend)
 
 
 def _attend(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, q, stored, keys, vals, kv_len: int,

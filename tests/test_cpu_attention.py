@@ -1,0 +1,115 @@
+"""The cpu backend's attention kernel (pallas_kernels/cpu/attention.cc) against the xla path's attend(),
+for each cache dtype; its bits independent of the other rows and of the window's shape; and a lone decode
+row on the cpu backend (ModelRunner.min_rows = 1) giving the bits it gets among other rows."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu
+from strata_jax.config import EngineConfig
+from strata_jax.engine.runner import GroupInput, ModelRunner
+from strata_jax.engine.sampler import SamplingRows
+from strata_jax.gguf.reader import GGUFModel
+from strata_jax.model.layers import attend
+from strata_jax.model.transformer import quantize_int8
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C++ kernels (a compiler at install)")
+
+LAYERS, SLOTS, POSITIONS, K, H = 3, 4, 201, 2, 6     # 201: 200 positions and the scratch one
+ROWS_POS = [[10, 11, 12, 13, 14], [0, 1, -1, -1, -1], [150, 151, 152, 153, 199]]   # -1: padding
+ROW_SLOTS = [2, 0, 3]
+
+
+def _caches(dtype: str, d: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    kf = jnp.asarray(rng.normal(size=(LAYERS, SLOTS, POSITIONS, K, d)).astype(np.float32))
+    vf = jnp.asarray(rng.normal(size=(LAYERS, SLOTS, POSITIONS, K, d)).astype(np.float32))
+    if dtype == "int8":
+        (k, ks), (v, vs) = quantize_int8(kf), quantize_int8(vf)
+        return k, v, ks, vs
+    cast = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    return kf.astype(cast), vf.astype(cast), None, None
+
+
+def _reference(q, k, v, ks, vs, layer, slots, pos):
+    """The xla path: the slots' first 200 positions gathered, dequantized, then attend()."""
+    def read(c, s):
+        x = c[layer, slots, :POSITIONS - 1].astype(jnp.float32)
+        return x * s[layer, slots, :POSITIONS - 1][..., None] if s is not None else x
+    return attend(q, read(k, ks), read(v, vs), pos, 40)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("d", [64, 40])          # 40: a head dim that is not a multiple of 16
+def test_attention_matches_the_xla_path(dtype, d):
+    k, v, ks, vs = _caches(dtype, d)
+    q = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, H, d)).astype(np.float32))
+    slots, pos = jnp.asarray(ROW_SLOTS, jnp.int32), jnp.asarray(ROWS_POS, jnp.int32)
+    out = cpu.attention(q, k, v, 1, slots, pos, ks, vs)
+    ref = _reference(q, k, v, ks, vs, 1, slots, pos)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
+    assert np.all(np.asarray(out)[1, 2:] == 0)                     # padding queries give zeros
+    # a traced layer index inside jit: the same bits
+    jitted = jax.jit(lambda q, lay: cpu.attention(q, k, v, lay, slots, pos, ks, vs))(q, jnp.int32(1))
+    assert np.array_equal(np.asarray(jitted), np.asarray(out))
+
+
+def test_a_query_bits_depend_only_on_its_own_row_and_position():
+    """Alone, in a batch, as a decode query (L = 1) or inside a prefill window: the same bits."""
+    k, v, _, _ = _caches("f32", 64)
+    q = jnp.asarray(np.random.default_rng(2).normal(size=(3, 5, H, 64)).astype(np.float32))
+    slots, pos = jnp.asarray(ROW_SLOTS, jnp.int32), jnp.asarray(ROWS_POS, jnp.int32)
+    full = np.asarray(cpu.attention(q, k, v, 2, slots, pos))
+    alone = np.asarray(cpu.attention(q[2:], k, v, 2, slots[2:], pos[2:]))
+    assert np.array_equal(alone, full[2:])
+    for t in range(5):                                              # each token as a one-token decode query
+        one = np.asarray(cpu.attention(q[2:, t:t + 1], k, v, 2, slots[2:], pos[2:, t:t + 1]))
+        assert np.array_equal(one, full[2:, t:t + 1])
+
+
+def test_nan_keys_give_nan_not_a_finite_answer():
+    k, v, _, _ = _caches("f32", 64)
+    k = k.at[1, 0, 0].set(jnp.nan)                                  # slot 0's first key, layer 1
+    q = jnp.ones((1, 1, H, 64), jnp.float32)
+    out = cpu.attention(q, k, v, 1, jnp.asarray([0], jnp.int32), jnp.asarray([[5]], jnp.int32))
+    assert np.all(np.isnan(np.asarray(out)))
+
+
+def test_out_of_range_layer_and_slot_are_errors_that_name_them():
+    k, v, _, _ = _caches("f32", 64)
+    q = jnp.ones((1, 1, H, 64), jnp.float32)
+    with pytest.raises(Exception, match="layer 3 outside"):
+        jax.block_until_ready(cpu.attention(q, k, v, 3, jnp.asarray([0], jnp.int32), jnp.asarray([[1]], jnp.int32)))
+    with pytest.raises(Exception, match="slot 7 outside"):
+        jax.block_until_ready(cpu.attention(q, k, v, 0, jnp.asarray([7], jnp.int32), jnp.asarray([[1]], jnp.int32)))
+
+
+MODELS = {
+    "dense": {"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96},
+    "moe": {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8,
+            "experts_used": 2, "expert_ffn": 32},
+}
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_a_lone_decode_row_runs_alone_with_the_bits_it_has_among_others(tiny_model, family):
+    runner = ModelRunner(GGUFModel.open(tiny_model(**MODELS[family])), EngineConfig(parallel=4, max_context=64))
+    assert runner.choices["backend"] == "cpu" and runner.min_rows == 1
+
+    def logits(tokens, positions, slots):
+        g = GroupInput(np.asarray(tokens, np.int32)[:, None], np.asarray(positions, np.int32)[:, None],
+                       np.asarray(slots, np.int32), SamplingRows.greedy(len(slots)))
+        return np.asarray(runner.forward_logits([g], max(positions) + 1)[0])
+
+    rng = np.random.default_rng(3)
+    for slot in range(3):                                           # a few keys in each slot's cache
+        for p in range(6):
+            logits([int(rng.integers(3, 200))], [p], [slot])
+    alone = logits([17], [6], [1])                                  # [1, V]: a window of one row
+    together = logits([5, 17, 9], [6, 6, 6], [0, 1, 2])             # the same row among others
+    assert alone.shape[0] == 1
+    assert np.array_equal(alone[0], together[1])
