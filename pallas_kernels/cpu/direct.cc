@@ -50,6 +50,8 @@ void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t nblocks, const flo
 template <class B, int MM>
 void direct_rows(const uint8_t* w, int64_t row_bytes, int64_t k, const RowSet& rows, int64_t n0, int64_t n1) {
   int64_t nblocks = k / B::values, n = n0;
+  constexpr int R2 = MM == 1 ? 2 * RR : RR;
+  for (; n + R2 <= n1; n += R2) direct_tile<B, MM, R2>(w, row_bytes, nblocks, rows.x, rows.y, n);
   for (; n + RR <= n1; n += RR) direct_tile<B, MM, RR>(w, row_bytes, nblocks, rows.x, rows.y, n);
   for (; n < n1; n++) direct_tile<B, MM, 1>(w, row_bytes, nblocks, rows.x, rows.y, n);
 }

@@ -177,7 +177,7 @@ class LayerStepper:
             self.profile.add(i, ids)
             if self.trace is not None:
                 self.trace.append(("lookup", i, ids, decode))
-            ys = [jnp.zeros((p[3].shape[0], k, h), jnp.float32) for p in parts]
+            ys = [np.zeros((p[3].shape[0], k, h), np.float32) for p in parts]   # host zeros: no eager op a layer
             experts_l = stage[kind_of["experts"][i]]
             for table in self.arena.passes(i, ids, counters, decode):
                 xs, ys = progs.run(experts_l, self.moe_p[i], self.arena_tree(i), table, parts, ys)

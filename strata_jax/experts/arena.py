@@ -165,7 +165,8 @@ class ExpertArena:
         idx = jnp.asarray(np.array(pad, np.int32))
         leaves = self.arena[layer]
         for n in EXPERT_TENSORS:
-            stacked = np.stack([b[n] for b in blocks] + [blocks[-1][n]] * (bucket - m))
+            # one expert: a view, not a stacked copy (to_device may then read it in place: jax.device_put)
+            stacked = blocks[0][n][None] if bucket == 1 else np.stack([b[n] for b in blocks] + [blocks[-1][n]] * (bucket - m))
             leaves[n] = _put_jit(leaves[n], idx, self.to_device(layer, n, stacked))
         self.tables[layer] = jnp.array(slot_of.copy())
         counters.bytes_moved += m * self.host.expert_bytes[layer]
