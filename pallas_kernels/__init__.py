@@ -110,6 +110,15 @@ def qmatmul(x: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
     return gpu.qmatmul(x, w_blocks, lay, interpret=backend == "interpret")
 
 
+def qmatmul_many(x: jax.Array, weights: list, backend: str = "xla") -> list[jax.Array]:
+    """x [T, k] times each (w_blocks, qtype) of `weights` -> [float32 [T, n] each], as qmatmul gives them; the
+    cpu backend runs them in one call (its rows share the threads: fewer calls a decode step)."""
+    if resolve_backend(backend) != "cpu":
+        return [qmatmul(x, w, qtype, backend) for w, qtype in weights]
+    blocks = [xla._as_bytes(w) for w, _ in weights]
+    return cpu.qmatmul_many(x, [(b, layout_for(qtype, b.shape[-1])) for b, (_, qtype) in zip(blocks, weights)])
+
+
 # Rows a tile of the expert matmul: small on the XLA path, where a tile costs one expert dequantization
 # whatever its fill; Triton's dot wants at least 16. The cpu kernel takes an expert a row (padding rows
 # cost it nothing), but float expert weights on a CPU still go through XLA's tiles, so cpu keeps 8.

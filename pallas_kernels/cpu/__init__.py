@@ -1,6 +1,7 @@
 """The `cpu` backend: quantized and expert matmul as XLA custom calls into C++ (this folder).
 
     y = qmatmul(x, w_blocks, lay)                  # x [M, k] @ W^T, W [n, k] as GGUF blocks -> [M, n]
+    q, k, v = qmatmul_many(x, [(wq, lq), (wk, lk), (wv, lv)])   # one call for several weights
     y = expert_matmul(x, w_blocks, ids, lay)       # row r times expert ids[r] of [E, n, row_bytes]
     o = attention(q, k_cache, v_cache, layer, slots, pos)   # queries over the KV cache where it lies
 
@@ -38,7 +39,7 @@ from ..qtypes import QType
 LIB_ENV = "STRATA_CPU_KERNELS_LIB"
 _STEM = "_strata_cpu"
 _TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataExpertMatmul",
-            "strata_attention": "StrataAttention"}
+            "strata_attention": "StrataAttention", "strata_qmatmul_many": "StrataQMatmulMany"}
 
 FAST: frozenset[QType] = frozenset(
     QType[name]
@@ -124,6 +125,29 @@ def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> jax.Array:
     if lay.qtype in FAST:
         return _qmatmul_call(x, w_blocks, lay.qtype)
     return _tiled_qmatmul(x, w_blocks, lay)
+
+
+def qmatmul_many(x: jax.Array, weights: list[tuple[jax.Array, Layout]]) -> list[jax.Array]:
+    """x [M, k] times each (w_blocks, lay) of `weights` -> [x @ W^T for each]: one call for the FAST types,
+    whose rows share the threads (a decode step's q, k, v or gate, up: fewer calls, one wait), with the
+    bits of separate qmatmul calls."""
+    _require()
+    for w, lay in weights:
+        _check_k(x, w, lay)
+    x = x.astype(jnp.float32)
+    fast = [j for j, (_, lay) in enumerate(weights) if lay.qtype in FAST]
+    out: list = [None] * len(weights)
+    if fast:
+        shapes = [jax.ShapeDtypeStruct((x.shape[0], weights[j][0].shape[0]), jnp.float32) for j in fast]
+        qtypes = np.array([int(weights[j][1].qtype) for j in fast], np.int32)
+        ys = jax.ffi.ffi_call("strata_qmatmul_many", shapes, vmap_method="sequential")(
+            x, *(weights[j][0] for j in fast), qtypes=qtypes)
+        for j, y in zip(fast, ys):
+            out[j] = y
+    for j, (w, lay) in enumerate(weights):
+        if out[j] is None:
+            out[j] = _tiled_qmatmul(x, w, lay)
+    return out
 
 
 def f32_matmul(x: jax.Array, w: jax.Array) -> jax.Array:

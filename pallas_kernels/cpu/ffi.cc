@@ -1,4 +1,5 @@
-// XLA FFI handlers: strata_qmatmul and strata_expert_matmul (registered by pallas_kernels/cpu).
+// XLA FFI handlers: strata_qmatmul, strata_qmatmul_many and strata_expert_matmul (registered by
+// pallas_kernels/cpu).
 //
 // Work is split over weight rows: units of contiguous rows, taken from an atomic counter by the
 // calling thread and by helpers scheduled on XLA's intra-op pool (ffi::ThreadPool). Every unit
@@ -63,25 +64,70 @@ ffi::Error check_type(int32_t qtype, int64_t k, int64_t row_bytes, TypeInfo& t) 
   return ffi::Error::Success();
 }
 
+// One weight matrix of a product call: its type, blocks and output rows (y[i] + n0 for x row i).
+struct Product {
+  TypeInfo t;
+  const uint8_t* w;
+  int64_t row_bytes, n;
+  float* y;                // [M, n]
+};
+
+// x [M, k] times each of `ps`, in one parallel region: the units of all the matrices share the threads
+// (one wake-up and one wait a call, not one a matrix). A unit's output is computed as in a call of its
+// matrix alone: the same bits.
+void run_products(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, const std::vector<Product>& ps) {
+  std::vector<f32x16> pad;
+  std::vector<const float*> xp = x_rows(x, m, k, pad);
+  int64_t total = 0, bytes = 0;
+  for (const Product& p : ps) total += p.n, bytes += p.n * p.row_bytes;
+  int64_t per = rows_per_unit(total);
+  std::vector<std::pair<int, int64_t>> units;          // (matrix, first row)
+  for (size_t j = 0; j < ps.size(); j++)
+    for (int64_t n0 = 0; n0 < ps[j].n; n0 += per) units.push_back({(int)j, n0});
+  std::vector<std::vector<float*>> yp(ps.size(), std::vector<float*>(m));
+  for (size_t j = 0; j < ps.size(); j++)
+    for (int64_t i = 0; i < m; i++) yp[j][i] = ps[j].y + i * ps[j].n;
+  int helpers = helpers_for(pool, (int64_t)units.size(), bytes, 2 * m * total * k);
+  parallel_units(pool, (int64_t)units.size(), helpers, [&](int64_t u) {
+    auto [j, n0] = units[u];
+    const Product& p = ps[j];
+    RowSet rows{xp.data(), yp[j].data(), m};
+    matmul_rows(p.t, p.w, p.row_bytes, k, rows, n0, std::min(p.n, n0 + per));
+  });
+}
+
+ffi::Error product_of(int64_t k, int32_t qtype, ffi::AnyBuffer w, float* y, Product& p) {
+  auto wd = w.dimensions();
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("strata_qmatmul: each w must be [n, row_bytes]");
+  p = Product{{}, static_cast<const uint8_t*>(w.untyped_data()), wd[1] * (int64_t)ffi::ByteWidth(w.element_type()),
+              wd[0], y};
+  return check_type(qtype, k, p.row_bytes, p.t);
+}
+
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                        ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2)
-    return ffi::Error::InvalidArgument("strata_qmatmul: x must be [M, k] and w [n, row_bytes]");
-  int64_t m = xd[0], k = xd[1], n = wd[0], row_bytes = wd[1] * (int64_t)ffi::ByteWidth(w.element_type());
-  TypeInfo t;
-  if (ffi::Error err = check_type(qtype, k, row_bytes, t); err.failure()) return err;
-  std::vector<f32x16> pad;
-  std::vector<const float*> xp = x_rows(x.typed_data(), m, k, pad);
-  std::vector<float*> yp(m);
-  for (int64_t i = 0; i < m; i++) yp[i] = y->typed_data() + i * n;
-  RowSet rows{xp.data(), yp.data(), m};
-  const uint8_t* wb = static_cast<const uint8_t*>(w.untyped_data());
-  int64_t per = rows_per_unit(n), units = (n + per - 1) / per;
-  int helpers = helpers_for(pool, units, n * row_bytes, 2 * m * n * k);
-  parallel_units(pool, units, helpers, [&](int64_t u) {
-    matmul_rows(t, wb, row_bytes, k, rows, u * per, std::min(n, (u + 1) * per));
-  });
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("strata_qmatmul: x must be [M, k] and w [n, row_bytes]");
+  std::vector<Product> ps(1);
+  if (ffi::Error err = product_of(xd[1], qtype, w, y->typed_data(), ps[0]); err.failure()) return err;
+  run_products(pool, x.typed_data(), xd[0], xd[1], ps);
+  return ffi::Error::Success();
+}
+
+// x times several weights at once (q, k and v; gate and up): weights and results in the same order.
+ffi::Error QMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                           ffi::RemainingRets ys, ffi::Span<const int32_t> qtypes) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || ws.size() != qtypes.size() || ys.size() != qtypes.size())
+    return ffi::Error::InvalidArgument("strata_qmatmul_many: x [M, k], then as many weights, results and qtypes");
+  std::vector<Product> ps(qtypes.size());
+  for (size_t j = 0; j < qtypes.size(); j++) {
+    auto w = ws.get<ffi::AnyBuffer>(j);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(j);
+    if (w.has_error() || y.has_error()) return ffi::Error::InvalidArgument("strata_qmatmul_many: bad operand");
+    if (ffi::Error err = product_of(xd[1], qtypes[j], *w, (*y)->typed_data(), ps[j]); err.failure()) return err;
+  }
+  run_products(pool, x.typed_data(), xd[0], xd[1], ps);
   return ffi::Error::Success();
 }
 
@@ -146,6 +192,7 @@ ffi::Error ExpertMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 #define STRATA_EXPORT extern "C" __attribute__((visibility("default")))
 STRATA_EXPORT XLA_FFI_Error* StrataQMatmul(XLA_FFI_CallFrame* call_frame);
 STRATA_EXPORT XLA_FFI_Error* StrataExpertMatmul(XLA_FFI_CallFrame* call_frame);
+STRATA_EXPORT XLA_FFI_Error* StrataQMatmulMany(XLA_FFI_CallFrame* call_frame);
 STRATA_EXPORT const char* strata_cpu_isa();
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataQMatmul, strata::QMatmulImpl,
@@ -155,6 +202,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataQMatmul, strata::QMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataQMatmulMany, strata::QMatmulManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int32_t>>("qtypes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataExpertMatmul, strata::ExpertMatmulImpl,
                               ffi::Ffi::Bind()

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 
 from ..gguf import ModelSpec
-from .weights import QTensor, Weight, expert_linear_tiles, linear
+from .weights import QTensor, Weight, expert_linear_tiles, linear, linear_many
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -98,7 +98,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
 
 def mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, backend: str) -> jax.Array:
     """SwiGLU: down(silu(gate x) * up x)."""
-    return linear(jax.nn.silu(linear(x, gate, backend)) * linear(x, up, backend), down, backend)
+    g, u = linear_many(x, [gate, up], backend)
+    return linear(jax.nn.silu(g) * u, down, backend)
 
 
 def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,

@@ -32,7 +32,7 @@ from .layers import (
     rope,
     route,
 )
-from .weights import embed_rows, linear
+from .weights import embed_rows, linear, linear_many
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,7 @@ def _project_qkv(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, ca
     H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
     R, L = g.tokens.shape
     hx = rms_norm(x, lp["attn_norm"], spec.rms_eps)
-    q = linear(hx, lp["wq"], opts.backend)
-    k = linear(hx, lp["wk"], opts.backend)
-    v = linear(hx, lp["wv"], opts.backend)
+    q, k, v = linear_many(hx, [lp["wq"], lp["wk"], lp["wv"]], opts.backend)
     if "bq" in lp:
         q, k, v = q + lp["bq"].astype(dtype), k + lp["bk"].astype(dtype), v + lp["bv"].astype(dtype)
     q, k, v = q.reshape(R, L, H, D), k.reshape(R, L, K, D), v.reshape(R, L, K, Dv)

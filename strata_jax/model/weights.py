@@ -13,6 +13,7 @@ Pallas kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -21,19 +22,14 @@ import numpy as np
 import pallas_kernels as pk
 
 
-@jax.tree_util.register_pytree_node_class
+# A dataclass pytree: flattened in C++ (a class with Python tree_flatten costs a callback a weight on every
+# program call: ~0.2 ms of a SmolLM2 decode step's dispatch).
+@partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=["qtype", "shape"])
 @dataclass(frozen=True)
 class QTensor:
     data: jax.Array              # uint8 [..., rows, row_bytes]: GGUF blocks
     qtype: str                   # static
     shape: tuple[int, ...]       # static: logical shape [..., rows, cols]
-
-    def tree_flatten(self):
-        return (self.data,), (self.qtype, self.shape)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +53,16 @@ def linear(x: jax.Array, w: Weight, backend: str, transposed: bool = True) -> ja
     else:
         y = jnp.einsum("tk,nk->tn", x2, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*lead, -1)
+
+
+def linear_many(x: jax.Array, ws: list[Weight], backend: str) -> list[jax.Array]:
+    """[linear(x, w) for w in ws], with the same bits; weights in blocks go in one kernel call where the
+    backend has one (cpu: q, k, v or gate, up of a decode step in one call)."""
+    if not all(isinstance(w, QTensor) for w in ws):
+        return [linear(x, w, backend) for w in ws]
+    lead = x.shape[:-1]
+    ys = pk.qmatmul_many(x.reshape(-1, x.shape[-1]), [(w.data, w.qtype) for w in ws], backend=backend)
+    return [y.astype(x.dtype).reshape(*lead, -1) for y in ys]
 
 
 def embed_rows(table: Weight, ids: jax.Array, dtype) -> jax.Array:
@@ -88,4 +94,12 @@ def to_device(info, mode: str, dtype, transpose: bool = True) -> Weight:
         if transpose and vals.ndim >= 2:
             vals = jnp.swapaxes(vals, -1, -2).copy()
         return vals
-    return QTensor(jnp.asarray(np.ascontiguousarray(info.data)), info.qtype.name, tuple(info.shape))
+    return QTensor(blocks_in_place(info.data), info.qtype.name, tuple(info.shape))
+
+
+def blocks_in_place(blocks: np.ndarray) -> jax.Array:
+    """GGUF blocks as a device array. On a CPU, jax.device_put of a 64-byte aligned host array is that array
+    itself (no copy), so the weights are the GGUF file's own memory-mapped pages: the process holds the file
+    once, shared with the page cache, instead of a private copy of it (the file must not change while it
+    is served, as with llama.cpp's mmap). Elsewhere, or unaligned, a copy."""
+    return jax.device_put(np.ascontiguousarray(blocks))
