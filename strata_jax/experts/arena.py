@@ -35,11 +35,12 @@ from .stats import ExpertCounters
 log = logging.getLogger("strata_jax.experts")
 
 
-def _put(leaf: jax.Array, slots: jax.Array, vals: jax.Array) -> jax.Array:
-    return leaf.at[slots].set(vals.astype(leaf.dtype))
+def _put(leaves: dict[str, jax.Array], slots: jax.Array, vals: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {n: leaf.at[slots].set(vals[n].astype(leaf.dtype)) for n, leaf in leaves.items()}
 
 
-# One small program per leaf shape and batch bucket (a handful): the arena leaf is donated, so updated in place.
+# One small program per layer's leaf shapes and batch bucket (a handful): the arena leaves are donated, so
+# updated in place, all three of an expert in one call.
 _put_jit = jax.jit(_put, donate_argnums=(0,))
 
 
@@ -163,12 +164,13 @@ class ExpertArena:
         bucket = 1 << (m - 1).bit_length()                # pad to a power of two: few update programs
         pad = slots + [slots[-1]] * (bucket - m)          # the padding writes the last expert again
         idx = jnp.asarray(np.array(pad, np.int32))
-        leaves = self.arena[layer]
+        vals = {}
         for n in EXPERT_TENSORS:
             # one expert: a view, not a stacked copy (to_device may then read it in place: jax.device_put)
             stacked = blocks[0][n][None] if bucket == 1 else np.stack([b[n] for b in blocks] + [blocks[-1][n]] * (bucket - m))
-            leaves[n] = _put_jit(leaves[n], idx, self.to_device(layer, n, stacked))
-        self.tables[layer] = jnp.array(slot_of.copy())
+            vals[n] = self.to_device(layer, n, stacked)
+        self.arena[layer] = _put_jit(self.arena[layer], idx, vals)
+        self.tables[layer] = jax.device_put(slot_of.copy())      # a copy: never aliased
         counters.bytes_moved += m * self.host.expert_bytes[layer]
         self.exchanged += m
         self.copy_seconds += time.perf_counter() - t0
