@@ -119,6 +119,15 @@ def qmatmul_many(x: jax.Array, weights: list, backend: str = "xla") -> list[jax.
     return cpu.qmatmul_many(x, [(b, layout_for(qtype, b.shape[-1])) for b, (_, qtype) in zip(blocks, weights)])
 
 
+def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list, backend: str = "xla") -> list[jax.Array]:
+    """[expert_matmul(x, w, expert_ids, qtype) for (w, qtype) in weights], the same bits; the cpu backend
+    runs them in one call (an MoE layer's gate and up)."""
+    if resolve_backend(backend) != "cpu":
+        return [expert_matmul(x, w, expert_ids, qtype, backend) for w, qtype in weights]
+    blocks = [xla._as_bytes(w) for w, _ in weights]
+    return cpu.expert_matmul_many(x, expert_ids, [(b, layout_for(q, b.shape[-1])) for b, (_, q) in zip(blocks, weights)])
+
+
 # Rows a tile of the expert matmul: small on the XLA path, where a tile costs one expert dequantization
 # whatever its fill; Triton's dot wants at least 16. The cpu kernel takes an expert a row (padding rows
 # cost it nothing), but float expert weights on a CPU still go through XLA's tiles, so cpu keeps 8.

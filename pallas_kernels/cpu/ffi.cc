@@ -7,6 +7,7 @@
 // result: each output element is computed by one thread in the order simd.h defines.
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "matmul.h"
@@ -131,57 +132,109 @@ ffi::Error QMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
   return ffi::Error::Success();
 }
 
-// Rows whose expert id is outside [0, E) (-1: no expert) get zeros and read no weights.
-ffi::Error ExpertMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
-  auto xd = x.dimensions(), wd = w.dimensions(), idd = ids.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || idd.size() != 1 || idd[0] != xd[0])
-    return ffi::Error::InvalidArgument(
-        "strata_expert_matmul: x must be [R, k], w [E, n, row_bytes] and expert_ids [R]");
-  int64_t r_all = xd[0], k = xd[1], n_exp = wd[0], n = wd[1];
-  int64_t row_bytes = wd[2] * (int64_t)ffi::ByteWidth(w.element_type());
+// One expert weight [E, n, row_bytes] of an expert call and its output [R, n].
+struct ExpertProduct {
   TypeInfo t;
-  if (ffi::Error err = check_type(qtype, k, row_bytes, t); err.failure()) return err;
-  const int32_t* id = ids.typed_data();
-  float* yd = y->typed_data();
+  const uint8_t* w;
+  int64_t n_exp, n, row_bytes;
+  float* y;
+};
 
-  // Rows grouped by expert, in row order within an expert (a counting sort).
-  std::vector<int64_t> count(n_exp + 1, 0);
+// Row r of x [R, k] times expert ids[r] of each weight of `ps` (all with E experts). Rows whose expert
+// id is outside [0, E) (-1: no expert) get zeros and read no weights. The rows are grouped by expert
+// once; the units of every weight and chosen expert share the threads, each computed as alone.
+void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, int64_t k, const int32_t* id,
+                         const std::vector<ExpertProduct>& ps) {
+  int64_t n_exp = ps[0].n_exp;
+  std::vector<int64_t> count(n_exp + 1, 0);        // rows by expert, in row order within one (counting sort)
   for (int64_t r = 0; r < r_all; r++) {
     int32_t e = id[r];
     if (e >= 0 && e < n_exp) count[e + 1]++;
-    else std::fill(yd + r * n, yd + (r + 1) * n, 0.0f);
+    else
+      for (const ExpertProduct& p : ps) std::fill(p.y + r * p.n, p.y + (r + 1) * p.n, 0.0f);
   }
   for (int64_t e = 0; e < n_exp; e++) count[e + 1] += count[e];
   int64_t chosen_rows = count[n_exp];
   std::vector<f32x16> pad;
-  std::vector<const float*> xall = x_rows(x.typed_data(), r_all, k, pad);
+  std::vector<const float*> xall = x_rows(x, r_all, k, pad);
   std::vector<const float*> xp(chosen_rows);
-  std::vector<float*> yp(chosen_rows);
+  std::vector<int64_t> row_of(chosen_rows);
   {
     std::vector<int64_t> fill(count.begin(), count.end() - 1);
     for (int64_t r = 0; r < r_all; r++) {
       int32_t e = id[r];
       if (e < 0 || e >= n_exp) continue;
       xp[fill[e]] = xall[r];
-      yp[fill[e]] = yd + r * n;
-      fill[e]++;
+      row_of[fill[e]++] = r;
     }
   }
+  std::vector<std::vector<float*>> yp(ps.size(), std::vector<float*>(chosen_rows));
+  for (size_t j = 0; j < ps.size(); j++)
+    for (int64_t i = 0; i < chosen_rows; i++) yp[j][i] = ps[j].y + row_of[i] * ps[j].n;
   std::vector<int64_t> chosen;
   for (int64_t e = 0; e < n_exp; e++)
     if (count[e + 1] > count[e]) chosen.push_back(e);
-  if (chosen.empty()) return ffi::Error::Success();
+  if (chosen.empty()) return;
 
-  const uint8_t* wb = static_cast<const uint8_t*>(w.untyped_data());
-  int64_t per = rows_per_unit(n * (int64_t)chosen.size()), per_expert = (n + per - 1) / per;
-  int64_t units = per_expert * (int64_t)chosen.size();
-  int helpers = helpers_for(pool, units, (int64_t)chosen.size() * n * row_bytes, 2 * chosen_rows * n * k);
-  parallel_units(pool, units, helpers, [&](int64_t u) {
-    int64_t e = chosen[u / per_expert], n0 = (u % per_expert) * per;
-    RowSet rows{xp.data() + count[e], yp.data() + count[e], count[e + 1] - count[e]};
-    matmul_rows(t, wb + e * n * row_bytes, row_bytes, k, rows, n0, std::min(n, n0 + per));
+  int64_t total = 0, bytes = 0;
+  for (const ExpertProduct& p : ps) total += p.n, bytes += p.n * p.row_bytes;
+  int64_t per = rows_per_unit(total * (int64_t)chosen.size());
+  std::vector<std::tuple<int, int64_t, int64_t>> units;     // (weight, expert, first row)
+  for (size_t j = 0; j < ps.size(); j++)
+    for (int64_t e : chosen)
+      for (int64_t n0 = 0; n0 < ps[j].n; n0 += per) units.push_back({(int)j, e, n0});
+  int helpers = helpers_for(pool, (int64_t)units.size(), (int64_t)chosen.size() * bytes, 2 * chosen_rows * total * k);
+  parallel_units(pool, (int64_t)units.size(), helpers, [&](int64_t u) {
+    auto [j, e, n0] = units[u];
+    const ExpertProduct& p = ps[j];
+    RowSet rows{xp.data() + count[e], yp[j].data() + count[e], count[e + 1] - count[e]};
+    matmul_rows(p.t, p.w + e * p.n * p.row_bytes, p.row_bytes, k, rows, n0, std::min(p.n, n0 + per));
   });
+}
+
+ffi::Error expert_product_of(int64_t k, int32_t qtype, ffi::AnyBuffer w, float* y, ExpertProduct& p) {
+  auto wd = w.dimensions();
+  if (wd.size() != 3) return ffi::Error::InvalidArgument("strata_expert_matmul: each w must be [E, n, row_bytes]");
+  p = ExpertProduct{{}, static_cast<const uint8_t*>(w.untyped_data()), wd[0], wd[1],
+                    wd[2] * (int64_t)ffi::ByteWidth(w.element_type()), y};
+  return check_type(qtype, k, p.row_bytes, p.t);
+}
+
+ffi::Error check_expert_inputs(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& ids) {
+  auto xd = x.dimensions(), idd = ids.dimensions();
+  if (xd.size() != 2 || idd.size() != 1 || idd[0] != xd[0])
+    return ffi::Error::InvalidArgument(
+        "strata_expert_matmul: x must be [R, k], w [E, n, row_bytes] and expert_ids [R]");
+  return ffi::Error::Success();
+}
+
+ffi::Error ExpertMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+  if (ffi::Error err = check_expert_inputs(x, ids); err.failure()) return err;
+  std::vector<ExpertProduct> ps(1);
+  if (ffi::Error err = expert_product_of(x.dimensions()[1], qtype, w, y->typed_data(), ps[0]); err.failure())
+    return err;
+  run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps);
+  return ffi::Error::Success();
+}
+
+// Several expert weights of the same rows and ids at once (gate and up): weights and results in order.
+ffi::Error ExpertMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                                ffi::RemainingArgs ws, ffi::RemainingRets ys, ffi::Span<const int32_t> qtypes) {
+  if (ffi::Error err = check_expert_inputs(x, ids); err.failure()) return err;
+  if (ws.size() != qtypes.size() || ys.size() != qtypes.size() || qtypes.size() == 0)
+    return ffi::Error::InvalidArgument("strata_expert_matmul_many: as many weights, results and qtypes");
+  std::vector<ExpertProduct> ps(qtypes.size());
+  for (size_t j = 0; j < qtypes.size(); j++) {
+    auto w = ws.get<ffi::AnyBuffer>(j);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(j);
+    if (w.has_error() || y.has_error()) return ffi::Error::InvalidArgument("strata_expert_matmul_many: bad operand");
+    if (ffi::Error err = expert_product_of(x.dimensions()[1], qtypes[j], *w, (*y)->typed_data(), ps[j]); err.failure())
+      return err;
+    if (ps[j].n_exp != ps[0].n_exp)
+      return ffi::Error::InvalidArgument("strata_expert_matmul_many: the weights hold different numbers of experts");
+  }
+  run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps);
   return ffi::Error::Success();
 }
 
@@ -193,6 +246,7 @@ ffi::Error ExpertMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 STRATA_EXPORT XLA_FFI_Error* StrataQMatmul(XLA_FFI_CallFrame* call_frame);
 STRATA_EXPORT XLA_FFI_Error* StrataExpertMatmul(XLA_FFI_CallFrame* call_frame);
 STRATA_EXPORT XLA_FFI_Error* StrataQMatmulMany(XLA_FFI_CallFrame* call_frame);
+STRATA_EXPORT XLA_FFI_Error* StrataExpertMatmulMany(XLA_FFI_CallFrame* call_frame);
 STRATA_EXPORT const char* strata_cpu_isa();
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataQMatmul, strata::QMatmulImpl,
@@ -207,6 +261,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataQMatmulMany, strata::QMatmulManyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int32_t>>("qtypes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataExpertMatmulMany, strata::ExpertMatmulManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<ffi::Span<const int32_t>>("qtypes"));

@@ -147,7 +147,7 @@ def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict, n_group
         # The cpu kernel groups rows by expert itself and multiplies each row once: no tiles to fill
         # (a tile of 8 rows for one decode token's expert is 7 rows of padding multiplied).
         e = where.reshape(-1)                                                               # [N*k]
-        gate, up = (pk.expert_matmul(rows, p[n].data, e, p[n].qtype, backend) for n in ("exp_gate", "exp_up"))
+        gate, up = pk.expert_matmul_many(rows, e, [(p[n].data, p[n].qtype) for n in ("exp_gate", "exp_up")], backend)
         y = pk.expert_matmul(jax.nn.silu(gate) * up, p["exp_down"].data, e, p["exp_down"].qtype, backend)
         return y.reshape(N, k, h).astype(jnp.float32)
     g = pk.group_rows(where.reshape(-1), n_groups, pk.expert_tile(backend))
