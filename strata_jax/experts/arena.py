@@ -163,7 +163,7 @@ class ExpertArena:
         m = len(experts)
         bucket = 1 << (m - 1).bit_length()                # pad to a power of two: few update programs
         pad = slots + [slots[-1]] * (bucket - m)          # the padding writes the last expert again
-        idx = jnp.asarray(np.array(pad, np.int32))
+        idx = jax.device_put(np.array(pad, np.int32))
         vals = {}
         for n in EXPERT_TENSORS:
             # one expert: a view, not a stacked copy (to_device may then read it in place: jax.device_put)
