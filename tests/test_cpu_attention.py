@@ -113,3 +113,20 @@ def test_a_lone_decode_row_runs_alone_with_the_bits_it_has_among_others(tiny_mod
     together = logits([5, 17, 9], [6, 6, 6], [0, 1, 2])             # the same row among others
     assert alone.shape[0] == 1
     assert np.array_equal(alone[0], together[1])
+
+
+def test_greedy_rows_on_the_host_are_the_samplers_answer():
+    """runner.greedy_on_host (all-greedy windows skip the sample program) against sampler.sample."""
+    from strata_jax.engine.runner import greedy_on_host
+    from strata_jax.engine.sampler import sample
+
+    rng = np.random.default_rng(4)
+    lg = rng.normal(size=(5, 300)).astype(np.float32)
+    lg[1, 7] = lg[1, 9] = 50.0                                     # a tie: the first index, as argmax
+    lg[2, 3] = np.nan
+    lg[3, 5] = np.inf
+    s = SamplingRows.greedy(5)
+    want = np.asarray(jax.jit(sample)(jnp.asarray(lg), *s.as_tuple()))
+    got = greedy_on_host(lg)
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+    assert list(got[1:4]) == [7, -1, -1]

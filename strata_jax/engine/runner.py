@@ -142,8 +142,12 @@ class ModelRunner:
         for lg, g in zip(logits, groups):
             if g.drafts is not None:
                 out.append(tuple(np.asarray(a) for a in self._verify(lg, g.drafts, g.n_draft, *g.sampling.as_tuple())))
+            elif g.all_logits:
+                out.append(np.asarray(lg))
+            elif not np.any(g.sampling.temperature > 0):
+                out.append(greedy_on_host(np.asarray(lg)))
             else:
-                out.append(np.asarray(lg if g.all_logits else self._sample(lg, *g.sampling.as_tuple())))
+                out.append(np.asarray(self._sample(lg, *g.sampling.as_tuple())))
         return out
 
     def forward_logits(self, groups: list[GroupInput], kv_needed: int) -> list[jax.Array]:
@@ -380,6 +384,14 @@ class ModelRunner:
               **(self.kv_host.stats() if self.kv_host is not None else {})}
         return {"programs": self.programs.snapshot(), "memory": self.ledger.snapshot(), "windows": self.windows,
                 "experts": self.expert_stats(), "kv_cache": kv, **{k: v for k, v in self.choices.items()}}
+
+
+def greedy_on_host(logits: np.ndarray) -> np.ndarray:
+    """sample()'s answer for rows that are all greedy, from logits [R, V] already on the host (on a CPU,
+    a view: no transfer), without a program call (~0.25 ms a decode step): the argmax, or -1 where a row's
+    logits hold a NaN or an inf (sampler.mark_non_finite)."""
+    tokens = np.argmax(logits, axis=-1).astype(np.int32)
+    return np.where(np.isfinite(np.max(logits, axis=-1)), tokens, np.int32(-1))
 
 
 def _tree_bytes(tree) -> int:
