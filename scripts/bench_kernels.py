@@ -7,6 +7,10 @@
         dequantized float32 weights, with the blocks' bytes / time
     python scripts/bench_kernels.py --experts [--types Q4_1] [--m 1,4,8] [--shapes 576x1536] [--n-experts 8]
         each row times its expert (top-2 of n-experts, distinct): cpu expert_matmul against the xla backend's
+    python scripts/bench_kernels.py --decode-chain MODEL.gguf [--m 1]
+        every product of one decode step of a dense GGUF model (each layer's q, k, v, o, gate, up, down,
+        then the output head), chained in one jitted function on the cpu backend with the file's real
+        weights: the step's products alone, streaming from memory as in the engine (not from L2)
 
 Times are medians of --repeats calls of a jitted function (each includes JAX's dispatch, ~7 us here:
 the `noop` line). A k-quant needs k a multiple of 256: its k is rounded down (so 576 becomes 512).
@@ -87,6 +91,33 @@ def expert_rows(types, ms, shapes, n_experts, repeats):
                 print(f"| {t} | {k} x {n} | {m} | {c:.1f} | {chosen / c / 1e3:.1f} | {xl:.1f} | {xl / c:.2f} |")
 
 
+def decode_chain(path: str, m: int, repeats: int) -> None:
+    from pallas_kernels import cpu
+    from pallas_kernels.layout import layout_for
+    from strata_jax.gguf import GGUFModel
+    from strata_jax.model.weights import blocks_in_place
+
+    model = GGUFModel.open(path)
+    head = "output.weight" if "output.weight" in model.tensors else "token_embd.weight"
+    names = [f"blk.{i}.{n}.weight" for i in range(model.spec.n_layers)
+             for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")] + [head]
+    infos = [model.tensors[n] for n in names]
+    ws = [blocks_in_place(t.data) for t in infos]
+    lays = [layout_for(pk.as_qtype(t.qtype.name), t.row_bytes) for t in infos]
+
+    def chain(x, ws):
+        h = x
+        for w, lay in zip(ws, lays):          # each product's input depends on the last one's output
+            k = lay.blocks_in(w.shape[-1]) * lay.values
+            h = cpu.qmatmul(jnp.broadcast_to(h[:, :1], (m, k)) * 1e-3, w, lay)
+        return h
+
+    us = median_us(jax.jit(chain), jnp.ones((m, model.spec.hidden), jnp.float32), ws, repeats=repeats)
+    total = sum(int(w.nbytes) for w in ws)
+    print(f"| {path.rsplit('/', 1)[-1]} | M = {m} | {len(ws)} products | {total / 1e6:.1f} MB | {us / 1e3:.2f} ms | "
+          f"{total / us / 1e3:.2f} GB/s |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=None)
@@ -99,12 +130,19 @@ def main() -> None:
     ap.add_argument("--m", default=None, help="comma-separated M (tokens for --experts)")
     ap.add_argument("--shapes", default=None, help="comma-separated k x n, e.g. 576x1536,1536x576")
     ap.add_argument("--n-experts", type=int, default=8)
+    ap.add_argument("--decode-chain", default=None, metavar="MODEL.gguf")
     a = ap.parse_args()
     load = os.getloadavg()[0]
-    mode = "matmul" if a.matmul else "experts" if a.experts else "dequantize"
+    mode = "decode-chain" if a.decode_chain else "matmul" if a.matmul else "experts" if a.experts else "dequantize"
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {jax.devices()[0].device_kind}, "
           f"jax {jax.__version__}, {mode}, load average {load:.2f}, "
           f"STRATA_CPU_THREADS={os.environ.get('STRATA_CPU_THREADS', 'unset')}")
+    if a.decode_chain:
+        print("| model | rows | products | bytes | median | rate |")
+        print("|---|---|---|---|---|---|")
+        for m in [int(v) for v in (a.m or "1").split(",")]:
+            decode_chain(a.decode_chain, m, a.repeats or 30)
+        return
     if a.matmul or a.experts:
         from pallas_kernels import cpu
         print(f"# cpu kernels: {cpu.isa() if cpu.available() else cpu.unavailable_reason()}")
