@@ -286,7 +286,7 @@ class ModelRunner:
             qtypes = {i: {n: t.qtype.name for n, t in ts.items()} for i, ts in infos.items()}
 
             def to_arena(layer: int, name: str, blocks: np.ndarray):
-                return jax.device_put(blocks)        # on a CPU, the host array itself (no copy) when aligned
+                return blocks        # the update program takes the host array (converted in C++, no Python device_put)
         one_slot = slot_bytes(leaf_shapes)     # one expert slot in every MoE layer
         if cfg.expert_cache == "auto":
             if free is None or all_bytes + temp <= free:

@@ -67,7 +67,9 @@ class ExpertArena:
         self.slot_bytes = slot_bytes(leaf_shapes)
         self.slot_of = {i: np.full(self.n_experts, -1, np.int32) for i in self.layers}      # expert -> slot
         self.expert_in = {i: np.full(self.n_slots, -1, np.int32) for i in self.layers}      # slot -> expert
-        self.tables = {i: jnp.array(self.slot_of[i].copy()) for i in self.layers}   # a copy: never aliased
+        # the page tables the experts programs read, as host arrays (a program call takes a small numpy
+        # argument in C++; a jax.device_put from Python costs ~0.1 ms): copies, never aliased
+        self.tables = {i: self.slot_of[i].copy() for i in self.layers}
         self.policies = {i: make_policy(policy, self.n_experts) for i in self.layers}
         self.policy = policy
         self.pinned = {i: set() for i in self.layers}    # experts that never leave (an expert profile's hottest)
@@ -163,14 +165,14 @@ class ExpertArena:
         m = len(experts)
         bucket = 1 << (m - 1).bit_length()                # pad to a power of two: few update programs
         pad = slots + [slots[-1]] * (bucket - m)          # the padding writes the last expert again
-        idx = jax.device_put(np.array(pad, np.int32))
+        idx = np.array(pad, np.int32)
         vals = {}
         for n in EXPERT_TENSORS:
             # one expert: a view, not a stacked copy (to_device may then read it in place: jax.device_put)
             stacked = blocks[0][n][None] if bucket == 1 else np.stack([b[n] for b in blocks] + [blocks[-1][n]] * (bucket - m))
             vals[n] = self.to_device(layer, n, stacked)
         self.arena[layer] = _put_jit(self.arena[layer], idx, vals)
-        self.tables[layer] = jax.device_put(slot_of.copy())      # a copy: never aliased
+        self.tables[layer] = slot_of.copy()
         counters.bytes_moved += m * self.host.expert_bytes[layer]
         self.exchanged += m
         self.copy_seconds += time.perf_counter() - t0
