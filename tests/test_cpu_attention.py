@@ -130,3 +130,23 @@ def test_greedy_rows_on_the_host_are_the_samplers_answer():
     got = greedy_on_host(lg)
     assert got.dtype == np.int32 and np.array_equal(got, want)
     assert list(got[1:4]) == [7, -1, -1]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+def test_parts_in_position_order_give_the_bits_of_one_call(dtype):
+    """--kv-resident's way: the device part [0, 32), then host blocks of 48 positions handed over as their
+    own arrays, the softmax state carried: the same bits as one call over the whole cache."""
+    k, v, ks, vs = _caches(dtype, 64)
+    q = jnp.asarray(np.random.default_rng(5).normal(size=(3, 5, H, 64)).astype(np.float32))
+    slots, pos = jnp.asarray(ROW_SLOTS, jnp.int32), jnp.asarray(ROWS_POS, jnp.int32)
+    whole = np.asarray(cpu.attention(q, k, v, 1, slots, pos, ks, vs))
+    out, state = cpu.attention_part(q, k, v, 1, slots, pos, (0, 0, 32), None, ks, vs)
+    rows = jnp.arange(3, dtype=jnp.int32)
+    for b0 in range(32, POSITIONS - 1, 48):                          # host blocks as dequantized float arrays
+        def block(c, s):
+            x = c[1, slots, b0:b0 + 48].astype(jnp.float32)
+            return (x * s[1, slots, b0:b0 + 48][..., None] if s is not None else x)[None]
+        out, state = cpu.attention_part(q, block(k, ks), block(v, vs), 0, rows, pos, (b0, b0, b0 + 48), state)
+    assert np.array_equal(np.asarray(out), whole)
+    with pytest.raises(Exception, match="multiple of 16"):
+        jax.block_until_ready(cpu.attention_part(q, k, v, 1, slots, pos, (0, 8, 32), None, ks, vs)[0])

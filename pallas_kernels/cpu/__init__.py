@@ -40,7 +40,7 @@ LIB_ENV = "STRATA_CPU_KERNELS_LIB"
 _STEM = "_strata_cpu"
 _TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataExpertMatmul",
             "strata_attention": "StrataAttention", "strata_qmatmul_many": "StrataQMatmulMany",
-            "strata_expert_matmul_many": "StrataExpertMatmulMany"}
+            "strata_expert_matmul_many": "StrataExpertMatmulMany", "strata_attention_part": "StrataAttentionPart"}
 
 FAST: frozenset[QType] = frozenset(
     QType[name]
@@ -193,6 +193,33 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slots
         q.astype(jnp.float32), k_cache, v_cache, none if k_scale is None else k_scale,
         none if v_scale is None else v_scale, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
         pos.astype(jnp.int32))
+
+
+# Key positions a tile of the attention kernel: every part's lo (and hi) must be a multiple.
+ATTENTION_TILE = 16
+
+
+def attention_part(q: jax.Array, k_src: jax.Array, v_src: jax.Array, layer, slots: jax.Array, pos: jax.Array,
+                   bounds, state, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None):
+    """attention() over the keys at positions [lo, hi) only, found at index position - base of the sources
+    ([layers, slots, n, K, D]), starting from `state` (m, s [R, L, H], acc [R, L, H, Dv]; None: fresh):
+    -> (output as if these were the last keys, float32 [R, L, H, Dv]; the updated state). Parts in position
+    order give the bits of one attention() call over all of them (--kv-resident: device part, host blocks).
+    bounds: int32 (base, lo, hi), lo and hi multiples of ATTENTION_TILE."""
+    _require()
+    R, L, H, _ = q.shape
+    Dv = v_src.shape[-1]
+    if state is None:
+        state = (jnp.full((R, L, H), -jnp.inf, jnp.float32), jnp.zeros((R, L, H), jnp.float32),
+                 jnp.zeros((R, L, H, Dv), jnp.float32))
+    none = jnp.zeros((1,), jnp.float32)
+    shapes = [jax.ShapeDtypeStruct((R, L, H, Dv), jnp.float32), jax.ShapeDtypeStruct((R, L, H), jnp.float32),
+              jax.ShapeDtypeStruct((R, L, H), jnp.float32), jax.ShapeDtypeStruct((R, L, H, Dv), jnp.float32)]
+    out, *new = jax.ffi.ffi_call("strata_attention_part", shapes, vmap_method="sequential")(
+        q.astype(jnp.float32), k_src, v_src, none if k_scale is None else k_scale,
+        none if v_scale is None else v_scale, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
+        pos.astype(jnp.int32), jnp.asarray(bounds, jnp.int32), *state)
+    return out, tuple(new)
 
 
 def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list[tuple[jax.Array, Layout]]) -> list[jax.Array]:

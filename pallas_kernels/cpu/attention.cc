@@ -7,7 +7,8 @@
 // Here every key is read once a unit from the cache itself, and only the keys a query sees.
 //
 // Order (what makes a result depend only on its own query): each query walks its keys in tiles of
-// kTile positions from position 0, with an online softmax (running max, sum and accumulator rescaled
+// kTile positions from position 0 (--kv-resident: the same tiles over the device part, then the host
+// blocks, the softmax state carried from call to call: strata_attention_part), with an online softmax (running max, sum and accumulator rescaled
 // at each tile), each score one fixed-order dot (simd.h). The tiles are the same whatever the window
 // holds, so a row gives the same bits alone or batched, in a decode, verify or prefill window, and
 // whatever the window's KV bucket.
@@ -26,7 +27,7 @@ namespace ffi = xla::ffi;
 namespace strata {
 namespace {
 
-constexpr int kTile = 32;      // key positions a tile
+constexpr int kTile = 16;      // key positions a tile (every --attn-chunk, so every host block, is a multiple)
 constexpr int kTokens = 16;    // query tokens a unit of work (all of one kv head's query heads)
 
 // One cache tensor [layers, slots, positions, kv_heads, dim] of float32, bfloat16 or int8 (with a
@@ -59,46 +60,68 @@ struct Cache {
 
 int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
+// Which keys a call reads: positions [lo, hi) (each a multiple of kTile, or hi past every query), found
+// at index (position - base) of the source's position axis. One call over the whole cache is
+// {0, 0, positions - 1} (the last position is scratch); --kv-resident runs the device part and then each
+// host block as a call of its own, the softmax state carried between them.
+struct Range {
+  int64_t base, lo, hi;
+};
+
+// The online softmax state of every query [R, L, H] (acc [R, L, H, Dv]); null: a fresh state, not kept.
+struct State {
+  float *m, *s, *acc;
+};
+
 // One unit: query tokens [l0, l1) of row r, the G query heads of kv head kh.
 struct Unit {
   const float* q;          // [R, L, H, D]
-  float* out;              // [R, L, H, Dv]
+  float* out;              // [R, L, H, Dv], or null: the state only
   const int32_t* pos;      // [R, L]
   const Cache *k, *v;
   int64_t L, H, G, layer;
+  Range range;
+  State in, kept;          // in: the state to start from (null: fresh); kept: where it goes (null: nowhere)
 
   void run(int64_t r, int64_t slot, int64_t kh, int64_t l0, int64_t l1) const {
     const int64_t D = k->dim, Dv = v->dim, D16 = round16(D), Dv16 = round16(Dv);
-    const int64_t nq = (l1 - l0) * G, last_pos = k->positions - 2;     // the last position is scratch
+    const int64_t nq = (l1 - l0) * G;
+    const int64_t hi = std::min(range.hi, range.base + k->positions);      // never past the source
     thread_local std::vector<f32x16> qbuf, acc, ktile, vtile;
     thread_local std::vector<float> mx, sum;
-    thread_local std::vector<int64_t> qpos;
+    thread_local std::vector<int64_t> qpos, at;
     qbuf.resize(nq * D16 / 16), acc.assign(nq * Dv16 / 16, zero16());
     ktile.resize(kTile * D16 / 16), vtile.resize(kTile * Dv16 / 16);
-    mx.assign(nq, -std::numeric_limits<float>::infinity()), sum.assign(nq, 0.0f), qpos.resize(nq);
+    mx.assign(nq, -std::numeric_limits<float>::infinity()), sum.assign(nq, 0.0f), qpos.resize(nq), at.resize(nq);
     float* qf = reinterpret_cast<float*>(qbuf.data());
     float* kf = reinterpret_cast<float*>(ktile.data());
     float* vf = reinterpret_cast<float*>(vtile.data());
+    float* af = reinterpret_cast<float*>(acc.data());
     const float rsd = std::sqrt(float(D));
 
-    int64_t top = -1;                            // the last key position any query of the unit sees
+    int64_t top = -1;                            // the last key position any query of the unit sees here
     for (int64_t l = l0; l < l1; l++) {
-      int64_t p = std::min<int64_t>(pos[r * L + l], last_pos);
+      int64_t p = pos[r * L + l];
       for (int64_t g = 0; g < G; g++) {
-        int64_t i = (l - l0) * G + g;
-        const float* src = q + ((r * L + l) * H + kh * G + g) * D;
+        int64_t i = (l - l0) * G + g, h = kh * G + g;
+        const float* src = q + ((r * L + l) * H + h) * D;
         for (int64_t d = 0; d < D16; d++) qf[i * D16 + d] = d < D ? src[d] / rsd : 0.0f;
         qpos[i] = p;
+        at[i] = (r * L + l) * H + h;
+        if (in.m) {
+          mx[i] = in.m[at[i]], sum[i] = in.s[at[i]];
+          std::copy_n(in.acc + at[i] * Dv, Dv, af + i * Dv16);
+        }
       }
-      top = std::max(top, p);
+      top = std::max(top, std::min(p, hi - 1));
     }
 
     float scores[kTile];
-    for (int64_t t0 = 0; t0 <= top; t0 += kTile) {
+    for (int64_t t0 = range.lo; t0 <= top; t0 += kTile) {
       int64_t n = std::min<int64_t>(kTile, top + 1 - t0);
       for (int64_t j = 0; j < n; j++) {
-        k->row(layer, slot, t0 + j, kh, kf + j * D16, D16);
-        v->row(layer, slot, t0 + j, kh, vf + j * Dv16, Dv16);
+        k->row(layer, slot, t0 + j - range.base, kh, kf + j * D16, D16);
+        v->row(layer, slot, t0 + j - range.base, kh, vf + j * Dv16, Dv16);
       }
       for (int64_t i = 0; i < nq; i++) {
         if (qpos[i] < t0) continue;
@@ -128,10 +151,14 @@ struct Unit {
     }
 
     for (int64_t i = 0; i < nq; i++) {
-      int64_t l = l0 + i / G, h = kh * G + i % G;
-      float* dst = out + ((r * L + l) * H + h) * Dv;
-      const float* a = reinterpret_cast<const float*>(acc.data() + i * Dv16 / 16);
-      for (int64_t d = 0; d < Dv; d++) dst[d] = qpos[i] >= 0 ? a[d] / sum[i] : 0.0f;
+      if (kept.m) {
+        kept.m[at[i]] = mx[i], kept.s[at[i]] = sum[i];
+        std::copy_n(af + i * Dv16, Dv, kept.acc + at[i] * Dv);
+      }
+      if (out) {
+        float* dst = out + at[i] * Dv;
+        for (int64_t d = 0; d < Dv; d++) dst[d] = qpos[i] >= 0 ? af[i * Dv16 + d] / sum[i] : 0.0f;
+      }
     }
   }
 };
@@ -152,9 +179,11 @@ ffi::Error check_cache(const char* name, ffi::AnyBuffer& c, ffi::Buffer<ffi::F32
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc,
-                         ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
-                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
+// The checks and the split into units, for both handlers.
+ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& kc, ffi::AnyBuffer& vc,
+                  ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale, ffi::Buffer<ffi::S32>& layer,
+                  ffi::Buffer<ffi::S32>& slots, ffi::Buffer<ffi::S32>& pos, float* out, Range range, State in,
+                  State kept) {
   Cache k, v;
   if (ffi::Error e = check_cache("key", kc, k_scale, k); e.failure()) return e;
   if (ffi::Error e = check_cache("value", vc, v_scale, v); e.failure()) return e;
@@ -169,16 +198,20 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   if (lay < 0 || lay >= kd[0])
     return ffi::Error::InvalidArgument("strata_attention: layer " + std::to_string(lay) + " outside [0, " +
                                        std::to_string(kd[0]) + ")");
+  if (range.lo % kTile || range.lo < range.base)
+    return ffi::Error::InvalidArgument("strata_attention: keys from position " + std::to_string(range.lo) +
+                                       " (a multiple of " + std::to_string(kTile) + " at or after base " +
+                                       std::to_string(range.base) + " needed)");
   const int32_t* sl = slots.typed_data();
   for (int64_t r = 0; r < R; r++)
     if (sl[r] < 0 || sl[r] >= k.slots)
       return ffi::Error::InvalidArgument("strata_attention: slot " + std::to_string(sl[r]) + " outside [0, " +
                                          std::to_string(k.slots) + ")");
-  Unit unit{q.typed_data(), out->typed_data(), pos.typed_data(), &k, &v, L, H, H / k.heads, lay};
+  Unit unit{q.typed_data(), out, pos.typed_data(), &k, &v, L, H, H / k.heads, lay, range, in, kept};
   int64_t blocks = (L + kTokens - 1) / kTokens, units = R * k.heads * blocks;
   // Helpers only when the keys to read are many (waking a thread costs ~ a few thousand keys' dots).
   int64_t keys = 0;
-  for (int64_t i = 0; i < R * L; i++) keys += std::max<int32_t>(pos.typed_data()[i] + 1, 0);
+  for (int64_t i = 0; i < R * L; i++) keys += std::max<int64_t>(std::min<int64_t>(pos.typed_data()[i] + 1, range.hi) - range.lo, 0);
   int helpers = keys * H < 4096 ? 0 : (int)std::min<int64_t>({max_threads() - 1, pool.num_threads(), units - 1});
   parallel_units(pool, units, std::max(helpers, 0), [&](int64_t u) {
     int64_t r = u / (k.heads * blocks), kh = u / blocks % k.heads, b = u % blocks;
@@ -187,11 +220,38 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   return ffi::Error::Success();
 }
 
+// Every key of the cache a query sees, in one call.
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc,
+                         ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
+  Range all{0, 0, kc.dimensions().size() == 5 ? kc.dimensions()[2] - 1 : 0};
+  return attend(pool, q, kc, vc, k_scale, v_scale, layer, slots, pos, out->typed_data(), all, {}, {});
+}
+
+// Keys [lo, hi) (at index position - base of the source), from the state m, s, acc to the updated state
+// and the output as if these were the last keys (--kv-resident: the device part, then each host block).
+ffi::Error AttentionPartImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc,
+                             ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos,
+                             ffi::Buffer<ffi::S32> bounds, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> s,
+                             ffi::Buffer<ffi::F32> acc, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
+                             ffi::ResultBuffer<ffi::F32> s_out, ffi::ResultBuffer<ffi::F32> acc_out) {
+  if (bounds.element_count() != 3 || m.element_count() != s.element_count() ||
+      m.element_count() != (size_t)(q.dimensions()[0] * q.dimensions()[1] * q.dimensions()[2]) ||
+      acc.element_count() != out->element_count())
+    return ffi::Error::InvalidArgument("strata_attention_part: bounds [base, lo, hi], m and s [R, L, H], acc [R, L, H, Dv]");
+  const int32_t* b = bounds.typed_data();
+  return attend(pool, q, kc, vc, k_scale, v_scale, layer, slots, pos, out->typed_data(), Range{b[0], b[1], b[2]},
+                State{m.typed_data(), s.typed_data(), acc.typed_data()},
+                State{m_out->typed_data(), s_out->typed_data(), acc_out->typed_data()});
+}
+
 }  // namespace
 }  // namespace strata
 
 #define STRATA_EXPORT extern "C" __attribute__((visibility("default")))
 STRATA_EXPORT XLA_FFI_Error* StrataAttention(XLA_FFI_CallFrame* call_frame);
+STRATA_EXPORT XLA_FFI_Error* StrataAttentionPart(XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataAttention, strata::AttentionImpl,
                               ffi::Ffi::Bind()
@@ -205,3 +265,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataAttention, strata::AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()     // slots [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()     // pos [R, L]
                                   .Ret<ffi::Buffer<ffi::F32>>());   // [R, L, H, Dv]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataAttentionPart, strata::AttentionPartImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q [R, L, H, D]
+                                  .Arg<ffi::AnyBuffer>()            // key source
+                                  .Arg<ffi::AnyBuffer>()            // value source
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // key scales (int8)
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // value scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // slots [R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // pos [R, L]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // [base, lo, hi]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // m [R, L, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // s [R, L, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // acc [R, L, H, Dv]
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // out [R, L, H, Dv]
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // m
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // s
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // acc
