@@ -142,11 +142,12 @@ def test_parts_in_position_order_give_the_bits_of_one_call(dtype):
     whole = np.asarray(cpu.attention(q, k, v, 1, slots, pos, ks, vs))
     out, state = cpu.attention_part(q, k, v, 1, slots, pos, (0, 0, 32), None, ks, vs)
     rows = jnp.arange(3, dtype=jnp.int32)
-    for b0 in range(32, POSITIONS - 1, 48):                          # host blocks as dequantized float arrays
-        def block(c, s):
-            x = c[1, slots, b0:b0 + 48].astype(jnp.float32)
-            return (x * s[1, slots, b0:b0 + 48][..., None] if s is not None else x)[None]
-        out, state = cpu.attention_part(q, block(k, ks), block(v, vs), 0, rows, pos, (b0, b0, b0 + 48), state)
+    def block(c, s, b0):                                            # a host block as a dequantized float array
+        x = c[1, slots, b0:b0 + 48].astype(jnp.float32)
+        return (x * s[1, slots, b0:b0 + 48][..., None] if s is not None else x)[None]
+
+    for b0 in range(32, POSITIONS - 1, 48):
+        out, state = cpu.attention_part(q, block(k, ks, b0), block(v, vs, b0), 0, rows, pos, (b0, b0, b0 + 48), state)
     assert np.array_equal(np.asarray(out), whole)
     with pytest.raises(Exception, match="multiple of 16"):
         jax.block_until_ready(cpu.attention_part(q, k, v, 1, slots, pos, (0, 8, 32), None, ks, vs)[0])
