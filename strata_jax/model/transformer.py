@@ -173,13 +173,16 @@ def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache,
     new = [_project_qkv(lp, i, spec, opts, g, x, cache) for g, x in zip(groups, xs)]
     for g, (_, stored) in zip(groups, new):
         cache = _write(cache, i, g.slots, _write_at(cache, g), stored)
-    if opts.backend == "cpu":                  # the C++ kernel reads the cache itself, threading it on
+    if opts.backend == "cpu":
+        if host is None or kv_len <= host.resident:
+            out = []
+            for g, x, (q, _) in zip(groups, xs, new):
+                y, cache = _attend_in_place(lp, i, opts, g, x, q, cache)
+                out.append(y)
+            return out, cache
         out = []
         for g, x, (q, stored) in zip(groups, xs, new):
-            if host is None or kv_len <= host.resident:
-                y, cache = _attend_in_place(lp, i, opts, g, x, q, cache)
-            else:
-                y, cache = _attend_in_place_and_host(lp, i, opts, g, x, q, stored, cache, kv_len, host)
+            y, cache = _attend_in_place_and_host(lp, i, opts, g, x, q, stored, cache, kv_len, host)
             out.append(y)
         return out, cache
     on_device = kv_len if host is None or kv_len <= host.resident else host.resident
