@@ -182,29 +182,17 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slots
     or int8 with scales [layers, slots, positions, K]) of `layer` (an int or a traced int32) for rows in
     slots [R]: a query at position p = pos[r, l] sees keys 0..p of its slot; p < 0 (padding) gives zeros.
     -> float32 [R, L, H, Dv]. Reads the cache in place (attention.cc says in which order)."""
-    out, _ = attention_threaded(q, k_cache, v_cache, layer, slots, pos, k_scale, v_scale)
-    return out
-
-
-def attention_threaded(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slots: jax.Array, pos: jax.Array,
-                       k_scale: jax.Array | None = None, v_scale: jax.Array | None = None):
-    """attention(), and the caches handed back (k, v, k_scale, v_scale; the same buffers, aliased): a program
-    that threads them on to its next update of the cache keeps one in-place chain, which XLA never copies
-    (two groups of a window reading the donated cache each on their own made it copy a cache tensor)."""
     _require()
     R, L, H, D = q.shape
     if k_cache.ndim != 5 or k_cache.shape[-1] != D or H % k_cache.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} does not fit the key cache {tuple(k_cache.shape)}: the cache must be "
                          f"[layers, slots, positions, K, {D}] with H a multiple of K")
     none = jnp.zeros((1,), jnp.float32)
-    ks, vs = (none if a is None else a for a in (k_scale, v_scale))
-    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-    shapes = (jax.ShapeDtypeStruct((R, L, H, v_cache.shape[-1]), jnp.float32), sds(k_cache), sds(v_cache), sds(ks), sds(vs))
-    out, k2, v2, ks2, vs2 = jax.ffi.ffi_call("strata_attention", shapes, vmap_method="sequential",
-                                             input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4})(
-        q.astype(jnp.float32), k_cache, v_cache, ks, vs, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
+    out = jax.ShapeDtypeStruct((R, L, H, v_cache.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call("strata_attention", out, vmap_method="sequential")(
+        q.astype(jnp.float32), k_cache, v_cache, none if k_scale is None else k_scale,
+        none if v_scale is None else v_scale, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
         pos.astype(jnp.int32))
-    return out, (k2, v2, None if k_scale is None else ks2, None if v_scale is None else vs2)
 
 
 # Key positions a tile of the attention kernel: every part's lo (and hi) must be a multiple.
@@ -212,14 +200,12 @@ ATTENTION_TILE = 16
 
 
 def attention_part(q: jax.Array, k_src: jax.Array, v_src: jax.Array, layer, slots: jax.Array, pos: jax.Array,
-                   bounds, state, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                   threaded: bool = False):
+                   bounds, state, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None):
     """attention() over the keys at positions [lo, hi) only, found at index position - base of the sources
     ([layers, slots, n, K, D]), starting from `state` (m, s [R, L, H], acc [R, L, H, Dv]; None: fresh):
     -> (output as if these were the last keys, float32 [R, L, H, Dv]; the updated state). Parts in position
     order give the bits of one attention() call over all of them (--kv-resident: device part, host blocks).
-    bounds: int32 (base, lo, hi), lo and hi multiples of ATTENTION_TILE. threaded: also hand back the sources
-    (k, v, k_scale, v_scale: the same buffers, aliased), as attention_threaded does."""
+    bounds: int32 (base, lo, hi), lo and hi multiples of ATTENTION_TILE."""
     _require()
     R, L, H, _ = q.shape
     Dv = v_src.shape[-1]
@@ -227,18 +213,13 @@ def attention_part(q: jax.Array, k_src: jax.Array, v_src: jax.Array, layer, slot
         state = (jnp.full((R, L, H), -jnp.inf, jnp.float32), jnp.zeros((R, L, H), jnp.float32),
                  jnp.zeros((R, L, H, Dv), jnp.float32))
     none = jnp.zeros((1,), jnp.float32)
-    ks, vs = (none if a is None else a for a in (k_scale, v_scale))
-    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     shapes = [jax.ShapeDtypeStruct((R, L, H, Dv), jnp.float32), jax.ShapeDtypeStruct((R, L, H), jnp.float32),
-              jax.ShapeDtypeStruct((R, L, H), jnp.float32), jax.ShapeDtypeStruct((R, L, H, Dv), jnp.float32),
-              sds(k_src), sds(v_src), sds(ks), sds(vs)]
-    out, m, s, acc, *sources = jax.ffi.ffi_call("strata_attention_part", shapes, vmap_method="sequential",
-                                                input_output_aliases={1: 4, 2: 5, 3: 6, 4: 7})(
-        q.astype(jnp.float32), k_src, v_src, ks, vs, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
+              jax.ShapeDtypeStruct((R, L, H), jnp.float32), jax.ShapeDtypeStruct((R, L, H, Dv), jnp.float32)]
+    out, *new = jax.ffi.ffi_call("strata_attention_part", shapes, vmap_method="sequential")(
+        q.astype(jnp.float32), k_src, v_src, none if k_scale is None else k_scale,
+        none if v_scale is None else v_scale, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
         pos.astype(jnp.int32), jnp.asarray(bounds, jnp.int32), *state)
-    if threaded:
-        return out, (m, s, acc), tuple(sources)
-    return out, (m, s, acc)
+    return out, tuple(new)
 
 
 def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list[tuple[jax.Array, Layout]]) -> list[jax.Array]:

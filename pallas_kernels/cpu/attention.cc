@@ -221,14 +221,9 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffe
 }
 
 // Every key of the cache a query sees, in one call.
-// The caches come back as results aliased to the operands (the same buffers, untouched): each read of the
-// cache is then a link in one chain of in-place updates, which XLA never copies (with two groups reading
-// the same donated cache it copied a 16 MiB cache tensor).
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc,
                          ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
-                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
-                         ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>, ffi::ResultBuffer<ffi::F32>,
-                         ffi::ResultBuffer<ffi::F32>) {
+                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
   Range all{0, 0, kc.dimensions().size() == 5 ? kc.dimensions()[2] - 1 : 0};
   return attend(pool, q, kc, vc, k_scale, v_scale, layer, slots, pos, out->typed_data(), all, {}, {});
 }
@@ -240,9 +235,7 @@ ffi::Error AttentionPartImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos,
                              ffi::Buffer<ffi::S32> bounds, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> s,
                              ffi::Buffer<ffi::F32> acc, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
-                             ffi::ResultBuffer<ffi::F32> s_out, ffi::ResultBuffer<ffi::F32> acc_out,
-                             ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>, ffi::ResultBuffer<ffi::F32>,
-                             ffi::ResultBuffer<ffi::F32>) {
+                             ffi::ResultBuffer<ffi::F32> s_out, ffi::ResultBuffer<ffi::F32> acc_out) {
   if (bounds.element_count() != 3 || m.element_count() != s.element_count() ||
       m.element_count() != (size_t)(q.dimensions()[0] * q.dimensions()[1] * q.dimensions()[2]) ||
       acc.element_count() != out->element_count())
@@ -271,11 +264,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataAttention, strata::AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()     // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()     // slots [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()     // pos [R, L]
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // [R, L, H, Dv]
-                                  .Ret<ffi::AnyBuffer>()            // the key cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()            // the value cache (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // key scales (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>());   // value scales (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // [R, L, H, Dv]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataAttentionPart, strata::AttentionPartImpl,
                               ffi::Ffi::Bind()
@@ -295,8 +284,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataAttentionPart, strata::AttentionPartImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()     // out [R, L, H, Dv]
                                   .Ret<ffi::Buffer<ffi::F32>>()     // m
                                   .Ret<ffi::Buffer<ffi::F32>>()     // s
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // acc
-                                  .Ret<ffi::AnyBuffer>()            // the key source (aliased, as strata_attention)
-                                  .Ret<ffi::AnyBuffer>()            // the value source (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // key scales (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>());   // value scales (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // acc

@@ -175,16 +175,9 @@ def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache,
         cache = _write(cache, i, g.slots, _write_at(cache, g), stored)
     if opts.backend == "cpu":
         if host is None or kv_len <= host.resident:
-            out = []
-            for g, x, (q, _) in zip(groups, xs, new):
-                y, cache = _attend_in_place(lp, i, opts, g, x, q, cache)
-                out.append(y)
-            return out, cache
-        out = []
-        for g, x, (q, stored) in zip(groups, xs, new):
-            y, cache = _attend_in_place_and_host(lp, i, opts, g, x, q, stored, cache, kv_len, host)
-            out.append(y)
-        return out, cache
+            return [_attend_in_place(lp, i, opts, g, x, q, cache) for g, x, (q, _) in zip(groups, xs, new)], cache
+        return [_attend_in_place_and_host(lp, i, opts, g, x, q, stored, cache, kv_len, host)
+                for g, x, (q, stored) in zip(groups, xs, new)], cache
     on_device = kv_len if host is None or kv_len <= host.resident else host.resident
     dtype = jnp.dtype(opts.dtype)
     slots = jnp.concatenate([g.slots for g in groups])          # one read of all the window's rows
@@ -224,27 +217,22 @@ def _project_qkv(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, ca
 def _attend_in_place(lp: dict, i, opts: RunOptions, g: Group, x, q, cache):
     """The cpu backend's attention for one group: its C++ kernel reads the slots' keys and values from the
     cache where they lie, only the positions each query sees (no gather, no transposed copy: XLA's cost
-    more than the layer's products at one decode row), in a fixed order a query (cpu/attention.cc).
-    -> (x + attention, the cache as the kernel hands it back: the same buffers, threaded on)."""
+    more than the layer's products at one decode row), in a fixed order a query (cpu/attention.cc)."""
     R, L = g.tokens.shape
-    o, (k, v, ks, vs) = pk.cpu.attention_threaded(q, cache["k"], cache["v"], i, g.slots, g.pos, cache.get("k_scale"),
-                                                  cache.get("v_scale"))
-    cache = cache | {"k": k, "v": v} | ({"k_scale": ks, "v_scale": vs} if ks is not None else {})
-    return x + linear(o.astype(x.dtype).reshape(R, L, -1), lp["wo"], opts.backend), cache
+    o = pk.cpu.attention(q, cache["k"], cache["v"], i, g.slots, g.pos, cache.get("k_scale"), cache.get("v_scale"))
+    return x + linear(o.astype(x.dtype).reshape(R, L, -1), lp["wo"], opts.backend)
 
 
 def _attend_in_place_and_host(lp: dict, i, opts: RunOptions, g: Group, x, q, stored, cache, kv_len: int, host):
     """The cpu backend's attention with --kv-resident past the device part: the kernel over the device
     cache's positions [0, resident), then over each host block as kv_offload brings it, the softmax state
-    carried from part to part in the kernel's tile order: the bits of one call over all the keys.
-    -> (x + attention, the cache threaded on, as _attend_in_place)."""
+    carried from part to part in the kernel's tile order: the bits of one call over all the keys."""
     R, L = g.tokens.shape
     fetch, starts, block = host_source(host, i, g.slots, g.pos, stored, kv_len, min(opts.attn_chunk, kv_len),
                                        jnp.float32)
     part = pk.cpu.attention_part
-    out, state, (k, v, ks, vs) = part(q, cache["k"], cache["v"], i, g.slots, g.pos, (0, 0, host.resident), None,
-                                      cache.get("k_scale"), cache.get("v_scale"), threaded=True)
-    cache = cache | {"k": k, "v": v} | ({"k_scale": ks, "v_scale": vs} if "k_scale" in cache else {})
+    out, state = part(q, cache["k"], cache["v"], i, g.slots, g.pos, (0, 0, host.resident), None,
+                      cache.get("k_scale"), cache.get("v_scale"))
     rows = jnp.arange(R, dtype=jnp.int32)
 
     def host_block(carry, b0):
@@ -252,7 +240,7 @@ def _attend_in_place_and_host(lp: dict, i, opts: RunOptions, g: Group, x, q, sto
         return part(q, kb[None], vb[None], 0, rows, g.pos, jnp.stack([b0, b0, b0 + block]), carry[1]), None
 
     (out, _), _ = jax.lax.scan(host_block, (out, state), starts)
-    return x + linear(out.astype(x.dtype).reshape(R, L, -1), lp["wo"], opts.backend), cache
+    return x + linear(out.astype(x.dtype).reshape(R, L, -1), lp["wo"], opts.backend)
 
 
 def _attend(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, q, stored, keys, vals, kv_len: int,
