@@ -175,7 +175,7 @@ def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache,
         cache = _write(cache, i, g.slots, _write_at(cache, g), stored)
     if opts.backend == "cpu":
         if host is None or kv_len <= host.resident:
-            return [_attend_in_place(lp, i, opts, g, x, q, cache) for g, x, (q, _) in zip(groups, xs, new)], cache
+            return _attend_in_place(lp, i, opts, groups, xs, [q for q, _ in new], cache), cache
         return [_attend_in_place_and_host(lp, i, opts, g, x, q, stored, cache, kv_len, host)
                 for g, x, (q, stored) in zip(groups, xs, new)], cache
     on_device = kv_len if host is None or kv_len <= host.resident else host.resident
@@ -214,13 +214,29 @@ def _project_qkv(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, ca
     return q, _stored(cache, "k", k) | _stored(cache, "v", v)
 
 
-def _attend_in_place(lp: dict, i, opts: RunOptions, g: Group, x, q, cache):
-    """The cpu backend's attention for one group: its C++ kernel reads the slots' keys and values from the
-    cache where they lie, only the positions each query sees (no gather, no transposed copy: XLA's cost
-    more than the layer's products at one decode row), in a fixed order a query (cpu/attention.cc)."""
-    R, L = g.tokens.shape
-    o = pk.cpu.attention(q, cache["k"], cache["v"], i, g.slots, g.pos, cache.get("k_scale"), cache.get("v_scale"))
-    return x + linear(o.astype(x.dtype).reshape(R, L, -1), lp["wo"], opts.backend)
+def _attend_in_place(lp: dict, i, opts: RunOptions, groups, xs, qs, cache) -> list:
+    """The cpu backend's attention for every group of the window: its C++ kernel reads the slots' keys and
+    values from the cache where they lie, only the positions each query sees (no gather, no transposed copy:
+    XLA's cost more than the layer's products at one decode row), in a fixed order a query
+    (cpu/attention.cc), so a query's bits do not depend on how it is grouped. Several groups (decode rows and
+    a prompt chunk) go in ONE call, each token a row of its own: with one call a group XLA copied a cache
+    tensor for the window (test_a_mixed_window_does_not_copy_the_kv_cache)."""
+    kc, vc, ks, vs = cache["k"], cache["v"], cache.get("k_scale"), cache.get("v_scale")
+    if len(groups) == 1:
+        o = [pk.cpu.attention(qs[0], kc, vc, i, groups[0].slots, groups[0].pos, ks, vs)]
+    else:
+        H, D = qs[0].shape[2:]
+        q = jnp.concatenate([q.reshape(-1, 1, H, D) for q in qs])                      # [tokens, 1, H, D]
+        slots = jnp.concatenate([jnp.repeat(g.slots, g.tokens.shape[1]) for g in groups])
+        pos = jnp.concatenate([g.pos.reshape(-1, 1) for g in groups])
+        flat = pk.cpu.attention(q, kc, vc, i, slots, pos, ks, vs)                      # [tokens, 1, H, Dv]
+        o, at = [], 0
+        for g in groups:
+            n = g.tokens.shape[0] * g.tokens.shape[1]
+            o.append(flat[at:at + n].reshape(*g.tokens.shape, H, -1))
+            at += n
+    return [x + linear(y.astype(x.dtype).reshape(*g.tokens.shape, -1), lp["wo"], opts.backend)
+            for g, x, y in zip(groups, xs, o)]
 
 
 def _attend_in_place_and_host(lp: dict, i, opts: RunOptions, g: Group, x, q, stored, cache, kv_len: int, host):
