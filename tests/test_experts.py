@@ -106,7 +106,8 @@ def _one_expert_bytes(path) -> int:
 def test_auto_uses_the_device_cache_when_the_experts_do_not_fit(tiny_model):
     """With a device-memory budget below weights + KV + every expert, auto picks a device cache that fits,
     and the logits stay the same bits."""
-    path = tiny_model(**dict(MOE, hidden=128, experts=16, expert_ffn=256))      # 12 MiB of float experts
+    # 13 MiB of Q-blocks experts: half of them is more than the 4 MiB the engine keeps for programs
+    path = tiny_model(**dict(MOE, hidden=128, experts=16, expert_ffn=1024))
     with Engine.from_gguf(path, EngineConfig(**BASE)) as eng:
         assert eng.runner.expert_mode == "device"
         mem = eng.stats()["memory"]

@@ -353,6 +353,8 @@ class ModelRunner:
         act = tokens * (s.vocab_size + 8 * s.hidden + 3 * k * (s.expert_ffn or s.ffn)) * 4
         attn = rows * min(self.cache_len, self.device_len + self.opts.attn_chunk) * s.n_kv_heads * (s.head_dim + s.value_dim) * 4
         tiles = 0
+        if self.opts.backend == "cpu" and self.choices["weights"] == "blocks":
+            return act      # its kernels read the cache and the experts' blocks where they lie: no copies of them
         if s.is_moe:        # each tile's expert weights, gathered (float) or dequantized (blocks), gate/up/down
             n_tiles = -(-tokens * k // pk.expert_tile(self.opts.backend)) + min(s.n_experts, tokens * k)
             tiles = n_tiles * 3 * (s.expert_ffn or s.ffn) * s.hidden * 4
