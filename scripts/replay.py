@@ -264,9 +264,12 @@ class Replay:
             result = await stream_chat(client, self.url, self.body(messages, rng.randrange(1 << 31)),
                                        a.timeout, self.t0, self.headers)
             del self.in_flight[i]
-            if result.status == 400 and "exceed" in (result.error or "") and len(conv.history) > 1:
+            if result.status == 400 and "exceed" in (result.error or ""):
                 self.context_retries += 1                         # our estimate was short: trim, and try again
-                conv.trim()
+                if len(conv.history) > 1:
+                    conv.trim()
+                else:                                             # the new message alone was too long
+                    conv.start()
                 n -= 1
                 continue
             self.records.append({"user": i, "turn": n, "kind": kind, "messages": len(messages),
