@@ -17,7 +17,6 @@ from strata_jax.gguf.reader import GGUFModel
 from strata_jax.model.layers import attend
 from strata_jax.model.transformer import quantize_int8
 
-
 LAYERS, SLOTS, POSITIONS, K, H = 3, 4, 201, 2, 6     # 201: 200 positions and the scratch one
 ROWS_POS = [[10, 11, 12, 13, 14], [0, 1, -1, -1, -1], [150, 151, 152, 153, 199]]   # -1: padding
 ROW_SLOTS = [2, 0, 3]
