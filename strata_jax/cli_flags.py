@@ -14,6 +14,8 @@ HELP = {
     "max_context": "tokens a slot holds (prompt + answer)",
     "kv": "KV cache type: bf16, f16, f32, int8 or auto",
     "prefill": "prompt tokens a window reads for one slot (auto or a power of two)",
+    "batch_tokens": "tokens a window holds: every decoding row plus prompt chunks of as many reading slots as fit "
+                    "(llama.cpp's --batch-size, vLLM's max_num_batched_tokens; auto: 512 on a CPU, 2048 on a GPU)",
     "spec": "draft tokens a row (speculative decoding)",
     "spec_min_p": "stop drafting below this drafter probability",
     "spec_max_rows": "draft only while at most this many slots decode (0: always), like vLLM's speculative_disable_by_batch_size",
@@ -37,7 +39,9 @@ HELP = {
     "dtype": "activations: auto, float32 or bfloat16",
     "request_timeout_s": "a request's deadline, seconds",
     "seed": "default sampling seed",
-    "warmup": "build the decode programs for 1..parallel rows at start",
+    "warmup": "build the base window programs at start (decode rows alone, a prompt chunk alone, both); a layout "
+              "met later is built off the engine thread while windows of built layouts run (off: each layout is "
+              "built when first met, and its window waits)",
     "compile_cache": "keep compiled programs in <cache folder>/jax-compile (private) so a restart does not compile "
                      "again (env STRATA_JAX_COMPILE_CACHE=DIR or off)",
 }

@@ -37,6 +37,7 @@ class EngineConfig:
     max_context: int = 4096              # tokens a slot holds (prompt + generated)
     kv: str = "auto"                     # KV cache type: bf16|f16|f32|int8 (auto: f32 on a CPU, bf16 on a GPU)
     prefill: str | int = "auto"          # prompt tokens a window reads for one slot (auto: 256 on a CPU, 1024 on a GPU)
+    batch_tokens: str | int = "auto"     # tokens a window holds, decode rows and prompt chunks (llama.cpp's n_batch)
     spec: int = 0                        # draft tokens a row (speculative decoding)
     spec_min_p: float = 0.5              # stop drafting below this drafter probability
     spec_max_rows: int = 0               # draft only while at most this many slots decode (0: always)
@@ -59,7 +60,7 @@ class EngineConfig:
     backend: str = "auto"                # kernel backend: auto | xla | cpu | pallas | interpret
     dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16
     request_timeout_s: float = 600.0     # a request's deadline
-    warmup: bool = True                  # build the decode programs for 1..parallel rows at start
+    warmup: bool = True                  # build the base window programs at start; later layouts off the engine thread
     compile_cache: bool = True           # JAX's persistent compilation cache in the cache folder (compile_cache.py)
     seed: int = 0
 
@@ -83,6 +84,15 @@ class EngineConfig:
                 raise ConfigError(f"prefill = {self.prefill!r}: must be auto or a number of tokens") from None
             need(16 <= self.prefill <= 65536 and self.prefill & (self.prefill - 1) == 0, "prefill",
                  self.prefill, "must be auto or a power of two from 16 to 65536")
+        if self.batch_tokens != "auto":
+            try:
+                self.batch_tokens = int(self.batch_tokens)
+            except (TypeError, ValueError):
+                raise ConfigError(f"batch_tokens = {self.batch_tokens!r}: must be auto or a number of tokens") from None
+            need(16 <= self.batch_tokens <= 1 << 20, "batch_tokens", self.batch_tokens,
+                 "must be auto or a number of tokens from 16 to 1048576")
+            need(self.prefill == "auto" or self.batch_tokens >= self.prefill, "batch_tokens", self.batch_tokens,
+                 f"must be at least prefill ({self.prefill}): a window holds at least one whole prompt chunk")
         need(isinstance(self.spec, int) and 0 <= self.spec <= 16, "spec", self.spec, "must be 0 to 16 draft tokens")
         need(0.0 <= self.spec_min_p <= 1.0, "spec_min_p", self.spec_min_p, "must be between 0 and 1")
         need(isinstance(self.spec_max_rows, int) and self.spec_max_rows >= 0, "spec_max_rows", self.spec_max_rows,

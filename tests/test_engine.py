@@ -160,7 +160,7 @@ def test_small_device_memory_frees_programs_and_finishes(moe_path, reference, ca
     (STRATA_BATCH_GRAPHS=0), running out of device memory frees the older half and every request ends."""
     toks, stats = reference
     built = stats["programs"]["built"]
-    assert built >= 7                                     # the workload makes 3x more layouts than fit
+    assert built >= 5                                     # the workload makes 2x more layouts than fit
     monkeypatch.setenv("STRATA_BATCH_GRAPHS", batch_graphs)
     cfg = EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False, vram_reserve_mib=0,
                        device_memory_mib=_budget(stats, 2.3))

@@ -68,7 +68,8 @@ class Engine:
             self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
         self.prefix = PrefixCache(self.runner, self.config)      # which slot a request takes, and what it reuses
-        self.scheduler = Scheduler(self.runner.choices["prefill"], self.runner.min_rows)
+        self.scheduler = Scheduler(self.runner.choices["prefill"], self.runner.min_rows,
+                                   self.runner.choices["batch_tokens"])
         self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.waiting: deque[Request] = deque()
@@ -80,7 +81,8 @@ class Engine:
         self.loop_error: str | None = None       # why the loop thread ended, if it did
         self.on_loop_death = None                # called with that reason (the worker exits the process)
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
-                         "generated_tokens": 0, "windows": 0, "window_rows": 0, "split_windows": 0}
+                         "generated_tokens": 0, "windows": 0, "window_rows": 0, "prompt_rows": 0,
+                         "multi_prompt_windows": 0, "narrowed_windows": 0, "split_windows": 0}
 
     @classmethod
     def from_gguf(cls, path: str | Path, config: EngineConfig | None = None, progress: bool = False,
@@ -282,6 +284,34 @@ class Engine:
             return True
 
     def _plan(self) -> Window | None:
+        w = self._plan_full()
+        return None if w is None else self._ready_window(w)
+
+    def _ready_window(self, w: Window) -> Window:
+        """A window whose programs are built: w, or while w's are built off this thread (so that a layout met
+        for the first time stalls no one), the largest smaller one that is: w's decode rows with its first
+        prompt chunk (as it is, then padded to a whole chunk), then its decode rows alone. With none of them
+        built, w waits for its programs. Without the warm-up (--no-warmup: tests, quick starts) every layout is
+        built when first met, on this thread, as the window waits: the same windows run whatever the timing."""
+        layout = self.runner.layout_of(w.groups, w.kv_needed)
+        if not self.config.warmup or self.runner.ready(layout):
+            return w
+        self.runner.build_later(layout)
+        tries = [(1, False, True), (1, True, True), (0, False, True), (1, True, False), (0, False, False)]
+        for prompts, pad, drafts in tries:
+            if (prompts and not w.prefills) or (not drafts and w.drafts is None):
+                continue
+            small = self.scheduler.narrow(w, prompts, pad, drafts)
+            if small is not None and self.runner.ready(self.runner.layout_of(small.groups, small.kv_needed)):
+                self.scheduler.took(w, small)
+                if w.drafts is not None and small.drafts is None:
+                    for s in w.decode:                    # their drafts were not verified
+                        self.speculator.reset(s)
+                self.counters["narrowed_windows"] += 1
+                return small
+        return w
+
+    def _plan_full(self) -> Window | None:
         if self.speculator is None:
             return self.scheduler.plan(self.slots)
         decoding = [s for s in self.slots if s.decoding]
@@ -373,9 +403,11 @@ class Engine:
             self._recover(w, e)
             return
         self.counters["windows"] += 1
-        self.counters["window_rows"] += len(w.decode) + (w.prefill is not None)
+        self.counters["window_rows"] += len(w.rows)
+        self.counters["prompt_rows"] += len(w.prefills)
+        self.counters["multi_prompt_windows"] += len(w.prefills) > 1
         if self.runner.stepper is not None:               # expert-tier counters, per request too
-            for s in w.decode + ([w.prefill] if w.prefill is not None else []):
+            for s in w.rows:
                 if not s.free:
                     if s.request.experts is None:
                         s.request.experts = ExpertCounters()
@@ -391,7 +423,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the window's tokens are out; only drafting is affected
             log.warning("the drafter failed after window %s (%s): no drafts for its slots until their next window",
                         self._describe(w), _first_line(e))
-            self._drafter_failed(w.decode + ([w.prefill] if w.prefill is not None else []), e)
+            self._drafter_failed(w.rows, e)
         finally:
             self.runner.last_hiddens = None
 
@@ -410,7 +442,7 @@ class Engine:
             log.error("a window failed and took the KV cache with it (%s); ending the requests in flight", e)
             self._lose_cache(e)
             return
-        rows = w.decode + ([w.prefill] if w.prefill else [])
+        rows = w.rows
         if not is_resource_exhausted(e) or len(rows) <= 1:
             for s in rows:
                 self._fail(s, f"window {self._describe(w)} failed: {e}")
@@ -420,10 +452,10 @@ class Engine:
         parts = [w.decode[: len(w.decode) // 2], w.decode[len(w.decode) // 2:]] if len(w.decode) > 1 else [w.decode]
         for part in parts:
             if part:
-                self._run(Window(part, None, 0, [decode_group(part, self.scheduler.min_rows)], max(s.n_past + 1 for s in part)))
-        if w.prefill is not None and not w.prefill.free:
-            p = w.prefill
-            self._run(Window([], p, w.chunk, [prefill_group(p, w.chunk, self.scheduler.max_chunk)], p.n_past + w.chunk))
+                self._run(Window(part, [], [], [decode_group(part, self.scheduler.min_rows)], max(s.n_past + 1 for s in part)))
+        for p, c in zip(w.prefills, w.chunks):              # each prompt chunk alone
+            if not p.free:
+                self._run(Window([], [p], [c], [prefill_group([p], [c], self.scheduler.max_chunk)], p.n_past + c))
 
     def _lose_cache(self, e: Exception) -> None:
         self.runner.reset_cache()
@@ -448,12 +480,13 @@ class Engine:
                     continue
                 s.n_past += 1
                 self._emit(s, int(toks[i]))
-        if w.prefill is not None and not w.prefill.free:
-            s = w.prefill
-            s.n_past += w.chunk
+        for i, (s, c) in enumerate(zip(w.prefills, w.chunks)):
+            if s.free:
+                continue
+            s.n_past += c
             if not s.reading:                          # the prompt is read: its last logits gave a token
                 s.request.t_first = time.monotonic()
-                self._emit(s, int(outs[k][0]))
+                self._emit(s, int(outs[k][i]))
 
     def _apply_verify(self, w: Window, toks: np.ndarray, n_acc: np.ndarray) -> None:
         """Each slot emits its accepted drafts and the token after them (toks [R, 1+N], n_acc [R]), one by

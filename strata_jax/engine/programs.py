@@ -10,12 +10,18 @@ exited). Here:
 - each program's bytes (`memory_analysis()`) are reserved in the device-memory ledger;
 - when building or first running a program raises RESOURCE_EXHAUSTED, the cache waits for the device,
   frees the least recently used half (never the program being built), logs one line, and tries once
-  more. If that fails too the error goes up, and the engine runs the window's rows in smaller windows.
+  more. If that fails too the error goes up, and the engine runs the window's rows in smaller windows;
+- a layout met while serving can be compiled off the engine thread (`build_later`: one builder thread),
+  while the engine runs smaller windows whose programs exist; the compiled program joins the cache (its
+  bytes reserved, the bound applied) on the engine thread, at its next `collect`, so one thread alone
+  owns the LRU and the ledger.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -78,6 +84,11 @@ class ProgramCache:
         self.stats = ProgramStats()
         self.too_big: dict[Layout, int] = {}        # layouts whose program can never fit -> its bytes
         self._pending: tuple[Layout, Any, int] | None = None   # compiled, refused by the ledger, to try again
+        self._queued: set[Layout] = set()              # layouts given to the builder thread, not yet collected
+        self._todo: queue.Queue[Layout | None] = queue.Queue()
+        self._built: queue.Queue[tuple[Layout, Any, float, BaseException | None]] = queue.Queue()
+        self._builder: threading.Thread | None = None
+        self._failed: dict[Layout, Exception] = {}      # the builder thread's errors, met when a window needs the layout
 
     def __len__(self) -> int:
         return len(self.programs)
@@ -87,6 +98,8 @@ class ProgramCache:
         return sum(p.nbytes for p in self.programs.values())
 
     def get(self, layout: Layout) -> Program:
+        if layout in self._queued:
+            self._wait_built(layout)          # the builder thread has it: compiling it here too would waste the cores
         prog = self.programs.get(layout)
         if prog is not None:
             self.programs.move_to_end(layout)
@@ -96,6 +109,9 @@ class ProgramCache:
             self._evict(next(iter(self.programs)))
         self._refuse_if_too_big(layout)
         try:
+            failed = self._failed.pop(layout, None)
+            if failed is not None:                # as if it had been built here: the same recovery below
+                raise failed
             prog = self._build_one(layout)
         except Exception as e:
             # a layout too big for all the room programs have: freeing the others would not help
@@ -105,6 +121,81 @@ class ProgramCache:
             prog = self._build_one(layout)          # once more; a second failure goes up
         self.programs[layout] = prog
         return prog
+
+    def ready(self, layout: Layout) -> bool:
+        return layout in self.programs
+
+    def build_later(self, layout: Layout) -> None:
+        """Compile `layout` on the builder thread (once; `collect` adds it to the cache)."""
+        if layout in self.programs or layout in self._queued or layout in self._failed:
+            return
+        self._queued.add(layout)
+        if self._builder is None:
+            self._builder = threading.Thread(target=self._build_loop, name="strata-builder", daemon=True)
+            self._builder.start()
+        self._todo.put(layout)
+
+    def building(self) -> int:
+        """Layouts queued or compiling on the builder thread."""
+        return len(self._queued)
+
+    def collect(self) -> int:
+        """On the engine thread: add the programs the builder thread finished to the cache -> how many. A
+        program the ledger refuses, or a failed compile, is logged and dropped: the layout is built again
+        (and its error met) on the engine thread when a window needs it."""
+        n = 0
+        while True:
+            try:
+                layout, compiled, seconds, err = self._built.get_nowait()
+            except queue.Empty:
+                return n
+            self._queued.discard(layout)
+            if err is not None:
+                log.warning("building the program %s off the engine thread failed (%s: %s); the error is met "
+                            "when a window needs it", layout, type(err).__name__, _first_line(err))
+                self._failed[layout] = err
+                continue
+            if layout in self.programs:
+                continue
+            try:
+                if self.max_programs and len(self.programs) >= self.max_programs:
+                    self._evict(next(iter(self.programs)))
+                self.programs[layout] = self._register(layout, compiled, seconds)
+                n += 1
+            except Exception as e:  # noqa: BLE001 - no room now: built again on demand, with the OOM handling
+                log.warning("no room for the program %s built off the engine thread (%s)", layout, _first_line(e))
+
+    def close(self) -> None:
+        """Stop the builder thread after the compile it is in (a compile cut off at exit aborts the process)."""
+        if self._builder is not None:
+            while True:                                  # drop what is queued but not begun
+                try:
+                    self._todo.get_nowait()
+                except queue.Empty:
+                    break
+            self._todo.put(None)
+            self._builder.join(timeout=120)
+            self._builder = None
+
+    def _wait_built(self, layout: Layout) -> None:
+        """Take in the builder thread's programs, blocking, until `layout` is no longer queued."""
+        while layout in self._queued:
+            self._built.put(self._built.get())      # wait for one, then collect everything finished
+            self.collect()
+
+    def _build_loop(self) -> None:
+        while True:
+            layout = self._todo.get()
+            if layout is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                if self._faults is not None:
+                    self._faults.on_build(layout.rows)
+                compiled, err = self._build(layout), None
+            except Exception as e:  # noqa: BLE001 - reported to the engine thread by collect
+                compiled, err = None, e
+            self._built.put((layout, compiled, time.perf_counter() - t0, err))
 
     def run(self, layout: Layout, *args):
         """Run the program for `layout`, building it if needed. A first run that runs out of device memory
@@ -135,6 +226,14 @@ class ProgramCache:
             compiled = self._build(layout)
             nbytes = _program_bytes(compiled)
             self.stats.compiles += 1
+        return self._reserve(layout, compiled, nbytes, t0)
+
+    def _register(self, layout: Layout, compiled, seconds: float) -> Program:
+        """A program compiled on the builder thread: its bytes reserved as for one built here."""
+        self.stats.compiles += 1
+        return self._reserve(layout, compiled, _program_bytes(compiled), time.perf_counter() - seconds)
+
+    def _reserve(self, layout: Layout, compiled, nbytes: int, t0: float) -> Program:
         try:
             self.ledger.reserve_bytes("programs", nbytes, f"the window program {layout}")
         except Exception as e:
@@ -202,3 +301,8 @@ def _program_bytes(compiled) -> int:
     except Exception:  # noqa: BLE001 - a backend without memory analysis
         n = 0
     return max(int(n), MIN_PROGRAM_BYTES)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e)
+    return text.splitlines()[0] if text else type(e).__name__

@@ -17,7 +17,7 @@ import numpy as np
 
 import pallas_kernels as pk
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..experts import EXPERT_TENSORS, ExpertArena, HostTier, expert_tensors, slot_bytes
 from ..experts.profile import ExpertProfile, pins_for
 from ..gguf import GGUFModel
@@ -56,6 +56,11 @@ class GroupInput:
     n_draft: np.ndarray | None = None   # [R] int32: the real drafts a row (the group then returns tokens, n_accepted)
 
 
+def _shapes(tree):
+    """Arrays -> ShapeDtypeStructs (other leaves as they are): what lowering a program needs of them."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "dtype") else a, tree)
+
+
 def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
     """Turn the config's "auto" choices into this machine's: backend, dtype, kv, weights, prefill."""
     on_gpu = jax.default_backend() == "gpu"
@@ -70,7 +75,14 @@ def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
         small = f32_bytes <= DEQUANTIZE_LIMIT
         weights = "dequantized" if (backend == "xla" and not on_gpu and small) else "blocks"
     prefill = cfg.prefill if cfg.prefill != "auto" else (1024 if on_gpu else 256)
-    return {"backend": backend, "dtype": dtype, "kv": kv, "weights": weights, "prefill": prefill}
+    # auto: the budget measured best here on a CPU (docs/BENCHMARKS.md, issue 15); on a GPU vLLM's default
+    # for online serving (not measured here: no GPU was at hand). Never below one whole prompt chunk.
+    batch = cfg.batch_tokens if cfg.batch_tokens != "auto" else max(prefill, 2048 if on_gpu else 512)
+    if batch < prefill:
+        raise ConfigError(f"batch_tokens = {batch}: must be at least the prompt chunk a window reads "
+                          f"(prefill = {prefill}): a window holds at least one whole chunk")
+    return {"backend": backend, "dtype": dtype, "kv": kv, "weights": weights, "prefill": prefill,
+            "batch_tokens": batch}
 
 
 class ModelRunner:
@@ -123,6 +135,10 @@ class ModelRunner:
     def kv_bucket(self, needed: int) -> int:
         """The KV length a window attends over: chunk * 2^i covering `needed`, at most the cache length
         (and at most the device part when `needed` fits in it: such windows never touch host KV)."""
+        if self.opts.backend == "cpu" and needed <= self.device_len:
+            # the cpu attention kernel reads only the keys each query sees, in place: the KV length is
+            # not part of its arithmetic, so one program serves every length (fewer layouts to build)
+            return self.device_len
         n = self.opts.attn_chunk
         while n < needed:
             n *= 2
@@ -175,24 +191,47 @@ class ModelRunner:
             out, self.last_hiddens = out
         return out
 
+    def program_layouts(self, layout: Layout) -> list[Layout]:
+        """The programs a window of `layout` runs: itself, or the layer-stepped stages."""
+        return self.stepper.stage_layouts(layout) if self.stepper is not None else [layout]
+
+    def ready(self, layout: Layout) -> bool:
+        """Every program a window of `layout` runs is built (after taking in the builder thread's)."""
+        self.programs.collect()
+        return all(self.programs.ready(lay) for lay in self.program_layouts(layout))
+
+    def build_later(self, layout: Layout) -> None:
+        """Compile a window layout's programs off the engine thread (ProgramCache.build_later)."""
+        for lay in self.program_layouts(layout):
+            self.programs.build_later(lay)
+
     def set_faults(self, faults: Faults) -> None:
         """Swap the fault injector (tests)."""
         self.faults = self.programs._faults = faults
 
-    def warmup(self, progress: bool = True) -> None:
-        """Build the decode programs for 1..parallel rows (row buckets min_rows, 2 min_rows, ...) at the first KV
-        bucket."""
-        from tqdm import tqdm
-
+    def base_layouts(self) -> list[Layout]:
+        """The layouts the warm-up builds, at the first KV bucket: decode rows alone for each row bucket
+        (min_rows, 2 min_rows, ... up to parallel), one whole prompt chunk alone, and each decode bucket with
+        one whole chunk. Whatever else a window needs is built off the engine thread while the engine runs
+        these (Engine._ready_window): a chunk pads to a whole one, and decode rows can run without it."""
         rows, buckets = self.min_rows, []
         while True:
             buckets.append(rows)
             if rows >= self.cfg.parallel:
                 break
             rows *= 2
-        for r in tqdm(buckets, desc="building decode programs", unit="program", disable=not progress, leave=False):
-            layout = Layout(((r, 1, False),), self.kv_bucket(1))
-            for lay in self.stepper.stage_layouts(layout) if self.stepper else [layout]:
+        kv, chunk = self.kv_bucket(1), int(self.choices["prefill"])
+        prompt = (1, chunk, False)
+        return ([Layout(((r, 1, False),), kv) for r in buckets] + [Layout((prompt,), kv)]
+                + [Layout(((r, 1, False), prompt), kv) for r in buckets])
+
+    def warmup(self, progress: bool = True) -> None:
+        """Build the programs of base_layouts() (the persistent compilation cache makes a restart's fast)."""
+        from tqdm import tqdm
+
+        for layout in tqdm(self.base_layouts(), desc="building window programs", unit="program",
+                           disable=not progress, leave=False):
+            for lay in self.program_layouts(layout):
                 self.programs.get(lay)
 
     def wait_for_device(self) -> None:
@@ -248,7 +287,9 @@ class ModelRunner:
             args += [jax.ShapeDtypeStruct((rows, length), jnp.int32), jax.ShapeDtypeStruct((rows, length), jnp.int32),
                      jax.ShapeDtypeStruct((rows,), jnp.int32)]
         donate = (1, 2) if counting else (1,)
-        return jax.jit(window, donate_argnums=donate).lower(self.params, self.cache, *args).compile()
+        # Shapes only (the builder thread compiles while the engine thread runs, donates and replaces the arrays)
+        return jax.jit(window, donate_argnums=donate).lower(_shapes(self.params), _shapes(self.cache),
+                                                            *_shapes(args)).compile()
 
     def _kv_bytes(self) -> int:
         s = self.spec
@@ -347,10 +388,13 @@ class ModelRunner:
         prompt chunk): activations, the attended keys and values, logits, and every tile's expert weights
         as floats. The program cache reserves the real figure (memory_analysis) when it builds."""
         s, cfg = self.spec, self.cfg
-        rows = cfg.parallel + 1
-        tokens = cfg.parallel + int(self.choices["prefill"])
+        # decode rows of every slot plus prompt chunks, one a reading slot, as many as the budget holds
+        prompt = min(int(self.choices["batch_tokens"]), cfg.parallel * int(self.choices["prefill"]))
+        rows = cfg.parallel + min(cfg.parallel, max(1, prompt // 16))
+        tokens = cfg.parallel + prompt
         k = max(s.n_experts_used, 1)
-        act = tokens * (s.vocab_size + 8 * s.hidden + 3 * k * (s.expert_ffn or s.ffn)) * 4
+        logit_rows = rows + cfg.parallel * cfg.spec           # a row's last token; a verify row's every token
+        act = (tokens * (8 * s.hidden + 3 * k * (s.expert_ffn or s.ffn)) + logit_rows * s.vocab_size) * 4
         attn = rows * min(self.cache_len, self.device_len + self.opts.attn_chunk) * s.n_kv_heads * (s.head_dim + s.value_dim) * 4
         tiles = 0
         if self.opts.backend == "cpu" and self.choices["weights"] == "blocks":
@@ -361,6 +405,7 @@ class ModelRunner:
         return act + attn + tiles
 
     def close(self) -> None:
+        self.programs.close()
         if self.stepper is not None:
             self.stepper.arena.host.close()
 

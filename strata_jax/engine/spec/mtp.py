@@ -83,8 +83,8 @@ class MtpDrafter:
         rows_of = []                                      # each group's slots, by row (scheduler.Scheduler.plan)
         if window.decode:
             rows_of.append(window.decode)
-        if window.prefill is not None:
-            rows_of.append([window.prefill])
+        if window.prefills:
+            rows_of.append(window.prefills)
         for g, hidden, slots in zip(window.groups, hiddens, rows_of):
             tokens = np.zeros_like(g.tokens)
             pos = np.full_like(g.pos, -1)
