@@ -80,7 +80,7 @@ def _stages(eng) -> list[str]:
     """The stage names of the programs a decode window of 2 rows runs (ModelRunner.warmup builds these)."""
     from strata_jax.engine.programs import Layout
 
-    return [lay.stage for lay in eng.runner.stepper.stage_layouts(Layout(((2, 1, False),), 16))]
+    return [lay.stage for lay in eng.runner.stepper.stage_layouts(Layout(((2, 1, False, 0),), 16))]
 
 
 def test_file_tier_serves_what_ram_does_not_hold(reference):

@@ -42,7 +42,7 @@ def cache_of(sizes_mib: dict[int, float], budget_mib: float, fixed_mib: float = 
 
 
 def lay(rows: int) -> Layout:
-    return Layout(((rows, 1, False),), 256)
+    return Layout(((rows, 1, False, 0),), 256)
 
 
 def test_a_refused_program_is_not_compiled_again_after_freeing():
@@ -98,7 +98,7 @@ def test_a_mixed_window_does_not_copy_the_kv_cache(tiny_model):
         r = eng.runner
         kv = sum(a.nbytes for a in r.cache.values())                       # 32 MiB
         temp = {lay: r._build(lay).memory_analysis().temp_size_in_bytes
-                for lay in (Layout(((4, 1, False),), 1024), Layout(((1, 64, False),), 1024),
-                            Layout(((4, 1, False), (1, 64, False)), 1024))}
+                for lay in (Layout(((4, 1, False, 0),), 1024), Layout(((1, 64, False, 0),), 1024),
+                            Layout(((4, 1, False, 0), (1, 64, False, 0)), 1024))}
     decode, chunk, mixed = temp.values()
     assert mixed <= 1.5 * (decode + chunk) < kv / 4, (temp, kv)

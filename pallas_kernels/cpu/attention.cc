@@ -78,7 +78,7 @@ struct State {
   float *m, *s, *acc;
 };
 
-// One unit: query tokens [l0, l1) of row r, the G query heads of kv head kh.
+// One unit: query tokens [t0, t1) (flat indices r * L + l, all of one slot), the G query heads of kv head kh.
 struct Unit {
   const float* q;          // [R, L, H, D]
   float* out;              // [R, L, H, Dv], or null: the state only
@@ -88,9 +88,9 @@ struct Unit {
   Range range;
   State in, kept;          // in: the state to start from (null: fresh); kept: where it goes (null: nowhere)
 
-  void run(int64_t r, int64_t slot, int64_t kh, int64_t l0, int64_t l1) const {
+  void run(int64_t slot, int64_t kh, int64_t t0, int64_t t1) const {
     const int64_t D = k->dim, Dv = v->dim, D16 = round16(D), Dv16 = round16(Dv);
-    const int64_t nq = (l1 - l0) * G;
+    const int64_t nq = (t1 - t0) * G;
     const int64_t hi = std::min(range.hi, range.base + k->positions);      // never past the source
     thread_local std::vector<f32x16> qbuf, acc, ktile, vtile;
     thread_local std::vector<float> mx, sum;
@@ -105,14 +105,14 @@ struct Unit {
     const float rsd = std::sqrt(float(D));
 
     int64_t top = -1;                            // the last key position any query of the unit sees here
-    for (int64_t l = l0; l < l1; l++) {
-      int64_t p = pos[r * L + l];
+    for (int64_t t = t0; t < t1; t++) {
+      int64_t p = pos[t];
       for (int64_t g = 0; g < G; g++) {
-        int64_t i = (l - l0) * G + g, h = kh * G + g;
-        const float* src = q + ((r * L + l) * H + h) * D;
+        int64_t i = (t - t0) * G + g, h = kh * G + g;
+        const float* src = q + (t * H + h) * D;
         for (int64_t d = 0; d < D16; d++) qf[i * D16 + d] = d < D ? src[d] / rsd : 0.0f;
         qpos[i] = p;
-        at[i] = (r * L + l) * H + h;
+        at[i] = t * H + h;
         if (in.m) {
           mx[i] = in.m[at[i]], sum[i] = in.s[at[i]];
           std::copy_n(in.acc + at[i] * Dv, Dv, af + i * Dv16);
@@ -214,14 +214,24 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffe
       return ffi::Error::InvalidArgument("strata_attention: slot " + std::to_string(sl[r]) + " outside [0, " +
                                          std::to_string(k.slots) + ")");
   Unit unit{q.typed_data(), out, pos.typed_data(), &k, &v, L, H, H / k.heads, lay, range, in, kept};
-  int64_t blocks = (L + kTokens - 1) / kTokens, units = R * k.heads * blocks;
+  // Runs of up to kTokens query tokens of one slot (a row's tokens; in a packed window, one token a row,
+  // a prompt chunk's consecutive rows): a unit reads each key tile once for all of them. Which queries
+  // share a unit changes no result (each walks its own keys in the same tiles).
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t t = 0; t < R * L;) {
+    int64_t e = t + 1;
+    while (e < R * L && e - t < kTokens && sl[e / L] == sl[t / L]) e++;
+    runs.push_back({t, e});
+    t = e;
+  }
+  int64_t units = (int64_t)runs.size() * k.heads;
   // Helpers only when the keys to read are many (waking a thread costs ~ a few thousand keys' dots).
   int64_t keys = 0;
   for (int64_t i = 0; i < R * L; i++) keys += std::max<int64_t>(std::min<int64_t>(pos.typed_data()[i] + 1, range.hi) - range.lo, 0);
   int helpers = keys * H < 4096 ? 0 : (int)std::min<int64_t>({max_threads() - 1, pool.num_threads(), units - 1});
   parallel_units(pool, units, std::max(helpers, 0), [&](int64_t u) {
-    int64_t r = u / (k.heads * blocks), kh = u / blocks % k.heads, b = u % blocks;
-    unit.run(r, sl[r], kh, b * kTokens, std::min(L, (b + 1) * kTokens));
+    auto [t0, t1] = runs[u / k.heads];
+    unit.run(sl[t0 / L], u % k.heads, t0, t1);
   });
   return ffi::Error::Success();
 }

@@ -113,6 +113,7 @@ def measure_ours(opts: BenchOptions, cfg: EngineConfig, progress=print) -> dict:
 
     t = time.perf_counter()
     with Engine.from_gguf(opts.model, cfg) as eng:
+        eng.wait_for_programs()              # the warm-up's background builds: none may run while timing
         load_s = time.perf_counter() - t
         st = eng.stats()
         rss = rss_mib()

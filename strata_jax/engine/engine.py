@@ -36,7 +36,7 @@ from .request import (
 )
 from .runner import GroupInput, ModelRunner
 from .sampler import SamplingRows
-from .scheduler import Scheduler, Window, bucket, decode_group, prefill_group
+from .scheduler import Scheduler, Window, bucket
 from .slots import Slot
 from .spec import make_speculator
 
@@ -69,7 +69,7 @@ class Engine:
         self.slots = [Slot(i) for i in range(self.config.parallel)]
         self.prefix = PrefixCache(self.runner, self.config)      # which slot a request takes, and what it reuses
         self.scheduler = Scheduler(self.runner.choices["prefill"], self.runner.min_rows,
-                                   self.runner.choices["batch_tokens"])
+                                   self.runner.choices["batch_tokens"], self.runner.packed)
         self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.waiting: deque[Request] = deque()
@@ -145,6 +145,18 @@ class Engine:
         finally:
             if not handle.done:
                 handle.cancel()
+
+    def wait_for_programs(self, timeout: float = 600.0) -> bool:
+        """Wait until the builder thread has built every queued program (benchmarks: no compile beside
+        what they time) -> whether it did within the timeout."""
+        self._ensure_thread()
+        end = time.monotonic() + timeout
+        while self.runner.programs.snapshot()["building"]:
+            if time.monotonic() > end:
+                return False
+            self._wake.set()
+            time.sleep(0.05)
+        return True
 
     def generate(self, prompt, **kwargs) -> Completion:
         text, tokens = [], []
@@ -264,6 +276,7 @@ class Engine:
         loop goes on: no request can stop the engine."""
         stage = "admitting requests"
         try:
+            self.runner.programs.collect()             # programs the builder thread finished
             self._take_new()
             self._check_cancelled()
             stage = "planning a window"
@@ -452,10 +465,10 @@ class Engine:
         parts = [w.decode[: len(w.decode) // 2], w.decode[len(w.decode) // 2:]] if len(w.decode) > 1 else [w.decode]
         for part in parts:
             if part:
-                self._run(Window(part, [], [], [decode_group(part, self.scheduler.min_rows)], max(s.n_past + 1 for s in part)))
+                self._run(self.scheduler.window_of(part, [], []))
         for p, c in zip(w.prefills, w.chunks):              # each prompt chunk alone
             if not p.free:
-                self._run(Window([], [p], [c], [prefill_group([p], [c], self.scheduler.max_chunk)], p.n_past + c))
+                self._run(self.scheduler.window_of([], [p], [c]))
 
     def _lose_cache(self, e: Exception) -> None:
         self.runner.reset_cache()
@@ -468,6 +481,9 @@ class Engine:
         return str(self.runner.layout_of(w.groups, w.kv_needed))
 
     def _apply(self, w: Window, outs: list[np.ndarray]) -> None:
+        if w.packed:
+            self._apply_packed(w, outs[0])
+            return
         k = 0
         if w.drafts is not None:
             k += 1
@@ -487,6 +503,21 @@ class Engine:
             if not s.reading:                          # the prompt is read: its last logits gave a token
                 s.request.t_first = time.monotonic()
                 self._emit(s, int(outs[k][i]))
+
+    def _apply_packed(self, w: Window, toks: np.ndarray) -> None:
+        """A packed window's tokens: the decode rows' in order, then each ending prompt's (scheduler.packed_group)."""
+        for i, s in enumerate(w.decode):
+            if not s.free:
+                s.n_past += 1
+                self._emit(s, int(toks[i]))
+        j = len(w.decode)
+        for s, c, end in zip(w.prefills, w.chunks, w.ends):
+            if not s.free:
+                s.n_past += c
+                if end:                                # the prompt is read: its last logits gave a token
+                    s.request.t_first = time.monotonic()
+                    self._emit(s, int(toks[j]))
+            j += end
 
     def _apply_verify(self, w: Window, toks: np.ndarray, n_acc: np.ndarray) -> None:
         """Each slot emits its accepted drafts and the token after them (toks [R, 1+N], n_acc [R]), one by

@@ -41,17 +41,19 @@ MIN_PROGRAM_BYTES = 256 << 10
 @dataclass(frozen=True)
 class Layout:
     """The static shape of a window."""
-    groups: tuple[tuple[int, int, bool], ...]   # (rows, tokens a row, all logits) per group
+    # per group (rows, tokens a row, all logits, picks): picks > 0: logits of that many picked tokens only
+    groups: tuple[tuple[int, int, bool, int], ...]
     kv_len: int
     stage: str = "window"   # a whole window; or a piece of a layer-stepped one (embed, attn, experts, head)
 
     def __str__(self) -> str:
-        gs = " + ".join(f"{r}x{t}{'*' if a else ''}" for r, t, a in self.groups)
+        gs = " + ".join(f"{r}x{t}{'*' if a else ''}{f'>{e}' if e else ''}" for r, t, a, e in self.groups)
         return f"[{gs} | kv {self.kv_len}]" if self.stage == "window" else f"[{self.stage} {gs} | kv {self.kv_len}]"
 
     @property
     def rows(self) -> int:
-        return sum(r for r, _, _ in self.groups)
+        """Sequences' rows: a packed group's are its picks (its rows are tokens)."""
+        return sum(e or r for r, _, _, e in self.groups)
 
 
 @dataclass
@@ -288,6 +290,7 @@ class ProgramCache:
         """Counters and live programs; safe to call from any thread (list() of a dict is atomic)."""
         progs = list(self.programs.items())
         return {"live": len(progs), "built": self.stats.built, "compiles": self.stats.compiles,
+                "building": len(self._queued),
                 "too_big": len(self.too_big), "evicted": self.stats.evicted,
                 "oom_recoveries": self.stats.oom_recoveries, "bytes": sum(p.nbytes for _, p in progs),
                 "max": self.max_programs, "build_seconds": round(self.stats.build_seconds, 3),

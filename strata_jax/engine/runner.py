@@ -54,6 +54,27 @@ class GroupInput:
     all_logits: bool = False
     drafts: np.ndarray | None = None    # [R, L-1] int32: a verify group's drafts (spec/accept.py), with
     n_draft: np.ndarray | None = None   # [R] int32: the real drafts a row (the group then returns tokens, n_accepted)
+    picks: np.ndarray | None = None     # [E] int32: logits of these tokens only (a packed window; model.Group)
+
+    def arrays(self) -> list[np.ndarray]:
+        """The program's inputs for this group, in model.Group's order."""
+        return [self.tokens, self.pos, self.slots] + ([self.picks] if self.picks is not None else [])
+
+
+def _decode_only(layout: Layout) -> bool:
+    """One group of one token a row, a logit a row: decode rows alone (packed: tokens == picks)."""
+    if len(layout.groups) != 1:
+        return False
+    r, n, a, e = layout.groups[0]
+    return n == 1 and not a and e in (0, r)
+
+
+def _powers(most: int) -> list[int]:
+    """1, 2, 4, ... up to `most` (a power of two)."""
+    out = [1]
+    while out[-1] < most:
+        out.append(out[-1] * 2)
+    return out
 
 
 def _shapes(tree):
@@ -123,6 +144,9 @@ class ModelRunner:
         # --drafter mtp: window programs also hand back every token's last hidden state (the MTP layer's
         # input), kept on the device in last_hiddens until the next window
         self.with_hidden = cfg.spec > 0 and cfg.drafter == "mtp"
+        # Packed windows (engine/scheduler.py) where every row is computed alone and no drafter reads the
+        # windows' hidden states by group row.
+        self.packed = self.min_rows == 1 and not self.with_hidden
         self.last_hiddens: list[jax.Array] | None = None
         self.builders: dict = {}            # stage -> build(layout): programs of other parts (the MTP drafter's)
         self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.wait_for_device, self.faults)
@@ -145,7 +169,8 @@ class ModelRunner:
         return min(n, self.device_len if needed <= self.device_len else self.cache_len)
 
     def layout_of(self, groups: list[GroupInput], kv_needed: int) -> Layout:
-        return Layout(tuple((g.tokens.shape[0], g.tokens.shape[1], g.all_logits) for g in groups),
+        return Layout(tuple((g.tokens.shape[0], g.tokens.shape[1], g.all_logits,
+                             0 if g.picks is None else len(g.picks)) for g in groups),
                       self.kv_bucket(kv_needed))
 
     # ---- running --------------------------------------------------------------------------------------
@@ -177,7 +202,7 @@ class ModelRunner:
         else:
             args = []
             for g in groups:
-                args += [g.tokens, g.pos, g.slots]
+                args += g.arrays()
             if self.expert_counts is None:
                 *out, self.cache = self.programs.run(layout, self.params, self.cache, *args)
             else:
@@ -210,10 +235,13 @@ class ModelRunner:
         self.faults = self.programs._faults = faults
 
     def base_layouts(self) -> list[Layout]:
-        """The layouts the warm-up builds, at the first KV bucket: decode rows alone for each row bucket
-        (min_rows, 2 min_rows, ... up to parallel), one whole prompt chunk alone, and each decode bucket with
-        one whole chunk. Whatever else a window needs is built off the engine thread while the engine runs
-        these (Engine._ready_window): a chunk pads to a whole one, and decode rows can run without it."""
+        """The layouts the warm-up builds, at the first KV bucket. Packed windows (the cpu backend): every
+        (tokens, picks) pair of buckets a window can have, so nothing is compiled while serving (until a
+        --kv-resident window reaches the host part). Otherwise: decode rows alone for each row bucket
+        (min_rows, 2 min_rows, ... up to parallel), verify rows alone with --spec, one whole prompt chunk
+        alone, and each decode bucket with one whole chunk; whatever else a window needs is built off the
+        engine thread while the engine runs these (Engine._ready_window: a chunk pads to a whole one, and
+        decode rows can run without it)."""
         rows, buckets = self.min_rows, []
         while True:
             buckets.append(rows)
@@ -221,18 +249,32 @@ class ModelRunner:
                 break
             rows *= 2
         kv, chunk = self.kv_bucket(1), int(self.choices["prefill"])
-        prompt = (1, chunk, False)
-        return ([Layout(((r, 1, False),), kv) for r in buckets] + [Layout((prompt,), kv)]
-                + [Layout(((r, 1, False), prompt), kv) for r in buckets])
+        if self.packed:           # every (tokens, picks) bucket pair a window can have: all of them
+            n = max(int(self.choices["batch_tokens"]), self.cfg.parallel + min(chunk, self.cache_len))
+            most = 1 << (n - 1).bit_length()
+            return [Layout(((t, 1, False, e),), kv) for t in _powers(most) for e in _powers(min(t, buckets[-1]))]
+        prompt = (1, chunk, False, 0)
+        lays = [Layout(((r, 1, False, 0),), kv) for r in buckets] + [Layout((prompt,), kv)]
+        if self.cfg.spec:
+            lays += [Layout(((r, 1 + self.cfg.spec, True, 0),), kv) for r in buckets]
+        if self.cfg.parallel > 1:
+            lays += [Layout(((r, 1, False, 0), prompt), kv) for r in buckets]
+        return lays
 
     def warmup(self, progress: bool = True) -> None:
-        """Build the programs of base_layouts() (the persistent compilation cache makes a restart's fast)."""
+        """Build the decode windows' programs of base_layouts() now, and the others on the builder thread
+        (the engine serves meanwhile, in windows whose programs exist). The persistent compilation cache
+        makes a restart's builds fast."""
         from tqdm import tqdm
 
-        for layout in tqdm(self.base_layouts(), desc="building window programs", unit="program",
-                           disable=not progress, leave=False):
+        base = self.base_layouts()
+        now = [lay for lay in base if _decode_only(lay)]
+        for layout in tqdm(now, desc="building decode programs", unit="program", disable=not progress, leave=False):
             for lay in self.program_layouts(layout):
                 self.programs.get(lay)
+        for layout in base:
+            if layout not in now:
+                self.build_later(layout)
 
     def wait_for_device(self) -> None:
         jax.block_until_ready(self.cache)
@@ -278,14 +320,18 @@ class ModelRunner:
 
         def window(params, cache, *flat):
             counts, flat = (flat[0], flat[1:]) if counting else (None, flat)
-            groups = [Group(*flat[3 * n: 3 * n + 3], all_logits) for n, (_, _, all_logits) in enumerate(layout.groups)]
+            groups, at = [], 0
+            for _, _, all_logits, picks in layout.groups:
+                n = 4 if picks else 3
+                groups.append(Group(*flat[at:at + 3], all_logits, flat[at + 3] if picks else None))
+                at += n
             return forward(params, spec, opts, tuple(groups), cache, layout.kv_len, with_hidden=self.with_hidden,
                            host=self.kv_host, counts=counts)
 
         args = [self.expert_counts] if counting else []
-        for rows, length, _ in layout.groups:
+        for rows, length, _, picks in layout.groups:
             args += [jax.ShapeDtypeStruct((rows, length), jnp.int32), jax.ShapeDtypeStruct((rows, length), jnp.int32),
-                     jax.ShapeDtypeStruct((rows,), jnp.int32)]
+                     jax.ShapeDtypeStruct((rows,), jnp.int32)] + [jax.ShapeDtypeStruct((picks,), jnp.int32)] * bool(picks)
         donate = (1, 2) if counting else (1,)
         # Shapes only (the builder thread compiles while the engine thread runs, donates and replaces the arrays)
         return jax.jit(window, donate_argnums=donate).lower(_shapes(self.params), _shapes(self.cache),

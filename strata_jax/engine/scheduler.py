@@ -16,6 +16,13 @@ counts padded tokens (the work the program does): decode rows x tokens a row + p
 window always holds at least one chunk, and --batch-tokens is at least --prefill, so one whole chunk
 always fits.
 
+Packed windows (the cpu backend, where every operation computes each token alone): a window without
+drafts is ONE group of tokens, one a row ([T, 1]): the decode rows, then each prompt chunk's tokens at
+their positions (vLLM's flattened batch), with logits only for the decode rows and the prompts that end
+in the window (`picks`). Its layout is just (T bucket, picks bucket), ~10-60 layouts for every mix at any
+--parallel (ModelRunner.base_layouts: the warm-up builds the decode ones, the builder thread the rest),
+and nothing pads a prompt to a row's length. The budget there counts T.
+
 With --spec N, a window where some decoding slot has drafts runs every decoding slot in one verify group
 of [rows, 1 + N] tokens (its last token, then its drafts; rows with fewer drafts are padded, pos -1), so
 speculation adds one layout a row bucket (not one per mix of drafted and undrafted rows); a window where
@@ -48,6 +55,9 @@ class Window:
     groups: list[GroupInput]
     kv_needed: int
     drafts: list[list[int]] | None = None     # a verify window: each decode slot's drafts, in order
+    packed: bool = False              # one packed group (packed_group): its tokens are the decode rows' then
+    ends: list[bool] | None = None    # ... the finishing prompts' (ends: whether each prompt ends here), in order
+    verify_len: int = 0
 
     @property
     def rows(self) -> list[Slot]:
@@ -113,83 +123,112 @@ def prefill_group(slots: list[Slot], chunks: list[int], max_chunk: int) -> Group
     return GroupInput(tokens, pos, idx, sampling_rows(list(slots), rows))
 
 
-def prompt_cost(n_rows: int, longest: int, max_chunk: int) -> int:
-    """Padded tokens of a prompt group of n_rows rows whose longest chunk is `longest`."""
-    return bucket(n_rows, 1) * min(bucket(longest, 16), max_chunk)
+def packed_group(decode: list[Slot], prompts: list[Slot], chunks: list[int], min_rows: int) -> GroupInput:
+    """A packed window's one group: every token a row of its own ([T, 1]: decode rows first, then each
+    prompt chunk's tokens at their positions), logits of the decode rows and of the last token of each
+    prompt the window finishes (picks). Only where every operation is row-independent (the cpu backend:
+    its kernels compute each row alone), so a token's bits do not depend on the window. Picks are rounded
+    up to a bucket (1, 2, 4, ...)."""
+    n = len(decode) + sum(chunks)
+    rows = bucket(n, min_rows)
+    tokens = np.zeros((rows, 1), np.int32)
+    pos = np.full((rows, 1), -1, np.int32)
+    idx = np.zeros(rows, np.int32)
+    picks, picked = [], []
+    for i, s in enumerate(decode):
+        tokens[i, 0], pos[i, 0], idx[i] = s.tokens[s.n_past], s.n_past, s.index
+        picks.append(i)
+        picked.append(s)
+    at = len(decode)
+    for s, c in zip(prompts, chunks):
+        tokens[at:at + c, 0] = s.tokens[s.n_past:s.n_past + c]
+        pos[at:at + c, 0] = np.arange(s.n_past, s.n_past + c)
+        idx[at:at + c] = s.index
+        if s.n_past + c == len(s.tokens):             # the prompt ends here: its last token's logits
+            picks.append(at + c - 1)
+            picked.append(s)
+        at += c
+    e = bucket(max(len(picks), 1), min_rows)
+    return GroupInput(tokens, pos, idx, sampling_rows(list(picked), e),
+                      picks=np.array(picks + [0] * (e - len(picks)), np.int32))
 
 
 class Scheduler:
-    def __init__(self, max_chunk: int, min_rows: int = 2, batch_tokens: int | None = None):
+    def __init__(self, max_chunk: int, min_rows: int = 2, batch_tokens: int | None = None, packed: bool = False):
         self.max_chunk = max_chunk
         self.min_rows = min_rows        # the smallest row bucket (ModelRunner.min_rows says why)
         self.batch_tokens = max(batch_tokens or max_chunk, max_chunk)
+        self.packed = packed            # windows without drafts as one packed group (packed_group)
         self._turn = 0
 
-    def plan(self, slots: list[Slot], drafts: dict[int, list[int]] | None = None, verify_len: int = 0,
-             max_prompts: int | None = None) -> Window | None:
-        """drafts: slot index -> its drafts (speculative decoding); verify_len: 1 + --spec; max_prompts: at
-        most this many prompt rows (None: as many as the budget holds; 0: none)."""
+    def plan(self, slots: list[Slot], drafts: dict[int, list[int]] | None = None, verify_len: int = 0) -> Window | None:
+        """drafts: slot index -> its drafts (speculative decoding); verify_len: 1 + --spec."""
         decode = [s for s in slots if s.decoding]
         reading = [s for s in slots if s.reading]
-        groups, needed, window_drafts, used = [], 0, None, 0
+        window_drafts = None
         if decode and drafts and any(drafts.get(s.index) for s in decode):
             window_drafts = [drafts.get(s.index) or [] for s in decode]
-            groups.append(verify_group(decode, window_drafts, verify_len, self.min_rows))
-            needed = max(s.n_past + 1 + len(d) for s, d in zip(decode, window_drafts))
+            used = bucket(len(decode), self.min_rows) * verify_len
+        elif self.packed:
+            used = len(decode)
+        else:
+            used = bucket(len(decode), self.min_rows) if decode else 0
+        prefills, chunks = self._prompts(reading, used, window_drafts is None and self.packed)
+        return self._window(decode, prefills, chunks, window_drafts, verify_len)
+
+    def _window(self, decode: list[Slot], prefills: list[Slot], chunks: list[int], drafts: list[list[int]] | None,
+                verify_len: int = 0, pad: bool = False) -> Window | None:
+        if not decode and not prefills:
+            return None
+        ends = [s.n_past + c == len(s.tokens) for s, c in zip(prefills, chunks)]
+        needed = max([s.n_past + 1 + (len(d) if drafts else 0) for s, d in zip(decode, drafts or [[]] * len(decode))]
+                     + [s.n_past + c for s, c in zip(prefills, chunks)])
+        if self.packed and drafts is None:
+            group = packed_group(decode, prefills, chunks, self.min_rows)
+            return Window(decode, prefills, chunks, [group], needed,
+                          packed=True, ends=ends)
+        groups = []
+        if drafts is not None:
+            groups.append(verify_group(decode, drafts, verify_len, self.min_rows))
         elif decode:
             groups.append(decode_group(decode, self.min_rows))
-            needed = max(s.n_past + 1 for s in decode)
-        if groups:
-            used = groups[0].tokens.size
-        prefills, chunks = self._prompts(reading, used, max_prompts)
-        if not groups and not prefills:
-            return None
         if prefills:
-            groups.append(prefill_group(prefills, chunks, self.max_chunk))
-            needed = max([needed] + [s.n_past + c for s, c in zip(prefills, chunks)])
-        return Window(decode, prefills, chunks, groups, needed, window_drafts)
+            g = prefill_group(prefills, chunks, self.max_chunk)
+            groups.append(_padded(g, self.max_chunk) if pad and g.tokens.shape[1] < self.max_chunk else g)
+        return Window(decode, prefills, chunks, groups, needed, drafts, ends=ends, verify_len=verify_len)
 
-    def _prompts(self, reading: list[Slot], used: int, max_prompts: int | None) -> tuple[list[Slot], list[int]]:
+    def _prompts(self, reading: list[Slot], used: int, packed: bool) -> tuple[list[Slot], list[int]]:
         """The reading slots this window takes, starting after the last one the previous window took (slots
         take turns), while the padded tokens fit the budget (the first always fits: see the module docstring)."""
-        if not reading or max_prompts == 0:
+        if not reading:
             return [], []
         start = self._turn % len(reading)
         order = reading[start:] + reading[:start]
         taken, chunks = [], []
         for s in order:
             c = chunk_of(s, self.max_chunk)
-            if taken and (used + prompt_cost(len(taken) + 1, max(chunks + [c]), self.max_chunk) > self.batch_tokens
-                          or (max_prompts is not None and len(taken) >= max_prompts)):
+            if packed:
+                cost = bucket(used + sum(chunks) + c, self.min_rows)
+            else:
+                cost = used + bucket(len(taken) + 1, 1) * min(bucket(max(chunks + [c]), 16), self.max_chunk)
+            if taken and cost > self.batch_tokens:
                 break
             taken.append(s)
             chunks.append(c)
         self._turn = start + len(taken)          # the next window starts with the first slot left out
         return taken, chunks
 
+    def window_of(self, decode: list[Slot], prompts: list[Slot], chunks: list[int]) -> Window:
+        """A window of exactly these rows, without drafts (the engine's smaller windows after an out-of-memory)."""
+        return self._window(decode, prompts, chunks, None)
+
     def narrow(self, w: Window, prompts: int, pad: bool = False, drafts: bool = True) -> Window | None:
         """A smaller window of w (while w's programs are built off the engine thread): its decode rows (as a
-        plain decode group if not `drafts`) and its first `prompts` prompt chunks, padded to a whole chunk if
-        `pad`. The chunks are the same (the prompt's boundaries do not move); None if nothing is left."""
-        groups, needed, window_drafts = [], 0, None
-        if w.decode:
-            if drafts and w.drafts is not None:
-                window_drafts = w.drafts
-                groups.append(w.groups[0])
-                needed = max(s.n_past + 1 + len(d) for s, d in zip(w.decode, w.drafts))
-            else:
-                groups.append(decode_group(w.decode, self.min_rows))
-                needed = max(s.n_past + 1 for s in w.decode)
-        slots, chunks = w.prefills[:prompts], w.chunks[:prompts]
-        if slots:
-            g = prefill_group(slots, chunks, self.max_chunk)
-            if pad and g.tokens.shape[1] < self.max_chunk:
-                g = _padded(g, self.max_chunk)
-            groups.append(g)
-            needed = max([needed] + [s.n_past + c for s, c in zip(slots, chunks)])
-        if not groups:
-            return None
-        return Window(w.decode, slots, chunks, groups, needed, window_drafts)
+        plain decode group if not `drafts`) and its first `prompts` prompt chunks (in a grouped window padded
+        to a whole chunk if `pad`). The chunks are the same (a prompt's boundaries do not move); None if
+        nothing is left."""
+        return self._window(w.decode, w.prefills[:prompts], w.chunks[:prompts], w.drafts if drafts else None,
+                            w.verify_len, pad)
 
     def took(self, planned: Window, ran: Window) -> None:
         """The window run instead of `planned` left some of its prompts out: they get the next turns."""
@@ -203,4 +242,3 @@ def _padded(g: GroupInput, length: int) -> GroupInput:
     pos = np.full((R, length), -1, np.int32)
     tokens[:, :L], pos[:, :L] = g.tokens, g.pos
     return GroupInput(tokens, pos, g.slots, g.sampling)
-

@@ -139,7 +139,10 @@ class LayerStepper:
         programs, the head, then each kind's predict (with prefetch) and dense programs."""
         stages = (["embed", *self.kinds("attn"), *self.kinds("experts"), "head"]
                   + self.kinds("predict") * self.prefetch + self.kinds("dense"))
-        return [replace(layout, stage=s, kv_len=layout.kv_len if s.partition(".")[0] in ("attn", "dense") else 0)
+        # only the head reads a packed window's picks: the other stages' layouts leave them out
+        plain = tuple((r, n, a, 0) for r, n, a, _ in layout.groups)
+        return [replace(layout, stage=s, kv_len=layout.kv_len if s.partition(".")[0] in ("attn", "dense") else 0,
+                        groups=layout.groups if s == "head" else plain)
                 for s in stages]
 
     def run(self, groups, layout: Layout):
@@ -157,6 +160,7 @@ class LayerStepper:
         kind_of = self.kind_of
         k, h = self.spec.n_experts_used, self.spec.hidden
         gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits) for g in groups)
+        heads = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits, g.picks) for g in groups)   # the head's
         decode = all(g.tokens.shape[1] == 1 for g in groups)            # no prompt chunk in the window
         reals = [np.asarray(g.pos).reshape(-1) >= 0 for g in groups]      # [R*L] per group: real tokens
         xs = progs.run(stage["embed"], self.embed_p, tuple(g.tokens for g in groups))
@@ -183,16 +187,17 @@ class LayerStepper:
                 xs, ys = progs.run(experts_l, self.moe_p[i], self.arena_tree(i), table, parts, ys)
             if self.prefetch and i + 1 in self.predict_p:
                 guess = progs.run(stage[kind_of["predict"][i + 1]], self.predict_p[i + 1], xs)
-        return progs.run(stage["head"], self.head_p, gs, xs)
+        return progs.run(stage["head"], self.head_p, heads, xs)
 
     def build(self, layout: Layout):
         spec, opts = self.spec, self.opts
         dtype = jnp.dtype(opts.dtype)
         S = jax.ShapeDtypeStruct
         k, h = spec.n_experts_used, spec.hidden
-        groups = tuple(Group(S((r, n), jnp.int32), S((r, n), jnp.int32), S((r,), jnp.int32), a)
-                       for r, n, a in layout.groups)
-        xs = [S((r, n, h), dtype) for r, n, _ in layout.groups]
+        groups = tuple(Group(S((r, n), jnp.int32), S((r, n), jnp.int32), S((r,), jnp.int32), a,
+                             S((e,), jnp.int32) if e else None)
+                       for r, n, a, e in layout.groups)
+        xs = [S((r, n, h), dtype) for r, n, _, _ in layout.groups]
         if layout.stage == "embed":
             fn = jax.jit(lambda p, tokens: embed_stage(p, opts, tokens))
             return fn.lower(_sds(self.embed_p), tuple(g.tokens for g in groups)).compile()
@@ -213,8 +218,8 @@ class LayerStepper:
             return fn.lower(_sds(self.dense_p[first]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
         if base == "experts":
             parts = [(S((r, n, h), dtype), S((r * n, h), dtype), S((r * n, k), jnp.float32), S((r * n, k), jnp.int32))
-                     for r, n, _ in layout.groups]
-            ys = [S((r * n, k, h), jnp.float32) for r, n, _ in layout.groups]
+                     for r, n, _, _ in layout.groups]
+            ys = [S((r * n, k, h), jnp.float32) for r, n, _, _ in layout.groups]
             fn = jax.jit(lambda lp, arena, table, parts, ys: experts_stage(lp, arena, table, spec, opts, parts, ys),
                          donate_argnums=(4,))
             return fn.lower(_sds(self.moe_p[first]), _sds(self.arena_tree(first)),

@@ -73,13 +73,17 @@ class Group:
     pos: jax.Array           # [R, L] int32, -1: padding (real tokens first)
     slots: jax.Array         # [R] int32
     all_logits: bool = False  # static: logits of every token, else of each row's last real token
+    # [E] int32, or None: logits of these of the R * L tokens only (a packed window: the cpu backend's tokens
+    # one a row, decode rows and prompt chunks together; engine/scheduler.py)
+    picks: jax.Array | None = None
 
     def tree_flatten(self):
-        return (self.tokens, self.pos, self.slots), (self.all_logits,)
+        return (self.tokens, self.pos, self.slots, self.picks), (self.all_logits,)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        tokens, pos, slots, picks = children
+        return cls(tokens, pos, slots, aux[0], picks)
 
 
 jax.tree_util.register_pytree_node_class(Group)
@@ -107,15 +111,7 @@ def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group
             xs, cache = _layer(lp, i, spec, opts, groups, xs, cache, kv_len, host)
         else:
             xs, cache, counts = _layer(lp, i, spec, opts, groups, xs, cache, kv_len, host, counts)
-    out, hiddens = [], []
-    for x, g in zip(xs, groups):
-        x = rms_norm(x, params["norm"], spec.rms_eps)
-        hiddens.append(x)                                                              # [R, L, h]
-        if not g.all_logits:
-            R = x.shape[0]
-            last = jnp.maximum(jnp.sum(g.pos >= 0, axis=1) - 1, 0)
-            x = x[jnp.arange(R), last]                                                 # [R, h]
-        out.append(linear(x, params["output"], opts.backend).astype(jnp.float32))
+    out, hiddens = head_stage(params, spec, opts, groups, xs, with_hidden=True)
     ret = (out, hiddens, cache) if with_hidden else (out, cache)
     return ret if counts is None else (*ret, counts)
 
@@ -329,8 +325,10 @@ def head_stage(params: dict, spec: ModelSpec, opts: RunOptions, groups, xs, with
     out, hiddens = [], []
     for x, g in zip(xs, groups):
         x = rms_norm(x, params["norm"], spec.rms_eps)
-        hiddens.append(x)
-        if not g.all_logits:
+        hiddens.append(x)                                                              # [R, L, h]
+        if g.picks is not None:
+            x = x.reshape(-1, x.shape[-1])[g.picks]                                    # [E, h]
+        elif not g.all_logits:
             R = x.shape[0]
             last = jnp.maximum(jnp.sum(g.pos >= 0, axis=1) - 1, 0)
             x = x[jnp.arange(R), last]                                                 # [R, h]

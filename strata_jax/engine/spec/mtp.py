@@ -107,12 +107,12 @@ class MtpDrafter:
         """The layer over rows of positions -> (draft [R], probability [R]) as numpy, hidden_out [R, h]."""
         r = self.runner
         R, L = tokens.shape
-        layout = Layout(((R, L, True),), r.kv_bucket(int(pos.max()) + 1), stage="mtp")
+        layout = Layout(((R, L, True, 0),), r.kv_bucket(int(pos.max()) + 1), stage="mtp")
         tok, prob, out, r.cache = r.programs.run(layout, self.params, r.cache, hidden, tokens, pos, slots)
         return np.asarray(tok), np.asarray(prob), out
 
     def _build(self, layout: Layout):
-        (R, L, _), = layout.groups
+        (R, L, _, _), = layout.groups
         spec, opts, kv_len, host = self.spec, self.runner.opts, layout.kv_len, self.runner.kv_host
 
         def program(params, cache, hidden, tokens, pos, slots):
