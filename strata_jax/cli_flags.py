@@ -23,6 +23,9 @@ HELP = {
     "expert_cache": "experts on the device: auto or a number of expert slots",
     "expert_profile": "expert hotness file: preload and pin the hottest experts",
     "expert_policy": "device expert cache eviction: freq (frequency-aware LRU) or lru",
+    "host_experts": "a window's layer whose experts miss the device cache computes them where they live, from the "
+                    "host tier's GGUF blocks with the CPU expert kernel, instead of copying them in (auto: by the cost "
+                    "rule printed at start; on, off)",
     "expert_prefetch": "copy the experts the next layer will likely need into the device cache ahead of it",
     "resident_budget_gib": "host RAM for experts, GiB",
     "pool_workers": "file-tier reader threads",

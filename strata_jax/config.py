@@ -46,6 +46,7 @@ class EngineConfig:
     expert_profile: str | None = None    # expert hotness file to preload and pin
     expert_policy: str = "freq"          # device expert cache eviction: freq (frequency-aware LRU) | lru
     expert_prefetch: bool = False        # copy the experts the next layer will likely need ahead of it
+    host_experts: str = "auto"           # compute a layer's experts from the host tier's blocks when the device cache misses
     resident_budget_gib: float | None = None   # host RAM for experts (None: all of them)
     pool_workers: int = 4                # reader threads for the file tier
     vram_reserve_mib: int = 700          # device memory kept free
@@ -105,6 +106,7 @@ class EngineConfig:
             except (TypeError, ValueError):
                 raise ConfigError(f"expert_cache = {self.expert_cache!r}: must be auto or a number of expert slots") from None
             need(self.expert_cache >= 0, "expert_cache", self.expert_cache, "must be auto or >= 0")
+        need(self.host_experts in ("auto", "on", "off"), "host_experts", self.host_experts, "must be auto, on or off")
         need(self.expert_policy in EXPERT_POLICIES, "expert_policy", self.expert_policy,
              f"must be one of {', '.join(EXPERT_POLICIES)} (freq: frequency-aware LRU, the default; lru: plain LRU)")
         need(self.resident_budget_gib is None or self.resident_budget_gib >= 0, "resident_budget_gib",

@@ -16,7 +16,7 @@ from strata_jax.experts.policy import FreqLRUPolicy, LRUPolicy, make_policy
 
 MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2, "expert_ffn": 32}
 QWEN2MOE = dict(MOE, arch="qwen2moe", shared_ffn=48)
-BASE = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False}
+BASE = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False, "host_experts": "off"}   # the arena itself
 
 
 def _prompts(n=2, seed=0, lengths=(21, 6)):
@@ -74,6 +74,32 @@ def test_device_cache_gives_the_same_bits(reference, arch, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("decode expert cache hit rate: ") and "lookups" in line for line in lines)
     assert any(line.startswith("resident RAM: ") and "blob reads from the file" in line for line in lines)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_host_experts_give_the_same_bits_as_arena_experts(reference, arch):
+    """--host-experts on (the CPU default, auto): a layer whose experts miss the device cache computes them
+    from the host tier's blocks (the GGUF file's own pages) with the same kernel: the logits and answers
+    are the bits of every expert on the device and of the arena, and nothing is copied into the arena."""
+    path, logits, answers = reference[arch]
+    base = dict(BASE, host_experts="on")
+    with Engine.from_gguf(path, EngineConfig(**base, expert_cache=3)) as eng:
+        assert eng.runner.expert_mode == "arena" and eng.runner.stepper.host_trees is not None
+        assert np.array_equal(eng.logits(_prompts()[0]), logits)
+        assert _answers(eng, _prompts()) == answers
+        st = eng.stats()["experts"]
+        assert "hexperts" in _stages(eng)
+    assert st["host_computed"] > 0 and st["host_layers"] > 0
+    assert st["lookups"] == st["hits"] + st["host_computed"] + st["misses_host"] + st["misses_file"]
+    assert st["exchanged"] == 0 and st["bytes_moved"] == 0      # no expert was copied into the arena
+    with Engine.from_gguf(path, EngineConfig(**dict(BASE, host_experts="auto"), expert_cache=3)) as eng:
+        assert eng.runner.stepper.host_trees is not None          # auto on a CPU device: on (runner._host_experts)
+
+
+def test_host_experts_on_where_they_cannot_run_is_a_clear_error(reference):
+    path = reference["qwen3moe"][0]
+    with pytest.raises(Exception, match="host_experts = on: .*cpu backend with weights = blocks"):
+        Engine.from_gguf(path, EngineConfig(**dict(BASE, host_experts="on", weights="dequantized"), expert_cache=3))
 
 
 def _stages(eng) -> list[str]:
@@ -159,7 +185,7 @@ def test_upcycled_smollm2_device_cache(tmp_path):
     from strata_jax.testing.upcycle import upcycle
 
     path = upcycle(smollm2_path(), tmp_path / "smollm2-8x2.gguf", experts=8, top_k=2)
-    base = {"parallel": 1, "max_context": 32, "prefill": 16, "warmup": False, "weights": "blocks"}
+    base = {"parallel": 1, "max_context": 32, "prefill": 16, "warmup": False, "weights": "blocks", "host_experts": "off"}
     with Engine.from_gguf(path, EngineConfig(**base)) as eng:
         assert eng.stats()["experts"].get("all_on_device") == 1
         ids = eng.prompt_ids("The capital of France is")

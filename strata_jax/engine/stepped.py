@@ -51,7 +51,7 @@ from ..model.transformer import (
 )
 from .programs import Layout
 
-KINDED = ("attn", "experts", "predict", "dense")     # stages built once per kind of layer
+KINDED = ("attn", "experts", "hexperts", "predict", "dense")     # stages built once per kind of layer
 
 
 def predict_stage(p: dict, spec, opts, xs) -> list:
@@ -93,7 +93,7 @@ def group_kinds(stage: str, trees: dict[int, object]) -> tuple[dict[int, str], d
 
 class LayerStepper:
     def __init__(self, runner, arena: ExpertArena, qtypes: dict[int, dict[str, str | None]],
-                 expert_shapes: dict[int, dict[str, tuple]]):
+                 expert_shapes: dict[int, dict[str, tuple]], host_trees: dict[int, dict] | None = None):
         self.runner = runner
         self.arena = arena
         self.spec, self.opts = runner.spec, runner.opts
@@ -112,7 +112,11 @@ class LayerStepper:
                           for i, lp in self.attn_p.items()}
         # One program a kind of layer and stage (see the module docstring): kind_of[stage][layer] is the stage
         # name that layer's program runs under, first_of[that name] the layer its program is built for.
+        # --host-experts: each layer's every expert as the host tier's blocks (runner._host_experts)
+        self.host_trees = host_trees
+        self.identity = np.arange(self.spec.n_experts, dtype=np.int32)     # expert -> itself: all present
         trees = {"attn": self.attn_p, "experts": {i: (self.moe_p[i], self.arena_tree(i)) for i in self.moe},
+                 "hexperts": {i: (self.moe_p[i], host_trees[i]) for i in self.moe} if host_trees else {},
                  "predict": self.predict_p, "dense": self.dense_p}
         self.kind_of: dict[str, dict[int, str]] = {}
         self.first_of: dict[str, int] = {}
@@ -137,7 +141,7 @@ class LayerStepper:
     def stage_layouts(self, layout: Layout) -> list[Layout]:
         """Every program one window of `layout` may run: the embedding, each kind's attention and experts
         programs, the head, then each kind's predict (with prefetch) and dense programs."""
-        stages = (["embed", *self.kinds("attn"), *self.kinds("experts"), "head"]
+        stages = (["embed", *self.kinds("attn"), *self.kinds("experts"), *self.kinds("hexperts"), "head"]
                   + self.kinds("predict") * self.prefetch + self.kinds("dense"))
         # only the head reads a packed window's picks: the other stages' layouts leave them out
         plain = tuple((r, n, a, 0) for r, n, a, _ in layout.groups)
@@ -182,9 +186,16 @@ class LayerStepper:
             if self.trace is not None:
                 self.trace.append(("lookup", i, ids, decode))
             ys = [np.zeros((p[3].shape[0], k, h), np.float32) for p in parts]   # host zeros: no eager op a layer
-            experts_l = stage[kind_of["experts"][i]]
-            for table in self.arena.passes(i, ids, counters, decode):
-                xs, ys = progs.run(experts_l, self.moe_p[i], self.arena_tree(i), table, parts, ys)
+            if self.host_trees is not None and self.arena.missing(i, ids):
+                # computed where they live: every routed expert of the layer from the host tier's blocks, the
+                # same kernel on the same blocks as from the arena (the same bits), nothing copied in
+                self.arena.count_host(i, ids, counters, decode)
+                xs, ys = progs.run(stage[kind_of["hexperts"][i]], self.moe_p[i], self.host_trees[i], self.identity,
+                                   parts, ys)
+            else:
+                experts_l = stage[kind_of["experts"][i]]
+                for table in self.arena.passes(i, ids, counters, decode):
+                    xs, ys = progs.run(experts_l, self.moe_p[i], self.arena_tree(i), table, parts, ys)
             if self.prefetch and i + 1 in self.predict_p:
                 guess = progs.run(stage[kind_of["predict"][i + 1]], self.predict_p[i + 1], xs)
         return progs.run(stage["head"], self.head_p, heads, xs)
@@ -216,14 +227,14 @@ class LayerStepper:
             fn = jax.jit(lambda lp, i, cache, gs, xs: dense_stage(lp, i, spec, opts, gs, xs, cache, kv),
                          donate_argnums=(2,))
             return fn.lower(_sds(self.dense_p[first]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
-        if base == "experts":
+        if base in ("experts", "hexperts"):
+            tree = self.arena_tree(first) if base == "experts" else self.host_trees[first]
             parts = [(S((r, n, h), dtype), S((r * n, h), dtype), S((r * n, k), jnp.float32), S((r * n, k), jnp.int32))
                      for r, n, _, _ in layout.groups]
             ys = [S((r * n, k, h), jnp.float32) for r, n, _, _ in layout.groups]
             fn = jax.jit(lambda lp, arena, table, parts, ys: experts_stage(lp, arena, table, spec, opts, parts, ys),
                          donate_argnums=(4,))
-            return fn.lower(_sds(self.moe_p[first]), _sds(self.arena_tree(first)),
-                            S((spec.n_experts,), jnp.int32), parts, ys).compile()
+            return fn.lower(_sds(self.moe_p[first]), _sds(tree), S((spec.n_experts,), jnp.int32), parts, ys).compile()
         if base == "predict":
             fn = jax.jit(lambda p, xs: predict_stage(p, spec, opts, xs))
             return fn.lower(_sds(self.predict_p[first]), xs).compile()

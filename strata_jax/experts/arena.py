@@ -114,6 +114,28 @@ class ExpertArena:
             self._load(layer, [e for e in chunk if slot_of[e] < 0], set(chunk), counters)
             yield self.tables[layer]
 
+    def missing(self, layer: int, ids: np.ndarray) -> int:
+        """How many distinct experts of `ids` are not in the device arena."""
+        return int(np.sum(self.slot_of[layer][np.unique(ids)] < 0))
+
+    def count_host(self, layer: int, ids: np.ndarray, counters: ExpertCounters, decode: bool) -> None:
+        """The lookups of a layer whose experts are computed from the host tier's blocks (--host-experts):
+        counted (and the policy told) as passes() counts them, nothing copied in."""
+        self.clock += 1
+        needed = [int(e) for e in np.unique(ids)]
+        hits = sum(1 for e in needed if self.slot_of[layer][e] >= 0)
+        counters.routed += int(ids.size)
+        counters.lookups += len(needed)
+        counters.hits += hits
+        counters.host_computed += len(needed) - hits
+        counters.host_layers += 1
+        if decode:
+            counters.decode_lookups += len(needed)
+            counters.decode_hits += hits
+            counters.decode_misses += len(needed) - hits
+        self.policies[layer].access(needed, self.clock)
+        self.fresh[layer].clear()
+
     def pin(self, layer: int, experts: list[int]) -> None:
         """Bring `experts` in now and keep them for good (at least one slot always stays unpinned)."""
         room = self.n_slots - 1 - len(self.pinned[layer])

@@ -22,6 +22,8 @@ class ExpertCounters:
     passes: int = 0            # extra passes: a layer that needed more experts than the arena has slots
     prefetched: int = 0        # experts copied in ahead of their layer by prefetch (not in lookups)
     prefetch_hits: int = 0     # lookups that found an expert prefetch had brought (counted in hits too)
+    host_computed: int = 0     # lookups computed from the host tier's blocks (--host-experts), not copied in
+    host_layers: int = 0       # (window, layer) pairs whose experts were computed there
 
     def add(self, other: ExpertCounters) -> None:
         for f in fields(self):
