@@ -91,7 +91,8 @@ def test_host_experts_give_the_same_bits_as_arena_experts(reference, arch):
         assert "hexperts" in _stages(eng)
     assert st["host_computed"] > 0 and st["host_layers"] > 0
     assert st["lookups"] == st["hits"] + st["host_computed"] + st["misses_host"] + st["misses_file"]
-    assert st["exchanged"] == 0 and st["bytes_moved"] == 0      # no expert was copied into the arena
+    assert st["evictions"] == 0                                 # misses go to free slots only, never evict
+    assert st["exchanged"] <= 3 * 2 and st["hits"] > 0          # the 3 slots a layer filled once, then hit
     with Engine.from_gguf(path, EngineConfig(**dict(BASE, host_experts="auto"), expert_cache=3)) as eng:
         assert eng.runner.stepper.host_trees is not None          # auto on a CPU device: on (runner._host_experts)
 

@@ -135,6 +135,15 @@ class ExpertArena:
             counters.decode_misses += len(needed) - hits
         self.policies[layer].access(needed, self.clock)
         self.fresh[layer].clear()
+        # Free slots still take the missed experts (never an eviction: that copy is the cost the host
+        # path avoids), so an arena with room for them all fills and its later windows hit.
+        free = int(np.sum(self.expert_in[layer] < 0))
+        if free:
+            miss = [e for e in needed if self.slot_of[layer][e] < 0][:free]
+            tiers = [self.host.tier_of(layer, e) for e in miss]
+            self._load(layer, miss, set(needed), counters)
+            counters.misses_host -= tiers.count("host")       # these lookups are counted as host_computed above
+            counters.misses_file -= tiers.count("file")
 
     def pin(self, layer: int, experts: list[int]) -> None:
         """Bring `experts` in now and keep them for good (at least one slot always stays unpinned)."""
