@@ -86,7 +86,9 @@ def test_replay(server, tmp_path):
     assert report["settings"]["max_context"] == 512          # learned from the server: no --max-context given
     # a turn a user at least: on a loaded machine the first turns (which build programs) may fill the 9 s
     assert report["requests"] >= 3 and report["failed"] == 0 and report["engine_restarts"] == 0
-    assert report["conversations"] >= 3 and report["context_retries"] == 0
+    # without --tokenizer the prompt estimate is a heuristic: a conversation near the context's end may be
+    # refused as too long; it is trimmed and retried (never counted as failed), and that must stay rare
+    assert report["conversations"] >= 3 and report["context_retries"] <= report["requests"] // 4
     assert 0 < report["ttft_p50_s"] <= report["ttft_p95_s"] and 0 < report["latency_p50_s"] <= report["latency_p95_s"]
     assert report["ttft_p50_s"] <= report["latency_p50_s"]
     assert report["prefix_reuse"] is not None and 0 <= report["prefix_reuse"] <= 1

@@ -28,11 +28,25 @@ def plain_model(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(plain_model):
-    # Engine process 1 exits at its 30th window; engine process 2 (after the restart) does not.
+    # Engine process 1 exits at its 30th window, each window 20 ms long (so the requests below are all in by
+    # then, on a machine of any speed); engine process 2 (after the restart) does neither.
     args = [str(plain_model), "--parallel", "3", "--max-context", "256", "--request-timeout-s", "60"]
-    with ServerProcess(args, env={"STRATA_FAULT": "exit:30@1"}, api_key=KEY) as srv:
+    with ServerProcess(args, env={"STRATA_FAULT": "exit:30@1,slow:20@1"}, api_key=KEY) as srv:
         srv.wait_ready()
+        _wait_for_background_builds(srv)         # windows then run whole, so the 30th lands where it should
         yield srv
+
+
+def _wait_for_background_builds(srv, timeout: float = 120.0) -> None:
+    """Until the engine's builder thread has built the warm-up's queued programs (strata_programs_building 0)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        text = httpx.get(srv.url + "/metrics", headers=srv.headers, timeout=10).text
+        line = next((ln for ln in text.splitlines() if ln.startswith("strata_programs_building")), None)
+        if line is not None and float(line.split()[-1]) == 0:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the engine's background builds did not finish")
 
 
 def test_api_key_guards_every_route_but_health(server):
@@ -81,7 +95,7 @@ def test_engine_exit_mid_stream_fails_in_flight_and_serves_the_rest(server):
     threads = [threading.Thread(target=f, args=(i,)) for i, f in enumerate([stream, stream, whole, whole])]
     for t in threads:
         t.start()
-        time.sleep(0.3)
+        time.sleep(0.1)          # 5 windows apart (slow:20)
     for t in threads[:3]:
         t.join(60)
 

@@ -90,6 +90,9 @@ class ProgramCache:
         self._todo: queue.Queue[Layout | None] = queue.Queue()
         self._built: queue.Queue[tuple[Layout, Any, float, BaseException | None]] = queue.Queue()
         self._builder: threading.Thread | None = None
+        self._lock = threading.Lock()                  # _current and _taken, shared with the builder thread
+        self._current: Layout | None = None            # the layout the builder thread is compiling
+        self._taken: set[Layout] = set()               # queued ones the engine thread built itself: skipped
         self._failed: dict[Layout, Exception] = {}      # the builder thread's errors, met when a window needs the layout
 
     def __len__(self) -> int:
@@ -101,7 +104,15 @@ class ProgramCache:
 
     def get(self, layout: Layout) -> Program:
         if layout in self._queued:
-            self._wait_built(layout)          # the builder thread has it: compiling it here too would waste the cores
+            self.collect()
+        if layout in self._queued:
+            with self._lock:
+                begun = self._current == layout
+                if not begun:                 # still queued: built here now, not after the builds ahead of it
+                    self._taken.add(layout)
+                    self._queued.discard(layout)
+            if begun:
+                self._wait_built(layout)      # being compiled: compiling it here too would waste the cores
         prog = self.programs.get(layout)
         if prog is not None:
             self.programs.move_to_end(layout)
@@ -137,9 +148,6 @@ class ProgramCache:
             self._builder.start()
         self._todo.put(layout)
 
-    def building(self) -> int:
-        """Layouts queued or compiling on the builder thread."""
-        return len(self._queued)
 
     def collect(self) -> int:
         """On the engine thread: add the programs the builder thread finished to the cache -> how many. A
@@ -190,6 +198,11 @@ class ProgramCache:
             layout = self._todo.get()
             if layout is None:
                 return
+            with self._lock:
+                if layout in self._taken:    # the engine thread needed it first and built it
+                    self._taken.discard(layout)
+                    continue
+                self._current = layout
             t0 = time.perf_counter()
             try:
                 if self._faults is not None:
@@ -197,6 +210,8 @@ class ProgramCache:
                 compiled, err = self._build(layout), None
             except Exception as e:  # noqa: BLE001 - reported to the engine thread by collect
                 compiled, err = None, e
+            with self._lock:
+                self._current = None
             self._built.put((layout, compiled, time.perf_counter() - t0, err))
 
     def run(self, layout: Layout, *args):
@@ -290,7 +305,7 @@ class ProgramCache:
         """Counters and live programs; safe to call from any thread (list() of a dict is atomic)."""
         progs = list(self.programs.items())
         return {"live": len(progs), "built": self.stats.built, "compiles": self.stats.compiles,
-                "building": len(self._queued),
+                "building": max(0, len(self._queued) - self._built.qsize()),   # not yet compiled
                 "too_big": len(self.too_big), "evicted": self.stats.evicted,
                 "oom_recoveries": self.stats.oom_recoveries, "bytes": sum(p.nbytes for _, p in progs),
                 "max": self.max_programs, "build_seconds": round(self.stats.build_seconds, 3),

@@ -62,7 +62,7 @@ class _EngineCollector:
     """Gauges from the supervisor's snapshot: {"up", "generation", "slots", "busy_slots", "queued",
     "stats": the engine's latest stats()}."""
 
-    PROGRAMS = ("live", "built", "evicted", "oom_recoveries", "bytes")
+    PROGRAMS = ("live", "built", "building", "evicted", "oom_recoveries", "bytes")
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]):
         self._snapshot = snapshot

@@ -248,14 +248,15 @@ def _exit_with_error(reason: str) -> None:
 
 
 def _in_build(thread: threading.Thread) -> bool:
-    """Whether `thread` is building a program now: a frame of our ProgramCache._build_one, or of JAX lowering
+    """Whether `thread` is building a program now: a frame of our ProgramCache._build_one (or _wait_built, the
+    same build on the builder thread), or of JAX lowering
     or compiling (a jit's first call, e.g. the sampler's for a new row count), is on its stack. Running a
     program is not building one: its frames (pxla's ExecuteReplicated) match neither."""
     frame = sys._current_frames().get(thread.ident)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "_build_one" and code.co_filename.endswith("programs.py"):
-            return True
+        if code.co_name in ("_build_one", "_wait_built") and code.co_filename.endswith("programs.py"):
+            return True                        # _wait_built: waiting for the builder thread's compile of it
         if f"jax{os.sep}_src{os.sep}" in code.co_filename and ("compil" in code.co_name or "lower" in code.co_name):
             return True
         frame = frame.f_back

@@ -10,6 +10,8 @@
                                     keeps its heartbeat: the watchdog must see that it makes no progress)
     STRATA_FAULT="plan_error:3"     the 3rd planned window raises a RuntimeError before it runs (a bug in the loop)
     STRATA_FAULT="loop_death:3"     the 3rd window ends the engine loop's thread (a BaseException no handler takes)
+    STRATA_FAULT="slow:20"          every window takes 20 ms longer (a slow device: tests that need a request to
+                                    be in flight for a while, whatever the machine's speed)
     several, comma-separated: "build_oom:2,exit:40"
 
 Counts are per engine process, so a restarted engine (a new process) starts again from zero unless the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import jax
 
@@ -41,14 +44,14 @@ class Faults:
             generation = int(os.environ.get("STRATA_ENGINE_GENERATION", "1"))
         self.rules: dict[str, tuple[int, bool]] = {}
         self.counts = {"build_oom": 0, "run_oom": 0, "exit": 0, "oom_rows": 0, "block": 0, "plan_error": 0,
-                       "loop_death": 0}
+                       "loop_death": 0, "slow": 0}
         spec = os.environ.get(ENV, "") if spec is None else spec
         for part in filter(None, (p.strip() for p in spec.split(","))):
             kind, _, rest = part.partition(":")
             rest, _, only = rest.partition("@")
             if kind not in self.counts or not rest.rstrip("+").isdigit():
                 raise ValueError(f"{ENV}: cannot read {part!r}; use build_oom:N, run_oom:N, exit:N, oom_rows:N, "
-                                 "block:N, plan_error:N or loop_death:N "
+                                 "block:N, plan_error:N, loop_death:N or slow:MS "
                                  "(N+ for every time from the N-th, @G for engine generation G only)")
             if only and int(only) != generation:
                 continue
@@ -68,6 +71,8 @@ class Faults:
             raise resource_exhausted(f"injected by {ENV}: a window of {rows} rows does not fit")
 
     def on_window(self) -> None:
+        if "slow" in self.rules:
+            time.sleep(self.rules["slow"][0] / 1000)
         if self._hit("exit"):
             print(f"ERR window {self.counts['exit']}: injected engine exit ({ENV})", file=sys.stderr, flush=True)
             sys.stdout.flush()
