@@ -33,20 +33,10 @@ def server(plain_model):
     args = [str(plain_model), "--parallel", "3", "--max-context", "256", "--request-timeout-s", "60"]
     with ServerProcess(args, env={"STRATA_FAULT": "exit:30@1,slow:20@1"}, api_key=KEY) as srv:
         srv.wait_ready()
-        _wait_for_background_builds(srv)         # windows then run whole, so the 30th lands where it should
+        srv.wait_built()                         # windows then run whole, so the 30th lands where it should
         yield srv
 
 
-def _wait_for_background_builds(srv, timeout: float = 120.0) -> None:
-    """Until the engine's builder thread has built the warm-up's queued programs (strata_programs_building 0)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        text = httpx.get(srv.url + "/metrics", headers=srv.headers, timeout=10).text
-        line = next((ln for ln in text.splitlines() if ln.startswith("strata_programs_building")), None)
-        if line is not None and float(line.split()[-1]) == 0:
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the engine's background builds did not finish")
 
 
 def test_api_key_guards_every_route_but_health(server):

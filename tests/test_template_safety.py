@@ -226,7 +226,8 @@ def servers(think_model):
     with ExitStack() as stack:
         plain = stack.enter_context(ServerProcess(args))
         trusted = stack.enter_context(ServerProcess([*args, "--trust-request-chat-template"]))
-        yield plain.wait_ready(), trusted.wait_ready()
+        # the background compiles done first: a hostile template's render times race its limits
+        yield plain.wait_ready().wait_built(), trusted.wait_ready().wait_built()
 
 
 @pytest.fixture(scope="module")

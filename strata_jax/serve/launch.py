@@ -70,6 +70,18 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"the server was not ready in {timeout:.0f} s:\n{self.log()}")
 
+    def wait_built(self, timeout: float = 180.0) -> ServerProcess:
+        """Until the engine's builder thread has compiled the programs the warm-up queued
+        (strata_programs_building 0 in /metrics): tests whose timing the background compiles would disturb."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
+            line = next((ln for ln in text.splitlines() if ln.startswith("strata_programs_building")), None)
+            if line is not None and float(line.split()[-1]) == 0:
+                return self
+            time.sleep(0.2)
+        raise TimeoutError(f"the engine's background builds did not finish in {timeout:.0f} s:\n{self.log()}")
+
     def wait_up(self, timeout: float = 60.0) -> ServerProcess:
         """Until the server answers HTTP at all (ready or not)."""
         end = time.monotonic() + timeout
