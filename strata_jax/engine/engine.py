@@ -151,7 +151,7 @@ class Engine:
         what they time) -> whether it did within the timeout."""
         self._ensure_thread()
         end = time.monotonic() + timeout
-        while self.runner.programs._queued:           # queued, or compiled and not yet taken in by the loop
+        while self.runner.programs.pending:           # queued, or compiled and not yet taken in by the loop
             if time.monotonic() > end:
                 return False
             self._wake.set()

@@ -138,6 +138,11 @@ class ProgramCache:
     def ready(self, layout: Layout) -> bool:
         return layout in self.programs
 
+    @property
+    def pending(self) -> int:
+        """Layouts given to the builder thread and not yet taken into the cache by `collect`."""
+        return len(self._queued)
+
     def build_later(self, layout: Layout) -> None:
         """Compile `layout` on the builder thread (once; `collect` adds it to the cache)."""
         if layout in self.programs or layout in self._queued or layout in self._failed:
