@@ -26,6 +26,9 @@ HELP = {
     "host_experts": "a window's layer whose experts miss the device cache computes them where they live, from the "
                     "host tier's GGUF blocks with the CPU expert kernel, instead of copying them in (auto: by the cost "
                     "rule printed at start; on, off)",
+    "layer_step": "expert tiers: auto runs a window as one program whenever its experts are where one program can "
+                  "read them (every routed expert in the device cache, or the host tier's blocks with --host-experts), "
+                  "else layer by layer; always: every window layer by layer",
     "expert_prefetch": "copy the experts the next layer will likely need into the device cache ahead of it",
     "resident_budget_gib": "host RAM for experts, GiB",
     "pool_workers": "file-tier reader threads",

@@ -16,7 +16,8 @@ from strata_jax.experts.policy import FreqLRUPolicy, LRUPolicy, make_policy
 
 MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2, "expert_ffn": 32}
 QWEN2MOE = dict(MOE, arch="qwen2moe", shared_ffn=48)
-BASE = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False, "host_experts": "off"}   # the arena itself
+# the arena itself, every window layer by layer (the one-program window has tests of its own)
+BASE = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False, "host_experts": "off", "layer_step": "always"}
 
 
 def _prompts(n=2, seed=0, lengths=(21, 6)):
@@ -95,6 +96,40 @@ def test_host_experts_give_the_same_bits_as_arena_experts(reference, arch):
     assert st["exchanged"] <= 3 * 2 and st["hits"] > 0          # the 3 slots a layer filled once, then hit
     with Engine.from_gguf(path, EngineConfig(**dict(BASE, host_experts="auto"), expert_cache=3)) as eng:
         assert eng.runner.stepper.host_trees is not None          # auto on a CPU device: on (runner._host_experts)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_one_program_windows_give_the_same_bits_and_counts(reference, arch):
+    """--layer-step auto (stepped.py, resident_window): with host experts every window runs as ONE program
+    (a layer with a miss computes from the host blocks inside it), with the bits of every expert on the
+    device and the same expert counters as the same windows layer by layer. Without host experts, an arena
+    that holds every expert runs one program a window once its windows stop missing; a window tried as one
+    program that meets a miss after all is run again layer by layer (counted in `redone`), same bits."""
+    path, logits, answers = reference[arch]
+    stats = {}
+    for step in ("auto", "always"):
+        with Engine.from_gguf(path, EngineConfig(**dict(BASE, host_experts="on", layer_step=step), expert_cache=3)) as eng:
+            assert np.array_equal(eng.logits(_prompts()[0]), logits)
+            assert _answers(eng, _prompts()) == answers
+            st = stats[step] = eng.stats()["experts"]
+            stages = {lay.stage for lay in eng.runner.programs.programs}
+        assert ("resident" in stages) == (step == "auto") and ("attn" in stages) == (step == "always")
+    windows = stats["always"].pop("one_program")
+    assert windows == 0 and stats["auto"].pop("one_program") > 10 and stats["auto"]["redone"] == 0
+    for st in stats.values():
+        st.pop("copy_seconds")                                  # a time, not a count
+    assert stats["auto"] == stats["always"]                     # the same lookups, hits, host layers, fills
+    redone = []
+    for slots in (8, 7):
+        with Engine.from_gguf(path, EngineConfig(**dict(BASE, layer_step="auto"), expert_cache=slots)) as eng:
+            assert np.array_equal(eng.logits(_prompts()[0]), logits)
+            assert _answers(eng, _prompts()) == answers
+            st = eng.stats()["experts"]
+        assert st["one_program"] > 0 and st["lookups"] == st["hits"] + st["misses_host"] + st["misses_file"]
+        # 8 slots hold every expert: each copied in once, never evicted; 7 slots evict
+        assert (st["evictions"] == 0) == (slots == 8) and st["exchanged"] == st["misses_host"] + st["misses_file"]
+        redone.append(st["redone"])
+    assert sum(redone) > 0                  # some window tried as one program met a miss and was stepped again
 
 
 def test_host_experts_on_where_they_cannot_run_is_a_clear_error(reference):

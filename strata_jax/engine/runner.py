@@ -291,6 +291,9 @@ class ModelRunner:
         for layout in base:
             if layout not in now:
                 self.build_later(layout)
+        if self.stepper is not None and self.stepper.one_program:     # decode windows as one program (stepped.py)
+            for layout in now:
+                self.programs.build_later(self.stepper.resident_layout(layout))
 
     def wait_for_device(self) -> None:
         jax.block_until_ready(self.cache)

@@ -28,6 +28,15 @@ layer i+1's FFN norm and router to layer i's output (layer i+1's input, before i
 it), and while the device runs layer i+1's attention the host copies the experts that guess names into
 layer i+1's arena. Only where the experts come from changes, never the math: the logits stay the same bits.
 The router ids of every layer come back to the host anyway; they are also counted into the expert profile.
+
+One program a window where it can (`--layer-step auto`): the host round trip of each layer is only needed to
+bring in experts the arena lacks. A window whose every layer finds its routed experts where one program can
+read them runs as ONE program ("resident": resident_window, the same stages chained on the device, each
+layer's page table looked up there): with --host-experts, a layer with a miss computes its experts from the
+host tier's blocks inside that program (lax.cond picks the arena or the host blocks on the device: the same
+kernel, the same bits); without, the program is tried when the window before had no miss, its router ids
+come back with the logits, and a window that met a miss after all is run again layer by layer (its KV writes
+are the same positions, rewritten). Its program is built on the builder thread; until then windows step.
 """
 
 from __future__ import annotations
@@ -52,6 +61,43 @@ from ..model.transformer import (
 from .programs import Layout
 
 KINDED = ("attn", "experts", "hexperts", "predict", "dense")     # stages built once per kind of layer
+
+
+def resident_window(core: dict, arenas: dict, tables, host_trees: dict | None, moe: list[int], spec, opts, groups,
+                    cache, kv_len: int, kv_host=None, with_hidden: bool = False):
+    """One window as one program over the arena (and the host tier's blocks): the stages of the layer-stepped
+    chain, in its order, with each MoE layer's page table (tables [n_moe, E] int32, in `moe`'s order) read
+    on the device. -> (head_stage's logits (and hiddens), the cache, each MoE layer's router ids
+    [n_moe, tokens, k] (the groups' rows concatenated)). Without host_trees a row whose expert is absent
+    gets zeros: the caller checks the ids against the tables and runs such a window again, layer-stepped."""
+    k, h = spec.n_experts_used, spec.hidden
+    xs = embed_stage(core["embed"], opts, tuple(g.tokens for g in groups))
+    ids_of = []
+    for i in range(spec.n_layers):
+        if i in core["dense"]:
+            xs, cache = dense_stage(core["dense"][i], i, spec, opts, groups, xs, cache, kv_len)
+            continue
+        j = moe.index(i)
+        parts, cache = attn_router_stage(core["attn"][i], i, spec, opts, groups, xs, cache, kv_len, kv_host)
+        ys = [jnp.zeros((p[3].shape[0], k, h), jnp.float32) for p in parts]
+        moe_p, table = core["shared"][i], tables[j]
+
+        def from_arena(parts=parts, ys=ys, moe_p=moe_p, arena=arenas[i], table=table):
+            return experts_stage(moe_p, arena, table, spec, opts, parts, ys)[0]
+        if host_trees is None:
+            xs = from_arena()
+        else:
+            real = jnp.concatenate([(g.pos.reshape(-1) >= 0)[:, None] for g in groups])        # [tokens, 1]
+            ids = jnp.concatenate([p[3] for p in parts])
+            here = jnp.all((table[ids] >= 0) | ~real)
+            identity = jnp.arange(spec.n_experts, dtype=jnp.int32)
+
+            def from_host(parts=parts, ys=ys, moe_p=moe_p, tree=host_trees[i]):
+                return experts_stage(moe_p, tree, identity, spec, opts, parts, ys)[0]
+            xs = jax.lax.cond(here, from_arena, from_host)
+        ids_of.append(jnp.concatenate([p[3] for p in parts]))
+    out = head_stage(core["head"], spec, opts, groups, xs, with_hidden)
+    return out, cache, jnp.stack(ids_of)
 
 
 def predict_stage(p: dict, spec, opts, xs) -> list:
@@ -124,6 +170,11 @@ class LayerStepper:
             self.kind_of[stage], first_of = group_kinds(stage, trees[stage])
             self.first_of.update(first_of)
         self.prefetch = runner.cfg.expert_prefetch
+        # --layer-step auto: one program a window where it can (resident_window); always: every window stepped
+        self.one_program = runner.cfg.layer_step == "auto"
+        self.core = {"embed": self.embed_p, "head": self.head_p, "attn": self.attn_p, "shared": self.moe_p,
+                     "dense": self.dense_p}
+        self.missed = True                   # the last window met a miss (arena only: whether to try one program)
         self.profile = ExpertProfile(self.spec, arena.layers)    # routing of live traffic, per (layer, expert)
         self.last = ExpertCounters()         # the last window's counters
         self.total = ExpertCounters()
@@ -149,14 +200,66 @@ class LayerStepper:
                         groups=layout.groups if s == "head" else plain)
                 for s in stages]
 
+    def resident_layout(self, layout: Layout) -> Layout:
+        """The one-program window of `layout` (resident_window)."""
+        return replace(layout, stage="resident")
+
     def run(self, groups, layout: Layout):
         """One window (GroupInputs) -> logits per group, as forward() gives them (and the hidden states, as
         (logits, hiddens), when the runner asks for them: the MTP drafter)."""
         counters = self.last = ExpertCounters()
         try:
-            return self._run(groups, self.stage_layouts(layout), counters)
+            if self._try_one_program(layout):
+                out = self._run_resident(groups, self.resident_layout(layout), counters)
+                if out is not None:
+                    return out
+                counters.redone += 1          # it met a miss after all: the window again, layer by layer
+            out = self._run(groups, self.stage_layouts(layout), counters)
+            self.missed = counters.hits < counters.lookups
+            return out
         finally:
             self.total.add(counters)          # a window that failed half way still moved what it moved
+
+    def _try_one_program(self, layout: Layout) -> bool:
+        """Whether this window runs as one program: --layer-step auto, no trace being recorded (it wants each
+        layer's lookup in order, with prefetch), experts that one program can read (the host tier's blocks,
+        or an arena that held every routed expert in the window before), and its program built. Until it is,
+        it is built on the builder thread (at once, on the engine thread, without --warmup) and windows step."""
+        if not self.one_program or self.trace is not None or (self.host_trees is None and self.missed):
+            return False
+        res, progs = self.resident_layout(layout), self.runner.programs
+        if progs.ready(res):
+            return True
+        if not self.runner.cfg.warmup:
+            progs.get(res)
+            return True
+        progs.build_later(res)
+        return False
+
+    def _run_resident(self, groups, res: Layout, counters: ExpertCounters):
+        """The window as one program -> its logits, or None when an expert it needed was not in the arena
+        (no host blocks to fall back on): nothing is counted then, and the caller steps the window."""
+        r, arena = self.runner, self.arena
+        gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits, g.picks) for g in groups)
+        tables = np.stack([arena.tables[i] for i in self.moe])
+        arenas = {i: self.arena_tree(i) for i in self.moe}
+        out, r.cache, ids = r.programs.run(res, self.core, arenas, tables, self.host_trees, gs, r.cache)
+        real = np.concatenate([np.asarray(g.pos).reshape(-1) >= 0 for g in groups])
+        ids = np.asarray(ids)[:, real]                                  # [n_moe, real tokens, k]
+        if self.host_trees is None and any(arena.missing(i, ids[j]) for j, i in enumerate(self.moe)):
+            self.missed = True
+            return None
+        decode = all(g.tokens.shape[1] == 1 for g in groups)
+        for j, i in enumerate(self.moe):
+            self.profile.add(i, ids[j])
+            if self.host_trees is not None and arena.missing(i, ids[j]):
+                arena.count_host(i, ids[j], counters, decode)         # computed from the host blocks, in the program
+            else:
+                for _ in arena.passes(i, ids[j], counters, decode):   # all resident: counted, nothing moves
+                    pass
+        counters.one_program += 1
+        self.missed = False
+        return out
 
     def _run(self, groups, layouts: list[Layout], counters: ExpertCounters) -> list:
         progs, r = self.runner.programs, self.runner
@@ -209,6 +312,13 @@ class LayerStepper:
                              S((e,), jnp.int32) if e else None)
                        for r, n, a, e in layout.groups)
         xs = [S((r, n, h), dtype) for r, n, _, _ in layout.groups]
+        if layout.stage == "resident":
+            kv, kv_host, hidden, moe = layout.kv_len, self.runner.kv_host, self.runner.with_hidden, self.moe
+            fn = jax.jit(lambda core, arenas, tables, host, gs, cache: resident_window(
+                core, arenas, tables, host, moe, spec, opts, gs, cache, kv, kv_host, hidden), donate_argnums=(5,))
+            arenas = {i: self.arena_tree(i) for i in self.moe}
+            return fn.lower(_sds(self.core), _sds(arenas), S((len(self.moe), spec.n_experts), jnp.int32),
+                            _sds(self.host_trees), groups, _sds(self.runner.cache)).compile()
         if layout.stage == "embed":
             fn = jax.jit(lambda p, tokens: embed_stage(p, opts, tokens))
             return fn.lower(_sds(self.embed_p), tuple(g.tokens for g in groups)).compile()

@@ -24,6 +24,8 @@ class ExpertCounters:
     prefetch_hits: int = 0     # lookups that found an expert prefetch had brought (counted in hits too)
     host_computed: int = 0     # lookups computed from the host tier's blocks (--host-experts), not copied in
     host_layers: int = 0       # (window, layer) pairs whose experts were computed there
+    one_program: int = 0       # windows run as one program (--layer-step auto), not layer by layer
+    redone: int = 0            # ... tried as one program, met an expert not in the arena, run again stepped
 
     def add(self, other: ExpertCounters) -> None:
         for f in fields(self):
