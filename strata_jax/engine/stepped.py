@@ -72,6 +72,7 @@ def resident_window(core: dict, arenas: dict, tables, host_trees: dict | None, m
     gets zeros: the caller checks the ids against the tables and runs such a window again, layer-stepped."""
     k, h = spec.n_experts_used, spec.hidden
     xs = embed_stage(core["embed"], opts, tuple(g.tokens for g in groups))
+    identity = jnp.arange(spec.n_experts, dtype=jnp.int32)          # the host blocks hold every expert
     ids_of = []
     for i in range(spec.n_layers):
         if i in core["dense"]:
@@ -90,7 +91,6 @@ def resident_window(core: dict, arenas: dict, tables, host_trees: dict | None, m
             real = jnp.concatenate([(g.pos.reshape(-1) >= 0)[:, None] for g in groups])        # [tokens, 1]
             ids = jnp.concatenate([p[3] for p in parts])
             here = jnp.all((table[ids] >= 0) | ~real)
-            identity = jnp.arange(spec.n_experts, dtype=jnp.int32)
 
             def from_host(parts=parts, ys=ys, moe_p=moe_p, tree=host_trees[i]):
                 return experts_stage(moe_p, tree, identity, spec, opts, parts, ys)[0]
