@@ -175,6 +175,7 @@ class LayerStepper:
         self.core = {"embed": self.embed_p, "head": self.head_p, "attn": self.attn_p, "shared": self.moe_p,
                      "dense": self.dense_p}
         self.missed = True                   # the last window met a miss (arena only: whether to try one program)
+        assert self.moe == list(arena.layers)    # one order of the MoE layers (the one-program window's ids)
         self.profile = ExpertProfile(self.spec, arena.layers)    # routing of live traffic, per (layer, expert)
         self.last = ExpertCounters()         # the last window's counters
         self.total = ExpertCounters()
@@ -246,17 +247,19 @@ class LayerStepper:
         out, r.cache, ids = r.programs.run(res, self.core, arenas, tables, self.host_trees, gs, r.cache)
         real = np.concatenate([np.asarray(g.pos).reshape(-1) >= 0 for g in groups])
         ids = np.asarray(ids)[:, real]                                  # [n_moe, real tokens, k]
-        if self.host_trees is None and any(arena.missing(i, ids[j]) for j, i in enumerate(self.moe)):
+        E = self.spec.n_experts
+        n_moe = len(self.moe)
+        flat = (ids.reshape(n_moe, -1) + E * np.arange(n_moe)[:, None]).reshape(-1)
+        counts = np.bincount(flat, minlength=n_moe * E).reshape(n_moe, E)     # [n_moe, E] tokens an expert
+        missed = np.flatnonzero(np.any((counts > 0) & (tables < 0), axis=1))  # layers with an absent expert
+        if self.host_trees is None and missed.size:
             self.missed = True
             return None
         decode = all(g.tokens.shape[1] == 1 for g in groups)
-        for j, i in enumerate(self.moe):
-            self.profile.add(i, ids[j])
-            if self.host_trees is not None and arena.missing(i, ids[j]):
-                arena.count_host(i, ids[j], counters, decode)         # computed from the host blocks, in the program
-            else:
-                for _ in arena.passes(i, ids[j], counters, decode):   # all resident: counted, nothing moves
-                    pass
+        self.profile.add_moe(counts)
+        arena.count_hits(counts, np.setdiff1d(np.arange(n_moe), missed), counters, decode)
+        for j in missed:                    # computed from the host blocks inside the program
+            arena.count_host(self.moe[j], ids[j], counters, decode)
         counters.one_program += 1
         self.missed = False
         return out

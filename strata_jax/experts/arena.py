@@ -114,6 +114,28 @@ class ExpertArena:
             self._load(layer, [e for e in chunk if slot_of[e] < 0], set(chunk), counters)
             yield self.tables[layer]
 
+    def count_hits(self, counts: np.ndarray, rows: np.ndarray, counters: ExpertCounters, decode: bool) -> None:
+        """The lookups of the MoE layers `rows` (indices into self.layers) of a window whose routed experts were
+        all resident: counts [layers, E] holds how many real tokens routed to each expert. Counted, and each
+        layer's policy told, as passes() does it (the one-program window: stepped.py), nothing moved."""
+        needed = counts[rows] > 0
+        n = int(needed.sum())
+        counters.routed += int(counts[rows].sum())
+        counters.lookups += n
+        counters.hits += n
+        if decode:
+            counters.decode_lookups += n
+            counters.decode_hits += n
+        for r, experts in zip(rows, needed):
+            layer = self.layers[r]
+            self.clock += 1
+            chosen = np.flatnonzero(experts).tolist()
+            self.policies[layer].access(chosen, self.clock)
+            fresh = self.fresh[layer]
+            if fresh:
+                counters.prefetch_hits += len(fresh.intersection(chosen))
+                fresh.clear()
+
     def missing(self, layer: int, ids: np.ndarray) -> int:
         """How many distinct experts of `ids` are not in the device arena."""
         return int(np.sum(self.slot_of[layer][np.unique(ids)] < 0))

@@ -46,6 +46,10 @@ class ExpertProfile:
         """Count the expert ids (any shape, real tokens only) that `layer` routed to."""
         self.counts[self._row[layer]] += np.bincount(np.asarray(ids).reshape(-1), minlength=self.spec.n_experts)
 
+    def add_moe(self, counts: np.ndarray) -> None:
+        """counts [MoE layers, E], in self.layers' order (the one-program expert-tier window)."""
+        self.counts += counts
+
     def add_all(self, counts: np.ndarray) -> None:
         """counts [n_layers, E] (every layer, dense ones zero), e.g. from the one-program window."""
         self.counts += np.asarray(counts, np.int64)[self.layers]
