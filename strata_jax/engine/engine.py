@@ -33,8 +33,7 @@ from .request import (
     Handle,
     Request,
     RequestError,
-    SamplingParams,
-    logit_bias_pairs,
+    make_params,
 )
 from .runner import GroupInput, ModelRunner
 from .sampler import SamplingRows
@@ -101,11 +100,8 @@ class Engine:
                repeat_last_n: int = 64, logprobs: int | None = None) -> Handle:
         """Queue a request: text (a plain completion), a list of chat messages, or token ids. The sampling
         controls and logprobs are controls.py's (token events then carry `logprob` and `top_logprobs`)."""
-        if isinstance(stop, str):
-            stop = [stop]
-        params = SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()), ignore_eos,
-                                logit_bias_pairs(logit_bias), presence_penalty, frequency_penalty, repeat_penalty,
-                                repeat_last_n, logprobs)
+        params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, logit_bias,
+                             presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n, logprobs)
         params.validate(self.spec.vocab_size)
         ids = self.prompt_ids(prompt, chat_template_kwargs)
         n_ctx = self.config.max_context
@@ -371,7 +367,7 @@ class Engine:
                 self._finish_unslotted(req, "cancelled")
                 continue
             req.t_start = time.monotonic()
-            placed = self._place(req.prompt, free)
+            placed = self._place(req.prompt, free, [s for s in self.slots if not s.free])
             if placed is None:
                 req.events.put(Event("error", error="the prefix cache failed to place the request (see the log)"))
                 continue
@@ -387,10 +383,10 @@ class Engine:
                 req.events.put(Event("error", error=f"the engine could not start the request: "
                                                     f"{type(e).__name__}: {_first_line(e)}"))
 
-    def _place(self, prompt: list[int], free: list[Slot]) -> tuple[Slot, int] | None:
-        """The prefix cache's choice of slot (and its stores and restores); None if that failed."""
+    def _place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = ()) -> tuple[Slot, int] | None:
+        """The prefix cache's choice of slot (and its stores, restores and forks); None if that failed."""
         try:
-            return self.prefix.place(prompt, free)
+            return self.prefix.place(prompt, free, busy)
         except Exception as e:  # noqa: BLE001 - a failed copy must not take the engine down
             log.error("the prefix cache failed to place a request: %s", e)
             if self.runner.cache_lost():

@@ -104,6 +104,18 @@ class SamplingParams:
         return 0.0 if self.temperature < GREEDY_BELOW else float(self.temperature)
 
 
+def make_params(max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0, seed: int | None = None, stop: Any = None, ignore_eos: bool = False,
+                logit_bias: Any = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from Engine.submit's keywords (stop: a string or a list; logit_bias: {token id: bias}),
+    not yet validated."""
+    stop = [stop] if isinstance(stop, str) else stop
+    return SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()), ignore_eos,
+                          logit_bias_pairs(logit_bias), presence_penalty, frequency_penalty, repeat_penalty,
+                          repeat_last_n, logprobs)
+
+
 def logit_bias_pairs(bias: Any) -> tuple:
     """A logit_bias mapping ({token id: bias}; JSON's keys are strings of digits) -> sorted (id, bias) pairs;
     RequestError naming the key that is not a token id."""
