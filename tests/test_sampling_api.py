@@ -164,30 +164,55 @@ def test_penalties_change_exactly_what_they_should(eng, client, controls):
             seen = sorted(set(history if last < 0 else history[-last:]))
             row[seen] = np.where(row[seen] > 0, row[seen] / np.float32(p), row[seen] * np.float32(p))
         counts = np.bincount(generated, minlength=len(row))[:len(row)] if generated else np.zeros(len(row))
-        return row - np.float32(controls.get("frequency_penalty", 0.0)) * counts.astype(np.float32) \
-            - np.float32(controls.get("presence_penalty", 0.0)) * (counts > 0)
+        return row - (np.float32(controls.get("frequency_penalty", 0.0)) * counts.astype(np.float32)
+                      + np.float32(controls.get("presence_penalty", 0.0)) * (counts > 0))
 
     assert got == _by_hand(eng, ids, got, change)
     assert got != greedy, "the control changed nothing: the check above could not fail"
     assert _completion_text(client, ids, n, **controls) == text_of(eng, got)
 
 
+def _sampled_text(client, ids, n=16, **extra):
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=n, temperature=1.0, seed=7,
+                                  extra_body={"ignore_eos": True, "top_k": 0, "min_p": 0.0, **extra})
+    return r.choices[0].text
+
+
 def test_controlled_rows_leave_other_rows_unchanged(eng, client):
-    """A greedy request without controls gives the same tokens beside requests with every control."""
+    """Requests without controls (greedy, and seeded sampling) give the same tokens beside requests with
+    every control, greedy and sampled, in the same windows."""
     ids = eng.tokenizer.encode(PROMPT)
-    alone = _completion_text(client, ids, 16)
+    alone, alone_sampled = _completion_text(client, ids, 16), _sampled_text(client, ids)
     out: dict[int, str] = {}
+    controls = {"presence_penalty": 1.0, "logit_bias": {"7": 5}, "repeat_penalty": 1.3, "logprobs": 2}
 
     def controlled(i):
-        out[i] = _completion_text(client, ids, 16, presence_penalty=1.0, logit_bias={"7": 5}, repeat_penalty=1.3)
+        out[i] = (_completion_text if i == 0 else _sampled_text)(client, ids, 16, **controls)
 
     threads = [threading.Thread(target=controlled, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     together = _completion_text(client, ids, 16)
+    together_sampled = _sampled_text(client, ids)
     for t in threads:
         t.join()
-    assert together == alone and out[0] == out[1]
+    assert together == alone and together_sampled == alone_sampled
+    assert out[1] == _sampled_text(client, ids, **controls)          # sampled with controls: seeded too
+
+
+def test_a_sampled_row_obeys_logit_bias(eng, client):
+    ids = eng.tokenizer.encode(PROMPT)
+    assert _sampled_text(client, ids, 6, logit_bias={"300": 100}) == text_of(eng, [300] * 6)
+
+
+def test_controls_compile_per_row_bucket_not_per_request(eng):
+    ids = eng.tokenizer.encode(PROMPT)
+    eng.generate(ids, max_tokens=2, temperature=0, logit_bias={3: 1.0})
+    before = eng.runner._controlled._cache_size()
+    for controls in ({"logit_bias": {i: 2.0 for i in range(40)}}, {"repeat_penalty": 1.2, "repeat_last_n": 3},
+                     {"presence_penalty": 0.3, "logprobs": 20}, {"frequency_penalty": -0.5, "logprobs": 0}):
+        eng.generate(ids + [1] * len(controls), max_tokens=5, temperature=0, ignore_eos=True, **controls)
+    assert eng.runner._controlled._cache_size() == before       # the same one-row program every time
 
 
 # ---- n choices -------------------------------------------------------------------------------------------

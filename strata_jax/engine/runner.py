@@ -169,7 +169,8 @@ class ModelRunner:
         self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.wait_for_device, self.faults)
         self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
         self._verify = jax.jit(verify)          # the speculative accept rule, one per verify group shape
-        self._controlled = jax.jit(sample_controlled)   # sampling controls and logprobs: one per row bucket
+        # sampling controls and logprobs: one program per row bucket, greedy or sampled (controls.py)
+        self._controlled = jax.jit(sample_controlled, static_argnames=("sampled",))
         self.last_logprobs: list = []           # per group of the last window: (logprob, top ids, top logprobs)
         self.windows = 0
 
@@ -207,8 +208,10 @@ class ModelRunner:
             elif g.all_logits:
                 out.append(np.asarray(lg))
             elif g.sampling.controlled is not None:      # a row with sampling controls or logprobs
-                c = controls_of(g.sampling.controlled, lg.shape[0], lg.shape[-1])
-                tokens, *lp = (np.asarray(a) for a in self._controlled(lg, *g.sampling.as_tuple(), *c.as_tuple()))
+                c = controls_of(g.sampling.controlled, lg.shape[0], lg.shape[-1], self.cache_len)
+                sampled = bool(np.any(g.sampling.temperature > 0))
+                tokens, *lp = (np.asarray(a) for a in self._controlled(lg, *g.sampling.as_tuple(), *c.as_tuple(),
+                                                                       sampled=sampled))
                 out.append(tokens)
                 self.last_logprobs[i] = tuple(lp)
             elif not np.any(g.sampling.temperature > 0):
