@@ -170,6 +170,8 @@ def test_penalties_change_exactly_what_they_should(eng, client, controls):
     assert got == _by_hand(eng, ids, got, change)
     assert got != greedy, "the control changed nothing: the check above could not fail"
     assert _completion_text(client, ids, n, **controls) == text_of(eng, got)
+    if controls.get("repeat_last_n") == -1:             # vLLM's name for it
+        assert _completion_text(client, ids, n, repetition_penalty=controls["repeat_penalty"]) == text_of(eng, got)
 
 
 def _sampled_text(client, ids, n=16, **extra):
@@ -213,6 +215,17 @@ def test_controls_compile_per_row_bucket_not_per_request(eng):
                      {"presence_penalty": 0.3, "logprobs": 20}, {"frequency_penalty": -0.5, "logprobs": 0}):
         eng.generate(ids + [1] * len(controls), max_tokens=5, temperature=0, ignore_eos=True, **controls)
     assert eng.runner._controlled._cache_size() == before       # the same one-row program every time
+
+
+def test_controlled_rows_take_no_drafts_with_spec(model):
+    """--spec: a window with a controlled row runs without drafts (the verify rule knows no controls), so the
+    controls hold; rows without controls still draft."""
+    with Engine.from_gguf(model, EngineConfig(parallel=2, max_context=N_CTX, warmup=False, spec=2)) as spec_eng:
+        ids = spec_eng.tokenizer.encode(PROMPT)
+        forced = spec_eng.generate(ids, max_tokens=8, temperature=0, ignore_eos=True, logit_bias={300: 100})
+        assert forced.tokens == [300] * 8 and forced.stats["draft_n"] == 0
+        plain = spec_eng.generate(ids + ids, max_tokens=24, temperature=0, ignore_eos=True)
+        assert plain.stats["draft_n"] > 0
 
 
 # ---- n choices -------------------------------------------------------------------------------------------
@@ -265,6 +278,7 @@ BAD = [
     (TEXT, {"repeat_penalty": 0}, "repeat_penalty", "0"),
     (CHAT, {"repeat_penalty": 11}, "repeat_penalty", "11"),
     (TEXT, {"repeat_last_n": -2}, "repeat_last_n", "-2"),
+    (CHAT, {"repetition_penalty": -1}, "repetition_penalty", "-1"),
     (CHAT, {"logit_bias": {"5": 101}}, "logit_bias", "101"),
     (TEXT, {"logit_bias": {"abc": 1}}, "logit_bias", "abc"),
     (CHAT, {"logit_bias": {"999999": 1}}, "logit_bias", "999999"),

@@ -14,12 +14,17 @@ from .errors import invalid
 
 
 def control_params(req: Any, chat: bool) -> dict[str, Any]:
-    """The engine's parameters for the controls a request sets (the engine's defaults for those it leaves out)."""
+    """The engine's parameters for the controls a request sets (the engine's defaults for those it leaves out).
+    vLLM's `repetition_penalty` is llama.cpp's `repeat_penalty` over the whole prompt and output (repeat_last_n
+    -1), unless the request sets those."""
+    repeat, last_n = req.repeat_penalty, req.repeat_last_n
+    if repeat is None and req.repetition_penalty is not None:
+        repeat, last_n = req.repetition_penalty, -1 if last_n is None else last_n
     return {"logit_bias": _logit_bias(req.logit_bias),
             "presence_penalty": float(req.presence_penalty or 0.0),
             "frequency_penalty": float(req.frequency_penalty or 0.0),
-            "repeat_penalty": float(req.repeat_penalty if req.repeat_penalty is not None else 1.0),
-            "repeat_last_n": req.repeat_last_n if req.repeat_last_n is not None else 64,
+            "repeat_penalty": float(repeat if repeat is not None else 1.0),
+            "repeat_last_n": last_n if last_n is not None else 64,
             "logprobs": _chat_logprobs(req) if chat else req.logprobs}
 
 

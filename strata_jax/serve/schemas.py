@@ -72,6 +72,7 @@ class _Sampling(msgspec.Struct):
     frequency_penalty: Penalty | None = None
     repeat_penalty: RepeatPenalty | None = None
     repeat_last_n: RepeatLastN | None = None
+    repetition_penalty: RepeatPenalty | None = None    # vLLM's name: repeat_penalty over all of prompt + output
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False            # llama.cpp's extra: keep going past the end-of-text token
