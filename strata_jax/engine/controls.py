@@ -10,13 +10,14 @@ model gave (vLLM's default `raw_logprobs`): what the model thought, before any o
 A window runs `sample_controlled` only when one of its rows has a control or asks for logprobs. Its inputs
 have fixed shapes: each row's token history padded to the cache length ([R, H]) and its logit_bias padded
 to MAX_LOGIT_BIAS entries ([R, B]), scattered over the vocabulary on the device; so there is one program per
-row bucket, never one per request. A row without controls gets the identity (no bias, no token seen,
+row bucket (and greedy or sampled: see sample_controlled), never one per request. A row without controls gets the identity (no bias, no token seen,
 penalties 0): the same bits, so the same token as in a window without controls. Logprobs (log-softmax, top
 20) are computed only when some row of the window asks for them.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -73,10 +74,17 @@ def controls_of(rows: list, n_rows: int, vocab: int, width: int) -> Controls | N
             c.last_n[i] = width if p.repeat_last_n < 0 else p.repeat_last_n
             c.repeat[i] = p.repeat_penalty
         c.presence[i], c.frequency[i] = p.presence_penalty, p.frequency_penalty
-        for j, (tok, b) in enumerate(p.logit_bias):
-            c.bias_ids[i, j], c.bias[i, j] = tok, b
+        if p.logit_bias:
+            ids, values = _bias_arrays(p.logit_bias)
+            c.bias_ids[i, :len(ids)], c.bias[i, :len(ids)] = ids, values
         c.logprobs[i] = p.logprobs is not None
     return c
+
+
+@functools.lru_cache(maxsize=256)
+def _bias_arrays(pairs: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """A request's logit_bias pairs as arrays, made once (a window would otherwise loop over up to 1024)."""
+    return np.array([t for t, _ in pairs], np.int32), np.array([b for _, b in pairs], np.float32)
 
 
 def apply_controls(logits: jax.Array, history, n_prompt, last_n, repeat, presence, frequency, bias_ids,
