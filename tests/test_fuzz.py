@@ -84,13 +84,13 @@ NOT_OBJECTS = ["[]", "[1, 2]", '[{"role": "user", "content": "hi"}]', "0", "-1",
 BAD_BYTES = [b"\xff", b"\xfe\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xf4\x90\x80\x80", b"\x80",
              b"\xe2\x82", b"\xf0\x9f\x98", b"\x00"]
 
+CONTROL_FIELDS = ["logit_bias", "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n"]
 CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
                "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "chat_template_kwargs",
-               "reasoning_format", "model"]
+               "reasoning_format", "model", "logprobs", "top_logprobs"] + CONTROL_FIELDS
 TEXT_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
-               "stream_options", "ignore_eos", "echo", "model"]
-IGNORED_FIELDS = ["tools", "tool_choice", "logit_bias", "logprobs", "top_logprobs", "response_format", "user",
-                  "frequency_penalty", "presence_penalty", "parallel_tool_calls", "suffix", "best_of"]
+               "stream_options", "ignore_eos", "echo", "model", "logprobs"] + CONTROL_FIELDS
+IGNORED_FIELDS = ["tools", "tool_choice", "response_format", "user", "parallel_tool_calls", "suffix", "best_of"]
 
 # A field's value at the edge of its shape: lists too long, strings too long, token ids outside the vocabulary.
 SHAPE_EDGES = {
@@ -140,6 +140,10 @@ sampling = {
     "logprobs": st.booleans(),
     "response_format": st.just({"type": "text"}),
     "logit_bias": st.dictionaries(st.integers(0, VOCAB).map(str), st.integers(-100, 100), max_size=3),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "repeat_penalty": st.floats(0.5, 2.0),
+    "repeat_last_n": st.integers(-1, 64),
     "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
 }
 chat_body = st.fixed_dictionaries(

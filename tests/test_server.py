@@ -164,7 +164,7 @@ BIG = "word " * 400     # ~400 tokens: more than a 256-token context
     ("/v1/chat/completions", {"messages": HI, "top_p": 0}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": HI, "seed": "x"}, 400, "seed"),
     ("/v1/chat/completions", {"messages": HI, "stop": ["a"] * 20}, 400, "stop"),
-    ("/v1/chat/completions", {"messages": HI, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": HI, "n": 9}, 400, "n"),
     ("/v1/chat/completions", {"messages": HI, "model": "gpt-4o"}, 404, "model"),
     ("/v1/chat/completions", {"messages": HI, "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
@@ -194,8 +194,8 @@ def test_context_overflow_is_400_with_llama_cpp_fields(server):
 def test_wrong_method_and_unknown_fields(server):
     r = httpx.get(server.url + "/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
-    body = {"messages": HI, "max_tokens": 2, "temperature": 0, "user": "me", "logit_bias": {"1": 2},
-            "frequency_penalty": 0.5, "tools": [], "response_format": {"type": "text"}, "parallel_tool_calls": True}
+    body = {"messages": HI, "max_tokens": 2, "temperature": 0, "user": "me", "tools": [],
+            "response_format": {"type": "text"}, "parallel_tool_calls": True}
     r = _post(server, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
 

@@ -100,12 +100,14 @@ def test_chat_parsing_maps_openai_fields():
     assert job.model == "tiny" and job.stream and job.include_usage
     assert job.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"}]
     assert job.params == {"max_tokens": 7, "temperature": 0.8, "top_k": 5, "top_p": 0.95, "min_p": 0.05,
-                          "seed": None, "stop": ["END"], "ignore_eos": False}
+                          "seed": None, "stop": ["END"], "ignore_eos": False, "logit_bias": [],
+                          "presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0,
+                          "repeat_last_n": 64, "logprobs": None}
     assert parse_completion(b'{"prompt": ["hi"], "seed": 8589934593}', NAMES).params["seed"] == 1
 
 
 @pytest.mark.parametrize("body, param", [
-    (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 9}', "n"),
     (b'{"messages": [{"role": "user", "content": "x"}], "model": "other"}', "model"),
     (b'{"messages": [{"role": "tool"}]}', "messages[0].content"),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_k": 1.5}', "top_k"),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from strata_jax import Engine, EngineConfig
+from strata_jax.engine import SamplingParams
 from strata_jax.engine.scheduler import Scheduler, bucket
 from strata_jax.engine.slots import Slot
 
@@ -97,10 +98,7 @@ class _Req:
     def __init__(self, n):
         self.prompt = list(range(n))
         self.id = n
-
-        class P:
-            sampled_temperature, top_k, top_p, min_p, seed = 0.0, 0, 1.0, 0.0, None
-        self.params = P()
+        self.params = SamplingParams()                  # greedy, no controls
 
 
 def test_no_compile_while_serving_the_same_burst_twice(moe):

@@ -24,6 +24,7 @@ from .. import compile_cache
 from ..config import EngineConfig
 from ..experts import ExpertCounters, resident_line
 from ..gguf import GGUFModel, load_tokenizer
+from .controls import wants_controls
 from .memory import is_resource_exhausted
 from .prefix_cache import PrefixCache
 from .request import (
@@ -32,7 +33,7 @@ from .request import (
     Handle,
     Request,
     RequestError,
-    SamplingParams,
+    make_params,
 )
 from .runner import GroupInput, ModelRunner
 from .sampler import SamplingRows
@@ -94,11 +95,13 @@ class Engine:
     def submit(self, prompt: str | list[dict] | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                stop: list[str] | tuple[str, ...] | str | None = None, ignore_eos: bool = False,
-               chat_template_kwargs: dict | None = None) -> Handle:
-        """Queue a request: text (a plain completion), a list of chat messages, or token ids."""
-        if isinstance(stop, str):
-            stop = [stop]
-        params = SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()), ignore_eos)
+               chat_template_kwargs: dict | None = None, logit_bias: dict | None = None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
+               repeat_last_n: int = 64, logprobs: int | None = None) -> Handle:
+        """Queue a request: text (a plain completion), a list of chat messages, or token ids. The sampling
+        controls and logprobs are controls.py's (token events then carry `logprob` and `top_logprobs`)."""
+        params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, logit_bias,
+                             presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n, logprobs)
         params.validate(self.spec.vocab_size)
         ids = self.prompt_ids(prompt, chat_template_kwargs)
         n_ctx = self.config.max_context
@@ -329,7 +332,9 @@ class Engine:
             return self.scheduler.plan(self.slots)
         decoding = [s for s in self.slots if s.decoding]
         limit = self.config.spec_max_rows
-        if limit and len(decoding) > limit:            # a verify window of many rows costs more than it saves
+        # a verify window of many rows costs more than it saves; a row with sampling controls or logprobs
+        # (controls.py) is sampled by the controlled program, which verify windows do not run
+        if (limit and len(decoding) > limit) or any(wants_controls(s.request.params) for s in decoding):
             return self.scheduler.plan(self.slots)
         try:
             drafts = self.speculator.propose(decoding)
@@ -362,7 +367,7 @@ class Engine:
                 self._finish_unslotted(req, "cancelled")
                 continue
             req.t_start = time.monotonic()
-            placed = self._place(req.prompt, free)
+            placed = self._place(req.prompt, free, [s for s in self.slots if not s.free])
             if placed is None:
                 req.events.put(Event("error", error="the prefix cache failed to place the request (see the log)"))
                 continue
@@ -378,10 +383,10 @@ class Engine:
                 req.events.put(Event("error", error=f"the engine could not start the request: "
                                                     f"{type(e).__name__}: {_first_line(e)}"))
 
-    def _place(self, prompt: list[int], free: list[Slot]) -> tuple[Slot, int] | None:
-        """The prefix cache's choice of slot (and its stores and restores); None if that failed."""
+    def _place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = ()) -> tuple[Slot, int] | None:
+        """The prefix cache's choice of slot (and its stores, restores and forks); None if that failed."""
         try:
-            return self.prefix.place(prompt, free)
+            return self.prefix.place(prompt, free, busy)
         except Exception as e:  # noqa: BLE001 - a failed copy must not take the engine down
             log.error("the prefix cache failed to place a request: %s", e)
             if self.runner.cache_lost():
@@ -495,28 +500,28 @@ class Engine:
                 if s.free:
                     continue
                 s.n_past += 1
-                self._emit(s, int(toks[i]))
+                self._emit(s, int(toks[i]), self._logprobs(k - 1, i))
         for i, (s, c) in enumerate(zip(w.prefills, w.chunks)):
             if s.free:
                 continue
             s.n_past += c
             if not s.reading:                          # the prompt is read: its last logits gave a token
                 s.request.t_first = time.monotonic()
-                self._emit(s, int(outs[k][i]))
+                self._emit(s, int(outs[k][i]), self._logprobs(k, i))
 
     def _apply_packed(self, w: Window, toks: np.ndarray) -> None:
         """A packed window's tokens: the decode rows' in order, then each ending prompt's (scheduler.packed_group)."""
         for i, s in enumerate(w.decode):
             if not s.free:
                 s.n_past += 1
-                self._emit(s, int(toks[i]))
+                self._emit(s, int(toks[i]), self._logprobs(0, i))
         j = len(w.decode)
         for s, c, end in zip(w.prefills, w.chunks, w.ends):
             if not s.free:
                 s.n_past += c
                 if end:                                # the prompt is read: its last logits gave a token
                     s.request.t_first = time.monotonic()
-                    self._emit(s, int(toks[j]))
+                    self._emit(s, int(toks[j]), self._logprobs(0, j))
             j += end
 
     def _apply_verify(self, w: Window, toks: np.ndarray, n_acc: np.ndarray) -> None:
@@ -534,19 +539,25 @@ class Engine:
                 if s.free:
                     break
 
-    def _emit(self, s: Slot, token: int) -> None:
+    def _logprobs(self, group: int, row: int):
+        """The window's logprobs of a group's row (the controlled program's), or None."""
+        lp = self.runner.last_logprobs
+        got = lp[group] if group < len(lp) else None
+        return None if got is None else tuple(a[row] for a in got)
+
+    def _emit(self, s: Slot, token: int, logprobs=None) -> None:
         """Hand a sampled token to its request; a failure here ends that request alone."""
         if token < 0:                                   # the sampler's mark for NaN or inf logits
             self._fail(s, "the model's logits were NaN or inf at this position (the weights or the activations "
                           "overflowed): the request cannot go on")
             return
         try:
-            self._emit_token(s, token)
+            self._emit_token(s, token, logprobs)
         except Exception as e:
             log.exception("request %d: its token %d could not be handled", s.request.id, token)
             self._fail(s, f"the engine could not handle token {token}: {type(e).__name__}: {_first_line(e)}")
 
-    def _emit_token(self, s: Slot, token: int) -> None:
+    def _emit_token(self, s: Slot, token: int, logprobs=None) -> None:
         req = s.request
         s.tokens.append(token)
         n_gen = len(s.tokens) - len(req.prompt)
@@ -556,19 +567,24 @@ class Engine:
         stop_at = s.stops.find(s.text)
         if stop_at is not None:
             s.text = s.text[:stop_at]
-            self._send_text(s, token, len(s.text))
+            self._send_text(s, token, len(s.text), logprobs)
             self._finish(s, "stop")
             return
         if eos:
             self._finish(s, "stop")
             return
-        self._send_text(s, token, len(s.text) - s.stops.held(s.text))
+        self._send_text(s, token, len(s.text) - s.stops.held(s.text), logprobs)
         if n_gen >= req.params.max_tokens or s.n_past + 1 >= self.runner.cache_len:
             self._finish(s, "length")
 
-    def _send_text(self, s: Slot, token: int, upto: int) -> None:
+    def _send_text(self, s: Slot, token: int, upto: int, logprobs=None) -> None:
         upto = max(upto, s.emitted)
-        s.request.events.put(Event("token", text=s.text[s.emitted:upto], token=token))
+        ev = Event("token", text=s.text[s.emitted:upto], token=token)
+        n = s.request.params.logprobs
+        if logprobs is not None and n is not None:     # (logprob, top ids, top logprobs): controls.py
+            ev.logprob = float(logprobs[0])
+            ev.top_logprobs = [(int(t), float(v)) for t, v in zip(logprobs[1][:n], logprobs[2][:n])]
+        s.request.events.put(ev)
         s.emitted = upto
 
     def _finish(self, s: Slot, reason: str) -> None:

@@ -62,6 +62,19 @@ def _write_block(cache: dict, block: dict, slot, start) -> dict:
     return out
 
 
+def _copy_blocks(cache: dict, src, dst, n_blocks, *, size: int) -> dict:
+    """Positions 0..n_blocks*size of slot src copied into slot dst, a block at a time (a fork: n choices of
+    one prompt, or requests sharing a system prompt, read it once)."""
+    def body(i, c):
+        out = {}
+        for name, a in c.items():
+            rest = (0,) * (a.ndim - 3)
+            block = lax.dynamic_slice(a, (0, src, i * size) + rest, (a.shape[0], 1, size) + a.shape[3:])
+            out[name] = lax.dynamic_update_slice(a, block, (0, dst, i * size) + rest)
+        return out
+    return lax.fori_loop(0, n_blocks, body, cache)
+
+
 class PrefixCache:
     def __init__(self, runner, cfg: EngineConfig, key_fn: Callable | None = None):
         self.runner = runner
@@ -75,20 +88,26 @@ class PrefixCache:
         # The mtp drafter's layer keeps, at each position, an entry made from the NEXT token too: the last
         # reused position's was made with the old conversation's next token, so it is read again.
         self.reread = 1 if cfg.spec > 0 and cfg.drafter == "mtp" else 0
-        self.counters = {"requests": 0, "slot_hits": 0, "slot_reused_tokens": 0}
+        self.counters = {"requests": 0, "slot_hits": 0, "slot_reused_tokens": 0, "forks": 0, "forked_tokens": 0}
         self.on_restore: Callable[[list[int], np.ndarray], None] | None = None    # tests: (prompt, restored tokens)
         self._read = jax.jit(_read_block, static_argnames=("size",))
         self._write = jax.jit(_write_block, donate_argnums=(0,))
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), static_argnames=("size",))
 
-    def place(self, prompt: list[int], free: list[Slot]) -> tuple[Slot, int]:
+    def place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = ()) -> tuple[Slot, int]:
         """Pick the slot for a new request and bring its prompt's known prefix into it -> (slot, tokens
-        already in its KV). May store the slot's old KV to host RAM and restore blocks from there."""
+        already in its KV). May store the slot's old KV to host RAM and restore blocks from there, or copy
+        a busy slot's KV of a longer match (whole blocks of positions already read) into the slot."""
         self.counters["requests"] += 1
         if not self.enabled:
             return min(free, key=lambda s: s.last_used), 0
         limit = len(prompt) - 1                        # the last prompt token is always read
         slot, n = min(((s, min(common_prefix(s.kept, prompt), limit)) for s in free),
                       key=lambda sn: (-sn[1], sn[0].last_used))
+        src, m = max(((s, min(common_prefix(s.kept, prompt), limit, self.runner.device_len)) for s in busy),
+                     key=lambda sm: sm[1], default=(None, 0))
+        if src is not None and m >= n + self.block:
+            return slot, self._fork(src, slot, m)
         blocks: list[Block] = []
         if self.host is not None:
             self.host.counters["lookups"] += 1
@@ -106,6 +125,19 @@ class PrefixCache:
                 self.counters["slot_hits"] += 1
                 self.counters["slot_reused_tokens"] += n
         return slot, n
+
+    def _fork(self, src: Slot, slot: Slot, m: int) -> int:
+        """Copy src's first m positions into slot (its old KV to host RAM first, if kept there) -> tokens
+        reused. Copies whole blocks: positions past m are the new request's to overwrite."""
+        if self.host is not None and len(slot.kept) // self.block > 0:
+            self._store(slot)
+        blocks = -(-m // self.block)
+        self.runner.cache = self._copy(self.runner.cache, jnp.int32(src.index), jnp.int32(slot.index),
+                                       jnp.int32(blocks), size=self.block)
+        n = max(m - self.reread, 0)
+        self.counters["forks"] += 1
+        self.counters["forked_tokens"] += n
+        return n
 
     # ---- host RAM -------------------------------------------------------------------------------------
 

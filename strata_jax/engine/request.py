@@ -32,6 +32,8 @@ MAX_STOPS = 16                  # stop strings a request (OpenAI allows 4; llama
 MAX_STOP_CHARS = 512            # characters of one stop string
 GREEDY_BELOW = 1e-5             # a temperature below this is greedy (dividing logits by it overflows float32)
 MAX_TEMPERATURE = 100.0
+MAX_LOGIT_BIAS = 1024           # logit_bias entries a request
+MAX_LOGPROBS = 20               # top_logprobs / completions' logprobs (OpenAI's limit)
 
 
 @dataclass
@@ -44,6 +46,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias -100..100): OpenAI's meaning
+    presence_penalty: float = 0.0      # -2..2, subtracted once from each token generated so far
+    frequency_penalty: float = 0.0     # -2..2, subtracted per occurrence among the tokens generated so far
+    repeat_penalty: float = 1.0        # llama.cpp's: 1 is off
+    repeat_last_n: int = 64            # llama.cpp's: the tokens of prompt + output it looks at (-1: all, 0: off)
+    logprobs: int | None = None        # None: no logprobs; N: the chosen token's and the top N alternatives'
 
     def validate(self, vocab_size: int | None = None) -> None:
         """RequestError naming the field and the value, for anything the engine cannot hold or use."""
@@ -70,11 +78,60 @@ class SamplingParams:
         need(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
              f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(number(name) and -2.0 <= getattr(self, name) <= 2.0, name, "must be a number from -2 to 2")
+        need(number("repeat_penalty") and 0.0 < self.repeat_penalty <= 10.0, "repeat_penalty",
+             "must be a number in (0, 10] (1: off)")
+        need(_whole(self.repeat_last_n) and -1 <= self.repeat_last_n < 2**31, "repeat_last_n",
+             "must be a whole number >= -1 (-1: the whole context, 0: off)")
+        need(self.logprobs is None or (_whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+             f"must be a whole number from 0 to {MAX_LOGPROBS} (the alternatives shown a token)")
+        need(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+             f"must hold at most {MAX_LOGIT_BIAS} tokens")
+        vocab = vocab_size or 2**31
+        for tok, bias in self.logit_bias:
+            if not (_whole(tok) and 0 <= tok < vocab):
+                raise RequestError(f"logit_bias = {_shown(dict(self.logit_bias))}: token id {_shown(tok)} is outside "
+                                   f"the vocabulary (0..{vocab - 1})")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+                    and -100 <= bias <= 100):
+                raise RequestError(f"logit_bias = {_shown(dict(self.logit_bias))}: the bias of token {tok} is "
+                                   f"{_shown(bias)}; a bias is a number from -100 to 100")
 
     @property
     def sampled_temperature(self) -> float:
         """The temperature the sampler uses: 0 (greedy) below GREEDY_BELOW."""
         return 0.0 if self.temperature < GREEDY_BELOW else float(self.temperature)
+
+
+def make_params(max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0, seed: int | None = None, stop: Any = None, ignore_eos: bool = False,
+                logit_bias: Any = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from Engine.submit's keywords (stop: a string or a list; logit_bias: {token id: bias}),
+    not yet validated."""
+    stop = [stop] if isinstance(stop, str) else stop
+    return SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()), ignore_eos,
+                          logit_bias_pairs(logit_bias), presence_penalty, frequency_penalty, repeat_penalty,
+                          repeat_last_n, logprobs)
+
+
+def logit_bias_pairs(bias: Any) -> tuple:
+    """A logit_bias mapping ({token id: bias}; JSON's keys are strings of digits) -> sorted (id, bias) pairs;
+    RequestError naming the key that is not a token id."""
+    if not bias:
+        return ()
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias = {_shown(bias)}: must map token ids to biases, e.g. {{\"50256\": -100}}")
+    pairs = []
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().isdigit() and len(key) <= 10:
+            key = int(key)
+        if not _whole(key):
+            raise RequestError(f"logit_bias = {_shown(bias)}: the key {_shown(key)} is not a token id (a whole "
+                               "number, as a string in JSON)")
+        pairs.append((key, value))
+    return tuple(sorted(pairs, key=lambda kv: kv[0]))
 
 
 def _whole(v: Any) -> bool:
@@ -97,6 +154,8 @@ class Event:
     stats: dict[str, Any] | None = None
     finish_reason: str | None = None  # final: "stop" | "length" | "cancelled"
     error: str | None = None
+    logprob: float | None = None      # token events of a request with logprobs: the token's (raw model) logprob
+    top_logprobs: list[tuple[int, float]] | None = None   # and its top alternatives (token id, logprob)
 
 
 _ids = itertools.count(1)

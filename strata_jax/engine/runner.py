@@ -32,6 +32,7 @@ from ..model import (
 )
 from ..model.weights import QTensor, blocks_in_place
 from ..testing.faults import Faults
+from .controls import controls_of, sample_controlled
 from .kv_host import KVHostStore
 from .memory import MemoryLedger
 from .programs import MIN_PROGRAM_BYTES, Layout, ProgramCache
@@ -168,6 +169,9 @@ class ModelRunner:
         self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.wait_for_device, self.faults)
         self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
         self._verify = jax.jit(verify)          # the speculative accept rule, one per verify group shape
+        # sampling controls and logprobs: one program per row bucket, greedy or sampled (controls.py)
+        self._controlled = jax.jit(sample_controlled, static_argnames=("sampled",))
+        self.last_logprobs: list = []           # per group of the last window: (logprob, top ids, top logprobs)
         self.windows = 0
 
     # ---- layouts --------------------------------------------------------------------------------------
@@ -193,14 +197,23 @@ class ModelRunner:
 
     def run(self, groups: list[GroupInput], kv_needed: int) -> list[np.ndarray]:
         """Run one window; returns per group the sampled tokens [R] (or logits [R, L, V] with all_logits;
-        or for a verify group the pair (tokens [R, L], n_accepted [R]))."""
+        or for a verify group the pair (tokens [R, L], n_accepted [R])); a group with sampling controls or
+        logprobs also leaves (logprob [R], top ids [R, K], top logprobs [R, K]) in last_logprobs."""
         logits = self.forward_logits(groups, kv_needed)
         out = []
-        for lg, g in zip(logits, groups):
+        self.last_logprobs = [None] * len(groups)
+        for i, (lg, g) in enumerate(zip(logits, groups)):
             if g.drafts is not None:
                 out.append(tuple(np.asarray(a) for a in self._verify(lg, g.drafts, g.n_draft, *g.sampling.as_tuple())))
             elif g.all_logits:
                 out.append(np.asarray(lg))
+            elif g.sampling.controlled is not None:      # a row with sampling controls or logprobs
+                c = controls_of(g.sampling.controlled, lg.shape[0], lg.shape[-1], self.cache_len)
+                sampled = bool(np.any(g.sampling.temperature > 0))
+                tokens, *lp = (np.asarray(a) for a in self._controlled(lg, *g.sampling.as_tuple(), *c.as_tuple(),
+                                                                       sampled=sampled))
+                out.append(tokens)
+                self.last_logprobs[i] = tuple(lp)
             elif not np.any(g.sampling.temperature > 0):
                 out.append(greedy_on_host(np.asarray(lg)))
             else:

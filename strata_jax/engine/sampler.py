@@ -23,6 +23,9 @@ class SamplingRows:
     min_p: np.ndarray         # [R] float32, 0 = off
     seed: np.ndarray          # [R] uint32
     step: np.ndarray          # [R] int32: tokens the row generated so far
+    # per row (params, tokens so far, prompt length), or None for padding: set only when some row has a
+    # sampling control or asks for logprobs (controls.py builds that window's control arrays from it)
+    controlled: list | None = None
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingRows:

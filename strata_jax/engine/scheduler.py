@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .controls import wants_controls
 from .runner import GroupInput
 from .sampler import SamplingRows
 from .slots import Slot
@@ -73,6 +74,9 @@ def sampling_rows(slots: list[Slot | None], rows: int) -> SamplingRows:
         s.temperature[i], s.top_k[i], s.top_p[i], s.min_p[i] = p.sampled_temperature, p.top_k, p.top_p, p.min_p
         s.seed[i] = p.seed if p.seed is not None else (slot.request.id * 2654435761) & 0xFFFFFFFF
         s.step[i] = len(slot.tokens) - len(slot.request.prompt)
+    if any(slot is not None and wants_controls(slot.request.params) for slot in slots):
+        s.controlled = [None if slot is None else (slot.request.params, slot.tokens, len(slot.request.prompt))
+                        for slot in slots] + [None] * (rows - len(slots))
     return s
 
 

@@ -1,192 +1,33 @@
-"""One generation request, from its body to its answer: OpenAI chat and text completions, whole or streamed.
+"""One generation request, from its job to its answer: OpenAI chat and text completions, whole or streamed.
 
-    job = parse_chat(body, names)            # msgspec decoding + the checks msgspec cannot express (ApiError)
+    job = parse_chat(body, names)            # parse.py: msgspec decoding + the checks msgspec cannot express
     prepared = await sup.prepare(...)        # the engine tokenizes and checks it: 4xx before any byte is sent
     ticket = sup.enqueue(...)
-    stream_chat(...) / whole_chat(...)       # SSE chunks, or one JSON body
-
-Sampling defaults when a request leaves them out are llama.cpp's server's (temperature 0.8, top_k 40,
-top_p 0.95, min_p 0.05); `temperature: 0` is greedy.
+    stream(...) / whole(...)                 # SSE chunks, or one JSON body (n choices: choices.py)
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from ..gguf.chat_template import reserved_kwargs
+from .choices import Choices
 from .console import done_line
-from .errors import ApiError, error_body, invalid
+from .errors import ApiError, error_body
+from .logprobs import LogprobsOf
+from .parse import Job, ModelNames, parse_chat, parse_completion
 from .reasoning import CONTENT, REASONING, ReasoningParser
-from .schemas import ChatCompletionRequest, CompletionRequest, Message, decode
 from .supervisor import EngineEvent, Prepared, Supervisor, Ticket
 
 log = logging.getLogger("strata_jax.serve")
 
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 SYSTEM_FINGERPRINT = "strata-jax"
 _json = msgspec.json.Encoder()
-
-
-@dataclass
-class Job:
-    kind: str                                    # "chat" | "text"
-    id: str
-    model: str
-    prompt: Any                                  # messages (dicts), text, or token ids
-    params: dict[str, Any]
-    stream: bool
-    include_usage: bool
-    chat_template_kwargs: dict[str, Any] | None = None
-    reasoning: bool = True                       # split <think> into reasoning_content
-    echo: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-    arrived: float = field(default_factory=time.monotonic)
-
-    @property
-    def endpoint(self) -> str:
-        return "chat" if self.kind == "chat" else "completions"
-
-
-# ---- parsing ---------------------------------------------------------------------------------------------
-
-
-def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False) -> Job:
-    req = _decode(body, ChatCompletionRequest)
-    if not req.messages:
-        raise invalid("messages is empty: a chat needs at least one message", "messages")
-    reserved = [] if trust_template else reserved_kwargs(req.chat_template_kwargs or {})
-    if reserved:   # a template is code the server runs: see RESERVED_TEMPLATE_KWARGS
-        raise invalid(f"chat_template_kwargs.{reserved[0]}: chat_template_kwargs may set the template's variables "
-                      f"only, and {', '.join(reserved)} would replace the template or its inputs; leave them out, "
-                      "or start the server with --trust-request-chat-template", f"chat_template_kwargs.{reserved[0]}")
-    messages = [_message(m, i) for i, m in enumerate(req.messages)]
-    _check_carried(messages=messages, chat_template_kwargs=req.chat_template_kwargs)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
-               _params(req, max_tokens), req.stream, _include_usage(req), req.chat_template_kwargs,
-               req.reasoning_format != "none")
-
-
-def parse_completion(body: bytes, names: ModelNames) -> Job:
-    req = _decode(body, CompletionRequest)
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise invalid(f"prompt holds {len(prompt)} prompts; this server answers one prompt a request", "prompt")
-        prompt = prompt[0]
-    elif isinstance(prompt, list) and not all(isinstance(p, int) for p in prompt):
-        raise invalid("prompt must be a string, a list of token ids, or a list of one string", "prompt")
-    if prompt is None or prompt == "" or prompt == []:
-        raise invalid("prompt is empty: send the text (or token ids) to continue", "prompt")
-    echo = prompt if req.echo and isinstance(prompt, str) else ""
-    return Job("text", f"cmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), prompt,
-               _params(req, req.max_tokens), req.stream, _include_usage(req), echo=echo)
-
-
-def _decode(body: bytes, kind: type) -> Any:
-    if not body.strip():
-        raise invalid("the request body is empty: send a JSON object")
-    try:
-        return decode(body, kind)
-    except msgspec.ValidationError as e:
-        text = str(e)
-        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
-        if param:
-            text += f" (got {_value_at(body, param)})"
-        if param and param.endswith(".role"):
-            text += " (a role is one of system, developer, user, assistant, tool)"
-        raise invalid(f"invalid request: {text}", param) from None
-    except msgspec.DecodeError as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:      # msgspec's answer to arrays or objects nested ~1000 deep, in any field
-        raise invalid("the request body nests arrays or objects too deeply to read") from None
-
-
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
-
-
-def _value_at(body: bytes, path: str) -> str:
-    """The value at msgspec's error path (`stop[0]`, `messages[1].role`) in the raw body, shown short."""
-    try:
-        value: Any = msgspec.json.decode(body)
-        for key, index in _PATH_PART.findall(path):
-            value = value[int(index)] if index else value[key]
-    except Exception:  # noqa: BLE001 - only decoration for the message
-        return "a value of another type"
-    text = msgspec.json.encode(value).decode()
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _check_carried(**values: Any) -> None:
-    """Free-form values (tool_calls, chat_template_kwargs) go to the engine as msgpack, whose integers are
-    64-bit: a larger one is the client's error, not the pipe's."""
-    for param, value in values.items():
-        try:
-            msgspec.msgpack.encode(value)
-        except (OverflowError, RecursionError):
-            raise invalid(f"{param} holds an integer beyond 64 bits (or nests too deeply): the server passes "
-                          "integers from -2**63 to 2**64 - 1", param) from None
-
-
-def _message(m: Message, i: int) -> dict[str, Any]:
-    content = m.content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise invalid(f"messages[{i}].content[{j}] is a {part.type!r} part; this server reads text parts "
-                              "only ({\"type\": \"text\", \"text\": ...})", f"messages[{i}].content[{j}]")
-            texts.append(part.text)
-        content = "\n".join(texts)
-    if content is None and not (m.role == "assistant" and m.tool_calls):
-        raise invalid(f"messages[{i}].content is missing: a {m.role} message needs content", f"messages[{i}].content")
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-    if content is not None:
-        out["content"] = content
-    for key in ("reasoning_content", "name", "tool_calls", "tool_call_id"):
-        value = getattr(m, key)
-        if value is not None:
-            out[key] = value
-    return out
-
-
-def _params(req: Any, max_tokens: int | None) -> dict[str, Any]:
-    if req.n is not None and req.n != 1:
-        raise invalid(f"n = {req.n}: this server makes one choice a request (n = 1)", "n")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    seed = None if req.seed is None or req.seed == -1 else req.seed % 2**32
-    params = {k: (getattr(req, k) if getattr(req, k) is not None else v) for k, v in DEFAULTS.items()}
-    params["top_k"] = max(params["top_k"], 0)       # -1 is vLLM's "off", 0 ours and llama.cpp's
-    params["temperature"] = float(params["temperature"])
-    return {"max_tokens": max_tokens, **params, "seed": seed, "stop": stop, "ignore_eos": req.ignore_eos}
-
-
-def _include_usage(req: Any) -> bool:
-    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
-
-
-class ModelNames:
-    """The name /v1/models shows, and the names a request may use for it (its file name, its path)."""
-
-    def __init__(self, served: str, *aliases: str):
-        self.served = served
-        self.accepted = {served, *filter(None, aliases)}
-
-    def check(self, model: str | None) -> str:
-        if model and model not in self.accepted:
-            raise ApiError(404, f"model = {model!r}: this server serves {self.served!r} (see GET /v1/models)",
-                           "invalid_request_error", "model")
-        return self.served
 
 
 # ---- running ---------------------------------------------------------------------------------------------
@@ -216,21 +57,6 @@ def _refuse_if_too_long(job: Job, n_ctx: int, max_token_bytes: int | None) -> No
                             "(--max-context) with room for at least one generated token; shorten the prompt or "
                             "raise --max-context",
                        "exceed_context_size_error", None, n_prompt_tokens=at_least, n_ctx=n_ctx)
-
-
-async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[EngineEvent]:
-    """The ticket's events up to its last; an error event when the deadline comes first."""
-    while True:
-        try:
-            ev = await asyncio.wait_for(t.events.get(), max(t.deadline - time.monotonic(), 0.0))
-        except TimeoutError:
-            sup.cancel(t)
-            yield EngineEvent("error", error=f"the request passed its deadline ({sup.config.request_timeout_s:g} s, "
-                                             "--request-timeout-s)", finish_reason="timeout")
-            return
-        yield ev
-        if ev.kind != "token":
-            return
 
 
 class Outcome:
@@ -305,36 +131,74 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, on_done) -> AsyncIterator[bytes]:
-    """SSE chunks: chat.completion.chunk or text_completion, then `data: [DONE]`. An engine error ends the
-    stream with `data: {"error": {...}}` and `data: [DONE]` (the openai client raises APIError on it)."""
-    outcome = Outcome(job, prepared, ticket, on_done)
-    parser = ReasoningParser(prepared.think, enabled=job.reasoning and job.kind == "chat")
+    """SSE chunks: chat.completion.chunk or text_completion (each choice's with its index), then `data: [DONE]`.
+    An engine error ends the stream with `data: {"error": {...}}` and `data: [DONE]` (the openai client
+    raises APIError on it)."""
+    run = _Run(sup, job, prepared, ticket, on_done)
     chunk = _chat_chunk if job.kind == "chat" else _text_chunk
     try:
-        if job.kind == "chat":
-            yield sse(_chat_chunk(job, {"role": "assistant", "content": ""}))
-        elif job.echo:
-            yield sse(_text_chunk(job, job.echo))
-        async for ev in events(sup, ticket):
+        for k in range(job.n):
+            if job.kind == "chat":
+                yield sse(_chat_chunk(job, {"role": "assistant", "content": ""}, index=k))
+            elif job.echo:
+                yield sse(_text_chunk(job, job.echo, index=k))
+        async for k, ev in run.choices.merged():
+            lp = run.logprobs[k]
             if ev.kind == "token":
-                for piece in _pieces(job, parser, ev.text):
-                    yield sse(chunk(job, piece))
+                lp.add(ev.logprobs)
+                for piece in _pieces(job, run.parsers[k], ev.text):
+                    yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
             elif ev.kind == "final":
-                outcome.final(ev)
-                for piece in _pieces(job, parser, ev.text, last=True):
-                    yield sse(chunk(job, piece))
-                end = chunk(job, {} if job.kind == "chat" else "", _finish_reason(ev))
+                run.final(k, ev)
+                for piece in _pieces(job, run.parsers[k], ev.text, last=True):
+                    yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
+                end = chunk(job, {} if job.kind == "chat" else "", _finish_reason(ev), index=k,
+                            logprobs=lp.take() if lp.pending else None)
                 end["timings"] = timings(ev.stats)
                 yield sse(end)
-                if job.include_usage:
-                    yield sse({**_head(job), "choices": [], "usage": usage(ev.stats, prepared, ticket.n_tokens)})
-                yield SSE_DONE
+                if len(run.finals) == job.n:
+                    if job.include_usage:
+                        yield sse({**_head(job), "choices": [], "usage": run.usage()})
+                    yield SSE_DONE
             else:
-                outcome.error(ev)
+                run.outcomes[k].error(ev)
                 yield sse(event_error(ev).body())
                 yield SSE_DONE
+                return
     finally:
-        outcome.close(sup)
+        run.close()
+
+
+class _Run:
+    """One request's choices while they run: tickets (serve/choices.py), outcomes, reasoning parsers, logprobs."""
+
+    def __init__(self, sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, on_done):
+        self.sup, self.job, self.prepared = sup, job, prepared
+        self.outcomes = [Outcome(job, prepared, ticket, on_done)]
+        self.choices = Choices(sup, job.id, job.n, prepared, ticket.params, ticket.deadline, ticket,
+                               lambda t: self.outcomes.append(Outcome(job, prepared, t, on_done)))
+        chat = job.kind == "chat"
+        self.parsers = [ReasoningParser(prepared.think, enabled=job.reasoning and chat) for _ in range(job.n)]
+        wanted = job.params.get("logprobs") is not None
+        self.logprobs = [LogprobsOf(chat, wanted, len(job.echo)) for _ in range(job.n)]
+        self.finals: dict[int, EngineEvent] = {}
+
+    def final(self, k: int, ev: EngineEvent) -> None:
+        self.outcomes[k].final(ev)
+        self.finals[k] = ev
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's for n choices: the prompt once, the completion tokens of every choice."""
+        tickets = self.choices.tickets
+        each = [usage(ev.stats, self.prepared, tickets[k].n_tokens) for k, ev in sorted(self.finals.items())]
+        out = dict(each[0])
+        out["completion_tokens"] = sum(u["completion_tokens"] for u in each)
+        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+        return out
+
+    def close(self) -> None:
+        for o in self.outcomes:
+            o.close(self.sup)
 
 
 def _pieces(job: Job, parser: ReasoningParser, text: str, last: bool = False) -> list:
@@ -351,12 +215,16 @@ def _head(job: Job) -> dict[str, Any]:
             "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
-def _chat_chunk(job: Job, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    return {**_head(job), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+def _chat_chunk(job: Job, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**_head(job), "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": finish_reason}]}
 
 
-def _text_chunk(job: Job, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-    return {**_head(job), "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+def _text_chunk(job: Job, text: str, finish_reason: str | None = None, index: int = 0,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**_head(job), "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                       "finish_reason": finish_reason}]}
 
 
 # ---- whole answers ---------------------------------------------------------------------------------------
@@ -364,40 +232,42 @@ def _text_chunk(job: Job, text: str, finish_reason: str | None = None) -> dict[s
 
 async def whole(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, on_done) -> dict[str, Any]:
     """The answer as one JSON body (chat.completion or text_completion); ApiError (500/503) on engine errors."""
-    outcome = Outcome(job, prepared, ticket, on_done)
-    parser = ReasoningParser(prepared.think, enabled=job.reasoning and job.kind == "chat")
-    parts: list[tuple[str, str]] = []
+    run = _Run(sup, job, prepared, ticket, on_done)
+    parts: list[list[tuple[str, str]]] = [[] for _ in range(job.n)]
     try:
-        async for ev in events(sup, ticket):
-            last = ev.kind != "token"
+        async for k, ev in run.choices.merged():
             if ev.kind == "error":
-                outcome.error(ev)
+                run.outcomes[k].error(ev)
                 raise event_error(ev)
-            if ev.kind == "final":
-                outcome.final(ev)
-            parts += parser.feed(ev.text) + (parser.flush() if last else [])
-            if ev.kind == "final":
-                return _whole_body(job, prepared, ticket, ev, parser, parts)
+            parser = run.parsers[k]
+            if ev.kind == "token":
+                run.logprobs[k].add(ev.logprobs)
+            else:
+                run.final(k, ev)
+            parts[k] += parser.feed(ev.text) + (parser.flush() if ev.kind != "token" else [])
+            if len(run.finals) == job.n or ev.finish_reason == "cancelled":    # all done, or the client left
+                return _whole_body(job, run, parts)
         raise ApiError(500, "the engine ended the request without an answer")
     finally:
-        outcome.close(sup)
+        run.close()
 
 
-def _whole_body(job: Job, prepared: Prepared, ticket: Ticket, ev: EngineEvent, parser: ReasoningParser,
-                parts: list[tuple[str, str]]) -> dict[str, Any]:
-    content = "".join(t for k, t in parts if k == CONTENT)
+def _whole_body(job: Job, run: _Run, parts: list[list[tuple[str, str]]]) -> dict[str, Any]:
     body = {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
-            "created": job.created, "model": job.model, "system_fingerprint": SYSTEM_FINGERPRINT}
-    if job.kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if parser.saw_reasoning:
-            message["reasoning_content"] = "".join(t for k, t in parts if k == REASONING)
-        body["choices"] = [{"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(ev)}]
-    else:
-        body["choices"] = [{"index": 0, "text": job.echo + content, "logprobs": None,
-                            "finish_reason": _finish_reason(ev)}]
-    body["usage"] = usage(ev.stats, prepared, ticket.n_tokens)
-    body["timings"] = timings(ev.stats)
+            "created": job.created, "model": job.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": []}
+    for k, ev in sorted(run.finals.items()):
+        content = "".join(t for kind, t in parts[k] if kind == CONTENT)
+        choice: dict[str, Any] = {"index": k}
+        if job.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if run.parsers[k].saw_reasoning:
+                message["reasoning_content"] = "".join(t for kind, t in parts[k] if kind == REASONING)
+            choice["message"] = message
+        else:
+            choice["text"] = job.echo + content
+        body["choices"].append({**choice, "logprobs": run.logprobs[k].whole(), "finish_reason": _finish_reason(ev)})
+    body["usage"] = run.usage()
+    body["timings"] = timings(run.finals[min(run.finals)].stats)
     return body
 
 

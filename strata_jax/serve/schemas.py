@@ -1,6 +1,6 @@
-"""Request bodies of the OpenAI API, as msgspec structs: decoding checks every type and names the field
-that is wrong (`Expected int, got str - at $.max_tokens`). Fields OpenAI clients send that we do not use
-(user, logit_bias, tools, ...) are ignored, as msgspec ignores unknown fields by default."""
+"""Request bodies of the OpenAI API, as msgspec structs: decoding checks every type and range and names the
+field that is wrong (`Expected int, got str - at $.max_tokens`). Fields OpenAI clients send that we do not use
+(user, tools, ...) are ignored, as msgspec ignores unknown fields by default."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ..engine.request import MAX_STOP_CHARS, MAX_STOPS, MAX_TEMPERATURE
+from ..engine.request import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    MAX_TEMPERATURE,
+)
 
 # Bounds that catch nonsense before anything is built from it: every number fits the array it goes into
 # (int32 top_k, a 64-bit seed folded to 32), no float is NaN or inf (JSON has neither; 1e999 is refused),
@@ -21,6 +27,14 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOPS)] | None
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]   # int32 arrays; the engine checks the vocabulary
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]    # OpenAI's presence / frequency penalties
+# token id (a string of digits in JSON) -> bias; generate.py checks the biases (-100..100: its message shows
+# the token and the value), the engine the vocabulary
+LogitBias = Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
+RepeatPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=10.0)]           # llama.cpp's; 1 is off
+RepeatLastN = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]           # llama.cpp's; -1: all, 0: off
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+MAX_CHOICES = 8
 
 
 class TextPart(msgspec.Struct):
@@ -52,7 +66,13 @@ class _Sampling(msgspec.Struct):
     min_p: Unit | None = None
     seed: Seed | None = None
     stop: Stop = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] | None = None
+    logit_bias: LogitBias | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repeat_penalty: RepeatPenalty | None = None
+    repeat_last_n: RepeatLastN | None = None
+    repetition_penalty: RepeatPenalty | None = None    # vLLM's name: repeat_penalty over all of prompt + output
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False            # llama.cpp's extra: keep going past the end-of-text token
@@ -63,11 +83,14 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: MaxTokens | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_format: Literal["auto", "deepseek", "none"] = "auto"   # llama.cpp's: "none" keeps <think> in content
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId | str] | None = None     # text, token ids, or a list of one text
     echo: bool = False
+    logprobs: TopLogprobs | None = None                # the top N alternatives of each token (and its own)
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:

@@ -62,6 +62,7 @@ class EngineEvent:
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
     error: str | None = None
+    logprobs: list | None = None                # [token bytes, logprob, [[bytes, logprob], ...]] (logprobs.py)
 
 
 @dataclass
@@ -336,7 +337,7 @@ class Supervisor:
             if t is None:
                 return
             ev = EngineEvent(msg["k"], msg.get("x") or "", msg.get("tok"), msg.get("fr"), msg.get("st"),
-                             msg.get("err"))
+                             msg.get("err"), msg.get("lp"))
             if ev.kind == "token":
                 t.n_tokens += 1
                 t.events.put_nowait(ev)

@@ -173,7 +173,8 @@ class Worker:
     def prepare(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Tokenize and check a request without queueing it: the server answers 4xx at once, and holds the
         queue itself (so a request that waits for a slot survives an engine restart)."""
-        from strata_jax.engine import ContextOverflowError, RequestError, SamplingParams
+        from strata_jax.engine import ContextOverflowError, RequestError
+        from strata_jax.engine.request import make_params
         from strata_jax.gguf.chat_template import NoChatTemplateError
 
         rid, prompt, p = cmd["id"], cmd["prompt"], cmd["params"]
@@ -192,8 +193,7 @@ class Worker:
             else:
                 ids = self.engine.prompt_ids(prompt)
             max_tokens = p.get("max_tokens") or max(n_ctx - len(ids), 1)
-            SamplingParams(max_tokens, p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seed"],
-                           tuple(p["stop"]), p["ignore_eos"]).validate(self.engine.spec.vocab_size)
+            make_params(**_sampling(p, max_tokens)).validate(self.engine.spec.vocab_size)
             if len(ids) + max_tokens > n_ctx:
                 raise ContextOverflowError(len(ids), max_tokens, n_ctx)
         except ContextOverflowError as e:
@@ -212,9 +212,7 @@ class Worker:
 
     def submit(self, cmd: dict[str, Any]) -> None:
         rid, p = cmd["id"], cmd["params"]
-        h = self.engine.submit(cmd["ids"], max_tokens=p["max_tokens"], temperature=p["temperature"],
-                               top_k=p["top_k"], top_p=p["top_p"], min_p=p["min_p"], seed=p["seed"],
-                               stop=p["stop"], ignore_eos=p["ignore_eos"])
+        h = self.engine.submit(cmd["ids"], **_sampling(p, p["max_tokens"]))
         with self._lock:
             self.handles[rid] = h
         threading.Thread(target=self._forward, args=(rid, h), name=f"req-{rid}", daemon=True).start()
@@ -223,6 +221,9 @@ class Worker:
         try:
             for ev in h:
                 msg: dict[str, Any] = {"t": "ev", "id": rid, "k": ev.kind, "x": ev.text, "tok": ev.token}
+                if ev.logprob is not None:      # here, off the engine thread: the tokens' bytes (logprobs.py)
+                    piece = self.engine.tokenizer.token_bytes
+                    msg["lp"] = [piece(ev.token), ev.logprob, [[piece(t), v] for t, v in ev.top_logprobs or ()]]
                 if ev.kind == "final":
                     msg["fr"], msg["st"] = ev.finish_reason, ev.stats
                 elif ev.kind == "error":
@@ -231,6 +232,16 @@ class Worker:
         finally:
             with self._lock:
                 self.handles.pop(rid, None)
+
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
+                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs")
+
+
+def _sampling(p: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """Engine.submit's keywords from a request's params (logit_bias comes as [id, bias] pairs)."""
+    out = {k: p[k] for k in SAMPLING_KEYS if k in p}
+    return {**out, "max_tokens": max_tokens, "logit_bias": {int(t): b for t, b in p.get("logit_bias") or ()}}
 
 
 def _max_token_bytes(tokenizer) -> int:

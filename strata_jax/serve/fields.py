@@ -1,0 +1,49 @@
+"""The request fields of sampling controls and logprobs, from a decoded body to the engine's parameters.
+
+msgspec has checked their types and most ranges (schemas.py); here are the rules it cannot say: logit_bias
+keys are token ids and its biases are -100..100 (the message shows the token and the value), and chat's
+`top_logprobs` needs `logprobs: true` (OpenAI's rule). The engine checks the token ids against the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import invalid
+
+
+def control_params(req: Any, chat: bool) -> dict[str, Any]:
+    """The engine's parameters for the controls a request sets (the engine's defaults for those it leaves out).
+    vLLM's `repetition_penalty` is llama.cpp's `repeat_penalty` over the whole prompt and output (repeat_last_n
+    -1), unless the request sets those."""
+    repeat, last_n = req.repeat_penalty, req.repeat_last_n
+    if repeat is None and req.repetition_penalty is not None:
+        repeat, last_n = req.repetition_penalty, -1 if last_n is None else last_n
+    return {"logit_bias": _logit_bias(req.logit_bias),
+            "presence_penalty": float(req.presence_penalty or 0.0),
+            "frequency_penalty": float(req.frequency_penalty or 0.0),
+            "repeat_penalty": float(repeat if repeat is not None else 1.0),
+            "repeat_last_n": last_n if last_n is not None else 64,
+            "logprobs": _chat_logprobs(req) if chat else req.logprobs}
+
+
+def _chat_logprobs(req: Any) -> int | None:
+    """Chat: `logprobs: true` asks for each token's logprob, `top_logprobs: N` for N alternatives too."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid(f"top_logprobs = {req.top_logprobs}: set logprobs to true to get top_logprobs", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> list[list]:
+    """{"token id": bias} -> [[id, bias], ...] (msgpack carries the pairs; its map keys would be strings)."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise invalid(f"logit_bias: the key {key[:40]!r} is not a token id (a whole number >= 0, as a string)",
+                          "logit_bias")
+        if not (math.isfinite(value) and -100.0 <= value <= 100.0):
+            raise invalid(f"logit_bias: the bias of token {key} is {value!r}; a bias is a number from -100 to 100",
+                          "logit_bias")
+        pairs.append([int(key), float(value)])
+    return pairs

@@ -1,0 +1,175 @@
+"""Request bodies to jobs: msgspec decoding (schemas.py) and the checks msgspec cannot express (ApiError
+naming the field), for OpenAI chat and text completions.
+
+Sampling defaults when a request leaves them out are llama.cpp's server's (temperature 0.8, top_k 40,
+top_p 0.95, min_p 0.05); `temperature: 0` is greedy.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from ..gguf.chat_template import reserved_kwargs
+from .errors import ApiError, invalid
+from .fields import control_params
+from .schemas import ChatCompletionRequest, CompletionRequest, Message, decode
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+@dataclass
+class Job:
+    kind: str                                    # "chat" | "text"
+    id: str
+    model: str
+    prompt: Any                                  # messages (dicts), text, or token ids
+    params: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: bool = True                       # split <think> into reasoning_content
+    echo: str = ""
+    n: int = 1                                   # choices (serve/choices.py)
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def endpoint(self) -> str:
+        return "chat" if self.kind == "chat" else "completions"
+
+
+# ---- parsing ---------------------------------------------------------------------------------------------
+
+
+def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False) -> Job:
+    req = _decode(body, ChatCompletionRequest)
+    if not req.messages:
+        raise invalid("messages is empty: a chat needs at least one message", "messages")
+    reserved = [] if trust_template else reserved_kwargs(req.chat_template_kwargs or {})
+    if reserved:   # a template is code the server runs: see RESERVED_TEMPLATE_KWARGS
+        raise invalid(f"chat_template_kwargs.{reserved[0]}: chat_template_kwargs may set the template's variables "
+                      f"only, and {', '.join(reserved)} would replace the template or its inputs; leave them out, "
+                      "or start the server with --trust-request-chat-template", f"chat_template_kwargs.{reserved[0]}")
+    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    _check_carried(messages=messages, chat_template_kwargs=req.chat_template_kwargs)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
+               _params(req, max_tokens, chat=True), req.stream, _include_usage(req), req.chat_template_kwargs,
+               req.reasoning_format != "none", n=req.n or 1)
+
+
+def parse_completion(body: bytes, names: ModelNames) -> Job:
+    req = _decode(body, CompletionRequest)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise invalid(f"prompt holds {len(prompt)} prompts; this server answers one prompt a request", "prompt")
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and not all(isinstance(p, int) for p in prompt):
+        raise invalid("prompt must be a string, a list of token ids, or a list of one string", "prompt")
+    if prompt is None or prompt == "" or prompt == []:
+        raise invalid("prompt is empty: send the text (or token ids) to continue", "prompt")
+    echo = prompt if req.echo and isinstance(prompt, str) else ""
+    return Job("text", f"cmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), prompt,
+               _params(req, req.max_tokens, chat=False), req.stream, _include_usage(req), echo=echo, n=req.n or 1)
+
+
+def _decode(body: bytes, kind: type) -> Any:
+    if not body.strip():
+        raise invalid("the request body is empty: send a JSON object")
+    try:
+        return decode(body, kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        if param:
+            text += f" (got {_value_at(body, param)})"
+        if param and param.endswith(".role"):
+            text += " (a role is one of system, developer, user, assistant, tool)"
+        raise invalid(f"invalid request: {text}", param) from None
+    except msgspec.DecodeError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:      # msgspec's answer to arrays or objects nested ~1000 deep, in any field
+        raise invalid("the request body nests arrays or objects too deeply to read") from None
+
+
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _value_at(body: bytes, path: str) -> str:
+    """The value at msgspec's error path (`stop[0]`, `messages[1].role`) in the raw body, shown short."""
+    try:
+        value: Any = msgspec.json.decode(body)
+        for key, index in _PATH_PART.findall(path):
+            value = value[int(index)] if index else value[key]
+    except Exception:  # noqa: BLE001 - only decoration for the message
+        return "a value of another type"
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_carried(**values: Any) -> None:
+    """Free-form values (tool_calls, chat_template_kwargs) go to the engine as msgpack, whose integers are
+    64-bit: a larger one is the client's error, not the pipe's."""
+    for param, value in values.items():
+        try:
+            msgspec.msgpack.encode(value)
+        except (OverflowError, RecursionError):
+            raise invalid(f"{param} holds an integer beyond 64 bits (or nests too deeply): the server passes "
+                          "integers from -2**63 to 2**64 - 1", param) from None
+
+
+def _message(m: Message, i: int) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise invalid(f"messages[{i}].content[{j}] is a {part.type!r} part; this server reads text parts "
+                              "only ({\"type\": \"text\", \"text\": ...})", f"messages[{i}].content[{j}]")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    if content is None and not (m.role == "assistant" and m.tool_calls):
+        raise invalid(f"messages[{i}].content is missing: a {m.role} message needs content", f"messages[{i}].content")
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    if content is not None:
+        out["content"] = content
+    for key in ("reasoning_content", "name", "tool_calls", "tool_call_id"):
+        value = getattr(m, key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _params(req: Any, max_tokens: int | None, chat: bool) -> dict[str, Any]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    seed = None if req.seed is None or req.seed == -1 else req.seed % 2**32
+    params = {k: (getattr(req, k) if getattr(req, k) is not None else v) for k, v in DEFAULTS.items()}
+    params["top_k"] = max(params["top_k"], 0)       # -1 is vLLM's "off", 0 ours and llama.cpp's
+    params["temperature"] = float(params["temperature"])
+    return {"max_tokens": max_tokens, **params, "seed": seed, "stop": stop, "ignore_eos": req.ignore_eos,
+            **control_params(req, chat)}
+
+
+def _include_usage(req: Any) -> bool:
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+class ModelNames:
+    """The name /v1/models shows, and the names a request may use for it (its file name, its path)."""
+
+    def __init__(self, served: str, *aliases: str):
+        self.served = served
+        self.accepted = {served, *filter(None, aliases)}
+
+    def check(self, model: str | None) -> str:
+        if model and model not in self.accepted:
+            raise ApiError(404, f"model = {model!r}: this server serves {self.served!r} (see GET /v1/models)",
+                           "invalid_request_error", "model")
+        return self.served
