@@ -190,9 +190,18 @@ class LayerStepper:
         """The stage names of `stage`'s kinds of layer, in order ("attn", "attn.1", ...; none without layers)."""
         return list(dict.fromkeys(self.kind_of[stage][i] for i in sorted(self.kind_of[stage])))
 
+    @property
+    def always_one_program(self) -> bool:
+        """Every window runs as one program (--layer-step auto with host experts, no trace being recorded)."""
+        return self.one_program and self.host_trees is not None and self.trace is None
+
     def stage_layouts(self, layout: Layout) -> list[Layout]:
-        """Every program one window of `layout` may run: the embedding, each kind's attention and experts
-        programs, the head, then each kind's predict (with prefetch) and dense programs."""
+        """Every program one window of `layout` may run: the one-program window alone where every window
+        runs as one (so the warm-up and the program bound hold one program a layout, not seven); else the
+        embedding, each kind's attention and experts programs, the head, then each kind's predict (with
+        prefetch) and dense programs."""
+        if self.always_one_program:
+            return [self.resident_layout(layout)]
         stages = (["embed", *self.kinds("attn"), *self.kinds("experts"), *self.kinds("hexperts"), "head"]
                   + self.kinds("predict") * self.prefetch + self.kinds("dense"))
         # only the head reads a packed window's picks: the other stages' layouts leave them out
