@@ -26,6 +26,8 @@ class SamplingRows:
     # per row (params, tokens so far, prompt length), or None for padding: set only when some row has a
     # sampling control or asks for logprobs (controls.py builds that window's control arrays from it)
     controlled: list | None = None
+    # per row its grammar's matcher (constrain.Constraint) or None: set only when some row has one
+    constraints: list | None = None
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingRows:

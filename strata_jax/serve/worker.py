@@ -193,7 +193,10 @@ class Worker:
             else:
                 ids = self.engine.prompt_ids(prompt)
             max_tokens = p.get("max_tokens") or max(n_ctx - len(ids), 1)
-            make_params(**_sampling(p, max_tokens)).validate(self.engine.spec.vocab_size)
+            params = make_params(**_sampling(p, max_tokens))
+            params.validate(self.engine.spec.vocab_size)
+            if params.grammar is not None:       # compiled here too: a schema it cannot compile is a 400
+                self.engine.grammars.check(params.grammar)
             if len(ids) + max_tokens > n_ctx:
                 raise ContextOverflowError(len(ids), max_tokens, n_ctx)
         except ContextOverflowError as e:
@@ -235,7 +238,7 @@ class Worker:
 
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
-                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs")
+                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs", "grammar")
 
 
 def _sampling(p: dict[str, Any], max_tokens: int) -> dict[str, Any]:
