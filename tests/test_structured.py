@@ -16,7 +16,7 @@ import pytest
 
 from strata_jax.serve.launch import ServerProcess
 
-N_CTX = 256
+N_CTX = 1024
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -131,3 +131,88 @@ def test_a_schema_it_cannot_compile_is_a_400_naming_it(server, body, field):
     # and the server goes on
     ok = httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+# ---- tool calling (issue 16, item 1): the made model's template knows no tools: llama.cpp's generic way ----
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                           "unit": {"enum": ["c", "f"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+        "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def forced_call(client, i: int, choice="required"):
+    return client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                          max_tokens=80, temperature=1.0, seed=i)
+
+
+def test_tool_choice_required_gives_a_valid_call_100_times(client):
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda i: forced_call(client, i), range(100)))
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for r in answers:
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    named = forced_call(client, 1, {"type": "function", "function": {"name": "get_time"}}).choices[0]
+    assert named.message.tool_calls[0].function.name == "get_time"
+
+
+def round_trip(client, stream: bool):
+    """A forced call, its result fed back as a tool message, then the answer (tool_choice none)."""
+    kw = {"model": "tiny", "tools": [WEATHER], "max_tokens": 60, "temperature": 1.0, "seed": 3}
+    if stream:
+        chunks = list(client.chat.completions.create(messages=ASK, tool_choice="required", stream=True, **kw))
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        call = {"id": deltas[0].id, "type": "function", "function": {
+            "name": deltas[0].function.name, "arguments": "".join(d.function.arguments or "" for d in deltas)}}
+    else:
+        msg = client.chat.completions.create(messages=ASK, tool_choice="required", **kw).choices[0].message
+        call = msg.tool_calls[0].model_dump()
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21}'}]
+    if stream:
+        chunks = list(client.chat.completions.create(messages=messages, tool_choice="none", stream=True, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        answer = client.chat.completions.create(messages=messages, tool_choice="none", **kw).choices[0]
+        text, reason = answer.message.content, answer.finish_reason
+        assert not answer.message.tool_calls
+    assert isinstance(text, str) and text and reason in ("stop", "length")
+    return call
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_round_trip(client, stream):
+    round_trip(client, stream)
+
+
+def test_same_forced_call_streamed_and_whole(client):
+    whole = forced_call(client, 5).choices[0].message.tool_calls[0]
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME],
+                                                 tool_choice="required", max_tokens=80, temperature=1.0, seed=5,
+                                                 stream=True))
+    (piece,) = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert (piece.function.name, piece.function.arguments) == (whole.function.name, whole.function.arguments)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_fields_are_400s(server, body, field):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={"messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text

@@ -109,6 +109,9 @@ class ChatCompletionRequest(_Sampling):
     reasoning_format: Literal["auto", "deepseek", "none"] = "auto"   # llama.cpp's: "none" keeps <think> in content
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None   # serve/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):

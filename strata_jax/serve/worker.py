@@ -24,6 +24,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from .protocol import pack, read_frame
+from .tools import tool_prompt
 
 log = logging.getLogger("strata_jax.serve.worker")
 
@@ -180,8 +181,13 @@ class Worker:
         rid, prompt, p = cmd["id"], cmd["prompt"], cmd["params"]
         kwargs = cmd.get("chat_template_kwargs") or {}
         n_ctx = self.engine.config.max_context
+        tooling = {}
         try:
             think = False
+            if p.get("tools") and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt, kwargs, tooling = tool_prompt(self.engine.tokenizer, prompt, kwargs, *p["tools"])
+                if tooling.get("grammar"):
+                    p = {**p, "grammar": tooling["grammar"]}
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 # Rendered once: the text is tokenized and says whether the template opened the reasoning
                 # part. kwargs go over the defaults: the server lets them name messages or
@@ -211,7 +217,7 @@ class Worker:
         except ValueError as e:   # ChatMessageError, ChatTemplateError, TokenizerError
             return {"t": "rejected", "id": rid, "kind": "invalid", "message": str(e), "param": "messages"
                     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else "prompt"}
-        return {"t": "prepared", "id": rid, "ids": ids, "max_tokens": max_tokens, "think": think}
+        return {"t": "prepared", "id": rid, "ids": ids, "max_tokens": max_tokens, "think": think, **tooling}
 
     def submit(self, cmd: dict[str, Any]) -> None:
         rid, p = cmd["id"], cmd["params"]
