@@ -69,8 +69,7 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False) -> 
         if forced(tooling[1]) and params.get("grammar"):
             raise invalid("tool_choice: a forced tool call is its own grammar; leave out "
                           f"{params['grammar'][2]} or set tool_choice to auto", "tool_choice")
-        if tooling[1] != "none":
-            params["tools"] = list(tooling)      # the engine process renders them (worker.prepare)
+        params["tools"] = list(tooling)          # the engine process renders them (tools.tool_prompt)
     return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
                params, req.stream, _include_usage(req), req.chat_template_kwargs,
                req.reasoning_format != "none", n=req.n or 1,

@@ -75,15 +75,18 @@ def call_grammar(tools: list[dict], choice: Any, fmt: str) -> list[str]:
     return ["lark", lark, "tools"]
 
 
-def generic_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+def generic_messages(messages: list[dict], tools: list[dict], describe: bool = True) -> list[dict]:
     """llama.cpp's generic way for a template that knows no tools: a system message says what the tools are
-    and how to call one; earlier calls become their JSON text, tool results a `tool` message's content."""
+    and how to call one (unless not `describe`: tool_choice none); earlier calls become their JSON text, tool
+    results a `tool` message's content."""
     desc = "\n".join(json.dumps(t["function"]) for t in tools)
     system = ("You can call these tools (JSON schemas of their arguments):\n" + desc + "\nTo call one, answer "
               "with only a JSON object: {\"name\": <tool name>, \"arguments\": {<its arguments>}}. Otherwise "
               "answer in plain text.")
     out = [dict(m) for m in messages]
-    if out and out[0].get("role") == "system":
+    if not describe:
+        pass
+    elif out and out[0].get("role") == "system":
         out[0]["content"] = (out[0].get("content") or "") + "\n\n" + system
     else:
         out.insert(0, {"role": "system", "content": system})
@@ -201,9 +204,9 @@ def tool_prompt(tk, messages: list, kwargs: dict, tools: list, choice) -> tuple[
             **{"messages": own, "add_generation_prompt": True, **kwargs}) else "generic"
     except ValueError:          # a template that cannot render these messages (tool_calls, tool roles)
         fmt = "generic"
-    if fmt == "hermes":
-        messages, kwargs = own, {**kwargs, "tools": tools}
+    if fmt == "hermes":         # tool_choice none: the template without the tools (vLLM's default)
+        messages, kwargs = own, {**kwargs, "tools": tools} if choice != "none" else kwargs
     else:
-        messages = generic_messages(messages, tools)
+        messages = generic_messages(messages, tools, describe=choice != "none")
     grammar = call_grammar(tools, choice, fmt) if forced(choice) else None
     return messages, kwargs, {"tool_format": fmt, "grammar": grammar}
