@@ -41,7 +41,8 @@ def tool_request(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict]
         names.append(fn["name"])
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) and choice.get("type") == "function" else None
         if name not in names:
             raise invalid(f"tool_choice = {json.dumps(choice)[:80]}: names no tool of the request ({', '.join(names)})",
                           "tool_choice")
