@@ -216,3 +216,52 @@ def test_bad_tool_fields_are_400s(server, body, field):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={"messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field, r.text
+
+
+# ---- a template that renders the tools (Hermes / Qwen's way): calls as <tool_call>{json}</tool_call> ------
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n"
+    "{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}</tools>\nAnswer a call as <tool_call>{\"name\": ..., "
+    "\"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{%- for c in m.tool_calls %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
+    "<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_client(model, tmp_path_factory):
+    from strata_jax.testing.edit_gguf import rewrite_gguf
+
+    path = rewrite_gguf(model, tmp_path_factory.mktemp("hermes") / "hermes.gguf",
+                        set_metadata={"tokenizer.chat_template": HERMES_TEMPLATE})
+    with ServerProcess([str(path), "--parallel", "4", "--max-context", str(N_CTX), "--model-name", "tiny"]) as srv:
+        srv.wait_up().wait_ready()
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_hermes_template_calls_whole_streamed_and_round_trip(hermes_client):
+    kw = {"model": "tiny", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 80,
+          "temperature": 1.0}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: hermes_client.chat.completions.create(seed=i, **kw), range(16)))
+    for r in answers:
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        (call,) = r.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    chunks = list(hermes_client.chat.completions.create(seed=0, stream=True, **kw))
+    (piece,) = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    whole = answers[0].choices[0].message.tool_calls[0]
+    assert (piece.function.name, piece.function.arguments) == (whole.function.name, whole.function.arguments)
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [whole.model_dump()]},
+                      {"role": "tool", "tool_call_id": whole.id, "content": '{"temperature": 21}'}]
+    answer = hermes_client.chat.completions.create(**{**kw, "messages": messages, "tool_choice": "none",
+                                                      "max_tokens": 20}).choices[0]
+    assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls

@@ -18,6 +18,7 @@ import re
 import uuid
 from typing import Any
 
+from ..engine.constrain import JSON_LAYOUT
 from .errors import invalid
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -72,6 +73,8 @@ def call_grammar(tools: list[dict], choice: Any, fmt: str) -> list[str]:
     schema = call_schema(tools, choice)
     if fmt == "generic":
         return ["json_schema", json.dumps(schema), "tools"]
+    # %json inside Lark takes its layout from the schema's x-guidance (constrain.JSON_LAYOUT's, as for schemas)
+    schema = {**schema, "x-guidance": JSON_LAYOUT}
     lark = f'start: "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\ncall: %json {json.dumps(schema)}\n'
     return ["lark", lark, "tools"]
 
