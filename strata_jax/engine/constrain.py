@@ -90,7 +90,15 @@ class Grammars:
         self._tokenizer, self.n_vocab = tokenizer, n_vocab
         self._ll: llg.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self.executor = llg.LLExecutor()
+        self._executor: llg.LLExecutor | None = None
+
+    @property
+    def executor(self) -> llg.LLExecutor:
+        """llguidance's thread pool for filling masks, started with the first constrained window."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = llg.LLExecutor()
+            return self._executor
 
     @property
     def ll_tokenizer(self) -> llg.LLTokenizer:
