@@ -85,12 +85,14 @@ BAD_BYTES = [b"\xff", b"\xfe\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xed\xbf\xbf"
              b"\xe2\x82", b"\xf0\x9f\x98", b"\x00"]
 
 CONTROL_FIELDS = ["logit_bias", "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n"]
+STRUCTURED_FIELDS = ["response_format", "grammar", "json_schema"]       # structured output (issue 16)
 CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
                "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "chat_template_kwargs",
-               "reasoning_format", "model", "logprobs", "top_logprobs"] + CONTROL_FIELDS
+               "reasoning_format", "model", "logprobs", "top_logprobs", "tools", "tool_choice",
+               "parallel_tool_calls"] + CONTROL_FIELDS + STRUCTURED_FIELDS
 TEXT_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
-               "stream_options", "ignore_eos", "echo", "model", "logprobs"] + CONTROL_FIELDS
-IGNORED_FIELDS = ["tools", "tool_choice", "response_format", "user", "parallel_tool_calls", "suffix", "best_of"]
+               "stream_options", "ignore_eos", "echo", "model", "logprobs"] + CONTROL_FIELDS + STRUCTURED_FIELDS
+IGNORED_FIELDS = ["user", "suffix", "best_of"]
 
 # A field's value at the edge of its shape: lists too long, strings too long, token ids outside the vocabulary.
 SHAPE_EDGES = {
@@ -114,6 +116,14 @@ SHAPE_EDGES = {
                              {"x": [10**30]}, {"x": {"y": 2**64 - 1}}, {"x": 1e308}],
     "stream_options": [{}, {"include_usage": None}, {"include_usage": 1}, {"continuous_usage_stats": True}, []],
     "logit_bias": [{"1": 1e308}, {"-1": 5}, {str(2**64): 1}, {"a": "b"}],
+    "response_format": [{"type": "json_object"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {
+                        "schema": {"type": "strange"}}}, {"type": "json_schema", "json_schema": {"schema": True}},
+                        {"type": "json_object", "schema": {"$ref": "#/nowhere"}}, {"type": "xml"}, {"type": None}],
+    "grammar": ["", 'root ::= "a"', "root ::= missing", "root ::= " + "(" * 200, "x" * 200_000],
+    "json_schema": [{}, True, False, {"type": "array", "items": {"type": "integer"}}, {"enum": []}, [1]],
+    "tools": [[], [{}], [1], [{"type": "function", "function": {"name": "f"}}],
+              [{"type": "function", "function": {"name": "f", "parameters": {"type": "strange"}}}]],
+    "tool_choice": ["required", "none", "x", {"type": "function", "function": []}, {"function": {"name": "f"}}, 5],
 }
 
 # ---- valid bodies ----------------------------------------------------------------------------------------
@@ -272,6 +282,9 @@ FOUND = [
                             "chat_template_kwargs": {"x": 2**64}}).encode()),
     (ROUTES[0], json.dumps({"messages": [{"role": "assistant", "content": "hi",
                                           "tool_calls": [{"id": -(2**63) - 1}]}]}).encode()),
+    # a top_p that float32 rounds to 0 kept no candidate: token 0 was drawn, which the grammar forbids (a 500)
+    (ROUTES[0], json.dumps({"messages": [{"role": "system", "content": ""}], "max_tokens": 1, "top_p": 5e-324,
+                            "json_schema": {}}).encode()),
 ]
 
 

@@ -102,7 +102,7 @@ def test_chat_parsing_maps_openai_fields():
     assert job.params == {"max_tokens": 7, "temperature": 0.8, "top_k": 5, "top_p": 0.95, "min_p": 0.05,
                           "seed": None, "stop": ["END"], "ignore_eos": False, "logit_bias": [],
                           "presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0,
-                          "repeat_last_n": 64, "logprobs": None}
+                          "repeat_last_n": 64, "logprobs": None, "grammar": None}
     assert parse_completion(b'{"prompt": ["hi"], "seed": 8589934593}', NAMES).params["seed"] == 1
 
 

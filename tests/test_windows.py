@@ -99,6 +99,7 @@ class _Req:
         self.prompt = list(range(n))
         self.id = n
         self.params = SamplingParams()                  # greedy, no controls
+        self.constraint = None                          # no grammar
 
 
 def test_no_compile_while_serving_the_same_burst_twice(moe):

@@ -49,9 +49,10 @@ class Controls:
 
 
 def wants_controls(params) -> bool:
-    """Whether a request's row needs the controlled program (any control set, or logprobs asked)."""
+    """Whether a request's row needs the controlled program (any control set, logprobs asked, or a grammar)."""
     return bool(params.logit_bias) or params.presence_penalty != 0 or params.frequency_penalty != 0 \
-        or (params.repeat_penalty != 1 and params.repeat_last_n != 0) or params.logprobs is not None
+        or (params.repeat_penalty != 1 and params.repeat_last_n != 0) or params.logprobs is not None \
+        or params.grammar is not None
 
 
 def controls_of(rows: list, n_rows: int, vocab: int, width: int) -> Controls | None:
@@ -112,14 +113,27 @@ def first_max(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x == m, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
 
+def allow_only(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits [R, V], mask [R, ceil(V / 32)] int32 (bit t % 32 of word t // 32: token t allowed; constrain.py)
+    -> the logits with every forbidden token at -inf. A row whose words are all -1 keeps its logits' bits."""
+    R, V = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1           # [R, W, 32]
+    allowed = bits.reshape(R, -1)[:, :V].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def sample_controlled(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step, history, n_prompt, last_n,
-                      repeat, presence, frequency, bias_ids, bias, logprobs, *, sampled: bool):
+                      repeat, presence, frequency, bias_ids, bias, logprobs, mask=None, *, sampled: bool):
     """logits [R, V] float32 -> (tokens [R] int32, their logprobs [R], the top TOP_LOGPROBS ids [R, K] int32 and
     logprobs [R, K]): tokens as sampler.sample picks them from the controlled logits, logprobs of the raw ones
     (zeros when no row asks). sampled (static): some row has a temperature; without, the program has no draw
     at all (a lax.cond around it, even untaken, cost XLA:CPU ~4 ms a window at [8, 151936]): two programs a
-    row bucket, greedy and sampled, as the plain sampler's greedy_on_host and sample."""
+    row bucket, greedy and sampled, as the plain sampler's greedy_on_host and sample. mask: the grammars'
+    allowed tokens [R, ceil(V / 32)] (allow_only), or None when no row of the window has a grammar (its own
+    program then: None is part of the traced structure)."""
     lg = apply_controls(logits, history, n_prompt, last_n, repeat, presence, frequency, bias_ids, bias)
+    if mask is not None:
+        lg = allow_only(lg, mask)
     greedy = first_max(lg).astype(jnp.int32)
     tokens = greedy
     if sampled:

@@ -24,6 +24,7 @@ from .. import compile_cache
 from ..config import EngineConfig
 from ..experts import ExpertCounters, resident_line
 from ..gguf import GGUFModel, load_tokenizer
+from .constrain import Grammars
 from .controls import wants_controls
 from .memory import is_resource_exhausted
 from .prefix_cache import PrefixCache
@@ -63,6 +64,7 @@ class Engine:
         self.model = model
         self.spec = model.spec
         self.tokenizer = load_tokenizer(model.metadata)
+        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)     # structured output (constrain.py)
         compile_cache.enable(self.config.compile_cache)     # before the first program: serve, generate, bench, Python
         self.runner = ModelRunner(model, self.config, progress)
         if self.config.warmup:
@@ -97,17 +99,21 @@ class Engine:
                stop: list[str] | tuple[str, ...] | str | None = None, ignore_eos: bool = False,
                chat_template_kwargs: dict | None = None, logit_bias: dict | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
-               repeat_last_n: int = 64, logprobs: int | None = None) -> Handle:
+               repeat_last_n: int = 64, logprobs: int | None = None, grammar: tuple | None = None) -> Handle:
         """Queue a request: text (a plain completion), a list of chat messages, or token ids. The sampling
-        controls and logprobs are controls.py's (token events then carry `logprob` and `top_logprobs`)."""
+        controls and logprobs are controls.py's (token events then carry `logprob` and `top_logprobs`);
+        grammar: (kind, text) constrains the output (constrain.py: a JSON schema's text, "json_object", a GBNF,
+        Lark or regex grammar); RequestError when it cannot be compiled."""
         params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, logit_bias,
-                             presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n, logprobs)
+                             presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n, logprobs, grammar)
         params.validate(self.spec.vocab_size)
         ids = self.prompt_ids(prompt, chat_template_kwargs)
         n_ctx = self.config.max_context
         if len(ids) + max_tokens > n_ctx:
             raise ContextOverflowError(len(ids), max_tokens, n_ctx)
         req = Request(ids, params)
+        if params.grammar is not None:        # compiled here, in the caller's thread, not on the engine's
+            req.constraint = self.grammars.constraint(params.grammar)
         req.deadline = req.arrived + self.config.request_timeout_s
         self._ensure_thread()
         self.inbox.put(req)
@@ -560,6 +566,10 @@ class Engine:
     def _emit_token(self, s: Slot, token: int, logprobs=None) -> None:
         req = s.request
         s.tokens.append(token)
+        refused = req.constraint.advance(token) if req.constraint is not None else None
+        if refused:
+            self._fail(s, f"the grammar cannot go on after token {token}: {refused}")
+            return
         n_gen = len(s.tokens) - len(req.prompt)
         eos = self.tokenizer.is_eos(token) and not req.params.ignore_eos
         if not eos:
@@ -571,6 +581,10 @@ class Engine:
             self._finish(s, "stop")
             return
         if eos:
+            self._finish(s, "stop")
+            return
+        if req.constraint is not None and req.constraint.done:    # the grammar is complete
+            self._send_text(s, token, len(s.text), logprobs)
             self._finish(s, "stop")
             return
         self._send_text(s, token, len(s.text) - s.stops.held(s.text), logprobs)

@@ -34,6 +34,7 @@ GREEDY_BELOW = 1e-5             # a temperature below this is greedy (dividing l
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 1024           # logit_bias entries a request
 MAX_LOGPROBS = 20               # top_logprobs / completions' logprobs (OpenAI's limit)
+MAX_GRAMMAR_CHARS = 1 << 17     # a JSON schema's or grammar's text (compiling is bounded by llguidance's limits too)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class SamplingParams:
     repeat_penalty: float = 1.0        # llama.cpp's: 1 is off
     repeat_last_n: int = 64            # llama.cpp's: the tokens of prompt + output it looks at (-1: all, 0: off)
     logprobs: int | None = None        # None: no logprobs; N: the chosen token's and the top N alternatives'
+    grammar: tuple[str, ...] | None = None   # structured output: (kind, text, request field): engine/constrain.py
 
     def validate(self, vocab_size: int | None = None) -> None:
         """RequestError naming the field and the value, for anything the engine cannot hold or use."""
@@ -107,13 +109,14 @@ class SamplingParams:
 def make_params(max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 min_p: float = 0.0, seed: int | None = None, stop: Any = None, ignore_eos: bool = False,
                 logit_bias: Any = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from Engine.submit's keywords (stop: a string or a list; logit_bias: {token id: bias}),
-    not yet validated."""
+                repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
+                grammar: Any = None) -> SamplingParams:
+    """SamplingParams from Engine.submit's keywords (stop: a string or a list; logit_bias: {token id: bias};
+    grammar: (kind, text[, request field]), constrain.py), not yet validated."""
     stop = [stop] if isinstance(stop, str) else stop
     return SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()), ignore_eos,
                           logit_bias_pairs(logit_bias), presence_penalty, frequency_penalty, repeat_penalty,
-                          repeat_last_n, logprobs)
+                          repeat_last_n, logprobs, tuple(grammar) if isinstance(grammar, list) else grammar)
 
 
 def logit_bias_pairs(bias: Any) -> tuple:
@@ -176,6 +179,7 @@ class Request:
     draft_n: int = 0                   # speculative decoding: draft tokens verified for it
     draft_n_accepted: int = 0          # and accepted
     experts: Any = None                # ExpertCounters of the windows it took part in (expert tiers)
+    constraint: Any = None             # its grammar's matcher (constrain.Constraint), made at submit
     t_start: float = 0.0               # got a slot
     t_first: float = 0.0               # prompt read, first token out
     t_end: float = 0.0

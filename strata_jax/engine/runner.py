@@ -32,6 +32,7 @@ from ..model import (
 )
 from ..model.weights import QTensor, blocks_in_place
 from ..testing.faults import Faults
+from .constrain import fill_masks
 from .controls import controls_of, sample_controlled
 from .kv_host import KVHostStore
 from .memory import MemoryLedger
@@ -210,8 +211,11 @@ class ModelRunner:
             elif g.sampling.controlled is not None:      # a row with sampling controls or logprobs
                 c = controls_of(g.sampling.controlled, lg.shape[0], lg.shape[-1], self.cache_len)
                 sampled = bool(np.any(g.sampling.temperature > 0))
+                # the model program is dispatched: the grammars' masks are filled while the device runs it
+                cons = g.sampling.constraints
+                mask = None if cons is None else fill_masks(cons, lg.shape[0], lg.shape[-1])
                 tokens, *lp = (np.asarray(a) for a in self._controlled(lg, *g.sampling.as_tuple(), *c.as_tuple(),
-                                                                       sampled=sampled))
+                                                                       mask, sampled=sampled))
                 out.append(tokens)
                 self.last_logprobs[i] = tuple(lp)
             elif not np.any(g.sampling.temperature > 0):

@@ -26,6 +26,8 @@ class SamplingRows:
     # per row (params, tokens so far, prompt length), or None for padding: set only when some row has a
     # sampling control or asks for logprobs (controls.py builds that window's control arrays from it)
     controlled: list | None = None
+    # per row its grammar's matcher (constrain.Constraint) or None: set only when some row has one
+    constraints: list | None = None
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingRows:
@@ -48,7 +50,9 @@ def filter_logits(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Ar
     order = jnp.where((top_k[:, None] > 0) & (order < kth), -jnp.inf, order)
     probs = jax.nn.softmax(order, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs                                     # mass ahead of each
-    keep = before < top_p[:, None]
+    # the most probable candidate always stays: a top_p that float32 rounds to 0 (5e-324) kept none, and a
+    # draw from all -inf gave token 0 (a token a grammar may forbid)
+    keep = (before < top_p[:, None]) | (jnp.arange(V) == 0)[None]
     cut = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
     lg = jnp.where(lg < cut, -jnp.inf, lg)
     top = order[:, :1]

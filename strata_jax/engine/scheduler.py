@@ -77,6 +77,9 @@ def sampling_rows(slots: list[Slot | None], rows: int) -> SamplingRows:
     if any(slot is not None and wants_controls(slot.request.params) for slot in slots):
         s.controlled = [None if slot is None else (slot.request.params, slot.tokens, len(slot.request.prompt))
                         for slot in slots] + [None] * (rows - len(slots))
+    if any(slot is not None and slot.request.constraint is not None for slot in slots):
+        s.constraints = [None if slot is None else slot.request.constraint for slot in slots] \
+            + [None] * (rows - len(slots))
     return s
 
 

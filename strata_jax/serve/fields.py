@@ -1,15 +1,20 @@
-"""The request fields of sampling controls and logprobs, from a decoded body to the engine's parameters.
+"""The request fields of sampling controls, logprobs and structured output, from a decoded body to the engine's
+parameters.
 
 msgspec has checked their types and most ranges (schemas.py); here are the rules it cannot say: logit_bias
 keys are token ids and its biases are -100..100 (the message shows the token and the value), and chat's
 `top_logprobs` needs `logprobs: true` (OpenAI's rule). The engine checks the token ids against the vocabulary.
+Structured output: one of response_format (json_object, json_schema), grammar (GBNF) and json_schema at a
+time; the engine compiles it (engine/constrain.py) and refuses what it cannot compile, naming the field.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
+from ..engine.request import MAX_GRAMMAR_CHARS
 from .errors import invalid
 
 
@@ -25,7 +30,41 @@ def control_params(req: Any, chat: bool) -> dict[str, Any]:
             "frequency_penalty": float(req.frequency_penalty or 0.0),
             "repeat_penalty": float(repeat if repeat is not None else 1.0),
             "repeat_last_n": last_n if last_n is not None else 64,
-            "logprobs": _chat_logprobs(req) if chat else req.logprobs}
+            "logprobs": _chat_logprobs(req) if chat else req.logprobs,
+            "grammar": grammar_param(req)}
+
+
+def grammar_param(req: Any) -> list[str] | None:
+    """[kind, text, field] of the request's structured output (constrain.py's grammar), or None."""
+    rf = req.response_format
+    asked = [name for name, v in (("response_format", rf is not None and rf.type != "text"),
+                                  ("grammar", req.grammar is not None), ("json_schema", req.json_schema is not None))
+             if v]
+    if len(asked) > 1:
+        raise invalid(f"{asked[1]}: a request may constrain its output one way; it sets {' and '.join(asked)}",
+                      asked[1])
+    if req.grammar is not None:
+        return ["gbnf", req.grammar, "grammar"]
+    if req.json_schema is not None:
+        return ["json_schema", _schema_text(req.json_schema, "json_schema"), "json_schema"]
+    if not asked:
+        return None
+    if rf.type == "json_object":
+        if rf.schema is not None:          # llama.cpp's: a schema beside json_object
+            return ["json_schema", _schema_text(rf.schema, "response_format.schema"), "response_format"]
+        return ["json_object", "", "response_format"]
+    if rf.json_schema is None or rf.json_schema.schema is None:
+        raise invalid("response_format.json_schema.schema is missing: {\"type\": \"json_schema\", \"json_schema\": "
+                      "{\"name\": ..., \"schema\": {...}, \"strict\": true}}", "response_format")
+    return ["json_schema", _schema_text(rf.json_schema.schema, "response_format.json_schema.schema"),
+            "response_format"]
+
+
+def _schema_text(schema: Any, field: str) -> str:
+    text = json.dumps(schema, allow_nan=False) if not isinstance(schema, str) else schema
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise invalid(f"{field}: the JSON schema is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}", field)
+    return text
 
 
 def _chat_logprobs(req: Any) -> int | None:

@@ -23,6 +23,7 @@ from .logprobs import LogprobsOf
 from .parse import Job, ModelNames, parse_chat, parse_completion
 from .reasoning import CONTENT, REASONING, ReasoningParser
 from .supervisor import EngineEvent, Prepared, Supervisor, Ticket
+from .tools import HeldCalls, parse_calls
 
 log = logging.getLogger("strata_jax.serve")
 
@@ -37,6 +38,8 @@ async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
     deadline = job.arrived + sup.config.request_timeout_s
     _refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))
     prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline)
+    if prepared.grammar:                        # tool_choice required / named: the call's grammar (tools.py)
+        job.params = {**job.params, "grammar": prepared.grammar}
     return prepared, sup.enqueue(job.id, prepared, job.params, deadline)
 
 
@@ -146,13 +149,14 @@ async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, 
             lp = run.logprobs[k]
             if ev.kind == "token":
                 lp.add(ev.logprobs)
-                for piece in _pieces(job, run.parsers[k], ev.text):
+                for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text)):
                     yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
             elif ev.kind == "final":
                 run.final(k, ev)
-                for piece in _pieces(job, run.parsers[k], ev.text, last=True):
+                for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text, last=True), last=True):
                     yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
-                end = chunk(job, {} if job.kind == "chat" else "", _finish_reason(ev), index=k,
+                reason = "tool_calls" if run.held[k].calls else _finish_reason(ev)
+                end = chunk(job, {} if job.kind == "chat" else "", reason, index=k,
                             logprobs=lp.take() if lp.pending else None)
                 end["timings"] = timings(ev.stats)
                 yield sse(end)
@@ -181,6 +185,7 @@ class _Run:
         self.parsers = [ReasoningParser(prepared.think, enabled=job.reasoning and chat) for _ in range(job.n)]
         wanted = job.params.get("logprobs") is not None
         self.logprobs = [LogprobsOf(chat, wanted, len(job.echo)) for _ in range(job.n)]
+        self.held = [HeldCalls(job.tools, prepared.tool_format) for _ in range(job.n)]
         self.finals: dict[int, EngineEvent] = {}
 
     def final(self, k: int, ev: EngineEvent) -> None:
@@ -258,14 +263,20 @@ def _whole_body(job: Job, run: _Run, parts: list[list[tuple[str, str]]]) -> dict
     for k, ev in sorted(run.finals.items()):
         content = "".join(t for kind, t in parts[k] if kind == CONTENT)
         choice: dict[str, Any] = {"index": k}
+        reason = _finish_reason(ev)
         if job.kind == "chat":
+            calls = []
+            if job.tools:
+                content, calls = parse_calls(content, run.prepared.tool_format, job.tools)
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"], reason = calls, "tool_calls"
             if run.parsers[k].saw_reasoning:
                 message["reasoning_content"] = "".join(t for kind, t in parts[k] if kind == REASONING)
             choice["message"] = message
         else:
             choice["text"] = job.echo + content
-        body["choices"].append({**choice, "logprobs": run.logprobs[k].whole(), "finish_reason": _finish_reason(ev)})
+        body["choices"].append({**choice, "logprobs": run.logprobs[k].whole(), "finish_reason": reason})
     body["usage"] = run.usage()
     body["timings"] = timings(run.finals[min(run.finals)].stats)
     return body

@@ -19,6 +19,7 @@ from ..gguf.chat_template import reserved_kwargs
 from .errors import ApiError, invalid
 from .fields import control_params
 from .schemas import ChatCompletionRequest, CompletionRequest, Message, decode
+from .tools import forced, tool_request
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
@@ -36,6 +37,8 @@ class Job:
     reasoning: bool = True                       # split <think> into reasoning_content
     echo: str = ""
     n: int = 1                                   # choices (serve/choices.py)
+    tools: list[dict[str, Any]] | None = None    # tools in play (serve/tools.py), and the choice among them
+    tool_choice: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -59,9 +62,19 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False) -> 
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
     _check_carried(messages=messages, chat_template_kwargs=req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _params(req, max_tokens, chat=True)
+    tooling = tool_request(req.tools, req.tool_choice)
+    _check_carried(tools=req.tools)
+    if tooling is not None:
+        if forced(tooling[1]) and params.get("grammar"):
+            raise invalid("tool_choice: a forced tool call is its own grammar; leave out "
+                          f"{params['grammar'][2]} or set tool_choice to auto", "tool_choice")
+        params["tools"] = list(tooling)          # the engine process renders them (tools.tool_prompt)
     return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
-               _params(req, max_tokens, chat=True), req.stream, _include_usage(req), req.chat_template_kwargs,
-               req.reasoning_format != "none", n=req.n or 1)
+               params, req.stream, _include_usage(req), req.chat_template_kwargs,
+               req.reasoning_format != "none", n=req.n or 1,
+               tools=tooling[0] if tooling and tooling[1] != "none" else None,
+               tool_choice=tooling[1] if tooling else None)
 
 
 def parse_completion(body: bytes, names: ModelNames) -> Job:

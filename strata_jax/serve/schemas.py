@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from ..engine.request import (
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_CHARS,
@@ -55,6 +56,24 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+GrammarText = Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)]
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    """OpenAI's response_format.json_schema: {name, description, schema, strict}."""
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    """OpenAI's response_format; llama.cpp also reads a `schema` beside `type: json_object`."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema: dict[str, Any] | bool | None = None
+
+
 class _Sampling(msgspec.Struct):
     """What chat and completions share."""
 
@@ -76,6 +95,11 @@ class _Sampling(msgspec.Struct):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False            # llama.cpp's extra: keep going past the end-of-text token
+    # structured output (serve/fields.py: grammar_param): OpenAI's response_format, llama.cpp's grammar
+    # (GBNF) and json_schema
+    response_format: ResponseFormat | None = None
+    grammar: GrammarText | None = None
+    json_schema: dict[str, Any] | bool | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -85,6 +109,9 @@ class ChatCompletionRequest(_Sampling):
     reasoning_format: Literal["auto", "deepseek", "none"] = "auto"   # llama.cpp's: "none" keeps <think> in content
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None   # serve/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -70,6 +70,8 @@ class Prepared:
     ids: list[int]
     max_tokens: int
     think: bool                                 # the prompt opened a reasoning part (<think>)
+    tool_format: str | None = None              # tools in play: "hermes" | "generic" (serve/tools.py)
+    grammar: list | None = None                 # the grammar that forces a tool call (tool_choice required, named)
 
 
 @dataclass(eq=False)
@@ -447,7 +449,8 @@ class Supervisor:
                 raise ApiError(503, "the engine did not read the request before its deadline "
                                     f"({self.config.request_timeout_s:g} s)", "unavailable_error") from None
             if reply["t"] == "prepared":
-                return Prepared(reply["ids"], reply["max_tokens"], reply["think"])
+                return Prepared(reply["ids"], reply["max_tokens"], reply["think"], reply.get("tool_format"),
+                                reply.get("grammar"))
             raise _rejection(reply)
         raise ApiError(503, f"the engine stopped three times while reading this request: {self.reason}",
                        "unavailable_error")

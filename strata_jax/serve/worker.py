@@ -24,6 +24,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from .protocol import pack, read_frame
+from .tools import tool_prompt
 
 log = logging.getLogger("strata_jax.serve.worker")
 
@@ -180,8 +181,13 @@ class Worker:
         rid, prompt, p = cmd["id"], cmd["prompt"], cmd["params"]
         kwargs = cmd.get("chat_template_kwargs") or {}
         n_ctx = self.engine.config.max_context
+        tooling = {}
         try:
             think = False
+            if p.get("tools") and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt, kwargs, tooling = tool_prompt(self.engine.tokenizer, prompt, kwargs, *p["tools"])
+                if tooling.get("grammar"):
+                    p = {**p, "grammar": tooling["grammar"]}
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 # Rendered once: the text is tokenized and says whether the template opened the reasoning
                 # part. kwargs go over the defaults: the server lets them name messages or
@@ -193,7 +199,10 @@ class Worker:
             else:
                 ids = self.engine.prompt_ids(prompt)
             max_tokens = p.get("max_tokens") or max(n_ctx - len(ids), 1)
-            make_params(**_sampling(p, max_tokens)).validate(self.engine.spec.vocab_size)
+            params = make_params(**_sampling(p, max_tokens))
+            params.validate(self.engine.spec.vocab_size)
+            if params.grammar is not None:       # compiled here too: a schema it cannot compile is a 400
+                self.engine.grammars.check(params.grammar)
             if len(ids) + max_tokens > n_ctx:
                 raise ContextOverflowError(len(ids), max_tokens, n_ctx)
         except ContextOverflowError as e:
@@ -208,7 +217,7 @@ class Worker:
         except ValueError as e:   # ChatMessageError, ChatTemplateError, TokenizerError
             return {"t": "rejected", "id": rid, "kind": "invalid", "message": str(e), "param": "messages"
                     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else "prompt"}
-        return {"t": "prepared", "id": rid, "ids": ids, "max_tokens": max_tokens, "think": think}
+        return {"t": "prepared", "id": rid, "ids": ids, "max_tokens": max_tokens, "think": think, **tooling}
 
     def submit(self, cmd: dict[str, Any]) -> None:
         rid, p = cmd["id"], cmd["params"]
@@ -235,7 +244,7 @@ class Worker:
 
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
-                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs")
+                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs", "grammar")
 
 
 def _sampling(p: dict[str, Any], max_tokens: int) -> dict[str, Any]:
