@@ -108,7 +108,8 @@ def test_one_program_windows_give_the_same_bits_and_counts(reference, arch):
     path, logits, answers = reference[arch]
     stats = {}
     for step in ("auto", "always"):
-        with Engine.from_gguf(path, EngineConfig(**dict(BASE, host_experts="on", layer_step=step), expert_cache=3)) as eng:
+        cfg = dict(BASE, host_experts="on", layer_step=step, warmup=step == "auto")     # auto: as served
+        with Engine.from_gguf(path, EngineConfig(**cfg, expert_cache=3)) as eng:
             assert np.array_equal(eng.logits(_prompts()[0]), logits)
             assert _answers(eng, _prompts()) == answers
             st = stats[step] = eng.stats()["experts"]

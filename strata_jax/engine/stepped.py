@@ -238,7 +238,7 @@ class LayerStepper:
         if not self.one_program or self.trace is not None or (self.host_trees is None and self.missed):
             return False
         res, progs = self.resident_layout(layout), self.runner.programs
-        if progs.ready(res):
+        if progs.ready(res) or self.always_one_program:     # the latter: its only program, built now if need be
             return True
         if not self.runner.cfg.warmup:
             progs.get(res)
