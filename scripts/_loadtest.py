@@ -47,10 +47,13 @@ class Result:
     finish_reason: str | None = None
     measured: bool = False
     text: str = field(default="", repr=False)   # the answer's content (replay appends it to the history)
+    itl_s: list[float] = field(default_factory=list, repr=False)   # gaps between the chunks that carried text
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the answer's, assembled from its deltas
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("text")
+        d["itl_s"] = [round(x, 4) for x in self.itl_s]
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
 
 
@@ -104,8 +107,11 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                         for choice in obj.get("choices") or []:
                             delta = choice.get("delta") or {}
                             text = delta.get("content") or ""
-                            if text or delta.get("reasoning_content"):
+                            add_tool_call_deltas(r.tool_calls, delta.get("tool_calls"))
+                            if text or delta.get("reasoning_content") or delta.get("tool_calls"):
                                 now = time.monotonic()
+                                if last is not None:
+                                    r.itl_s.append(now - last)
                                 first = first or now
                                 last = now
                                 r.chunks += 1
@@ -130,6 +136,45 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     r.ok = r.error is None
     _fill_figures(r, usage, timings, first, last)
     return r
+
+
+def add_tool_call_deltas(calls: list[dict[str, Any]], deltas: Any) -> None:
+    """OpenAI's streamed tool calls: each delta names its call by `index`; the first piece of a call brings
+    its id, type and function name, later ones pieces of its arguments (a JSON text), in order."""
+    for d in deltas or ():
+        if not isinstance(d, dict):
+            continue
+        i = d.get("index", len(calls))
+        i = i if isinstance(i, int) and 0 <= i < 64 else len(calls)
+        while len(calls) <= i:
+            calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        call, fn = calls[i], d.get("function") or {}
+        call["id"] = d.get("id") or call["id"]
+        call["type"] = d.get("type") or call["type"]
+        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""
+
+
+def latency_figures(results: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """TTFT, inter-token latency (every gap between chunks, pooled over the requests, as vLLM's benchmark
+    does) and end-to-end latency, p50 and p95, of requests as `Result.to_json()` gives them (the ok ones)."""
+    ok = [r for r in results if r["ok"]]
+    itl = [gap for r in ok for gap in r.get("itl_s") or ()]
+    out: dict[str, float | None] = {}
+    for name, values in (("ttft", [r["ttft_s"] for r in ok]), ("itl", itl), ("e2e", [r["latency_s"] for r in ok])):
+        for q in (50, 95):
+            out[f"{name}_p{q}_s"] = percentile(values, q)
+    return out
+
+
+def describe_latency(f: dict[str, float | None]) -> str:
+    return (f"TTFT p50 / p95 {fmt(f['ttft_p50_s'], 2)} / {fmt(f['ttft_p95_s'], 2)} s, ITL p50 / p95 "
+            f"{fmt(in_ms(f['itl_p50_s']), 1)} / {fmt(in_ms(f['itl_p95_s']), 1)} ms, e2e p50 / p95 "
+            f"{fmt(f['e2e_p50_s'], 2)} / {fmt(f['e2e_p95_s'], 2)} s")
+
+
+def in_ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 def _fill_figures(r: Result, usage: dict, timings: dict, first: float | None, last: float | None) -> None:

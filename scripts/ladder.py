@@ -40,16 +40,18 @@ from _loadtest import (
     TokenCounter,
     add_common_flags,
     client_of,
+    describe_latency,
     describe_log,
     describe_programs,
     fmt,
     get_faults,
     get_metrics,
     headers_of,
+    in_ms,
+    latency_figures,
     median,
     new_faults,
     parse_script_args,
-    percentile,
     program_figures,
     prompt_of,
     stream_chat,
@@ -173,6 +175,7 @@ def tally(report: dict[str, Any], t0: float) -> dict[str, Any]:
     report["wall_s"] = round(time.monotonic() - t0, 3)
     every = [r for lv in report.get("levels", []) for w in lv["waves"] for r in w["requests"]]
     report["requests"], report["failed"] = len(every), sum(not r["ok"] for r in every)
+    report["latency"] = latency_figures(every)                # over all levels
     report.setdefault("engine_restarts", 0)
     report.setdefault("faults", [])
     report.setdefault("faults_available", False)
@@ -191,8 +194,7 @@ def summarize(level: int, waves: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in reqs if r["ok"]]
     wall = sum(w["wall_s"] for w in waves)
     return {"level": level, "waves": waves, "requests": len(reqs), "ok": len(ok), "failed": len(reqs) - len(ok),
-            "median_ttft_s": median([r["ttft_s"] for r in ok]),
-            "p95_ttft_s": percentile([r["ttft_s"] for r in ok], 95),
+            **latency_figures(reqs),                     # TTFT, ITL, e2e: p50 and p95
             "median_prompt_tps": median([r["prompt_tps"] for r in ok]),
             "median_decode_tps": median([r["decode_tps"] for r in ok]),
             "aggregate_tps": round(sum(r["tokens"] for r in reqs) / wall, 3) if wall else None}
@@ -215,21 +217,25 @@ def print_level(entry: dict[str, Any]) -> None:
     for i, message in enumerate(errors, 1):
         console.print(f"[red]({i})[/red] {message}")
     console.print(f"level {entry['level']}: decode {fmt(entry['median_decode_tps'])} tok/s a request (median), "
-                  f"aggregate {fmt(entry['aggregate_tps'])} tok/s, TTFT p50 {fmt(entry['median_ttft_s'], 2)} s, p95 "
-                  f"{fmt(entry['p95_ttft_s'], 2)} s, "
+                  f"aggregate {fmt(entry['aggregate_tps'])} tok/s, {describe_latency(entry)}, "
                   f"prompt {fmt(entry['median_prompt_tps'])} tok/s (median)\n")
 
 
 def print_summary(report: dict[str, Any]) -> None:
     t = Table(title="ladder", title_justify="left")
-    for col in ("level", "ok", "failed", "TTFT s p50 / p95", "prompt tok/s (median)",
+    for col in ("level", "ok", "failed", "TTFT s p50 / p95", "ITL ms p50 / p95", "e2e s p50 / p95",
+                "prompt tok/s (median)",
                 "decode tok/s a request (median)", "aggregate tok/s"):
         t.add_column(col, justify="right")
     for lv in report["levels"]:
         t.add_row(str(lv["level"]), f"{lv['ok']}/{lv['requests']}", str(lv["failed"]),
-                  f"{fmt(lv['median_ttft_s'], 2)} / {fmt(lv['p95_ttft_s'], 2)}",
+                  f"{fmt(lv['ttft_p50_s'], 2)} / {fmt(lv['ttft_p95_s'], 2)}",
+                  f"{fmt(in_ms(lv['itl_p50_s']))} / {fmt(in_ms(lv['itl_p95_s']))}",
+                  f"{fmt(lv['e2e_p50_s'], 2)} / {fmt(lv['e2e_p95_s'], 2)}",
                   fmt(lv["median_prompt_tps"]), fmt(lv["median_decode_tps"]), fmt(lv["aggregate_tps"]))
     console.print(t)
+    if report.get("latency"):
+        console.print(f"all levels: {describe_latency(report['latency'])}")
     errors = Counter(r["error"] for lv in report["levels"] for w in lv["waves"] for r in w["requests"] if not r["ok"])
     for message, n in errors.most_common():
         console.print(f"[red]{n} failed:[/red] {message}")

@@ -7,8 +7,17 @@ for a short random time (`--think 0.5,3`) and goes on. Histories are kept within
 when prompt plus `--max-tokens` would not fit `--max-context`, the oldest exchanges are dropped, and when
 even the newest turn would not fit the conversation starts over.
 
+`--tool-users N` of the users (default: half) are agents that call tools: each of their turns sends
+`tools` (get_weather, calculator, read_file, run_command: scripts/_agent.py) and some of their tasks ask for
+them; when an answer has `tool_calls` the agent runs each call here, sends the results back as `role: tool`
+messages in its next turn (no new user message), and goes on, up to `--max-tool-rounds` rounds in a row
+(then it asks with `tool_choice: "none"`); when an answer calls no tool, it carries on with plain turns.
+The other users make up their tool calls (the assistant message gets a read_file or run_command call the
+server did not make, and the next turn sends its long output), so they work with a server without tools.
+
 After `--minutes` no turn starts; turns in flight get `--grace` seconds to finish (those that do not are
-failures). The report: requests, failures, p50/p95 time to first token and latency, prefix reuse (the
+failures). The report: requests, failures, p50/p95 time to first token, inter-token latency (the gaps
+between streamed chunks, pooled) and end-to-end latency, the agents' tool calls, prefix reuse (the
 share of prompt tokens the server reused: sum of timings.cache_n over sum of cache_n + prompt_n), and the
 engine restarts the server's fault ledger (GET /faults) recorded during the run.
 
@@ -35,6 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _agent import TOOLS, run_tool, tool_task
 from _loadtest import (
     Result,
     Server,
@@ -50,6 +60,8 @@ from _loadtest import (
     get_faults,
     get_metrics,
     headers_of,
+    in_ms,
+    latency_figures,
     new_faults,
     parse_script_args,
     percentile,
@@ -81,6 +93,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    "of the context, at most 4000)")
     p.add_argument("--think", default="0.5,3", metavar="MIN,MAX", help="think time between turns, seconds "
                    "(default 0.5,3)")
+    p.add_argument("--tool-users", type=int, help="users that are tool-calling agents (default: half of --users)")
+    p.add_argument("--max-tool-rounds", type=int, default=4, help="tool-call rounds in a row before an agent asks "
+                   "with tool_choice none (default 4)")
     p.add_argument("--progress", type=float, default=15.0, metavar="S", help="a status line every S seconds "
                    "(default 15; 0: none)")
     args, server_flags = parse_script_args(p, argv)
@@ -89,7 +104,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         assert len(args.think) == 2 and 0 <= args.think[0] <= args.think[1]
     except (ValueError, AssertionError):
         p.error(f"--think {args.think!r}: give MIN,MAX seconds with 0 <= MIN <= MAX (e.g. 0.5,3)")
-    for name, value in (("--users", args.users), ("--max-tokens", args.max_tokens)):
+    args.tool_users = args.users // 2 if args.tool_users is None else args.tool_users
+    if not 0 <= args.tool_users <= args.users:
+        p.error(f"--tool-users {args.tool_users}: give 0 to --users ({args.users})")
+    for name, value in (("--users", args.users), ("--max-tokens", args.max_tokens),
+                        ("--max-tool-rounds", args.max_tool_rounds)):
         if value < 1:
             p.error(f"{name} must be at least 1 (got {value})")
     if args.minutes <= 0 or args.grace < 0 or args.timeout <= 0:
@@ -151,15 +170,21 @@ def code_listing(rng: random.Random, chars: int) -> str:
 
 class Conversation:
     """One user's chat history, kept within the context. The history always ends with an assistant message
-    (or is only the system message); a turn adds one new message and, on success, the answer."""
+    (or is only the system message); a turn adds one new message (an agent's: the results of the tool calls
+    the last answer made) and, on success, the answer. `tools`: an agent that sends TOOLS (scripts/_agent.py)."""
 
     def __init__(self, user: int, rng: random.Random, counter: TokenCounter, budget: int, long_tokens: int,
-                 template_kwargs: dict[str, Any] | None):
+                 template_kwargs: dict[str, Any] | None, tools: bool = False):
         self.user, self.rng, self.counter, self.budget, self.long = user, rng, counter, budget, long_tokens
-        self.kwargs = template_kwargs
+        self.kwargs, self.tools = template_kwargs, tools
         self.started = self.trims = 0
         self.scale = 1.0                     # the server's count over our estimate, as last seen
         self.next_kind = "task"
+        self.pending: list[dict[str, Any]] = []     # role: tool messages answering the last answer's calls
+        self.tool_rounds = 0                 # answers with tool calls in a row
+        self.tool_calls = self.bad_tool_calls = 0
+        # the tool definitions are in the prompt too where the template renders them: counted as their JSON
+        self.tools_tokens = round(len(json.dumps(TOOLS)) / counter.chars_per_token) if tools else 0
         self.start()
 
     def start(self) -> None:
@@ -170,12 +195,15 @@ class Conversation:
             f"{self.repo} repository. Use the tools when you need to look at files or run commands, "
             "and answer briefly.")}]
         self.next_kind = "task"
+        self.pending, self.tool_rounds = [], 0
 
     def _chars(self, tokens: int) -> int:
         return max(16, int(tokens * self.counter.chars_per_token / self.scale))
 
     def new_message(self) -> dict[str, Any]:
         rng, kind = self.rng, self.next_kind
+        if kind == "task" and self.tools and rng.random() < 0.6:
+            return {"role": "user", "content": f"In {self.repo}: {tool_task(rng, _FILES)}"}
         if kind == "task":
             return {"role": "user", "content": f"In {self.repo}: {_fill(rng, rng.choice(_TASKS))}. "
                     + filler(rng, self._chars(rng.randint(10, 60)))}
@@ -186,26 +214,41 @@ class Conversation:
             cmd = rng.choice(("kubectl logs deploy/api", "journalctl -u worker", "cat build.log", "pytest -x"))
             return {"role": "user", "content": f"Here is the output of `{cmd}`:\n```\n{log_lines(rng, size)}\n```\n"
                                                "What is going wrong?"}
-        last = self.history[-1]
-        call = (last.get("tool_calls") or [{}])[0]
-        body = code_listing(rng, size) if call.get("function", {}).get("name") == "read_file" else log_lines(rng, size)
-        return {"role": "tool", "tool_call_id": call.get("id", "call_0"), "content": body}
+        call = (self.history[-1].get("tool_calls") or [{}])[0]
+        return {"role": "tool", "tool_call_id": call.get("id", "call_0"),
+                "content": self.tool_output(call.get("function", {}).get("name"), {})}
+
+    def tool_output(self, name: str | None, args: dict[str, Any]) -> str:
+        """A long tool output: a code listing (read_file) or a log (run_command, or anything else)."""
+        rng = self.rng
+        size = self._chars(rng.randint(50, 300) if rng.random() < 0.6 else rng.randint(300, max(self.long, 301)))
+        return code_listing(rng, size) if name == "read_file" else log_lines(rng, size)
 
     def estimate(self, messages: list[dict[str, Any]]) -> int:
-        n = self.counter.local(messages, self.kwargs)
+        n = self.counter.local(messages, self.kwargs) + self.tools_tokens
         return n if self.counter.tokenizer is not None else int(n * max(1.0, self.scale))
 
     def turn(self) -> tuple[list[dict[str, Any]], str]:
-        """The messages to send (history + a new one, trimmed to fit) and the turn's kind."""
-        kind, new = self.next_kind, self.new_message()
-        while self.estimate(self.history + [new]) > self.budget and len(self.history) > 1:
+        """The messages to send (history + the new ones, trimmed to fit) and the turn's kind."""
+        if self.pending:
+            kind, new = "tool_result", self.pending
+        else:
+            kind, new = self.next_kind, [self.new_message()]
+        while self.estimate(self.history + new) > self.budget and len(self.history) > 1:
             self.trim()
-        if new["role"] == "tool" and not self.history[-1].get("tool_calls"):   # its call was trimmed away
-            new = {"role": "user", "content": "A tool printed this:\n" + new["content"]}
-        if self.estimate(self.history + [new]) > self.budget:                    # even alone it does not fit
+        if new[0]["role"] == "tool" and not self.history[-1].get("tool_calls"):   # its call was trimmed away
+            new = [{"role": "user", "content": "A tool printed this:\n" + "\n".join(m["content"] for m in new)}]
+        if self.estimate(self.history + new) > self.budget:                      # even alone it does not fit
             self.start()
-            kind, new = "task", self.new_message()
-        return self.history + [new], kind
+            kind, new = "task", [self.new_message()]
+        return self.history + new, kind
+
+    def offers_tools(self, max_rounds: int) -> dict[str, Any]:
+        """The request fields of an agent's turn: its tools, and after max_rounds answers with calls in a row
+        tool_choice none (an answer in words is due)."""
+        if not self.tools:
+            return {}
+        return {"tools": TOOLS, "tool_choice": "none" if self.tool_rounds >= max_rounds else "auto"}
 
     def trim(self) -> None:
         """Drop the oldest exchange: from the first message after the system one up to the next user one."""
@@ -217,8 +260,16 @@ class Conversation:
     def answered(self, sent: list[dict[str, Any]], result: Result) -> None:
         if result.prompt_tokens and self.counter.tokenizer is None:
             self.scale = result.prompt_tokens / max(1, self.counter.local(sent, self.kwargs))
+        self.pending = []
+        if self.tools and result.tool_calls:
+            self.run_calls(sent, result)
+            return
+        self.tool_rounds = 0
         r = self.rng.random()
-        self.next_kind = "tool" if r < 0.4 else "log" if r < 0.55 else "followup"
+        if self.tools:          # an agent's calls are the server's own: no made-up ones
+            self.next_kind = "task" if r < 0.3 else "log" if r < 0.45 else "followup"
+        else:
+            self.next_kind = "tool" if r < 0.4 else "log" if r < 0.55 else "followup"
         reply: dict[str, Any] = {"role": "assistant", "content": result.text}
         if self.next_kind == "tool":
             name = self.rng.choice(("read_file", "run_command"))
@@ -226,6 +277,21 @@ class Conversation:
             reply["tool_calls"] = [{"id": f"call_{unique_id(self.rng)}", "type": "function",
                                     "function": {"name": name, "arguments": json.dumps(args)}}]
         self.history = sent + [reply]
+
+    def run_calls(self, sent: list[dict[str, Any]], result: Result) -> None:
+        """The answer called tools: run each here; their results are the next turn's messages."""
+        calls = []
+        for call in result.tool_calls:
+            fn = call.get("function") or {}
+            calls.append({"id": call.get("id") or f"call_{unique_id(self.rng)}", "type": "function",
+                          "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or "{}"}})
+        for call in calls:
+            content, well_formed = run_tool(call, self.tool_output)
+            self.tool_calls += 1
+            self.bad_tool_calls += not well_formed
+            self.pending.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+        self.tool_rounds += 1
+        self.history = sent + [{"role": "assistant", "content": result.text, "tool_calls": calls}]
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
@@ -240,8 +306,9 @@ class Replay:
         self.context_retries = 0
         self.conversations: list[Conversation] = []
 
-    def body(self, messages: list[dict[str, Any]], seed: int) -> dict[str, Any]:
-        body: dict[str, Any] = {"messages": messages, "max_tokens": self.args.max_tokens, "seed": seed}
+    def body(self, messages: list[dict[str, Any]], seed: int, conv: Conversation) -> dict[str, Any]:
+        body: dict[str, Any] = {"messages": messages, "max_tokens": self.args.max_tokens, "seed": seed,
+                                **conv.offers_tools(self.args.max_tool_rounds)}
         if self.args.model:
             body["model"] = self.args.model
         if self.args.temperature is not None:
@@ -253,7 +320,7 @@ class Replay:
     async def user(self, client, i: int, counter: TokenCounter, budget: int, long_tokens: int) -> None:
         a = self.args
         rng = random.Random(a.seed * 1_000_003 + i)
-        conv = Conversation(i, rng, counter, budget, long_tokens, self.kwargs)
+        conv = Conversation(i, rng, counter, budget, long_tokens, self.kwargs, tools=i < a.tool_users)
         self.conversations.append(conv)
         await asyncio.sleep(rng.uniform(0, a.think[1]))          # users do not all start at once
         n = 0
@@ -261,8 +328,8 @@ class Replay:
             messages, kind = conv.turn()
             n += 1
             self.in_flight[i] = {"user": i, "turn": n, "kind": kind, "sent_s": time.monotonic() - self.t0}
-            result = await stream_chat(client, self.url, self.body(messages, rng.randrange(1 << 31)),
-                                       a.timeout, self.t0, self.headers)
+            body = self.body(messages, rng.randrange(1 << 31), conv)
+            result = await stream_chat(client, self.url, body, a.timeout, self.t0, self.headers)
             del self.in_flight[i]
             if result.status == 400 and "exceed" in (result.error or ""):
                 self.context_retries += 1                         # our estimate was short: trim, and try again
@@ -273,7 +340,8 @@ class Replay:
                 n -= 1
                 continue
             self.records.append({"user": i, "turn": n, "kind": kind, "messages": len(messages),
-                                 "conversation": conv.started, **result.to_json()})
+                                 "conversation": conv.started, "agent": conv.tools,
+                                 "tools_sent": body.get("tool_choice") == "auto", **result.to_json()})
             if result.ok:
                 conv.answered(messages, result)
             await asyncio.sleep(min(rng.uniform(*a.think), max(0.0, self.stop_at - time.monotonic())))
@@ -352,10 +420,15 @@ class Replay:
                 "turns_by_kind": dict(Counter(r["kind"] for r in recs)),
                 "conversations": sum(c.started for c in self.conversations),
                 "trimmed_exchanges": sum(c.trims for c in self.conversations),
-                "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 50),
-                "ttft_p95_s": percentile([r["ttft_s"] for r in ok], 95),
-                "latency_p50_s": percentile([r["latency_s"] for r in ok], 50),
-                "latency_p95_s": percentile([r["latency_s"] for r in ok], 95),
+                **latency_figures(recs),                  # TTFT, ITL, e2e: p50 and p95
+                "agents": self.args.tool_users,
+                "agent_turns": sum(r["agent"] for r in recs),
+                "turns_offering_tools": sum(r["tools_sent"] for r in recs),
+                "answers_with_tool_calls": sum(bool(r["tool_calls"]) for r in ok if r["agent"]),
+                "tool_calls": sum(c.tool_calls for c in self.conversations),
+                "bad_tool_calls": sum(c.bad_tool_calls for c in self.conversations),
+                "tool_calls_by_name": dict(Counter(t["function"]["name"] for r in ok if r["agent"]
+                                                   for t in r["tool_calls"])),
                 "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
                 "largest_prompt": max((r["prompt_tokens"] or 0 for r in ok), default=0),
                 "prompt_n": read, "cache_n": reused,
@@ -370,13 +443,17 @@ def print_report(r: dict[str, Any]) -> None:
     t.add_column(justify="right")
     reuse = "-" if r["prefix_reuse"] is None else f"{100 * r['prefix_reuse']:.1f}%"
     rows = [("requests", r["requests"]), ("ok", r["ok"]), ("failed", r["failed"]),
-            ("turns (task / followup / log / tool)", " / ".join(str(r["turns_by_kind"].get(k, 0))
-                                                                for k in ("task", "followup", "log", "tool"))),
+            ("turns (task / followup / log / tool / tool_result)", " / ".join(
+                str(r["turns_by_kind"].get(k, 0)) for k in ("task", "followup", "log", "tool", "tool_result"))),
             ("conversations (started over when full)", r["conversations"]),
             ("exchanges trimmed to fit the context", r["trimmed_exchanges"]),
             ("refused as too long, trimmed and retried", r["context_retries"]),
             ("TTFT p50 / p95, s", f"{fmt(r['ttft_p50_s'], 2)} / {fmt(r['ttft_p95_s'], 2)}"),
-            ("latency p50 / p95, s", f"{fmt(r['latency_p50_s'], 2)} / {fmt(r['latency_p95_s'], 2)}"),
+            ("ITL p50 / p95, ms", f"{fmt(in_ms(r['itl_p50_s']))} / {fmt(in_ms(r['itl_p95_s']))}"),
+            ("e2e latency p50 / p95, s", f"{fmt(r['e2e_p50_s'], 2)} / {fmt(r['e2e_p95_s'], 2)}"),
+            ("agents: turns (offering tools)", f"{r['agent_turns']} ({r['turns_offering_tools']})"),
+            ("agents: answers with tool calls, calls (malformed)",
+             f"{r['answers_with_tool_calls']}, {r['tool_calls']} ({r['bad_tool_calls']})"),
             ("prompt tokens (largest prompt)", f"{r['prompt_tokens']} ({r['largest_prompt']})"),
             ("prefix reuse (cache_n / (cache_n + prompt_n))",
              f"{reuse} ({r['cache_n']} of {r['cache_n'] + r['prompt_n']})"),

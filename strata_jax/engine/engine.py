@@ -230,7 +230,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         busy = sum(not s.free for s in self.slots)
         out = {**dict(self.counters), **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
-               "queued": self.inbox.qsize() + len(self.waiting), "prefix_cache": self.prefix.stats()}
+               "queued": self.inbox.qsize() + len(self.waiting), "prefix_cache": self.prefix.stats(),
+               "kv_used_positions": sum(s.n_past for s in self.slots if not s.free)}     # KV usage (/metrics)
         if self.speculator is not None:
             out["spec"] = self.speculator.stats()
         return out

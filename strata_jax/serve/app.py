@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (also without /v1, as llama.cpp)
     GET /health   GET /metrics   GET /slots   GET /faults
+    POST /tokenize   POST /detokenize   GET /props   (llama.cpp's: llama_routes.py)
     POST /expert-profile {"name": NAME}   (writes NAME.json in --expert-profile-dir: see experts/profile.py)
 
 Every answer that is an error has OpenAI's shape, from whatever raised it (our ApiError, Litestar's
@@ -31,7 +32,7 @@ from litestar.response import Stream
 
 from ..config import ServerConfig
 from ..testing.fetch import cache_dir
-from . import generate
+from . import generate, llama_routes
 from .errors import ApiError, error_body
 from .generate import Job, ModelNames
 from .metrics import Metrics
@@ -52,8 +53,9 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     profile_dir = Path(cfg.expert_profile_dir).expanduser().absolute() if cfg.expert_profile_dir else \
         cache_dir().absolute() / "expert-profiles"
 
-    def done(endpoint: str, outcome: str, stats: dict | None, seconds: float) -> None:
-        metrics.finished(endpoint, outcome, stats, seconds)
+    def done(job: Job, ticket, outcome: str, stats: dict | None, seconds: float) -> None:
+        metrics.finished(job.endpoint, outcome, stats, seconds)
+        metrics.latency.finished(job.arrived, ticket, stats)
 
     async def run(request: Request, job: Job) -> Response:
         try:
@@ -150,7 +152,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
                                         "under that reference"), status_code=500, media_type=JSON)
 
     return Litestar(
-        route_handlers=[chat_completions, completions, models, health, prometheus, slots, faults, expert_profile],
+        route_handlers=[chat_completions, completions, models, health, prometheus, slots, faults, expert_profile,
+                        *llama_routes.handlers(sup, names.served, path.name, _json_body)],
         guards=[_api_key_guard(cfg.api_key)] if cfg.api_key else [],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
         on_startup=[_hook(sup.start)], on_shutdown=[_hook(sup.stop)],
@@ -233,5 +236,5 @@ def _api_key_guard(key: str):
 
 def _snapshot(sup: Supervisor) -> dict[str, Any]:
     return {"up": sup.ready, "generation": sup.generation, "slots": sup.config.parallel,
-            "busy_slots": len(sup.running), "queued": sup.queued + (sup.last_stats.get("queued") or 0),
+            "busy_slots": len(sup.running), "n_ctx": sup.config.max_context, "queued": sup.queued + (sup.last_stats.get("queued") or 0),
             "stats": sup.last_stats}

@@ -87,7 +87,7 @@ class Outcome:
         if self.stats and self.stats.get("log_line"):
             log.info("%s", self.stats["log_line"])
         log.info("%s [%s]", done_line(n, seconds, self.kind, self.detail), self.job.id)
-        self._on_done(self.job.endpoint, self.kind, self.stats, seconds)
+        self._on_done(self.job, self.ticket, self.kind, self.stats, seconds)
 
 
 def usage(st: dict[str, Any] | None, prepared: Prepared, n_tokens: int) -> dict[str, Any]:

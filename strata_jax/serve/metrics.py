@@ -18,6 +18,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
+from .latency import Latency
+
 PREFIX = "strata"
 
 
@@ -39,6 +41,7 @@ class Metrics:
                                  buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=r)
         self.restarts = Counter(f"{PREFIX}_engine_restarts", "Times the engine process stopped unexpectedly "
                                 "and was started again", registry=r)
+        self.latency = Latency(PREFIX, r)         # TTFT, inter-token, e2e and queue time, prefix-cache hits
         r.register(_EngineCollector(snapshot))
 
     def finished(self, endpoint: str, outcome: str, stats: dict[str, Any] | None, seconds: float) -> None:
@@ -84,6 +87,12 @@ class _EngineCollector:
         yield gauge("slots", "Slots (--parallel)", s["slots"])
         yield gauge("slots_busy", "Slots running a request", s["busy_slots"])
         yield gauge("queue_length", "Requests waiting for a slot", s["queued"])
+        if "kv_used_positions" in stats and s.get("n_ctx"):
+            # vLLM's vllm:kv_cache_usage_perc (a fraction despite its name): the KV positions the requests in
+            # the slots hold, over all slots' positions. A free slot's kept prefix counts as free, as vLLM's
+            # cached blocks without a request do.
+            yield gauge("kv_cache_usage_perc", "KV cache usage: positions held by running requests over all "
+                        "slots' positions (1 = full)", stats["kv_used_positions"] / (s["slots"] * s["n_ctx"]))
         programs = stats.get("programs") or {}
         for key in self.PROGRAMS:
             yield gauge(f"programs_{key}", f"Compiled window programs: {key.replace('_', ' ')} (this engine process)",

@@ -2,9 +2,10 @@
 
 Server -> engine (`op`):  prepare {id, prompt, params, chat_template_kwargs} | submit {id, ids, params}
                           | cancel {id} | stats {id} | expert_profile {id, path} | shutdown
+                          | tokenize {id, content, add_special, parse_special, with_pieces} | detokenize {id, tokens}
 Engine -> server (`t`):   progress {stage, n, total, what} | ready {info} | prepared {id, ids, max_tokens, think}
                           | rejected {id, kind, message, ...} | ev {id, k, x, tok, fr, st, err, lp} | stats {id, stats}
-                          | saved {id, path, routed}
+                          | saved {id, path, routed} | answer {id, tokens | content} (tokens.py)
 The first frame the server writes is the engine's start-up: {model, engine (EngineConfig as a dict)}.
 """
 

@@ -89,6 +89,16 @@ class Ticket:
     started: float = 0.0
     n_tokens: int = 0
     cancelled: bool = False
+    first_at: float = 0.0                       # when its first and latest token events came (latency.py)
+    last_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)     # seconds between its token events, in order
+
+    def token_came(self, now: float) -> None:
+        if self.first_at:
+            self.gaps.append(now - self.last_at)
+        else:
+            self.first_at = now
+        self.last_at = now
 
 
 class EngineGone(Exception):
@@ -342,10 +352,11 @@ class Supervisor:
                              msg.get("err"), msg.get("lp"))
             if ev.kind == "token":
                 t.n_tokens += 1
+                t.token_came(self._heard_at)
                 t.events.put_nowait(ev)
             else:
                 self._end(t, ev)
-        elif kind in ("prepared", "rejected", "stats", "saved"):
+        elif kind in ("prepared", "rejected", "stats", "saved", "answer"):
             fut = self._replies.pop(msg["id"], None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -513,6 +524,19 @@ class Supervisor:
             except (TimeoutError, EngineGone):
                 pass
         return self.last_stats
+
+    async def ask(self, op: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+        """A quick question for the engine (tokenize, detokenize: serve/tokens.py) -> its answer frame; the
+        engine's refusal as its ApiError, 503 when no engine answers in `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        await self.wait_ready(deadline)
+        try:
+            reply = await self._ask({"op": op, "id": f"{op}-{next(self._ids)}", **fields}, deadline)
+        except (TimeoutError, EngineGone):
+            raise ApiError(503, f"the engine did not answer {op} within {timeout:g} s", "unavailable_error") from None
+        if reply["t"] == "answer":
+            return reply
+        raise _rejection(reply)
 
     async def save_expert_profile(self, path: str, timeout: float = 30.0) -> dict[str, Any]:
         """Have the engine process write its expert profile to `path` (a file in the server's own

@@ -87,6 +87,8 @@ class Worker:
             "n_ctx": cfg.max_context, "parallel": cfg.parallel, "vocab_size": spec.vocab_size,
             "n_experts": getattr(spec, "n_experts", 0),
             "chat_template": self.engine.tokenizer.chat_template is not None,
+            "chat_template_source": self.engine.tokenizer.chat_template,     # GET /props shows these three
+            "bos_token": self.engine.tokenizer.bos_token, "eos_token": self.engine.tokenizer.eos_token,
             "start_s": round(time.monotonic() - t0, 3), "programs_built": programs.get("built", 0),
             "build_s": programs.get("build_seconds", 0.0), "pid": os.getpid(),
             "choices": self.engine.runner.choices, "max_token_bytes": _max_token_bytes(self.engine.tokenizer),
@@ -141,6 +143,10 @@ class Worker:
             threading.Thread(target=self._save_profile, args=(cmd,), name="expert-profile", daemon=True).start()
         elif op == "stats":
             self.writer.send({"t": "stats", "id": cmd["id"], "stats": self._stats()})
+        elif op in ("tokenize", "detokenize"):      # llama.cpp's routes: quick, like prepare
+            from .tokens import answer
+
+            self.writer.send(answer(self.engine.tokenizer, cmd))
         else:
             raise ValueError(f"unknown command {op!r}")
 

@@ -1,0 +1,70 @@
+"""llama.cpp's /tokenize and /detokenize, answered in the engine process with the engine's own tokenizer (the
+one every prompt goes through), so the ids a client gets are the ids the engine would read.
+
+    {"op": "tokenize", "id", "content": str | [str | int, ...], "add_special", "parse_special", "with_pieces"}
+        -> {"t": "answer", "id", "tokens": [id, ...] | [{"id", "piece"}, ...]}
+    {"op": "detokenize", "id", "tokens": [int, ...]}  -> {"t": "answer", "id", "content": str}
+
+The server has checked the types (serve/llama_routes.py); ids are checked here against the tokenizer's
+vocabulary, and one outside it is a "rejected" frame naming the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def answer(tokenizer: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    rid = cmd["id"]
+    try:
+        if cmd["op"] == "tokenize":
+            ids = _tokenize(tokenizer, cmd["content"], bool(cmd.get("add_special")), cmd.get("parse_special", True))
+            out: list[Any] = ids
+            if cmd.get("with_pieces"):
+                out = [{"id": i, "piece": _piece(tokenizer.token_bytes(i))} for i in ids]
+            return {"t": "answer", "id": rid, "tokens": out}
+        ids = cmd["tokens"]
+        _check_ids(tokenizer, ids, "tokens")
+        return {"t": "answer", "id": rid, "content": tokenizer.decode(ids)}
+    except _OutOfVocabulary as e:
+        return {"t": "rejected", "id": rid, "kind": "invalid", "message": str(e), "param": e.param}
+
+
+class _OutOfVocabulary(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _tokenize(tokenizer: Any, content: Any, add_special: bool, parse_special: bool) -> list[int]:
+    """llama.cpp's tokenize_mixed: a text, or a list of texts and token ids in order; BOS (add_special) only
+    before the first element, and only when it is a text."""
+    if isinstance(content, str):
+        return tokenizer.encode(content, add_special=add_special, parse_special=parse_special)
+    _check_ids(tokenizer, [p for p in content if isinstance(p, int)], "content", positions=[
+        i for i, p in enumerate(content) if isinstance(p, int)])
+    ids: list[int] = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            ids += tokenizer.encode(part, add_special=add_special and i == 0, parse_special=parse_special)
+        else:
+            ids.append(part)
+    return ids
+
+
+def _check_ids(tokenizer: Any, ids: list[int], param: str, positions: list[int] | None = None) -> None:
+    n = tokenizer.vocab_size
+    for k, t in enumerate(ids):
+        if not 0 <= t < n:
+            where = positions[k] if positions is not None else k
+            raise _OutOfVocabulary(f"{param}[{where}] = {t}: not a token id of this model's vocabulary "
+                                   f"(0..{n - 1})", param)
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """llama.cpp's piece: the token's text when its bytes are valid UTF-8, else the list of its byte values (a
+    token may hold part of a character)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
