@@ -304,6 +304,7 @@ class Replay:
         self.records: list[dict[str, Any]] = []
         self.in_flight: dict[int, dict[str, Any]] = {}
         self.context_retries = 0
+        self.tools_dropped = 0        # agents whose tools did not fit the server's context with a fresh conversation
         self.conversations: list[Conversation] = []
 
     def body(self, messages: list[dict[str, Any]], seed: int, conv: Conversation) -> dict[str, Any]:
@@ -335,9 +336,15 @@ class Replay:
                 self.context_retries += 1                         # our estimate was short: trim, and try again
                 if len(conv.history) > 1:
                     conv.trim()
+                elif conv.tools and kind == "task":
+                    # a fresh conversation refused: the server's tool descriptions alone fill its context;
+                    # this user goes on without tools (retrying the same request would loop for ever)
+                    conv.tools = False
+                    self.tools_dropped += 1
                 else:                                             # the new message alone was too long
                     conv.start()
                 n -= 1
+                await asyncio.sleep(0.05)
                 continue
             self.records.append({"user": i, "turn": n, "kind": kind, "messages": len(messages),
                                  "conversation": conv.started, "agent": conv.tools,
@@ -417,6 +424,7 @@ class Replay:
         tokens = sum(r["tokens"] for r in recs)
         return {"wall_s": round(wall, 3), "requests": len(recs), "ok": len(ok), "failed": len(recs) - len(ok),
                 "context_retries": self.context_retries,
+                "tools_dropped": self.tools_dropped,
                 "turns_by_kind": dict(Counter(r["kind"] for r in recs)),
                 "conversations": sum(c.started for c in self.conversations),
                 "trimmed_exchanges": sum(c.trims for c in self.conversations),

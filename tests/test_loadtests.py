@@ -52,6 +52,15 @@ def server(model):
         yield srv
 
 
+@pytest.fixture(scope="module")
+def agent_server(model):
+    """A context that holds the agents' tool descriptions as the server renders them (its generic tool
+    prompt, issue 16) beside a conversation."""
+    with ServerProcess([str(model), "--parallel", "2", "--max-context", "2048"]) as srv:
+        srv.wait_ready()
+        yield srv
+
+
 def requests_of(level: dict) -> list[dict]:
     return [r for w in level["waves"] for r in w["requests"]]
 
@@ -82,12 +91,12 @@ def test_ladder(server, tmp_path):
     assert "engine restarts during the ladder (GET /faults): 0" in out
 
 
-def test_replay(server, tmp_path):
-    rc, out, report = run_script("replay.py", "--url", server.url, "--users", "3", "--minutes", "0.15",
+def test_replay(agent_server, tmp_path):
+    rc, out, report = run_script("replay.py", "--url", agent_server.url, "--users", "3", "--minutes", "0.15",
                                  "--max-tokens", "8", "--think", "0.2,0.8", "--progress", "0", "--tool-users", "2",
                                  tmp_path=tmp_path)
     assert rc == 0, out
-    assert report["settings"]["max_context"] == 512          # learned from the server: no --max-context given
+    assert report["settings"]["max_context"] == 2048         # learned from the server: no --max-context given
     # a turn a user at least: on a loaded machine the first turns (which build programs) may fill the 9 s
     assert report["requests"] >= 3 and report["failed"] == 0 and report["engine_restarts"] == 0
     # without --tokenizer the prompt estimate is a heuristic: a conversation near the context's end may be
@@ -104,7 +113,7 @@ def test_replay(server, tmp_path):
     assert not any(r["tool_calls"] for r in report["requests_list"] if not r["agent"])
     assert report["prefix_reuse"] is not None and 0 <= report["prefix_reuse"] <= 1
     assert report["prompt_n"] + report["cache_n"] == report["prompt_tokens"]
-    assert report["largest_prompt"] + 8 <= 512
+    assert report["largest_prompt"] + 8 <= 2048 and report["tools_dropped"] == 0
     assert report["wall_s"] < 0.15 * 60 + 120 + 10             # --grace 120 (default): later turns would fail
     turns = {}
     for r in report["requests_list"]:
