@@ -36,7 +36,8 @@ layer's page table looked up there): with --host-experts, a layer with a miss co
 host tier's blocks inside that program (lax.cond picks the arena or the host blocks on the device: the same
 kernel, the same bits); without, the program is tried when the window before had no miss, its router ids
 come back with the logits, and a window that met a miss after all is run again layer by layer (its KV writes
-are the same positions, rewritten). Its program is built on the builder thread; until then windows step.
+are the same positions, rewritten). With host experts a layout's only program is that one (stage_layouts);
+without, it is built on the builder thread and windows step until it is.
 """
 
 from __future__ import annotations
