@@ -50,6 +50,18 @@ def slot_bytes(leaf_shapes: dict[int, dict[str, tuple[tuple[int, ...], object]]]
                for leaves in leaf_shapes.values() for shape, dtype in leaves.values())
 
 
+def _count_lookups(counters: ExpertCounters, routed: int, lookups: int, hits: int, decode: bool) -> None:
+    """One layer's (or several layers') lookups into the counters: routed assignments, distinct experts
+    needed, how many of them were resident; the decode_* figures too for a window without a prompt chunk."""
+    counters.routed += routed
+    counters.lookups += lookups
+    counters.hits += hits
+    if decode:
+        counters.decode_lookups += lookups
+        counters.decode_hits += hits
+        counters.decode_misses += lookups - hits
+
+
 class ExpertArena:
     def __init__(self, host: HostTier, n_slots: int, to_device: Callable[[int, str, np.ndarray], jax.Array],
                  leaf_shapes: dict[int, dict[str, tuple[tuple[int, ...], object]]], policy: str = "freq"):
@@ -88,15 +100,9 @@ class ExpertArena:
         self.clock += 1
         needed = [int(e) for e in np.unique(ids)]
         slot_of = self.slot_of[layer]
-        counters.routed += int(ids.size)
         hits = [e for e in needed if slot_of[e] >= 0]
         missing = [e for e in needed if slot_of[e] < 0]
-        counters.lookups += len(needed)
-        counters.hits += len(hits)
-        if decode:
-            counters.decode_lookups += len(needed)
-            counters.decode_hits += len(hits)
-            counters.decode_misses += len(missing)
+        _count_lookups(counters, int(ids.size), len(needed), len(hits), decode)
         self.policies[layer].access(needed, self.clock)
         fresh = self.fresh[layer]
         counters.prefetch_hits += len(fresh.intersection(hits))
@@ -120,12 +126,7 @@ class ExpertArena:
         layer's policy told, as passes() does it (the one-program window: stepped.py), nothing moved."""
         needed = counts[rows] > 0
         n = int(needed.sum())
-        counters.routed += int(counts[rows].sum())
-        counters.lookups += n
-        counters.hits += n
-        if decode:
-            counters.decode_lookups += n
-            counters.decode_hits += n
+        _count_lookups(counters, int(counts[rows].sum()), n, n, decode)
         for r, experts in zip(rows, needed):
             layer = self.layers[r]
             self.clock += 1
@@ -146,15 +147,9 @@ class ExpertArena:
         self.clock += 1
         needed = [int(e) for e in np.unique(ids)]
         hits = sum(1 for e in needed if self.slot_of[layer][e] >= 0)
-        counters.routed += int(ids.size)
-        counters.lookups += len(needed)
-        counters.hits += hits
+        _count_lookups(counters, int(ids.size), len(needed), hits, decode)
         counters.host_computed += len(needed) - hits
         counters.host_layers += 1
-        if decode:
-            counters.decode_lookups += len(needed)
-            counters.decode_hits += hits
-            counters.decode_misses += len(needed) - hits
         self.policies[layer].access(needed, self.clock)
         self.fresh[layer].clear()
         # Free slots still take the missed experts (never an eviction: that copy is the cost the host
