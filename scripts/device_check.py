@@ -76,7 +76,8 @@ def _decode(result: dict, n: int) -> dict:
 def table(outdir: str, cache: str, experts: str, model: str) -> int:
     out = Path(outdir)
     runs = [("every expert on the device", out / "bench_all.json"),
-            (f"expert cache {cache} of {experts}", out / "bench_cache.json")]
+            (f"expert cache {cache} of {experts}", out / "bench_cache.json"),
+            (f"expert cache {cache}, misses on the host CPU", out / "bench_hybrid.json")]
     res = [(name, json.loads(p.read_text()) if p.is_file() else None) for name, p in runs]
     first = next((r for _, r in res if r), None)
     parallel = [d["parallel"] for d in first["strata_jax"]["decode"]] if first else []

@@ -18,9 +18,11 @@
 #      (1.36 GB of experts), into /tmp;
 #   5. `strata-jax bench` on it with every expert on the device (--expert-cache auto), then with a device
 #      expert cache of a quarter of them (--expert-cache 16 of 64 a layer);
-#   6. a table of both.
+#   5b. the C++ CPU kernels built in place, and the same cache with each miss computed on the host CPU
+#      (--host-experts on: experts computed where they live);
+#   6. a table of the three.
 # The log and the results go to $OUT if set, else ./device-check-out/: device_check.log, kernel_tests.xml,
-# bench_all.json, bench_cache.json, results.md. A failed step says so at once (!!! lines); the run goes on
+# bench_all.json, bench_cache.json, bench_hybrid.json, results.md. A failed step says so at once (!!! lines); the run goes on
 # where a later step can still tell something, and ends with a summary and exit 1 if anything failed.
 #
 # The wheels: on a machine with pip and the internet, in the repository root (.whl/ is git-ignored):
@@ -177,7 +179,7 @@ MAKE_HELP=$(timeout 120 "$PY" -m strata_jax make-model --help 2>&1) || { loud "m
 BENCH_HELP=$(timeout 120 "$PY" -m strata_jax bench --help 2>&1) || { loud "bench --help failed:"; say "$BENCH_HELP"; preflight_ok=0; }
 PYTEST_HELP=$(timeout 60 "$PY" -m pytest --help 2>&1) || { loud "pytest --help failed"; preflight_ok=0; }
 check_flags "strata-jax make-model" "$MAKE_HELP" "${MAKE_ARGS[@]}" || preflight_ok=0
-check_flags "strata-jax bench" "$BENCH_HELP" "${BENCH_ARGS[@]}" --expert-cache --json || preflight_ok=0
+check_flags "strata-jax bench" "$BENCH_HELP" "${BENCH_ARGS[@]}" --expert-cache --host-experts --json || preflight_ok=0
 check_flags "pytest" "$PYTEST_HELP" "${PYTEST_ARGS[@]}" || preflight_ok=0
 grep -q STRATA_TEST_BACKEND tests/test_kernels.py || { loud "tests/test_kernels.py knows no STRATA_TEST_BACKEND"; preflight_ok=0; }
 # The experts must come to at least 1 GB: layers x experts x 3 matrices x hidden x expert_ffn, in Q4_K blocks.
@@ -214,6 +216,14 @@ step "bench, every expert on the device" 170 go-on \
     "$PY" -m strata_jax bench "$MODEL" "${BENCH_ARGS[@]}" --expert-cache auto --json "$OUTDIR/bench_all.json"
 step "bench, expert cache $CACHE of $EXPERTS" 170 go-on \
     "$PY" -m strata_jax bench "$MODEL" "${BENCH_ARGS[@]}" --expert-cache "$CACHE" --json "$OUTDIR/bench_cache.json"
+
+# ---- 5b. the same cache with its misses computed on the host CPU (--host-experts on, issue 15) -------------
+# It needs the C++ CPU kernels, built here in place (g++ and jaxlib's FFI headers); without them, skipped.
+if step "build the C++ CPU kernels" 90 go-on "$PY" setup.py -q build_ext --inplace; then
+    step "bench, expert cache $CACHE of $EXPERTS, misses on the host" 150 go-on \
+        "$PY" -m strata_jax bench "$MODEL" "${BENCH_ARGS[@]}" --expert-cache "$CACHE" --host-experts on \
+        --json "$OUTDIR/bench_hybrid.json"
+fi
 
 # ---- 6. the table --------------------------------------------------------------------------------------
 step "the table" 60 go-on "$PY" "$HELPER" table "$OUTDIR" "$CACHE" "$EXPERTS" "$MODEL"

@@ -26,6 +26,8 @@ HELP = {
     "host_experts": "a window's layer whose experts miss the device cache computes them where they live, from the "
                     "host tier's GGUF blocks with the CPU expert kernel, instead of copying them in (auto: by the cost "
                     "rule printed at start; on, off)",
+    "host_device": "the CPU device that computes host experts: auto (the device itself on a CPU, the first CPU device "
+                   "beside a GPU) or cpu:N",
     "layer_step": "expert tiers: auto runs a window as one program whenever its experts are where one program can "
                   "read them (every routed expert in the device cache, or the host tier's blocks with --host-experts), "
                   "else layer by layer; always: every window layer by layer",

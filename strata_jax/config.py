@@ -7,6 +7,7 @@ server and Python users speak one language. Strata's / llama.cpp's flag names ar
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -47,6 +48,7 @@ class EngineConfig:
     expert_policy: str = "freq"          # device expert cache eviction: freq (frequency-aware LRU) | lru
     expert_prefetch: bool = False        # copy the experts the next layer will likely need ahead of it
     host_experts: str = "auto"           # compute a layer's experts from the host tier's blocks when the device cache misses
+    host_device: str = "auto"            # the CPU device that computes them: auto (the device itself on a CPU, else cpu:0) | cpu:N
     layer_step: str = "auto"             # expert tiers: auto (one program a window where it can) | always (layer by layer)
     resident_budget_gib: float | None = None   # host RAM for experts (None: all of them)
     pool_workers: int = 4                # reader threads for the file tier
@@ -108,6 +110,8 @@ class EngineConfig:
                 raise ConfigError(f"expert_cache = {self.expert_cache!r}: must be auto or a number of expert slots") from None
             need(self.expert_cache >= 0, "expert_cache", self.expert_cache, "must be auto or >= 0")
         need(self.host_experts in ("auto", "on", "off"), "host_experts", self.host_experts, "must be auto, on or off")
+        need(self.host_device == "auto" or re.fullmatch(r"cpu:\d+", str(self.host_device)) is not None, "host_device",
+             self.host_device, "must be auto or cpu:N (a CPU device's index)")
         need(self.layer_step in ("auto", "always"), "layer_step", self.layer_step, "must be auto or always")
         need(self.expert_policy in EXPERT_POLICIES, "expert_policy", self.expert_policy,
              f"must be one of {', '.join(EXPERT_POLICIES)} (freq: frequency-aware LRU, the default; lru: plain LRU)")

@@ -19,6 +19,7 @@ import pallas_kernels as pk
 
 from ..config import ConfigError, EngineConfig
 from ..experts import EXPERT_TENSORS, ExpertArena, HostTier, expert_tensors, slot_bytes
+from ..experts.hybrid import HostRule, host_device, host_rate, link_rate, memcpy_rate
 from ..experts.profile import ExpertProfile, pins_for
 from ..gguf import GGUFModel
 from ..model import (
@@ -62,21 +63,6 @@ class GroupInput:
     def arrays(self) -> list[np.ndarray]:
         """The program's inputs for this group, in model.Group's order."""
         return [self.tokens, self.pos, self.slots] + ([self.picks] if self.picks is not None else [])
-
-
-def _copy_rate(infos: dict) -> float:
-    """GB/s of copying one expert's blocks (the first MoE layer's gate), best of 5: the link a miss crosses
-    on a CPU device."""
-    import time
-
-    src = np.asarray(next(iter(infos.values()))["exp_gate"].data[0])
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return src.nbytes / max(best, 1e-9) / 1e9
 
 
 def _decode_only(layout: Layout) -> bool:
@@ -446,36 +432,44 @@ class ModelRunner:
                      arena.n_slots)
         self.ledger.reserve_bytes("experts", arena.nbytes, f"the device expert cache ({arena.n_slots} slots a layer)")
         shapes = {i: {n: tuple(t.shape[1:]) for n, t in ts.items()} for i, ts in infos.items()}
-        host_trees = None
-        if self._host_experts():
-            # every expert of a layer as the GGUF file's own blocks (its mmap pages, no copy): what a layer
-            # whose experts miss the device cache computes from (LayerStepper, --host-experts)
-            host_trees = {i: {n: QTensor(blocks_in_place(t.data), t.qtype.name, (spec.n_experts, *shapes[i][n]))
+        dev, where = self._host_device()
+        host_trees = rule = None
+        if dev is not None:
+            # every expert of a layer as the GGUF file's own blocks, on the CPU device that computes a layer's
+            # missed experts (on a CPU device its mmap pages, no copy): --host-experts, experts/hybrid.py
+            host_trees = {i: {n: QTensor(blocks_in_place(t.data, dev), t.qtype.name, (spec.n_experts, *shapes[i][n]))
                               for n, t in ts.items()} for i, ts in infos.items()}
-        self.stepper = LayerStepper(self, arena, qtypes, shapes, host_trees)
-        if host_trees is not None:
-            log.info("host experts: a layer with a device-cache miss computes its experts from the host tier's "
-                     "blocks. The cost rule: a miss costs its copy (%.1f MiB at %.1f GB/s, measured memcpy: the "
-                     "device cache is host RAM here) and the host computes at the device's own rate, so the "
-                     "host wins whenever a layer misses", one_slot / len(layers) / 2**20, _copy_rate(infos))
+            rule = self._host_rule(where, infos, host_trees, dev)
+        self.stepper = LayerStepper(self, arena, qtypes, shapes, host_trees, dev if where == "remote" else None, rule)
         self.expert_mode = "arena"
         log.info("expert tiers: %d of %d experts a layer on the device (%s policy), %.2f GiB of %.2f GiB in host "
                  "RAM, the rest read from the file by %d threads", arena.n_slots, spec.n_experts, policy,
                  host.resident_bytes / 2**30, host.total_bytes / 2**30, cfg.pool_workers)
 
-    def _host_experts(self) -> bool:
-        """--host-experts: whether a layer's experts may be computed from the host tier's blocks. They are on
-        a CPU device with the cpu backend and blocks (the device cache is host RAM there: a copy into it is
-        pure overhead, and the cost rule always picks the host for a layer with a miss). On a GPU the host
-        side of this is not built yet: auto is off there, and on is an error that says so."""
-        want = self.cfg.host_experts
-        able = (self.choices["backend"], self.choices["weights"], jax.default_backend()) == ("cpu", "blocks", "cpu")
-        if want == "on" and not able:
-            raise ConfigError(f"host_experts = on: computing experts from the host tier needs the cpu backend with "
-                              f"weights = blocks on a CPU device (here backend {self.choices['backend']}, weights "
-                              f"{self.choices['weights']}, device {jax.default_backend()}); on a GPU it is not "
-                              "built yet: use auto or off")
-        return want != "off" and able
+    def _host_device(self):
+        """--host-experts / --host-device -> (the CPU device that computes missed experts, "local" |
+        "remote"), or (None, None) (experts/hybrid.py)."""
+        able_local = (self.choices["backend"], self.choices["weights"]) == ("cpu", "blocks")
+        return host_device(self.cfg.host_experts, self.cfg.host_device, jax.devices()[0],
+                           able_local and jax.default_backend() == "cpu", pk.cpu.available())
+
+    def _host_rule(self, where: str, infos: dict, host_trees: dict, dev) -> HostRule:
+        """The cost rule between copying a miss in and computing it on the host, measured now and printed."""
+        first = next(iter(infos))
+        one = np.asarray(infos[first]["exp_gate"].data[0])          # one expert's gate blocks
+        if where == "local":
+            # the device cache is host RAM here and the host computes at the device's own rate: the host
+            # wins whenever a layer misses (every miss in place, inside the window's one program)
+            rule = HostRule(memcpy_rate(one), float("inf"), force=True)
+            log.info("host experts: a layer with a device-cache miss computes its experts from the host tier's "
+                     "blocks in place. The cost rule: a miss costs its copy (%.1f MiB at %.1f GB/s, measured "
+                     "memcpy: the device cache is host RAM here) and the host computes at the device's own rate, "
+                     "so the host wins whenever a layer misses", one.nbytes * 3 / 2**20, rule.link_gbs)
+            return rule
+        rule = HostRule(link_rate(one, jax.devices()[0]), host_rate(host_trees[first], self.spec, dev),
+                        force=self.cfg.host_experts == "on")
+        log.info("host experts on %s beside %s: %s", dev, jax.devices()[0], rule.describe())
+        return rule
 
     def _new_counts(self):
         return jnp.zeros((self.spec.n_layers, self.spec.n_experts), jnp.int32)

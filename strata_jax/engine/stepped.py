@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..experts import EXPERT_TENSORS, ExpertArena, ExpertCounters
+from ..experts.hybrid import HostRule
 from ..experts.profile import ExpertProfile
 from ..model import Group, QTensor
 from ..model.layers import rms_norm, route
@@ -58,10 +59,11 @@ from ..model.transformer import (
     embed_stage,
     experts_stage,
     head_stage,
+    host_experts_stage,
 )
 from .programs import Layout
 
-KINDED = ("attn", "experts", "hexperts", "predict", "dense")     # stages built once per kind of layer
+KINDED = ("attn", "experts", "hexperts", "rexperts", "predict", "dense")     # stages built once per kind of layer
 
 
 def resident_window(core: dict, arenas: dict, tables, host_trees: dict | None, moe: list[int], spec, opts, groups,
@@ -111,8 +113,8 @@ def predict_stage(p: dict, spec, opts, xs) -> list:
     return out
 
 
-def _sds(tree):
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+def _sds(tree, sharding=None):
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
 
 def _signature(tree) -> tuple:
@@ -140,7 +142,8 @@ def group_kinds(stage: str, trees: dict[int, object]) -> tuple[dict[int, str], d
 
 class LayerStepper:
     def __init__(self, runner, arena: ExpertArena, qtypes: dict[int, dict[str, str | None]],
-                 expert_shapes: dict[int, dict[str, tuple]], host_trees: dict[int, dict] | None = None):
+                 expert_shapes: dict[int, dict[str, tuple]], host_trees: dict[int, dict] | None = None,
+                 host_device=None, rule: HostRule | None = None):
         self.runner = runner
         self.arena = arena
         self.spec, self.opts = runner.spec, runner.opts
@@ -159,11 +162,17 @@ class LayerStepper:
                           for i, lp in self.attn_p.items()}
         # One program a kind of layer and stage (see the module docstring): kind_of[stage][layer] is the stage
         # name that layer's program runs under, first_of[that name] the layer its program is built for.
-        # --host-experts: each layer's every expert as the host tier's blocks (runner._host_experts)
+        # --host-experts: each layer's every expert as the host tier's blocks (experts/hybrid.py). host_device
+        # None: they are the device's own memory ("local": the one program reads them); else they sit on that
+        # CPU device beside the device ("remote": a layer's misses are computed there, host_experts_stage)
         self.host_trees = host_trees
+        self.host_device = host_device
+        self.rule = rule
+        self.in_program = host_trees if host_device is None else None     # what resident_window may read
         self.identity = np.arange(self.spec.n_experts, dtype=np.int32)     # expert -> itself: all present
         trees = {"attn": self.attn_p, "experts": {i: (self.moe_p[i], self.arena_tree(i)) for i in self.moe},
-                 "hexperts": {i: (self.moe_p[i], host_trees[i]) for i in self.moe} if host_trees else {},
+                 "hexperts": {i: (self.moe_p[i], host_trees[i]) for i in self.moe} if self.in_program else {},
+                 "rexperts": {i: host_trees[i] for i in self.moe} if host_trees and host_device else {},
                  "predict": self.predict_p, "dense": self.dense_p}
         self.kind_of: dict[str, dict[int, str]] = {}
         self.first_of: dict[str, int] = {}
@@ -194,7 +203,7 @@ class LayerStepper:
     @property
     def always_one_program(self) -> bool:
         """Every window runs as one program (--layer-step auto with host experts, no trace being recorded)."""
-        return self.one_program and self.host_trees is not None and self.trace is None
+        return self.one_program and self.in_program is not None and self.trace is None
 
     def stage_layouts(self, layout: Layout) -> list[Layout]:
         """Every program one window of `layout` may run: the one-program window alone where every window
@@ -203,7 +212,8 @@ class LayerStepper:
         prefetch) and dense programs."""
         if self.always_one_program:
             return [self.resident_layout(layout)]
-        stages = (["embed", *self.kinds("attn"), *self.kinds("experts"), *self.kinds("hexperts"), "head"]
+        stages = (["embed", *self.kinds("attn"), *self.kinds("experts"), *self.kinds("hexperts"),
+                   *self.kinds("rexperts"), "head"]
                   + self.kinds("predict") * self.prefetch + self.kinds("dense"))
         # only the head reads a packed window's picks: the other stages' layouts leave them out
         plain = tuple((r, n, a, 0) for r, n, a, _ in layout.groups)
@@ -236,7 +246,7 @@ class LayerStepper:
         layer's lookup in order, with prefetch), experts that one program can read (the host tier's blocks,
         or an arena that held every routed expert in the window before), and its program built. Until it is,
         it is built on the builder thread (at once, on the engine thread, without --warmup) and windows step."""
-        if not self.one_program or self.trace is not None or (self.host_trees is None and self.missed):
+        if not self.one_program or self.trace is not None or (self.in_program is None and self.missed):
             return False
         res, progs = self.resident_layout(layout), self.runner.programs
         if progs.ready(res) or self.always_one_program:     # the latter: its only program, built now if need be
@@ -254,7 +264,7 @@ class LayerStepper:
         gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits, g.picks) for g in groups)
         tables = np.stack([arena.tables[i] for i in self.moe])
         arenas = {i: self.arena_tree(i) for i in self.moe}
-        out, r.cache, ids = r.programs.run(res, self.core, arenas, tables, self.host_trees, gs, r.cache)
+        out, r.cache, ids = r.programs.run(res, self.core, arenas, tables, self.in_program, gs, r.cache)
         real = np.concatenate([np.asarray(g.pos).reshape(-1) >= 0 for g in groups])
         ids = np.asarray(ids)[:, real]                                  # [n_moe, real tokens, k]
         E = self.spec.n_experts
@@ -262,7 +272,7 @@ class LayerStepper:
         flat = (ids.reshape(n_moe, -1) + E * np.arange(n_moe)[:, None]).reshape(-1)
         counts = np.bincount(flat, minlength=n_moe * E).reshape(n_moe, E)     # [n_moe, E] tokens an expert
         missed = np.flatnonzero(np.any((counts > 0) & (tables < 0), axis=1))  # layers with an absent expert
-        if self.host_trees is None and missed.size:
+        if self.in_program is None and missed.size:
             self.missed = True
             return None
         decode = all(g.tokens.shape[1] == 1 for g in groups)
@@ -302,12 +312,14 @@ class LayerStepper:
             if self.trace is not None:
                 self.trace.append(("lookup", i, ids, decode))
             ys = [np.zeros((p[3].shape[0], k, h), np.float32) for p in parts]   # host zeros: no eager op a layer
-            if self.host_trees is not None and self.arena.missing(i, ids):
+            if self.in_program is not None and self.arena.missing(i, ids):
                 # computed where they live: every routed expert of the layer from the host tier's blocks, the
                 # same kernel on the same blocks as from the arena (the same bits), nothing copied in
                 self.arena.count_host(i, ids, counters, decode)
                 xs, ys = progs.run(stage[kind_of["hexperts"][i]], self.moe_p[i], self.host_trees[i], self.identity,
                                    parts, ys)
+            elif self.host_device is not None and self._host_wins(i, ids):
+                xs, ys = self._remote_layer(i, stage, parts, ids, counters, decode)
             else:
                 experts_l = stage[kind_of["experts"][i]]
                 for table in self.arena.passes(i, ids, counters, decode):
@@ -315,6 +327,27 @@ class LayerStepper:
             if self.prefetch and i + 1 in self.predict_p:
                 guess = progs.run(stage[kind_of["predict"][i + 1]], self.predict_p[i + 1], xs)
         return progs.run(stage["head"], self.head_p, heads, xs)
+
+    def _host_wins(self, layer: int, ids: np.ndarray) -> bool:
+        """Whether the host computes this layer's missed experts ("remote"): some miss, and the cost rule."""
+        flat = ids.reshape(-1)
+        missed = flat[self.arena.slot_of[layer][flat] < 0]
+        return missed.size > 0 and self.rule.host_wins(np.unique(missed, return_counts=True)[1])
+
+    def _remote_layer(self, i: int, stage: dict, parts, ids: np.ndarray, counters: ExpertCounters, decode: bool):
+        """One layer with misses, "remote": the host device computes the missed experts' rows from the host
+        tier's blocks (host_experts_stage; the normed input and router ids cross the link, the rows come back),
+        the device's experts program the held ones, adding the host's rows in (its y_acc)."""
+        table = self.arena.tables[i]                  # the device cache as it is now: what the device computes
+        absent = np.where(table < 0, self.identity, -1).astype(np.int32)
+        hd, dev = self.host_device, jax.devices()[0]
+        hparts = [(jax.device_put(p[1], hd), jax.device_put(p[3], hd)) for p in parts]
+        host_ys = self.runner.programs.run(stage[self.kind_of["rexperts"][i]], self.host_trees[i], absent, hparts)
+        # counted as host-computed; free slots still take the misses, but this window reads `table`, as it was
+        self.arena.count_host(i, ids, counters, decode)
+        ys = [jax.device_put(y, dev) for y in host_ys]
+        return self.runner.programs.run(stage[self.kind_of["experts"][i]], self.moe_p[i], self.arena_tree(i), table,
+                                        parts, ys)
 
     def build(self, layout: Layout):
         spec, opts = self.spec, self.opts
@@ -331,7 +364,7 @@ class LayerStepper:
                 core, arenas, tables, host, moe, spec, opts, gs, cache, kv, kv_host, hidden), donate_argnums=(5,))
             arenas = {i: self.arena_tree(i) for i in self.moe}
             return fn.lower(_sds(self.core), _sds(arenas), S((len(self.moe), spec.n_experts), jnp.int32),
-                            _sds(self.host_trees), groups, _sds(self.runner.cache)).compile()
+                            _sds(self.in_program), groups, _sds(self.runner.cache)).compile()
         if layout.stage == "embed":
             fn = jax.jit(lambda p, tokens: embed_stage(p, opts, tokens))
             return fn.lower(_sds(self.embed_p), tuple(g.tokens for g in groups)).compile()
@@ -358,6 +391,13 @@ class LayerStepper:
             fn = jax.jit(lambda lp, arena, table, parts, ys: experts_stage(lp, arena, table, spec, opts, parts, ys),
                          donate_argnums=(4,))
             return fn.lower(_sds(self.moe_p[first]), _sds(tree), S((spec.n_experts,), jnp.int32), parts, ys).compile()
+        if base == "rexperts":              # on the host device: its inputs' and blocks' shardings say so
+            on = jax.sharding.SingleDeviceSharding(self.host_device)
+            hparts = [(S((r * n, h), dtype, sharding=on), S((r * n, k), jnp.int32, sharding=on))
+                      for r, n, _, _ in layout.groups]
+            fn = jax.jit(lambda tree, absent, hparts: host_experts_stage(tree, absent, spec, hparts))
+            return fn.lower(_sds(self.host_trees[first], on), S((spec.n_experts,), jnp.int32, sharding=on),
+                            hparts).compile()
         if base == "predict":
             fn = jax.jit(lambda p, xs: predict_stage(p, spec, opts, xs))
             return fn.lower(_sds(self.predict_p[first]), xs).compile()

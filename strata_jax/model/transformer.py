@@ -314,6 +314,15 @@ def experts_stage(lp: dict, arena: dict, table, spec: ModelSpec, opts: RunOption
     return xs, ys
 
 
+def host_experts_stage(tree: dict, absent, spec: ModelSpec, parts) -> list:
+    """The experts of one layer that the device cache lacks, on the host device (experts/hybrid.py, "remote"):
+    per group (hx [N, h], ids [N, k]) and absent [E] int32 (the expert itself where the device cache lacks
+    it, -1 where it holds it) -> float32 [N, k, h] from the host tier's blocks with the cpu kernel; rows of
+    held experts are zeros and read no weights (the kernel skips id -1). The device's experts_stage
+    computes those and keeps these rows (its y_acc): expert_rows either way, so on CPUs the same bits."""
+    return [expert_rows(hx, ids, absent[ids], tree, spec.n_experts, "cpu") for hx, ids in parts]
+
+
 def dense_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
     """A dense layer (attention and FFN) among MoE ones (e.g. GLM-4.5's leading layers): forward()'s own
     layer code, so the same bits."""

@@ -97,9 +97,9 @@ def to_device(info, mode: str, dtype, transpose: bool = True) -> Weight:
     return QTensor(blocks_in_place(info.data), info.qtype.name, tuple(info.shape))
 
 
-def blocks_in_place(blocks: np.ndarray) -> jax.Array:
-    """GGUF blocks as a device array. On a CPU, jax.device_put of a 64-byte aligned host array is that array
-    itself (no copy), so the weights are the GGUF file's own memory-mapped pages: the process holds the file
-    once, shared with the page cache, instead of a private copy of it (the file must not change while it
-    is served, as with llama.cpp's mmap). Elsewhere, or unaligned, a copy."""
-    return jax.device_put(np.ascontiguousarray(blocks))
+def blocks_in_place(blocks: np.ndarray, device=None) -> jax.Array:
+    """GGUF blocks as a device array (on `device`, else the default one). On a CPU, jax.device_put of a 64-byte
+    aligned host array is that array itself (no copy), so the weights are the GGUF file's own memory-mapped
+    pages: the process holds the file once, shared with the page cache, instead of a private copy of it (the
+    file must not change while it is served, as with llama.cpp's mmap). Elsewhere, or unaligned, a copy."""
+    return jax.device_put(np.ascontiguousarray(blocks), device)
