@@ -309,16 +309,15 @@ class CallStream:
     def _start(self, final: bool) -> bool:
         """llama3 / generic: a call is the whole answer, so it opens with { (or [, or <|python_tag|>)."""
         rest = self.rest.lstrip()
-        if self.fmt == "llama3" and rest.startswith(PYTHON_TAG):
-            self.i = len(self.buf) - len(rest) + len(PYTHON_TAG)
-            return True
-        if not final and (not rest or (self.fmt == "llama3" and PYTHON_TAG.startswith(rest))):
+        tagged = self.fmt == "llama3" and rest.startswith(PYTHON_TAG)
+        body = rest[len(PYTHON_TAG):].lstrip() if tagged else rest
+        if not final and (not body or (self.fmt == "llama3" and PYTHON_TAG.startswith(rest))):
             return False
         self.seg = self.i
-        if rest.startswith("{"):
-            self.i, self.state = len(self.buf) - len(rest), "json_call"
-        elif rest.startswith("[") and self.fmt == "generic":
-            self.i, self.state, self._array = len(self.buf) - len(rest) + 1, "array_next", True
+        if body.startswith("{"):
+            self.i, self.state = len(self.buf) - len(body), "json_call"
+        elif body.startswith("[") and self.fmt == "generic":
+            self.i, self.state, self._array = len(self.buf) - len(body) + 1, "array_next", True
         else:
             self.state = "text"
         return True
