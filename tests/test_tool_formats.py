@@ -39,20 +39,20 @@ ZONE = '{"zone": -3}'
 TWO = [("get_weather", PARIS), ("get_time", ZONE)]
 # (format, the model's text, content left, calls)
 TEXTS = [
-    ("hermes", f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>\n'
-               f'<tool_call>\n{{"name": "get_time", "arguments": {ZONE}}}\n</tool_call>', "Let me look.", TWO),
+    ("hermes", (f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>\n'
+               f'<tool_call>\n{{"name": "get_time", "arguments": {ZONE}}}\n</tool_call>'), "Let me look.", TWO),
     ("llama3", f'{{"name": "get_weather", "parameters": {PARIS}}}', None, TWO[:1]),
-    ("llama3", f'<|python_tag|>{{"name": "get_weather", "parameters": {PARIS}}}; '
-               f'{{"name": "get_time", "parameters": {ZONE}}}', None, TWO),
+    ("llama3", (f'<|python_tag|>{{"name": "get_weather", "parameters": {PARIS}}}; '
+               f'{{"name": "get_time", "parameters": {ZONE}}}'), None, TWO),
     ("llama3", f'{{"type": "function", "name": "get_time", "parameters": {ZONE}}}', None, TWO[1:]),
-    ("mistral", f'Sure.[TOOL_CALLS][{{"name": "get_weather", "arguments": {PARIS}, "id": "a1b2c3d4e"}}, '
-                f'{{"name": "get_time", "arguments": {ZONE}, "id": "Zz9Yy8Xx7"}}]', "Sure.", TWO),
+    ("mistral", (f'Sure.[TOOL_CALLS][{{"name": "get_weather", "arguments": {PARIS}, "id": "a1b2c3d4e"}}, '
+                f'{{"name": "get_time", "arguments": {ZONE}, "id": "Zz9Yy8Xx7"}}]'), "Sure.", TWO),
     ("mistral", f'[TOOL_CALLS] [{{"name": "get_time", "arguments": {ZONE}}}]', None, TWO[1:]),
     ("mistral_args", f'[TOOL_CALLS]get_weather[ARGS]{PARIS}[TOOL_CALLS]get_time[ARGS]{ZONE}', None, TWO),
     ("mistral_args", f'Checking.[TOOL_CALLS]get_time[CALL_ID]abcDEF123[ARGS]{ZONE}', "Checking.", TWO[1:]),
-    ("glm45", '\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Zürich</arg_value>\n'
+    ("glm45", ('\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Zürich</arg_value>\n'
               '<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>\n<tool_call>get_time\n'
-              '<arg_key>zone</arg_key>\n<arg_value>-3</arg_value>\n</tool_call>', None, TWO),
+              '<arg_key>zone</arg_key>\n<arg_value>-3</arg_value>\n</tool_call>'), None, TWO),
     ("glm45", 'I will check.\n<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>-3</arg_value>\n</tool_call>',
      "I will check.", TWO[1:]),
     ("generic", f'{{"name": "get_weather", "arguments": {PARIS}}}', None, TWO[:1]),
@@ -595,7 +595,7 @@ def test_several_calls_each_with_its_index(family):
 
 
 def test_a_round_trip_renders_in_the_family_template(family):
-    fmt, client = family
+    _fmt, client = family
     call = ask(client, 3, parallel_tool_calls=False).choices[0].message.tool_calls[0]
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                       {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
