@@ -150,7 +150,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 def forced_call(client, i: int, choice="required"):
     return client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                                          max_tokens=80, temperature=1.0, seed=i)
+                                          max_tokens=80, temperature=1.0, seed=i, parallel_tool_calls=False)
 
 
 def test_tool_choice_required_gives_a_valid_call_100_times(client):
@@ -169,7 +169,8 @@ def test_tool_choice_required_gives_a_valid_call_100_times(client):
 
 def round_trip(client, stream: bool):
     """A forced call, its result fed back as a tool message, then the answer (tool_choice none)."""
-    kw = {"model": "tiny", "tools": [WEATHER], "max_tokens": 60, "temperature": 1.0, "seed": 3}
+    kw = {"model": "tiny", "tools": [WEATHER], "max_tokens": 60, "temperature": 1.0, "seed": 3,
+          "parallel_tool_calls": False}
     if stream:
         chunks = list(client.chat.completions.create(messages=ASK, tool_choice="required", stream=True, **kw))
         deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
@@ -204,9 +205,15 @@ def test_same_forced_call_streamed_and_whole(client):
     whole = forced_call(client, 5).choices[0].message.tool_calls[0]
     chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME],
                                                  tool_choice="required", max_tokens=80, temperature=1.0, seed=5,
-                                                 stream=True))
-    (piece,) = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert (piece.function.name, piece.function.arguments) == (whole.function.name, whole.function.arguments)
+                                                 stream=True, parallel_tool_calls=False))
+    assert one_call(chunks)[1:] == (whole.function.name, whole.function.arguments)
+
+
+def one_call(chunks) -> tuple[str, str, str]:
+    """A streamed answer's one call: (id, name, arguments), from its first piece and its argument pieces."""
+    pieces = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert pieces and all(p.index == 0 for p in pieces) and all(p.id is None for p in pieces[1:])
+    return pieces[0].id, pieces[0].function.name, "".join(p.function.arguments or "" for p in pieces)
 
 
 @pytest.mark.parametrize("body, field", [
@@ -251,7 +258,7 @@ def hermes_client(model, tmp_path_factory):
 
 def test_hermes_template_calls_whole_streamed_and_round_trip(hermes_client):
     kw = {"model": "tiny", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 80,
-          "temperature": 1.0}
+          "temperature": 1.0, "parallel_tool_calls": False}
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda i: hermes_client.chat.completions.create(seed=i, **kw), range(16)))
@@ -260,9 +267,8 @@ def test_hermes_template_calls_whole_streamed_and_round_trip(hermes_client):
         (call,) = r.choices[0].message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     chunks = list(hermes_client.chat.completions.create(seed=0, stream=True, **kw))
-    (piece,) = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     whole = answers[0].choices[0].message.tool_calls[0]
-    assert (piece.function.name, piece.function.arguments) == (whole.function.name, whole.function.arguments)
+    assert one_call(chunks)[1:] == (whole.function.name, whole.function.arguments)
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [whole.model_dump()]},
                       {"role": "tool", "tool_call_id": whole.id, "content": '{"temperature": 21}'}]
     answer = hermes_client.chat.completions.create(**{**kw, "messages": messages, "tool_choice": "none",

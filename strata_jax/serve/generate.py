@@ -23,7 +23,7 @@ from .logprobs import LogprobsOf
 from .parse import Job, ModelNames, parse_chat, parse_completion
 from .reasoning import CONTENT, REASONING, ReasoningParser
 from .supervisor import EngineEvent, Prepared, Supervisor, Ticket
-from .tools import HeldCalls, parse_calls
+from .tools import HeldCalls, finish_reason, parse_calls
 
 log = logging.getLogger("strata_jax.serve")
 
@@ -155,7 +155,7 @@ async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, 
                 run.final(k, ev)
                 for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text, last=True), last=True):
                     yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
-                reason = "tool_calls" if run.held[k].calls else _finish_reason(ev)
+                reason = finish_reason(run.held[k].calls, _finish_reason(ev)) if job.tools else _finish_reason(ev)
                 end = chunk(job, {} if job.kind == "chat" else "", reason, index=k,
                             logprobs=lp.take() if lp.pending else None)
                 end["timings"] = timings(ev.stats)
@@ -185,7 +185,7 @@ class _Run:
         self.parsers = [ReasoningParser(prepared.think, enabled=job.reasoning and chat) for _ in range(job.n)]
         wanted = job.params.get("logprobs") is not None
         self.logprobs = [LogprobsOf(chat, wanted, len(job.echo)) for _ in range(job.n)]
-        self.held = [HeldCalls(job.tools, prepared.tool_format) for _ in range(job.n)]
+        self.held = [HeldCalls(job.tools, prepared.tool_format, job.parallel_tool_calls) for _ in range(job.n)]
         self.finals: dict[int, EngineEvent] = {}
 
     def final(self, k: int, ev: EngineEvent) -> None:
@@ -267,10 +267,11 @@ def _whole_body(job: Job, run: _Run, parts: list[list[tuple[str, str]]]) -> dict
         if job.kind == "chat":
             calls = []
             if job.tools:
-                content, calls = parse_calls(content, run.prepared.tool_format, job.tools)
+                content, calls = parse_calls(content, run.prepared.tool_format, job.tools, job.parallel_tool_calls)
+                reason = finish_reason(calls, reason)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
-                message["tool_calls"], reason = calls, "tool_calls"
+                message["tool_calls"] = calls
             if run.parsers[k].saw_reasoning:
                 message["reasoning_content"] = "".join(t for kind, t in parts[k] if kind == REASONING)
             choice["message"] = message

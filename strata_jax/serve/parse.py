@@ -39,6 +39,7 @@ class Job:
     n: int = 1                                   # choices (serve/choices.py)
     tools: list[dict[str, Any]] | None = None    # tools in play (serve/tools.py), and the choice among them
     tool_choice: Any = None
+    parallel_tool_calls: bool = True             # false: one call at most
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -69,12 +70,13 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False) -> 
         if forced(tooling[1]) and params.get("grammar"):
             raise invalid("tool_choice: a forced tool call is its own grammar; leave out "
                           f"{params['grammar'][2]} or set tool_choice to auto", "tool_choice")
-        params["tools"] = list(tooling)          # the engine process renders them (tools.tool_prompt)
+        # the engine process renders them (tools.tool_prompt)
+        params["tools"] = [*tooling, req.parallel_tool_calls is not False]
     return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
                params, req.stream, _include_usage(req), req.chat_template_kwargs,
                req.reasoning_format != "none", n=req.n or 1,
                tools=tooling[0] if tooling and tooling[1] != "none" else None,
-               tool_choice=tooling[1] if tooling else None)
+               tool_choice=tooling[1] if tooling else None, parallel_tool_calls=req.parallel_tool_calls is not False)
 
 
 def parse_completion(body: bytes, names: ModelNames) -> Job:

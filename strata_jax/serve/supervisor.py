@@ -70,7 +70,7 @@ class Prepared:
     ids: list[int]
     max_tokens: int
     think: bool                                 # the prompt opened a reasoning part (<think>)
-    tool_format: str | None = None              # tools in play: "hermes" | "generic" (serve/tools.py)
+    tool_format: str | None = None              # tools in play: one of tool_formats.FORMATS
     grammar: list | None = None                 # the grammar that forces a tool call (tool_choice required, named)
 
 

@@ -1,27 +1,24 @@
-"""Tool calling: OpenAI's `tools` / `tool_choice` to the chat template and a grammar, and the model's text back
-to `message.tool_calls`.
+"""Tool calling: OpenAI's `tools` / `tool_choice` / `parallel_tool_calls` to the chat template and a grammar,
+and the model's text back to `message.tool_calls` (whole) or `delta.tool_calls` pieces (streamed).
 
-Two formats, chosen in the engine process by what the model's template does with `tools` (worker.prepare):
-- "hermes": the template renders the tools (Qwen's, Hermes'), and the model answers a call as
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
-- "generic": the template knows no tools (SmolLM2's): llama.cpp's generic way, the tools are described in a
-  system message and a call is the JSON object `{"name": ..., "arguments": {...}}` alone.
-`tool_choice: "required"` or a named function constrains the output to a call (call_grammar: llguidance's
-Lark with the call's JSON schema), so even a weak model emits a valid one; "auto" lets the model choose;
-"none" renders no tools.
+The format is chosen in the engine process by what the model's template does with `tools` (worker.prepare ->
+tool_prompt): a template that renders them speaks its family's format, told by its marks (tool_formats.py:
+Hermes / Qwen, Llama 3, Mistral's two, GLM-4.5); one that knows no tools (SmolLM2's) gets llama.cpp's
+generic way: the tools are described in a system message and a call is the JSON object
+`{"name": ..., "arguments": {...}}` alone (or an array of them). `tool_choice: "required"` or a named function
+constrains the output to a call in that format (call_grammar: llguidance's Lark with the call's JSON schema),
+so even a weak model emits a valid one; "auto" lets the model choose; "none" renders no tools.
+`parallel_tool_calls: false` allows one call: the grammar writes one, and the parser reads only the first.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any
 
-from ..engine.constrain import JSON_LAYOUT
+from . import tool_formats as formats
 from .errors import invalid
-
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+from .tool_formats import CallStream
 
 
 def tool_request(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict], Any] | None:
@@ -57,36 +54,26 @@ def forced(choice: Any) -> bool:
     return choice == "required" or isinstance(choice, dict)
 
 
-def call_schema(tools: list[dict], choice: Any) -> dict:
-    """The JSON schema of one call to any of the tools (or the named one)."""
+def call_grammar(tools: list[dict], choice: Any, fmt: str, parallel: bool = True,
+                 specials: dict[str, int] | None = None) -> list[str]:
+    """The engine's grammar ([kind, text, field]) that makes the output a call (to the named function, or any)
+    in the template's format; several calls when `parallel` and the format has a way to write them."""
     fns = [t["function"] for t in tools]
     if isinstance(choice, dict):
         fns = [f for f in fns if f["name"] == choice["function"]["name"]]
-    one = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                             "arguments": f.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
-    return one[0] if len(one) == 1 else {"anyOf": one}
+    return formats.call_grammar(fmt, fns, parallel, specials or {})
 
 
-def call_grammar(tools: list[dict], choice: Any, fmt: str) -> list[str]:
-    """The engine's grammar ([kind, text, field]) that makes the output one call in the template's format."""
-    schema = call_schema(tools, choice)
-    if fmt == "generic":
-        return ["json_schema", json.dumps(schema), "tools"]
-    # %json inside Lark takes its layout from the schema's x-guidance (constrain.JSON_LAYOUT's, as for schemas)
-    schema = {**schema, "x-guidance": JSON_LAYOUT}
-    lark = f'start: "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\ncall: %json {json.dumps(schema)}\n'
-    return ["lark", lark, "tools"]
-
-
-def generic_messages(messages: list[dict], tools: list[dict], describe: bool = True) -> list[dict]:
+def generic_messages(messages: list[dict], tools: list[dict], describe: bool = True,
+                     parallel: bool = True) -> list[dict]:
     """llama.cpp's generic way for a template that knows no tools: a system message says what the tools are
     and how to call one (unless not `describe`: tool_choice none); earlier calls become their JSON text, tool
     results a `tool` message's content."""
     desc = "\n".join(json.dumps(t["function"]) for t in tools)
     system = ("You can call these tools (JSON schemas of their arguments):\n" + desc + "\nTo call one, answer "
-              "with only a JSON object: {\"name\": <tool name>, \"arguments\": {<its arguments>}}. Otherwise "
-              "answer in plain text.")
+              "with only a JSON object: {\"name\": <tool name>, \"arguments\": {<its arguments>}}"
+              + (" (to call several, a JSON array of them)" if parallel else "") + ". Otherwise answer in plain "
+              "text.")
     out = [dict(m) for m in messages]
     if not describe:
         pass
@@ -102,13 +89,17 @@ def generic_messages(messages: list[dict], tools: list[dict], describe: bool = T
     return out
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages for a template that renders tools (HF's convention): a call's arguments as an object."""
+def template_messages(messages: list[dict], fmt: str = "hermes") -> list[dict]:
+    """Messages for a template that renders tools (HF's convention): a call's arguments as an object; for
+    Mistral's templates, call ids they accept (formats.mistral_id)."""
+    ids = formats.mistral_id if fmt.startswith("mistral") else (lambda cid: cid)
     out = []
     for m in messages:
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments":
+            m = {**m, "tool_calls": [{**c, "id": ids(c.get("id")), "function": {**c["function"], "arguments":
                                       _arguments(c["function"].get("arguments"))}} for c in m["tool_calls"]]}
+        elif m.get("role") == "tool" and "tool_call_id" in m:
+            m = {**m, "tool_call_id": ids(m["tool_call_id"])}
         out.append(m)
     return out
 
@@ -122,95 +113,102 @@ def _arguments(args: Any) -> Any:
     return args
 
 
-_HERMES = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), re.DOTALL)
+def parse_calls(text: str, fmt: str, tools: list[dict], parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """The model's whole answer -> (content left, OpenAI tool_calls), read as the stream reads it
+    (formats.CallStream); a call cut short or whose arguments are not a JSON object is left out, and with no
+    call left the answer is the text it was."""
+    stream = CallStream(fmt, tools, parallel)
+    events = stream.feed(text) + stream.end()
+    calls = [_openai(c) for c in stream.calls if c["complete"]]
+    if not calls:
+        return text, []
+    content = "".join(e[1] for e in events if e[0] == "content").strip()
+    return content or None, calls
 
 
-def parse_calls(text: str, fmt: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
-    """The model's answer -> (content left, OpenAI tool_calls); ([] when it holds no valid call)."""
-    names = {t["function"]["name"] for t in tools}
-    found, rest = [], text
-    if fmt == "hermes":
-        for body in _HERMES.findall(text):
-            call = _call(body, names)
-            if call is None:
-                return text, []
-            found.append(call)
-        rest = _HERMES.sub("", text).strip()
-    else:
-        stripped = text.strip()
-        call = _call(stripped, names) if stripped.startswith("{") else None
-        if call is not None:
-            found, rest = [call], ""
-    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-              "function": {"name": n, "arguments": json.dumps(a)}} for n, a in found]
-    return (rest or None) if calls else text, calls
+def _openai(call: dict) -> dict:
+    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
-def _call(body: str, names: set[str]) -> tuple[str, Any] | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if isinstance(obj, dict) and obj.get("name") in names and isinstance(obj.get("arguments", {}), dict):
-        return obj["name"], obj.get("arguments", {})
-    return None
-
-
-def may_be_call(text: str, fmt: str) -> bool:
-    """Whether streamed content so far may still turn out to be a call (then it is held back, not sent)."""
-    t = text.lstrip()
-    if fmt == "hermes":
-        return HERMES_OPEN.startswith(t) or t.startswith(HERMES_OPEN)
-    return t == "" or t.startswith("{")
-
-
-def stream_deltas(calls: list[dict]) -> list[dict]:
-    """OpenAI's streamed pieces of the calls: one delta.tool_calls entry a call, with its index."""
-    return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
+def deltas(events: list[tuple]) -> list[dict]:
+    """CallStream's events as OpenAI's streamed deltas: a call's first piece has its index, id, type, name and
+    arguments "", then its arguments come in pieces as the model writes them."""
+    out = []
+    for ev in events:
+        if ev[0] == "content":
+            out.append({"content": ev[1]})
+        elif ev[0] == "call":
+            out.append({"tool_calls": [{"index": ev[1], "id": ev[2], "type": "function",
+                                        "function": {"name": ev[3], "arguments": ""}}]})
+        else:
+            out.append({"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]})
+    return out
 
 
 class HeldCalls:
-    """A streamed chat choice's content deltas, held back while they may be a tool call: at the end a call
-    goes out as delta.tool_calls (`calls` set), anything else as the content it was."""
+    """A streamed chat choice's content deltas through the format's CallStream: text that may be a call is
+    held back, calls go out as delta.tool_calls pieces, the rest as the content it was."""
 
-    def __init__(self, tools: list[dict] | None, fmt: str | None):
-        self.tools, self.fmt = tools, fmt
-        self.text, self.holding, self.calls = "", bool(tools), []
+    def __init__(self, tools: list[dict] | None, fmt: str | None, parallel: bool = True):
+        self.stream = CallStream(fmt or "generic", tools, parallel) if tools else None
+
+    @property
+    def calls(self) -> list[dict]:
+        return self.stream.calls if self.stream else []
 
     def feed(self, pieces: list, last: bool = False) -> list:
-        if not self.holding:
+        if self.stream is None:
             return pieces
         out = []
         for piece in pieces:
-            if isinstance(piece, dict) and "content" in piece and self.holding:
-                self.text += piece["content"]
-                if not may_be_call(self.text, self.fmt):
-                    self.holding = False
-                    out.append({"content": self.text})
+            if isinstance(piece, dict) and "content" in piece:
+                out += deltas(self.stream.feed(piece["content"]))
             else:
                 out.append(piece)
-        if last and self.holding:
-            self.holding = False
-            rest, self.calls = parse_calls(self.text, self.fmt, self.tools)
-            out += ([{"content": rest}] if rest else []) + stream_deltas(self.calls)
+        if last:
+            out += deltas(self.stream.end())
         return out
 
 
-def tool_prompt(tk, messages: list, kwargs: dict, tools: list, choice) -> tuple[list, dict, dict]:
-    """The messages and template variables for a chat with tools, and {"tool_format", "grammar"} (tools.py):
-    the template's own rendering when it shows the tools (their first name appears in the text), else
-    llama.cpp's generic way."""
-    own = template_messages(messages)
+def finish_reason(calls: list, engine_reason: str) -> str:
+    """OpenAI's: "tool_calls" when the answer made calls, unless it was cut short ("length")."""
+    if engine_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
+
+
+def tool_prompt(tk, messages: list, kwargs: dict, tools: list, choice, parallel: bool = True
+                ) -> tuple[list, dict, dict]:
+    """The messages and template variables for a chat with tools, and {"tool_format", "grammar"}: the
+    template's own rendering when it shows the tools (their first name appears in the text; its format told
+    by its marks, formats.detect), else llama.cpp's generic way."""
+    fmt = formats.detect(tk.chat_template)
+    own = template_messages(messages, fmt)
     name = tools[0]["function"]["name"]
     try:
         text = tk.apply_chat_template(**{"messages": own, "add_generation_prompt": True, **kwargs, "tools": tools})
-        fmt = "hermes" if name in text and name not in tk.apply_chat_template(
-            **{"messages": own, "add_generation_prompt": True, **kwargs}) else "generic"
+        if name not in text or name in tk.apply_chat_template(
+                **{"messages": own, "add_generation_prompt": True, **kwargs}):
+            fmt = "generic"
     except ValueError:          # a template that cannot render these messages (tool_calls, tool roles)
         fmt = "generic"
-    if fmt == "hermes":         # tool_choice none: the template without the tools (vLLM's default)
+    if fmt != "generic":        # tool_choice none: the template without the tools (vLLM's default)
         messages, kwargs = own, {**kwargs, "tools": tools} if choice != "none" else kwargs
     else:
-        messages = generic_messages(messages, tools, describe=choice != "none")
-    grammar = call_grammar(tools, choice, fmt) if forced(choice) else None
+        messages = generic_messages(messages, tools, describe=choice != "none", parallel=parallel)
+    grammar = call_grammar(tools, choice, fmt, parallel, special_marks(tk)) if forced(choice) else None
     return messages, kwargs, {"tool_format": fmt, "grammar": grammar}
+
+
+MARKS = (formats.TOOL_CALLS, formats.ARGS, formats.HERMES_OPEN, formats.HERMES_CLOSE, formats.ARG_KEY,
+         formats.ARG_KEY_END, formats.ARG_VALUE, formats.ARG_VALUE_END, "<think>", "</think>")
+
+
+def special_marks(tk) -> dict[str, int]:
+    """The marks that are one control token of the vocabulary: the grammar names those tokens."""
+    out = {}
+    for mark in MARKS:
+        i = tk.token_to_id(mark)
+        if i is not None and tk.is_special(i):
+            out[mark] = i
+    return out
