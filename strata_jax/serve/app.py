@@ -22,6 +22,7 @@ import functools
 import logging
 import re
 import secrets
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     names = ModelNames(cfg.model_name or path.name, path.name, path.stem, str(path), sup.model,
                        strict=cfg.strict_model_name)
     metrics = Metrics(lambda: _snapshot(sup))
+    started = int(time.time())
     defaults = dict(cfg.sampling)            # the server's sampling defaults (POST /props may change them)
     parse_chat = functools.partial(generate.parse_chat, trust_template=cfg.trust_request_chat_template,
                                    defaults=defaults)
@@ -125,7 +127,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     async def prometheus() -> Response:
         await sup.stats(timeout=1.0)
         # Litestar adds "; charset=utf-8" to a text/ type itself
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4",
+                        headers={"Process-Start-Time-Unix": str(started)})
 
     @get("/slots")
     async def slots() -> list[dict[str, Any]]:
