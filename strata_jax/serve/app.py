@@ -99,7 +99,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     async def completion(request: Request) -> Response:
         """llama.cpp's native /completion (serve/native.py); /completions is llama.cpp's name for it too."""
         try:
-            jobs, req = native.parse(await request.body(), names.served, names.served, defaults)
+            jobs, req = native.parse(await request.body(), names.served, names.served, defaults, sup.config.seed)
             out = await native.answer(sup, jobs, req, sup.config.seed, done, req.stream,
                                       watch=lambda tickets: _cancel_on_disconnect(request, sup, *tickets))
         except ApiError:

@@ -15,7 +15,8 @@
 The request runs through the same pipeline as /v1/completions (generate.start: the engine tokenizes and checks
 it, our queue, the engine); only the shapes differ. Fields llama.cpp has and this engine has not (mirostat,
 dry_*, xtc_*, typical_p, n_keep, samplers, ...) are accepted and have no effect; `cache_prompt: false` too (the
-prefix cache never changes an answer's tokens). `id_slot` is accepted: the engine picks the slot whose kept
+prefix cache never changes an answer's tokens). A request without `seed` samples with the server's `--seed`
+(llama.cpp's rule). `id_slot` is accepted: the engine picks the slot whose kept
 KV matches the prompt best. `return_progress` sends one `prompt_progress` chunk when the prompt has been read.
 """
 
@@ -54,8 +55,10 @@ class NativeRequest(CompletionRequest):
     timings_per_token: bool = False
 
 
-def parse(body: bytes, served: str, model: str, defaults: dict[str, Any]) -> tuple[list[Job], NativeRequest]:
-    """The body -> one job a prompt, and the request (its response options)."""
+def parse(body: bytes, served: str, model: str, defaults: dict[str, Any],
+          seed: int | None = None) -> tuple[list[Job], NativeRequest]:
+    """The body -> one job a prompt, and the request (its response options). A request without a seed samples
+    with the server's (--seed), as llama.cpp's does."""
     req = _decode(body, NativeRequest)
     prompts = _prompts(req.prompt)
     asked = req.n_predict if req.n_predict is not None and req.n_predict >= 0 else req.max_tokens
@@ -65,6 +68,8 @@ def parse(body: bytes, served: str, model: str, defaults: dict[str, Any]) -> tup
     plain = msgspec.structs.replace(req, logit_bias=None, logprobs=req.n_probs or None)
     params = _params(plain, asked, chat=False, defaults=defaults)
     params["logit_bias"] = _logit_bias(req.logit_bias)
+    if params["seed"] is None and req.seed is None and seed is not None:
+        params["seed"] = seed % 2**32
     jobs = []
     for prompt in prompts:
         job = Job("text", f"cmpl-{uuid.uuid4().hex[:24]}", model, prompt, dict(params), req.stream, False)
