@@ -76,7 +76,7 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         cfg, server_cfg = sup.config, server
         out: dict[str, Any] = {
             "default_generation_settings": {"n_ctx": cfg.max_context, "speculative": cfg.spec > 0,
-                                            "params": default_params(defaults)},
+                                            "params": {**default_params(defaults), "seed": cfg.seed}},
             "total_slots": cfg.parallel,
             "model_alias": served,
             # the file's name: the server shows no paths (nor does /v1/models); llama.cpp shows its -m argument
