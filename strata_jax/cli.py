@@ -213,6 +213,33 @@ def add_serve(sub: Subparsers) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a request's chat_template_kwargs replace the chat template or its inputs (chat_template, "
                         "messages, tools, ...): a request could then run its own Jinja (vLLM's flag; off by default)")
+    g = p.add_argument_group("llama.cpp's conventions")
+    g.add_argument("--cors-origins", default="*", metavar="LIST",
+                   help="origins a browser page may call the API from: '*' (any, llama.cpp's default) or a comma "
+                        "list like 'http://localhost:5173,https://app.example'")
+    g.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 to a request whose `model` is not this server's (vLLM's way); by default any "
+                        "name is served by the one model, as llama.cpp does")
+    g.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="GET /slots (llama.cpp's --slots / --no-slots; default on)")
+    g.add_argument("--slot-save-path", metavar="DIR",
+                   help="enable POST /slots/N?action=save|restore with file names (never paths) in DIR")
+    g.add_argument("--props", action="store_true", help="let POST /props change the server-wide sampling defaults")
+    g.add_argument("--chat-template-file", metavar="FILE", help="a Jinja chat template to use instead of the model's")
+    g = p.add_argument_group("sampling defaults (llama-server's flags; a request's own fields override them)")
+    for flag, key, kind, what in (("--temp", "temperature", float, "temperature (built in: 0.8; 0 is greedy)"),
+                                  ("--top-k", "top_k", int, "top-k (built in: 40; 0 is off)"),
+                                  ("--top-p", "top_p", float, "top-p (built in: 0.95; 1 is off)"),
+                                  ("--min-p", "min_p", float, "min-p (built in: 0.05; 0 is off)"),
+                                  ("--repeat-penalty", "repeat_penalty", float, "repeat penalty (built in: 1, off)"),
+                                  ("--repeat-last-n", "repeat_last_n", int, ("tokens the repeat penalty looks back "
+                                                                             "over (built in: 64; -1: all)")),
+                                  ("--presence-penalty", "presence_penalty", float, "presence penalty (built in: 0)"),
+                                  ("--frequency-penalty", "frequency_penalty", float, "frequency penalty (built in: 0)")):
+        g.add_argument(flag, dest=f"default_{key}", type=kind, metavar="X", help=what)
+    g.add_argument("-n", "--n-predict", dest="default_n_predict", type=int, metavar="N",
+                   help="tokens a request generates when it sets no max_tokens / n_predict, and the most it may ask "
+                        "for (llama.cpp's -n; built in: -1, up to the end of the slot's context)")
     add_engine_flags(p)
     p.set_defaults(run=run_serve)
 
@@ -229,7 +256,17 @@ def run_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(model=path, host=args.host, port=args.port, api_key=_api_key(args),
                           model_name=args.model_name, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                           engine_stall_s=args.engine_stall_s, expert_profile_dir=args.expert_profile_dir,
-                          trust_request_chat_template=args.trust_request_chat_template)
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,
+                          slots_endpoint=args.slots, slot_save_path=args.slot_save_path, props_writable=args.props,
+                          chat_template_file=args.chat_template_file,
+                          sampling={k: getattr(args, f"default_{k}") for k in ServerConfig.SAMPLING_KEYS
+                                    if getattr(args, f"default_{k}", None) is not None})
+    if args.chat_template_file:        # read now: a missing file is an error at start, not in every request
+        try:
+            Path(args.chat_template_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--chat-template-file {args.chat_template_file}: cannot read it ({e})") from None
     return serve(server, engine)
 
 

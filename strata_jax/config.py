@@ -182,6 +182,18 @@ class ServerConfig:
     engine_stall_s: float = 60.0         # an engine with work and no progress this long is killed and restarted
     expert_profile_dir: str | None = None   # where POST /expert-profile writes (None: <cache>/expert-profiles)
     trust_request_chat_template: bool = False   # let chat_template_kwargs replace the template or its inputs
+    # llama.cpp's conventions (serve/native.py, serve/llama_routes.py)
+    cors_origins: str = "*"              # origins a browser may call from: "*" (llama.cpp's default) or a comma list
+    strict_model_name: bool = False      # an unknown `model` is a 404 (vLLM's way) instead of the one model
+    slots_endpoint: bool = True          # GET /slots (llama.cpp's --slots / --no-slots)
+    slot_save_path: str | None = None    # where POST /slots/N?action=save|restore keeps its named files
+    props_writable: bool = False         # POST /props (llama.cpp's --props)
+    chat_template_file: str | None = None   # a Jinja chat template to use instead of the model's
+    # server-wide sampling defaults a request overrides (llama.cpp's --temp, --top-k, ..., -n); None: the built-in
+    sampling: dict = field(default_factory=dict)
+
+    SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                     "presence_penalty", "frequency_penalty", "n_predict")
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -190,3 +202,16 @@ class ServerConfig:
             raise ConfigError(f"max_queue = {self.max_queue!r}: must be a whole number from 0 to 1048576")
         if not (self.engine_stall_s > 0):
             raise ConfigError(f"engine_stall_s = {self.engine_stall_s!r}: must be > 0 seconds")
+        unknown = sorted(set(self.sampling) - set(self.SAMPLING_KEYS))
+        if unknown:
+            raise ConfigError(f"sampling: unknown default {unknown[0]!r}; the defaults are {', '.join(self.SAMPLING_KEYS)}")
+        ranges = {"temperature": (0.0, 100.0), "top_k": (-1, 2**31 - 1), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
+                  "repeat_penalty": (0.0, 10.0), "repeat_last_n": (-1, 2**31 - 1), "presence_penalty": (-2.0, 2.0),
+                  "frequency_penalty": (-2.0, 2.0), "n_predict": (-1, 1 << 24)}
+        for key, value in self.sampling.items():
+            lo, hi = ranges[key]
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi):
+                flag = "-n/--n-predict" if key == "n_predict" else "--" + key.replace("_", "-").replace("temperature", "temp")
+                raise ConfigError(f"{flag} {value!r}: must be a number from {lo} to {hi}")
+        if not self.cors_origins.strip():
+            raise ConfigError("cors_origins is empty: give '*' or a comma-separated list of origins")

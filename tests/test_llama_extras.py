@@ -127,7 +127,7 @@ def test_props_are_the_servers_settings(server, model):
     assert props["chat_template"] == load_tokenizer(model).chat_template and "im_start" in props["chat_template"]
     assert (props["bos_token"], props["eos_token"]) == ("<|endoftext|>", "<|im_end|>")
     assert props["build_info"].startswith("strata-jax ")
-    assert "seed" not in settings["params"]              # a default the server cannot name is left out
+    assert settings["params"]["seed"] == 0                # --seed: what a /completion without a seed samples with
 
 
 # ---- /metrics ----------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def think_model(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(think_model):
     args = [str(think_model), "--parallel", "2", "--max-context", str(N_CTX), "--model-name", "tiny",
-            "--max-body-bytes", str(MAX_BODY)]
+            "--max-body-bytes", str(MAX_BODY), "--strict-model-name"]   # the 404 for an unknown model
     with ServerProcess(args) as srv:
         srv.first_health = srv.wait_up().health()
         srv.wait_ready()

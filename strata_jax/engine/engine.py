@@ -227,6 +227,17 @@ class Engine:
             raise out
         return out
 
+    def between_windows(self, fn):
+        """fn() run on the engine thread between windows (slots and the KV cache hold still) -> its result."""
+        done: queue.Queue = queue.Queue()
+        self._ensure_thread()
+        self.inbox.put(("call", fn, done))      # type: ignore[arg-type]
+        self._wake.set()
+        out = done.get()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
     def stats(self) -> dict[str, Any]:
         busy = sum(not s.free for s in self.slots)
         out = {**dict(self.counters), **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
@@ -360,6 +371,11 @@ class Engine:
                 break
             if isinstance(item, tuple) and item[0] == "profile":
                 self._save_profile(*item[1:])
+            elif isinstance(item, tuple) and item[0] == "call":       # between_windows: fn(), answered to `done`
+                try:
+                    item[2].put(item[1]())
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    item[2].put(e)
             elif isinstance(item, tuple):
                 (self._run_logits if item[0] == "logits" else self._run_logits_reusing)(*item[1:])
             else:
@@ -577,6 +593,7 @@ class Engine:
             s.text += s.decoder.add(token)
         stop_at = s.stops.find(s.text)
         if stop_at is not None:
+            s.stopping_word = next((w for w in req.params.stop if s.text.startswith(w, stop_at)), "")
             s.text = s.text[:stop_at]
             self._send_text(s, token, len(s.text), logprobs)
             self._finish(s, "stop")
@@ -643,7 +660,9 @@ class Engine:
                "queue_ms": (req.t_start - req.arrived) * 1000, "prompt_ms": read_s * 1000,
                "generate_ms": gen_s * 1000, "prompt_per_second": read / read_s,
                "predicted_per_second": max(n_gen - 1, 0) / gen_s, "log_line": line,
-               "draft_n": req.draft_n, "draft_n_accepted": req.draft_n_accepted}
+               "draft_n": req.draft_n, "draft_n_accepted": req.draft_n_accepted,
+               # llama.cpp's stop_type for a "stop": a stop string (word) or the end of text / grammar (eos)
+               "stop_type": "word" if s.stopping_word else "eos", "stopping_word": s.stopping_word}
         if self.speculator is not None:
             out["log_line"] += f", drafts accepted {req.draft_n_accepted} of {req.draft_n}"
         if self.runner.stepper is not None:

@@ -20,6 +20,7 @@ class Slot:
     emitted: int = 0                  # characters of `text` already sent
     stops: StopMatcher = field(default_factory=lambda: StopMatcher(()))   # the request's stop strings
     last_used: float = 0.0            # when its last request ended (prefix cache: least recently used first)
+    stopping_word: str = ""           # the stop string that ended its request, if one did (llama.cpp's stop_type)
 
     @property
     def free(self) -> bool:
@@ -44,7 +45,7 @@ class Slot:
         self.request, self.decoder = request, decoder
         self.tokens = list(request.prompt)
         self.n_past = reused
-        self.text, self.emitted = "", 0
+        self.text, self.emitted, self.stopping_word = "", 0, ""
         self.stops = StopMatcher(request.params.stop)
 
     def release(self, keep: bool = True) -> None:

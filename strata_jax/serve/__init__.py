@@ -19,8 +19,13 @@ def build(server: ServerConfig, engine: EngineConfig, *, progress: bool = True):
 
     if server.model is None:
         raise ValueError("ServerConfig.model is None: pass a GGUF path (the CLI fills in the default model)")
+    template = None
+    if server.chat_template_file:
+        from pathlib import Path
+
+        template = Path(server.chat_template_file).read_text(encoding="utf-8")
     sup = Supervisor(server.model, engine, console=Console(bars=progress), max_queue=server.max_queue,
-                     stall_s=server.engine_stall_s)
+                     stall_s=server.engine_stall_s, chat_template=template)
     return create_app(sup, server)
 
 

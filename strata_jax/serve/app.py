@@ -2,12 +2,14 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (also without /v1, as llama.cpp)
     GET /health   GET /metrics   GET /slots   GET /faults
-    POST /tokenize   POST /detokenize   GET /props   (llama.cpp's: llama_routes.py)
+    POST /tokenize   POST /detokenize   GET /props   POST /props   POST /apply-template   POST /slots/N?action=
+    POST /completion, /completions   (llama.cpp's native routes: llama_routes.py, native.py)
     POST /expert-profile {"name": NAME}   (writes NAME.json in --expert-profile-dir: see experts/profile.py)
 
 Every answer that is an error has OpenAI's shape, from whatever raised it (our ApiError, Litestar's
 HTTPException for 404/405/413, or a bug: 500), so no input can take the server down. With an API key
-every route but /health needs `Authorization: Bearer KEY`. No request names a file: /expert-profile takes a
+every route but /health needs `Authorization: Bearer KEY` or `X-Api-Key: KEY`; a CORS preflight (OPTIONS)
+never does. CORS (cors.py): llama.cpp's default (any origin) or the --cors-origins list. No request names a file: /expert-profile takes a
 name and writes into the server's own directory; POST bodies must be `Content-Type: application/json` (415
 otherwise); /v1/models shows the model's file name, not its path; a 500 says where the log has the details
 (a reference to its log line), never the exception's text.
@@ -20,6 +22,7 @@ import functools
 import logging
 import re
 import secrets
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ from litestar.response import Stream
 
 from ..config import ServerConfig
 from ..testing.fetch import cache_dir
-from . import generate, llama_routes
+from . import cors, generate, llama_routes, native
 from .errors import ApiError, error_body
 from .generate import Job, ModelNames
 from .metrics import Metrics
@@ -47,9 +50,14 @@ PROFILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
 def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     path = Path(sup.model)
-    names = ModelNames(cfg.model_name or path.name, path.name, path.stem, str(path), sup.model)
+    names = ModelNames(cfg.model_name or path.name, path.name, path.stem, str(path), sup.model,
+                       strict=cfg.strict_model_name)
     metrics = Metrics(lambda: _snapshot(sup))
-    parse_chat = functools.partial(generate.parse_chat, trust_template=cfg.trust_request_chat_template)
+    started = int(time.time())
+    defaults = dict(cfg.sampling)            # the server's sampling defaults (POST /props may change them)
+    parse_chat = functools.partial(generate.parse_chat, trust_template=cfg.trust_request_chat_template,
+                                   defaults=defaults)
+    parse_completion = functools.partial(generate.parse_completion, defaults=defaults)
     profile_dir = Path(cfg.expert_profile_dir).expanduser().absolute() if cfg.expert_profile_dir else \
         cache_dir().absolute() / "expert-profiles"
 
@@ -83,10 +91,24 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
                            "invalid_request_error", "messages")
         return await run(request, job)
 
-    @post(["/v1/completions", "/completions"], status_code=200, guards=[_json_body])
+    @post("/v1/completions", status_code=200, guards=[_json_body])
     async def completions(request: Request) -> Response:
-        return await run(request, _parsed(metrics, "completions", generate.parse_completion,
-                                          await request.body(), names))
+        return await run(request, _parsed(metrics, "completions", parse_completion, await request.body(), names))
+
+    @post(["/completion", "/completions"], status_code=200, guards=[_json_body])
+    async def completion(request: Request) -> Response:
+        """llama.cpp's native /completion (serve/native.py); /completions is llama.cpp's name for it too."""
+        try:
+            jobs, req = native.parse(await request.body(), names.served, names.served, defaults, sup.config.seed)
+            out = await native.answer(sup, jobs, req, sup.config.seed, done, req.stream,
+                                      watch=lambda tickets: _cancel_on_disconnect(request, sup, *tickets))
+        except ApiError:
+            metrics.requests.labels("completion", "rejected").inc()
+            raise
+        if req.stream:
+            return Stream(out, media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return Response(out, media_type=JSON)
 
     @get(["/v1/models", "/models"])
     async def models() -> dict[str, Any]:
@@ -104,10 +126,15 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     @get("/metrics")
     async def prometheus() -> Response:
         await sup.stats(timeout=1.0)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # Litestar adds "; charset=utf-8" to a text/ type itself
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4",
+                        headers={"Process-Start-Time-Unix": str(started)})
 
     @get("/slots")
     async def slots() -> list[dict[str, Any]]:
+        if not cfg.slots_endpoint:
+            raise ApiError(501, "this server does not show its slots: start it without --no-slots",
+                           "not_supported_error")
         return sup.slots()
 
     @get("/faults")
@@ -151,14 +178,16 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         return Response(error_body(500, f"internal error [{ref}] at {now}: the server's log has the details "
                                         "under that reference"), status_code=500, media_type=JSON)
 
-    return Litestar(
-        route_handlers=[chat_completions, completions, models, health, prometheus, slots, faults, expert_profile,
-                        *llama_routes.handlers(sup, names.served, path.name, _json_body)],
+    app = Litestar(
+        route_handlers=[chat_completions, completions, completion, models, health, prometheus, slots, faults,
+                        expert_profile, *llama_routes.handlers(sup, names.served, path.name, _json_body, cfg, defaults)],
         guards=[_api_key_guard(cfg.api_key)] if cfg.api_key else [],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
         on_startup=[_hook(sup.start)], on_shutdown=[_hook(sup.stop)],
         request_max_body_size=cfg.max_body_bytes, debug=False, logging_config=None,
     )
+    app.asgi_handler = cors.wrap(app.asgi_handler, cfg.cors_origins)    # as Litestar wraps its own CORS
+    return app
 
 
 def _hook(fn):
@@ -176,16 +205,17 @@ def _parsed(metrics: Metrics, endpoint: str, parse, body: bytes, names: ModelNam
         raise
 
 
-async def _cancel_on_disconnect(request: Request, sup: Supervisor, ticket) -> None:
+async def _cancel_on_disconnect(request: Request, sup: Supervisor, *tickets) -> None:
     """A whole (not streamed) answer: if the client goes away first, its request stops and frees its slot.
     (Streams: Litestar cancels the stream on disconnect, and the stream's `finally` cancels the request.)"""
     try:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                if ticket.state != "done":
-                    log.info("%s: the client went away; cancelling", ticket.id)
-                    sup.cancel(ticket)
+                for ticket in tickets:
+                    if ticket.state != "done":
+                        log.info("%s: the client went away; cancelling", ticket.id)
+                        sup.cancel(ticket)
                 return
     except (asyncio.CancelledError, RuntimeError, OSError):
         return
@@ -224,12 +254,14 @@ def _profile_file(body: Any) -> tuple[str, str]:
 
 def _api_key_guard(key: str):
     def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
-        if handler.opt.get("public"):
+        if handler.opt.get("public") or connection.scope.get("method") == "OPTIONS":    # a CORS preflight
             return
         scheme, _, given = connection.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+        if scheme.lower() != "bearer":                  # llama.cpp's (and Anthropic's) other header
+            given = connection.headers.get("x-api-key", "")
+        if not secrets.compare_digest(given.strip().encode(), key.encode()):
             raise NotAuthorizedException("invalid or missing API key: send the header 'Authorization: Bearer KEY' "
-                                         "with the key given to --api-key or --api-key-file")
+                                         "(or 'X-Api-Key: KEY') with the key given to --api-key or --api-key-file")
 
     return guard
 

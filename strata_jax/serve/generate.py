@@ -40,6 +40,8 @@ async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
     prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline)
     if prepared.grammar:                        # tool_choice required / named: the call's grammar (tools.py)
         job.params = {**job.params, "grammar": prepared.grammar}
+    if prepared.logit_bias is not None:         # texts in llama.cpp's logit_bias, as their token ids
+        job.params = {**job.params, "logit_bias": prepared.logit_bias}
     return prepared, sup.enqueue(job.id, prepared, job.params, deadline)
 
 
@@ -50,7 +52,8 @@ def _refuse_if_too_long(job: Job, n_ctx: int, max_token_bytes: int | None) -> No
     if isinstance(job.prompt, list) and job.prompt and isinstance(job.prompt[0], int):
         at_least = len(job.prompt)
     elif max_token_bytes:
-        texts = [job.prompt] if isinstance(job.prompt, str) else [m.get("content") or "" for m in job.prompt]
+        parts = [job.prompt] if isinstance(job.prompt, str) else job.prompt    # messages, or llama.cpp's mixed
+        texts = [p if isinstance(p, str) else (p.get("content") or "") if isinstance(p, dict) else "" for p in parts]
         at_least = math.ceil(sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) / max_token_bytes)
     else:
         return

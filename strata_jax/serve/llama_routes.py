@@ -5,6 +5,12 @@
     POST /detokenize  {"tokens": [id, ...]}   -> {"content": text}
     GET  /props       the server's settings: default_generation_settings (n_ctx, params), total_slots,
                       chat_template, model_path, ... (only what this server knows: no invented fields)
+    POST /props       {"temperature": 0.5, ...} or {"default_generation_settings": {"params": {...}}}: new
+                      server-wide sampling defaults (with --props only, else 501 as llama.cpp's)
+    POST /completion, /completions   llama.cpp's native generation (serve/native.py)
+    POST /apply-template  {"messages", "tools", "chat_template_kwargs"} -> {"prompt": the rendered text}
+    POST /slots/N?action=save|restore|erase  {"filename": NAME}: a slot's kept KV to / from NAME in
+                      --slot-save-path (a file name, never a path: 400); without --slot-save-path a 501
 
 Tokenizing runs in the engine process with the engine's own tokenizer (serve/tokens.py). A body without
 `content` (`tokens`) gets an empty answer, as llama.cpp gives; a field of the wrong type, or an id outside the
@@ -13,21 +19,30 @@ vocabulary, is a 400 naming the field and the value. /props is a 503 until the f
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from litestar import Request, get, post
 
 from .. import __version__
+from ..config import ConfigError, ServerConfig
 from .errors import ApiError, invalid
 from .fields import control_params
-from .parse import DEFAULTS
+from .parse import DEFAULTS, parse_chat
+
+SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
 MAX_SHOWN = 60
 
 
-def handlers(sup: Any, served: str, file_name: str, json_body: Any) -> list:
-    """The route handlers, over the supervisor, the model's served name and its file's name (see app.py)."""
+def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerConfig | None = None,
+             defaults: dict[str, Any] | None = None) -> list:
+    """The route handlers, over the supervisor, the model's served name and its file's name (see app.py), the
+    server's config and its sampling defaults (a dict POST /props may change)."""
+    cfg = cfg or ServerConfig()
+    defaults = defaults if defaults is not None else {}
 
     @post("/tokenize", status_code=200, guards=[json_body])
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -58,10 +73,10 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any) -> list:
         info = sup.info
         if not info:        # llama.cpp too answers 503 while its model loads
             raise ApiError(503, f"the engine is not ready ({sup.state}: {sup.reason})", "unavailable_error")
-        cfg = sup.config
+        cfg, server_cfg = sup.config, server
         out: dict[str, Any] = {
             "default_generation_settings": {"n_ctx": cfg.max_context, "speculative": cfg.spec > 0,
-                                            "params": default_params()},
+                                            "params": {**default_params(defaults), "seed": cfg.seed}},
             "total_slots": cfg.parallel,
             "model_alias": served,
             # the file's name: the server shows no paths (nor does /v1/models); llama.cpp shows its -m argument
@@ -69,7 +84,8 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any) -> list:
             "modalities": {"vision": False, "audio": False},    # text only
             "build_info": f"strata-jax {__version__}",
             "is_sleeping": False,
-            "endpoint_slots": True, "endpoint_metrics": True, "endpoint_props": False,   # no POST /props
+            "endpoint_slots": server_cfg.slots_endpoint, "endpoint_metrics": True,
+            "endpoint_props": server_cfg.props_writable,
         }
         if info.get("chat_template_source") is not None:
             out["chat_template"] = info["chat_template_source"]
@@ -78,14 +94,81 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any) -> list:
                 out[key] = info[key]
         return out
 
-    return [tokenize, detokenize, props]
+    server = cfg
+
+    @post("/props", status_code=200, guards=[json_body])
+    async def change_props(request: Request) -> dict[str, Any]:
+        if not cfg.props_writable:
+            raise ApiError(501, "this server does not let POST /props change its settings: start it with --props",
+                           "not_supported_error")
+        body = _object(await request.body())
+        given = ((body.get("default_generation_settings") or {}).get("params") or {}) \
+            if isinstance(body.get("default_generation_settings"), dict) else {}
+        given = {**given, **{k: v for k, v in body.items() if k != "default_generation_settings"}}
+        given = {"temperature" if k == "temp" else k: v for k, v in given.items()}
+        if "max_tokens" in given:
+            given["n_predict"] = given.pop("max_tokens")
+        unknown = sorted(set(given) - set(ServerConfig.SAMPLING_KEYS))
+        if unknown:
+            raise invalid(f"{unknown[0]}: POST /props may change {', '.join(ServerConfig.SAMPLING_KEYS)}", unknown[0])
+        try:
+            ServerConfig(sampling={**defaults, **given})
+        except ConfigError as e:
+            raise invalid(str(e)) from None
+        defaults.update(given)
+        return {"success": True, "params": default_params(defaults)}
+
+    @post("/apply-template", status_code=200, guards=[json_body])
+    async def apply_template(request: Request) -> dict[str, Any]:
+        job = parse_chat(await request.body(), _AnyModel(served), trust_template=cfg.trust_request_chat_template)
+        reply = await sup.ask("apply_template", prompt=job.prompt, params={"tools": job.params.get("tools")},
+                              chat_template_kwargs=job.chat_template_kwargs)
+        return {"prompt": reply["prompt"]}
+
+    @post("/slots/{slot_id:int}", status_code=200)
+    async def slot_action(request: Request, slot_id: int, action: str | None = None) -> dict[str, Any]:
+        if cfg.slot_save_path is None and action != "erase":
+            raise ApiError(501, "this server keeps no slot files: start it with --slot-save-path DIR",
+                           "not_supported_error")
+        if action not in ("save", "restore", "erase"):
+            raise invalid(f"action = {action!r}: give ?action=save, restore or erase", "action")
+        path = None
+        if action != "erase":
+            body = _object(await request.body())
+            name = body.get("filename")
+            if not isinstance(name, str) or not SLOT_FILE.fullmatch(name) or ".." in name:
+                raise invalid(f"filename = {_shown(name)}: a slot file's name is 1 to 100 letters, digits, '.', "
+                              "'_' or '-' (no '/', no '..', not starting with '.'), kept in the server's "
+                              "--slot-save-path", "filename")
+            folder = Path(cfg.slot_save_path).expanduser()
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path = str(folder / name)
+        reply = await sup.ask("slot", action=action, slot=slot_id, path=path, timeout=60.0)
+        return {k: v for k, v in reply.items() if k not in ("t", "id")}
+
+    return [tokenize, detokenize, props, change_props, apply_template, slot_action]
 
 
-def default_params() -> dict[str, Any]:
-    """What a request that sets nothing gets (parse.py and fields.py decide it), in llama.cpp's names."""
+class _AnyModel:
+    """/apply-template names no model: any name is this one."""
+
+    def __init__(self, served: str):
+        self.served = served
+
+    def check(self, model: str | None) -> str:
+        return self.served
+
+
+def default_params(defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a request that sets nothing gets (parse.py and fields.py decide it, over the server's defaults),
+    in llama.cpp's names."""
+    defaults = defaults or {}
     controls = control_params(_NoFields(), chat=False)
-    return {**DEFAULTS, "n_predict": -1, "max_tokens": -1,     # -1: up to the end of the slot's context
-            **{k: controls[k] for k in ("repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty")},
+    n = defaults.get("n_predict", -1)
+    base = {**DEFAULTS, **{k: controls[k] for k in ("repeat_last_n", "repeat_penalty", "presence_penalty",
+                                                    "frequency_penalty")}}
+    base.update({k: v for k, v in defaults.items() if k != "n_predict"})
+    return {**base, "n_predict": n, "max_tokens": n,     # -1: up to the end of the slot's context
             "stop": [], "ignore_eos": False, "n_probs": 0}
 
 

@@ -1,7 +1,9 @@
 """Prometheus metrics (GET /metrics), in a registry of the app's own (no process-wide state).
 
 Counters the server keeps survive engine restarts (requests, tokens, restarts); gauges about the engine
-(programs, slots, expert cache) are read from its latest stats at each scrape.
+(programs, slots, expert cache) are read from its latest stats at each scrape. Beside ours, llama.cpp's
+server's names (`llamacpp:prompt_tokens_total`, `llamacpp:tokens_predicted_total`,
+`llamacpp:requests_processing`, ...: LlamaCpp), so dashboards made for llama-server work.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .latency import Latency
 
@@ -42,12 +44,15 @@ class Metrics:
         self.restarts = Counter(f"{PREFIX}_engine_restarts", "Times the engine process stopped unexpectedly "
                                 "and was started again", registry=r)
         self.latency = Latency(PREFIX, r)         # TTFT, inter-token, e2e and queue time, prefix-cache hits
+        self.llamacpp = LlamaCpp(r)
         r.register(_EngineCollector(snapshot))
+        r.register(_LlamaCppGauges(snapshot, self.llamacpp))
 
     def finished(self, endpoint: str, outcome: str, stats: dict[str, Any] | None, seconds: float) -> None:
         self.requests.labels(endpoint, outcome).inc()
         self.seconds.observe(seconds)
         if stats:
+            self.llamacpp.finished(stats)
             self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
             self.generated_tokens.inc(stats.get("generated_tokens", 0))
             self.draft_tokens.inc(stats.get("draft_n", 0))
@@ -59,6 +64,69 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LlamaCpp:
+    """llama.cpp's server counters (its names, its meanings: prompt tokens are those read, not reused)."""
+
+    def __init__(self, r: CollectorRegistry):
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"llamacpp:{name}", doc, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prompt tokens processed.")
+        self.prompt_cached = counter("prompt_tokens_cached", "Number of prompt tokens reused from the cache.")
+        self.prompt_seconds = counter("prompt_seconds", "Prompt process time")
+        self.predicted = counter("tokens_predicted", "Number of generation tokens processed.")
+        self.predicted_seconds = counter("tokens_predicted_seconds", "Predict process time")
+        self.drafted = counter("spec_decode_num_draft_tokens", "Number of speculative draft tokens verified.")
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Number of speculative draft tokens accepted.")
+
+    def finished(self, st: dict[str, Any]) -> None:
+        reused = st.get("reused_tokens", 0)
+        self.prompt_tokens.inc(max(st.get("prompt_tokens", 0) - reused, 0))
+        self.prompt_cached.inc(reused)
+        self.prompt_seconds.inc(st.get("prompt_ms", 0.0) / 1000)
+        self.predicted.inc(st.get("generated_tokens", 0))
+        self.predicted_seconds.inc(st.get("generate_ms", 0.0) / 1000)
+        self.drafted.inc(st.get("draft_n", 0))
+        self.accepted.inc(st.get("draft_n_accepted", 0))
+
+
+class _LlamaCppGauges:
+    """llama.cpp's gauges, from the supervisor's snapshot and the counters above."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], counters: LlamaCpp):
+        self._snapshot, self._c = snapshot, counters
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self._snapshot()
+        stats = s.get("stats") or {}
+
+        def gauge(name: str, doc: str, value: Any):
+            g = GaugeMetricFamily(f"llamacpp:{name}", doc)
+            g.add_metric([], float(value or 0))
+            return g
+
+        c = self._c
+        seconds = c.prompt_seconds._value.get()
+        yield gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                    c.prompt_tokens._value.get() / seconds if seconds else 0.0)
+        seconds = c.predicted_seconds._value.get()
+        yield gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                    c.predicted._value.get() / seconds if seconds else 0.0)
+        yield gauge("requests_processing", "Number of requests processing.", s["busy_slots"])
+        yield gauge("requests_deferred", "Number of requests deferred.", s["queued"])
+        if "kv_used_positions" in stats and s.get("n_ctx"):
+            yield gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
+                        stats["kv_used_positions"] / (s["slots"] * s["n_ctx"]))
+            yield gauge("kv_cache_tokens", "KV-cache tokens.", stats["kv_used_positions"])
+        decode = CounterMetricFamily("llamacpp:n_decode", "Total number of llama_decode() calls (here: engine "
+                                     "windows, this engine process)")
+        decode.add_metric([], float(stats.get("windows", 0) or 0))
+        yield decode
 
 
 class _EngineCollector:

@@ -1,8 +1,9 @@
 """Request bodies to jobs: msgspec decoding (schemas.py) and the checks msgspec cannot express (ApiError
 naming the field), for OpenAI chat and text completions.
 
-Sampling defaults when a request leaves them out are llama.cpp's server's (temperature 0.8, top_k 40,
-top_p 0.95, min_p 0.05); `temperature: 0` is greedy.
+Sampling defaults when a request leaves them out are the server's (`--temp`, `--top-k`, ..., `-n`: ServerConfig.
+sampling), else llama.cpp's server's (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05); `temperature: 0` is
+greedy. The server's `-n` is also the most a request may ask for, as llama.cpp's is.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Job:
 # ---- parsing ---------------------------------------------------------------------------------------------
 
 
-def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False) -> Job:
+def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False, defaults: dict | None = None) -> Job:
     req = _decode(body, ChatCompletionRequest)
     if not req.messages:
         raise invalid("messages is empty: a chat needs at least one message", "messages")
@@ -63,7 +64,7 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False) -> 
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
     _check_carried(messages=messages, chat_template_kwargs=req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _params(req, max_tokens, chat=True)
+    params = _params(req, max_tokens, chat=True, defaults=defaults)
     tooling = tool_request(req.tools, req.tool_choice)
     _check_carried(tools=req.tools)
     if tooling is not None:
@@ -79,7 +80,7 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False) -> 
                tool_choice=tooling[1] if tooling else None, parallel_tool_calls=req.parallel_tool_calls is not False)
 
 
-def parse_completion(body: bytes, names: ModelNames) -> Job:
+def parse_completion(body: bytes, names: ModelNames, defaults: dict | None = None) -> Job:
     req = _decode(body, CompletionRequest)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -92,7 +93,8 @@ def parse_completion(body: bytes, names: ModelNames) -> Job:
         raise invalid("prompt is empty: send the text (or token ids) to continue", "prompt")
     echo = prompt if req.echo and isinstance(prompt, str) else ""
     return Job("text", f"cmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), prompt,
-               _params(req, req.max_tokens, chat=False), req.stream, _include_usage(req), echo=echo, n=req.n or 1)
+               _params(req, req.max_tokens, chat=False, defaults=defaults), req.stream, _include_usage(req), echo=echo,
+               n=req.n or 1)
 
 
 def _decode(body: bytes, kind: type) -> Any:
@@ -162,14 +164,31 @@ def _message(m: Message, i: int) -> dict[str, Any]:
     return out
 
 
-def _params(req: Any, max_tokens: int | None, chat: bool) -> dict[str, Any]:
+def _params(req: Any, max_tokens: int | None, chat: bool, defaults: dict | None = None) -> dict[str, Any]:
+    defaults = defaults or {}
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     seed = None if req.seed is None or req.seed == -1 else req.seed % 2**32
-    params = {k: (getattr(req, k) if getattr(req, k) is not None else v) for k, v in DEFAULTS.items()}
+    params = {k: (getattr(req, k) if getattr(req, k) is not None else defaults.get(k, v)) for k, v in DEFAULTS.items()}
     params["top_k"] = max(params["top_k"], 0)       # -1 is vLLM's "off", 0 ours and llama.cpp's
     params["temperature"] = float(params["temperature"])
-    return {"max_tokens": max_tokens, **params, "seed": seed, "stop": stop, "ignore_eos": req.ignore_eos,
-            **control_params(req, chat)}
+    controls = control_params(req, chat)
+    for key in ("repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty"):
+        asked = getattr(req, key) is not None or (key.startswith("repeat") and req.repetition_penalty is not None)
+        if not asked and key in defaults:
+            controls[key] = defaults[key]
+    return {"max_tokens": limit_tokens(max_tokens, defaults), **params, "seed": seed, "stop": stop,
+            "ignore_eos": req.ignore_eos, **controls}
+
+
+def limit_tokens(asked: int | None, defaults: dict) -> int | None:
+    """The tokens to generate: the request's, else the server's -n; never more than the server's -n (llama.cpp's
+    rule). None: up to the end of the slot's context."""
+    n = defaults.get("n_predict", -1)
+    if n is None or n < 0:
+        return asked
+    if n == 0:                  # llama.cpp's -n 0: generate nothing unless asked
+        return asked
+    return n if asked is None else min(asked, n)
 
 
 def _include_usage(req: Any) -> bool:
@@ -177,14 +196,16 @@ def _include_usage(req: Any) -> bool:
 
 
 class ModelNames:
-    """The name /v1/models shows, and the names a request may use for it (its file name, its path)."""
+    """The name /v1/models shows, and the names a request may use for it (its file name, its path). An unknown
+    name is served by the one model (llama.cpp's way), or a 404 when `strict` (--strict-model-name, vLLM's)."""
 
-    def __init__(self, served: str, *aliases: str):
+    def __init__(self, served: str, *aliases: str, strict: bool = False):
         self.served = served
         self.accepted = {served, *filter(None, aliases)}
+        self.strict = strict
 
     def check(self, model: str | None) -> str:
-        if model and model not in self.accepted:
+        if model and model not in self.accepted and self.strict:
             raise ApiError(404, f"model = {model!r}: this server serves {self.served!r} (see GET /v1/models)",
                            "invalid_request_error", "model")
         return self.served

@@ -63,6 +63,7 @@ class EngineEvent:
     stats: dict[str, Any] | None = None
     error: str | None = None
     logprobs: list | None = None                # [token bytes, logprob, [[bytes, logprob], ...]] (logprobs.py)
+    logprob_ids: list | None = None             # [token id, [alternatives' ids]] (llama.cpp's n_probs: native.py)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Prepared:
     think: bool                                 # the prompt opened a reasoning part (<think>)
     tool_format: str | None = None              # tools in play: one of tool_formats.FORMATS
     grammar: list | None = None                 # the grammar that forces a tool call (tool_choice required, named)
+    logit_bias: list | None = None              # [[id, bias]] when the request biased texts (llama.cpp's logit_bias)
 
 
 @dataclass(eq=False)
@@ -130,7 +132,8 @@ class StderrTail:
 class Supervisor:
     def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, stable_after_s: float = 60.0, on_fault: Callable[[Fault], None] | None = None,
-                 command: list[str] | None = None, max_queue: int = 256, stall_s: float = 60.0):
+                 command: list[str] | None = None, max_queue: int = 256, stall_s: float = 60.0,
+                 chat_template: str | None = None):
         self.model = str(model)
         self.config = config
         self.console = console
@@ -142,6 +145,7 @@ class Supervisor:
         self.stall_s = stall_s                      # the watchdog's patience with an engine that has work
         # the engine process; tests may put a mock engine that speaks the same frames here
         self.command = command or [sys.executable, "-m", "strata_jax.serve.worker"]
+        self.chat_template = chat_template          # --chat-template-file's text, or None: the model's
         self.ledger = FaultLedger()
         self.state = "loading"                  # loading | ready | restarting | stopping
         self.reason = f"loading {Path(self.model).name}"
@@ -235,7 +239,7 @@ class Supervisor:
             return None
         self._proc = proc
         log.info("engine process %d started (pid %d)", gen, proc.pid)
-        self._send({"model": self.model, "engine": self.config.to_dict()})
+        self._send({"model": self.model, "engine": self.config.to_dict(), "chat_template": self.chat_template})
         self._stall, self._beat, self._heard_at = None, {}, time.monotonic()
         errs = asyncio.create_task(self._read_stderr(proc.stderr))
         watchdog = asyncio.create_task(self._watch(proc))
@@ -349,7 +353,7 @@ class Supervisor:
             if t is None:
                 return
             ev = EngineEvent(msg["k"], msg.get("x") or "", msg.get("tok"), msg.get("fr"), msg.get("st"),
-                             msg.get("err"), msg.get("lp"))
+                             msg.get("err"), msg.get("lp"), msg.get("lpi"))
             if ev.kind == "token":
                 t.n_tokens += 1
                 t.token_came(self._heard_at)
@@ -461,7 +465,7 @@ class Supervisor:
                                     f"({self.config.request_timeout_s:g} s)", "unavailable_error") from None
             if reply["t"] == "prepared":
                 return Prepared(reply["ids"], reply["max_tokens"], reply["think"], reply.get("tool_format"),
-                                reply.get("grammar"))
+                                reply.get("grammar"), reply.get("logit_bias"))
             raise _rejection(reply)
         raise ApiError(503, f"the engine stopped three times while reading this request: {self.reason}",
                        "unavailable_error")

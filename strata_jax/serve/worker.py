@@ -77,6 +77,9 @@ class Worker:
         model = GGUFModel.open(start["model"])
         with _progress_as_frames(writer):
             self.engine = Engine(model, cfg, progress=True)     # loads the weights, builds the decode programs
+        if start.get("chat_template"):          # --chat-template-file: this template instead of the model's
+            self.engine.tokenizer.chat_template = start["chat_template"]
+            self.engine.tokenizer._template = None
         self.handles: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.engine.on_loop_death = _exit_with_error
@@ -147,6 +150,10 @@ class Worker:
             from .tokens import answer
 
             self.writer.send(answer(self.engine.tokenizer, cmd))
+        elif op == "apply_template":
+            self.writer.send(self.apply_template(cmd))
+        elif op == "slot":                  # llama.cpp's /slots/N?action=...: between windows, off this thread
+            threading.Thread(target=self._slot_action, args=(cmd,), name="slot-file", daemon=True).start()
         else:
             raise ValueError(f"unknown command {op!r}")
 
@@ -168,6 +175,41 @@ class Worker:
                               "was not written"})
         else:
             self.writer.send({"t": "saved", "id": rid, **out})
+
+    def apply_template(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """llama.cpp's /apply-template: the prompt text a chat renders to, as prepare renders it."""
+        from strata_jax.gguf.chat_template import NoChatTemplateError
+
+        rid, messages, p = cmd["id"], cmd["prompt"], cmd.get("params") or {}
+        kwargs = cmd.get("chat_template_kwargs") or {}
+        try:
+            if p.get("tools"):
+                messages, kwargs, _ = tool_prompt(self.engine.tokenizer, messages, kwargs, *p["tools"])
+            text = self.engine.tokenizer.apply_chat_template(
+                **{"messages": messages, "add_generation_prompt": True, **kwargs})
+        except NoChatTemplateError as e:
+            return {"t": "rejected", "id": rid, "kind": "template", "message": str(e)}
+        except ValueError as e:
+            return {"t": "rejected", "id": rid, "kind": "invalid", "message": str(e), "param": "messages"}
+        return {"t": "answer", "id": rid, "prompt": text}
+
+    def _slot_action(self, cmd: dict[str, Any]) -> None:
+        from strata_jax.engine import slot_files
+
+        rid = cmd["id"]
+        try:
+            out = slot_files.run(self.engine, cmd["action"], cmd["slot"], cmd.get("path"))
+        except slot_files.SlotFileError as e:
+            self.writer.send({"t": "rejected", "id": rid, "kind": "invalid", "param": "filename", "message": str(e)})
+        except OSError as e:
+            log.error("slot file %s: %s", cmd.get("path"), e)
+            self.writer.send({"t": "rejected", "id": rid, "kind": "server", "message": "the slot file could not be "
+                              f"{'written' if cmd['action'] == 'save' else 'read'}: {e.strerror or type(e).__name__}"})
+        except Exception:
+            log.exception("slot action %s failed", cmd.get("action"))
+            self.writer.send({"t": "rejected", "id": rid, "kind": "internal", "message": "the slot action failed"})
+        else:
+            self.writer.send({"t": "answer", "id": rid, **out})
 
     def _stats(self) -> dict[str, Any]:
         for _ in range(3):      # read while the engine thread changes its dicts: a rare "changed size" error
@@ -202,8 +244,18 @@ class Worker:
                     **{"messages": prompt, "add_generation_prompt": True, **kwargs})
                 think = text.rstrip().endswith("<think>")
                 ids = self.engine.chat_text_ids(text)
+            elif isinstance(prompt, list) and any(isinstance(x, str) for x in prompt):   # llama.cpp's mixed prompt
+                from .tokens import answer as tokenize
+
+                got = tokenize(self.engine.tokenizer, {"op": "tokenize", "id": rid, "content": prompt,
+                                                       "add_special": True})
+                if got["t"] != "answer":
+                    return got
+                ids = got["tokens"]
             else:
                 ids = self.engine.prompt_ids(prompt)
+            if any(isinstance(k, str) for k, _ in p.get("logit_bias") or ()):    # llama.cpp's: a text's tokens
+                tooling["logit_bias"] = p["logit_bias"] = _bias_ids(self.engine.tokenizer, p["logit_bias"])
             max_tokens = p.get("max_tokens") or max(n_ctx - len(ids), 1)
             params = make_params(**_sampling(p, max_tokens))
             params.validate(self.engine.spec.vocab_size)
@@ -239,6 +291,7 @@ class Worker:
                 if ev.logprob is not None:      # here, off the engine thread: the tokens' bytes (logprobs.py)
                     piece = self.engine.tokenizer.token_bytes
                     msg["lp"] = [piece(ev.token), ev.logprob, [[piece(t), v] for t, v in ev.top_logprobs or ()]]
+                    msg["lpi"] = [ev.token, [t for t, _ in ev.top_logprobs or ()]]
                 if ev.kind == "final":
                     msg["fr"], msg["st"] = ev.finish_reason, ev.stats
                 elif ev.kind == "error":
@@ -257,6 +310,15 @@ def _sampling(p: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     """Engine.submit's keywords from a request's params (logit_bias comes as [id, bias] pairs)."""
     out = {k: p[k] for k in SAMPLING_KEYS if k in p}
     return {**out, "max_tokens": max_tokens, "logit_bias": {int(t): b for t, b in p.get("logit_bias") or ()}}
+
+
+def _bias_ids(tokenizer, pairs: list) -> list[list]:
+    """[[id | text, bias]] -> [[id, bias]]: a text's bias goes to each of its tokens (llama.cpp's logit_bias)."""
+    out = []
+    for key, bias in pairs:
+        ids = tokenizer.encode(key, add_special=False, parse_special=False) if isinstance(key, str) else [key]
+        out += [[t, bias] for t in ids]
+    return out
 
 
 def _max_token_bytes(tokenizer) -> int:

@@ -1,0 +1,60 @@
+"""CORS as llama.cpp's server does it, around every route (and a 404): a browser page may call the API.
+
+    --cors-origins "*"            (default) any origin: the request's Origin is echoed, with credentials
+    --cors-origins localhost      only pages on localhost / 127.0.0.1 / [::1], any port
+    --cors-origins A,B            only these origins (each compared whole: scheme, host and port)
+
+A preflight (OPTIONS) is answered here, 200 and empty, before routing and before the API key is asked for (a
+browser sends no Authorization header in a preflight); an origin that is not allowed gets no
+Access-Control-Allow-Origin header, so the browser refuses the page its answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+METHODS = b"GET, POST, DELETE, OPTIONS"
+
+
+def allowed(origins: str, origin: str) -> bool:
+    if not origin:
+        return False
+    if origins.strip() == "*":
+        return True
+    if origins.strip() == "localhost":
+        try:
+            host = urlsplit(origin).hostname
+        except ValueError:
+            return False
+        return host in ("localhost", "127.0.0.1", "::1")
+    return origin.rstrip("/") in {o.strip().rstrip("/") for o in origins.split(",") if o.strip()}
+
+
+def wrap(app: Any, origins: str) -> Any:
+    """The ASGI app with CORS headers on its answers and preflights answered."""
+
+    async def cors(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        headers = {k.lower(): v for k, v in scope.get("headers") or ()}
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        extra = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")] \
+            if allowed(origins, origin) else []
+        if scope["method"] == "OPTIONS":
+            await send({"type": "http.response.start", "status": 200, "headers": extra + [
+                (b"access-control-allow-credentials", b"true"), (b"access-control-allow-methods", METHODS),
+                (b"access-control-allow-headers", b"*"), (b"access-control-max-age", b"600"),
+                (b"content-type", b"text/html"), (b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return None
+
+        async def with_headers(message):
+            if message["type"] == "http.response.start" and extra:
+                message = {**message, "headers": [*message.get("headers", ()), *extra,
+                                                  (b"access-control-allow-credentials", b"true")]}
+            await send(message)
+
+        return await app(scope, receive, with_headers)
+
+    return cors

@@ -1,0 +1,272 @@
+"""llama.cpp's native routes and conventions (issue 17), against the real server as a process: POST /completion
+(whole, streamed, token / mixed / several prompts, n_probs, logit_bias by text, stop words, response_fields),
+/apply-template, POST /props, /slots/N?action=save|restore|erase, CORS, X-Api-Key, an unknown model name,
+server-wide sampling defaults (-n, --temp), llama.cpp's metric names; and the llama-server wrapper's flags.
+One server for the module, on the tiny qwen3 model with BOS (as test_llama_extras)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from strata_jax.gguf import load_tokenizer
+from strata_jax.serve.launch import ServerProcess
+from strata_jax.testing.edit_gguf import rewrite_gguf
+
+KEY = "sk-native"
+N_PREDICT = 6
+ORIGIN = "http://ui.example"
+LONG = "one two three four five six seven eight nine ten " * 6
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model, tmp_path_factory):
+    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
+    return rewrite_gguf(plain, tmp_path_factory.mktemp("bos") / "bos.gguf",
+                        set_metadata={"tokenizer.ggml.add_bos_token": True})
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    return load_tokenizer(model)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    saves = tmp_path_factory.mktemp("slots")
+    args = [str(model), "--parallel", "2", "--max-context", "256", "--model-name", "tiny", "-n", str(N_PREDICT),
+            "--temp", "0", "--slot-save-path", str(saves), "--props", "--cors-origins", ORIGIN]
+    with ServerProcess(args, api_key=KEY) as srv:
+        srv.wait_ready()
+        srv.saves = saves
+        yield srv
+
+
+def post(server, path, body, headers=None):
+    return httpx.post(server.url + path, content=json.dumps(body), timeout=60,
+                      headers={"Content-Type": "application/json", **server.headers, **(headers or {})})
+
+
+def completion(server, **body):
+    r = post(server, "/completion", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---- POST /completion ------------------------------------------------------------------------------------------
+
+
+def test_completion_whole_has_llama_cpp_fields_and_server_defaults(server, tok):
+    body = completion(server, prompt="Hello there", return_tokens=True)
+    for key in ("content", "tokens", "id_slot", "stop", "model", "tokens_predicted", "tokens_evaluated",
+                "generation_settings", "prompt", "has_new_line", "truncated", "stop_type", "stopping_word",
+                "tokens_cached", "timings"):
+        assert key in body, key
+    assert body["stop"] is True and body["model"] == "tiny"
+    settings = body["generation_settings"]
+    assert settings["n_predict"] == N_PREDICT and settings["temperature"] == 0.0      # -n and --temp
+    assert body["tokens_predicted"] == len(body["tokens"]) <= N_PREDICT
+    assert all(isinstance(t, int) for t in body["tokens"])
+    assert tok.decode(body["tokens"]) == body["content"] or body["stop_type"] == "eos"
+    assert body["tokens_evaluated"] == len(tok.encode("Hello there", add_special=True))
+    assert body["stop_type"] in ("limit", "eos")
+    # a request's own fields win over the server's defaults, and -n caps them as llama.cpp's -n does
+    assert completion(server, prompt="Hello there", n_predict=2)["generation_settings"]["n_predict"] == 2
+    assert completion(server, prompt="Hello there", n_predict=50)["generation_settings"]["n_predict"] == N_PREDICT
+    assert completion(server, prompt="Hello there", temperature=0.7)["generation_settings"]["temperature"] == 0.7
+    # greedy: the same answer as the OpenAI route's
+    oai = post(server, "/v1/completions", {"prompt": "Hello there", "max_tokens": N_PREDICT}).json()
+    assert oai["choices"][0]["text"] == body["content"]
+
+
+def test_completion_prompt_shapes(server, tok):
+    text = "Hello there"
+    ids = tok.encode(text, add_special=True)
+    want = completion(server, prompt=text)["content"]
+    assert completion(server, prompt=ids)["content"] == want
+    assert completion(server, prompt={"prompt_string": text})["content"] == want
+    several = post(server, "/completion", {"prompt": [ids, text]}).json()
+    assert isinstance(several, list) and [b["content"] for b in several] == [want, want]
+    assert [b["index"] for b in several] == [0, 1]
+    mixed = completion(server, prompt=[ids[0], "Hello", " there"])      # one prompt of ids and texts
+    assert mixed["tokens_evaluated"] >= 2
+    r = post(server, "/completion", {"prompt": {"prompt_string": "x", "multimodal_data": ["AAAA"]}})
+    assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
+    for bad in ("", [], [True], 3.5):
+        assert post(server, "/completion", {"prompt": bad}).status_code == 400, bad
+
+
+def test_completion_streamed_equals_whole(server):
+    with httpx.stream("POST", server.url + "/completion", timeout=60, headers={**server.headers},
+                      json={"prompt": LONG, "stream": True, "n_predict": 4, "return_progress": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "prompt_progress" in chunks[0]
+    tokens = [c for c in chunks if "stop" in c and not c["stop"]]
+    assert tokens and all(len(c["tokens"]) == 1 for c in tokens)
+    last = chunks[-1]
+    assert last["stop"] is True and "timings" in last and "generation_settings" in last
+    streamed = "".join(c.get("content", "") for c in chunks)
+    assert streamed == completion(server, prompt=LONG, n_predict=4)["content"]
+
+
+def test_completion_n_probs_and_post_sampling(server):
+    body = completion(server, prompt="Hello", n_predict=3, n_probs=4)
+    probs = body["completion_probabilities"]
+    assert len(probs) == body["tokens_predicted"]
+    for p in probs:
+        assert {"id", "token", "bytes", "logprob", "top_logprobs"} <= set(p) and p["logprob"] <= 0
+        assert len(p["top_logprobs"]) == 4 and all("id" in t for t in p["top_logprobs"])
+        assert p["top_logprobs"][0]["id"] == p["id"]              # greedy: the chosen one is the likeliest
+    post_s = completion(server, prompt="Hello", n_predict=2, n_probs=3, post_sampling_probs=True)
+    assert all(0 < p["prob"] <= 1 and "top_probs" in p for p in post_s["completion_probabilities"])
+
+
+def test_completion_logit_bias_by_text_and_stop_words(server, tok):
+    first = completion(server, prompt="Hello", n_predict=1, return_tokens=True)["tokens"][0]
+    piece = tok.decode([first])
+    for bias in ([[piece, False]], [[first, -100]], {str(first): -100}):
+        again = completion(server, prompt="Hello", n_predict=1, return_tokens=True, logit_bias=bias)
+        assert again["tokens"][0] != first, bias
+    content = completion(server, prompt="Hello")["content"]
+    word = content[len(content) // 2:][:2]
+    if word.strip():
+        stopped = completion(server, prompt="Hello", stop=[word])
+        assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
+        assert stopped["content"] == content[:content.index(word)]
+
+
+def test_completion_response_fields_and_bad_fields(server):
+    body = completion(server, prompt="Hi", response_fields=["content", "generation_settings/n_predict"])
+    assert set(body) == {"content", "generation_settings/n_predict"}
+    for bad, field in (({"n_predict": "x"}, "n_predict"), ({"n_probs": -1}, "n_probs"),
+                       ({"logit_bias": [[1]]}, "logit_bias"), ({"temperature": -1}, "temperature")):
+        r = post(server, "/completion", {"prompt": "Hi", **bad})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (bad, r.text)
+
+
+# ---- /apply-template, /tokenize, /props, /slots ----------------------------------------------------------------
+
+
+def test_apply_template_is_the_engines_rendering(server, tok):
+    messages = [{"role": "user", "content": "What is today?"}]
+    r = post(server, "/apply-template", {"messages": messages})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt"] == tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert post(server, "/apply-template", {"messages": []}).status_code == 400
+
+
+def test_tokenize_with_pieces(server, tok):
+    r = post(server, "/tokenize", {"content": "Hello wörld", "with_pieces": True})
+    pieces = r.json()["tokens"]
+    assert [p["id"] for p in pieces] == tok.encode("Hello wörld", add_special=False)
+    assert all("piece" in p for p in pieces)
+
+
+def test_props_post_changes_the_defaults(server):
+    before = httpx.get(server.url + "/props", headers=server.headers).json()
+    assert before["endpoint_props"] is True and before["default_generation_settings"]["params"]["n_predict"] == N_PREDICT
+    try:
+        r = post(server, "/props", {"top_k": 7})
+        assert r.status_code == 200 and r.json()["success"] is True
+        assert completion(server, prompt="Hi")["generation_settings"]["top_k"] == 7
+        after = httpx.get(server.url + "/props", headers=server.headers).json()
+        assert after["default_generation_settings"]["params"]["top_k"] == 7
+        assert post(server, "/props", {"top_k": "many"}).status_code == 400
+        assert post(server, "/props", {"nonsense": 1}).status_code == 400
+    finally:
+        post(server, "/props", {"top_k": 40})
+
+
+def test_slots_save_restore_erase(server):
+    assert httpx.get(server.url + "/slots", headers=server.headers).status_code == 200
+    first = completion(server, prompt=LONG, n_predict=2)
+    saved = [post(server, f"/slots/{i}?action=save", {"filename": f"slot{i}.bin"}).json() for i in (0, 1)]
+    held = next(s for s in saved if s["n_saved"] > 0)                # the slot that kept the prompt's KV
+    assert (server.saves / held["filename"]).is_file()
+    for i in (0, 1):
+        assert post(server, f"/slots/{i}?action=erase", {}).status_code == 200
+    assert completion(server, prompt=LONG, n_predict=2)["timings"]["cache_n"] == 0     # erased: read again
+    for i in (0, 1):
+        post(server, f"/slots/{i}?action=erase", {})
+    other = 1 - held["id_slot"]
+    r = post(server, f"/slots/{other}?action=restore", {"filename": held["filename"]})
+    assert r.status_code == 200 and r.json()["n_restored"] == held["n_saved"], r.text
+    again = completion(server, prompt=LONG, n_predict=2)
+    assert again["timings"]["cache_n"] >= held["n_saved"] - 1 and again["content"] == first["content"]
+    for bad in ("../escape.bin", "/tmp/x.bin", "a/b", ".hidden", ""):
+        r = post(server, "/slots/0?action=save", {"filename": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "filename", bad
+    assert post(server, "/slots/0?action=restore", {"filename": "missing.bin"}).status_code == 400
+    assert post(server, "/slots/9?action=erase", {}).status_code == 400
+    assert post(server, "/slots/0?action=explode", {}).status_code == 400
+
+
+# ---- conventions -------------------------------------------------------------------------------------------
+
+
+def test_cors_preflight_needs_no_key_and_origins_are_checked(server):
+    ask = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization"}
+    r = httpx.options(server.url + "/completion", headers=ask)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    assert r.headers["access-control-allow-credentials"] == "true"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    r = httpx.options(server.url + "/completion", headers={**ask, "Origin": "http://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(server.url + "/v1/models", headers={**server.headers, "Origin": ORIGIN})
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_api_key_headers_and_any_model_name(server):
+    for headers, status in (({"X-Api-Key": KEY}, 200), ({"Authorization": f"Bearer {KEY}"}, 200),
+                            ({"X-Api-Key": "wrong"}, 401), ({}, 401)):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "model": "gpt-4o"},
+                       headers=headers, timeout=60)
+        assert r.status_code == status, (headers, r.text)
+        if status == 200:
+            assert r.json()["model"] == "tiny"          # an unknown name is served by the one model
+        else:
+            assert r.json()["error"]["type"] == "authentication_error"
+
+
+def test_metrics_content_type_and_llama_cpp_names(server):
+    completion(server, prompt="Hi", n_predict=2)
+    r = httpx.get(server.url + "/metrics", headers=server.headers)
+    assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "Process-Start-Time-Unix" in r.headers
+    values = {ln.split()[0]: float(ln.split()[1]) for ln in r.text.splitlines() if ln.startswith("llamacpp:")}
+    for name in ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total",
+                 "llamacpp:tokens_predicted_total", "llamacpp:prompt_seconds_total",
+                 "llamacpp:tokens_predicted_seconds_total", "llamacpp:n_decode_total", "llamacpp:requests_processing",
+                 "llamacpp:requests_deferred", "llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds"):
+        assert name in values, name
+    assert values["llamacpp:tokens_predicted_total"] >= 2 and values["llamacpp:requests_processing"] == 0
+    assert "strata_generated_tokens_total" in r.text
+
+
+# ---- scripts/llama_server_compat.py ----------------------------------------------------------------------------
+
+
+def test_wrapper_translates_llama_server_flags():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    import llama_server_compat as compat
+
+    argv = ("-m m.gguf --port 8080 --host 0.0.0.0 -c 1024 -np 2 -n 64 --temp 0.7 --top-k 20 -s -1 --api-key K "
+            "-a alias --jinja -ngl 99 --flash-attn on --no-slots --slot-save-path /tmp/s --props").split()
+    ours, warnings = compat.translate(argv)
+    assert ours[0] == "m.gguf"
+    line = " ".join(ours)
+    for part in ("--parallel 2", "--max-context 512", "--n-predict 64", "--temp 0.7", "--top-k 20", "--seed -1",
+                 "--api-key K", "--model-name alias", "--no-slots", "--slot-save-path /tmp/s", "--props",
+                 "--host 0.0.0.0", "--port 8080"):
+        assert part in line, part
+    assert any("-ngl 99" in w for w in warnings) and any("--flash-attn on" in w for w in warnings)
+    ours, _ = compat.translate("-c 1024 -np 2 --kv-unified".split())
+    assert "--max-context 1024" in " ".join(ours)
+    ours, dropped = compat.translate(["--temp", "0.5", "--port", "1"], known={"--port"})
+    assert ours == ["--port", "1"] and any("--temp" in w for w in dropped)
