@@ -26,6 +26,9 @@ HELP = {
     "host_experts": "a window's layer whose experts miss the device cache computes them where they live, from the "
                     "host tier's GGUF blocks with the CPU expert kernel, instead of copying them in (auto: by the cost "
                     "rule printed at start; on, off)",
+    "pcie_frac": "up to this fraction of a layer's routed experts in a window are read by the device straight from "
+                 "host memory (JAX's pinned_host memory kind) instead of being copied into the device cache; the "
+                 "coldest misses first (0: off; an error where the device has no pinned_host memory)",
     "host_device": "the CPU device that computes host experts: auto (the device itself on a CPU, the first CPU device "
                    "beside a GPU) or cpu:N",
     "layer_step": "expert tiers: auto runs a window as one program whenever its experts are where one program can "

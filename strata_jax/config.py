@@ -48,6 +48,7 @@ class EngineConfig:
     expert_policy: str = "freq"          # device expert cache eviction: freq (frequency-aware LRU) | lru
     expert_prefetch: bool = False        # copy the experts the next layer will likely need ahead of it
     host_experts: str = "auto"           # compute a layer's experts from the host tier's blocks when the device cache misses
+    pcie_frac: float = 0.0               # up to this fraction of a layer's routed experts read over the link, not cached
     host_device: str = "auto"            # the CPU device that computes them: auto (the device itself on a CPU, else cpu:0) | cpu:N
     layer_step: str = "auto"             # expert tiers: auto (one program a window where it can) | always (layer by layer)
     resident_budget_gib: float | None = None   # host RAM for experts (None: all of them)
@@ -110,6 +111,8 @@ class EngineConfig:
                 raise ConfigError(f"expert_cache = {self.expert_cache!r}: must be auto or a number of expert slots") from None
             need(self.expert_cache >= 0, "expert_cache", self.expert_cache, "must be auto or >= 0")
         need(self.host_experts in ("auto", "on", "off"), "host_experts", self.host_experts, "must be auto, on or off")
+        need(isinstance(self.pcie_frac, (int, float)) and 0.0 <= self.pcie_frac <= 1.0, "pcie_frac", self.pcie_frac,
+             "must be a fraction from 0 (off) to 1")
         need(self.host_device == "auto" or re.fullmatch(r"cpu:\d+", str(self.host_device)) is not None, "host_device",
              self.host_device, "must be auto or cpu:N (a CPU device's index)")
         need(self.layer_step in ("auto", "always"), "layer_step", self.layer_step, "must be auto or always")

@@ -91,3 +91,41 @@ def test_host_device_names_a_cpu_device():
     with pytest.raises(ConfigError, match="host_device = 'gpu:0'"):
         EngineConfig(host_device="gpu:0")
     EngineConfig(host_device="cpu:1")            # checked against the devices when the engine starts
+
+
+# ---- --pcie-frac: some misses read by the device from pinned host memory, never copied into the cache ----
+
+def test_pcie_frac_reads_misses_over_the_link_with_the_same_bits(tiny_model):
+    from strata_jax import Engine
+
+    path = tiny_model(**MOE)
+    base = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False, "expert_cache": 3, "host_experts": "off",
+            "layer_step": "always"}
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (21, 6)]
+    out = {}
+    for name, kw in (("arena", {}), ("pcie", {"pcie_frac": 0.5})):
+        with Engine.from_gguf(path, EngineConfig(**base, **kw)) as eng:
+            logits = eng.logits(prompts[0])
+            hs = [eng.submit(p, max_tokens=8, ignore_eos=True) for p in prompts]
+            out[name] = (logits, [[e.token for e in h if e.kind == "token"] for h in hs], eng.stats()["experts"])
+            if name == "pcie":
+                stages = {lay.stage for lay in eng.runner.programs.programs}
+                assert "sexperts" in stages, stages
+    (la, ta, ea), (lp, tp, ep) = out["arena"], out["pcie"]
+    assert np.array_equal(la, lp) and ta == tp
+    assert ep["streamed"] > 0 and ep["bytes_streamed"] > 0 and ea["streamed"] == 0
+    assert ep["lookups"] == ep["hits"] + ep["misses_host"] + ep["misses_file"] + ep["streamed"]
+    assert ep["evictions"] < ea["evictions"]          # the streamed (coldest) misses never evict a cached expert
+
+
+def test_pcie_frac_is_a_clear_error_where_the_device_has_no_pinned_host():
+    from types import SimpleNamespace
+
+    from strata_jax.experts.stream import pinned_host
+
+    dev = SimpleNamespace(addressable_memories=lambda: [SimpleNamespace(kind="device")])
+    with pytest.raises(ConfigError, match="no pinned_host memory kind"):
+        pinned_host(dev)
+    with pytest.raises(ConfigError, match="pcie_frac = 1.5"):
+        EngineConfig(pcie_frac=1.5)

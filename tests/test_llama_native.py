@@ -256,8 +256,7 @@ def test_wrapper_translates_llama_server_flags():
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     import llama_server_compat as compat
 
-    argv = ("-m m.gguf --port 8080 --host 0.0.0.0 -c 1024 -np 2 -n 64 --temp 0.7 --top-k 20 -s -1 --api-key K "
-            "-a alias --jinja -ngl 99 --flash-attn on --no-slots --slot-save-path /tmp/s --props").split()
+    argv = ["-m", "m.gguf", "--port", "8080", "--host", "0.0.0.0", "-c", "1024", "-np", "2", "-n", "64", "--temp", "0.7", "--top-k", "20", "-s", "-1", "--api-key", "K", "-a", "alias", "--jinja", "-ngl", "99", "--flash-attn", "on", "--no-slots", "--slot-save-path", "/tmp/s", "--props"]
     ours, warnings = compat.translate(argv)
     assert ours[0] == "m.gguf"
     line = " ".join(ours)
@@ -266,7 +265,7 @@ def test_wrapper_translates_llama_server_flags():
                  "--host 0.0.0.0", "--port 8080"):
         assert part in line, part
     assert any("-ngl 99" in w for w in warnings) and any("--flash-attn on" in w for w in warnings)
-    ours, _ = compat.translate("-c 1024 -np 2 --kv-unified".split())
+    ours, _ = compat.translate(["-c", "1024", "-np", "2", "--kv-unified"])
     assert "--max-context 1024" in " ".join(ours)
     ours, dropped = compat.translate(["--temp", "0.5", "--port", "1"], known={"--port"})
     assert ours == ["--port", "1"] and any("--temp" in w for w in dropped)

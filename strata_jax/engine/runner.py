@@ -21,6 +21,7 @@ from ..config import ConfigError, EngineConfig
 from ..experts import EXPERT_TENSORS, ExpertArena, HostTier, expert_tensors, slot_bytes
 from ..experts.hybrid import HostRule, host_device, host_rate, link_rate, memcpy_rate
 from ..experts.profile import ExpertProfile, pins_for
+from ..experts.stream import ExpertStream
 from ..gguf import GGUFModel
 from ..model import (
     Group,
@@ -406,6 +407,9 @@ class ModelRunner:
                 if cfg.expert_profile:        # checked all the same: a bad file is an error, not a surprise
                     ExpertProfile.load(cfg.expert_profile, spec)
                     log.info("expert profile %s: every expert is on the device, nothing to pin", cfg.expert_profile)
+                if cfg.pcie_frac > 0:
+                    log.info("--pcie-frac %g: every expert is on the device, nothing is read over the link",
+                             cfg.pcie_frac)
                 return
             # A layer-stepped window runs 4 programs, each reserved at no less than MIN_PROGRAM_BYTES: leave
             # room for a few windows' worth of them.
@@ -440,7 +444,13 @@ class ModelRunner:
             host_trees = {i: {n: QTensor(blocks_in_place(t.data, dev), t.qtype.name, (spec.n_experts, *shapes[i][n]))
                               for n, t in ts.items()} for i, ts in infos.items()}
             rule = self._host_rule(where, infos, host_trees, dev)
-        self.stepper = LayerStepper(self, arena, qtypes, shapes, host_trees, dev if where == "remote" else None, rule)
+        stream = None
+        if cfg.pcie_frac > 0:                # --pcie-frac: the device reads some misses from pinned host memory
+            stream = ExpertStream(host, cfg.pcie_frac, to_arena, jax.devices()[0])
+            log.info("--pcie-frac %g: up to %d of a layer's routed experts a window are read from pinned host memory, "
+                     "not copied into the device cache (the coldest misses first)", cfg.pcie_frac, stream.slots)
+        self.stepper = LayerStepper(self, arena, qtypes, shapes, host_trees, dev if where == "remote" else None, rule,
+                                    stream)
         self.expert_mode = "arena"
         log.info("expert tiers: %d of %d experts a layer on the device (%s policy), %.2f GiB of %.2f GiB in host "
                  "RAM, the rest read from the file by %d threads", arena.n_slots, spec.n_experts, policy,

@@ -51,6 +51,7 @@ import numpy as np
 from ..experts import EXPERT_TENSORS, ExpertArena, ExpertCounters
 from ..experts.hybrid import HostRule
 from ..experts.profile import ExpertProfile
+from ..experts.stream import ExpertStream
 from ..model import Group, QTensor
 from ..model.layers import rms_norm, route
 from ..model.transformer import (
@@ -63,7 +64,7 @@ from ..model.transformer import (
 )
 from .programs import Layout
 
-KINDED = ("attn", "experts", "hexperts", "rexperts", "predict", "dense")     # stages built once per kind of layer
+KINDED = ("attn", "experts", "hexperts", "rexperts", "sexperts", "predict", "dense")     # stages built once per kind of layer
 
 
 def resident_window(core: dict, arenas: dict, tables, host_trees: dict | None, moe: list[int], spec, opts, groups,
@@ -143,7 +144,7 @@ def group_kinds(stage: str, trees: dict[int, object]) -> tuple[dict[int, str], d
 class LayerStepper:
     def __init__(self, runner, arena: ExpertArena, qtypes: dict[int, dict[str, str | None]],
                  expert_shapes: dict[int, dict[str, tuple]], host_trees: dict[int, dict] | None = None,
-                 host_device=None, rule: HostRule | None = None):
+                 host_device=None, rule: HostRule | None = None, stream: ExpertStream | None = None):
         self.runner = runner
         self.arena = arena
         self.spec, self.opts = runner.spec, runner.opts
@@ -169,10 +170,12 @@ class LayerStepper:
         self.host_device = host_device
         self.rule = rule
         self.in_program = host_trees if host_device is None else None     # what resident_window may read
+        self.stream = stream                 # --pcie-frac: some misses read over the link (experts/stream.py)
         self.identity = np.arange(self.spec.n_experts, dtype=np.int32)     # expert -> itself: all present
         trees = {"attn": self.attn_p, "experts": {i: (self.moe_p[i], self.arena_tree(i)) for i in self.moe},
                  "hexperts": {i: (self.moe_p[i], host_trees[i]) for i in self.moe} if self.in_program else {},
                  "rexperts": {i: host_trees[i] for i in self.moe} if host_trees and host_device else {},
+                 "sexperts": {i: (self.moe_p[i], self.stream_sds(i)) for i in self.moe} if stream else {},
                  "predict": self.predict_p, "dense": self.dense_p}
         self.kind_of: dict[str, dict[int, str]] = {}
         self.first_of: dict[str, int] = {}
@@ -191,10 +194,19 @@ class LayerStepper:
         self.total = ExpertCounters()
         self.trace: list | None = None       # a list: record every lookup and prefetch (experts/sweep.py replays it)
 
-    def arena_tree(self, layer: int) -> dict:
-        leaves, N = self.arena.arena[layer], self.arena.n_slots
+    def arena_tree(self, layer: int, leaves: dict | None = None) -> dict:
+        """The layer's arena leaves (or others of the arena's form: the streamed experts') as the experts
+        program takes them: QTensors where they are blocks."""
+        leaves = self.arena.arena[layer] if leaves is None else leaves
         qtypes, shapes = self.qtypes[layer], self.shapes[layer]
-        return {n: QTensor(leaves[n], qtypes[n], (N, *shapes[n])) if qtypes[n] else leaves[n] for n in EXPERT_TENSORS}
+        return {n: QTensor(leaves[n], qtypes[n], (leaves[n].shape[0], *shapes[n])) if qtypes[n] else leaves[n]
+                for n in EXPERT_TENSORS}
+
+    def stream_sds(self, layer: int) -> dict:
+        """The shapes of a layer's streamed experts (ExpertStream.stage), in pinned_host memory."""
+        S, on = self.stream.slots, self.stream.sharding
+        return self.arena_tree(layer, {n: jax.ShapeDtypeStruct((S, *a.shape[1:]), a.dtype, sharding=on)
+                                       for n, a in self.arena.arena[layer].items()})
 
     def kinds(self, stage: str) -> list[str]:
         """The stage names of `stage`'s kinds of layer, in order ("attn", "attn.1", ...; none without layers)."""
@@ -213,7 +225,7 @@ class LayerStepper:
         if self.always_one_program:
             return [self.resident_layout(layout)]
         stages = (["embed", *self.kinds("attn"), *self.kinds("experts"), *self.kinds("hexperts"),
-                   *self.kinds("rexperts"), "head"]
+                   *self.kinds("rexperts"), *self.kinds("sexperts"), "head"]
                   + self.kinds("predict") * self.prefetch + self.kinds("dense"))
         # only the head reads a packed window's picks: the other stages' layouts leave them out
         plain = tuple((r, n, a, 0) for r, n, a, _ in layout.groups)
@@ -322,11 +334,27 @@ class LayerStepper:
                 xs, ys = self._remote_layer(i, stage, parts, ids, counters, decode)
             else:
                 experts_l = stage[kind_of["experts"][i]]
+                if self.stream is not None:
+                    ys, ids = self._stream_layer(i, stage, parts, ids, ys, counters, decode)
                 for table in self.arena.passes(i, ids, counters, decode):
                     xs, ys = progs.run(experts_l, self.moe_p[i], self.arena_tree(i), table, parts, ys)
             if self.prefetch and i + 1 in self.predict_p:
                 guess = progs.run(stage[kind_of["predict"][i + 1]], self.predict_p[i + 1], xs)
         return progs.run(stage["head"], self.head_p, heads, xs)
+
+    def _stream_layer(self, i: int, stage: dict, parts, ids: np.ndarray, ys, counters: ExpertCounters, decode: bool):
+        """--pcie-frac: the device reads some of the layer's missed experts from host memory (their rows go in
+        ys, as a pass does) -> (ys, the ids the arena passes still serve: they always run, and give the layer's
+        output)."""
+        streamed = self.stream.choose(i, ids, self.arena.slot_of[i])
+        if not streamed:
+            return ys, ids
+        tree, table = self.stream.stage(i, streamed, counters, decode)
+        rows = np.isin(ids, streamed)
+        counters.routed += int(rows.sum())
+        _, ys = self.runner.programs.run(stage[self.kind_of["sexperts"][i]], self.moe_p[i], self.arena_tree(i, tree),
+                                         table, parts, ys)
+        return ys, ids[~rows]
 
     def _host_wins(self, layer: int, ids: np.ndarray) -> bool:
         """Whether the host computes this layer's missed experts ("remote"): some miss, and the cost rule."""
@@ -383,14 +411,16 @@ class LayerStepper:
             fn = jax.jit(lambda lp, i, cache, gs, xs: dense_stage(lp, i, spec, opts, gs, xs, cache, kv),
                          donate_argnums=(2,))
             return fn.lower(_sds(self.dense_p[first]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
-        if base in ("experts", "hexperts"):
-            tree = self.arena_tree(first) if base == "experts" else self.host_trees[first]
+        if base in ("experts", "hexperts", "sexperts"):
+            tree = (self.arena_tree(first) if base == "experts" else self.stream_sds(first) if base == "sexperts"
+                    else self.host_trees[first])
             parts = [(S((r, n, h), dtype), S((r * n, h), dtype), S((r * n, k), jnp.float32), S((r * n, k), jnp.int32))
                      for r, n, _, _ in layout.groups]
             ys = [S((r * n, k, h), jnp.float32) for r, n, _, _ in layout.groups]
             fn = jax.jit(lambda lp, arena, table, parts, ys: experts_stage(lp, arena, table, spec, opts, parts, ys),
                          donate_argnums=(4,))
-            return fn.lower(_sds(self.moe_p[first]), _sds(tree), S((spec.n_experts,), jnp.int32), parts, ys).compile()
+            trees = tree if base == "sexperts" else _sds(tree)        # the streamed ones keep their memory kind
+            return fn.lower(_sds(self.moe_p[first]), trees, S((spec.n_experts,), jnp.int32), parts, ys).compile()
         if base == "rexperts":              # on the host device: its inputs' and blocks' shardings say so
             on = jax.sharding.SingleDeviceSharding(self.host_device)
             hparts = [(S((r * n, h), dtype, sharding=on), S((r * n, k), jnp.int32, sharding=on))

@@ -26,6 +26,8 @@ class ExpertCounters:
     host_layers: int = 0       # (window, layer) pairs whose experts were computed there
     one_program: int = 0       # windows run as one program (--layer-step auto), not layer by layer
     redone: int = 0            # ... tried as one program, met an expert not in the arena, run again stepped
+    streamed: int = 0          # lookups read by the device from host memory over the link (--pcie-frac), not copied in
+    bytes_streamed: int = 0
 
     def add(self, other: ExpertCounters) -> None:
         for f in fields(self):
