@@ -197,11 +197,14 @@ def test_latency_histograms_and_cache_counters(server):
 def test_kv_cache_usage_while_a_request_runs(server, tok):
     prompt = "Once upon a time"
     body = {"prompt": prompt, "max_tokens": 200, "stream": True, "temperature": 0, "ignore_eos": True}
-    seen = None
+    seen = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:") and seen is None:      # its first token came: it holds its prompt's KV
-                seen = value(scrape(server), "strata_kv_cache_usage_perc")
+        for n, line in enumerate(r.iter_lines()):
+            # from its first token on it holds its prompt's KV. /metrics reads the engine's stats with a 2 s
+            # timeout and shows the last known ones after it (an engine slowed by a loaded machine): so a
+            # scrape every few tokens, and the largest value read
+            if line.startswith("data:") and n % 8 == 0 and len(seen) < 12:
+                seen.append(value(scrape(server), "strata_kv_cache_usage_perc"))
     n_prompt = len(tok.encode(prompt))
-    assert seen is not None and n_prompt / (PARALLEL * N_CTX) <= seen <= (n_prompt + 200) / (PARALLEL * N_CTX), seen
+    assert seen and n_prompt / (PARALLEL * N_CTX) <= max(seen) <= (n_prompt + 200) / (PARALLEL * N_CTX), seen
     assert value(scrape(server), "strata_kv_cache_usage_perc") == 0.0
