@@ -213,6 +213,23 @@ async def wait_healthy(client: httpx.AsyncClient, url: str, timeout: float) -> t
         await asyncio.sleep(0.25)
 
 
+async def wait_built(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None, timeout: float) -> float:
+    """Until strata-jax's builder thread has compiled what its warm-up queued (strata_programs_building 0 on
+    /metrics), so the first level does not share the CPU with background compiles (llama.cpp's server has
+    none to do) -> seconds waited. A server without that metric (another engine) is not waited for."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            text = (await client.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10.0)).text
+        except httpx.HTTPError:
+            return time.monotonic() - t0
+        line = next((ln for ln in text.splitlines() if ln.startswith("strata_programs_building")), None)
+        if line is None or float(line.split()[-1]) == 0:
+            break
+        await asyncio.sleep(0.5)
+    return time.monotonic() - t0
+
+
 def _health_reason(resp: httpx.Response) -> str:
     try:
         body = resp.json()

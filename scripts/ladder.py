@@ -56,6 +56,7 @@ from _loadtest import (
     prompt_of,
     stream_chat,
     template_kwargs_of,
+    wait_built,
     wait_healthy,
     write_json,
 )
@@ -114,6 +115,7 @@ async def ladder(args: argparse.Namespace, url: str, report: dict[str, Any], t0:
         if not ready:
             report["error"] = f"the server at {url} was not ready within {args.health_timeout:g} s: {why}"
             return report
+        report["waited_for_builds_s"] = round(await wait_built(client, url, headers, args.health_timeout), 1)
         faults_before = await get_faults(client, url, headers)
 
         # every prompt is made (and counted) before the first request, so counting never overlaps a wave
