@@ -92,6 +92,13 @@ class LlamaCpp:
         self.accepted.inc(st.get("draft_n_accepted", 0))
 
 
+def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
+    """One unlabelled gauge (a missing value reads 0)."""
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], float(value or 0))
+    return g
+
+
 class _LlamaCppGauges:
     """llama.cpp's gauges, from the supervisor's snapshot and the counters above."""
 
@@ -106,9 +113,7 @@ class _LlamaCppGauges:
         stats = s.get("stats") or {}
 
         def gauge(name: str, doc: str, value: Any):
-            g = GaugeMetricFamily(f"llamacpp:{name}", doc)
-            g.add_metric([], float(value or 0))
-            return g
+            return _gauge(f"llamacpp:{name}", doc, value)
 
         c = self._c
         seconds = c.prompt_seconds._value.get()
@@ -146,9 +151,7 @@ class _EngineCollector:
         stats = s.get("stats") or {}
 
         def gauge(name: str, doc: str, value: Any):
-            g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
-            g.add_metric([], float(value or 0))
-            return g
+            return _gauge(f"{PREFIX}_{name}", doc, value)
 
         yield gauge("engine_up", "1 when the engine process is ready", s["up"])
         yield gauge("engine_generation", "The engine process now running: 1, 2, ...", s["generation"])
