@@ -42,3 +42,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def bos_model(tiny_model, tmp_path_factory) -> Path:
+    """A tiny qwen3 whose tokenizer adds BOS (the llama.cpp-route tests: test_llama_extras, test_llama_native)."""
+    from strata_jax.testing.edit_gguf import rewrite_gguf
+
+    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
+    return rewrite_gguf(plain, tmp_path_factory.mktemp("bos") / "bos.gguf",
+                        set_metadata={"tokenizer.ggml.add_bos_token": True})

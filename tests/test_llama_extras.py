@@ -16,17 +16,14 @@ from prometheus_client.utils import floatToGoString
 from strata_jax.gguf import load_tokenizer
 from strata_jax.serve.latency import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS
 from strata_jax.serve.launch import ServerProcess
-from strata_jax.testing.edit_gguf import rewrite_gguf
 
 N_CTX, PARALLEL = 256, 2
 TEXT = "Hello wörld 媽 and emoji 🤗 <|im_start|>user"
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model, tmp_path_factory):
-    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
-    return rewrite_gguf(plain, tmp_path_factory.mktemp("bos") / "bos.gguf",
-                        set_metadata={"tokenizer.ggml.add_bos_token": True})
+def model(bos_model):
+    return bos_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import pytest
 
 from strata_jax.gguf import load_tokenizer
 from strata_jax.serve.launch import ServerProcess
-from strata_jax.testing.edit_gguf import rewrite_gguf
 
 KEY = "sk-native"
 N_PREDICT = 6
@@ -24,10 +23,8 @@ LONG = "one two three four five six seven eight nine ten " * 6
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model, tmp_path_factory):
-    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
-    return rewrite_gguf(plain, tmp_path_factory.mktemp("bos") / "bos.gguf",
-                        set_metadata={"tokenizer.ggml.add_bos_token": True})
+def model(bos_model):
+    return bos_model
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from tool_data import TIME, WEATHER
 
 from strata_jax.serve.launch import ServerProcess
 
@@ -138,13 +139,6 @@ def test_a_schema_it_cannot_compile_is_a_400_naming_it(server, body, field):
 
 # ---- tool calling (issue 16, item 1): the made model's template knows no tools: llama.cpp's generic way ----
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                           "unit": {"enum": ["c", "f"]}},
-                          "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
-        "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

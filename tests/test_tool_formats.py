@@ -18,18 +18,12 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from tool_data import TIME, WEATHER
 
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.serve.tool_formats import CallStream, detect
 from strata_jax.serve.tools import call_grammar, deltas, parse_calls, special_marks
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                           "unit": {"enum": ["c", "f"]}},
-                          "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
-        "required": ["zone"], "additionalProperties": False}}}
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
