@@ -102,3 +102,43 @@ def test_a_mixed_window_does_not_copy_the_kv_cache(tiny_model):
                             Layout(((4, 1, False, 0), (1, 64, False, 0)), 1024))}
     decode, chunk, mixed = temp.values()
     assert mixed <= 1.5 * (decode + chunk) < kv / 4, (temp, kv)
+
+
+def built_off_thread(cache: ProgramCache, layout: Layout) -> None:
+    cache.build_later(layout)
+    cache._wait_built(layout)
+
+
+def test_a_program_built_off_the_engine_thread_gets_room_as_one_built_on_it():
+    """The load ladder with the warm-up on and --device-memory-mib too small for every program: a program the
+    builder thread finished was dropped when the ledger refused it, its windows stayed narrowed all run, and
+    each of them queued it again to be compiled and dropped again. Now the older half is freed for it."""
+    cache, compiled = cache_of({1: 4, 2: 4, 3: 4, 4: 6}, budget_mib=13)
+    for r in (1, 2, 3):
+        cache.get(lay(r))
+    built_off_thread(cache, lay(4))
+    assert cache.ready(lay(4)) and compiled == [1, 2, 3, 4] and cache.stats.compiles == 4
+    assert list(cache.programs) == [lay(3), lay(4)] and cache.stats.oom_recoveries == 1
+    assert cache.ledger.used["programs"] == 10 * MiB and cache._pending is None
+    cache.build_later(lay(4))          # built: nothing queued, nothing compiled
+    assert cache.pending == 0 and compiled == [1, 2, 3, 4]
+    cache.close()
+
+
+def test_a_program_built_off_the_engine_thread_that_can_never_fit_is_not_built_again():
+    cache, compiled = cache_of({1: 2, 8: 20}, budget_mib=30, fixed_mib=15)          # 15 MiB for programs
+    cache.get(lay(1))
+    built_off_thread(cache, lay(8))
+    assert not cache.ready(lay(8)) and cache.refused(lay(8)) and lay(1) in cache.programs
+    for _ in range(3):                 # every window that meets it: not queued, not compiled
+        cache.build_later(lay(8))
+        assert cache.pending == 0
+    assert compiled == [1, 8]
+    with pytest.raises(jax.errors.JaxRuntimeError) as refused:
+        cache.get(lay(8))              # the engine's window is refused at once, and split
+    assert is_resource_exhausted(refused.value) and compiled == [1, 8]
+    cache.ledger.release("weights", 15 * MiB)
+    assert not cache.refused(lay(8))   # room grew: it may be built again
+    built_off_thread(cache, lay(8))
+    assert cache.ready(lay(8)) and compiled == [1, 8, 8]
+    cache.close()

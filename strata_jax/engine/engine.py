@@ -328,8 +328,8 @@ class Engine:
         built, w waits for its programs. Without the warm-up (--no-warmup: tests, quick starts) every layout is
         built when first met, on this thread, as the window waits: the same windows run whatever the timing."""
         layout = self.runner.layout_of(w.groups, w.kv_needed)
-        if not self.config.warmup or self.runner.ready(layout):
-            return w
+        if not self.config.warmup or self.runner.ready(layout) or self.runner.refused(layout):
+            return w                      # refused: its run is refused at once, and the window split
         self.runner.build_later(layout)
         tries = [(1, False, True), (1, True, True), (0, False, True), (1, True, False), (0, False, False)]
         for prompts, pad, drafts in tries:

@@ -138,14 +138,20 @@ class ProgramCache:
     def ready(self, layout: Layout) -> bool:
         return layout in self.programs
 
+    def refused(self, layout: Layout) -> bool:
+        """`layout`'s program is bigger than all the room programs have: get() refuses it at once."""
+        nbytes = self.too_big.get(layout)
+        return nbytes is not None and nbytes > self._room()
+
     @property
     def pending(self) -> int:
         """Layouts given to the builder thread and not yet taken into the cache by `collect`."""
         return len(self._queued)
 
     def build_later(self, layout: Layout) -> None:
-        """Compile `layout` on the builder thread (once; `collect` adds it to the cache)."""
-        if layout in self.programs or layout in self._queued or layout in self._failed:
+        """Compile `layout` on the builder thread (once; `collect` adds it to the cache). A layout that can
+        never fit (`refused`) is not compiled again."""
+        if layout in self.programs or layout in self._queued or layout in self._failed or self.refused(layout):
             return
         self._queued.add(layout)
         if self._builder is None:
@@ -156,8 +162,9 @@ class ProgramCache:
 
     def collect(self) -> int:
         """On the engine thread: add the programs the builder thread finished to the cache -> how many. A
-        program the ledger refuses, or a failed compile, is logged and dropped: the layout is built again
-        (and its error met) on the engine thread when a window needs it."""
+        program the ledger refuses is handled as in get(): the older half freed for it, or, bigger than all
+        the room, marked `refused`. A failed compile is kept and met on the engine thread when a window
+        needs the layout."""
         n = 0
         while True:
             try:
@@ -172,13 +179,28 @@ class ProgramCache:
                 continue
             if layout in self.programs:
                 continue
+            if self.max_programs and len(self.programs) >= self.max_programs:
+                self._evict(next(iter(self.programs)))
             try:
-                if self.max_programs and len(self.programs) >= self.max_programs:
-                    self._evict(next(iter(self.programs)))
                 self.programs[layout] = self._register(layout, compiled, seconds)
-                n += 1
-            except Exception as e:  # noqa: BLE001 - no room now: built again on demand, with the OOM handling
-                log.warning("no room for the program %s built off the engine thread (%s)", layout, _first_line(e))
+            except Exception as e:  # noqa: BLE001 - a ledger refusal: the same handling as a build here
+                self._pending = None
+                # the same rule as get(): free the older half and keep this executable. Dropping it instead
+                # left its windows narrowed for good: each one queued it again, and it was compiled and
+                # dropped again (load ladder, warm-up on, --device-memory-mib 1480: 7.9 against 14.3 tok/s)
+                if not is_resource_exhausted(e) or layout in self.too_big or not self._free_older_half(keep=layout):
+                    log.warning("no room for the program %s built off the engine thread (%s)", layout,
+                                _first_line(e))
+                    continue
+                try:
+                    self.programs[layout] = self._reserve(layout, compiled, _program_bytes(compiled),
+                                                          time.perf_counter() - seconds)
+                except Exception as again:  # noqa: BLE001 - still no room: built on demand, as in get()
+                    self._pending = None
+                    log.warning("no room for the program %s built off the engine thread (%s)", layout,
+                                _first_line(again))
+                    continue
+            n += 1
 
     def close(self) -> None:
         """Stop the builder thread after the compile it is in (a compile cut off at exit aborts the process)."""
@@ -281,8 +303,8 @@ class ProgramCache:
         refused at once (RESOURCE_EXHAUSTED, so the engine runs its rows in smaller windows), without
         compiling it again: on a loaded CPU a compile takes a minute, and freeing every other program
         would not make it fit."""
-        nbytes = self.too_big.get(layout)
-        if nbytes is not None and nbytes > self._room():
+        if self.refused(layout):
+            nbytes = self.too_big[layout]
             raise resource_exhausted(f"the window program {layout} needs {nbytes / MiB:.1f} MiB of device memory, "
                                      f"more than programs can have ({max(0, self._room()) / MiB:.1f} MiB with every "
                                      "program freed); not compiled again")

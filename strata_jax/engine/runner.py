@@ -245,6 +245,10 @@ class ModelRunner:
         self.programs.collect()
         return all(self.programs.ready(lay) for lay in self.program_layouts(layout))
 
+    def refused(self, layout: Layout) -> bool:
+        """A program of `layout`'s window can never fit (ProgramCache.refused): waiting for it is in vain."""
+        return any(self.programs.refused(lay) for lay in self.program_layouts(layout))
+
     def build_later(self, layout: Layout) -> None:
         """Compile a window layout's programs off the engine thread (ProgramCache.build_later)."""
         for lay in self.program_layouts(layout):
