@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.model is None:
-        from strata_jax.testing.fetch import smollm2_path
+        from strata_jax.fetch import smollm2_path
 
         a.model = str(smollm2_path())
     bs = [int(x) for x in a.parallel_list.split(",")]

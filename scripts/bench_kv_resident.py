@@ -52,7 +52,7 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=0, help="time W decode windows a round on the runner instead")
     args = ap.parse_args()
     if args.model is None:
-        from strata_jax.testing.fetch import smollm2_path
+        from strata_jax.fetch import smollm2_path
 
         args.model = str(smollm2_path())
     plist = [int(x) for x in args.parallel_list.split(",")]

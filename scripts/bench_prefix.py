@@ -3,7 +3,7 @@ cache), and restored from host RAM (conversation cache, after an unrelated reque
 
     python scripts/bench_prefix.py [MODEL.gguf] [--first-tokens 1500] [--repeats 3] [--prefill auto]
 
-With no MODEL, SmolLM2-135M-Instruct (strata_jax.testing.fetch). One engine, one slot: the first round
+With no MODEL, SmolLM2-135M-Instruct (strata_jax.fetch). One engine, one slot: the first round
 builds every program (not timed); each repeat then starts two new conversations (other words), so no
 turn is ever reused from an earlier one. Prints a markdown table and the greedy-token check (turn 2 gives the
 same tokens in the three cases).
@@ -81,7 +81,7 @@ def main() -> None:
                     help="instead: compare a second turn's logits through the prefix cache with reading it all")
     a = ap.parse_args()
     if a.model is None:
-        from strata_jax.testing.fetch import smollm2_path
+        from strata_jax.fetch import smollm2_path
         a.model = str(smollm2_path())
     eng = Engine.from_gguf(a.model, EngineConfig(parallel=1, max_context=a.max_context, prefill=a.prefill,
                                                  conversation_cache_mib=1024, conversation_cache_slots=4))

@@ -15,7 +15,7 @@ import json
 import sys
 
 from strata_jax import Engine, EngineConfig
-from strata_jax.testing.fetch import smollm2_path
+from strata_jax.fetch import smollm2_path
 
 SCHEMA = json.dumps({"type": "object", "properties": {"story": {"type": "string", "minLength": 400}},
                      "required": ["story"], "additionalProperties": False})

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
     if a.model is None:
-        from strata_jax.testing import smollm2_path
+        from strata_jax.fetch import smollm2_path
         a.model = str(smollm2_path())
     args = [a.model, "--parallel", str(a.parallel), "--max-context", "1024", "--max-queue", str(a.max_queue)]
     n = a.times * a.parallel

@@ -108,7 +108,7 @@ def main() -> int:
     args = ap.parse_args()
     model = args.model
     if model is None:
-        from strata_jax.testing import smollm2_path
+        from strata_jax.fetch import smollm2_path
 
         model = str(smollm2_path())
     load = os.getloadavg()[0]

@@ -1,9 +1,9 @@
 """strata-jax: a JAX/XLA inference server for mixture-of-experts language models stored as GGUF files."""
 
+from ._version import __version__
 from .config import ConfigError, EngineConfig, ServerConfig
 
-__all__ = ["ConfigError", "Engine", "EngineConfig", "ServerConfig"]
-__version__ = "0.1.0"
+__all__ = ["ConfigError", "Engine", "EngineConfig", "ServerConfig", "__version__"]
 
 
 def __getattr__(name: str):

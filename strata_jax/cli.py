@@ -13,6 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from strata_jax import envs
 from strata_jax.config import ServerConfig
 from strata_jax.gguf import GGUFError
 
@@ -122,7 +123,7 @@ def add_fetch_model(sub: Subparsers) -> None:
 
 
 def run_fetch_model(args: argparse.Namespace) -> int:
-    from strata_jax.testing import smollm2_path
+    from strata_jax.fetch import smollm2_path
 
     print(smollm2_path())
     return 0
@@ -170,7 +171,7 @@ def add_generate(sub: Subparsers) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from strata_jax import Engine
+    from strata_jax.engine import Engine
     from strata_jax.cli_flags import engine_config
 
     path = args.model or _default_model()
@@ -194,7 +195,7 @@ def add_serve(sub: Subparsers) -> None:
     p.add_argument("model", nargs="?", help="a .gguf file, or the first part of a split one")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"), metavar="KEY",
+    p.add_argument("--api-key", default=envs.api_key(), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: env STRATA_API_KEY)")
     p.add_argument("--model-name", metavar="NAME", help="the model id /v1/models shows (default: the file name)")
     p.add_argument("--api-key-file", metavar="FILE",
@@ -350,7 +351,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def _default_model() -> str:
-    from strata_jax.testing import smollm2_path
+    from strata_jax.fetch import smollm2_path
 
     return str(smollm2_path())
 

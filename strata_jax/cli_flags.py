@@ -7,7 +7,8 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from .config import EngineConfig
+from . import envs
+from .config import ConfigError, EngineConfig
 
 HELP = {
     "parallel": "slots: conversations decoded together",
@@ -62,6 +63,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     for f in fields(EngineConfig):
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        if f.name == "max_programs":
+            default = _env_max_programs()
         if isinstance(default, bool):
             g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=f"{HELP.get(f.name, '')} (default {default})")
@@ -77,4 +80,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    if "max_programs" not in values and "max_programs" not in overrides:
+        values["max_programs"] = _env_max_programs()     # the flag's default: env STRATA_BATCH_GRAPHS, else 64
     return EngineConfig(**{**overrides, **values})
+
+
+def _env_max_programs() -> int:
+    try:
+        return envs.max_programs()
+    except envs.EnvError as e:
+        raise ConfigError(str(e)) from None

@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache, kept in the cache folder, so that a restarted engine (after a fault)
 and a second start of the same model load their compiled programs instead of compiling them again.
 
-    <cache folder>/jax-compile/      ($STRATA_JAX_CACHE, else ~/.cache/strata-jax; see testing/fetch.py)
+    <cache folder>/jax-compile/      ($STRATA_JAX_CACHE, else ~/.cache/strata-jax; see fetch.py)
     STRATA_JAX_COMPILE_CACHE=DIR     use DIR instead;  =off (or 0, no, false, none): no cache
     EngineConfig(compile_cache=False) / --no-compile-cache: no cache
 
@@ -27,9 +27,11 @@ import stat
 import threading
 from pathlib import Path
 
+from . import envs
+
 log = logging.getLogger("strata_jax.engine")
 
-ENV = "STRATA_JAX_COMPILE_CACHE"
+ENV = envs.COMPILE_CACHE
 OFF = ("0", "off", "no", "false", "none")
 
 _lock = threading.Lock()
@@ -39,14 +41,12 @@ _state: dict = {"decided": False, "dir": None, "hits": 0, "misses": 0}
 def cache_path() -> Path | None:
     """Where the cache lives: $STRATA_JAX_COMPILE_CACHE, else <cache folder>/jax-compile; None when the
     variable turns it off."""
-    raw = os.environ.get(ENV, "").strip()
+    raw = envs.compile_cache()
     if raw.lower() in OFF:
         return None
     if raw:
         return Path(raw).expanduser()
-    from .testing.fetch import cache_dir
-
-    return cache_dir() / "jax-compile"
+    return envs.cache_dir() / "jax-compile"
 
 
 def private_dir(path: Path) -> str | None:

@@ -6,7 +6,6 @@ server and Python users speak one language. Strata's / llama.cpp's flag names ar
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -20,16 +19,6 @@ KV_TYPES = ("bf16", "f16", "f32", "int8")
 DRAFTERS = ("ngram", "mtp", "none")
 WEIGHT_MODES = ("auto", "blocks", "dequantized")
 EXPERT_POLICIES = ("freq", "lru")          # experts/policy.py: frequency-aware LRU (default), plain LRU
-
-
-def _default_max_programs() -> int:
-    raw = os.environ.get("STRATA_BATCH_GRAPHS")
-    if raw is None or raw == "":
-        return 64
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"STRATA_BATCH_GRAPHS={raw!r} is not a whole number (0 = no bound)") from None
 
 
 @dataclass
@@ -55,7 +44,7 @@ class EngineConfig:
     pool_workers: int = 4                # reader threads for the file tier
     vram_reserve_mib: int = 700          # device memory kept free
     device_memory_mib: float | None = None   # a device-memory budget the engine's ledger enforces (MiB)
-    max_programs: int = field(default_factory=_default_max_programs)   # live compiled windows (0 = no bound)
+    max_programs: int = 64               # live compiled windows (0 = no bound; the CLI's default: env STRATA_BATCH_GRAPHS)
     prefix_cache: bool = True            # a slot keeps its KV after its request; a new request reuses the longest match
     conversation_cache_mib: int = 0      # host RAM for evicted conversations' KV (0: none)
     conversation_cache_slots: int = 0    # conversations kept there (0: no bound but the MiB)
@@ -67,7 +56,7 @@ class EngineConfig:
     request_timeout_s: float = 600.0     # a request's deadline
     warmup: bool = True                  # build the base window programs at start; later layouts off the engine thread
     compile_cache: bool = True           # JAX's persistent compilation cache in the cache folder (compile_cache.py)
-    seed: int = 0
+    seed: int = 0                        # the seed a llama.cpp-route request without one samples with (-s)
 
     def __post_init__(self) -> None:
         self.validate()

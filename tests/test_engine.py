@@ -11,7 +11,7 @@ import pytest
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.engine import ContextOverflowError, RequestError
-from strata_jax.testing.faults import Faults
+from strata_jax.engine.faults import Faults
 
 MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2, "expert_ffn": 32}
 # Prompt lengths: short ones, and ones longer than the 16-token prefill chunk, read in several windows.
@@ -154,17 +154,16 @@ def _budget(stats, programs: float) -> float:
     return (mem["weights_bytes"] + mem["kv_bytes"] + mem.get("experts_bytes", 0) + programs * per) / 2**20
 
 
-@pytest.mark.parametrize("batch_graphs", ["64", "0"])
-def test_small_device_memory_frees_programs_and_finishes(moe_path, reference, caplog, monkeypatch, batch_graphs):
+@pytest.mark.parametrize("max_programs", [64, 0])
+def test_small_device_memory_frees_programs_and_finishes(moe_path, reference, caplog, max_programs):
     """Room for ~2 programs, a workload of 7+: with the LRU bound (64, the default) and without it
-    (STRATA_BATCH_GRAPHS=0), running out of device memory frees the older half and every request ends."""
+    (--max-programs 0, or STRATA_BATCH_GRAPHS=0: test_layers.py), running out of device memory frees the
+    older half and every request ends."""
     toks, stats = reference
     built = stats["programs"]["built"]
     assert built >= 5                                     # the workload makes 2x more layouts than fit
-    monkeypatch.setenv("STRATA_BATCH_GRAPHS", batch_graphs)
     cfg = EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False, vram_reserve_mib=0,
-                       device_memory_mib=_budget(stats, 2.3))
-    assert cfg.max_programs == int(batch_graphs)
+                       device_memory_mib=_budget(stats, 2.3), max_programs=max_programs)
     eng = Engine.from_gguf(moe_path, cfg)
     with caplog.at_level(logging.WARNING, logger="strata_jax.engine"):
         got = _workload(eng)

@@ -221,7 +221,7 @@ def test_counter_lines():
 def test_upcycled_smollm2_device_cache(tmp_path):
     """A real model (SmolLM2 upcycled to 8 experts, top-2) through 2 expert slots a layer, experts in
     GGUF blocks: the same logits, bit for bit, and the same greedy tokens as every expert on the device."""
-    from strata_jax.testing import smollm2_path
+    from strata_jax.fetch import smollm2_path
     from strata_jax.testing.upcycle import upcycle
 
     path = upcycle(smollm2_path(), tmp_path / "smollm2-8x2.gguf", experts=8, top_k=2)
@@ -343,7 +343,7 @@ def test_prefetch_changes_where_experts_come_from_not_the_bits(reference):
         assert st["lookups"] == st["hits"] + st["misses_host"] + st["misses_file"]
         assert any("predict" in lay for lay in eng.stats()["programs"]["layouts"])
     # The same traffic through a cache of every expert, traced, then replayed with 4 slots: the replay's
-    # counters are the ones the 4-slot engine reported (experts/sweep.py's hit rates come from replays).
+    # counters are the ones the 4-slot engine reported (bench/sweep.py's hit rates come from replays).
     from strata_jax.experts.replay import replay
 
     with Engine.from_gguf(path, EngineConfig(**BASE, expert_cache=8, expert_prefetch=True)) as eng:

@@ -115,7 +115,7 @@ def write_f32_copy(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from strata_jax.testing import smollm2_path
+    from strata_jax.fetch import smollm2_path
 
     return smollm2_path()
 

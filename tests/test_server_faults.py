@@ -1,5 +1,5 @@
 """The server when its engine fails (Strata #997's world): an engine process that exits mid-stream, and one
-that cannot start at all. Real server processes, faults injected with STRATA_FAULT (testing/faults.py).
+that cannot start at all. Real server processes, faults injected with STRATA_FAULT (engine/faults.py).
 The first server also has an API key and a model without a chat template."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from strata_jax.serve.launch import ServerProcess
-from strata_jax.testing import smollm2_path
+from strata_jax.fetch import smollm2_path
 
 
 @pytest.fixture(scope="session")

@@ -185,7 +185,7 @@ def test_smollm2_ngram_greedy_equals_plain():
     """A real model repeating code from its prompt: drafts are accepted, and the tokens are those of plain
     decoding. One engine (programs cost ~13 s each here): the plain run is the same engine with its
     speculator set aside between requests."""
-    from strata_jax.testing import smollm2_path
+    from strata_jax.fetch import smollm2_path
 
     code = "def add(a, b):\n    total = a + b\n    print(total)\n    return total\n"
     msgs = [{"role": "user", "content": f"Rename `total` to `result` and write out the function:\n\n{code}"}]

@@ -109,7 +109,7 @@ def measure_decode(eng, opts: BenchOptions, n: int) -> dict:
 
 
 def measure_ours(opts: BenchOptions, cfg: EngineConfig, progress=print) -> dict:
-    from strata_jax import Engine
+    from strata_jax.engine import Engine
 
     t = time.perf_counter()
     with Engine.from_gguf(opts.model, cfg) as eng:

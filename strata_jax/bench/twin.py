@@ -42,7 +42,7 @@ def check_moe_twin(twin: tuple[int, int], shown: str | None = None) -> tuple[int
 
 def twin_path(src: str | Path, experts: int, top_k: int, cache: str | Path | None = None) -> Path:
     if cache is None:
-        from strata_jax.testing import cache_dir
+        from strata_jax.fetch import cache_dir
 
         cache = cache_dir()
     return Path(cache) / "twins" / f"{Path(src).stem}-{experts}x{top_k}.gguf"

@@ -12,7 +12,7 @@ import threading
 
 import jax
 
-from ..testing.faults import resource_exhausted
+from .faults import resource_exhausted
 
 MiB = 1 << 20
 

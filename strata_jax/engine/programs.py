@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..testing.faults import resource_exhausted
+from .faults import resource_exhausted
 from .memory import MemoryLedger, MiB, is_resource_exhausted
 
 log = logging.getLogger("strata_jax.engine")

@@ -159,6 +159,7 @@ class Event:
     error: str | None = None
     logprob: float | None = None      # token events of a request with logprobs: the token's (raw model) logprob
     top_logprobs: list[tuple[int, float]] | None = None   # and its top alternatives (token id, logprob)
+    request: int | None = None        # the id of the request it belongs to (set by the engine: Engine.step())
 
 
 _ids = itertools.count(1)

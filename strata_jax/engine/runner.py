@@ -33,7 +33,7 @@ from ..model import (
     new_kv_cache,
 )
 from ..model.weights import QTensor, blocks_in_place
-from ..testing.faults import Faults
+from .faults import Faults
 from .constrain import fill_masks
 from .controls import controls_of, sample_controlled
 from .kv_host import KVHostStore
@@ -525,7 +525,7 @@ class ModelRunner:
             self.stepper.arena.host.close()
 
     def _no_room(self, all_bytes: int, temp: int, free: int):
-        from ..testing.faults import resource_exhausted
+        from .faults import resource_exhausted
 
         return resource_exhausted(
             f"no device memory for even one expert slot a layer: {free / 2**20:.1f} MiB free after the weights and "

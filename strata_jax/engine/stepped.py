@@ -192,7 +192,7 @@ class LayerStepper:
         self.profile = ExpertProfile(self.spec, arena.layers)    # routing of live traffic, per (layer, expert)
         self.last = ExpertCounters()         # the last window's counters
         self.total = ExpertCounters()
-        self.trace: list | None = None       # a list: record every lookup and prefetch (experts/sweep.py replays it)
+        self.trace: list | None = None       # a list: record every lookup and prefetch (bench/sweep.py replays it)
 
     def arena_tree(self, layer: int, leaves: dict | None = None) -> dict:
         """The layer's arena leaves (or others of the arena's form: the streamed experts') as the experts

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server: Litestar routes (app.py) over an engine that runs in a child process
 (worker.py), started, watched and restarted by the supervisor (supervisor.py).
 
-    from strata_jax import EngineConfig, ServerConfig
+    from strata_jax.config import EngineConfig, ServerConfig
     from strata_jax.serve import serve
     serve(ServerConfig(model="model.gguf", port=8000), EngineConfig(parallel=4, max_context=4096))
 """

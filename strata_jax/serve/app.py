@@ -34,7 +34,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.response import Stream
 
 from ..config import ServerConfig
-from ..testing.fetch import cache_dir
+from ..fetch import cache_dir
 from . import cors, generate, llama_routes, native
 from .errors import ApiError, error_body
 from .generate import Job, ModelNames

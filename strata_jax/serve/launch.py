@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Self
 
 import httpx
+
+from .. import envs
 
 
 def free_port() -> int:
@@ -40,7 +41,7 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         with open(self._logfile, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                         env=envs.environ_with(PYTHONUNBUFFERED="1", **(env or {})))
 
     @property
     def headers(self) -> dict[str, str]:

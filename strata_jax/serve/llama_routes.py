@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 from litestar import Request, get, post
 
-from .. import __version__
+from .._version import __version__
 from ..config import ConfigError, ServerConfig
 from .errors import ApiError, invalid
 from .fields import control_params

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from .. import envs
 from .protocol import pack, read_frame
 
 
@@ -33,12 +34,12 @@ def main() -> int:
     start = read_frame(sys.stdin.buffer)
     if start is None:
         return 0
-    if os.environ.get("STRATA_MOCK_START_FAIL"):
+    if envs.mock_start_fail():
         print("ERR mock engine start: asked to fail (STRATA_MOCK_START_FAIL)", file=sys.stderr, flush=True)
         return 2
-    n_ctx, delay = start["engine"]["max_context"], float(os.environ.get("STRATA_MOCK_TOKEN_S", "0.005"))
+    n_ctx, delay = start["engine"]["max_context"], envs.mock_token_s()
     cancelled: dict[str, threading.Event] = {}
-    print(f"mock engine {os.environ.get('STRATA_ENGINE_GENERATION')} ready", file=sys.stderr, flush=True)
+    print(f"mock engine {envs.engine_generation()} ready", file=sys.stderr, flush=True)
     send({"t": "ready", "info": {"architecture": "mock", "name": "mock", "n_ctx": n_ctx, "chat_template": True,
                                  "parallel": start["engine"]["parallel"]}})
 

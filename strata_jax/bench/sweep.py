@@ -1,7 +1,7 @@
 """Decode speed and device-cache hit rate against the cache's size, for both eviction policies, with and
 without prefetch.
 
-    python -m strata_jax.experts.sweep [MODEL.gguf] [--experts 16] [--sizes 0.1,0.25,0.5,1]
+    python -m strata_jax.bench.sweep [MODEL.gguf] [--experts 16] [--sizes 0.1,0.25,0.5,1]
         [--policies freq,lru] [--prefetch off,on] [--tokens 32] [--weights blocks] [--what hits,speed]
 
 With no model it upcycles SmolLM2-135M (`--experts` experts, top-2) into the cache folder. The workload:
@@ -78,8 +78,8 @@ def _trace(path, tokens: int, weights: str, n_experts: int) -> tuple[list, int]:
 def _hit_table(path, spec, runs, tokens: int, weights: str) -> None:
     import pickle
 
-    from ..testing import cache_dir
-    from .replay import replay
+    from ..fetch import cache_dir
+    from ..experts.replay import replay
 
     saved = cache_dir() / f"{path.stem}-trace-{len(PROMPTS)}x{tokens}.pkl"
     if saved.exists():
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     del PROMPTS[a.prompts:]
     path = a.model
     if path is None:
-        from ..testing import cache_dir, smollm2_path
+        from ..fetch import cache_dir, smollm2_path
         from ..testing.upcycle import upcycle
 
         path = cache_dir() / f"smollm2-{a.experts}x2.gguf"

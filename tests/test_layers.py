@@ -1,0 +1,130 @@
+"""The code's shape against docs/DESIGN.md: the layers and the direction of imports, every environment
+variable read in one module, EngineConfig()'s defaults the same in every shell, no file too long."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "strata_jax"
+
+
+def layers() -> dict[str, int]:
+    """docs/DESIGN.md's layer table -> {unit: layer}; a unit is a module or package right under strata_jax."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    table = text.split("<!-- layers:", 1)[1].split("<!-- /layers -->", 1)[0]
+    out: dict[str, int] = {}
+    for row in table.splitlines():
+        m = re.match(r"\|\s*(\d+)\s*\|([^|]*)\|", row)
+        if m:
+            for unit in re.findall(r"`([\w.]+)`", m.group(2)):
+                out[unit] = int(m.group(1))
+    return out
+
+
+def unit_of(module: str) -> str:
+    """strata_jax.engine.core -> engine; strata_jax (the package itself) -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imports(path: Path) -> list[tuple[str, int]]:
+    """The strata_jax modules `path` imports (relative imports resolved), with their line numbers."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for a in node.names:               # `from strata_jax import envs` imports the module envs
+                sub = f"{module}.{a.name}"
+                out.append((sub if is_module(sub) else module, node.lineno))
+    return [(m, line) for m, line in out if m == "strata_jax" or m.startswith("strata_jax.")]
+
+
+def test_the_layer_table_names_every_unit():
+    table = layers()
+    units = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert units - set(table) == set(), "units missing from docs/DESIGN.md's layer table"
+    assert set(table) - units == set(), "docs/DESIGN.md's layer table names units that do not exist"
+
+
+def test_no_import_runs_up_the_layers():
+    table = layers()
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        mine = unit_of(module_name(path))
+        for module, line in imports(path):
+            theirs = unit_of(module)
+            if theirs != mine and table[theirs] >= table[mine]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({mine}, layer {table[mine]}) imports "
+                             f"{module} ({theirs}, layer {table[theirs]})")
+    assert wrong == []
+
+
+def test_the_kernels_import_nothing_of_strata_jax():
+    wrong = [f"{p.relative_to(ROOT)}:{line} {m}" for p in sorted((ROOT / "pallas_kernels").rglob("*.py"))
+             for m, line in imports(p)]
+    assert wrong == []
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The check above can fail: an engine module importing serve is one it reports."""
+    fake = PKG / "engine" / "_layer_probe.py"
+    fake.write_text("from ..serve import app\nfrom strata_jax import envs\n")
+    try:
+        found = imports(fake)
+    finally:
+        fake.unlink()
+    assert ("strata_jax.serve.app", 1) in found and ("strata_jax.envs", 2) in found
+    table = layers()
+    assert table[unit_of("strata_jax.serve.app")] > table["engine"] > table[unit_of("strata_jax.envs")]
+
+
+def test_every_environment_variable_is_read_in_envs_py():
+    reads = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.name == "envs.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"os\.environ|os\.getenv|getenv\(", line):
+                reads.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert reads == []
+
+
+def test_engine_config_defaults_are_the_same_in_every_shell():
+    """STRATA_BATCH_GRAPHS is the default of the CLI's --max-programs, not of EngineConfig()."""
+    code = ("from strata_jax.config import EngineConfig; import argparse; "
+            "from strata_jax.cli_flags import add_engine_flags, engine_config; "
+            "p = argparse.ArgumentParser(); add_engine_flags(p); "
+            "print(EngineConfig().max_programs, engine_config(p.parse_args([])).max_programs, "
+            "engine_config(p.parse_args(['--max-programs', '3'])).max_programs)")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "STRATA_BATCH_GRAPHS": "7"}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == ["64", "7", "3"]
+    env["STRATA_BATCH_GRAPHS"] = "many"
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "STRATA_BATCH_GRAPHS='many' is not a whole number" in bad.stderr
