@@ -120,9 +120,9 @@ def test_logits_match_llamacpp(glm):
 
 @partial(jax.jit, static_argnums=(1, 2, 6))
 def _main(params, spec, opts, tokens, pos, slots, kv_len, cache):
-    _, hiddens, cache = forward(params, spec, opts, (Group(tokens, pos, slots, all_logits=True),), cache, kv_len,
-                                     with_hidden=True)
-    return hiddens[0], cache
+    res = forward(params, spec, opts, (Group(tokens, pos, slots, all_logits=True),), cache, kv_len,
+                  with_hidden=True)
+    return res.hiddens[0], res.cache
 
 
 _mtp = jax.jit(mtp_forward, static_argnums=(1, 2, 8))

@@ -67,9 +67,9 @@ def test_mtp_greedy_equals_plain(glm, reference, tiers):
 @partial(jax.jit, static_argnums=(1, 2))
 def _hidden(params, spec, opts, tokens, pos):
     cache = new_kv_cache(spec, 1, PAD, jnp.float32)
-    _, hiddens, cache = forward(params, spec, opts, (Group(tokens, pos, jnp.zeros(1, jnp.int32), True),), cache, PAD,
-                                with_hidden=True)
-    return hiddens[0], cache
+    res = forward(params, spec, opts, (Group(tokens, pos, jnp.zeros(1, jnp.int32), True),), cache, PAD,
+                  with_hidden=True)
+    return res.hiddens[0], res.cache
 
 
 @partial(jax.jit, static_argnums=(1, 2))

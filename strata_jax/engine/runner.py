@@ -224,14 +224,15 @@ class ModelRunner:
             for g in groups:
                 args += g.arrays()
             if self.expert_counts is None:
-                *out, self.cache = self.programs.run(layout, self.params, self.cache, *args)
+                res = self.programs.run(layout, self.params, self.cache, *args)
             else:
                 if self.expert_counts.is_deleted():   # a failed run consumed it: the profile starts again
                     log.warning("the expert profile's counts were lost in a failed window: counting anew")
                     self.expert_counts = self._new_counts()
-                *out, self.cache, self.expert_counts = self.programs.run(
-                    layout, self.params, self.cache, self.expert_counts, *args)
-            out = tuple(out) if self.with_hidden else out[0]
+                res = self.programs.run(layout, self.params, self.cache, self.expert_counts, *args)
+                self.expert_counts = res.counts
+            self.cache, self.last_hiddens = res.cache, res.hiddens
+            return res.logits
         if self.with_hidden:
             out, self.last_hiddens = out
         return out

@@ -89,31 +89,46 @@ class Group:
 jax.tree_util.register_pytree_node_class(Group)
 
 
+@dataclass(frozen=True)
+class ForwardOut:
+    """What forward() gives back (a pytree: a jitted window program returns it as it is).
+
+    logits: float32 per group, [R, V] (or [R, L, V] with all_logits, [E, V] with picks).
+    cache: the KV cache with the window's keys and values written.
+    hiddens: with_hidden only, per group [R, L, h] in opts.dtype: every token's last hidden state AFTER the
+        final norm (output_norm), the input of the MTP layer (mtp.py), as vLLM, SGLang and transformers feed
+        it; padding tokens' rows are garbage. Else None.
+    counts: with counts given, the expert profile (int32 [n_layers, E]) with the window's routing added.
+    """
+    logits: list
+    cache: dict
+    hiddens: list | None = None
+    counts: jax.Array | None = None
+
+
+jax.tree_util.register_dataclass(ForwardOut, data_fields=["logits", "cache", "hiddens", "counts"], meta_fields=[])
+
+
 def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group, ...],
             cache: dict[str, jax.Array], kv_len: int, with_hidden: bool = False, host: HostKV | None = None,
-            counts: jax.Array | None = None):
-    """One window -> (logits float32 per group: [R, V] or [R, L, V] with all_logits; the updated cache).
-    host: where positions >= host.resident live (--kv-resident; see kv_offload.py), else None.
-    With counts (int32 [n_layers, E], the expert profile): each MoE layer adds the experts its real tokens
-    routed to, and the updated counts come back last.
-
-    with_hidden (static): -> (logits, hiddens, cache), hiddens per group [R, L, h] in opts.dtype: every
-    token's last hidden state AFTER the final norm (output_norm), the input of the MTP layer (mtp.py), as
-    vLLM, SGLang and transformers feed it. Padding tokens' rows are garbage.
+            counts: jax.Array | None = None) -> ForwardOut:
+    """One window -> ForwardOut (logits per group, the updated cache; hiddens with with_hidden, static;
+    the updated counts with counts). host: where positions >= host.resident live (--kv-resident; see
+    kv_offload.py), else None. With counts (int32 [n_layers, E], the expert profile): each MoE layer adds
+    the experts its real tokens routed to. The embedding and the head are the layer-stepped stages' own
+    (embed_stage, head_stage), so the two paths cannot drift.
 
     The layers are unrolled: under lax.scan programs build 3x faster, but each step copies every layer's
     weights out of the stacked array (XLA:CPU does not fuse the slice into the dot): 8.6 against 10.4
     tok/s on SmolLM2."""
-    dtype = jnp.dtype(opts.dtype)
-    xs = [embed_rows(params["embed"], g.tokens, dtype) for g in groups]               # [R, L, h] each
+    xs = embed_stage(params, opts, tuple(g.tokens for g in groups))                  # [R, L, h] each
     for i, lp in enumerate(params["layers"]):
         if counts is None:
             xs, cache = _layer(lp, i, spec, opts, groups, xs, cache, kv_len, host)
         else:
             xs, cache, counts = _layer(lp, i, spec, opts, groups, xs, cache, kv_len, host, counts)
-    out, hiddens = head_stage(params, spec, opts, groups, xs, with_hidden=True)
-    ret = (out, hiddens, cache) if with_hidden else (out, cache)
-    return ret if counts is None else (*ret, counts)
+    logits, hiddens = head_stage(params, spec, opts, groups, xs, with_hidden=True)
+    return ForwardOut(logits, cache, hiddens if with_hidden else None, counts)
 
 
 def _stored(cache: dict, name: str, x: jax.Array) -> dict[str, jax.Array]:
