@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from strata_jax import Engine, EngineConfig
+from strata_jax.engine.placement import largest_window_temp_bytes
 from strata_jax.engine.programs import MIN_PROGRAM_BYTES
 from strata_jax.experts import ExpertCounters
 from strata_jax.experts.policy import FreqLRUPolicy, LRUPolicy, make_policy
@@ -177,7 +178,9 @@ def test_auto_uses_the_device_cache_when_the_experts_do_not_fit(tiny_model):
     with Engine.from_gguf(path, EngineConfig(**BASE)) as eng:
         assert eng.runner.expert_mode == "device"
         mem = eng.stats()["memory"]
-        room = max(eng.runner._largest_window_temp_bytes(), 16 * MIN_PROGRAM_BYTES)
+        r = eng.runner
+        room = max(largest_window_temp_bytes(r.spec, r.cfg, r.choices, r.opts, r.cache_len, r.device_len),
+                   16 * MIN_PROGRAM_BYTES)
         logits = eng.logits(_prompts()[0])
     budget = mem["weights_bytes"] + mem["kv_bytes"] + room + mem["experts_bytes"] // 2
     cfg = EngineConfig(**BASE, device_memory_mib=budget / 2**20, vram_reserve_mib=0)
