@@ -4,58 +4,95 @@ so serve, generate and bench take the same flags and Python users the same names
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from . import envs
 from .config import ConfigError, EngineConfig
 
-HELP = {
-    "parallel": "slots: conversations decoded together",
-    "max_context": "tokens a slot holds (prompt + answer)",
-    "kv": "KV cache type: bf16, f16, f32, int8 or auto",
-    "prefill": "prompt tokens a window reads for one slot (auto or a power of two)",
-    "batch_tokens": "tokens a window holds: every decoding row plus prompt chunks of as many reading slots as fit "
-                    "(llama.cpp's --batch-size, vLLM's max_num_batched_tokens; auto: 512 on a CPU, 2048 on a GPU)",
-    "spec": "draft tokens a row (speculative decoding)",
-    "spec_min_p": "stop drafting below this drafter probability",
-    "spec_max_rows": "draft only while at most this many slots decode (0: always), like vLLM's speculative_disable_by_batch_size",
-    "drafter": "ngram, mtp, none or draft:PATH.gguf",
-    "expert_cache": "experts on the device: auto or a number of expert slots",
-    "expert_profile": "expert hotness file: preload and pin the hottest experts",
-    "expert_policy": "device expert cache eviction: freq (frequency-aware LRU) or lru",
-    "host_experts": "a window's layer whose experts miss the device cache computes them where they live, from the "
-                    "host tier's GGUF blocks with the CPU expert kernel, instead of copying them in (auto: by the cost "
-                    "rule printed at start; on, off)",
-    "pcie_frac": "up to this fraction of a layer's routed experts in a window are read by the device straight from "
-                 "host memory (JAX's pinned_host memory kind) instead of being copied into the device cache; the "
-                 "coldest misses first (0: off; an error where the device has no pinned_host memory)",
-    "host_device": "the CPU device that computes host experts: auto (the device itself on a CPU, the first CPU device "
-                   "beside a GPU) or cpu:N",
-    "layer_step": "expert tiers: auto runs a window as one program whenever its experts are where one program can "
-                  "read them (every routed expert in the device cache, or the host tier's blocks with --host-experts), "
-                  "else layer by layer; always: every window layer by layer",
-    "expert_prefetch": "copy the experts the next layer will likely need into the device cache ahead of it",
-    "resident_budget_gib": "host RAM for experts, GiB",
-    "pool_workers": "file-tier reader threads",
-    "vram_reserve_mib": "device memory kept free, MiB",
-    "device_memory_mib": "device-memory budget the engine enforces, MiB",
-    "max_programs": "live compiled windows (LRU; 0 = no bound; env STRATA_BATCH_GRAPHS)",
-    "prefix_cache": "keep each slot's KV after its request and reuse the longest matching prefix",
-    "conversation_cache_mib": "host RAM for evicted conversations' KV, MiB",
-    "conversation_cache_slots": "conversations kept in host RAM",
-    "kv_resident": "a slot's KV beyond this many tokens lives in host RAM (a multiple of the attention chunk)",
-    "attn_chunk": "keys an attention step reads: auto (256, less for a small max context) or a power of two",
-    "weights": "blocks, dequantized or auto (blocks where a kernel reads them: the cpu or pallas backend; else dequantized when small)",
-    "backend": "kernel backend: auto (cpu on a CPU when its C++ kernels are built, pallas on a GPU, else xla), xla, cpu, pallas or interpret",
-    "dtype": "activations: auto, float32 or bfloat16",
-    "request_timeout_s": "a request's deadline, seconds",
-    "seed": "default sampling seed",
-    "warmup": "build the base window programs at start (decode rows alone, a prompt chunk alone, both); a layout "
-              "met later is built off the engine thread while windows of built layouts run (off: each layout is "
-              "built when first met, and its window waits)",
-    "compile_cache": "keep compiled programs in <cache folder>/jax-compile (private) so a restart does not compile "
-                     "again (env STRATA_JAX_COMPILE_CACHE=DIR or off)",
+@dataclass(frozen=True)
+class Flag:
+    values: str            # what the flag takes, as the README's table shows it ("auto|N"; "" for a switch)
+    help: str              # its meaning: --help and the README's table
+    default: str = ""      # the default as shown, where the field's own would mislead ("" : the field's)
+
+
+# One entry an EngineConfig field: the CLI's flags (add_engine_flags) and README's engine-flag table
+# (flag_table; tests/test_layers.py checks the README holds it) are made from these and the fields' defaults.
+FLAGS = {
+    "parallel": Flag("N", "slots: conversations decoded together"),
+    "max_context": Flag("N", "tokens a slot holds (prompt + answer)"),
+    "kv": Flag("bf16|f16|f32|int8|auto", "KV cache type (auto: f32 on a CPU, bf16 on a GPU); int8 keeps a float32 "
+               "scale a token and head"),
+    "prefill": Flag("auto|N", "prompt tokens a window reads for one slot (auto: 256 on a CPU, 1024 on a GPU; a power "
+                    "of two)"),
+    "batch_tokens": Flag("auto|N", "tokens a window holds: every decoding row plus prompt chunks of as many reading "
+                         "slots as fit (llama.cpp's --batch-size, vLLM's max_num_batched_tokens; auto: 512 on a CPU, "
+                         "2048 on a GPU, never below --prefill)"),
+    "spec": Flag("N", "speculative decoding: up to N drafts a slot, verified in one window"),
+    "spec_min_p": Flag("P", "drafting stops below this drafter probability"),
+    "spec_max_rows": Flag("N", "draft only while at most N slots decode (0: always), like vLLM's "
+                          "speculative_disable_by_batch_size; on a CPU a verify window of many rows costs more than "
+                          "it saves"),
+    "drafter": Flag("ngram|mtp|none|draft:PATH.gguf", "where drafts come from: n-grams of the context, the model's "
+                    "own MTP (NextN) layer, none, or a small draft model"),
+    "expert_cache": Flag("auto|N", "experts on the device: auto = all when they fit the ledger, else an arena; N = an "
+                         "arena of N expert slots a MoE layer"),
+    "expert_profile": Flag("FILE", "expert hotness written from live traffic (POST /expert-profile): preloads and "
+                           "pins the hottest experts at start"),
+    "expert_policy": Flag("freq|lru", "device expert cache eviction: freq (frequency-aware LRU) or lru"),
+    "expert_prefetch": Flag("", "copy the experts the next layer will likely need into the device cache ahead of it"),
+    "host_experts": Flag("auto|on|off", "a layer whose routed experts miss the device arena computes them where they "
+                         "live, from the host tier's GGUF blocks with the CPU expert kernel, instead of copying them "
+                         "in (misses still fill free arena slots). On a CPU device the blocks are the device's own "
+                         "memory: every miss is computed in place, inside the window's one program. Beside a GPU the "
+                         "layer's normed input and router ids go to the host CPU, which computes only the missed "
+                         "experts' rows; the GPU computes the held ones and adds the host's rows in. auto chooses per "
+                         "layer and window by the cost rule printed at start (rows x expert bytes / host kernel rate "
+                         "against expert bytes / link rate, both measured); on: every miss on the host"),
+    "pcie_frac": Flag("F", "up to a fraction F of a layer's routed experts in a window are read by the device "
+                      "straight from host memory (JAX's pinned_host memory kind, over the link on a GPU) instead of "
+                      "being copied into the device cache: the coldest misses first (the fewest rows in the window), "
+                      "so they never evict a hotter expert; the same kernel, the same bits. An error where the device "
+                      "has no pinned_host memory kind. On a CPU device the default host experts already read every "
+                      "miss in place; this matters with --host-experts off there, and on GPUs"),
+    "host_device": Flag("auto|cpu:N", "the CPU device that computes host experts: auto is the device itself on a CPU "
+                        "and the first CPU device beside a GPU (tested with two forced CPU devices: "
+                        "tests/test_host_device.py)"),
+    "layer_step": Flag("auto|always", "expert tiers: auto runs a window as ONE program whenever its experts are where "
+                       "one program can read them (every routed expert in the device arena, or the host tier's "
+                       "blocks with --host-experts), else layer by layer (a window tried as one program that meets a "
+                       "miss is run again stepped); always: every window layer by layer"),
+    "resident_budget_gib": Flag("G", "host RAM for experts, GiB; the rest is read from the GGUF file in place", "all"),
+    "pool_workers": Flag("N", "file-tier reader threads"),
+    "vram_reserve_mib": Flag("M", "device memory kept free, MiB"),
+    "device_memory_mib": Flag("M", "a device-memory budget the engine's ledger enforces, MiB (how tests make memory "
+                              "run out on a CPU)", "device's own"),
+    "max_programs": Flag("N", "live compiled window programs (LRU); 0 = no bound", "64 (env STRATA_BATCH_GRAPHS)"),
+    "prefix_cache": Flag("", "a slot keeps its KV after its request; a new request reuses the longest matching "
+                         "prefix"),
+    "conversation_cache_mib": Flag("M", "host RAM (MiB) for slots' KV that new requests overwrite, restored by exact "
+                                   "token prefix"),
+    "conversation_cache_slots": Flag("N", "conversations kept there (0 = no bound but the MiB)"),
+    "kv_resident": Flag("N", "a slot's KV past its first N positions in host RAM (N: a multiple of the attention "
+                        "chunk)"),
+    "attn_chunk": Flag("auto|N", "keys an attention step reads (auto: 256, less for a max context under 256; a power "
+                       "of two)"),
+    "weights": Flag("blocks|dequantized|auto", "keep GGUF blocks (read by the kernels, in place: the file's own pages "
+                    "on a CPU) or dequantize at load (auto: blocks wherever a kernel reads them, i.e. the cpu and "
+                    "pallas backends; dequantized only on the xla backend on a CPU when the float32 copy is under "
+                    "4 GiB)"),
+    "backend": Flag("auto|cpu|xla|pallas|interpret", "kernel backend (auto: pallas on a GPU; on a CPU, cpu where its "
+                    "C++ kernels were built at install, else xla)"),
+    "dtype": Flag("auto|float32|bfloat16", "activations (auto: float32 on a CPU, bfloat16 on a GPU)"),
+    "request_timeout_s": Flag("S", "every request's deadline, seconds"),
+    "warmup": Flag("", "build the decode programs at start (with a progress bar) and every other window layout on a "
+                   "builder thread while the engine serves; off: each layout is built when first met, and its "
+                   "window waits"),
+    "compile_cache": Flag("", "keep compiled programs in <cache folder>/jax-compile (private) so a restart does not "
+                          "compile again (env STRATA_JAX_COMPILE_CACHE=DIR or off)"),
+    "seed": Flag("N", "the seed a request to llama.cpp's routes (/completion) without its own samples with "
+                 "(llama.cpp's -s)"),
 }
 
 
@@ -67,7 +104,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             default = _env_max_programs()
         if isinstance(default, bool):
             g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
-                           default=argparse.SUPPRESS, help=f"{HELP.get(f.name, '')} (default {default})")
+                           default=argparse.SUPPRESS, help=f"{FLAGS[f.name].help} (default {_shown(f.name, default)})")
             continue
         kind = {"int": int, "float": float}.get(type(default).__name__, str)
         if f.name in ("resident_budget_gib", "device_memory_mib"):
@@ -75,7 +112,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         if f.name == "kv_resident":
             kind = int
         g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=argparse.SUPPRESS,
-                       metavar="X", help=f"{HELP.get(f.name, '')} (default {default})")
+                       metavar=FLAGS[f.name].values or "X", help=f"{FLAGS[f.name].help} (default {_shown(f.name, default)})")
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -90,3 +127,27 @@ def _env_max_programs() -> int:
         return envs.max_programs()
     except envs.EnvError as e:
         raise ConfigError(str(e)) from None
+
+
+def _shown(name: str, default: Any) -> str:
+    if FLAGS[name].default:
+        return FLAGS[name].default
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return "-" if default is None else str(default)
+
+
+def flag_table() -> str:
+    """README's table of engine flags, made from FLAGS and EngineConfig's defaults."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in fields(EngineConfig):
+        flag, default = FLAGS[f.name], f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        name = "--" + f.name.replace("_", "-")
+        shown = f"`{name} / --no-{name[2:]}`" if isinstance(default, bool) else \
+            f"`{name} {flag.values}`".replace("|", "\\|")
+        rows.append(f"| {shown} | {_shown(f.name, default)} | {flag.help.replace('|', chr(92) + '|')} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":          # python -m strata_jax.cli_flags > the table README.md holds
+    print(flag_table(), end="")
