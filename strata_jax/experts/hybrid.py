@@ -5,7 +5,7 @@ and copying the missed experts into the device cache.
 Two places the host can be:
 - "local": the device IS a CPU (the cpu backend with GGUF blocks). The device cache is host RAM, so a copy
   into it is pure overhead: every miss is computed in place, inside the window's one program
-  (stepped.resident_window picks the host blocks with lax.cond).
+  (stepped_build.resident_window picks the host blocks with lax.cond).
 - "remote": the device is another one (a GPU; or, in tests, another CPU device of a process with forced
   host devices). The window steps layer by layer; a layer with misses sends its normed input and router
   ids to the host device, whose program (transformer.host_experts_stage) computes only the missed experts
