@@ -13,17 +13,18 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from .supervisor import EngineEvent, Prepared, Supervisor, Ticket
+from ..engine.request import Event
+from .supervisor import Prepared, Supervisor, Ticket
 
 
-async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[EngineEvent]:
+async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[Event]:
     """The ticket's events up to its last; an error event when the deadline comes first."""
     while True:
         try:
             ev = await asyncio.wait_for(t.events.get(), max(t.deadline - time.monotonic(), 0.0))
         except TimeoutError:
             sup.cancel(t)
-            yield EngineEvent("error", error=f"the request passed its deadline ({sup.config.request_timeout_s:g} s, "
+            yield Event("error", error=f"the request passed its deadline ({sup.config.request_timeout_s:g} s, "
                                              "--request-timeout-s)", finish_reason="timeout")
             return
         yield ev
@@ -54,7 +55,7 @@ class Choices:
     def _start(self, k: int, t: Ticket) -> None:
         self._tasks.append(asyncio.create_task(self._pump(k, t)))
 
-    async def merged(self) -> AsyncIterator[tuple[int, EngineEvent]]:
+    async def merged(self) -> AsyncIterator[tuple[int, Event]]:
         """Every choice's events, as they come; each choice's last is its final or error event."""
         self._start(0, self.tickets[0])
         left = 1

@@ -16,13 +16,14 @@ from typing import Any
 
 import msgspec
 
+from ..engine.request import Event
 from .choices import Choices
 from .console import done_line
 from .errors import ApiError, error_body
 from .logprobs import LogprobsOf
 from .parse import Job, ModelNames, parse_chat, parse_completion
 from .reasoning import CONTENT, REASONING, ReasoningParser
-from .supervisor import EngineEvent, Prepared, Supervisor, Ticket
+from .supervisor import Prepared, Supervisor, Ticket
 from .tools import HeldCalls, finish_reason, parse_calls
 
 log = logging.getLogger("strata_jax.serve")
@@ -72,14 +73,14 @@ class Outcome:
         self.job, self.prepared, self.ticket, self._on_done = job, prepared, ticket, on_done
         self.kind, self.detail, self.stats = "cancelled", "the client went away", None
 
-    def final(self, ev: EngineEvent) -> None:
+    def final(self, ev: Event) -> None:
         self.stats = ev.stats
         if ev.finish_reason == "cancelled":
             self.kind, self.detail = "cancelled", "the client went away"
         else:
             self.kind, self.detail = "ok", None
 
-    def error(self, ev: EngineEvent) -> None:
+    def error(self, ev: Event) -> None:
         self.kind, self.detail = "error", ev.error
 
     def close(self, sup: Supervisor) -> None:
@@ -116,11 +117,11 @@ def timings(st: dict[str, Any] | None) -> dict[str, Any]:
             "draft_n": st.get("draft_n", 0), "draft_n_accepted": st.get("draft_n_accepted", 0)}
 
 
-def _finish_reason(ev: EngineEvent) -> str:
+def _finish_reason(ev: Event) -> str:
     return "length" if ev.finish_reason == "length" else "stop"
 
 
-def event_error(ev: EngineEvent) -> ApiError:
+def event_error(ev: Event) -> ApiError:
     if ev.finish_reason == "timeout":
         return ApiError(503, ev.error or "timeout", "timeout_error")
     return ApiError(500, ev.error or "the engine failed", "server_error")
@@ -189,9 +190,9 @@ class _Run:
         wanted = job.params.get("logprobs") is not None
         self.logprobs = [LogprobsOf(chat, wanted, len(job.echo)) for _ in range(job.n)]
         self.held = [HeldCalls(job.tools, prepared.tool_format, job.parallel_tool_calls) for _ in range(job.n)]
-        self.finals: dict[int, EngineEvent] = {}
+        self.finals: dict[int, Event] = {}
 
-    def final(self, k: int, ev: EngineEvent) -> None:
+    def final(self, k: int, ev: Event) -> None:
         self.outcomes[k].final(ev)
         self.finals[k] = ev
 

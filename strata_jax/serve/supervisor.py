@@ -42,6 +42,7 @@ from typing import Any
 
 from .. import envs
 from ..config import EngineConfig
+from ..engine.request import Event
 from .errors import ApiError, context_overflow
 from .ledger import Fault, FaultLedger
 from .protocol import length, pack, unpack
@@ -52,18 +53,6 @@ STDERR_LINES = 200
 SILENT_S = 5.0                      # no frame (not even a heartbeat) this long: /health says 503
 WATCH_S = 0.5                       # how often the watchdog looks
 MAX_UNREAD_BYTES = 32 << 20         # prompts written to the engine and not read by it yet
-
-
-@dataclass
-class EngineEvent:
-    kind: str                                   # "token" | "final" | "error"
-    text: str = ""
-    token: int | None = None
-    finish_reason: str | None = None
-    stats: dict[str, Any] | None = None
-    error: str | None = None
-    logprobs: list | None = None                # [token bytes, logprob, [[bytes, logprob], ...]] (logprobs.py)
-    logprob_ids: list | None = None             # [token id, [alternatives' ids]] (llama.cpp's n_probs: native.py)
 
 
 @dataclass
@@ -195,7 +184,7 @@ class Supervisor:
             except (TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
         for t in self.running + list(self._queue):
-            self._end(t, EngineEvent("error", error="the server is shutting down"))
+            self._end(t, Event("error", error="the server is shutting down"))
 
     @property
     def ready(self) -> bool:
@@ -270,7 +259,7 @@ class Supervisor:
         log.error("%s", fault.message)
         message = f"{fault.message}. This request was in flight and did not finish; please retry it"
         for t in running:
-            self._end(t, EngineEvent("error", error=message))
+            self._end(t, Event("error", error=message))
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(EngineGone(fault.message))
@@ -352,8 +341,8 @@ class Supervisor:
             t = self._seat_of(msg["id"])
             if t is None:
                 return
-            ev = EngineEvent(msg["k"], msg.get("x") or "", msg.get("tok"), msg.get("fr"), msg.get("st"),
-                             msg.get("err"), msg.get("lp"), msg.get("lpi"))
+            ev = Event(msg["k"], text=msg.get("x") or "", token=msg.get("tok"), finish_reason=msg.get("fr"),
+                       stats=msg.get("st"), error=msg.get("err"), logprobs=msg.get("lp"), logprob_ids=msg.get("lpi"))
             if ev.kind == "token":
                 t.n_tokens += 1
                 t.token_came(self._heard_at)
@@ -483,7 +472,7 @@ class Supervisor:
         if t.state == "queued":
             self._queue.remove(t)
             t.state = "done"
-            t.events.put_nowait(EngineEvent("final", finish_reason="cancelled"))
+            t.events.put_nowait(Event("final", finish_reason="cancelled"))
         elif t.state == "running" and t.generation == self.generation:
             self._send({"op": "cancel", "id": t.id})
 
@@ -495,7 +484,7 @@ class Supervisor:
             if time.monotonic() > t.deadline:
                 self._queue.popleft()
                 t.state = "done"
-                t.events.put_nowait(EngineEvent("error", error="the request waited for a slot past its deadline"))
+                t.events.put_nowait(Event("error", error="the request waited for a slot past its deadline"))
                 continue
             try:
                 self._send({"op": "submit", "id": t.id, "ids": t.ids, "params": t.params})
@@ -506,7 +495,7 @@ class Supervisor:
             self._seats[seat] = t
             t.state, t.seat, t.generation, t.started = "running", seat, self.generation, time.monotonic()
 
-    def _end(self, t: Ticket, ev: EngineEvent) -> None:
+    def _end(self, t: Ticket, ev: Event) -> None:
         if t.state == "running" and t.seat is not None and self._seats[t.seat] is t:
             self._seats[t.seat] = None
             self._request_s = 0.9 * self._request_s + 0.1 * (time.monotonic() - t.started)
