@@ -132,8 +132,8 @@ class PrefixCache:
         if self.host is not None and len(slot.kept) // self.block > 0:
             self._store(slot)
         blocks = -(-m // self.block)
-        self.runner.cache = self._copy(self.runner.cache, jnp.int32(src.index), jnp.int32(slot.index),
-                                       jnp.int32(blocks), size=self.block)
+        self.runner.kv.through(lambda c: (self._copy(c, jnp.int32(src.index), jnp.int32(slot.index),
+                                                      jnp.int32(blocks), size=self.block),))
         n = max(m - self.reread, 0)
         self.counters["forks"] += 1
         self.counters["forked_tokens"] += n
@@ -201,7 +201,7 @@ class PrefixCache:
         on_dev = max(0, min(start + size, self.runner.device_len) - start)
         if on_dev:
             part = block if on_dev == size else {k: v[:, :on_dev] for k, v in block.items()}
-            self.runner.cache = self._write(self.runner.cache, part, jnp.int32(slot), jnp.int32(start))
+            self.runner.kv.through(lambda c: (self._write(c, part, jnp.int32(slot), jnp.int32(start)),))
         if on_dev < size:
             self.runner.kv_host.put(slot, start + on_dev, {k: v[:, on_dev:] for k, v in block.items()})
 

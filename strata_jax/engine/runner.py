@@ -8,7 +8,6 @@ returns each group's sampled tokens. The KV cache is donated to every program an
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import jax
@@ -25,11 +24,11 @@ from ..model import (
     RunOptions,
     forward,
     load_params,
-    new_kv_cache,
 )
 from .constrain import fill_masks
 from .controls import controls_of, sample_controlled
 from .faults import Faults
+from .kv_cache import KVCache
 from .kv_host import KVHostStore
 from .memory import MemoryLedger
 from .placement import largest_window_temp_bytes, place_experts
@@ -130,12 +129,12 @@ class ModelRunner:
         self.kv_dtype = KV_DTYPES[self.choices["kv"]]
         self.ledger.reserve_bytes("kv", self._kv_bytes(), f"the KV cache of {cfg.parallel} slots "
                                   f"({self.device_len} positions a slot)")
-        self.cache = new_kv_cache(self.spec, cfg.parallel, self.device_len, self.kv_dtype)
-        self.kv_host: KVHostStore | None = None
+        host = None
         if self.device_len < self.cache_len:
-            self.kv_host = KVHostStore(self.spec, self.device_len, self.cache_len, chunk, self.kv_dtype)
+            host = KVHostStore(self.spec, self.device_len, self.cache_len, chunk, self.kv_dtype)
             log.info("KV: the first %d positions of each slot on the device, up to %d more in host RAM",
                      self.device_len, self.cache_len - self.device_len)
+        self.kv = KVCache(self.spec, cfg.parallel, self.device_len, self.kv_dtype, host)     # its one owner
         self.stepper: LayerStepper | None = None
         self.expert_mode = "none"          # none (a dense model) | device (every expert) | arena (expert tiers)
         self.expert_counts = None          # device mode: int32 [n_layers, E], routing of live traffic
@@ -225,15 +224,14 @@ class ModelRunner:
             args = []
             for g in groups:
                 args += g.arrays()
-            if self.expert_counts is None:
-                res = self.programs.run(layout, self.params, self.cache, *args)
-            else:
-                if self.expert_counts.is_deleted():   # a failed run consumed it: the profile starts again
-                    log.warning("the expert profile's counts were lost in a failed window: counting anew")
-                    self.expert_counts = self._new_counts()
-                res = self.programs.run(layout, self.params, self.cache, self.expert_counts, *args)
+            if self.expert_counts is not None and self.expert_counts.is_deleted():
+                log.warning("the expert profile's counts were lost in a failed window: counting anew")
+                self.expert_counts = self._new_counts()       # a failed run consumed it: the profile starts again
+            counts = [] if self.expert_counts is None else [self.expert_counts]
+            res = self.kv.through(lambda c: _cache_last(self.programs.run(layout, self.params, c, *counts, *args)))
+            if counts:
                 self.expert_counts = res.counts
-            self.cache, self.last_hiddens = res.cache, res.hiddens
+            self.last_hiddens = res.hiddens
             return res.logits
         if self.with_hidden:
             out, self.last_hiddens = out
@@ -306,36 +304,33 @@ class ModelRunner:
             for layout in now:
                 self.programs.build_later(self.stepper.resident_layout(layout))
 
+    @property
+    def cache(self) -> dict[str, jax.Array]:
+        """The KV cache's device arrays, to read (self.kv owns them: KVCache.through)."""
+        return self.kv.arrays
+
+    @property
+    def kv_host(self) -> KVHostStore | None:
+        return self.kv.host
+
     def wait_for_device(self) -> None:
-        jax.block_until_ready(self.cache)
+        self.kv.wait()
 
     def cache_lost(self) -> bool:
         """A failed run may have consumed the donated cache: then it must be made anew."""
-        return any(a.is_deleted() for a in jax.tree_util.tree_leaves(self.cache))
+        return self.kv.lost()
 
     def reset_cache(self) -> None:
-        self.cache = new_kv_cache(self.spec, self.cfg.parallel, self.device_len, self.kv_dtype)
+        self.kv.reset()
 
-    @contextmanager
     def scratch_kv(self):
         """A blank KV cache (device and host parts) for the duration; the slots' own KV is put back after."""
-        saved = self.cache
-        self.cache = {k: jnp.zeros_like(v) for k, v in saved.items()}
-        try:
-            with self.kv_host.scratch() if self.kv_host is not None else nullcontext():
-                yield
-        finally:
-            self.cache = saved
+        return self.kv.scratch()
 
     def slot_kv(self, slot: int, n: int) -> dict[str, np.ndarray]:
         """A slot's first n positions, from the device and host parts: {name: [layers, n, ...]} (checks,
         and moving a slot's KV elsewhere)."""
-        d = min(n, self.device_len)
-        out = {name: np.asarray(a[:, slot, :d]) for name, a in self.cache.items()}
-        if n > d:
-            host = self.kv_host.read(slot, d, n)
-            out = {name: np.concatenate([out[name], host[name]], axis=1) for name in out}
-        return out
+        return self.kv.slot(slot, n)
 
     def _build(self, layout: Layout):
         """Compile the window program of `layout`: tokens, positions and slots in, logits out (sampling is
@@ -407,6 +402,11 @@ class ModelRunner:
               **(self.kv_host.stats() if self.kv_host is not None else {})}
         return {"programs": self.programs.snapshot(), "memory": self.ledger.snapshot(), "windows": self.windows,
                 "experts": self.expert_stats(), "kv_cache": kv, **{k: v for k, v in self.choices.items()}}
+
+
+def _cache_last(res):
+    """A window program's ForwardOut -> (it, its cache): KVCache.through's form."""
+    return res, res.cache
 
 
 def greedy_on_host(logits: np.ndarray) -> np.ndarray:

@@ -215,7 +215,11 @@ class LayerStepper:
         gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits, g.picks) for g in groups)
         tables = np.stack([arena.tables[i] for i in self.moe])
         arenas = {i: self.arena_tree(i) for i in self.moe}
-        out, r.cache, ids = r.programs.run(res, self.core, arenas, tables, self.in_program, gs, r.cache)
+        def window(cache):
+            out, cache, ids = r.programs.run(res, self.core, arenas, tables, self.in_program, gs, cache)
+            return out, ids, cache
+
+        out, ids = r.kv.through(window)
         real = np.concatenate([np.asarray(g.pos).reshape(-1) >= 0 for g in groups])
         ids = np.asarray(ids)[:, real]                                  # [n_moe, real tokens, k]
         E = self.spec.n_experts
@@ -248,9 +252,11 @@ class LayerStepper:
         guess = None                          # the predict program's ids for this layer (prefetch)
         for i in range(self.spec.n_layers):
             if i in self.dense_p:
-                xs, r.cache = progs.run(stage[kind_of["dense"][i]], self.dense_p[i], self.index[i], r.cache, gs, xs)
+                xs = r.kv.through(lambda c: progs.run(stage[kind_of["dense"][i]], self.dense_p[i], self.index[i], c,
+                                                      gs, xs))
                 continue
-            parts, r.cache = progs.run(stage[kind_of["attn"][i]], self.attn_p[i], self.index[i], r.cache, gs, xs)
+            parts = r.kv.through(lambda c: progs.run(stage[kind_of["attn"][i]], self.attn_p[i], self.index[i], c,
+                                                     gs, xs))
             if guess is not None:             # the device runs this layer's attention meanwhile
                 want = _by_count(guess, reals)
                 self.arena.prefetch(i, want, counters)

@@ -108,7 +108,7 @@ class MtpDrafter:
         r = self.runner
         R, L = tokens.shape
         layout = Layout(((R, L, True, 0),), r.kv_bucket(int(pos.max()) + 1), stage="mtp")
-        tok, prob, out, r.cache = r.programs.run(layout, self.params, r.cache, hidden, tokens, pos, slots)
+        tok, prob, out = r.kv.through(lambda c: r.programs.run(layout, self.params, c, hidden, tokens, pos, slots))
         return np.asarray(tok), np.asarray(prob), out
 
     def _build(self, layout: Layout):
