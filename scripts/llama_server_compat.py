@@ -10,7 +10,8 @@ What maps (llama-server -> strata-jax serve): -m/--model -> MODEL, --host, --por
 --presence-penalty, --frequency-penalty, -s/--seed, --api-key,
 --api-key-file, -a/--alias -> --model-name, --slot-save-path, --cors-origins (llama.cpp's proxy list: here the
 allowed origins), --slots/--no-slots, --props, --chat-template-file, -md/--model-draft -> --drafter draft:PATH,
---draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s.
+--draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s, --reasoning (default auto, as
+llama-server's: the chat template's enable_thinking is true), -v/--verbose -> --verbose-responses.
 
 No model hub is reachable from here: --hf-repo / --hf-file / --model-url serve the GGUF named by the environment
 variable STRATA_COMPAT_MODEL (default: strata-jax's default model), with a warning. Flags that change how
@@ -40,12 +41,14 @@ SAME = {
     "--api-key": "--api-key", "--api-key-file": "--api-key-file", "--alias": "--model-name",
     "--slot-save-path": "--slot-save-path", "--cors-origins": "--cors-origins",
     "--chat-template-file": "--chat-template-file", "--timeout": "--request-timeout-s",
+    "--reasoning": "--reasoning",
 }
 SHORT = {"-m": "--model", "-c": "--ctx-size", "-np": "--parallel", "-n": "--n-predict", "-s": "--seed",
          "-b": "--batch-size", "-a": "--alias", "-md": "--model-draft", "-to": "--timeout", "-hf": "--hf-repo",
          "-hfr": "--hf-repo", "-hff": "--hf-file", "-mu": "--model-url", "--predict": "--n-predict",
          "--draft": "--draft-max", "--draft-n": "--draft-max", "--spec-draft-n-max": "--draft-max",
-         "--threads-http": "--threads-http", "--ctx_size": "--ctx-size"}
+         "--threads-http": "--threads-http", "--ctx_size": "--ctx-size",
+         "-v": "--verbose", "--log-verbose": "--verbose", "-rea": "--reasoning"}
 # accepted, and what differs: shown in the warning
 DIFFERS = {
     "--lora": "strata-jax loads no LoRA adapters: the base model answers",
@@ -74,6 +77,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-max", type=int)
     p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--props", action="store_true")
+    p.add_argument("--verbose", action="store_true")
     for flag in SAME:
         p.add_argument(flag)
     return p
@@ -115,6 +119,10 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
         out.append("--slots" if args.slots else "--no-slots")
     if args.props:
         out.append("--props")
+    if args.verbose:                      # llama-server's --verbose also puts "__verbose" in every answer
+        out.append("--verbose-responses")
+    if args.reasoning is None:            # llama-server's default: templates get enable_thinking = true
+        out += ["--reasoning", "auto"]
     i = 0
     while i < len(rest):
         flag, _, value = rest[i].partition("=")

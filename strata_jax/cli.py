@@ -227,6 +227,12 @@ def add_serve(sub: Subparsers) -> None:
                    help="enable POST /slots/N?action=save|restore with file names (never paths) in DIR")
     g.add_argument("--props", action="store_true", help="let POST /props change the server-wide sampling defaults")
     g.add_argument("--chat-template-file", metavar="FILE", help="a Jinja chat template to use instead of the model's")
+    g.add_argument("--reasoning", choices=("on", "off", "auto"),
+                   help="the chat template's enable_thinking for requests that do not set it (on, auto: true; off: "
+                        "false), as llama.cpp passes it; by default it is not passed, as transformers renders")
+    g.add_argument("--verbose-responses", action="store_true",
+                   help="every answer carries llama.cpp's \"__verbose\" object (the rendered prompt, ...), as a "
+                        "request's \"verbose\": true asks for its own (llama-server's --verbose)")
     g = p.add_argument_group("sampling defaults (llama-server's flags; a request's own fields override them)")
     for flag, key, kind, what in (("--temp", "temperature", float, "temperature (built in: 0.8; 0 is greedy)"),
                                   ("--top-k", "top_k", int, "top-k (built in: 40; 0 is off)"),
@@ -260,7 +266,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,
                           slots_endpoint=args.slots, slot_save_path=args.slot_save_path, props_writable=args.props,
-                          chat_template_file=args.chat_template_file,
+                          chat_template_file=args.chat_template_file, reasoning=args.reasoning,
+                          verbose_responses=args.verbose_responses,
                           sampling={k: getattr(args, f"default_{k}") for k in ServerConfig.SAMPLING_KEYS
                                     if getattr(args, f"default_{k}", None) is not None})
     if args.chat_template_file:        # read now: a missing file is an error at start, not in every request

@@ -181,6 +181,10 @@ class ServerConfig:
     slot_save_path: str | None = None    # where POST /slots/N?action=save|restore keeps its named files
     props_writable: bool = False         # POST /props (llama.cpp's --props)
     chat_template_file: str | None = None   # a Jinja chat template to use instead of the model's
+    # llama.cpp's --reasoning: the templates' enable_thinking (on/auto: true, off: false); None: not passed, as
+    # transformers renders (a request's chat_template_kwargs override it either way)
+    reasoning: str | None = None
+    verbose_responses: bool = False      # every answer carries llama.cpp's "__verbose" (the prompt text, ...)
     # server-wide sampling defaults a request overrides (llama.cpp's --temp, --top-k, ..., -n); None: the built-in
     sampling: dict = field(default_factory=dict)
 
@@ -205,5 +209,7 @@ class ServerConfig:
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi):
                 flag = "-n/--n-predict" if key == "n_predict" else "--" + key.replace("_", "-").replace("temperature", "temp")
                 raise ConfigError(f"{flag} {value!r}: must be a number from {lo} to {hi}")
+        if self.reasoning not in (None, "on", "off", "auto"):
+            raise ConfigError(f"reasoning = {self.reasoning!r}: must be on, off or auto")
         if not self.cors_origins.strip():
             raise ConfigError("cors_origins is empty: give '*' or a comma-separated list of origins")

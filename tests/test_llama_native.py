@@ -217,6 +217,10 @@ def test_cors_preflight_needs_no_key_and_origins_are_checked(server):
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     r = httpx.get(server.url + "/v1/models", headers={**server.headers, "Origin": ORIGIN})
     assert r.headers["access-control-allow-origin"] == ORIGIN
+    # on the wire the names are written as llama.cpp writes them: clients that copy the headers into a plain
+    # dict (llama.cpp's own tests) look them up so
+    names = {k for k, _ in r.headers.raw}
+    assert {b"Access-Control-Allow-Origin", b"Access-Control-Allow-Credentials", b"Content-Type"} <= names
 
 
 def test_api_key_headers_and_any_model_name(server):
@@ -235,7 +239,8 @@ def test_metrics_content_type_and_llama_cpp_names(server):
     completion(server, prompt="Hi", n_predict=2)
     r = httpx.get(server.url + "/metrics", headers=server.headers)
     assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
-    assert "Process-Start-Time-Unix" in r.headers
+    assert b"Process-Start-Time-Unix" in {k for k, _ in r.headers.raw}
+    assert abs(float(r.headers["Process-Start-Time-Unix"]) - __import__("time").time()) < 3600
     values = {ln.split()[0]: float(ln.split()[1]) for ln in r.text.splitlines() if ln.startswith("llamacpp:")}
     for name in ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total",
                  "llamacpp:tokens_predicted_total", "llamacpp:prompt_seconds_total",
@@ -244,6 +249,42 @@ def test_metrics_content_type_and_llama_cpp_names(server):
         assert name in values, name
     assert values["llamacpp:tokens_predicted_total"] >= 2 and values["llamacpp:requests_processing"] == 0
     assert "strata_generated_tokens_total" in r.text
+
+
+def test_verbose_puts_the_prompt_text_in_the_answer(server, tok):
+    messages = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+    for path, body in (("/v1/chat/completions", {"messages": messages}), ("/v1/completions", {"prompt": "Hi there"})):
+        plain = post(server, path, {**body, "max_tokens": 2})
+        assert plain.status_code == 200 and "__verbose" not in plain.json()
+        r = post(server, path, {**body, "max_tokens": 2, "verbose": True})
+        assert r.status_code == 200, r.text
+        got = r.json()["__verbose"]
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)) if "messages" in body \
+            else tok.encode("Hi there", add_special=True)
+        assert got["prompt"] == tok.decode(ids) and got["tokens_evaluated"] == len(ids)
+        assert got["tokens_predicted"] == r.json()["usage"]["completion_tokens"]
+    assert post(server, "/v1/chat/completions", {"messages": messages, "verbose": "yes"}).status_code == 400
+
+
+def test_reasoning_flag_sets_enable_thinking_and_verbose_responses(model, tmp_path):
+    """--reasoning off|on: the template's enable_thinking when a request sets none (llama.cpp passes it); a
+    request's chat_template_kwargs still win. --verbose-responses: every answer carries "__verbose"."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}"
+                        "{{ 'on' if enable_thinking is defined and enable_thinking else 'off' if enable_thinking "
+                        "is defined else 'unset' }}")
+    for flag, want in (("off", "off"), ("on", "on"), (None, "unset")):
+        args = [str(model), "--max-context", "256", "--chat-template-file", str(template), "--verbose-responses"]
+        with ServerProcess(args + (["--reasoning", flag] if flag else [])) as srv:
+            srv.wait_ready()
+            msgs = [{"role": "user", "content": "Hi"}]
+            r = post(srv, "/apply-template", {"messages": msgs})
+            assert r.json()["prompt"] == f"Hi|{want}", flag
+            kept = post(srv, "/apply-template", {"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}})
+            assert kept.json()["prompt"] == "Hi|on"
+            if flag == "off":
+                chat = post(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+                assert chat.status_code == 200 and chat.json()["__verbose"]["prompt"].endswith("Hi|off")
 
 
 # ---- scripts/llama_server_compat.py ----------------------------------------------------------------------------
@@ -255,7 +296,9 @@ def test_wrapper_translates_llama_server_flags():
 
     argv = ["-m", "m.gguf", "--port", "8080", "--host", "0.0.0.0", "-c", "1024", "-np", "2", "-n", "64", "--temp", "0.7", "--top-k", "20", "-s", "-1", "--api-key", "K", "-a", "alias", "--jinja", "-ngl", "99", "--flash-attn", "on", "--no-slots", "--slot-save-path", "/tmp/s", "--props"]
     ours, warnings = compat.translate(argv)
-    assert ours[0] == "m.gguf"
+    assert ours[0] == "m.gguf" and "--reasoning auto" in " ".join(ours)      # llama-server's default
+    assert "--verbose-responses" in compat.translate(["-m", "m.gguf", "-v"])[0]
+    assert "--reasoning off" in " ".join(compat.translate(["-m", "m.gguf", "--reasoning", "off"])[0])
     line = " ".join(ours)
     for part in ("--parallel 2", "--max-context 512", "--n-predict 64", "--temp 0.7", "--top-k 20", "--seed -1",
                  "--api-key K", "--model-name alias", "--no-slots", "--slot-save-path /tmp/s", "--props",

@@ -84,6 +84,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     @post(["/v1/chat/completions", "/chat/completions"], status_code=200, guards=[_json_body])
     async def chat_completions(request: Request) -> Response:
         job = _parsed(metrics, "chat", parse_chat, await request.body(), names)
+        job.verbose = job.verbose or cfg.verbose_responses
         if sup.info and not sup.info.get("chat_template", True):
             metrics.requests.labels("chat", "rejected").inc()
             raise ApiError(400, "this model has no chat template (tokenizer.chat_template is not in its GGUF), so "
@@ -93,7 +94,9 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
 
     @post("/v1/completions", status_code=200, guards=[_json_body])
     async def completions(request: Request) -> Response:
-        return await run(request, _parsed(metrics, "completions", parse_completion, await request.body(), names))
+        job = _parsed(metrics, "completions", parse_completion, await request.body(), names)
+        job.verbose = job.verbose or cfg.verbose_responses
+        return await run(request, job)
 
     @post(["/completion", "/completions"], status_code=200, guards=[_json_body])
     async def completion(request: Request) -> Response:

@@ -1,4 +1,5 @@
-"""CORS as llama.cpp's server does it, around every route (and a 404): a browser page may call the API.
+"""CORS as llama.cpp's server does it, around every route (and a 404): a browser page may call the API. Every
+answer's header names are written as llama.cpp writes them (`canonical`).
 
     --cors-origins "*"            (default) any origin: the request's Origin is echoed, with credentials
     --cors-origins localhost      only pages on localhost / 127.0.0.1 / [::1], any port
@@ -31,6 +32,13 @@ def allowed(origins: str, origin: str) -> bool:
     return origin.rstrip("/") in {o.strip().rstrip("/") for o in origins.split(",") if o.strip()}
 
 
+def canonical(headers: list) -> list:
+    """Header names as llama.cpp's server writes them (`Access-Control-Allow-Origin`, `Content-Type`): names
+    are case-insensitive in HTTP/1.1, but clients that copy the headers into a plain dict (llama.cpp's own
+    tests do) look them up in that case."""
+    return [(b"-".join(w[:1].upper() + w[1:] for w in bytes(k).lower().split(b"-")), v) for k, v in headers]
+
+
 def wrap(app: Any, origins: str) -> Any:
     """The ASGI app with CORS headers on its answers and preflights answered."""
 
@@ -42,17 +50,17 @@ def wrap(app: Any, origins: str) -> Any:
         extra = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")] \
             if allowed(origins, origin) else []
         if scope["method"] == "OPTIONS":
-            await send({"type": "http.response.start", "status": 200, "headers": extra + [
+            await send({"type": "http.response.start", "status": 200, "headers": canonical(extra + [
                 (b"access-control-allow-credentials", b"true"), (b"access-control-allow-methods", METHODS),
                 (b"access-control-allow-headers", b"*"), (b"access-control-max-age", b"600"),
-                (b"content-type", b"text/html"), (b"content-length", b"0")]})
+                (b"content-type", b"text/html"), (b"content-length", b"0")])})
             await send({"type": "http.response.body", "body": b""})
             return None
 
         async def with_headers(message):
-            if message["type"] == "http.response.start" and extra:
-                message = {**message, "headers": [*message.get("headers", ()), *extra,
-                                                  (b"access-control-allow-credentials", b"true")]}
+            if message["type"] == "http.response.start":
+                more = [*extra, (b"access-control-allow-credentials", b"true")] if extra else []
+                message = {**message, "headers": canonical([*message.get("headers", ()), *more])}
             await send(message)
 
         return await app(scope, receive, with_headers)

@@ -38,7 +38,8 @@ _json = msgspec.json.Encoder()
 async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
     deadline = job.arrived + sup.config.request_timeout_s
     _refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))
-    prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline)
+    prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline,
+                                 text=job.verbose)
     if prepared.grammar:                        # tool_choice required / named: the call's grammar (tools.py)
         job.params = {**job.params, "grammar": prepared.grammar}
     if prepared.logit_bias is not None:         # texts in llama.cpp's logit_bias, as their token ids
@@ -284,6 +285,13 @@ def _whole_body(job: Job, run: _Run, parts: list[list[tuple[str, str]]]) -> dict
         body["choices"].append({**choice, "logprobs": run.logprobs[k].whole(), "finish_reason": reason})
     body["usage"] = run.usage()
     body["timings"] = timings(run.finals[min(run.finals)].stats)
+    if job.verbose:                     # llama.cpp's: the native answer beside the OpenAI one
+        first = body["choices"][0]
+        stats = run.finals[min(run.finals)].stats or {}
+        body["__verbose"] = {"prompt": run.prepared.text, "model": job.model,
+                             "content": first["message"]["content"] if job.kind == "chat" else first["text"],
+                             "tokens_predicted": stats.get("generated_tokens"),
+                             "tokens_evaluated": stats.get("prompt_tokens"), "stop": True}
     return body
 
 

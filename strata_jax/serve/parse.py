@@ -41,6 +41,7 @@ class Job:
     tools: list[dict[str, Any]] | None = None    # tools in play (serve/tools.py), and the choice among them
     tool_choice: Any = None
     parallel_tool_calls: bool = True             # false: one call at most
+    verbose: bool = False                        # llama.cpp's "__verbose" in the answer (generate.py)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -77,7 +78,8 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False, def
                params, req.stream, _include_usage(req), req.chat_template_kwargs,
                req.reasoning_format != "none", n=req.n or 1,
                tools=tooling[0] if tooling and tooling[1] != "none" else None,
-               tool_choice=tooling[1] if tooling else None, parallel_tool_calls=req.parallel_tool_calls is not False)
+               tool_choice=tooling[1] if tooling else None, parallel_tool_calls=req.parallel_tool_calls is not False,
+               verbose=req.verbose)
 
 
 def parse_completion(body: bytes, names: ModelNames, defaults: dict | None = None) -> Job:
@@ -94,7 +96,7 @@ def parse_completion(body: bytes, names: ModelNames, defaults: dict | None = Non
     echo = prompt if req.echo and isinstance(prompt, str) else ""
     return Job("text", f"cmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), prompt,
                _params(req, req.max_tokens, chat=False, defaults=defaults), req.stream, _include_usage(req), echo=echo,
-               n=req.n or 1)
+               n=req.n or 1, verbose=req.verbose)
 
 
 def _decode(body: bytes, kind: type) -> Any:

@@ -95,6 +95,7 @@ class _Sampling(msgspec.Struct):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False            # llama.cpp's extra: keep going past the end-of-text token
+    verbose: bool = False               # llama.cpp's: the answer also carries "__verbose" (the prompt text, ...)
     # structured output (serve/fields.py: grammar_param): OpenAI's response_format, llama.cpp's grammar
     # (GBNF) and json_schema
     response_format: ResponseFormat | None = None

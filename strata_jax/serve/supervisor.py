@@ -63,6 +63,7 @@ class Prepared:
     tool_format: str | None = None              # tools in play: one of tool_formats.FORMATS
     grammar: list | None = None                 # the grammar that forces a tool call (tool_choice required, named)
     logit_bias: list | None = None              # [[id, bias]] when the request biased texts (llama.cpp's logit_bias)
+    text: str | None = None                     # the prompt as text, when asked (llama.cpp's "__verbose")
 
 
 @dataclass(eq=False)
@@ -122,7 +123,7 @@ class Supervisor:
     def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, stable_after_s: float = 60.0, on_fault: Callable[[Fault], None] | None = None,
                  command: list[str] | None = None, max_queue: int = 256, stall_s: float = 60.0,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, template_vars: dict | None = None):
         self.model = str(model)
         self.config = config
         self.console = console
@@ -135,6 +136,7 @@ class Supervisor:
         # the engine process; tests may put a mock engine that speaks the same frames here
         self.command = command or [sys.executable, "-m", "strata_jax.serve.worker"]
         self.chat_template = chat_template          # --chat-template-file's text, or None: the model's
+        self.template_vars = template_vars or {}    # the template's variables a request does not set (--reasoning)
         self.ledger = FaultLedger()
         self.state = "loading"                  # loading | ready | restarting | stopping
         self.reason = f"loading {Path(self.model).name}"
@@ -228,7 +230,8 @@ class Supervisor:
             return None
         self._proc = proc
         log.info("engine process %d started (pid %d)", gen, proc.pid)
-        self._send({"model": self.model, "engine": self.config.to_dict(), "chat_template": self.chat_template})
+        self._send({"model": self.model, "engine": self.config.to_dict(), "chat_template": self.chat_template,
+                    "template_vars": self.template_vars})
         self._stall, self._beat, self._heard_at = None, {}, time.monotonic()
         errs = asyncio.create_task(self._read_stderr(proc.stderr))
         watchdog = asyncio.create_task(self._watch(proc))
@@ -414,11 +417,11 @@ class Supervisor:
                            "unavailable_error") from None
 
     async def prepare(self, rid: str, prompt: Any, params: dict[str, Any], chat_template_kwargs: dict | None,
-                      deadline: float) -> Prepared:
+                      deadline: float, text: bool = False) -> Prepared:
         """Tokenize and check a request on the engine: -> Prepared, or ApiError (4xx for bad requests, 503
-        when no engine answers before the deadline)."""
+        when no engine answers before the deadline). text: the prompt's text comes back too."""
         msg = {"op": "prepare", "id": rid, "prompt": prompt, "params": params,
-               "chat_template_kwargs": chat_template_kwargs}
+               "chat_template_kwargs": chat_template_kwargs, "text": text}
         self.admit()
         self._preparing += 1
         try:
@@ -454,7 +457,7 @@ class Supervisor:
                                     f"({self.config.request_timeout_s:g} s)", "unavailable_error") from None
             if reply["t"] == "prepared":
                 return Prepared(reply["ids"], reply["max_tokens"], reply["think"], reply.get("tool_format"),
-                                reply.get("grammar"), reply.get("logit_bias"))
+                                reply.get("grammar"), reply.get("logit_bias"), reply.get("text"))
             raise _rejection(reply)
         raise ApiError(503, f"the engine stopped three times while reading this request: {self.reason}",
                        "unavailable_error")

@@ -79,6 +79,7 @@ class Worker:
         model = GGUFModel.open(start["model"])
         with _progress_as_frames(writer):
             self.engine = Engine(model, cfg, progress=True)     # loads the weights, builds the decode programs
+        self.template_vars = start.get("template_vars") or {}     # --reasoning: enable_thinking, unless a request sets it
         if start.get("chat_template"):          # --chat-template-file: this template instead of the model's
             self.engine.tokenizer.chat_template = start["chat_template"]
             self.engine.tokenizer._template = None
@@ -183,7 +184,7 @@ class Worker:
         from strata_jax.gguf.chat_template import NoChatTemplateError
 
         rid, messages, p = cmd["id"], cmd["prompt"], cmd.get("params") or {}
-        kwargs = cmd.get("chat_template_kwargs") or {}
+        kwargs = {**self.template_vars, **(cmd.get("chat_template_kwargs") or {})}
         try:
             if p.get("tools"):
                 messages, kwargs, _ = tool_prompt(self.engine.tokenizer, messages, kwargs, *p["tools"])
@@ -229,7 +230,7 @@ class Worker:
         from strata_jax.gguf.chat_template import NoChatTemplateError
 
         rid, prompt, p = cmd["id"], cmd["prompt"], cmd["params"]
-        kwargs = cmd.get("chat_template_kwargs") or {}
+        kwargs = {**self.template_vars, **(cmd.get("chat_template_kwargs") or {})}
         n_ctx = self.engine.config.max_context
         tooling = {}
         try:
@@ -277,7 +278,10 @@ class Worker:
         except ValueError as e:   # ChatMessageError, ChatTemplateError, TokenizerError
             return {"t": "rejected", "id": rid, "kind": "invalid", "message": str(e), "param": "messages"
                     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else "prompt"}
-        return {"t": "prepared", "id": rid, "ids": ids, "max_tokens": max_tokens, "think": think, **tooling}
+        out = {"t": "prepared", "id": rid, "ids": ids, "max_tokens": max_tokens, "think": think, **tooling}
+        if cmd.get("text"):                       # llama.cpp's "__verbose": the prompt as the model reads it
+            out["text"] = self.engine.tokenizer.decode(ids)
+        return out
 
     def submit(self, cmd: dict[str, Any]) -> None:
         rid, p = cmd["id"], cmd["params"]
