@@ -11,7 +11,8 @@ What maps (llama-server -> strata-jax serve): -m/--model -> MODEL, --host, --por
 --api-key-file, -a/--alias -> --model-name, --slot-save-path, --cors-origins (llama.cpp's proxy list: here the
 allowed origins), --slots/--no-slots, --props, --chat-template-file, -md/--model-draft -> --drafter draft:PATH,
 --draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s, --reasoning (default auto, as
-llama-server's: the chat template's enable_thinking is true), -v/--verbose -> --verbose-responses.
+llama-server's: the chat template's enable_thinking is true), -v/--verbose -> --verbose-responses,
+--prefill-assistant unless --no-prefill-assistant (llama-server's default: a final assistant message is continued).
 
 No model hub is reachable from here: --hf-repo / --hf-file / --model-url serve the GGUF named by the environment
 variable STRATA_COMPAT_MODEL (default: strata-jax's default model), with a warning. Flags that change how
@@ -78,6 +79,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--props", action="store_true")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--no-prefill-assistant", action="store_true")
     for flag in SAME:
         p.add_argument(flag)
     return p
@@ -121,6 +123,8 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
         out.append("--props")
     if args.verbose:                      # llama-server's --verbose also puts "__verbose" in every answer
         out.append("--verbose-responses")
+    if not args.no_prefill_assistant:     # llama-server's default: a final assistant message is continued
+        out.append("--prefill-assistant")
     if args.reasoning is None:            # llama-server's default: templates get enable_thinking = true
         out += ["--reasoning", "auto"]
     i = 0

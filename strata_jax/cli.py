@@ -230,6 +230,9 @@ def add_serve(sub: Subparsers) -> None:
     g.add_argument("--reasoning", choices=("on", "off", "auto"),
                    help="the chat template's enable_thinking for requests that do not set it (on, auto: true; off: "
                         "false), as llama.cpp passes it; by default it is not passed, as transformers renders")
+    g.add_argument("--prefill-assistant", action="store_true",
+                   help="a chat whose last message is the assistant's continues that message instead of answering it "
+                        "(llama.cpp's default; vLLM's continue_final_message asks for it a request)")
     g.add_argument("--verbose-responses", action="store_true",
                    help="every answer carries llama.cpp's \"__verbose\" object (the rendered prompt, ...), as a "
                         "request's \"verbose\": true asks for its own (llama-server's --verbose)")
@@ -267,7 +270,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,
                           slots_endpoint=args.slots, slot_save_path=args.slot_save_path, props_writable=args.props,
                           chat_template_file=args.chat_template_file, reasoning=args.reasoning,
-                          verbose_responses=args.verbose_responses,
+                          verbose_responses=args.verbose_responses, prefill_assistant=args.prefill_assistant,
                           sampling={k: getattr(args, f"default_{k}") for k in ServerConfig.SAMPLING_KEYS
                                     if getattr(args, f"default_{k}", None) is not None})
     if args.chat_template_file:        # read now: a missing file is an error at start, not in every request

@@ -185,6 +185,7 @@ class ServerConfig:
     # transformers renders (a request's chat_template_kwargs override it either way)
     reasoning: str | None = None
     verbose_responses: bool = False      # every answer carries llama.cpp's "__verbose" (the prompt text, ...)
+    prefill_assistant: bool = False      # a chat ending in the assistant's message continues it (llama.cpp's default)
     # server-wide sampling defaults a request overrides (llama.cpp's --temp, --top-k, ..., -n); None: the built-in
     sampling: dict = field(default_factory=dict)
 

@@ -270,21 +270,46 @@ def test_reasoning_flag_sets_enable_thinking_and_verbose_responses(model, tmp_pa
     """--reasoning off|on: the template's enable_thinking when a request sets none (llama.cpp passes it); a
     request's chat_template_kwargs still win. --verbose-responses: every answer carries "__verbose"."""
     template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}"
+    template.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
                         "{{ 'on' if enable_thinking is defined and enable_thinking else 'off' if enable_thinking "
                         "is defined else 'unset' }}")
+    msgs = [{"role": "user", "content": "Hi"}]
     for flag, want in (("off", "off"), ("on", "on"), (None, "unset")):
         args = [str(model), "--max-context", "256", "--chat-template-file", str(template), "--verbose-responses"]
-        with ServerProcess(args + (["--reasoning", flag] if flag else [])) as srv:
+        with ServerProcess(args + (["--reasoning", flag, "--prefill-assistant"] if flag else [])) as srv:
             srv.wait_ready()
-            msgs = [{"role": "user", "content": "Hi"}]
             r = post(srv, "/apply-template", {"messages": msgs})
-            assert r.json()["prompt"] == f"Hi|{want}", flag
+            assert r.json()["prompt"] == f"Hi|A:{want}", flag
             kept = post(srv, "/apply-template", {"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}})
-            assert kept.json()["prompt"] == "Hi|on"
+            assert kept.json()["prompt"] == "Hi|A:on"
+            # a chat that ends in the assistant's words: a new turn by default (vLLM's way); continued with
+            # --prefill-assistant (llama.cpp's: the chat before it with the generation prompt, then the words)
+            prefill = post(srv, "/apply-template", {"messages": msgs + [{"role": "assistant", "content": "Hel"}]})
+            assert prefill.json()["prompt"] == (f"Hi|A:{want}Hel" if flag else "Hi|Hel|A:unset")
             if flag == "off":
                 chat = post(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
-                assert chat.status_code == 200 and chat.json()["__verbose"]["prompt"].endswith("Hi|off")
+                assert chat.status_code == 200 and chat.json()["__verbose"]["prompt"].endswith("Hi|A:off")
+
+
+def test_continue_final_message_and_add_generation_prompt(server, tok):
+    """vLLM's request fields: continue_final_message continues the assistant's last message (transformers'
+    way: the chat rendered whole, cut after its content); add_generation_prompt false renders no new turn;
+    both true is a 400 naming them."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
+    whole = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    r = post(server, "/apply-template", {"messages": msgs, "continue_final_message": True,
+                                         "add_generation_prompt": False})
+    assert r.status_code == 200 and r.json()["prompt"] == whole[:whole.rindex("Hello the") + len("Hello the")]
+    r = post(server, "/v1/chat/completions", {"messages": msgs, "continue_final_message": True,
+                                              "add_generation_prompt": False, "max_tokens": 2, "verbose": True})
+    assert r.status_code == 200 and r.json()["__verbose"]["prompt"].endswith("Hello the")
+    r = post(server, "/apply-template", {"messages": msgs[:1], "add_generation_prompt": False})
+    assert r.json()["prompt"] == tok.apply_chat_template(msgs[:1], add_generation_prompt=False)
+    bad = post(server, "/v1/chat/completions", {"messages": msgs, "continue_final_message": True, "max_tokens": 2})
+    assert bad.status_code == 400 and "continue_final_message" in bad.json()["error"]["message"]
+    bad = post(server, "/v1/chat/completions", {"messages": msgs[:1], "continue_final_message": True,
+                                                "add_generation_prompt": False, "max_tokens": 2})
+    assert bad.status_code == 400 and "the last message must be the assistant's" in bad.json()["error"]["message"]
 
 
 # ---- scripts/llama_server_compat.py ----------------------------------------------------------------------------
@@ -298,6 +323,8 @@ def test_wrapper_translates_llama_server_flags():
     ours, warnings = compat.translate(argv)
     assert ours[0] == "m.gguf" and "--reasoning auto" in " ".join(ours)      # llama-server's default
     assert "--verbose-responses" in compat.translate(["-m", "m.gguf", "-v"])[0]
+    assert "--prefill-assistant" in ours and "--prefill-assistant" not in compat.translate(
+        ["-m", "m.gguf", "--no-prefill-assistant"])[0]
     assert "--reasoning off" in " ".join(compat.translate(["-m", "m.gguf", "--reasoning", "off"])[0])
     line = " ".join(ours)
     for part in ("--parallel 2", "--max-context 512", "--n-predict 64", "--temp 0.7", "--top-k 20", "--seed -1",

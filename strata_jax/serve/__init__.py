@@ -26,7 +26,8 @@ def build(server: ServerConfig, engine: EngineConfig, *, progress: bool = True):
         template = Path(server.chat_template_file).read_text(encoding="utf-8")
     sup = Supervisor(server.model, engine, console=Console(bars=progress), max_queue=server.max_queue,
                      stall_s=server.engine_stall_s, chat_template=template,
-                     template_vars={} if server.reasoning is None else {"enable_thinking": server.reasoning != "off"})
+                     template_vars={} if server.reasoning is None else {"enable_thinking": server.reasoning != "off"},
+                     prefill_assistant=server.prefill_assistant)
     return create_app(sup, server)
 
 

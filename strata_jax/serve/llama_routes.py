@@ -121,7 +121,9 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
     @post("/apply-template", status_code=200, guards=[json_body])
     async def apply_template(request: Request) -> dict[str, Any]:
         job = parse_chat(await request.body(), _AnyModel(served), trust_template=cfg.trust_request_chat_template)
-        reply = await sup.ask("apply_template", prompt=job.prompt, params={"tools": job.params.get("tools")},
+        reply = await sup.ask("apply_template", prompt=job.prompt,
+                              params={"tools": job.params.get("tools"), "render": job.params.get("render")},
+                              **sup.render_options(),
                               chat_template_kwargs=job.chat_template_kwargs)
         return {"prompt": reply["prompt"]}
 

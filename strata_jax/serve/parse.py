@@ -64,6 +64,10 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False, def
                       "or start the server with --trust-request-chat-template", f"chat_template_kwargs.{reserved[0]}")
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
     _check_carried(messages=messages, chat_template_kwargs=req.chat_template_kwargs)
+    if req.add_generation_prompt and req.continue_final_message:
+        raise invalid("add_generation_prompt and continue_final_message are both true: a chat either starts a new "
+                      "assistant turn or continues its final message; set add_generation_prompt to false",
+                      "continue_final_message")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params(req, max_tokens, chat=True, defaults=defaults)
     tooling = tool_request(req.tools, req.tool_choice)
@@ -74,6 +78,8 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False, def
                           f"{params['grammar'][2]} or set tool_choice to auto", "tool_choice")
         # the engine process renders them (tools.tool_prompt)
         params["tools"] = [*tooling, req.parallel_tool_calls is not False]
+    if not req.add_generation_prompt or req.continue_final_message:     # worker.render_chat; else its defaults
+        params["render"] = [req.add_generation_prompt, req.continue_final_message]
     return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
                params, req.stream, _include_usage(req), req.chat_template_kwargs,
                req.reasoning_format != "none", n=req.n or 1,

@@ -113,6 +113,10 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None   # serve/tools.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: a chat whose last message is the assistant's is continued (no new turn) with
+    # continue_final_message; add_generation_prompt false renders no assistant header after the last message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Sampling):

@@ -123,7 +123,7 @@ class Supervisor:
     def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, stable_after_s: float = 60.0, on_fault: Callable[[Fault], None] | None = None,
                  command: list[str] | None = None, max_queue: int = 256, stall_s: float = 60.0,
-                 chat_template: str | None = None, template_vars: dict | None = None):
+                 chat_template: str | None = None, template_vars: dict | None = None, prefill_assistant: bool = False):
         self.model = str(model)
         self.config = config
         self.console = console
@@ -137,6 +137,7 @@ class Supervisor:
         self.command = command or [sys.executable, "-m", "strata_jax.serve.worker"]
         self.chat_template = chat_template          # --chat-template-file's text, or None: the model's
         self.template_vars = template_vars or {}    # the template's variables a request does not set (--reasoning)
+        self.prefill_assistant = prefill_assistant  # a final assistant message is continued (--prefill-assistant)
         self.ledger = FaultLedger()
         self.state = "loading"                  # loading | ready | restarting | stopping
         self.reason = f"loading {Path(self.model).name}"
@@ -230,8 +231,7 @@ class Supervisor:
             return None
         self._proc = proc
         log.info("engine process %d started (pid %d)", gen, proc.pid)
-        self._send({"model": self.model, "engine": self.config.to_dict(), "chat_template": self.chat_template,
-                    "template_vars": self.template_vars})
+        self._send({"model": self.model, "engine": self.config.to_dict(), "chat_template": self.chat_template})
         self._stall, self._beat, self._heard_at = None, {}, time.monotonic()
         errs = asyncio.create_task(self._read_stderr(proc.stderr))
         watchdog = asyncio.create_task(self._watch(proc))
@@ -421,7 +421,7 @@ class Supervisor:
         """Tokenize and check a request on the engine: -> Prepared, or ApiError (4xx for bad requests, 503
         when no engine answers before the deadline). text: the prompt's text comes back too."""
         msg = {"op": "prepare", "id": rid, "prompt": prompt, "params": params,
-               "chat_template_kwargs": chat_template_kwargs, "text": text}
+               "chat_template_kwargs": chat_template_kwargs, "text": text, **self.render_options()}
         self.admit()
         self._preparing += 1
         try:
@@ -442,6 +442,11 @@ class Supervisor:
         waiting = self._preparing + len(self._queue) + 1
         retry = max(1, min(60, math.ceil(self._request_s * waiting / self.config.parallel)))
         return ApiError(503, f"{why}; retry in {retry} s", "unavailable_error", headers={"Retry-After": str(retry)})
+
+    def render_options(self) -> dict[str, Any]:
+        """What a chat's rendering takes from the server's flags: the template's variables (--reasoning) and
+        whether a final assistant message is continued (--prefill-assistant)."""
+        return {"template_vars": self.template_vars, "prefill": self.prefill_assistant}
 
     async def _prepare(self, msg: dict[str, Any], deadline: float) -> Prepared:
         for _ in range(3):                          # an engine that stops meanwhile: ask the next one

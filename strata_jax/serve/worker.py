@@ -79,7 +79,6 @@ class Worker:
         model = GGUFModel.open(start["model"])
         with _progress_as_frames(writer):
             self.engine = Engine(model, cfg, progress=True)     # loads the weights, builds the decode programs
-        self.template_vars = start.get("template_vars") or {}     # --reasoning: enable_thinking, unless a request sets it
         if start.get("chat_template"):          # --chat-template-file: this template instead of the model's
             self.engine.tokenizer.chat_template = start["chat_template"]
             self.engine.tokenizer._template = None
@@ -184,12 +183,12 @@ class Worker:
         from strata_jax.gguf.chat_template import NoChatTemplateError
 
         rid, messages, p = cmd["id"], cmd["prompt"], cmd.get("params") or {}
-        kwargs = {**self.template_vars, **(cmd.get("chat_template_kwargs") or {})}
+        kwargs = {**(cmd.get("template_vars") or {}), **(cmd.get("chat_template_kwargs") or {})}
         try:
             if p.get("tools"):
                 messages, kwargs, _ = tool_prompt(self.engine.tokenizer, messages, kwargs, *p["tools"])
-            text = self.engine.tokenizer.apply_chat_template(
-                **{"messages": messages, "add_generation_prompt": True, **kwargs})
+            text = render_chat(self.engine.tokenizer, messages, kwargs, *(p.get("render") or (True, False)),
+                               prefill=bool(cmd.get("prefill")))
         except NoChatTemplateError as e:
             return {"t": "rejected", "id": rid, "kind": "template", "message": str(e)}
         except ValueError as e:
@@ -230,7 +229,8 @@ class Worker:
         from strata_jax.gguf.chat_template import NoChatTemplateError
 
         rid, prompt, p = cmd["id"], cmd["prompt"], cmd["params"]
-        kwargs = {**self.template_vars, **(cmd.get("chat_template_kwargs") or {})}
+        # the server's --reasoning (template_vars) under the request's own chat_template_kwargs
+        kwargs = {**(cmd.get("template_vars") or {}), **(cmd.get("chat_template_kwargs") or {})}
         n_ctx = self.engine.config.max_context
         tooling = {}
         try:
@@ -243,8 +243,8 @@ class Worker:
                 # Rendered once: the text is tokenized and says whether the template opened the reasoning
                 # part. kwargs go over the defaults: the server lets them name messages or
                 # add_generation_prompt only with --trust-request-chat-template.
-                text = self.engine.tokenizer.apply_chat_template(
-                    **{"messages": prompt, "add_generation_prompt": True, **kwargs})
+                text = render_chat(self.engine.tokenizer, prompt, kwargs, *(p.get("render") or (True, False)),
+                                   prefill=bool(cmd.get("prefill")))
                 think = text.rstrip().endswith("<think>")
                 ids = self.engine.chat_text_ids(text)
             elif isinstance(prompt, list) and any(isinstance(x, str) for x in prompt):   # llama.cpp's mixed prompt
@@ -310,6 +310,30 @@ class Worker:
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
                  "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs", "grammar")
+
+
+def render_chat(tk, messages: list, kwargs: dict, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, prefill: bool = False) -> str:
+    """A chat's prompt text. A final assistant message with text content is continued, not answered, with
+    continue_final_message (vLLM's and transformers' way: the chat rendered whole, cut after that content)
+    or, with prefill (--prefill-assistant, llama.cpp's default), as llama.cpp does: the chat before it with
+    the generation prompt, then its content."""
+    last = messages[-1] if messages else None
+    content = last.get("content") if isinstance(last, dict) and last.get("role") == "assistant" else None
+    if not isinstance(content, str) or not content.strip() or not (continue_final_message or
+                                                                    (prefill and add_generation_prompt)):
+        if continue_final_message:
+            raise ValueError("continue_final_message: the last message must be the assistant's, with text content")
+        return tk.apply_chat_template(**{"messages": messages, "add_generation_prompt": add_generation_prompt,
+                                         **kwargs})
+    if continue_final_message:
+        text = tk.apply_chat_template(**{"messages": messages, "add_generation_prompt": False, **kwargs})
+        at = text.rfind(content.strip())
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template does not write the final message's content "
+                             "as given, so it cannot be continued")
+        return text[:at + len(content.strip())]
+    return tk.apply_chat_template(**{"messages": messages[:-1], "add_generation_prompt": True, **kwargs}) + content
 
 
 def _sampling(p: dict[str, Any], max_tokens: int) -> dict[str, Any]:
