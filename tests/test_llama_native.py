@@ -157,6 +157,16 @@ def test_apply_template_is_the_engines_rendering(server, tok):
     assert post(server, "/apply-template", {"messages": []}).status_code == 400
 
 
+def test_chat_input_tokens_counts_what_a_request_reads(server, tok):
+    messages = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+    r = post(server, "/chat/completions/input_tokens", {"messages": messages})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"input_tokens": len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))}
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == r.json()["input_tokens"]
+    assert post(server, "/chat/completions/input_tokens", {"messages": []}).status_code == 400
+
+
 def test_tokenize_with_pieces(server, tok):
     r = post(server, "/tokenize", {"content": "Hello wörld", "with_pieces": True})
     pieces = r.json()["tokens"]

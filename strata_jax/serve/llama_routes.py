@@ -9,6 +9,7 @@
                       server-wide sampling defaults (with --props only, else 501 as llama.cpp's)
     POST /completion, /completions   llama.cpp's native generation (serve/native.py)
     POST /apply-template  {"messages", "tools", "chat_template_kwargs"} -> {"prompt": the rendered text}
+    POST /chat/completions/input_tokens  a chat request -> {"input_tokens": the prompt tokens it would read}
     POST /slots/N?action=save|restore|erase  {"filename": NAME}: a slot's kept KV to / from NAME in
                       --slot-save-path (a file name, never a path: 400); without --slot-save-path a 501
 
@@ -20,6 +21,7 @@ vocabulary, is a 400 naming the field and the value. /props is a 503 until the f
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,15 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
                               chat_template_kwargs=job.chat_template_kwargs)
         return {"prompt": reply["prompt"]}
 
+    @post(["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"], status_code=200,
+          guards=[json_body])
+    async def input_tokens(request: Request) -> dict[str, Any]:
+        """The prompt tokens a chat would read ({"input_tokens": n}), rendered and tokenized as a request is."""
+        job = parse_chat(await request.body(), _AnyModel(served), trust_template=cfg.trust_request_chat_template)
+        prepared = await sup.prepare(f"count-{id(job)}", job.prompt, job.params, job.chat_template_kwargs,
+                                     time.monotonic() + 30.0)
+        return {"input_tokens": len(prepared.ids)}
+
     @post("/slots/{slot_id:int}", status_code=200)
     async def slot_action(request: Request, slot_id: int, action: str | None = None) -> dict[str, Any]:
         if cfg.slot_save_path is None and action != "erase":
@@ -148,7 +159,7 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         reply = await sup.ask("slot", action=action, slot=slot_id, path=path, timeout=60.0)
         return {k: v for k, v in reply.items() if k not in ("t", "id")}
 
-    return [tokenize, detokenize, props, change_props, apply_template, slot_action]
+    return [tokenize, detokenize, props, change_props, apply_template, input_tokens, slot_action]
 
 
 class _AnyModel:
