@@ -248,8 +248,8 @@ def add_serve(sub: Subparsers) -> None:
                                   ("--frequency-penalty", "frequency_penalty", float, "frequency penalty (built in: 0)")):
         g.add_argument(flag, dest=f"default_{key}", type=kind, metavar="X", help=what)
     g.add_argument("-n", "--n-predict", dest="default_n_predict", type=int, metavar="N",
-                   help="tokens a request generates when it sets no max_tokens / n_predict, and the most it may ask "
-                        "for (llama.cpp's -n; built in: -1, up to the end of the slot's context)")
+                   help="tokens a request generates when it sets no max_tokens / n_predict; a request may ask for "
+                        "more (llama.cpp's -n; built in: -1, up to the end of the slot's context)")
     add_engine_flags(p)
     p.set_defaults(run=run_serve)
 

@@ -189,14 +189,13 @@ def _params(req: Any, max_tokens: int | None, chat: bool, defaults: dict | None 
 
 
 def limit_tokens(asked: int | None, defaults: dict) -> int | None:
-    """The tokens to generate: the request's, else the server's -n; never more than the server's -n (llama.cpp's
-    rule). None: up to the end of the slot's context."""
+    """The tokens to generate: the request's, else the server's -n (llama.cpp's rule: its server-context.cpp
+    takes `task.params.n_predict != -1 ? task.params.n_predict : params_base.n_predict`, so a request may ask
+    for more than -n). None: up to the end of the slot's context."""
     n = defaults.get("n_predict", -1)
-    if n is None or n < 0:
+    if asked is not None or n is None or n <= 0:       # -n 0 or -1: no default
         return asked
-    if n == 0:                  # llama.cpp's -n 0: generate nothing unless asked
-        return asked
-    return n if asked is None else min(asked, n)
+    return n
 
 
 def _include_usage(req: Any) -> bool:
