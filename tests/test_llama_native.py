@@ -246,6 +246,16 @@ def test_api_key_headers_and_any_model_name(server):
             assert r.json()["error"]["type"] == "authentication_error"
 
 
+def test_timings_count_decode_steps_as_llama_cpp(server):
+    """The first token comes from the prompt's last window: the rate is over n - 1 decode steps."""
+    one = completion(server, prompt="Hi", n_predict=1, ignore_eos=True)["timings"]
+    assert one["predicted_n"] == 1 and one["predicted_per_second"] == 0.0 and one["predicted_per_token_ms"] == 0.0
+    six = completion(server, prompt="Hi", n_predict=6, ignore_eos=True)["timings"]
+    assert six["predicted_n"] == 6
+    assert abs(six["predicted_per_second"] - 1e3 * 5 / six["predicted_ms"]) < 1e-6
+    assert abs(six["predicted_per_token_ms"] - six["predicted_ms"] / 5) < 1e-6
+
+
 def test_metrics_content_type_and_llama_cpp_names(server):
     completion(server, prompt="Hi", n_predict=2)
     r = httpx.get(server.url + "/metrics", headers=server.headers)
@@ -256,8 +266,13 @@ def test_metrics_content_type_and_llama_cpp_names(server):
     for name in ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total",
                  "llamacpp:tokens_predicted_total", "llamacpp:prompt_seconds_total",
                  "llamacpp:tokens_predicted_seconds_total", "llamacpp:n_decode_total", "llamacpp:requests_processing",
-                 "llamacpp:requests_deferred", "llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds"):
+                 "llamacpp:requests_deferred", "llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds",
+                 "llamacpp:n_tokens_max", "llamacpp:n_busy_slots_per_decode",
+                 "llamacpp:spec_decode_num_draft_tokens_total", "llamacpp:spec_decode_num_accepted_tokens_total",
+                 "llamacpp:spec_decode_num_drafts_total"):
         assert name in values, name
+        assert f"# HELP {name.removesuffix('_total')}" in r.text or f"# HELP {name} " in r.text, name
+    assert "# TYPE llamacpp:n_tokens_max counter" in r.text and values["llamacpp:n_tokens_max"] >= 3
     assert values["llamacpp:tokens_predicted_total"] >= 2 and values["llamacpp:requests_processing"] == 0
     assert "strata_generated_tokens_total" in r.text
 

@@ -70,7 +70,8 @@ class EngineCore:
         self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                          "generated_tokens": 0, "windows": 0, "window_rows": 0, "prompt_rows": 0,
-                         "multi_prompt_windows": 0, "narrowed_windows": 0, "split_windows": 0}
+                         "multi_prompt_windows": 0, "narrowed_windows": 0, "split_windows": 0,
+                         "max_window_tokens": 0}      # the most real tokens a window held (llama.cpp's n_tokens_max)
         self.output = Output(self.tokenizer, self.runner, self.speculator, self.counters)
         self.admission = Admission(self.prefix, self.tokenizer, self.speculator, self.output,
                                    self.runner.cache_lost, self.lose_cache, self.config.request_timeout_s)
@@ -241,6 +242,8 @@ class EngineCore:
         self.counters["window_rows"] += len(w.rows)
         self.counters["prompt_rows"] += len(w.prefills)
         self.counters["multi_prompt_windows"] += len(w.prefills) > 1
+        real = sum(int((g.pos >= 0).sum()) for g in w.groups)
+        self.counters["max_window_tokens"] = max(self.counters["max_window_tokens"], real)
         if self.runner.stepper is not None:               # expert-tier counters, per request too
             for s in w.rows:
                 if not s.free:

@@ -113,8 +113,10 @@ def timings(st: dict[str, Any] | None) -> dict[str, Any]:
             "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
             "prompt_per_second": round(st.get("prompt_per_second", 0.0), 3), "predicted_n": predicted_n,
             "predicted_ms": round(predicted_ms, 3),
-            "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
-            "predicted_per_second": round(st.get("predicted_per_second", 0.0), 3),
+            # over the decode steps, as llama.cpp's: the first token comes from the prompt's last window
+            "predicted_per_token_ms": round(predicted_ms, 3) / (predicted_n - 1) if predicted_n > 1 else 0.0,
+            "predicted_per_second": 1e3 * (predicted_n - 1) / round(predicted_ms, 3)
+            if predicted_n > 1 and round(predicted_ms, 3) > 0 else 0.0,
             "draft_n": st.get("draft_n", 0), "draft_n_accepted": st.get("draft_n_accepted", 0)}
 
 

@@ -19,6 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from .latency import Latency
 
@@ -63,7 +64,10 @@ class Metrics:
                 self.decode_tps.set(stats["predicted_per_second"])
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        # llama.cpp declares n_tokens_max a counter without "_total" (it is the largest window seen);
+        # prometheus_client would name its HELP and TYPE lines with "_total" and its sample without
+        text = generate_latest(self.registry)
+        return text.replace(b"llamacpp:n_tokens_max_total ", b"llamacpp:n_tokens_max ")
 
 
 class LlamaCpp:
@@ -128,10 +132,25 @@ class _LlamaCppGauges:
             yield gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
                         stats["kv_used_positions"] / (s["slots"] * s["n_ctx"]))
             yield gauge("kv_cache_tokens", "KV-cache tokens.", stats["kv_used_positions"])
-        decode = CounterMetricFamily("llamacpp:n_decode", "Total number of llama_decode() calls (here: engine "
-                                     "windows, this engine process)")
-        decode.add_metric([], float(stats.get("windows", 0) or 0))
-        yield decode
+        windows = float(stats.get("windows", 0) or 0)
+        yield gauge("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call (here: rows "
+                    "a window).", (stats.get("window_rows", 0) or 0) / windows if windows else 0.0)
+        spec = stats.get("spec") or {}
+        for name, doc, value in (
+                ("n_decode", "Total number of llama_decode() calls (here: engine windows, this engine process)",
+                 windows),
+                ("spec_decode_num_draft_tokens", "Total number of speculative draft tokens verified.",
+                 spec.get("draft_n", 0)),
+                ("spec_decode_num_accepted_tokens", "Total number of speculative draft tokens accepted.",
+                 spec.get("draft_n_accepted", 0)),
+                ("spec_decode_num_drafts", "Total number of speculative drafts verified.", spec.get("drafts", 0))):
+            counter = CounterMetricFamily(f"llamacpp:{name}", doc)
+            counter.add_metric([], float(value or 0))
+            yield counter
+        most = Metric("llamacpp:n_tokens_max", "Largest observed n_tokens (here: the most real tokens a window "
+                      "held).", "counter")
+        most.add_sample("llamacpp:n_tokens_max", {}, float(stats.get("max_window_tokens", 0) or 0))
+        yield most
 
 
 class _EngineCollector:

@@ -24,11 +24,12 @@ class SpecCounters:
     drafted: int = 0           # draft tokens verified
     accepted: int = 0          # of them, accepted
     verify_windows: int = 0    # windows that held a verify group
+    drafts: int = 0            # rows' drafts verified (llama.cpp's spec_decode_num_drafts)
 
     def as_dict(self) -> dict:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         return {"draft_n": self.drafted, "draft_n_accepted": self.accepted, "acceptance": round(rate, 4),
-                "verify_windows": self.verify_windows}
+                "verify_windows": self.verify_windows, "drafts": self.drafts}
 
 
 class Speculator:
@@ -78,6 +79,7 @@ class Speculator:
     def record(self, request, drafted: int, accepted: int) -> None:
         self.counters.drafted += drafted
         self.counters.accepted += accepted
+        self.counters.drafts += drafted > 0
         request.draft_n += drafted
         request.draft_n_accepted += accepted
 
