@@ -12,7 +12,8 @@ What maps (llama-server -> strata-jax serve): -m/--model -> MODEL, --host, --por
 allowed origins), --slots/--no-slots, --props, --chat-template-file, -md/--model-draft -> --drafter draft:PATH,
 --draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s, --reasoning (default auto, as
 llama-server's: the chat template's enable_thinking is true), -v/--verbose -> --verbose-responses,
---prefill-assistant unless --no-prefill-assistant (llama-server's default: a final assistant message is continued).
+--prefill-assistant unless --no-prefill-assistant (llama-server's default: a final assistant message is continued),
+--no-metrics unless --metrics (llama-server's default).
 
 No model hub is reachable from here: --hf-repo / --hf-file / --model-url serve the GGUF named by the environment
 variable STRATA_COMPAT_MODEL (default: strata-jax's default model), with a warning. Flags that change how
@@ -80,6 +81,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--props", action="store_true")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--no-prefill-assistant", action="store_true")
+    p.add_argument("--metrics", action="store_true")
     for flag in SAME:
         p.add_argument(flag)
     return p
@@ -123,6 +125,8 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
         out.append("--props")
     if args.verbose:                      # llama-server's --verbose also puts "__verbose" in every answer
         out.append("--verbose-responses")
+    if not args.metrics:                  # llama-server serves /metrics only with --metrics
+        out.append("--no-metrics")
     if not args.no_prefill_assistant:     # llama-server's default: a final assistant message is continued
         out.append("--prefill-assistant")
     if args.reasoning is None:            # llama-server's default: templates get enable_thinking = true

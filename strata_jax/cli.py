@@ -223,6 +223,8 @@ def add_serve(sub: Subparsers) -> None:
                         "name is served by the one model, as llama.cpp does")
     g.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
                    help="GET /slots (llama.cpp's --slots / --no-slots; default on)")
+    g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="GET /metrics (default on; off: 501, as llama-server without its --metrics)")
     g.add_argument("--slot-save-path", metavar="DIR",
                    help="enable POST /slots/N?action=save|restore with file names (never paths) in DIR")
     g.add_argument("--props", action="store_true", help="let POST /props change the server-wide sampling defaults")
@@ -269,6 +271,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,
                           slots_endpoint=args.slots, slot_save_path=args.slot_save_path, props_writable=args.props,
+                          metrics_endpoint=args.metrics,
                           chat_template_file=args.chat_template_file, reasoning=args.reasoning,
                           verbose_responses=args.verbose_responses, prefill_assistant=args.prefill_assistant,
                           sampling={k: getattr(args, f"default_{k}") for k in ServerConfig.SAMPLING_KEYS

@@ -178,6 +178,7 @@ class ServerConfig:
     cors_origins: str = "*"              # origins a browser may call from: "*" (llama.cpp's default) or a comma list
     strict_model_name: bool = False      # an unknown `model` is a 404 (vLLM's way) instead of the one model
     slots_endpoint: bool = True          # GET /slots (llama.cpp's --slots / --no-slots)
+    metrics_endpoint: bool = True        # GET /metrics (off: 501, as llama-server without --metrics)
     slot_save_path: str | None = None    # where POST /slots/N?action=save|restore keeps its named files
     props_writable: bool = False         # POST /props (llama.cpp's --props)
     chat_template_file: str | None = None   # a Jinja chat template to use instead of the model's

@@ -302,6 +302,7 @@ def test_reasoning_flag_sets_enable_thinking_and_verbose_responses(model, tmp_pa
     msgs = [{"role": "user", "content": "Hi"}]
     for flag, want in (("off", "off"), ("on", "on"), (None, "unset")):
         args = [str(model), "--max-context", "256", "--chat-template-file", str(template), "--verbose-responses"]
+        args += [] if flag != "on" else ["--no-metrics"]
         with ServerProcess(args + (["--reasoning", flag, "--prefill-assistant"] if flag else [])) as srv:
             srv.wait_ready()
             r = post(srv, "/apply-template", {"messages": msgs})
@@ -310,9 +311,13 @@ def test_reasoning_flag_sets_enable_thinking_and_verbose_responses(model, tmp_pa
             assert kept.json()["prompt"] == "Hi|A:on"
             # a chat that ends in the assistant's words: a new turn by default (vLLM's way); continued with
             # --prefill-assistant (llama.cpp's: the chat before it with the generation prompt, then the words)
+            if flag == "on":                  # llama-server without --metrics
+                off = httpx.get(srv.url + "/metrics")
+                assert off.status_code == 501 and "--metrics" in off.json()["error"]["message"]
             prefill = post(srv, "/apply-template", {"messages": msgs + [{"role": "assistant", "content": "Hel"}]})
             assert prefill.json()["prompt"] == (f"Hi|A:{want}Hel" if flag else "Hi|Hel|A:unset")
             if flag == "off":
+                assert httpx.get(srv.url + "/metrics").status_code == 200
                 chat = post(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
                 assert chat.status_code == 200 and chat.json()["__verbose"]["prompt"].endswith("Hi|A:off")
 
@@ -351,6 +356,7 @@ def test_wrapper_translates_llama_server_flags():
     assert "--verbose-responses" in compat.translate(["-m", "m.gguf", "-v"])[0]
     assert "--prefill-assistant" in ours and "--prefill-assistant" not in compat.translate(
         ["-m", "m.gguf", "--no-prefill-assistant"])[0]
+    assert "--no-metrics" in ours and "--no-metrics" not in compat.translate(["-m", "m.gguf", "--metrics"])[0]
     assert "--reasoning off" in " ".join(compat.translate(["-m", "m.gguf", "--reasoning", "off"])[0])
     line = " ".join(ours)
     for part in ("--parallel 2", "--max-context 512", "--n-predict 64", "--temp 0.7", "--top-k 20", "--seed -1",

@@ -128,6 +128,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
 
     @get("/metrics")
     async def prometheus() -> Response:
+        if not cfg.metrics_endpoint:
+            raise ApiError(501, "this server does not serve /metrics: start it with --metrics", "not_supported_error")
         await sup.stats(timeout=1.0)
         # Litestar adds "; charset=utf-8" to a text/ type itself
         return Response(metrics.render(), media_type="text/plain; version=0.0.4",
