@@ -22,10 +22,7 @@ from functools import cache
 import jax
 import jax.numpy as jnp
 
-from . import cpu, gpu, xla
-from .grouping import gather_rows, group_rows, scatter_rows
-from .layout import Layout, layout_for
-from .qtypes import (
+from quant_types import (
     SUPPORTED,
     QType,
     UnsupportedQuantType,
@@ -34,6 +31,10 @@ from .qtypes import (
     row_bytes,
     type_size,
 )
+
+from . import cpu, gpu, xla
+from .grouping import gather_rows, group_rows, scatter_rows
+from .layout import Layout, layout_for
 from .random_blocks import random_blocks
 
 BACKENDS = ("xla", "cpu", "pallas", "interpret", "auto")

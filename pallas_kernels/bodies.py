@@ -23,7 +23,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from .qtypes import QK_K, QType
+from quant_types import QK_K, QType
 
 f32 = jnp.float32
 i32 = jnp.int32

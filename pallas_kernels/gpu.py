@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from quant_types import table
+
 from .layout import Layout
-from .qtypes import table
 
 _TRITON = plt.CompilerParams(num_warps=4, num_stages=2)
 

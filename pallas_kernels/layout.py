@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from quant_types import TABLES, QType, as_qtype, block_size, type_size
+
 from .bodies import BODIES, FLOAT_BODIES, FLOAT_BYTES
-from .qtypes import TABLES, QType, as_qtype, block_size, type_size
 
 
 @dataclass(frozen=True)

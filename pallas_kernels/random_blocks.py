@@ -13,7 +13,7 @@ from functools import cache
 import numpy as np
 from gguf import quants as gq
 
-from .qtypes import QType, as_qtype, block_size, type_size
+from quant_types import QType, as_qtype, block_size, type_size
 
 # Float16 fields of each block: (byte offset, role). A "scale" multiplies the quantized values; an
 # "offset" is added (Q4_1, Q5_1) or subtracted (K-quants' dmin) after.

@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quant_types import table
+
 from .layout import Layout, layout_for
-from .qtypes import table
 
 
 class _ArraySource:

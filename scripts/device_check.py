@@ -51,7 +51,7 @@ def imports(need_gpu: bool) -> int:
 
 
 def expert_bytes(args: list[str]) -> int:
-    from pallas_kernels.qtypes import as_qtype, block_size, type_size
+    from quant_types import as_qtype, block_size, type_size
 
     a = dict(zip(args[::2], args[1::2]))
     q = as_qtype(a.get("--expert-quant", a["--quant"]))

@@ -171,8 +171,8 @@ def add_generate(sub: Subparsers) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from strata_jax.engine import Engine
     from strata_jax.cli_flags import engine_config
+    from strata_jax.engine import Engine
 
     path = args.model or _default_model()
     cfg = engine_config(args, max_context=max(512, 1 << (args.max_tokens + 256).bit_length()))

@@ -10,6 +10,7 @@ from typing import Any
 from . import envs
 from .config import ConfigError, EngineConfig
 
+
 @dataclass(frozen=True)
 class Flag:
     values: str            # what the flag takes, as the README's table shows it ("auto|N"; "" for a switch)

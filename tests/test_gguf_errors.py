@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from pallas_kernels.qtypes import UnsupportedQuantType
+from quant_types import UnsupportedQuantType
 from strata_jax.gguf import (
     GGUFError,
     GGUFModel,

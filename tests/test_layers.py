@@ -88,6 +88,21 @@ def test_the_kernels_import_nothing_of_strata_jax():
     wrong = [f"{p.relative_to(ROOT)}:{line} {m}" for p in sorted((ROOT / "pallas_kernels").rglob("*.py"))
              for m, line in imports(p)]
     assert wrong == []
+    above = [f"{p.relative_to(ROOT)}" for p in sorted((ROOT / "quant_types").rglob("*.py"))
+             if "pallas_kernels" in p.read_text()]
+    assert above == [], "quant_types sits beneath the kernels"
+
+
+def test_quant_types_sit_beneath_the_kernels_and_gguf_reading_needs_no_jax():
+    wrong = [f"{p.relative_to(ROOT)}:{line} {m}" for p in sorted((ROOT / "quant_types").rglob("*.py"))
+             for m, line in imports(p)]
+    assert wrong == []
+    code = ("import sys, strata_jax.gguf, quant_types; "
+            "print(sorted(m for m in ('jax', 'pallas_kernels') if m in sys.modules))")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "[]"
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from strata_jax.serve.launch import ServerProcess
 from strata_jax.fetch import smollm2_path
+from strata_jax.serve.launch import ServerProcess
 
 
 @pytest.fixture(scope="session")

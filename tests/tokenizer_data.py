@@ -12,8 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from strata_jax.gguf.tokenizer import Tokenizer, load_tokenizer
 from strata_jax.fetch import smollm2_path
+from strata_jax.gguf.tokenizer import Tokenizer, load_tokenizer
 from strata_jax.testing.vocab_files import (
     CORPUS,
     bpe_vocab_metadata,

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quant_types import QType
+
 from ..layout import Layout
-from ..qtypes import QType
 
 # Set to a library path to use that build instead of the installed one (tests of other SIMD paths).
 LIB_ENV = "STRATA_CPU_KERNELS_LIB"

@@ -78,8 +78,8 @@ def _trace(path, tokens: int, weights: str, n_experts: int) -> tuple[list, int]:
 def _hit_table(path, spec, runs, tokens: int, weights: str) -> None:
     import pickle
 
-    from ..fetch import cache_dir
     from ..experts.replay import replay
+    from ..fetch import cache_dir
 
     saved = cache_dir() / f"{path.stem}-trace-{len(PROMPTS)}x{tokens}.pkl"
     if saved.exists():

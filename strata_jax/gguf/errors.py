@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pallas_kernels.qtypes import UnsupportedQuantType
+from quant_types import UnsupportedQuantType
 
 
 class GGUFError(ValueError):

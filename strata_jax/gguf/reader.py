@@ -23,7 +23,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from pallas_kernels.qtypes import SUPPORTED, block_size, supported_names, type_size
+from quant_types import SUPPORTED, block_size, supported_names, type_size
 
 from .errors import (
     GGUFError,

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pallas_kernels.qtypes import SUPPORTED
+from quant_types import SUPPORTED
 
 from .errors import GGUFError
 from .reader import GGUFModel

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from pallas_kernels.qtypes import block_size, type_size
+from quant_types import block_size, type_size
 from strata_jax.gguf import GGUFModel
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter, LlamaFileType
 
-from pallas_kernels.qtypes import QType, as_qtype, block_size, type_size
 from pallas_kernels.random_blocks import random_blocks
+from quant_types import QType, as_qtype, block_size, type_size
 from strata_jax.gguf.header import ValueType
 from strata_jax.gguf.spec import SUPPORTED_ARCHITECTURES
 
