@@ -100,7 +100,7 @@ FLAGS = {
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     for f in fields(EngineConfig):
-        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        default = _default(f)
         if f.name == "max_programs":
             default = _env_max_programs()
         if isinstance(default, bool):
@@ -130,6 +130,10 @@ def _env_max_programs() -> int:
         raise ConfigError(str(e)) from None
 
 
+def _default(f) -> Any:
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+
+
 def _shown(name: str, default: Any) -> str:
     if FLAGS[name].default:
         return FLAGS[name].default
@@ -142,7 +146,7 @@ def flag_table() -> str:
     """README's table of engine flags, made from FLAGS and EngineConfig's defaults."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for f in fields(EngineConfig):
-        flag, default = FLAGS[f.name], f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        flag, default = FLAGS[f.name], _default(f)
         name = "--" + f.name.replace("_", "-")
         shown = f"`{name} / --no-{name[2:]}`" if isinstance(default, bool) else \
             f"`{name} {flag.values}`".replace("|", "\\|")

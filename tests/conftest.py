@@ -11,7 +11,6 @@ import pytest
 
 from strata_jax.testing.make_model import make_model
 
-
 # The slow tier: files that take most of the suite's time on 2 cores (the full suite's JUnit times, session 9:
 # these are 1,290 of its 1,500 test-seconds). `pytest -m "not slow"` leaves them out (the everyday tier, under
 # 5 minutes); CI runs everything. docs/TESTING.md has the figures.

@@ -181,25 +181,8 @@ class ProgramCache:
                 continue
             if self.max_programs and len(self.programs) >= self.max_programs:
                 self._evict(next(iter(self.programs)))
-            try:
-                self.programs[layout] = self._register(layout, compiled, seconds)
-            except Exception as e:  # noqa: BLE001 - a ledger refusal: the same handling as a build here
-                self._pending = None
-                # the same rule as get(): free the older half and keep this executable. Dropping it instead
-                # left its windows narrowed for good: each one queued it again, and it was compiled and
-                # dropped again (load ladder, warm-up on, --device-memory-mib 1480: 7.9 against 14.3 tok/s)
-                if not is_resource_exhausted(e) or layout in self.too_big or not self._free_older_half(keep=layout):
-                    log.warning("no room for the program %s built off the engine thread (%s)", layout,
-                                _first_line(e))
-                    continue
-                try:
-                    self.programs[layout] = self._reserve(layout, compiled, _program_bytes(compiled),
-                                                          time.perf_counter() - seconds)
-                except Exception as again:  # noqa: BLE001 - still no room: built on demand, as in get()
-                    self._pending = None
-                    log.warning("no room for the program %s built off the engine thread (%s)", layout,
-                                _first_line(again))
-                    continue
+            if not self._take_built(layout, compiled, seconds):
+                continue
             n += 1
 
     def close(self) -> None:
@@ -272,10 +255,26 @@ class ProgramCache:
             self.stats.compiles += 1
         return self._reserve(layout, compiled, nbytes, t0)
 
-    def _register(self, layout: Layout, compiled, seconds: float) -> Program:
-        """A program compiled on the builder thread: its bytes reserved as for one built here."""
+    def _take_built(self, layout: Layout, compiled, seconds: float) -> bool:
+        """A program compiled on the builder thread into the cache, its bytes reserved as for one built here
+        -> whether it went in. A ledger refusal gets get()'s rule: the older half freed and the same
+        executable tried once more. (Dropping it instead left its windows narrowed for good: each one queued
+        it again, to be compiled and dropped again: the load ladder with the warm-up on and
+        --device-memory-mib 1480, 7.9 against 14.3 tok/s.)"""
         self.stats.compiles += 1
-        return self._reserve(layout, compiled, _program_bytes(compiled), time.perf_counter() - seconds)
+        t0 = time.perf_counter() - seconds
+        for attempt in (1, 2):
+            try:
+                self.programs[layout] = self._reserve(layout, compiled, _program_bytes(compiled), t0)
+                return True
+            except Exception as e:  # noqa: BLE001 - no room: built on demand, with get()'s handling
+                self._pending = None
+                if attempt == 2 or not is_resource_exhausted(e) or layout in self.too_big \
+                        or not self._free_older_half(keep=layout):
+                    log.warning("no room for the program %s built off the engine thread (%s)", layout,
+                                _first_line(e))
+                    return False
+        return False
 
     def _reserve(self, layout: Layout, compiled, nbytes: int, t0: float) -> Program:
         try:

@@ -252,11 +252,11 @@ class LayerStepper:
         guess = None                          # the predict program's ids for this layer (prefetch)
         for i in range(self.spec.n_layers):
             if i in self.dense_p:
-                xs = r.kv.through(lambda c: progs.run(stage[kind_of["dense"][i]], self.dense_p[i], self.index[i], c,
-                                                      gs, xs))
+                xs = r.kv.through(lambda c, i=i, xs=xs: progs.run(stage[kind_of["dense"][i]], self.dense_p[i],
+                                                                  self.index[i], c, gs, xs))
                 continue
-            parts = r.kv.through(lambda c: progs.run(stage[kind_of["attn"][i]], self.attn_p[i], self.index[i], c,
-                                                     gs, xs))
+            parts = r.kv.through(lambda c, i=i, xs=xs: progs.run(stage[kind_of["attn"][i]], self.attn_p[i],
+                                                                 self.index[i], c, gs, xs))
             if guess is not None:             # the device runs this layer's attention meanwhile
                 want = _by_count(guess, reals)
                 self.arena.prefetch(i, want, counters)

@@ -108,15 +108,14 @@ def timings(st: dict[str, Any] | None) -> dict[str, Any]:
     st = st or {}
     prompt_n = st.get("prompt_tokens", 0) - st.get("reused_tokens", 0)
     predicted_n = st.get("generated_tokens", 0)
-    prompt_ms, predicted_ms = st.get("prompt_ms", 0.0), st.get("generate_ms", 0.0)
+    prompt_ms, predicted_ms = st.get("prompt_ms", 0.0), round(st.get("generate_ms", 0.0), 3)
+    steps = predicted_n - 1     # decode steps, as llama.cpp counts: the first token comes from the prompt's window
     return {"cache_n": st.get("reused_tokens", 0), "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
             "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
             "prompt_per_second": round(st.get("prompt_per_second", 0.0), 3), "predicted_n": predicted_n,
-            "predicted_ms": round(predicted_ms, 3),
-            # over the decode steps, as llama.cpp's: the first token comes from the prompt's last window
-            "predicted_per_token_ms": round(predicted_ms, 3) / (predicted_n - 1) if predicted_n > 1 else 0.0,
-            "predicted_per_second": 1e3 * (predicted_n - 1) / round(predicted_ms, 3)
-            if predicted_n > 1 and round(predicted_ms, 3) > 0 else 0.0,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / steps if steps > 0 else 0.0,
+            "predicted_per_second": 1e3 * steps / predicted_ms if steps > 0 and predicted_ms > 0 else 0.0,
             "draft_n": st.get("draft_n", 0), "draft_n_accepted": st.get("draft_n_accepted", 0)}
 
 

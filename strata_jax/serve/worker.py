@@ -183,12 +183,11 @@ class Worker:
         from strata_jax.gguf.chat_template import NoChatTemplateError
 
         rid, messages, p = cmd["id"], cmd["prompt"], cmd.get("params") or {}
-        kwargs = {**(cmd.get("template_vars") or {}), **(cmd.get("chat_template_kwargs") or {})}
+        kwargs = _template_kwargs(cmd)
         try:
             if p.get("tools"):
                 messages, kwargs, _ = tool_prompt(self.engine.tokenizer, messages, kwargs, *p["tools"])
-            text = render_chat(self.engine.tokenizer, messages, kwargs, *(p.get("render") or (True, False)),
-                               prefill=bool(cmd.get("prefill")))
+            text = render_chat(self.engine.tokenizer, messages, kwargs, *_render_options(cmd, p))
         except NoChatTemplateError as e:
             return {"t": "rejected", "id": rid, "kind": "template", "message": str(e)}
         except ValueError as e:
@@ -229,8 +228,7 @@ class Worker:
         from strata_jax.gguf.chat_template import NoChatTemplateError
 
         rid, prompt, p = cmd["id"], cmd["prompt"], cmd["params"]
-        # the server's --reasoning (template_vars) under the request's own chat_template_kwargs
-        kwargs = {**(cmd.get("template_vars") or {}), **(cmd.get("chat_template_kwargs") or {})}
+        kwargs = _template_kwargs(cmd)
         n_ctx = self.engine.config.max_context
         tooling = {}
         try:
@@ -243,8 +241,7 @@ class Worker:
                 # Rendered once: the text is tokenized and says whether the template opened the reasoning
                 # part. kwargs go over the defaults: the server lets them name messages or
                 # add_generation_prompt only with --trust-request-chat-template.
-                text = render_chat(self.engine.tokenizer, prompt, kwargs, *(p.get("render") or (True, False)),
-                                   prefill=bool(cmd.get("prefill")))
+                text = render_chat(self.engine.tokenizer, prompt, kwargs, *_render_options(cmd, p))
                 think = text.rstrip().endswith("<think>")
                 ids = self.engine.chat_text_ids(text)
             elif isinstance(prompt, list) and any(isinstance(x, str) for x in prompt):   # llama.cpp's mixed prompt
@@ -310,6 +307,17 @@ class Worker:
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
                  "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs", "grammar")
+
+
+def _template_kwargs(cmd: dict[str, Any]) -> dict[str, Any]:
+    """The server's template variables (--reasoning) under the request's own chat_template_kwargs."""
+    return {**(cmd.get("template_vars") or {}), **(cmd.get("chat_template_kwargs") or {})}
+
+
+def _render_options(cmd: dict[str, Any], p: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(add_generation_prompt, continue_final_message, prefill) for render_chat: the request's and the server's."""
+    add, cont = p.get("render") or (True, False)
+    return add, cont, bool(cmd.get("prefill"))
 
 
 def render_chat(tk, messages: list, kwargs: dict, add_generation_prompt: bool = True,
