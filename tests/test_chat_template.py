@@ -10,10 +10,10 @@ from tokenizer_data import made_vocab, smollm2_tokenizer, smollm2_transformers
 from strata_jax.gguf.chat_template import (
     ChatMessageError,
     ChatTemplate,
-    ChatTemplateError,
     NoChatTemplateError,
     validate_messages,
 )
+from strata_jax.gguf.template_bounds import ChatTemplateError
 from strata_jax.gguf.tokenizer import load_tokenizer
 
 CHATS = [

@@ -24,6 +24,7 @@ from strata_jax.gguf import (
     load_tokenizer,
     read_metadata,
 )
+from strata_jax.gguf.bpe_models import bytes_to_unicode, sentencepiece_merges
 from strata_jax.gguf.errors import HeaderLimitError
 from strata_jax.gguf.header import (
     MAX_ARRAY_DEPTH,
@@ -32,16 +33,15 @@ from strata_jax.gguf.header import (
     MAX_STRING_BYTES,
     parse_header,
 )
-from strata_jax.gguf.tokenizer import (
+from strata_jax.gguf.tokenizer import Tokenizer
+from strata_jax.gguf.vocab import (
     BYTE,
     CONTROL,
     MAX_SPECIAL_TOKEN_BYTES,
     MAX_SPM_MERGES,
     MAX_VOCAB_TOKENS,
     NORMAL,
-    Tokenizer,
     TokenizerError,
-    bytes_to_unicode,
 )
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.testing.edit_gguf import rewrite_gguf
@@ -302,7 +302,7 @@ def test_sentencepiece_merges_are_every_cut_into_two_pieces():
     md = _spm(sorted(words))
     md["tokenizer.ggml.scores"] = [-float(i % 7) for i in range(len(md["tokenizer.ggml.tokens"]))]
     tk = Tokenizer(md)
-    merges = tk._merges_from_scores()
+    merges = sentencepiece_merges(tk.tokens, tk.scores, tk.token_types, tk._ids)
     assert merges == _reference_merges(tk) and len(merges) > 10_000
 
 

@@ -21,13 +21,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizer_data import smollm2_tokenizer
 
 from strata_jax.engine.engine import Engine
-from strata_jax.gguf import chat_template as ct
-from strata_jax.gguf.chat_template import (
-    RESERVED_TEMPLATE_KWARGS,
-    ChatTemplate,
-    ChatTemplateError,
-    render_bounded,
-)
+from strata_jax.gguf import template_sandbox
+from strata_jax.gguf.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate
+from strata_jax.gguf.template_bounds import RENDER_TIMEOUT_S, ChatTemplateError
+from strata_jax.gguf.template_sandbox import render_bounded
 from strata_jax.gguf.tokenizer import load_tokenizer
 from strata_jax.serve.errors import ApiError
 from strata_jax.serve.generate import ModelNames, parse_chat
@@ -75,7 +72,7 @@ def _plain_jinja(source: str) -> jinja2.Template:
     """The template as transformers renders it: jinja's sandbox with none of our bounds."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = ct._raise_exception
+    env.globals["raise_exception"] = template_sandbox._raise_exception
     return env.from_string(source)
 
 
@@ -149,7 +146,7 @@ def test_a_slow_template_stops_at_the_time_bound(source):
     t0 = time.monotonic()
     with pytest.raises(ChatTemplateError, match="RENDER_TIMEOUT_S"):   # the default bound, through render
         ChatTemplate(source).render(HI)
-    assert ct.RENDER_TIMEOUT_S <= time.monotonic() - t0 < ct.RENDER_TIMEOUT_S + 3
+    assert RENDER_TIMEOUT_S <= time.monotonic() - t0 < RENDER_TIMEOUT_S + 3
 
 
 def test_the_model_files_template_is_bounded_too(tiny_model, tmp_path):
@@ -288,7 +285,7 @@ def test_trusted_server_stops_a_long_loop_and_serves_on(servers):
     t0 = time.monotonic()
     r = _chat(servers[1], {"chat_template": loop})
     assert r.status_code == 400 and "RENDER_TIMEOUT_S" in r.json()["error"]["message"], r.text
-    assert time.monotonic() - t0 < ct.RENDER_TIMEOUT_S + 10
+    assert time.monotonic() - t0 < RENDER_TIMEOUT_S + 10
     for server in servers:
         r = _chat(server, {})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text

@@ -26,12 +26,12 @@ from tokenizer_data import (
 )
 
 from strata_jax.gguf.pretokenizers import PRE_TOKENIZERS
-from strata_jax.gguf.tokenizer import (
+from strata_jax.gguf.tokenizer import load_tokenizer
+from strata_jax.gguf.vocab import (
     CONTROL,
     NORMAL,
     TokenizerError,
     UnknownPreTokenizerError,
-    load_tokenizer,
 )
 
 SPECIAL_MARKERS = ("<|", "<think>", "</think>")

@@ -40,7 +40,7 @@ MAX_ARRAY_ITEMS = 1 << 22
 # One string value: the longest real ones, chat templates, are tens of KB.
 MAX_STRING_BYTES = 16 << 20
 # One string inside an array: tokens and merges are at most a few hundred bytes (the tokenizer holds tokens
-# given to it as a dict to the same bound: tokenizer.MAX_TOKEN_BYTES).
+# given to it as a dict to the same bound: vocab.MAX_TOKEN_BYTES).
 MAX_ARRAY_STRING_BYTES = 64 << 10
 # The whole key-value section: a 256K-token vocabulary with its merges, scores and types is ~15 MB. This is
 # what caps the Python objects a header makes (at most ~8 per byte of file: about half a GB).

@@ -36,9 +36,6 @@ _DEFAULT_GATING = {"glm4moe": 2}
 _FFN_NORM = {"glm4moe": "post_attention_norm"}
 # GLM-4.5's optional per-head q/k norms (the 355B model has them): taken from the tensors, not the family.
 _OPTIONAL_QK_NORM = frozenset({"glm4moe"})
-# The tensors of a NextN/MTP block besides its decoder layer: name after "blk.N.nextn." -> required.
-NEXTN_TENSORS = {"eh_proj": True, "enorm": True, "hnorm": True, "embed_tokens": False,
-                 "shared_head_head": False, "shared_head_norm": False}
 
 _MISSING = object()
 
@@ -109,11 +106,8 @@ class ModelSpec:
     def _iter_tensor_shapes(self) -> Iterator[tuple[str, tuple[tuple[int, ...], bool]]]:
         h, q, kv, v = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.value_dim
         moe = frozenset(self.moe_layers)
-        yield from {
-            "token_embd.weight": ((self.vocab_size, h), True),
-            "output_norm.weight": ((h,), True),
-            "output.weight": ((self.vocab_size, h), not self.tied_output),
-        }.items()
+        yield from {"token_embd.weight": ((self.vocab_size, h), True), "output_norm.weight": ((h,), True),
+                    "output.weight": ((self.vocab_size, h), not self.tied_output)}.items()
         for i in range(self.n_layers + self.n_nextn):  # one layer at a time: a corrupt block_count must not fill memory
             b = f"blk.{i}."
             nextn = i >= self.n_layers  # an MTP block: a MoE decoder layer and its own few tensors
@@ -131,13 +125,12 @@ class ModelSpec:
             if self.qk_norm:
                 out |= {b + "attn_q_norm.weight": ((self.head_dim,), True),
                         b + "attn_k_norm.weight": ((self.head_dim,), True)}
-            if nextn:
-                req = NEXTN_TENSORS
-                out |= {b + "nextn.eh_proj.weight": ((h, 2 * h), req["eh_proj"]),
-                        b + "nextn.enorm.weight": ((h,), req["enorm"]), b + "nextn.hnorm.weight": ((h,), req["hnorm"]),
-                        b + "nextn.embed_tokens.weight": ((self.vocab_size, h), req["embed_tokens"]),
-                        b + "nextn.shared_head_head.weight": ((self.vocab_size, h), req["shared_head_head"]),
-                        b + "nextn.shared_head_norm.weight": ((h,), req["shared_head_norm"])}
+            if nextn:  # a file may leave out its embedding and shared head: the main model's are used then
+                out |= {b + "nextn.eh_proj.weight": ((h, 2 * h), True),
+                        b + "nextn.enorm.weight": ((h,), True), b + "nextn.hnorm.weight": ((h,), True),
+                        b + "nextn.embed_tokens.weight": ((self.vocab_size, h), False),
+                        b + "nextn.shared_head_head.weight": ((self.vocab_size, h), False),
+                        b + "nextn.shared_head_norm.weight": ((h,), False)}
             if i in moe or (nextn and self.is_moe):
                 e, f = self.n_experts, self.expert_ffn
                 out |= {
