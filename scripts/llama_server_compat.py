@@ -13,11 +13,13 @@ allowed origins), --slots/--no-slots, --props, --chat-template-file, -md/--model
 --draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s, --reasoning (default auto, as
 llama-server's: the chat template's enable_thinking is true), -v/--verbose -> --verbose-responses,
 --prefill-assistant unless --no-prefill-assistant (llama-server's default: a final assistant message is continued),
---no-metrics unless --metrics (llama-server's default).
+--no-metrics unless --metrics (llama-server's default), -b/--batch-size N -> --batch-tokens N with prompt chunks
+of the largest power of two up to N (at most 256), and always --llama-conventions (llama-server's answers where
+they differ from OpenAI's and vLLM's: serve --help says which).
 
 No model hub is reachable from here: --hf-repo / --hf-file / --model-url serve the GGUF named by the environment
 variable STRATA_COMPAT_MODEL (default: strata-jax's default model), with a warning. Flags that change how
-llama.cpp runs but not what it answers (threads, batch sizes, GPU layers, flash attention, mmap, logging, --jinja: strata-jax
+llama.cpp runs but not what it answers (threads, micro-batch sizes, GPU layers, flash attention, mmap, logging, --jinja: strata-jax
 always renders templates with Jinja) are accepted with a warning; flags whose meaning strata-jax cannot keep
 (--lora, --mmproj, --embedding, ...) are accepted with a warning saying what will differ. The flags the
 strata-jax in use does not know (an older version) are left out, with a warning.
@@ -82,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--no-prefill-assistant", action="store_true")
     p.add_argument("--metrics", action="store_true")
+    p.add_argument("--batch-size", type=int)
     for flag in SAME:
         p.add_argument(flag)
     return p
@@ -131,6 +134,10 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
         out.append("--prefill-assistant")
     if args.reasoning is None:            # llama-server's default: templates get enable_thinking = true
         out += ["--reasoning", "auto"]
+    if args.batch_size and args.batch_size >= 16:     # the tokens a window holds, and a prompt's chunk within it
+        chunk = min(1 << (args.batch_size.bit_length() - 1), 256)     # (a power of two; 256 is the CPU's auto)
+        out += ["--batch-tokens", str(args.batch_size), "--prefill", str(chunk)]
+    out.append("--llama-conventions")     # llama-server's answers where they differ from OpenAI's and vLLM's
     i = 0
     while i < len(rest):
         flag, _, value = rest[i].partition("=")
@@ -149,7 +156,7 @@ def _values_as_equals(argv: list[str]) -> list[str]:
     """`--seed -1` -> `--seed=-1`: argparse would take a negative number for a flag."""
     out, i = [], 0
     takes = set(SAME) | {"--model", "--ctx-size", "--parallel", "--hf-repo", "--hf-file", "--model-url",
-                         "--model-draft", "--draft-max"}
+                         "--model-draft", "--draft-max", "--batch-size"}
     while i < len(argv):
         if argv[i] in takes and i + 1 < len(argv):
             out.append(f"{argv[i]}={argv[i + 1]}")

@@ -235,6 +235,10 @@ def add_serve(sub: Subparsers) -> None:
     g.add_argument("--prefill-assistant", action="store_true",
                    help="a chat whose last message is the assistant's continues that message instead of answering it "
                         "(llama.cpp's default; vLLM's continue_final_message asks for it a request)")
+    g.add_argument("--llama-conventions", action="store_true",
+                   help="answer as llama-server where its conventions differ from OpenAI's and vLLM's: a streamed "
+                        "chat's first chunk has content null, system_fingerprint is b<build>-<name>, ignore_eos "
+                        "bans the end-of-generation tokens (listed in generation_settings.logit_bias)")
     g.add_argument("--verbose-responses", action="store_true",
                    help="every answer carries llama.cpp's \"__verbose\" object (the rendered prompt, ...), as a "
                         "request's \"verbose\": true asks for its own (llama-server's --verbose)")
@@ -274,6 +278,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           metrics_endpoint=args.metrics,
                           chat_template_file=args.chat_template_file, reasoning=args.reasoning,
                           verbose_responses=args.verbose_responses, prefill_assistant=args.prefill_assistant,
+                          llama_conventions=args.llama_conventions,
                           sampling={k: getattr(args, f"default_{k}") for k in ServerConfig.SAMPLING_KEYS
                                     if getattr(args, f"default_{k}", None) is not None})
     if args.chat_template_file:        # read now: a missing file is an error at start, not in every request

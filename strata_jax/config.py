@@ -187,6 +187,7 @@ class ServerConfig:
     reasoning: str | None = None
     verbose_responses: bool = False      # every answer carries llama.cpp's "__verbose" (the prompt text, ...)
     prefill_assistant: bool = False      # a chat ending in the assistant's message continues it (llama.cpp's default)
+    llama_conventions: bool = False      # llama.cpp's answers where they differ from OpenAI's and vLLM's (serve/app.py)
     # server-wide sampling defaults a request overrides (llama.cpp's --temp, --top-k, ..., -n); None: the built-in
     sampling: dict = field(default_factory=dict)
 

@@ -104,7 +104,7 @@ def test_completion_streamed_equals_whole(server):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert "prompt_progress" in chunks[0]
-    tokens = [c for c in chunks if "stop" in c and not c["stop"]]
+    tokens = [c for c in chunks if "stop" in c and not c["stop"] and "prompt_progress" not in c]
     assert tokens and all(len(c["tokens"]) == 1 for c in tokens)
     last = chunks[-1]
     assert last["stop"] is True and "timings" in last and "generation_settings" in last
@@ -368,3 +368,64 @@ def test_wrapper_translates_llama_server_flags():
     assert "--max-context 1024" in " ".join(ours)
     ours, dropped = compat.translate(["--temp", "0.5", "--port", "1"], known={"--port"})
     assert ours == ["--port", "1"] and any("--temp" in w for w in dropped)
+
+
+def _stream(srv, path, body):
+    with httpx.stream("POST", srv.url + path, content=json.dumps({**body, "stream": True}), timeout=60,
+                      headers={"Content-Type": "application/json", **srv.headers}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_prompt_progress_a_chunk_and_llama_conventions(model, tok):
+    """return_progress: one prompt_progress when the prompt gets its slot (processed == cache), then one a
+    prompt chunk (16 tokens here), processed rising to the total, before the first token; with
+    timings_per_token their timings start at prompt_ms 0. --llama-conventions: the first chat chunk's content
+    null, system_fingerprint b..., ignore_eos bans the end-of-generation tokens (null biases). And
+    --prefill-assistant's rules: two assistant messages at the end are a 400; the continued one's text parts
+    are joined by a blank line."""
+    args = [str(model), "--max-context", "256", "--prefill", "16", "--batch-tokens", "16", "--llama-conventions",
+            "--prefill-assistant", "--temp", "0"]
+    with ServerProcess(args) as srv:
+        srv.wait_ready()
+        prompt = "the quick brown fox jumps over the lazy dog " * 6
+        n = len(tok.encode(prompt, add_special=True))
+        chunks = _stream(srv, "/completion", {"prompt": prompt, "n_predict": 3, "return_progress": True,
+                                              "timings_per_token": True})
+        progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+        assert progress[0]["processed"] == progress[0]["cache"] == 0 and progress[0]["total"] == n
+        assert [p["processed"] for p in progress[1:]] == [min(16 * (i + 1), n) for i in range((n + 15) // 16)]
+        first_token = next(i for i, c in enumerate(chunks) if c.get("tokens"))
+        assert all("prompt_progress" in c for c in chunks[:first_token])
+        timed = [c["timings"] for c in chunks if "prompt_progress" in c]
+        assert timed[0]["prompt_n"] == 0 and timed[0]["prompt_ms"] == 0.0 and timed[-1]["prompt_ms"] > 0
+        assert not any("prompt_progress" in c for c in _stream(srv, "/completion", {"prompt": prompt, "n_predict": 2}))
+
+        msgs = [{"role": "user", "content": "Hi " * 30}]
+        chat = _stream(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "return_progress": True,
+                                                      "stream_options": {"include_usage": True}})
+        assert chat[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+        assert chat[0]["system_fingerprint"].startswith("b")
+        chat_progress = [c["prompt_progress"] for c in chat if "prompt_progress" in c]
+        assert len(chat_progress) >= 3 and chat_progress[-1]["processed"] == chat_progress[-1]["total"]
+        assert "timings" in chat[-1] and chat[-1]["choices"] == []       # the usage chunk, as llama.cpp's
+
+        banned = completion(srv, prompt="Hi", n_predict=2, ignore_eos=True)["generation_settings"]["logit_bias"]
+        assert banned and {b["token"] for b in banned} == set(tok.eos_ids) and all(b["bias"] is None for b in banned)
+        assert completion(srv, prompt="Hi", n_predict=2)["generation_settings"]["logit_bias"] == []
+
+        two = post(srv, "/v1/chat/completions", {"messages": msgs + [{"role": "assistant", "content": "a"}] * 2})
+        assert two.status_code == 400 and "assistant" in two.json()["error"]["message"]
+        parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
+        r = post(srv, "/v1/chat/completions", {"messages": msgs + [{"role": "assistant", "content": parts}],
+                                               "max_tokens": 1, "verbose": True})
+        assert r.status_code == 200 and r.json()["__verbose"]["prompt"].endswith("Wh\n\nill")
+
+
+def test_wrapper_maps_batch_size_and_llama_conventions():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    import llama_server_compat as compat
+
+    line = " ".join(compat.translate(["-m", "m.gguf", "-b", "48"])[0])
+    assert "--batch-tokens 48 --prefill 32" in line and "--llama-conventions" in line
+    assert "--prefill 256" in " ".join(compat.translate(["-m", "m.gguf", "--batch-size", "2048"])[0])

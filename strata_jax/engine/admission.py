@@ -50,6 +50,8 @@ class Admission:
                 slot.assign(req, self.tokenizer.stream_decoder(), req.reused)
                 if self.speculator is not None:
                     self.speculator.reset(slot)
+                if req.progress:
+                    self.output.progress(slot)
             except Exception as e:
                 log.exception("request %d could not start", req.id)
                 slot.release(keep=False)

@@ -77,6 +77,7 @@ class EngineCore:
                                    self.runner.cache_lost, self.lose_cache, self.config.request_timeout_s)
         self.inbox: queue.Queue = queue.Queue()          # requests and jobs, from any thread
         self.stepped = False                             # whether the last step() ran a window
+        self.waiting_for_programs = False                # it ran none: its window's programs are being built
 
     def step(self) -> list[Event]:
         """Take in new requests, plan one window, run it and apply its tokens -> the events it produced, in
@@ -112,11 +113,13 @@ class EngineCore:
                stop: list[str] | tuple[str, ...] | str | None = None, ignore_eos: bool = False,
                chat_template_kwargs: dict | None = None, logit_bias: dict | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
-               repeat_last_n: int = 64, logprobs: int | None = None, grammar: tuple | None = None) -> Request:
+               repeat_last_n: int = 64, logprobs: int | None = None, grammar: tuple | None = None,
+               progress: bool = False) -> Request:
         """A checked request, for add(): text (a plain completion), a list of chat messages, or token ids. The sampling
         controls and logprobs are controls.py's (token events then carry `logprob` and `top_logprobs`);
         grammar: (kind, text) constrains the output (constrain.py: a JSON schema's text, "json_object", a GBNF,
-        Lark or regex grammar); RequestError when it cannot be compiled."""
+        Lark or regex grammar); RequestError when it cannot be compiled. progress: "progress" events as the
+        prompt is read (one when it gets a slot, one a prompt chunk)."""
         params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, logit_bias,
                              presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n, logprobs, grammar)
         params.validate(self.spec.vocab_size)
@@ -124,7 +127,7 @@ class EngineCore:
         n_ctx = self.config.max_context
         if len(ids) + max_tokens > n_ctx:
             raise ContextOverflowError(len(ids), max_tokens, n_ctx)
-        req = Request(ids, params)
+        req = Request(ids, params, progress=progress)
         if params.grammar is not None:        # compiled here, in the caller's thread, not on the engine's
             req.constraint = self.grammars.constraint(params.grammar)
         req.deadline = req.arrived + self.config.request_timeout_s
@@ -183,14 +186,16 @@ class EngineCore:
     # ---- plan ---------------------------------------------------------------------------------------------
 
     def _plan(self) -> Window | None:
+        self.waiting_for_programs = False
         w = self._plan_full()
         return None if w is None else self._ready_window(w)
 
-    def _ready_window(self, w: Window) -> Window:
+    def _ready_window(self, w: Window) -> Window | None:
         """A window whose programs are built: w, or while w's are built off this thread (so that a layout met
         for the first time stalls no one), the largest smaller one that is: w's decode rows with its first
         prompt chunk (as it is, then padded to a whole chunk), then its decode rows alone. With none of them
-        built, w waits for its programs. Without the warm-up (--no-warmup: tests, quick starts) every layout is
+        built, no window (None) while the builder thread builds w's, so that the engine thread still takes in
+        cancels; w itself when its build failed there (the engine thread meets the error). Without the warm-up (--no-warmup: tests, quick starts) every layout is
         built when first met, on this thread, as the window waits: the same windows run whatever the timing."""
         layout = self.runner.layout_of(w.groups, w.kv_needed)
         if not self.config.warmup or self.runner.ready(layout) or self.runner.refused(layout):
@@ -208,6 +213,13 @@ class EngineCore:
                         self.speculator.reset(s)
                 self.counters["narrowed_windows"] += 1
                 return small
+        if self.runner.building(layout):      # nothing smaller is built: no window until the builder thread
+            self.scheduler.skipped(w)        # has built w's (the loop takes in cancels and requests meanwhile)
+            if w.drafts is not None:
+                for s in w.decode:
+                    self.speculator.reset(s)
+            self.waiting_for_programs = True
+            return None
         return w
 
     def _plan_full(self) -> Window | None:

@@ -196,7 +196,7 @@ class Engine(EngineCore):
                 self.beat()
                 self.step()
                 if not self.stepped:
-                    self._wake.wait(timeout=0.5)
+                    self._wake.wait(timeout=0.02 if self.waiting_for_programs else 0.5)   # a build ends unannounced
                     self._wake.clear()
         except BaseException as e:
             log.critical("the engine loop ended: %s: %s", type(e).__name__, first_line(e), exc_info=True)

@@ -63,6 +63,8 @@ class Output:
             if s.free:
                 continue
             s.n_past += c
+            if s.request.progress:
+                self.progress(s)
             if not s.reading:                          # the prompt is read: its last logits gave a token
                 s.request.t_first = time.monotonic()
                 self.emit(s, int(outs[k][i]), self._logprobs(k, i))
@@ -77,6 +79,8 @@ class Output:
         for s, c, end in zip(w.prefills, w.chunks, w.ends):
             if not s.free:
                 s.n_past += c
+                if s.request.progress:
+                    self.progress(s)
                 if end:                                # the prompt is read: its last logits gave a token
                     s.request.t_first = time.monotonic()
                     self.emit(s, int(toks[j]), self._logprobs(0, j))
@@ -102,6 +106,14 @@ class Output:
         lp = self.runner.last_logprobs
         got = lp[group] if group < len(lp) else None
         return None if got is None else tuple(a[row] for a in got)
+
+    def progress(self, s: Slot) -> None:
+        """How much of the slot's prompt is read (llama.cpp's prompt_progress: its total, what the slot's
+        kept KV already held, what is read including that, and the time since the request got its slot)."""
+        req = s.request
+        self.put(req, Event("progress", stats={"total": len(req.prompt), "cache": req.reused,
+                                               "processed": min(s.n_past, len(req.prompt)),
+                                               "time_ms": round((time.monotonic() - req.t_start) * 1000, 3)}))
 
     # ---- one token ----------------------------------------------------------------------------------------
 

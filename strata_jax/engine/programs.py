@@ -138,6 +138,10 @@ class ProgramCache:
     def ready(self, layout: Layout) -> bool:
         return layout in self.programs
 
+    def queued(self, layout: Layout) -> bool:
+        """Given to the builder thread and not yet taken in (collect) or taken over (get)."""
+        return layout in self._queued
+
     def refused(self, layout: Layout) -> bool:
         """`layout`'s program is bigger than all the room programs have: get() refuses it at once."""
         nbytes = self.too_big.get(layout)

@@ -150,8 +150,9 @@ def _shown(v: Any) -> str:
 @dataclass
 class Event:
     """What a handle yields: "token" events (text may be empty while a character or a possible stop string
-    is incomplete), then one "final" (with stats) or one "error"."""
-    kind: str                         # "token" | "final" | "error"
+    is incomplete), then one "final" (with stats) or one "error"; before them, for a request that asks,
+    "progress" events (stats: llama.cpp's prompt_progress) as its prompt is read."""
+    kind: str                         # "token" | "final" | "error" | "progress" (Request.progress)
     text: str = ""
     token: int | None = None
     stats: dict[str, Any] | None = None
@@ -175,6 +176,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     arrived: float = field(default_factory=time.monotonic)
     deadline: float = 0.0
+    progress: bool = False             # a "progress" event as each prompt chunk is read (llama.cpp's return_progress)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # filled in by the engine

@@ -250,6 +250,10 @@ class ModelRunner:
         """A program of `layout`'s window can never fit (ProgramCache.refused): waiting for it is in vain."""
         return any(self.programs.refused(lay) for lay in self.program_layouts(layout))
 
+    def building(self, layout: Layout) -> bool:
+        """A program of `layout`'s window is queued on the builder thread (not failed there, not refused)."""
+        return any(self.programs.queued(lay) for lay in self.program_layouts(layout))
+
     def build_later(self, layout: Layout) -> None:
         """Compile a window layout's programs off the engine thread (ProgramCache.build_later)."""
         for lay in self.program_layouts(layout):

@@ -241,6 +241,10 @@ class Scheduler:
         """The window run instead of `planned` left some of its prompts out: they get the next turns."""
         self._turn -= len(planned.prefills) - len(ran.prefills)
 
+    def skipped(self, planned: Window) -> None:
+        """The planned window did not run (its programs are being built): its prompts keep their turns."""
+        self._turn -= len(planned.prefills)
+
 
 def _padded(g: GroupInput, length: int) -> GroupInput:
     """A prompt group padded to `length` tokens a row (pos -1 after the real tokens)."""

@@ -56,10 +56,19 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     started = int(time.time())
     defaults = dict(cfg.sampling)            # the server's sampling defaults (POST /props may change them)
     parse_chat = functools.partial(generate.parse_chat, trust_template=cfg.trust_request_chat_template,
-                                   defaults=defaults)
+                                   defaults=defaults, prefill=cfg.prefill_assistant)
     parse_completion = functools.partial(generate.parse_completion, defaults=defaults)
     profile_dir = Path(cfg.expert_profile_dir).expanduser().absolute() if cfg.expert_profile_dir else \
         cache_dir().absolute() / "expert-profiles"
+
+    def served_as(job: Job) -> None:
+        """The server's flags a job answers by: --verbose-responses, and --llama-conventions (whose ignore_eos
+        bans the end-of-generation tokens, llama.cpp's -inf biases, where vLLM's generates past them)."""
+        job.verbose = job.verbose or cfg.verbose_responses
+        job.llama = cfg.llama_conventions
+        if job.llama and job.params.get("ignore_eos"):
+            bans = [[t, -100.0] for t in sup.info.get("eos_ids", ())]
+            job.params["logit_bias"] = [*(job.params.get("logit_bias") or []), *bans]
 
     def done(job: Job, ticket, outcome: str, stats: dict | None, seconds: float) -> None:
         metrics.finished(job.endpoint, outcome, stats, seconds)
@@ -84,7 +93,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     @post(["/v1/chat/completions", "/chat/completions"], status_code=200, guards=[_json_body])
     async def chat_completions(request: Request) -> Response:
         job = _parsed(metrics, "chat", parse_chat, await request.body(), names)
-        job.verbose = job.verbose or cfg.verbose_responses
+        served_as(job)
         if sup.info and not sup.info.get("chat_template", True):
             metrics.requests.labels("chat", "rejected").inc()
             raise ApiError(400, "this model has no chat template (tokenizer.chat_template is not in its GGUF), so "
@@ -95,7 +104,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     @post("/v1/completions", status_code=200, guards=[_json_body])
     async def completions(request: Request) -> Response:
         job = _parsed(metrics, "completions", parse_completion, await request.body(), names)
-        job.verbose = job.verbose or cfg.verbose_responses
+        served_as(job)
         return await run(request, job)
 
     @post(["/completion", "/completions"], status_code=200, guards=[_json_body])
@@ -103,6 +112,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         """llama.cpp's native /completion (serve/native.py); /completions is llama.cpp's name for it too."""
         try:
             jobs, req = native.parse(await request.body(), names.served, names.served, defaults, sup.config.seed)
+            for job in jobs:
+                served_as(job)
             out = await native.answer(sup, jobs, req, sup.config.seed, done, req.stream,
                                       watch=lambda tickets: _cancel_on_disconnect(request, sup, *tickets))
         except ApiError:

@@ -28,7 +28,7 @@ async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[Event]:
                                              "--request-timeout-s)", finish_reason="timeout")
             return
         yield ev
-        if ev.kind != "token":
+        if ev.kind in ("final", "error"):
             return
 
 
@@ -70,7 +70,7 @@ class Choices:
                         self.on_ticket(t)
                         self._start(j, t)
                     left += self.n - 1
-                left -= ev.kind != "token"
+                left -= ev.kind in ("final", "error")
                 yield k, ev
         finally:
             for task in self._tasks:

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from .._version import __version__
 from ..engine.request import Event
 from .choices import Choices
 from .console import done_line
@@ -29,6 +30,7 @@ from .tools import HeldCalls, finish_reason, parse_calls
 log = logging.getLogger("strata_jax.serve")
 
 SYSTEM_FINGERPRINT = "strata-jax"
+LLAMA_FINGERPRINT = f"b0-strata-jax-{__version__}"    # llama.cpp's shape, b<build>-<commit>: no llama.cpp build here
 _json = msgspec.json.Encoder()
 
 
@@ -119,6 +121,14 @@ def timings(st: dict[str, Any] | None) -> dict[str, Any]:
             "draft_n": st.get("draft_n", 0), "draft_n_accepted": st.get("draft_n_accepted", 0)}
 
 
+def progress_timings(progress: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's `timings` beside a prompt_progress: the prompt read so far, nothing generated; its time
+    counts once a token has been read (the first report, before any, has prompt_ms 0)."""
+    read = progress["processed"] > progress["cache"]
+    return timings({"prompt_tokens": progress["processed"], "reused_tokens": progress["cache"],
+                    "prompt_ms": progress["time_ms"] if read else 0.0})
+
+
 def _finish_reason(ev: Event) -> str:
     return "length" if ev.finish_reason == "length" else "stop"
 
@@ -148,7 +158,7 @@ async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, 
     try:
         for k in range(job.n):
             if job.kind == "chat":
-                yield sse(_chat_chunk(job, {"role": "assistant", "content": ""}, index=k))
+                yield sse(_chat_chunk(job, _first_delta(job), index=k))
             elif job.echo:
                 yield sse(_text_chunk(job, job.echo, index=k))
         async for k, ev in run.choices.merged():
@@ -157,6 +167,9 @@ async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, 
                 lp.add(ev.logprobs)
                 for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text)):
                     yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
+            elif ev.kind == "progress":          # return_progress: llama.cpp's prompt_progress chunk
+                yield sse({**chunk(job, _first_delta(job) if job.kind == "chat" else "", index=k),
+                           "prompt_progress": ev.stats})
             elif ev.kind == "final":
                 run.final(k, ev)
                 for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text, last=True), last=True):
@@ -168,7 +181,8 @@ async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, 
                 yield sse(end)
                 if len(run.finals) == job.n:
                     if job.include_usage:
-                        yield sse({**_head(job), "choices": [], "usage": run.usage()})
+                        yield sse({**_head(job), "choices": [], "usage": run.usage(),
+                                   "timings": timings(run.finals[min(run.finals)].stats)})   # as llama.cpp
                     yield SSE_DONE
             else:
                 run.outcomes[k].error(ev)
@@ -223,7 +237,12 @@ def _pieces(job: Job, parser: ReasoningParser, text: str, last: bool = False) ->
 def _head(job: Job) -> dict[str, Any]:
     obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
     return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT}
+            "system_fingerprint": LLAMA_FINGERPRINT if job.llama else SYSTEM_FINGERPRINT}
+
+
+def _first_delta(job: Job) -> dict[str, Any]:
+    """A chat stream's first delta (and each progress chunk's): OpenAI's and vLLM's content "", llama.cpp's null."""
+    return {"role": "assistant", "content": None if job.llama else ""}
 
 
 def _chat_chunk(job: Job, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0,
@@ -265,7 +284,8 @@ async def whole(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, o
 
 def _whole_body(job: Job, run: _Run, parts: list[list[tuple[str, str]]]) -> dict[str, Any]:
     body = {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
-            "created": job.created, "model": job.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": []}
+            "created": job.created, "model": job.model, "system_fingerprint": LLAMA_FINGERPRINT if job.llama else SYSTEM_FINGERPRINT,
+            "choices": []}
     for k, ev in sorted(run.finals.items()):
         content = "".join(t for kind, t in parts[k] if kind == CONTENT)
         choice: dict[str, Any] = {"index": k}

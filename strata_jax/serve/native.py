@@ -17,7 +17,8 @@ it, our queue, the engine); only the shapes differ. Fields llama.cpp has and thi
 dry_*, xtc_*, typical_p, n_keep, samplers, ...) are accepted and have no effect; `cache_prompt: false` too (the
 prefix cache never changes an answer's tokens). A request without `seed` samples with the server's `--seed`
 (llama.cpp's rule). `id_slot` is accepted: the engine picks the slot whose kept
-KV matches the prompt best. `return_progress` sends one `prompt_progress` chunk when the prompt has been read.
+KV matches the prompt best. `return_progress` (streams) sends a `prompt_progress` chunk when the prompt gets its slot
+and one as each prompt chunk is read, with `timings` too under `timings_per_token`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import msgspec
 
 from .choices import events
 from .errors import ApiError, invalid
-from .generate import Outcome, event_error, sse, start, timings
+from .generate import Outcome, event_error, progress_timings, sse, start, timings
 from .parse import Job, _decode, _params
 from .schemas import MAX_LOGPROBS, CompletionRequest
 
@@ -51,8 +52,6 @@ class NativeRequest(CompletionRequest):
     response_fields: list[str] | None = None
     cache_prompt: bool = True
     id_slot: int = -1
-    return_progress: bool = False
-    timings_per_token: bool = False
 
 
 def parse(body: bytes, served: str, model: str, defaults: dict[str, Any],
@@ -163,17 +162,18 @@ class _One:
         """The streamed chunks; the last is the final body (stop: true). ApiError on an engine error."""
         outcome = Outcome(self.job, self.prepared, self.ticket, self.on_done)
         try:
-            first = True
             async for ev in events(self.sup, self.ticket):
                 if ev.kind == "error":
                     outcome.error(ev)
                     raise event_error(ev)
-                if ev.kind == "token":
-                    if first and self.req.return_progress:
-                        n = len(self.prepared.ids)
-                        yield {"index": self.index, "prompt_progress": {"total": n, "cache": 0, "processed": n,
-                                                                          "time_ms": 0}}
-                    first = False
+                if ev.kind == "progress":
+                    chunk = {"index": self.index, "content": "", "tokens": [], "stop": False,
+                             "id_slot": self._slot(), "tokens_predicted": 0,
+                             "tokens_evaluated": len(self.prepared.ids), "prompt_progress": ev.stats}
+                    if self.req.timings_per_token:
+                        chunk["timings"] = progress_timings(ev.stats)
+                    yield chunk
+                elif ev.kind == "token":
                     self.tokens.append(ev.token)
                     self.text.append(ev.text)
                     prob = self._prob(ev)
@@ -250,7 +250,9 @@ def generation_settings(job: Job, req: NativeRequest, seed: int) -> dict[str, An
             "presence_penalty": p["presence_penalty"], "frequency_penalty": p["frequency_penalty"],
             "max_tokens": n if n is not None else -1, "ignore_eos": p["ignore_eos"], "stream": job.stream,
             "n_probs": req.n_probs, "post_sampling_probs": req.post_sampling_probs, "stop": p["stop"],
-            "grammar": grammar[1] if grammar else "", "logit_bias": p["logit_bias"],
+            "grammar": grammar[1] if grammar else "",
+            # llama.cpp's shape; a ban (-100 here, false in a request) is its -inf, which its JSON writes as null
+            "logit_bias": [{"bias": None if b <= -100 else b, "token": t} for t, b in p["logit_bias"]],
             "timings_per_token": req.timings_per_token,
             # llama.cpp's samplers this engine does not have, at the values that turn them off
             "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,

@@ -42,6 +42,7 @@ class Job:
     tool_choice: Any = None
     parallel_tool_calls: bool = True             # false: one call at most
     verbose: bool = False                        # llama.cpp's "__verbose" in the answer (generate.py)
+    llama: bool = False                          # llama.cpp's conventions (--llama-conventions: serve/app.py)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -53,7 +54,10 @@ class Job:
 # ---- parsing ---------------------------------------------------------------------------------------------
 
 
-def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False, defaults: dict | None = None) -> Job:
+def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False, defaults: dict | None = None,
+               prefill: bool = False) -> Job:
+    """prefill: --prefill-assistant (llama.cpp's rules for a final assistant message it continues: its text
+    parts joined by a blank line, and no second assistant message before it)."""
     req = _decode(body, ChatCompletionRequest)
     if not req.messages:
         raise invalid("messages is empty: a chat needs at least one message", "messages")
@@ -62,7 +66,12 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False, def
         raise invalid(f"chat_template_kwargs.{reserved[0]}: chat_template_kwargs may set the template's variables "
                       f"only, and {', '.join(reserved)} would replace the template or its inputs; leave them out, "
                       "or start the server with --trust-request-chat-template", f"chat_template_kwargs.{reserved[0]}")
-    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    continued = prefill and req.add_generation_prompt and req.messages[-1].role == "assistant"
+    if continued and len(req.messages) > 1 and req.messages[-2].role == "assistant":
+        raise invalid("messages: the last two are the assistant's; with --prefill-assistant the final one is "
+                      "continued, so the one before it must not be the assistant's too", "messages")
+    messages = [_message(m, i, "\n\n" if continued and i == len(req.messages) - 1 else "\n")
+                for i, m in enumerate(req.messages)]
     _check_carried(messages=messages, chat_template_kwargs=req.chat_template_kwargs)
     if req.add_generation_prompt and req.continue_final_message:
         raise invalid("add_generation_prompt and continue_final_message are both true: a chat either starts a new "
@@ -150,7 +159,8 @@ def _check_carried(**values: Any) -> None:
                           "integers from -2**63 to 2**64 - 1", param) from None
 
 
-def _message(m: Message, i: int) -> dict[str, Any]:
+def _message(m: Message, i: int, joiner: str = "\n") -> dict[str, Any]:
+    """A message as the engine renders it; text parts joined by `joiner` (a newline, vLLM's way)."""
     content = m.content
     if isinstance(content, list):
         texts = []
@@ -159,7 +169,7 @@ def _message(m: Message, i: int) -> dict[str, Any]:
                 raise invalid(f"messages[{i}].content[{j}] is a {part.type!r} part; this server reads text parts "
                               "only ({\"type\": \"text\", \"text\": ...})", f"messages[{i}].content[{j}]")
             texts.append(part.text)
-        content = "\n".join(texts)
+        content = joiner.join(texts)
     if content is None and not (m.role == "assistant" and m.tool_calls):
         raise invalid(f"messages[{i}].content is missing: a {m.role} message needs content", f"messages[{i}].content")
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
@@ -185,7 +195,7 @@ def _params(req: Any, max_tokens: int | None, chat: bool, defaults: dict | None 
         if not asked and key in defaults:
             controls[key] = defaults[key]
     return {"max_tokens": limit_tokens(max_tokens, defaults), **params, "seed": seed, "stop": stop,
-            "ignore_eos": req.ignore_eos, **controls}
+            "ignore_eos": req.ignore_eos, "progress": req.stream and req.return_progress, **controls}
 
 
 def limit_tokens(asked: int | None, defaults: dict) -> int | None:

@@ -96,6 +96,8 @@ class _Sampling(msgspec.Struct):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False            # llama.cpp's extra: keep going past the end-of-text token
     verbose: bool = False               # llama.cpp's: the answer also carries "__verbose" (the prompt text, ...)
+    return_progress: bool = False       # llama.cpp's: a stream also sends prompt_progress as the prompt is read
+    timings_per_token: bool = False     # llama.cpp's: streamed chunks carry timings
     # structured output (serve/fields.py: grammar_param): OpenAI's response_format, llama.cpp's grammar
     # (GBNF) and json_schema
     response_format: ResponseFormat | None = None

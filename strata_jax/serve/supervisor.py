@@ -350,6 +350,8 @@ class Supervisor:
                 t.n_tokens += 1
                 t.token_came(self._heard_at)
                 t.events.put_nowait(ev)
+            elif ev.kind == "progress":              # the prompt read so far (return_progress)
+                t.events.put_nowait(ev)
             else:
                 self._end(t, ev)
         elif kind in ("prepared", "rejected", "stats", "saved", "answer"):

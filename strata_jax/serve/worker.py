@@ -94,6 +94,7 @@ class Worker:
             "chat_template": self.engine.tokenizer.chat_template is not None,
             "chat_template_source": self.engine.tokenizer.chat_template,     # GET /props shows these three
             "bos_token": self.engine.tokenizer.bos_token, "eos_token": self.engine.tokenizer.eos_token,
+            "eos_ids": sorted(self.engine.tokenizer.eos_ids),
             "start_s": round(time.monotonic() - t0, 3), "programs_built": programs.get("built", 0),
             "build_s": programs.get("build_seconds", 0.0), "pid": os.getpid(),
             "choices": self.engine.runner.choices, "max_token_bytes": _max_token_bytes(self.engine.tokenizer),
@@ -282,7 +283,7 @@ class Worker:
 
     def submit(self, cmd: dict[str, Any]) -> None:
         rid, p = cmd["id"], cmd["params"]
-        h = self.engine.submit(cmd["ids"], **_sampling(p, p["max_tokens"]))
+        h = self.engine.submit(cmd["ids"], **_sampling(p, p["max_tokens"]), progress=bool(p.get("progress")))
         with self._lock:
             self.handles[rid] = h
         threading.Thread(target=self._forward, args=(rid, h), name=f"req-{rid}", daemon=True).start()
@@ -295,7 +296,7 @@ class Worker:
                     piece = self.engine.tokenizer.token_bytes
                     msg["lp"] = [piece(ev.token), ev.logprob, [[piece(t), v] for t, v in ev.top_logprobs or ()]]
                     msg["lpi"] = [ev.token, [t for t, _ in ev.top_logprobs or ()]]
-                if ev.kind == "final":
+                if ev.kind in ("final", "progress"):
                     msg["fr"], msg["st"] = ev.finish_reason, ev.stats
                 elif ev.kind == "error":
                     msg["err"] = ev.error
