@@ -194,9 +194,9 @@ class EngineCore:
         """A window whose programs are built: w, or while w's are built off this thread (so that a layout met
         for the first time stalls no one), the largest smaller one that is: w's decode rows with its first
         prompt chunk (as it is, then padded to a whole chunk), then its decode rows alone. With none of them
-        built, no window (None) while the builder thread builds w's, so that the engine thread still takes in
-        cancels; w itself when its build failed there (the engine thread meets the error). Without the warm-up (--no-warmup: tests, quick starts) every layout is
-        built when first met, on this thread, as the window waits: the same windows run whatever the timing."""
+        built, no window (None) while the builder thread builds w's first, so that the engine thread still
+        takes in cancels; w itself when its build failed there (the engine thread meets the error). Without
+        the warm-up (--no-warmup: tests, quick starts) every layout is built when first met, on this thread, as the window waits: the same windows run whatever the timing."""
         layout = self.runner.layout_of(w.groups, w.kv_needed)
         if not self.config.warmup or self.runner.ready(layout) or self.runner.refused(layout):
             return w                      # refused: its run is refused at once, and the window split

@@ -142,6 +142,14 @@ class ProgramCache:
         """Given to the builder thread and not yet taken in (collect) or taken over (get)."""
         return layout in self._queued
 
+    def hurry(self, layout: Layout) -> None:
+        """Move a queued layout to the front of the builder thread's queue (a window waits for it)."""
+        with self._todo.mutex:
+            todo = self._todo.queue
+            if layout in todo:
+                todo.remove(layout)
+                todo.appendleft(layout)
+
     def refused(self, layout: Layout) -> bool:
         """`layout`'s program is bigger than all the room programs have: get() refuses it at once."""
         nbytes = self.too_big.get(layout)

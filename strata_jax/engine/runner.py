@@ -251,8 +251,12 @@ class ModelRunner:
         return any(self.programs.refused(lay) for lay in self.program_layouts(layout))
 
     def building(self, layout: Layout) -> bool:
-        """A program of `layout`'s window is queued on the builder thread (not failed there, not refused)."""
-        return any(self.programs.queued(lay) for lay in self.program_layouts(layout))
+        """A program of `layout`'s window is queued on the builder thread (not failed there, not refused):
+        its programs go to the front of that queue."""
+        mine = [lay for lay in self.program_layouts(layout) if self.programs.queued(lay)]
+        for lay in reversed(mine):
+            self.programs.hurry(lay)
+        return bool(mine)
 
     def build_later(self, layout: Layout) -> None:
         """Compile a window layout's programs off the engine thread (ProgramCache.build_later)."""

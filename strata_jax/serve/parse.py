@@ -195,7 +195,8 @@ def _params(req: Any, max_tokens: int | None, chat: bool, defaults: dict | None 
         if not asked and key in defaults:
             controls[key] = defaults[key]
     return {"max_tokens": limit_tokens(max_tokens, defaults), **params, "seed": seed, "stop": stop,
-            "ignore_eos": req.ignore_eos, "progress": req.stream and req.return_progress, **controls}
+            "ignore_eos": req.ignore_eos, **({"progress": True} if req.stream and req.return_progress else {}),
+            **controls}
 
 
 def limit_tokens(asked: int | None, defaults: dict) -> int | None:
