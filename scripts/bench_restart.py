@@ -108,7 +108,7 @@ def restart_case(serve_args: list[str], cache: str, window: int, timeout: float)
 
 
 def tiny_model(folder: Path) -> str:
-    from strata_jax.testing.make_model import make_model
+    from strata_jax.makers.make_model import make_model
 
     return str(make_model(folder / "tiny-moe.gguf", arch="qwen3moe", layers=2, hidden=64, heads=4, kv_heads=2,
                           experts=8, experts_used=2, expert_ffn=32)[0])

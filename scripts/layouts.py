@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from strata_jax import Engine, EngineConfig
-from strata_jax.testing.make_model import make_model
+from strata_jax.makers.make_model import make_model
 
 
 def bound(eng) -> int:

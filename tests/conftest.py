@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from strata_jax.testing.make_model import make_model
+from strata_jax.makers.make_model import make_model
 
 # The slow tier: files that take most of the suite's time on 2 cores (the full suite's JUnit times, session 9:
 # these are 1,290 of its 1,500 test-seconds). `pytest -m "not slow"` leaves them out (the everyday tier, under

@@ -225,7 +225,7 @@ def test_upcycled_smollm2_device_cache(tmp_path):
     """A real model (SmolLM2 upcycled to 8 experts, top-2) through 2 expert slots a layer, experts in
     GGUF blocks: the same logits, bit for bit, and the same greedy tokens as every expert on the device."""
     from strata_jax.fetch import smollm2_path
-    from strata_jax.testing.upcycle import upcycle
+    from strata_jax.makers.upcycle import upcycle
 
     path = upcycle(smollm2_path(), tmp_path / "smollm2-8x2.gguf", experts=8, top_k=2)
     base = {"parallel": 1, "max_context": 32, "prefill": 16, "warmup": False, "weights": "blocks", "host_experts": "off"}
@@ -425,7 +425,7 @@ def test_layers_that_mix_quant_types(tiny_model, weights):
     a program per kind of layer, an arena whose leaves differ by layer, and the same logits, bit for bit,
     and the same greedy tokens as every expert on the device."""
     from strata_jax.gguf import GGUFModel
-    from strata_jax.testing.make_model import use_more_bits
+    from strata_jax.makers.make_model import use_more_bits
 
     assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]       # llama.cpp's rule at 8 layers
     path = tiny_model(**MIXED)

@@ -18,6 +18,7 @@ import torch
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.gguf import GGUFModel
+from strata_jax.makers.make_model import make_model
 from strata_jax.model import (
     Group,
     RunOptions,
@@ -27,7 +28,6 @@ from strata_jax.model import (
     new_kv_cache,
 )
 from strata_jax.testing.hf_glm4moe import load_glm4moe
-from strata_jax.testing.make_model import make_model
 
 # Rows of 256 values (whole K-quant blocks); one leading dense layer, one MoE layer, one NextN layer.
 SIZES = {"arch": "glm4moe", "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 256, "expert_ffn": 256, "shared_ffn": 256,

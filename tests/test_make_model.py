@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from strata_jax.gguf import GGUFModel
-from strata_jax.testing.make_model import make_model
-from strata_jax.testing.tiny_tokenizer import CHAT_TEMPLATE
+from strata_jax.makers.make_model import make_model
+from strata_jax.makers.tiny_tokenizer import CHAT_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[1]
 F32, F16, Q8_0, Q4_K = (gguf.GGMLQuantizationType[n] for n in ("F32", "F16", "Q8_0", "Q4_K"))
@@ -27,7 +27,7 @@ def test_same_seed_same_file_other_seed_other_weights(tmp_path):
 
 
 def test_quant_flags_and_fallback(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="strata_jax.testing.make_model"):
+    with caplog.at_level(logging.WARNING, logger="strata_jax.makers.make_model"):
         path = make_model(tmp_path / "m.gguf", arch="qwen3moe", hidden=256, heads=4, expert_ffn=128,
                           quant="Q4_K", attn_quant="Q8_0", expert_quant="Q4_K", embed_quant="Q6_K")[0]
     t = GGUFModel.open(path).tensors

@@ -11,7 +11,7 @@ import pytest
 from strata_jax import Engine, EngineConfig
 from strata_jax.fetch import smollm2_path
 from strata_jax.gguf import GGUFModel
-from strata_jax.testing.upcycle import upcycle
+from strata_jax.makers.upcycle import upcycle
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

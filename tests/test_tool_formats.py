@@ -1,5 +1,5 @@
 """Tool-call formats of the families we serve (issue 16, item 1): Llama 3, Mistral's two, GLM-4.5, beside Hermes
-and generic (serve/tool_formats.py).
+and generic (serve/tool_formats/).
 
 Parsers on literal model texts, fed whole and split at every character boundary (a streamed answer is the
 same calls as a whole one); the forced-call grammars walked at random over a vocabulary where the marks are
@@ -449,7 +449,7 @@ def with_marks(metadata: dict, marks: list[str]) -> dict:
 
 def family_tokenizer(family: str):
     from strata_jax.gguf import load_tokenizer
-    from strata_jax.testing.tiny_tokenizer import tiny_tokenizer
+    from strata_jax.makers.tiny_tokenizer import tiny_tokenizer
 
     md = {k: v for k, (v, _) in tiny_tokenizer(512).metadata("qwen2").items()}
     md |= with_marks(md, FAMILIES[family][1])

