@@ -5,6 +5,7 @@ decode rate and the bytes a decode step reads."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -57,6 +58,20 @@ def test_bench_vs_llamacpp(tiny_model, tmp_path, capsys):
     assert all(r > 0 for r in result["ratio"].values())
     assert result["bound"]["llama_cpp"]["fraction"] > 0
     assert "ours / llama.cpp" in printed and result["machine"]["llama_cpp_python"]
+
+
+def test_llamacpp_crash_is_an_error_not_ours(tiny_model, monkeypatch):
+    """llama.cpp measures in a child process: a child that dies (here by SIGSEGV, as llama.cpp did once in
+    CI) raises an error naming the signal, and this process goes on."""
+    from strata_jax.bench import llamacpp
+    from strata_jax.bench.options import BenchOptions
+
+    crash = "import os, signal, sys; sys.stdin.read(); print('progress loading', flush=True); os.kill(os.getpid(), signal.SIGSEGV)"
+    monkeypatch.setattr(llamacpp, "CHILD", [sys.executable, "-c", crash])
+    said = []
+    with pytest.raises(RuntimeError, match="died \\(signal SIGSEGV\\)"):
+        llamacpp.measure_llamacpp(BenchOptions(model=str(tiny_model(**TINY))), 256, said.append)
+    assert said == ["loading"]
 
 
 def test_bench_refuses_bad_settings(tiny_model, capsys):

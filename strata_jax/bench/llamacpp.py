@@ -9,13 +9,23 @@ C functions), measured the way `ours` measures ours:
 
 Each measurement runs once short (or whole, for the prefill) before it is timed: llama.cpp allocates its
 compute buffers and touches the memory-mapped weights on first use.
+
+It runs in a child process of its own (`measure_llamacpp`): llama.cpp is native code loaded beside JAX's,
+and a crash there (a build for another CPU dies with an illegal instruction; one CI run died with a
+segmentation fault in the bench's llama.cpp test) must end the bench with an error that says so, not the
+process that asked for it. Our engine's threads are gone from the measurement too.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
+import signal
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import numpy as np
 
@@ -130,7 +140,32 @@ class LlamaCpp:
         return best
 
 
+# The child's command line (a test replaces it with one that crashes).
+CHILD = [sys.executable, "-m", "strata_jax.bench.llamacpp"]
+
+
 def measure_llamacpp(opts: BenchOptions, vocab: int, progress=print) -> dict:
+    """llama.cpp's figures, measured in a child process (`python -m strata_jax.bench.llamacpp`): its
+    progress lines pass through, its figures come back as JSON; a child that dies raises RuntimeError."""
+    job = {"options": {k: v for k, v in asdict(opts).items() if k != "engine"}, "vocab": vocab}
+    child = subprocess.Popen(CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    out, _ = child.communicate(json.dumps(job))
+    result = None
+    for line in out.splitlines():
+        kind, _, text = line.partition(" ")
+        if kind == "progress":
+            progress(text)
+        elif kind == "result":
+            result = json.loads(text)
+    if child.returncode != 0 or result is None:
+        rc = child.returncode
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+        raise RuntimeError(f"llama.cpp's measurement of {opts.model} died ({how}) in its child process: "
+                           "see the lines above; our figures are not affected")
+    return result
+
+
+def _measure_here(opts: BenchOptions, vocab: int, progress=print) -> dict:
     t = time.perf_counter()
     lc = LlamaCpp(opts.model, opts.threads)
     try:
@@ -146,3 +181,22 @@ def measure_llamacpp(opts: BenchOptions, vocab: int, progress=print) -> dict:
         lc.close()
     return {"engine": {"weights": "blocks", "threads": opts.threads}, "load_seconds": load_s,
             "prefill": prefill, "decode": decode}
+
+
+def _child() -> int:
+    """The child's side: a job (options, vocab) as JSON on stdin; 'progress <text>' lines and one
+    'result <json>' line on stdout."""
+    job = json.loads(sys.stdin.read())
+    o = job["options"]
+    opts = BenchOptions(**{**o, "parallel_list": tuple(o["parallel_list"]),
+                           "moe_twin": tuple(o["moe_twin"]) if o.get("moe_twin") else None})
+
+    def say(text: str) -> None:
+        print("progress", text, flush=True)
+
+    print("result", json.dumps(_measure_here(opts, job["vocab"], say)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())
