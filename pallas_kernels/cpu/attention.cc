@@ -228,7 +228,7 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffe
   // Helpers only when the keys to read are many (waking a thread costs ~ a few thousand keys' dots).
   int64_t keys = 0;
   for (int64_t i = 0; i < R * L; i++) keys += std::max<int64_t>(std::min<int64_t>(pos.typed_data()[i] + 1, range.hi) - range.lo, 0);
-  int helpers = keys * H < 4096 ? 0 : (int)std::min<int64_t>({max_threads() - 1, pool.num_threads(), units - 1});
+  int helpers = keys * H < 4096 ? 0 : (int)std::min<int64_t>(helper_threads(pool), units - 1);
   parallel_units(pool, units, std::max(helpers, 0), [&](int64_t u) {
     auto [t0, t1] = runs[u / k.heads];
     unit.run(sl[t0 / L], u % k.heads, t0, t1);

@@ -274,6 +274,34 @@ constexpr int kGroup = 8;
 template <class B>
 STRATA_INLINE void block_fields(const uint8_t* b, int n, float* f) {
   if constexpr (B::nf == 0) return;
+#if defined(__AVX512VBMI__)
+  if (B::fields[0] == 0 && (B::nf == 1 || B::fields[1] == 2) && (kGroup - 1) * B::bytes + 4 <= 256) {
+    // The n <= 8 blocks' leading fields (2 or 4 bytes each) picked out of their bytes by byte permutes
+    // over two 128-byte windows (a gather of 8 dwords costs AMD's cores ~12 cycles: a third of a Q4_1
+    // product at one row). Field byte j of block i is byte i * bytes + j of b. Loads past the n blocks'
+    // bytes are masked off, so nothing past them is read (or can fault).
+    constexpr int per = 2 * B::nf;
+    const int span = n * B::bytes;
+    alignas(64) static const uint8_t idx[64] = {
+#define S_(i) (uint8_t)((i) / per < kGroup ? (i) / per * B::bytes + (i) % per : 0)
+        S_(0), S_(1), S_(2), S_(3), S_(4), S_(5), S_(6), S_(7), S_(8), S_(9), S_(10), S_(11), S_(12), S_(13),
+        S_(14), S_(15), S_(16), S_(17), S_(18), S_(19), S_(20), S_(21), S_(22), S_(23), S_(24), S_(25), S_(26),
+        S_(27), S_(28), S_(29), S_(30), S_(31)};
+#undef S_
+    auto part = [&](int at) {        // bytes [at, at + 64) of the group, zeros past its end
+      int have = span - at;
+      if (have >= 64) return _mm512_loadu_si512(b + at);
+      return _mm512_maskz_loadu_epi8(have <= 0 ? 0 : (1ull << have) - 1, b + at);
+    };
+    const __m512i i = _mm512_load_si512(idx);
+    __m512i dw = _mm512_permutex2var_epi8(part(0), i, part(64));
+    if (span > 128) dw = _mm512_mask_blend_epi8(_mm512_movepi8_mask(i), dw,
+                                                          _mm512_permutex2var_epi8(part(128), i, part(192)));
+    if constexpr (B::nf == 1) _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm512_castsi512_si128(dw)));
+    else _mm512_storeu_ps(f, _mm512_cvtph_ps(_mm512_castsi512_si256(dw)));
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   if (n == kGroup && B::fields[0] == 0 && (B::nf == 1 || B::fields[1] == 2)) {
     // One gather of the dword at each block's start (its fields: 2 or 4 bytes) and one conversion.

@@ -2,7 +2,7 @@
 // pallas_kernels/cpu).
 //
 // Work is split over weight rows: units of contiguous rows, taken from an atomic counter by the
-// calling thread and by helpers scheduled on XLA's intra-op pool (ffi::ThreadPool). Every unit
+// calling thread and by helper threads (parallel.h: a pool that spins between calls). Every unit
 // handles all x rows for its weight rows, so a weight row is read once a call. The split changes no
 // result: each output element is computed by one thread in the order simd.h defines.
 #include <algorithm>
@@ -22,7 +22,7 @@ namespace {
 // Helpers to ask for: none for small products (waking a thread costs more than it saves).
 int helpers_for(ffi::ThreadPool& pool, int64_t units, int64_t weight_bytes, int64_t flops) {
   if (weight_bytes < (64 << 10) && flops < (4 << 20)) return 0;
-  int64_t h = std::min<int64_t>({max_threads() - 1, pool.num_threads(), units - 1});
+  int64_t h = std::min<int64_t>(helper_threads(pool), units - 1);
   return (int)std::max<int64_t>(h, 0);
 }
 
