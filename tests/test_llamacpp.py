@@ -25,12 +25,17 @@ dequantize weights to float32 and keep activations and KV in float32. So:
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp")
+if importlib.util.find_spec("llama_cpp") is None:
+    pytest.skip("llama-cpp-python is not installed (README, Tests: how to build it)", allow_module_level=True)
 
 from gguf import GGMLQuantizationType, GGUFWriter
 
@@ -40,18 +45,33 @@ from strata_jax.gguf import GGUFModel
 MOE = {"arch": "llama", "experts": 4, "experts_used": 2, "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2,
        "ffn": 256, "expert_ffn": 256}
 TOLERANCE = {"F32": 1e-4, "F16": 5e-3, "Q8_0": 5e-2}
+
+# llama.cpp runs in a child process: in this one torch (the transformers oracle) has loaded its own OpenMP
+# runtime, and llama.cpp's threads on a second one can crash the process (two OpenMP runtimes in one
+# process are a known cause of SIGSEGV; a CI run of this suite died by SIGSEGV right after llama.cpp ran).
+_CHILD = """
+import json, sys
+import numpy as np
+import llama_cpp
+path, ids, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 F32 = llama_cpp.GGML_TYPE_F32
+llm = llama_cpp.Llama(path, logits_all=True, n_ctx=max(64, len(ids)), n_threads=2, verbose=False, type_k=F32, type_v=F32)
+llm.eval(ids)
+np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
+llm.close()
+"""
 
 
 def llamacpp_logits(path: Path, ids: list[int]) -> np.ndarray:
     """float32 [T, vocab]: llama.cpp's logits for every token, F32 KV cache (see the module docstring)."""
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=max(64, len(ids)), n_threads=2, verbose=False,
-                          type_k=F32, type_v=F32)
+    out = Path(path).with_name(f"llamacpp-logits-{len(ids)}.npy")
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(path), json.dumps(ids), str(out)], capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0, f"llama.cpp failed on {path} (exit code {done.returncode}):\n{done.stderr[-3000:]}"
     try:
-        llm.eval(ids)
-        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+        return np.load(out)
     finally:
-        llm.close()
+        out.unlink()
 
 
 def our_logits(path: Path, ids: list[int], weights: str = "dequantized") -> np.ndarray:
