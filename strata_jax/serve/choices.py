@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..engine.request import Event
-from .supervisor import Prepared, Supervisor, Ticket
+from .supervisor import Supervisor
+from .tickets import Prepared, Ticket
 
 
 async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[Event]:

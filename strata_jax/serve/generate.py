@@ -24,7 +24,8 @@ from .errors import ApiError, error_body
 from .logprobs import LogprobsOf
 from .parse import Job, ModelNames, parse_chat, parse_completion
 from .reasoning import CONTENT, REASONING, ReasoningParser
-from .supervisor import Prepared, Supervisor, Ticket
+from .supervisor import Supervisor
+from .tickets import Prepared, Ticket
 from .tools import HeldCalls, finish_reason, parse_calls
 
 log = logging.getLogger("strata_jax.serve")

@@ -36,87 +36,19 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import envs
 from ..config import EngineConfig
 from ..engine.request import Event
-from .errors import ApiError, context_overflow
+from .engine_process import MAX_UNREAD_BYTES, EngineProcess, StderrTail
+from .errors import ApiError
 from .ledger import Fault, FaultLedger
-from .protocol import length, pack, unpack
+from .tickets import EngineBusy, EngineGone, Prepared, Ticket, rejection
+
+__all__ = ["MAX_UNREAD_BYTES", "Prepared", "StderrTail", "Supervisor", "Ticket"]
 
 log = logging.getLogger("strata_jax.serve")
-
-STDERR_LINES = 200
-SILENT_S = 5.0                      # no frame (not even a heartbeat) this long: /health says 503
-WATCH_S = 0.5                       # how often the watchdog looks
-MAX_UNREAD_BYTES = 32 << 20         # prompts written to the engine and not read by it yet
-
-
-@dataclass
-class Prepared:
-    ids: list[int]
-    max_tokens: int
-    think: bool                                 # the prompt opened a reasoning part (<think>)
-    tool_format: str | None = None              # tools in play: one of tool_formats.FORMATS
-    grammar: list | None = None                 # the grammar that forces a tool call (tool_choice required, named)
-    logit_bias: list | None = None              # [[id, bias]] when the request biased texts (llama.cpp's logit_bias)
-    text: str | None = None                     # the prompt as text, when asked (llama.cpp's "__verbose")
-
-
-@dataclass(eq=False)
-class Ticket:
-    """A request from the moment it is queued."""
-    id: str
-    ids: list[int]
-    params: dict[str, Any]
-    deadline: float                             # time.monotonic()
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    state: str = "queued"                       # queued | running | done
-    seat: int | None = None
-    generation: int = 0                         # the engine process it ran on
-    arrived: float = field(default_factory=time.monotonic)
-    started: float = 0.0
-    n_tokens: int = 0
-    cancelled: bool = False
-    first_at: float = 0.0                       # when its first and latest token events came (latency.py)
-    last_at: float = 0.0
-    gaps: list[float] = field(default_factory=list)     # seconds between its token events, in order
-
-    def token_came(self, now: float) -> None:
-        if self.first_at:
-            self.gaps.append(now - self.last_at)
-        else:
-            self.first_at = now
-        self.last_at = now
-
-
-class EngineGone(Exception):
-    """The engine process ended while we waited for its answer."""
-
-
-class EngineBusy(Exception):
-    """The engine has not read what was written to it (MAX_UNREAD_BYTES): nothing more is sent for now."""
-
-
-class StderrTail:
-    """The engine's last log lines and its last ERR line."""
-
-    def __init__(self) -> None:
-        self.lines: deque[str] = deque(maxlen=STDERR_LINES)
-        self.error_line: str | None = None
-        self.last_line: str | None = None
-
-    def add(self, line: str) -> None:
-        line = line.rstrip()
-        if not line.strip():
-            return
-        self.lines.append(line)
-        if line.startswith("ERR"):
-            self.error_line = line
-        self.last_line = _strip_level(line)
 
 
 class Supervisor:
@@ -145,8 +77,8 @@ class Supervisor:
         self.restarts = 0
         self.info: dict[str, Any] = {}
         self.last_stats: dict[str, Any] = {}
-        self.tail = StderrTail()
-        self._proc: asyncio.subprocess.Process | None = None
+        self.tail = StderrTail()                    # the current (or last) engine process's stderr
+        self._engine: EngineProcess | None = None
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -157,9 +89,6 @@ class Supervisor:
         self._crashes = 0
         self._ready_at = 0.0
         self._preparing = 0                         # requests being read by the engine (prepare)
-        self._heard_at = 0.0                        # the last frame of any kind from the engine
-        self._beat: dict[str, Any] = {}             # the last heartbeat, with the time it came ("at")
-        self._stall: str | None = None              # why the watchdog killed the engine process
         self._request_s = 10.0                      # a running mean of request seconds (Retry-After)
 
     # ---- life ------------------------------------------------------------------------------------------
@@ -170,17 +99,8 @@ class Supervisor:
     async def stop(self, timeout: float = 10.0) -> None:
         self.state, self.reason = "stopping", "the server is shutting down"
         self._stopped.set()
-        proc, was_ready = self._proc, self._ready.is_set()
-        if proc is not None and proc.returncode is None:
-            try:
-                if was_ready:                       # it reads its commands: ask it to close the engine
-                    self._send({"op": "shutdown"})
-                    proc.stdin.close()
-                else:                               # still loading, not reading: no need to wait for it
-                    proc.terminate()
-                await asyncio.wait_for(proc.wait(), timeout)
-            except (TimeoutError, OSError, RuntimeError, ProcessLookupError):
-                proc.kill()
+        if self._engine is not None:
+            await self._engine.stop(timeout, reading=self._ready.is_set())
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout)
@@ -207,45 +127,19 @@ class Supervisor:
             gen, t0 = self.generation, time.monotonic()
             if self.state != "restarting":
                 self.state, self.reason = "loading", f"loading {Path(self.model).name}"
-            self.tail = StderrTail()
-            rc = await self._run_process(gen)
+            engine = EngineProcess(self.command, gen, self._on_frame, lambda: len(self.running), self.stall_s)
+            self._engine, self.tail = engine, engine.tail
+            rc = await engine.run({"model": self.model, "engine": self.config.to_dict(),
+                                   "chat_template": self.chat_template})
             if self._stopped.is_set():
                 break
-            self._on_exit(gen, rc, time.monotonic() - t0)
+            self._on_exit(gen, rc, time.monotonic() - t0, engine.stall)
             try:
                 await asyncio.wait_for(self._stopped.wait(), self.ledger.last.restart_in_s)
             except TimeoutError:
                 pass
 
-    async def _run_process(self, gen: int) -> int | None:
-        env = {**envs.environ_without(envs.API_KEY),      # the engine needs no key
-               envs.ENGINE_GENERATION: str(gen), "PYTHONUNBUFFERED": "1"}
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *self.command, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 22,
-                # its own session: a Ctrl-C at the terminal reaches the server, which stops the engine itself
-                start_new_session=True)
-        except OSError as e:
-            self.tail.add(f"ERR engine start: {e}")
-            return None
-        self._proc = proc
-        log.info("engine process %d started (pid %d)", gen, proc.pid)
-        self._send({"model": self.model, "engine": self.config.to_dict(), "chat_template": self.chat_template})
-        self._stall, self._beat, self._heard_at = None, {}, time.monotonic()
-        errs = asyncio.create_task(self._read_stderr(proc.stderr))
-        watchdog = asyncio.create_task(self._watch(proc))
-        await self._read_frames(proc)
-        watchdog.cancel()
-        rc = await proc.wait()
-        try:
-            await asyncio.wait_for(errs, 2.0)       # the last lines, the ERR line among them
-        except TimeoutError:
-            errs.cancel()
-        self._proc = None
-        return rc
-
-    def _on_exit(self, gen: int, rc: int | None, uptime: float) -> None:
+    def _on_exit(self, gen: int, rc: int | None, uptime: float, stall: str | None) -> None:
         was_ready = self.state == "ready"
         self.state = "restarting"                   # first: nothing may be dispatched to the dead process
         self._ready.clear()
@@ -256,7 +150,7 @@ class Supervisor:
         running = self.running
         fault = Fault(gen, rc, tail.error_line or tail.last_line or "(it printed nothing)", tail.error_line,
                       len(running), [t.id for t in running], round(uptime, 3), was_ready, delay,
-                      list(tail.lines)[-20:], "stall" if self._stall else "exit", self._stall)
+                      list(tail.lines)[-20:], "stall" if stall else "exit", stall)
         self.ledger.add(fault)
         self.restarts += 1
         log.error("%s", fault.message)
@@ -274,70 +168,15 @@ class Supervisor:
         if self.on_fault is not None:
             self.on_fault(fault)
 
-    # ---- reading the engine ----------------------------------------------------------------------------
-
-    async def _read_stderr(self, stream: asyncio.StreamReader) -> None:
-        while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:                      # a line beyond the limit: take what there is
-                raw = await stream.read(1 << 16)
-            if not raw:
-                return
-            line = raw.decode("utf-8", "replace").rstrip()
-            self.tail.add(line)
-            if line.startswith("INFO "):
-                log.debug("engine: %s", line)      # the request lines: the server prints them with `done`
-            elif line.strip():
-                log.info("engine: %s", line)
-
-    async def _read_frames(self, proc: asyncio.subprocess.Process) -> None:
-        while True:
-            try:
-                n = length(await proc.stdout.readexactly(4))
-                msg = unpack(await proc.stdout.readexactly(n))
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            except Exception as e:  # noqa: BLE001 - a corrupt stream: the process cannot be trusted
-                self.tail.add(f"ERR the engine's answers could not be read: {e}")
-                proc.kill()
-                return
-            try:
-                self._on_frame(msg)
-            except Exception:  # one bad frame must not stop the reader
-                log.exception("could not handle the engine's %r frame", msg.get("t"))
-
-    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
-        """Kill an engine that has requests and makes no progress (see the module's docstring)."""
-        while proc.returncode is None:
-            await asyncio.sleep(WATCH_S)
-            stall = self.stalled() if self.running else None
-            if stall is not None and stall[1] >= self.stall_s:
-                self._stall = (f"{stall[0]} for {stall[1]:.1f} s with {len(self.running)} request(s) in it "
-                               f"(--engine-stall-s {self.stall_s:g})")
-                log.error("watchdog: the engine %s; killing process %d", self._stall, proc.pid)
-                proc.kill()
-                return
+    # ---- the engine's frames ------------------------------------------------------------------------------
 
     def stalled(self) -> tuple[str, float] | None:
         """(what is wrong, for how many seconds) when the engine is silent or its loop does not move."""
-        now = time.monotonic()
-        silent = now - self._heard_at
-        if silent >= SILENT_S:
-            return "sent nothing, not even its heartbeat", silent
-        beat = self._beat
-        if beat.get("loop") == "ended":
-            return "has no engine loop (its thread ended)", now - beat["at"]
-        stuck = beat.get("stuck_s", 0.0) + (now - beat["at"] if beat else 0.0)
-        if beat and stuck >= SILENT_S:
-            return "loop has not moved", stuck
-        return None
+        return self._engine.stalled() if self._engine is not None else None
 
     def _on_frame(self, msg: dict[str, Any]) -> None:
         kind = msg["t"]
-        self._heard_at = time.monotonic()
         if kind == "beat":
-            self._beat = {**msg, "at": self._heard_at}
             self._dispatch()                        # prompts held back by a full pipe go now
             return
         if kind == "ev":
@@ -348,7 +187,7 @@ class Supervisor:
                        stats=msg.get("st"), error=msg.get("err"), logprobs=msg.get("lp"), logprob_ids=msg.get("lpi"))
             if ev.kind == "token":
                 t.n_tokens += 1
-                t.token_came(self._heard_at)
+                t.token_came(time.monotonic())
                 t.events.put_nowait(ev)
             elif ev.kind == "progress":              # the prompt read so far (return_progress)
                 t.events.put_nowait(ev)
@@ -379,22 +218,10 @@ class Supervisor:
     # ---- writing to the engine -------------------------------------------------------------------------
 
     def _send(self, msg: dict[str, Any]) -> bool:
-        proc = self._proc
-        if proc is None or proc.stdin is None or proc.stdin.is_closing():
-            return False
-        if msg.get("op") in ("prepare", "submit") and self._unread() > MAX_UNREAD_BYTES:
-            raise EngineBusy(f"the engine has not read the last {self._unread()} bytes sent to it")
-        try:
-            proc.stdin.write(pack(msg))
-        except (ConnectionError, RuntimeError, OSError):
-            return False                            # it is ending: _on_exit follows
-        return True
+        return self._engine.send(msg) if self._engine is not None else False
 
     def _unread(self) -> int:
-        """Bytes written to the engine's stdin that it has not read yet (the transport's buffer)."""
-        proc = self._proc
-        transport = getattr(proc.stdin, "transport", None) if proc is not None and proc.stdin else None
-        return transport.get_write_buffer_size() if transport is not None else 0
+        return self._engine.unread() if self._engine is not None else 0
 
     async def _ask(self, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
         fut = asyncio.get_running_loop().create_future()
@@ -465,7 +292,7 @@ class Supervisor:
             if reply["t"] == "prepared":
                 return Prepared(reply["ids"], reply["max_tokens"], reply["think"], reply.get("tool_format"),
                                 reply.get("grammar"), reply.get("logit_bias"), reply.get("text"))
-            raise _rejection(reply)
+            raise rejection(reply)
         raise ApiError(503, f"the engine stopped three times while reading this request: {self.reason}",
                        "unavailable_error")
 
@@ -539,7 +366,7 @@ class Supervisor:
             raise ApiError(503, f"the engine did not answer {op} within {timeout:g} s", "unavailable_error") from None
         if reply["t"] == "answer":
             return reply
-        raise _rejection(reply)
+        raise rejection(reply)
 
     async def save_expert_profile(self, path: str, timeout: float = 30.0) -> dict[str, Any]:
         """Have the engine process write its expert profile to `path` (a file in the server's own
@@ -554,7 +381,7 @@ class Supervisor:
             raise ApiError(503, "the engine did not write the expert profile in time", "unavailable_error") from None
         if reply["t"] == "saved":
             return {"path": reply["path"], "routed": reply["routed"]}
-        raise _rejection(reply)
+        raise rejection(reply)
 
     def slots(self) -> list[dict[str, Any]]:
         now = time.monotonic()
@@ -580,25 +407,3 @@ class Supervisor:
             body["reason"] = reason
             body["error"] = {"message": reason, "type": "unavailable_error", "code": 503}
         return ok, body
-
-
-def _rejection(reply: dict[str, Any]) -> ApiError:
-    kind = reply["kind"]
-    if kind == "context":
-        return context_overflow(reply["n_prompt_tokens"], reply["max_tokens"], reply["n_ctx"])
-    if kind == "template":
-        return ApiError(400, reply["message"], "invalid_request_error", "messages")
-    if kind == "invalid":
-        return ApiError(400, reply["message"], "invalid_request_error", reply.get("param"))
-    if kind == "server":                        # a message made to be shown (no paths, no exception text)
-        return ApiError(500, reply["message"], "server_error")
-    log.error("the engine could not take %s: %s", reply.get("id"), reply.get("message"))   # a bug: log, don't echo
-    return ApiError(500, f"internal error in the engine ({reply.get('id')}): the server's log has the details",
-                    "server_error")
-
-
-def _strip_level(line: str) -> str:
-    for level in ("INFO ", "WARNING ", "ERROR ", "CRITICAL ", "DEBUG "):
-        if line.startswith(level):
-            return line[len(level):]
-    return line
