@@ -87,7 +87,7 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False, def
                           f"{params['grammar'][2]} or set tool_choice to auto", "tool_choice")
         # the engine process renders them (tools.tool_prompt)
         params["tools"] = [*tooling, req.parallel_tool_calls is not False]
-    if not req.add_generation_prompt or req.continue_final_message:     # worker.render_chat; else its defaults
+    if not req.add_generation_prompt or req.continue_final_message:     # worker_prompts.render_chat; else its defaults
         params["render"] = [req.add_generation_prompt, req.continue_final_message]
     return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
                params, req.stream, _include_usage(req), req.chat_template_kwargs,

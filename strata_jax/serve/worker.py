@@ -25,6 +25,14 @@ from typing import Any, BinaryIO
 
 from .protocol import pack, read_frame
 from .tools import tool_prompt
+from .worker_prompts import (
+    bias_ids,
+    max_token_bytes,
+    render_chat,
+    render_options,
+    sampling,
+    template_kwargs,
+)
 
 log = logging.getLogger("strata_jax.serve.worker")
 
@@ -97,7 +105,7 @@ class Worker:
             "eos_ids": sorted(self.engine.tokenizer.eos_ids),
             "start_s": round(time.monotonic() - t0, 3), "programs_built": programs.get("built", 0),
             "build_s": programs.get("build_seconds", 0.0), "pid": os.getpid(),
-            "choices": self.engine.runner.choices, "max_token_bytes": _max_token_bytes(self.engine.tokenizer),
+            "choices": self.engine.runner.choices, "max_token_bytes": max_token_bytes(self.engine.tokenizer),
             "compile_cache": compile_cache.counters(),
         }})
         threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True).start()
@@ -184,11 +192,11 @@ class Worker:
         from strata_jax.gguf.chat_template import NoChatTemplateError
 
         rid, messages, p = cmd["id"], cmd["prompt"], cmd.get("params") or {}
-        kwargs = _template_kwargs(cmd)
+        kwargs = template_kwargs(cmd)
         try:
             if p.get("tools"):
                 messages, kwargs, _ = tool_prompt(self.engine.tokenizer, messages, kwargs, *p["tools"])
-            text = render_chat(self.engine.tokenizer, messages, kwargs, *_render_options(cmd, p))
+            text = render_chat(self.engine.tokenizer, messages, kwargs, *render_options(cmd, p))
         except NoChatTemplateError as e:
             return {"t": "rejected", "id": rid, "kind": "template", "message": str(e)}
         except ValueError as e:
@@ -229,7 +237,7 @@ class Worker:
         from strata_jax.gguf.chat_template import NoChatTemplateError
 
         rid, prompt, p = cmd["id"], cmd["prompt"], cmd["params"]
-        kwargs = _template_kwargs(cmd)
+        kwargs = template_kwargs(cmd)
         n_ctx = self.engine.config.max_context
         tooling = {}
         try:
@@ -242,7 +250,7 @@ class Worker:
                 # Rendered once: the text is tokenized and says whether the template opened the reasoning
                 # part. kwargs go over the defaults: the server lets them name messages or
                 # add_generation_prompt only with --trust-request-chat-template.
-                text = render_chat(self.engine.tokenizer, prompt, kwargs, *_render_options(cmd, p))
+                text = render_chat(self.engine.tokenizer, prompt, kwargs, *render_options(cmd, p))
                 think = text.rstrip().endswith("<think>")
                 ids = self.engine.chat_text_ids(text)
             elif isinstance(prompt, list) and any(isinstance(x, str) for x in prompt):   # llama.cpp's mixed prompt
@@ -256,9 +264,9 @@ class Worker:
             else:
                 ids = self.engine.prompt_ids(prompt)
             if any(isinstance(k, str) for k, _ in p.get("logit_bias") or ()):    # llama.cpp's: a text's tokens
-                tooling["logit_bias"] = p["logit_bias"] = _bias_ids(self.engine.tokenizer, p["logit_bias"])
+                tooling["logit_bias"] = p["logit_bias"] = bias_ids(self.engine.tokenizer, p["logit_bias"])
             max_tokens = p.get("max_tokens") or max(n_ctx - len(ids), 1)
-            params = make_params(**_sampling(p, max_tokens))
+            params = make_params(**sampling(p, max_tokens))
             params.validate(self.engine.spec.vocab_size)
             if params.grammar is not None:       # compiled here too: a schema it cannot compile is a 400
                 self.engine.grammars.check(params.grammar)
@@ -283,7 +291,7 @@ class Worker:
 
     def submit(self, cmd: dict[str, Any]) -> None:
         rid, p = cmd["id"], cmd["params"]
-        h = self.engine.submit(cmd["ids"], **_sampling(p, p["max_tokens"]), progress=bool(p.get("progress")))
+        h = self.engine.submit(cmd["ids"], **sampling(p, p["max_tokens"]), progress=bool(p.get("progress")))
         with self._lock:
             self.handles[rid] = h
         threading.Thread(target=self._forward, args=(rid, h), name=f"req-{rid}", daemon=True).start()
@@ -304,68 +312,6 @@ class Worker:
         finally:
             with self._lock:
                 self.handles.pop(rid, None)
-
-
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
-                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs", "grammar")
-
-
-def _template_kwargs(cmd: dict[str, Any]) -> dict[str, Any]:
-    """The server's template variables (--reasoning) under the request's own chat_template_kwargs."""
-    return {**(cmd.get("template_vars") or {}), **(cmd.get("chat_template_kwargs") or {})}
-
-
-def _render_options(cmd: dict[str, Any], p: dict[str, Any]) -> tuple[bool, bool, bool]:
-    """(add_generation_prompt, continue_final_message, prefill) for render_chat: the request's and the server's."""
-    add, cont = p.get("render") or (True, False)
-    return add, cont, bool(cmd.get("prefill"))
-
-
-def render_chat(tk, messages: list, kwargs: dict, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, prefill: bool = False) -> str:
-    """A chat's prompt text. A final assistant message with text content is continued, not answered, with
-    continue_final_message (vLLM's and transformers' way: the chat rendered whole, cut after that content)
-    or, with prefill (--prefill-assistant, llama.cpp's default), as llama.cpp does: the chat before it with
-    the generation prompt, then its content."""
-    last = messages[-1] if messages else None
-    content = last.get("content") if isinstance(last, dict) and last.get("role") == "assistant" else None
-    if not isinstance(content, str) or not content.strip() or not (continue_final_message or
-                                                                    (prefill and add_generation_prompt)):
-        if continue_final_message:
-            raise ValueError("continue_final_message: the last message must be the assistant's, with text content")
-        return tk.apply_chat_template(**{"messages": messages, "add_generation_prompt": add_generation_prompt,
-                                         **kwargs})
-    if continue_final_message:
-        text = tk.apply_chat_template(**{"messages": messages, "add_generation_prompt": False, **kwargs})
-        at = text.rfind(content.strip())
-        if at < 0:
-            raise ValueError("continue_final_message: the chat template does not write the final message's content "
-                             "as given, so it cannot be continued")
-        return text[:at + len(content.strip())]
-    return tk.apply_chat_template(**{"messages": messages[:-1], "add_generation_prompt": True, **kwargs}) + content
-
-
-def _sampling(p: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """Engine.submit's keywords from a request's params (logit_bias comes as [id, bias] pairs)."""
-    out = {k: p[k] for k in SAMPLING_KEYS if k in p}
-    return {**out, "max_tokens": max_tokens, "logit_bias": {int(t): b for t, b in p.get("logit_bias") or ()}}
-
-
-def _bias_ids(tokenizer, pairs: list) -> list[list]:
-    """[[id | text, bias]] -> [[id, bias]]: a text's bias goes to each of its tokens (llama.cpp's logit_bias)."""
-    out = []
-    for key, bias in pairs:
-        ids = tokenizer.encode(key, add_special=False, parse_special=False) if isinstance(key, str) else [key]
-        out += [[t, bias] for t in ids]
-    return out
-
-
-def _max_token_bytes(tokenizer) -> int:
-    """The most bytes of text one token stands for, bounded above by its vocabulary string's UTF-8 length
-    (byte-level BPE spells a byte in 1-2 bytes, SentencePiece a space as 3, a special token as itself): a
-    text of B bytes needs at least B / this many tokens, which lets the server refuse a prompt that cannot
-    fit the context before anything tokenizes it."""
-    return max((len(t.encode("utf-8", "replace")) for t in tokenizer.tokens), default=1) or 1
 
 
 def _exit_with_error(reason: str) -> None:
