@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, get, post
+from litestar.params import FromPath, FromQuery
 
 from .._version import __version__
 from ..config import ConfigError, ServerConfig
@@ -139,7 +140,7 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         return {"input_tokens": len(prepared.ids)}
 
     @post("/slots/{slot_id:int}", status_code=200)
-    async def slot_action(request: Request, slot_id: int, action: str | None = None) -> dict[str, Any]:
+    async def slot_action(request: Request, slot_id: FromPath[int], action: FromQuery[str | None] = None) -> dict[str, Any]:
         if cfg.slot_save_path is None and action != "erase":
             raise ApiError(501, "this server keeps no slot files: start it with --slot-save-path DIR",
                            "not_supported_error")
