@@ -9,7 +9,6 @@ selection bias moves logits far beyond it (test_selection_bias_is_needed).
 from __future__ import annotations
 
 import importlib.util
-
 from functools import partial
 
 import jax
