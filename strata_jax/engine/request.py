@@ -161,7 +161,7 @@ class Event:
     logprob: float | None = None      # token events of a request with logprobs: the token's (raw model) logprob
     top_logprobs: list[tuple[int, float]] | None = None   # and its top alternatives (token id, logprob)
     request: int | None = None        # the id of the request it belongs to (set by the engine: Engine.step())
-    # The server's side of the same event (serve/supervisor.py), made by the worker off the engine thread:
+    # The server's side of the same event (serve/supervisor.py: _on_frame), made by the worker off the engine thread:
     logprobs: list | None = None      # [token bytes, logprob, [[bytes, logprob], ...]] (serve/logprobs.py)
     logprob_ids: list | None = None   # [token id, [alternatives' ids]] (llama.cpp's n_probs: serve/native.py)
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible server: Litestar routes (app.py) over an engine that runs in a child process
-(worker.py), started, watched and restarted by the supervisor (supervisor.py).
+(worker.py), started and watched as one engine_process.EngineProcess, restarted by the supervisor (supervisor.py).
 
     from strata_jax.config import EngineConfig, ServerConfig
     from strata_jax.serve import serve

@@ -6,7 +6,7 @@ All times are taken in the server process, where a request's events pass (time.m
     arrived      the HTTP request was read (Job.arrived)
     queued       the engine had tokenized it and it entered the server's queue (Ticket.arrived)
     dispatched   it was sent to the engine for a slot (Ticket.started)
-    token i      its i-th token event came from the engine (Ticket.first_at, Ticket.gaps: supervisor.py)
+    token i      its i-th token event came from the engine (Ticket.first_at, Ticket.gaps: tickets.py)
 
     time_to_first_token          first token - arrived
     inter_token_latency          each gap between a request's token events (vLLM's time between iterations;
