@@ -89,17 +89,17 @@ class LayerStepper:
         self.spec, self.opts = runner.spec, runner.opts
         params = runner.params
         layers = params["layers"]
-        self.moe = [i for i, lp in enumerate(layers) if "router" in lp]           # the others are dense
+        self.moe = [i for i, lp in enumerate(layers) if lp.is_moe]                # the others are dense
         self.embed_p = {"embed": params["embed"]}
         self.head_p = {"norm": params["norm"], "output": params["output"]}
-        self.attn_p = {i: {k: v for k, v in layers[i].items() if not k.startswith("sh_")} for i in self.moe}
-        self.moe_p = {i: {k: v for k, v in layers[i].items() if k.startswith("sh_")} for i in self.moe}
+        # a MoE layer's attention and router (its experts are the tiers'), and its shared expert or None
+        self.attn_p = {i: replace(layers[i], shared=None) for i in self.moe}
+        self.moe_p = {i: layers[i].shared for i in self.moe}
         self.dense_p = {i: lp for i, lp in enumerate(layers) if i not in self.attn_p}
         self.qtypes = qtypes                 # layer -> tensor -> quant type name, or None where the arena holds floats
         self.shapes = expert_shapes          # layer -> tensor -> logical shape of one expert [n, k]
         self.index = [jnp.int32(i) for i in range(len(layers))]
-        self.predict_p = {i: {k: lp[k] for k in ("ffn_norm", "router", "exp_bias") if k in lp}
-                          for i, lp in self.attn_p.items()}
+        self.predict_p = {i: (lp.ffn_norm, lp.router) for i, lp in self.attn_p.items()}   # predict_stage's
         # One program a kind of layer and stage (see the module docstring): kind_of[stage][layer] is the stage
         # name that layer's program runs under, first_of[that name] the layer its program is built for.
         # --host-experts: each layer's every expert as the host tier's blocks (experts/hybrid.py). host_device

@@ -58,13 +58,15 @@ def resident_window(core: dict, arenas: dict, tables, host_trees: dict | None, m
     return out, cache, jnp.stack(ids_of)
 
 
-def predict_stage(p: dict, spec, opts, xs) -> list:
-    """The next layer's router over this layer's output: x [R, L, h] per group -> expert ids [R*L, k]."""
+def predict_stage(p: tuple, spec, opts, xs) -> list:
+    """The next layer's router over this layer's output: p (its ffn_norm, its Router), x [R, L, h] per group
+    -> expert ids [R*L, k]."""
+    norm, router = p
     out = []
     for x in xs:
         R, L, _ = x.shape
-        hx = rms_norm(x, p["ffn_norm"], spec.rms_eps).reshape(R * L, -1)
-        out.append(route(hx, p["router"], spec, opts.backend, p.get("exp_bias"))[1])
+        hx = rms_norm(x, norm, spec.rms_eps).reshape(R * L, -1)
+        out.append(route(hx, router.weight, spec, opts.backend, router.bias)[1])
     return out
 
 

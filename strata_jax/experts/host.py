@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-EXPERT_TENSORS = ("exp_gate", "exp_up", "exp_down")
+from ..model.params import EXPERT_TENSORS
+
 _GGUF_NAMES = {"exp_gate": "ffn_gate_exps", "exp_up": "ffn_up_exps", "exp_down": "ffn_down_exps"}
 
 

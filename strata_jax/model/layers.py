@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 
 from ..gguf import ModelSpec
+from .params import LayerWeights, Mlp
 from .weights import QTensor, Weight, expert_linear_tiles, linear, linear_many
 
 
@@ -126,17 +127,18 @@ def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
     return w * spec.expert_weights_scale, ids.astype(jnp.int32)
 
 
-def moe(x: jax.Array, p: dict, spec: ModelSpec, backend: str) -> jax.Array:
+def moe(x: jax.Array, lp: LayerWeights, spec: ModelSpec, backend: str) -> jax.Array:
     """Mixture of experts over x [N, h]: each token's top-k experts, weighted; plus the shared expert."""
-    w, ids = route(x, p["router"], spec, backend, p.get("exp_bias"))
-    y = expert_rows(x, ids, ids, p, spec.n_experts, backend)
-    return combine_experts(x, y, w, p, backend)
+    w, ids = route(x, lp.router.weight, spec, backend, lp.router.bias)
+    y = expert_rows(x, ids, ids, lp.experts, spec.n_experts, backend)
+    return combine_experts(x, y, w, lp.shared, backend)
 
 
-def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict, n_groups: int, backend: str) -> jax.Array:
+def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict[str, Weight], n_groups: int,
+                backend: str) -> jax.Array:
     """Each token's k expert outputs, not yet weighted: x [N, h], ids [N, k] -> float32 [N, k, h].
 
-    `where` [N, k] says where each chosen expert's weights are in p's exp_* tensors: the expert id itself
+    `where` [N, k] says where each chosen expert's weights are in p's tensors (EXPERT_TENSORS): the expert id itself
     when they hold every expert, an arena slot when they hold a device cache (expert tiers). `n_groups`
     fixes the tile count, so the same rows give the same shapes (and bits) either way. A row's result
     depends only on its own input and expert (tiles multiply rows independently)."""
@@ -158,7 +160,7 @@ def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict, n_group
     return pk.gather_rows(y, g).reshape(N, k, h).astype(jnp.float32)
 
 
-def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, p: dict, backend: str) -> jax.Array:
+def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, shared: Mlp | None, backend: str) -> jax.Array:
     """The weighted sum of the experts' outputs y [N, k, h] (weights w [N, k]), plus the shared expert."""
     if backend == "cpu":        # element-wise, in expert order: no dot whose path depends on the row count
         out = y[:, 0] * w[:, 0, None]
@@ -166,11 +168,11 @@ def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, p: dict, backend: 
             out = out + y[:, j] * w[:, j, None]
     else:
         out = jnp.einsum("nkh,nk->nh", y, w)
-    if "sh_gate" in p:
-        shared = mlp(x, p["sh_gate"], p["sh_up"], p["sh_down"], backend).astype(jnp.float32)
-        if "sh_router" in p:
-            x32, g = x.astype(jnp.float32), p["sh_router"].astype(jnp.float32).reshape(-1)   # g [h]
+    if shared is not None:
+        s = mlp(x, shared.gate, shared.up, shared.down, backend).astype(jnp.float32)
+        if shared.gate_inp is not None:
+            x32, g = x.astype(jnp.float32), shared.gate_inp.astype(jnp.float32).reshape(-1)   # g [h]
             score = pk.cpu.f32_matmul(x32, g[None, :])[:, 0] if backend == "cpu" else x32 @ g
-            shared = shared * jax.nn.sigmoid(score)[:, None]
-        out = out + shared
+            s = s * jax.nn.sigmoid(score)[:, None]
+        out = out + s
     return out.astype(x.dtype)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from ..gguf import GGUFModel
+from .params import EXPERT_TENSORS, LayerWeights
 from .weights import QTensor, to_device
 
 # GGUF tensor name (after "blk.N.") -> our short name.
@@ -30,8 +31,6 @@ _ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", 
                  "enorm", "hnorm", "head_norm"}
 
 
-EXPERT_TENSORS = ("exp_gate", "exp_up", "exp_down")
-
 
 def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False, experts: bool = True) -> dict:
     """mode "blocks": matrices stay GGUF blocks (QTensor); "dequantized": float `dtype` copies.
@@ -51,10 +50,10 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
         return to_device(t[name], m, jnp.float32 if short in _ALWAYS_FLOAT else dtype,
                          transpose=short not in ("embed", "router"))
 
-    def layer(i: int) -> dict:
+    def layer(i: int) -> LayerWeights:
         prefix = f"blk.{i}."
-        return {short: get(prefix + suffix, short) for suffix, short in _LAYER_TENSORS.items()
-                if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)}
+        return LayerWeights.from_named({short: get(prefix + suffix, short) for suffix, short in _LAYER_TENSORS.items()
+                                        if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)})
 
     params: dict = {"embed": get("token_embd.weight", "embed"), "norm": get("output_norm.weight", "norm")}
     params["norm"] = params["norm"].astype(jnp.float32)
@@ -83,28 +82,29 @@ def _load_nextn(params: dict, t, i: int, layer, get) -> dict:
 def load_experts(model: GGUFModel, params: dict, mode: str, dtype: str) -> None:
     """Put every routed expert on the device, into `params` (loaded with experts=False), exactly as
     load_params(experts=True) would have."""
-    layers = list(enumerate(params["layers"]))
+    layers = params["layers"]
+    for i, lp in enumerate(layers):
+        layers[i] = lp.with_experts(_experts(model, i, mode, dtype))
     if "mtp" in params:
-        layers.append((model.spec.n_layers, params["mtp"]["layer"]))
-    for i, lp in layers:
-        for suffix, short in _LAYER_TENSORS.items():
-            name = f"blk.{i}.{suffix}"
-            if short in EXPERT_TENSORS and name in model.tensors:
-                lp[short] = to_device(model.tensors[name], mode, dtype)
+        mtp = params["mtp"]
+        mtp["layer"] = mtp["layer"].with_experts(_experts(model, model.spec.n_layers, mode, dtype))
 
 
 def load_nextn_experts(model: GGUFModel, params: dict, mode: str, dtype: str) -> int:
     """Put the NextN (MTP) layer's routed experts on the device (the expert tiers hold only the main layers'):
     -> their device bytes (0 when there is no such layer or they are there already)."""
-    if "mtp" not in params or "exp_gate" in params["mtp"]["layer"]:
+    if "mtp" not in params or params["mtp"]["layer"].experts is not None:
         return 0
-    lp, nbytes = params["mtp"]["layer"], 0
-    for suffix, short in _LAYER_TENSORS.items():
-        name = f"blk.{model.spec.n_layers}.{suffix}"
-        if short in EXPERT_TENSORS and name in model.tensors:
-            lp[short] = to_device(model.tensors[name], mode, dtype)
-            nbytes += sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(lp[short]))
-    return nbytes
+    experts = _experts(model, model.spec.n_layers, mode, dtype)
+    params["mtp"]["layer"] = params["mtp"]["layer"].with_experts(experts)
+    return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(experts))
+
+
+def _experts(model: GGUFModel, i: int, mode: str, dtype: str) -> dict | None:
+    """Layer i's routed experts on the device (EXPERT_TENSORS -> weight), or None for a dense layer."""
+    names = {short: f"blk.{i}.{suffix}" for suffix, short in _LAYER_TENSORS.items() if short in EXPERT_TENSORS}
+    out = {short: to_device(model.tensors[name], mode, dtype) for short, name in names.items() if name in model.tensors}
+    return out or None
 
 
 def expert_tensor_bytes(model: GGUFModel, mode: str, dtype: str) -> int:

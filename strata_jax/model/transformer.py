@@ -32,6 +32,7 @@ from .layers import (
     rope,
     route,
 )
+from .params import LayerWeights, Mlp
 from .weights import embed_rows, linear, linear_many
 
 
@@ -152,7 +153,7 @@ def _read(cache: dict, name: str, i: int, slots, kv_len: int, dtype) -> jax.Arra
     return x.astype(dtype)
 
 
-def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None,
+def _layer(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None,
            counts=None):
     """Decoder layer i over every group of the window: attention (writing the new keys and values into
     the cache first) and the FFN or experts -> (xs, cache), and the updated counts third when `counts` (the
@@ -161,20 +162,20 @@ def _layer(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv
     for n, g in enumerate(groups):
         x = xs[n]
         R, L = g.tokens.shape
-        hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps)
-        if "router" in lp:
+        hx = rms_norm(x, lp.ffn_norm, spec.rms_eps)
+        if lp.is_moe:
             ffn = moe(hx.reshape(R * L, -1), lp, spec, opts.backend).reshape(R, L, -1)
             if counts is not None:      # the same router math as moe()'s: XLA computes it once
-                _, ids = route(hx.reshape(R * L, -1), lp["router"], spec, opts.backend, lp.get("exp_bias"))        # [R*L, k]
+                _, ids = route(hx.reshape(R * L, -1), lp.router.weight, spec, opts.backend, lp.router.bias)  # [R*L, k]
                 real = jnp.repeat((g.pos.reshape(-1) >= 0).astype(jnp.int32), ids.shape[1])
                 counts = counts.at[i, ids.reshape(-1)].add(real)
         else:
-            ffn = mlp(hx, lp["w_gate"], lp["w_up"], lp["w_down"], opts.backend)
+            ffn = mlp(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down, opts.backend)
         xs[n] = x + ffn
     return (xs, cache) if counts is None else (xs, cache, counts)
 
 
-def attention(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None):
+def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None):
     """The attention half of decoder layer i for every group of the window: xs [R, L, h] per group ->
     (x + attention per group, the cache with the groups' new keys and values). `i` may be a traced layer
     index (layer-stepped programs). Every group's keys and values are written before any group reads: with
@@ -209,23 +210,23 @@ def _write_at(cache: dict, g: Group) -> jax.Array:
     return jnp.where((g.pos >= 0) & (g.pos < scratch), g.pos, scratch)
 
 
-def _project_qkv(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache):
+def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache):
     """Queries [R, L, H, D] and the new keys and values as the cache stores them (_stored) for one group."""
     dtype = jnp.dtype(opts.dtype)
     H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
     R, L = g.tokens.shape
-    hx = rms_norm(x, lp["attn_norm"], spec.rms_eps)
-    q, k, v = linear_many(hx, [lp["wq"], lp["wk"], lp["wv"]], opts.backend)
-    if "bq" in lp:
-        q, k, v = q + lp["bq"].astype(dtype), k + lp["bk"].astype(dtype), v + lp["bv"].astype(dtype)
+    hx = rms_norm(x, lp.attn_norm, spec.rms_eps)
+    q, k, v = linear_many(hx, [lp.wq, lp.wk, lp.wv], opts.backend)
+    if lp.bq is not None:
+        q, k, v = q + lp.bq.astype(dtype), k + lp.bk.astype(dtype), v + lp.bv.astype(dtype)
     q, k, v = q.reshape(R, L, H, D), k.reshape(R, L, K, D), v.reshape(R, L, K, Dv)
-    if "q_norm" in lp:
-        q, k = rms_norm(q, lp["q_norm"], spec.rms_eps), rms_norm(k, lp["k_norm"], spec.rms_eps)
+    if lp.q_norm is not None:
+        q, k = rms_norm(q, lp.q_norm, spec.rms_eps), rms_norm(k, lp.k_norm, spec.rms_eps)
     q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
     return q, _stored(cache, "k", k) | _stored(cache, "v", v)
 
 
-def _attend_in_place(lp: dict, i, opts: RunOptions, groups, xs, qs, cache) -> list:
+def _attend_in_place(lp: LayerWeights, i, opts: RunOptions, groups, xs, qs, cache) -> list:
     """The cpu backend's attention for every group of the window: its C++ kernel reads the slots' keys and
     values from the cache where they lie, only the positions each query sees (no gather, no transposed copy:
     XLA's cost more than the layer's products at one decode row), in a fixed order a query
@@ -246,11 +247,11 @@ def _attend_in_place(lp: dict, i, opts: RunOptions, groups, xs, qs, cache) -> li
             n = g.tokens.shape[0] * g.tokens.shape[1]
             o.append(flat[at:at + n].reshape(*g.tokens.shape, H, -1))
             at += n
-    return [x + linear(y.astype(x.dtype).reshape(*g.tokens.shape, -1), lp["wo"], opts.backend)
+    return [x + linear(y.astype(x.dtype).reshape(*g.tokens.shape, -1), lp.wo, opts.backend)
             for g, x, y in zip(groups, xs, o)]
 
 
-def _attend_in_place_and_host(lp: dict, i, opts: RunOptions, g: Group, x, q, stored, cache, kv_len: int, host):
+def _attend_in_place_and_host(lp: LayerWeights, i, opts: RunOptions, g: Group, x, q, stored, cache, kv_len: int, host):
     """The cpu backend's attention with --kv-resident past the device part: the kernel over the device
     cache's positions [0, resident), then over each host block as kv_offload brings it, the softmax state
     carried from part to part in the kernel's tile order: the bits of one call over all the keys."""
@@ -267,10 +268,10 @@ def _attend_in_place_and_host(lp: dict, i, opts: RunOptions, g: Group, x, q, sto
         return part(q, kb[None], vb[None], 0, rows, g.pos, jnp.stack([b0, b0, b0 + block]), carry[1]), None
 
     (out, _), _ = jax.lax.scan(host_block, (out, state), starts)
-    return x + linear(out.astype(x.dtype).reshape(R, L, -1), lp["wo"], opts.backend)
+    return x + linear(out.astype(x.dtype).reshape(R, L, -1), lp.wo, opts.backend)
 
 
-def _attend(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, q, stored, keys, vals, kv_len: int,
+def _attend(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x, q, stored, keys, vals, kv_len: int,
             host=None):
     """One group's queries over its slots' keys and values read from the device cache (keys [R, on_device,
     K, D], vals) -> x + attention. With a host store and kv_len past its resident positions, positions >=
@@ -284,7 +285,7 @@ def _attend(lp: dict, i, spec: ModelSpec, opts: RunOptions, g: Group, x, q, stor
     if host is not None and kv_len > host.resident:
         more = host_source(host, i, g.slots, g.pos, stored, kv_len, chunk, dtype)
     o = attend(q, keys, vals, g.pos, chunk, more)                                  # [R, L, H, Dv]
-    return x + linear(o.reshape(R, L, H * Dv), lp["wo"], opts.backend)
+    return x + linear(o.reshape(R, L, H * Dv), lp.wo, opts.backend)
 
 
 # ---- layer-stepped windows (expert tiers) ----------------------------------------------------------------
@@ -298,7 +299,7 @@ def embed_stage(params: dict, opts: RunOptions, tokens: tuple) -> list:
     return [embed_rows(params["embed"], t, dtype) for t in tokens]                  # [R, L, h] each
 
 
-def attn_router_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int,
+def attn_router_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int,
                       host=None):
     """Attention of layer i, then the FFN norm and the router, per group -> (x [R, L, h], hx [R*L, h],
     router weights [R*L, k] float32, expert ids [R*L, k] int32) per group, and the cache."""
@@ -306,14 +307,15 @@ def attn_router_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs
     xs, cache = attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
     for g, x in zip(groups, xs):
         R, L = g.tokens.shape
-        hx = rms_norm(x, lp["ffn_norm"], spec.rms_eps).reshape(R * L, -1)
-        w, ids = route(hx, lp["router"], spec, opts.backend, lp.get("exp_bias"))
+        hx = rms_norm(x, lp.ffn_norm, spec.rms_eps).reshape(R * L, -1)
+        w, ids = route(hx, lp.router.weight, spec, opts.backend, lp.router.bias)
         outs.append((x, hx, w, ids))
     return outs, cache
 
 
-def experts_stage(lp: dict, arena: dict, table, spec: ModelSpec, opts: RunOptions, parts, y_acc):
-    """The experts of one layer from the device arena: per group (x, hx, w, ids) and the expert outputs
+def experts_stage(shared: Mlp | None, arena: dict, table, spec: ModelSpec, opts: RunOptions, parts, y_acc):
+    """The experts of one layer from the device arena (and its shared expert, `shared`, from the device's
+    weights: LayerWeights.shared): per group (x, hx, w, ids) and the expert outputs
     found so far y_acc [N, k, h] -> (x + experts, y_acc). table [E] int32: each expert's arena slot, -1
     when absent; rows whose expert is absent keep y_acc's value (the host runs a layer in several passes
     when it needs more experts than the arena has slots)."""
@@ -323,7 +325,7 @@ def experts_stage(lp: dict, arena: dict, table, spec: ModelSpec, opts: RunOption
         here = slot >= 0
         y = expert_rows(hx, ids, jnp.where(here, slot, 0), arena, spec.n_experts, opts.backend)
         y = jnp.where(here[..., None], y, acc)
-        ffn = combine_experts(hx, y, w, lp, opts.backend).reshape(x.shape)
+        ffn = combine_experts(hx, y, w, shared, opts.backend).reshape(x.shape)
         xs.append(x + ffn)
         ys.append(y)
     return xs, ys
@@ -338,7 +340,7 @@ def host_experts_stage(tree: dict, absent, spec: ModelSpec, parts) -> list:
     return [expert_rows(hx, ids, absent[ids], tree, spec.n_experts, "cpu") for hx, ids in parts]
 
 
-def dense_stage(lp: dict, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
+def dense_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
     """A dense layer (attention and FFN) among MoE ones (e.g. GLM-4.5's leading layers): forward()'s own
     layer code, so the same bits."""
     return _layer(lp, i, spec, opts, groups, xs, cache, kv_len)

@@ -1,0 +1,88 @@
+"""A decoder layer's weights as typed pytrees: which parts a layer has is a field that is set or None, not
+a string key to look for, so a family's differences (q/k/v biases, q/k norms, experts in place of the FFN, a
+shared expert, an expert-choosing bias) read as `lp.router is not None`.
+
+Every class is a dataclass pytree (flattened in C++, see weights.QTensor) whose fields are all data: a None
+field is an empty subtree, so a program's inputs hold only the parts a layer has, and two layers with the
+same parts and shapes share one program (engine/stepped.py groups them by tree structure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import jax
+
+from .weights import Weight
+
+EXPERT_TENSORS = ("exp_gate", "exp_up", "exp_down")   # the routed experts' names in `LayerWeights.experts`
+
+
+def _pytree(cls):
+    return jax.tree_util.register_dataclass(cls, data_fields=[f.name for f in fields(cls)], meta_fields=[])
+
+
+@_pytree
+@dataclass(frozen=True)
+class Mlp:
+    """SwiGLU, down(silu(gate x) * up x): a dense layer's FFN, or a MoE layer's shared expert. gate_inp [h]:
+    qwen2moe's sigmoid gate on the shared expert's output (ffn_gate_inp_shexp), else None."""
+    gate: Weight
+    up: Weight
+    down: Weight
+    gate_inp: jax.Array | None = None
+
+
+@_pytree
+@dataclass(frozen=True)
+class Router:
+    """A MoE layer's expert choice: weight [E, h] float32 (not transposed: see load.py); bias [E]: GLM-4.5's
+    exp_probs_b, added to the scores to choose only, else None."""
+    weight: jax.Array
+    bias: jax.Array | None = None
+
+
+@_pytree
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer. Attention: attn_norm, wq, wk, wv, wo, and where the family has them the q/k/v
+    biases (qwen2*, glm4moe) and per-head q/k norms (qwen3*). Then ffn_norm and either `mlp` (a dense layer)
+    or `router` with `experts` (EXPERT_TENSORS -> [E, n, k] each; None while the expert tiers hold them) and
+    an optional `shared` expert."""
+    attn_norm: jax.Array
+    wq: Weight
+    wk: Weight
+    wv: Weight
+    wo: Weight
+    ffn_norm: jax.Array
+    bq: jax.Array | None = None
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    mlp: Mlp | None = None
+    router: Router | None = None
+    experts: dict[str, Weight] | None = None
+    shared: Mlp | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.router is not None
+
+    def with_experts(self, experts: dict[str, Weight] | None) -> LayerWeights:
+        return replace(self, experts=experts)
+
+    @classmethod
+    def from_named(cls, t: dict) -> LayerWeights:
+        """From load.py's short names (wq, w_gate, router, exp_gate, sh_up, ...) -> the typed layer. A dense
+        FFN or a router that is only partly there is a broken file: GGUFModel's checks name it first."""
+        def mlp(prefix: str, gate_inp: str | None = None) -> Mlp | None:
+            if prefix + "gate" not in t:
+                return None
+            return Mlp(t[prefix + "gate"], t[prefix + "up"], t[prefix + "down"], t.get(gate_inp) if gate_inp else None)
+
+        experts = {n: t[n] for n in EXPERT_TENSORS if n in t} or None
+        return cls(t["attn_norm"], t["wq"], t["wk"], t["wv"], t["wo"], t["ffn_norm"],
+                   bq=t.get("bq"), bk=t.get("bk"), bv=t.get("bv"), q_norm=t.get("q_norm"), k_norm=t.get("k_norm"),
+                   mlp=mlp("w_"), router=Router(t["router"], t.get("exp_bias")) if "router" in t else None,
+                   experts=experts, shared=mlp("sh_", "sh_router"))
