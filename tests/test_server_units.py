@@ -16,7 +16,7 @@ from strata_jax import EngineConfig
 from strata_jax.serve.errors import ApiError
 from strata_jax.serve.generate import ModelNames, parse_chat, parse_completion
 from strata_jax.serve.ledger import Fault, describe_exit
-from strata_jax.serve.protocol import pack, read_frame
+from strata_jax.serve.protocol import Cancel, Prepare, decode_command, pack, read_frame
 from strata_jax.serve.reasoning import (
     CONTENT,
     REASONING,
@@ -129,11 +129,13 @@ def test_chat_parsing_names_the_field(body, param):
 # ---- protocol, ledger, stderr ----------------------------------------------------------------------------
 
 def test_frames_round_trip_and_stop_at_a_cut():
-    msgs = [{"op": "prepare", "id": "a", "prompt": [{"role": "user", "content": "é"}]}, {"t": "ev", "x": "\x00"}]
+    """(every frame type round trips, and malformed ones are refused: tests/test_protocol.py)"""
+    msgs = [Prepare("a", [{"role": "user", "content": "é"}], {}), Cancel("\x00")]
     data = b"".join(pack(m) for m in msgs)
     f = io.BytesIO(data)
-    assert [read_frame(f), read_frame(f), read_frame(f)] == [*msgs, None]
-    assert read_frame(io.BytesIO(data[:-1])) == msgs[0]
+    assert [read_frame(f, decode_command), read_frame(f, decode_command), read_frame(f, decode_command)] == \
+        [*msgs, None]
+    assert read_frame(io.BytesIO(data[:-1]), decode_command) == msgs[0]
 
 
 def test_fault_messages_say_why():

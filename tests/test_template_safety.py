@@ -29,6 +29,7 @@ from strata_jax.gguf.tokenizer import load_tokenizer
 from strata_jax.serve.errors import ApiError
 from strata_jax.serve.generate import ModelNames, parse_chat
 from strata_jax.serve.launch import ServerProcess
+from strata_jax.serve.protocol import Prepare, Prepared
 from strata_jax.serve.worker import Worker
 from strata_jax.testing.edit_gguf import rewrite_gguf
 from strata_jax.testing.templates import THINK_TEMPLATE
@@ -202,15 +203,14 @@ def test_a_chat_is_rendered_once_per_request(think_model, monkeypatch):
               "stop": [], "ignore_eos": False}
     for kwargs, think in (({}, True), ({"enable_thinking": False}, False)):
         renders.clear()
-        reply = Worker.prepare(SimpleNamespace(engine=engine), {"id": "r", "prompt": HI, "params": params,
-                                                                "chat_template_kwargs": kwargs})
-        assert reply["t"] == "prepared", reply
+        reply = Worker.prepare(SimpleNamespace(engine=engine), Prepare("r", HI, params, kwargs))
+        assert isinstance(reply, Prepared), reply
         assert len(renders) == 1
         text = tok.apply_chat_template(HI, **kwargs)
-        assert reply["ids"] == Engine.chat_text_ids(engine, text) and reply["think"] is think
+        assert reply.ids == Engine.chat_text_ids(engine, text) and reply.think is think
     renders.clear()
-    reply = Worker.prepare(SimpleNamespace(engine=engine), {"id": "r", "prompt": "plain text", "params": params})
-    assert reply["t"] == "prepared" and renders == []
+    reply = Worker.prepare(SimpleNamespace(engine=engine), Prepare("r", "plain text", params))
+    assert isinstance(reply, Prepared) and renders == []
 
 
 # ---- against the real server ----------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class EngineCore:
         if self.config.warmup:
             self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
-        self.prefix = PrefixCache(self.runner, self.config)      # which slot a request takes, and what it reuses
+        self.prefix = PrefixCache(self.runner.kv, self.config)      # which slot a request takes, and what it reuses
         self.scheduler = Scheduler(self.runner.choices["prefill"], self.runner.min_rows,
                                    self.runner.choices["batch_tokens"], self.runner.packed)
         self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
@@ -247,6 +247,7 @@ class EngineCore:
         programs, run its rows in smaller windows. Only a row that fails alone ends with an error."""
         try:
             outs = self.runner.run(w.groups, w.kv_needed)
+            hiddens = self.runner.take_hiddens()          # the mtp drafter's input, None without it
         except Exception as e:  # noqa: BLE001 - every failure is reported to the requests, never lost
             self._recover(w, e)
             return
@@ -263,19 +264,17 @@ class EngineCore:
                         s.request.experts = ExpertCounters()
                     s.request.experts.add(self.runner.stepper.last)
         self.output.apply(w, outs)
-        if self.speculator is not None and self.runner.last_hiddens is not None:
-            self._after_window(w)
+        if self.speculator is not None and hiddens is not None:
+            self._after_window(w, hiddens)
 
-    def _after_window(self, w: Window) -> None:
+    def _after_window(self, w: Window, hiddens) -> None:
         """Hand the window's hidden states to the drafter (mtp). A failure there costs drafts, not requests."""
         try:
-            self.speculator.after_window(w, self.runner.last_hiddens)
+            self.speculator.after_window(w, hiddens)
         except Exception as e:  # noqa: BLE001 - the window's tokens are out; only drafting is affected
             log.warning("the drafter failed after window %s (%s): no drafts for its slots until their next window",
                         self._describe(w), first_line(e))
             self._drafter_failed(w.rows, e)
-        finally:
-            self.runner.last_hiddens = None
 
     def _drafter_failed(self, slots: list[Slot], e: Exception) -> bool:
         """Forget the slots' pending drafts; if the failure took the KV cache, end the requests in flight
@@ -309,7 +308,7 @@ class EngineCore:
 
     def lose_cache(self, e: Exception) -> None:
         """The KV cache is gone (a failed window consumed it): a new one, and every request in flight ended."""
-        self.runner.reset_cache()
+        self.runner.kv.reset()
         for s in self.slots:
             if not s.free:
                 self.output.fail(s, f"the engine's KV cache was lost in a failed window: {e}")

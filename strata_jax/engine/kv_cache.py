@@ -4,7 +4,14 @@
 that writes it takes it donated and gives it back, and `through` puts what came back in its place, so the
 window program, the layer-stepped stages, the MTP drafter and the prefix cache's copies all go through
 here and nothing else assigns it. `host` is the part past the device's positions in host RAM
-(--kv-resident: kv_host.py), or None.
+(--kv-resident: kv_host.py), or None. Where a position lies (device below `device_len`, host above) is
+known here alone: `read`, `write` and `copy` move runs of a slot's positions wherever they lie (the prefix
+cache's forks and the conversation cache's blocks, slot files).
+
+Not owned here: the conversation cache's blocks (conversation_cache.py, held by the prefix cache). They are
+copies of KV that left the slots, keyed by token prefix, not the slots' KV: they outlive a lost or reset
+cache and a scratch one (Engine.logits), the programs never read them, and they come back into a slot
+only by `write`. So the conversation cache owns its blocks, and this object owns every array a program reads.
 """
 
 from __future__ import annotations
@@ -16,9 +23,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ..model import new_kv_cache
 from .kv_host import KVHostStore
+
+
+def kv_bytes(spec, dtype, parallel: int, device_len: int) -> int:
+    """Device bytes of the cache of `parallel` slots of `device_len` positions (what the ledger reserves)."""
+    layers = spec.n_layers + spec.n_nextn                                   # new_kv_cache: MTP layers too
+    per_pos = layers * spec.n_kv_heads * (spec.head_dim + spec.value_dim) * jnp.dtype(dtype).itemsize
+    if dtype == jnp.int8:
+        per_pos += layers * spec.n_kv_heads * 2 * 4                         # a float32 scale a token and head
+    return per_pos * parallel * (device_len + 1)
 
 
 class KVCache:
@@ -27,6 +44,9 @@ class KVCache:
         self._arrays: dict[str, jax.Array] = self._new()
         self.device_len = device_len
         self.host = host
+        self._read = jax.jit(_read_block, static_argnames=("size",))
+        self._write = jax.jit(_write_block, donate_argnums=(0,))
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), static_argnames=("size",))
 
     @property
     def arrays(self) -> dict[str, jax.Array]:
@@ -67,3 +87,59 @@ class KVCache:
             host = self.host.read(slot, d, n)
             out = {name: np.concatenate([out[name], host[name]], axis=1) for name in out}
         return out
+
+    def read(self, slot: int, start: int, size: int) -> dict[str, np.ndarray]:
+        """Positions start..start+size of a slot, on the device and past device_len in host RAM ->
+        {name: [layers, size, ...]} (k, v, int8 scales). One small program a size."""
+        on_dev = max(0, min(start + size, self.device_len) - start)
+        parts = []
+        if on_dev:
+            out = self._read(self._arrays, jnp.int32(slot), jnp.int32(start), size=on_dev)
+            parts.append({k: np.asarray(v) for k, v in out.items()})
+        if on_dev < size:
+            parts.append(self.host.read(slot, start + on_dev, start + size))
+        return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+
+    def write(self, slot: int, start: int, block: dict[str, np.ndarray]) -> None:
+        """The inverse of read: the device part in place (a donated program), the rest to host RAM."""
+        size = next(iter(block.values())).shape[1]
+        on_dev = max(0, min(start + size, self.device_len) - start)
+        if on_dev:
+            part = block if on_dev == size else {k: v[:, :on_dev] for k, v in block.items()}
+            self.through(lambda c: (self._write(c, part, jnp.int32(slot), jnp.int32(start)),))
+        if on_dev < size:
+            self.host.put(slot, start + on_dev, {k: v[:, on_dev:] for k, v in block.items()})
+
+    def copy(self, src: int, dst: int, n_blocks: int, block: int) -> None:
+        """Slot src's first n_blocks * block device positions into slot dst, a block at a time, in place."""
+        self.through(lambda c: (self._copy(c, jnp.int32(src), jnp.int32(dst), jnp.int32(n_blocks), size=block),))
+
+
+def _read_block(cache: dict, slot, start, *, size: int) -> dict:
+    """Positions start..start+size of one slot -> {name: [layers, size, ...]} (k, v, int8 scales)."""
+    out = {}
+    for name, a in cache.items():                       # a [layers, slots, positions, kv_heads(, head_dim)]
+        at = (0, slot, start) + (0,) * (a.ndim - 3)
+        out[name] = lax.dynamic_slice(a, at, (a.shape[0], 1, size) + a.shape[3:])[:, 0]
+    return out
+
+
+def _write_block(cache: dict, block: dict, slot, start) -> dict:
+    out = {}
+    for name, a in cache.items():
+        at = (0, slot, start) + (0,) * (a.ndim - 3)
+        out[name] = lax.dynamic_update_slice(a, block[name][:, None].astype(a.dtype), at)
+    return out
+
+
+def _copy_blocks(cache: dict, src, dst, n_blocks, *, size: int) -> dict:
+    """Positions 0..n_blocks*size of slot src copied into slot dst, a block at a time (a fork: n choices of
+    one prompt, or requests sharing a system prompt, read it once)."""
+    def body(i, c):
+        out = {}
+        for name, a in c.items():
+            rest = (0,) * (a.ndim - 3)
+            blk = lax.dynamic_slice(a, (0, src, i * size) + rest, (a.shape[0], 1, size) + a.shape[3:])
+            out[name] = lax.dynamic_update_slice(a, blk, (0, dst, i * size) + rest)
+        return out
+    return lax.fori_loop(0, n_blocks, body, cache)

@@ -7,6 +7,9 @@ With --conversation-cache-mib, a slot's kept KV that the new request would overw
 first (conversation_cache.py), and a prompt that matches more there than in any slot gets those blocks
 copied back into its slot (one small donated program a block: the cache is updated in place).
 
+It takes the KVCache (kv_cache.py), through which every copy into or out of a slot goes, and owns the
+conversation cache's blocks (kv_cache.py says why they are not the KVCache's).
+
 Batch invariance: reading resumes at the match and goes on at the scheduler's fixed chunk boundaries
 (multiples of --prefill), so later chunks are cut as they would be from scratch.
 """
@@ -17,13 +20,11 @@ import logging
 import time
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ..config import EngineConfig
 from .conversation_cache import Block, ConversationCache
+from .kv_cache import KVCache
 from .slots import Slot
 
 log = logging.getLogger("strata_jax.engine")
@@ -45,39 +46,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def _read_block(cache: dict, slot, start, *, size: int) -> dict:
-    """Positions start..start+size of one slot -> {name: [layers, size, ...]} (k, v, int8 scales)."""
-    out = {}
-    for name, a in cache.items():                       # a [layers, slots, positions, kv_heads(, head_dim)]
-        at = (0, slot, start) + (0,) * (a.ndim - 3)
-        out[name] = lax.dynamic_slice(a, at, (a.shape[0], 1, size) + a.shape[3:])[:, 0]
-    return out
-
-
-def _write_block(cache: dict, block: dict, slot, start) -> dict:
-    out = {}
-    for name, a in cache.items():
-        at = (0, slot, start) + (0,) * (a.ndim - 3)
-        out[name] = lax.dynamic_update_slice(a, block[name][:, None].astype(a.dtype), at)
-    return out
-
-
-def _copy_blocks(cache: dict, src, dst, n_blocks, *, size: int) -> dict:
-    """Positions 0..n_blocks*size of slot src copied into slot dst, a block at a time (a fork: n choices of
-    one prompt, or requests sharing a system prompt, read it once)."""
-    def body(i, c):
-        out = {}
-        for name, a in c.items():
-            rest = (0,) * (a.ndim - 3)
-            block = lax.dynamic_slice(a, (0, src, i * size) + rest, (a.shape[0], 1, size) + a.shape[3:])
-            out[name] = lax.dynamic_update_slice(a, block, (0, dst, i * size) + rest)
-        return out
-    return lax.fori_loop(0, n_blocks, body, cache)
-
-
 class PrefixCache:
-    def __init__(self, runner, cfg: EngineConfig, key_fn: Callable | None = None):
-        self.runner = runner
+    def __init__(self, kv: KVCache, cfg: EngineConfig, key_fn: Callable | None = None):
+        self.kv = kv
         self.enabled = cfg.prefix_cache
         self.block = block_tokens(cfg.max_context)
         self.host: ConversationCache | None = None
@@ -90,9 +61,6 @@ class PrefixCache:
         self.reread = 1 if cfg.spec > 0 and cfg.drafter == "mtp" else 0
         self.counters = {"requests": 0, "slot_hits": 0, "slot_reused_tokens": 0, "forks": 0, "forked_tokens": 0}
         self.on_restore: Callable[[list[int], np.ndarray], None] | None = None    # tests: (prompt, restored tokens)
-        self._read = jax.jit(_read_block, static_argnames=("size",))
-        self._write = jax.jit(_write_block, donate_argnums=(0,))
-        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), static_argnames=("size",))
 
     def place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = ()) -> tuple[Slot, int]:
         """Pick the slot for a new request and bring its prompt's known prefix into it -> (slot, tokens
@@ -104,7 +72,7 @@ class PrefixCache:
         limit = len(prompt) - 1                        # the last prompt token is always read
         slot, n = min(((s, min(common_prefix(s.kept, prompt), limit)) for s in free),
                       key=lambda sn: (-sn[1], sn[0].last_used))
-        src, m = max(((s, min(common_prefix(s.kept, prompt), limit, self.runner.device_len)) for s in busy),
+        src, m = max(((s, min(common_prefix(s.kept, prompt), limit, self.kv.device_len)) for s in busy),
                      key=lambda sm: sm[1], default=(None, 0))
         if src is not None and m >= n + self.block:
             return slot, self._fork(src, slot, m)
@@ -132,8 +100,7 @@ class PrefixCache:
         if self.host is not None and len(slot.kept) // self.block > 0:
             self._store(slot)
         blocks = -(-m // self.block)
-        self.runner.kv.through(lambda c: (self._copy(c, jnp.int32(src.index), jnp.int32(slot.index),
-                                                      jnp.int32(blocks), size=self.block),))
+        self.kv.copy(src.index, slot.index, blocks, self.block)
         n = max(m - self.reread, 0)
         self.counters["forks"] += 1
         self.counters["forked_tokens"] += n
@@ -147,7 +114,7 @@ class PrefixCache:
         B = self.block
 
         def read(i: int) -> dict[str, np.ndarray]:
-            return self._read_kv(slot.index, i * B, B)
+            return self.kv.read(slot.index, i * B, B)
 
         before = self.host.bytes
         new, evicted = self.host.store(tokens, read)
@@ -169,9 +136,9 @@ class PrefixCache:
         t0 = time.monotonic()
         done = n_slot
         for i in range(n_slot // B, len(blocks)):
-            self._write_kv(slot.index, i * B, blocks[i].kv)
+            self.kv.write(slot.index, i * B, blocks[i].kv)
             done = (i + 1) * B
-        jax.block_until_ready(self.runner.cache)
+        self.kv.wait()
         self.host.touch(blocks)
         c = self.host.counters
         c["hits"] += 1
@@ -184,26 +151,12 @@ class PrefixCache:
         return done
 
     def _read_kv(self, slot: int, start: int, size: int) -> dict[str, np.ndarray]:
-        """Positions start..start+size of a slot: from the device cache, and past its first device_len
-        positions (--kv-resident) from the host store -> {name: [layers, size, ...]}."""
-        on_dev = max(0, min(start + size, self.runner.device_len) - start)
-        parts = []
-        if on_dev:
-            out = self._read(self.runner.cache, jnp.int32(slot), jnp.int32(start), size=on_dev)
-            parts.append({k: np.asarray(v) for k, v in out.items()})
-        if on_dev < size:
-            parts.append(self.runner.kv_host.read(slot, start + on_dev, start + size))
-        return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+        """KVCache.read (slot_files.py reads a slot's blocks here)."""
+        return self.kv.read(slot, start, size)
 
     def _write_kv(self, slot: int, start: int, block: dict[str, np.ndarray]) -> None:
-        """The inverse of _read_kv: the device part in place (a donated program), the rest to the host store."""
-        size = next(iter(block.values())).shape[1]
-        on_dev = max(0, min(start + size, self.runner.device_len) - start)
-        if on_dev:
-            part = block if on_dev == size else {k: v[:, :on_dev] for k, v in block.items()}
-            self.runner.kv.through(lambda c: (self._write(c, part, jnp.int32(slot), jnp.int32(start)),))
-        if on_dev < size:
-            self.runner.kv_host.put(slot, start + on_dev, {k: v[:, on_dev:] for k, v in block.items()})
+        """KVCache.write (slot_files.py)."""
+        self.kv.write(slot, start, block)
 
     def stats(self) -> dict:
         out = {"enabled": int(self.enabled), "block_tokens": self.block, **self.counters}

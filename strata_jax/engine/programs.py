@@ -11,17 +11,19 @@ exited). Here:
 - when building or first running a program raises RESOURCE_EXHAUSTED, the cache waits for the device,
   frees the least recently used half (never the program being built), logs one line, and tries once
   more. If that fails too the error goes up, and the engine runs the window's rows in smaller windows;
-- a layout met while serving can be compiled off the engine thread (`build_later`: one builder thread),
+- a layout met while serving can be compiled off the engine thread (`build_later`: program_builder.py),
   while the engine runs smaller windows whose programs exist; the compiled program joins the cache (its
   bytes reserved, the bound applied) on the engine thread, at its next `collect`, so one thread alone
   owns the LRU and the ledger.
+
+Each part that runs programs registers the builder of its stages (`register`): the runner the whole window
+("window"), the layer stepper its stages, the MTP drafter "mtp". They hold the cache itself (its run, get,
+ready and build_later), never the runner.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from typing import Any
 
 from .faults import resource_exhausted
 from .memory import MemoryLedger, MiB, is_resource_exhausted
+from .program_builder import BuilderThread
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -75,25 +78,25 @@ class ProgramStats:
 
 
 class ProgramCache:
-    def __init__(self, build: Callable[[Layout], Any], ledger: MemoryLedger, max_programs: int,
+    def __init__(self, build: Callable[[Layout], Any] | None, ledger: MemoryLedger, max_programs: int,
                  wait_for_device: Callable[[], None], faults=None):
-        self._build = build
+        """build: the builder of whole windows (stage "window"), or None; other stages' are registered."""
+        self._builders: dict[str, Callable[[Layout], Any]] = {} if build is None else {"window": build}
         self.ledger = ledger
         self.max_programs = max_programs
         self._wait = wait_for_device
-        self._faults = faults
+        self.faults = faults
         self.programs: OrderedDict[Layout, Program] = OrderedDict()
         self.stats = ProgramStats()
         self.too_big: dict[Layout, int] = {}        # layouts whose program can never fit -> its bytes
         self._pending: tuple[Layout, Any, int] | None = None   # compiled, refused by the ledger, to try again
         self._queued: set[Layout] = set()              # layouts given to the builder thread, not yet collected
-        self._todo: queue.Queue[Layout | None] = queue.Queue()
-        self._built: queue.Queue[tuple[Layout, Any, float, BaseException | None]] = queue.Queue()
-        self._builder: threading.Thread | None = None
-        self._lock = threading.Lock()                  # _current and _taken, shared with the builder thread
-        self._current: Layout | None = None            # the layout the builder thread is compiling
-        self._taken: set[Layout] = set()               # queued ones the engine thread built itself: skipped
+        self._builder = BuilderThread(self._compile)
         self._failed: dict[Layout, Exception] = {}      # the builder thread's errors, met when a window needs the layout
+
+    def register(self, stage: str, build: Callable[[Layout], Any]) -> None:
+        """Layouts of `stage`, and of its kinds (`stage.1`, ...: stepped.py), are compiled by `build(layout)`."""
+        self._builders[stage] = build
 
     def __len__(self) -> int:
         return len(self.programs)
@@ -106,12 +109,9 @@ class ProgramCache:
         if layout in self._queued:
             self.collect()
         if layout in self._queued:
-            with self._lock:
-                begun = self._current == layout
-                if not begun:                 # still queued: built here now, not after the builds ahead of it
-                    self._taken.add(layout)
-                    self._queued.discard(layout)
-            if begun:
+            if self._builder.take(layout):    # still queued: built here now, not after the builds ahead of it
+                self._queued.discard(layout)
+            else:
                 self._wait_built(layout)      # being compiled: compiling it here too would waste the cores
         prog = self.programs.get(layout)
         if prog is not None:
@@ -144,11 +144,7 @@ class ProgramCache:
 
     def hurry(self, layout: Layout) -> None:
         """Move a queued layout to the front of the builder thread's queue (a window waits for it)."""
-        with self._todo.mutex:
-            todo = self._todo.queue
-            if layout in todo:
-                todo.remove(layout)
-                todo.appendleft(layout)
+        self._builder.hurry(layout)
 
     def refused(self, layout: Layout) -> bool:
         """`layout`'s program is bigger than all the room programs have: get() refuses it at once."""
@@ -166,11 +162,7 @@ class ProgramCache:
         if layout in self.programs or layout in self._queued or layout in self._failed or self.refused(layout):
             return
         self._queued.add(layout)
-        if self._builder is None:
-            self._builder = threading.Thread(target=self._build_loop, name="strata-builder", daemon=True)
-            self._builder.start()
-        self._todo.put(layout)
-
+        self._builder.put(layout)
 
     def collect(self) -> int:
         """On the engine thread: add the programs the builder thread finished to the cache -> how many. A
@@ -178,11 +170,8 @@ class ProgramCache:
         the room, marked `refused`. A failed compile is kept and met on the engine thread when a window
         needs the layout."""
         n = 0
-        while True:
-            try:
-                layout, compiled, seconds, err = self._built.get_nowait()
-            except queue.Empty:
-                return n
+        while (built := self._builder.finished()) is not None:
+            layout, compiled, seconds, err = built
             self._queued.discard(layout)
             if err is not None:
                 log.warning("building the program %s off the engine thread failed (%s: %s); the error is met "
@@ -193,48 +182,31 @@ class ProgramCache:
                 continue
             if self.max_programs and len(self.programs) >= self.max_programs:
                 self._evict(next(iter(self.programs)))
-            if not self._take_built(layout, compiled, seconds):
-                continue
-            n += 1
+            n += self._take_built(layout, compiled, seconds)
+        return n
 
     def close(self) -> None:
-        """Stop the builder thread after the compile it is in (a compile cut off at exit aborts the process)."""
-        if self._builder is not None:
-            while True:                                  # drop what is queued but not begun
-                try:
-                    self._todo.get_nowait()
-                except queue.Empty:
-                    break
-            self._todo.put(None)
-            self._builder.join(timeout=120)
-            self._builder = None
+        """Stop the builder thread after the compile it is in."""
+        self._builder.close()
 
     def _wait_built(self, layout: Layout) -> None:
         """Take in the builder thread's programs, blocking, until `layout` is no longer queued."""
         while layout in self._queued:
-            self._built.put(self._built.get())      # wait for one, then collect everything finished
+            self._builder.wait()
             self.collect()
 
-    def _build_loop(self) -> None:
-        while True:
-            layout = self._todo.get()
-            if layout is None:
-                return
-            with self._lock:
-                if layout in self._taken:    # the engine thread needed it first and built it
-                    self._taken.discard(layout)
-                    continue
-                self._current = layout
-            t0 = time.perf_counter()
-            try:
-                if self._faults is not None:
-                    self._faults.on_build(layout.rows)
-                compiled, err = self._build(layout), None
-            except Exception as e:  # noqa: BLE001 - reported to the engine thread by collect
-                compiled, err = None, e
-            with self._lock:
-                self._current = None
-            self._built.put((layout, compiled, time.perf_counter() - t0, err))
+    def _compile(self, layout: Layout):
+        """Compile `layout`'s program (on either thread)."""
+        if self.faults is not None:
+            self.faults.on_build(layout.rows)
+        return self._build(layout)
+
+    def _build(self, layout: Layout):
+        """`layout`'s program, from its stage's builder (tests wrap this to slow builds down)."""
+        build = self._builders.get(layout.stage) or self._builders.get(layout.stage.partition(".")[0])
+        if build is None:
+            raise ValueError(f"no builder for the stage {layout.stage!r} (registered: {sorted(self._builders)})")
+        return build(layout)
 
     def run(self, layout: Layout, *args):
         """Run the program for `layout`, building it if needed. A first run that runs out of device memory
@@ -260,9 +232,7 @@ class ProgramCache:
         if pending is not None and pending[0] == layout:
             compiled, nbytes = pending[1], pending[2]       # compiled already; only its memory was missing
         else:
-            if self._faults is not None:
-                self._faults.on_build(layout.rows)
-            compiled = self._build(layout)
+            compiled = self._compile(layout)
             nbytes = _program_bytes(compiled)
             self.stats.compiles += 1
         return self._reserve(layout, compiled, nbytes, t0)
@@ -343,7 +313,7 @@ class ProgramCache:
         """Counters and live programs; safe to call from any thread (list() of a dict is atomic)."""
         progs = list(self.programs.items())
         return {"live": len(progs), "built": self.stats.built, "compiles": self.stats.compiles,
-                "building": max(0, len(self._queued) - self._built.qsize()),   # not yet compiled
+                "building": max(0, len(self._queued) - self._builder.waiting),   # not yet compiled
                 "too_big": len(self.too_big), "evicted": self.stats.evicted,
                 "oom_recoveries": self.stats.oom_recoveries, "bytes": sum(p.nbytes for _, p in progs),
                 "max": self.max_programs, "build_seconds": round(self.stats.build_seconds, 3),

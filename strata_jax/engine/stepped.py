@@ -53,41 +53,26 @@ from ..experts.hybrid import HostRule
 from ..experts.profile import ExpertProfile
 from ..experts.stream import ExpertStream
 from ..model import Group, QTensor
-from .programs import Layout
-from .stepped_build import KINDED, build_stage
-
-
-def _signature(tree) -> tuple:
-    """What a program built for `tree` depends on: its structure (QTensors' quant types and logical shapes
-    are static aux data there) and every leaf's shape and dtype."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in leaves)
-
-
-def group_kinds(stage: str, trees: dict[int, object]) -> tuple[dict[int, str], dict[str, int]]:
-    """Layers -> the stage name of their kind ("attn" for the first signature met, then "attn.1", ...), and
-    each kind's stage name -> its first layer (whose weights' shapes its program is built for)."""
-    sigs: list[tuple] = []
-    kind_of: dict[int, str] = {}
-    first_of: dict[str, int] = {}
-    for i in sorted(trees):
-        sig = _signature(trees[i])
-        if sig not in sigs:
-            sigs.append(sig)
-        k = sigs.index(sig)
-        kind_of[i] = stage if k == 0 else f"{stage}.{k}"
-        first_of.setdefault(kind_of[i], i)
-    return kind_of, first_of
+from .kv_cache import KVCache
+from .programs import Layout, ProgramCache
+from .stepped_build import KINDED, build_stage, group_kinds
 
 
 class LayerStepper:
-    def __init__(self, runner, arena: ExpertArena, qtypes: dict[int, dict[str, str | None]],
-                 expert_shapes: dict[int, dict[str, tuple]], host_trees: dict[int, dict] | None = None,
-                 host_device=None, rule: HostRule | None = None, stream: ExpertStream | None = None):
-        self.runner = runner
+    def __init__(self, params: dict, spec, opts, programs: ProgramCache, kv: KVCache, arena: ExpertArena,
+                 qtypes: dict[int, dict[str, str | None]], expert_shapes: dict[int, dict[str, tuple]],
+                 host_trees: dict[int, dict] | None = None, host_device=None, rule: HostRule | None = None,
+                 stream: ExpertStream | None = None, *, with_hidden: bool = False, prefetch: bool = False,
+                 one_program: bool = True, build_now: bool = False):
+        """params: the model's weights (it reads the main layers', the embedding's and the head's); programs:
+        the program cache its stages register with and run in; kv: the slots' KV cache, which its attention
+        stages write through. with_hidden: the head also returns the hidden states (the MTP drafter);
+        prefetch: --expert-prefetch; one_program: --layer-step auto; build_now: no --warmup (the
+        one-program window is built when first needed, not on the builder thread)."""
+        self.programs, self.kv = programs, kv
         self.arena = arena
-        self.spec, self.opts = runner.spec, runner.opts
-        params = runner.params
+        self.spec, self.opts = spec, opts
+        self.with_hidden, self.build_now = with_hidden, build_now
         layers = params["layers"]
         self.moe = [i for i, lp in enumerate(layers) if lp.is_moe]                # the others are dense
         self.embed_p = {"embed": params["embed"]}
@@ -121,9 +106,9 @@ class LayerStepper:
         for stage in KINDED:
             self.kind_of[stage], first_of = group_kinds(stage, trees[stage])
             self.first_of.update(first_of)
-        self.prefetch = runner.cfg.expert_prefetch
+        self.prefetch = prefetch
         # --layer-step auto: one program a window where it can (resident_window); always: every window stepped
-        self.one_program = runner.cfg.layer_step == "auto"
+        self.one_program = one_program
         self.core = {"embed": self.embed_p, "head": self.head_p, "attn": self.attn_p, "shared": self.moe_p,
                      "dense": self.dense_p}
         self.missed = True                   # the last window met a miss (arena only: whether to try one program)
@@ -132,6 +117,8 @@ class LayerStepper:
         self.last = ExpertCounters()         # the last window's counters
         self.total = ExpertCounters()
         self.trace: list | None = None       # a list: record every lookup and prefetch (bench/sweep.py replays it)
+        for stage in ("embed", "head", "resident", *KINDED):     # its programs, in the shared program cache
+            programs.register(stage, self.build)
 
     def arena_tree(self, layer: int, leaves: dict | None = None) -> dict:
         """The layer's arena leaves (or others of the arena's form: the streamed experts') as the experts
@@ -178,7 +165,7 @@ class LayerStepper:
 
     def run(self, groups, layout: Layout):
         """One window (GroupInputs) -> logits per group, as forward() gives them (and the hidden states, as
-        (logits, hiddens), when the runner asks for them: the MTP drafter)."""
+        (logits, hiddens), with_hidden: the MTP drafter)."""
         counters = self.last = ExpertCounters()
         try:
             if self._try_one_program(layout):
@@ -199,10 +186,10 @@ class LayerStepper:
         it is built on the builder thread (at once, on the engine thread, without --warmup) and windows step."""
         if not self.one_program or self.trace is not None or (self.in_program is None and self.missed):
             return False
-        res, progs = self.resident_layout(layout), self.runner.programs
+        res, progs = self.resident_layout(layout), self.programs
         if progs.ready(res) or self.always_one_program:     # the latter: its only program, built now if need be
             return True
-        if not self.runner.cfg.warmup:
+        if self.build_now:
             progs.get(res)
             return True
         progs.build_later(res)
@@ -211,15 +198,15 @@ class LayerStepper:
     def _run_resident(self, groups, res: Layout, counters: ExpertCounters):
         """The window as one program -> its logits, or None when an expert it needed was not in the arena
         (no host blocks to fall back on): nothing is counted then, and the caller steps the window."""
-        r, arena = self.runner, self.arena
+        progs, arena = self.programs, self.arena
         gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits, g.picks) for g in groups)
         tables = np.stack([arena.tables[i] for i in self.moe])
         arenas = {i: self.arena_tree(i) for i in self.moe}
         def window(cache):
-            out, cache, ids = r.programs.run(res, self.core, arenas, tables, self.in_program, gs, cache)
+            out, cache, ids = progs.run(res, self.core, arenas, tables, self.in_program, gs, cache)
             return out, ids, cache
 
-        out, ids = r.kv.through(window)
+        out, ids = self.kv.through(window)
         real = np.concatenate([np.asarray(g.pos).reshape(-1) >= 0 for g in groups])
         ids = np.asarray(ids)[:, real]                                  # [n_moe, real tokens, k]
         E = self.spec.n_experts
@@ -240,7 +227,7 @@ class LayerStepper:
         return out
 
     def _run(self, groups, layouts: list[Layout], counters: ExpertCounters) -> list:
-        progs, r = self.runner.programs, self.runner
+        progs, kv = self.programs, self.kv
         stage = {lay.stage: lay for lay in layouts}
         kind_of = self.kind_of
         k, h = self.spec.n_experts_used, self.spec.hidden
@@ -252,11 +239,11 @@ class LayerStepper:
         guess = None                          # the predict program's ids for this layer (prefetch)
         for i in range(self.spec.n_layers):
             if i in self.dense_p:
-                xs = r.kv.through(lambda c, i=i, xs=xs: progs.run(stage[kind_of["dense"][i]], self.dense_p[i],
-                                                                  self.index[i], c, gs, xs))
+                xs = kv.through(lambda c, i=i, xs=xs: progs.run(stage[kind_of["dense"][i]], self.dense_p[i],
+                                                                self.index[i], c, gs, xs))
                 continue
-            parts = r.kv.through(lambda c, i=i, xs=xs: progs.run(stage[kind_of["attn"][i]], self.attn_p[i],
-                                                                 self.index[i], c, gs, xs))
+            parts = kv.through(lambda c, i=i, xs=xs: progs.run(stage[kind_of["attn"][i]], self.attn_p[i],
+                                                               self.index[i], c, gs, xs))
             if guess is not None:             # the device runs this layer's attention meanwhile
                 want = _by_count(guess, reals)
                 self.arena.prefetch(i, want, counters)
@@ -297,8 +284,8 @@ class LayerStepper:
         tree, table = self.stream.stage(i, streamed, counters, decode)
         rows = np.isin(ids, streamed)
         counters.routed += int(rows.sum())
-        _, ys = self.runner.programs.run(stage[self.kind_of["sexperts"][i]], self.moe_p[i], self.arena_tree(i, tree),
-                                         table, parts, ys)
+        _, ys = self.programs.run(stage[self.kind_of["sexperts"][i]], self.moe_p[i], self.arena_tree(i, tree),
+                                  table, parts, ys)
         return ys, ids[~rows]
 
     def _host_wins(self, layer: int, ids: np.ndarray) -> bool:
@@ -315,16 +302,19 @@ class LayerStepper:
         absent = np.where(table < 0, self.identity, -1).astype(np.int32)
         hd, dev = self.host_device, jax.devices()[0]
         hparts = [(jax.device_put(p[1], hd), jax.device_put(p[3], hd)) for p in parts]
-        host_ys = self.runner.programs.run(stage[self.kind_of["rexperts"][i]], self.host_trees[i], absent, hparts)
+        host_ys = self.programs.run(stage[self.kind_of["rexperts"][i]], self.host_trees[i], absent, hparts)
         # counted as host-computed; free slots still take the misses, but this window reads `table`, as it was
         self.arena.count_host(i, ids, counters, decode)
         ys = [jax.device_put(y, dev) for y in host_ys]
-        return self.runner.programs.run(stage[self.kind_of["experts"][i]], self.moe_p[i], self.arena_tree(i), table,
-                                        parts, ys)
+        return self.programs.run(stage[self.kind_of["experts"][i]], self.moe_p[i], self.arena_tree(i), table,
+                                 parts, ys)
 
     def build(self, layout: Layout):
-        """The program of one stage's layout (stepped_build.py)."""
+        """The program of one stage's layout (stepped_build.py): its stages' builder in the program cache."""
         return build_stage(self, layout)
+
+    def close(self) -> None:
+        self.arena.host.close()
 
     def stats(self) -> dict:
         a, host = self.arena, self.arena.host

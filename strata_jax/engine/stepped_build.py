@@ -1,5 +1,6 @@
 """The layer stepper's programs (stepped.py): one a stage and kind of layer, each lowered from shapes only,
-and the one-program window ("resident") that chains the same stages on the device."""
+and the one-program window ("resident") that chains the same stages on the device; and the kinds of layer
+(group_kinds: which layers share a program)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,29 @@ def predict_stage(p: tuple, spec, opts, xs) -> list:
     return out
 
 
+def _signature(tree) -> tuple:
+    """What a program built for `tree` depends on: its structure (QTensors' quant types and logical shapes
+    are static aux data there) and every leaf's shape and dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in leaves)
+
+
+def group_kinds(stage: str, trees: dict[int, object]) -> tuple[dict[int, str], dict[str, int]]:
+    """Layers -> the stage name of their kind ("attn" for the first signature met, then "attn.1", ...), and
+    each kind's stage name -> its first layer (whose weights' shapes its program is built for)."""
+    sigs: list[tuple] = []
+    kind_of: dict[int, str] = {}
+    first_of: dict[str, int] = {}
+    for i in sorted(trees):
+        sig = _signature(trees[i])
+        if sig not in sigs:
+            sigs.append(sig)
+        k = sigs.index(sig)
+        kind_of[i] = stage if k == 0 else f"{stage}.{k}"
+        first_of.setdefault(kind_of[i], i)
+    return kind_of, first_of
+
+
 def _sds(tree, sharding=None):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
@@ -86,12 +110,12 @@ def build_stage(self, layout: Layout):
                    for r, n, a, e in layout.groups)
     xs = [S((r, n, h), dtype) for r, n, _, _ in layout.groups]
     if layout.stage == "resident":
-        kv, kv_host, hidden, moe = layout.kv_len, self.runner.kv_host, self.runner.with_hidden, self.moe
+        kv, kv_host, hidden, moe = layout.kv_len, self.kv.host, self.with_hidden, self.moe
         fn = jax.jit(lambda core, arenas, tables, host, gs, cache: resident_window(
             core, arenas, tables, host, moe, spec, opts, gs, cache, kv, kv_host, hidden), donate_argnums=(5,))
         arenas = {i: self.arena_tree(i) for i in self.moe}
         return fn.lower(_sds(self.core), _sds(arenas), S((len(self.moe), spec.n_experts), jnp.int32),
-                        _sds(self.in_program), groups, _sds(self.runner.cache)).compile()
+                        _sds(self.in_program), groups, _sds(self.kv.arrays)).compile()
     if layout.stage == "embed":
         fn = jax.jit(lambda p, tokens: embed_stage(p, opts, tokens))
         return fn.lower(_sds(self.embed_p), tuple(g.tokens for g in groups)).compile()
@@ -101,15 +125,15 @@ def build_stage(self, layout: Layout):
         raise ValueError(f"unknown stage {layout.stage!r}: this model's kinds are {sorted(self.first_of)}")
     if base == "attn":
         kv = layout.kv_len
-        host = self.runner.kv_host
+        host = self.kv.host
         fn = jax.jit(lambda lp, i, cache, gs, xs: attn_router_stage(lp, i, spec, opts, gs, xs, cache, kv, host),
                      donate_argnums=(2,))
-        return fn.lower(_sds(self.attn_p[first]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
+        return fn.lower(_sds(self.attn_p[first]), S((), jnp.int32), _sds(self.kv.arrays), groups, xs).compile()
     if base == "dense":
         kv = layout.kv_len
         fn = jax.jit(lambda lp, i, cache, gs, xs: dense_stage(lp, i, spec, opts, gs, xs, cache, kv),
                      donate_argnums=(2,))
-        return fn.lower(_sds(self.dense_p[first]), S((), jnp.int32), _sds(self.runner.cache), groups, xs).compile()
+        return fn.lower(_sds(self.dense_p[first]), S((), jnp.int32), _sds(self.kv.arrays), groups, xs).compile()
     if base in ("experts", "hexperts", "sexperts"):
         tree = (self.arena_tree(first) if base == "experts" else self.stream_sds(first) if base == "sexperts"
                 else self.host_trees[first])
@@ -131,7 +155,7 @@ def build_stage(self, layout: Layout):
         fn = jax.jit(lambda p, xs: predict_stage(p, spec, opts, xs))
         return fn.lower(_sds(self.predict_p[first]), xs).compile()
     if layout.stage == "head":
-        hidden = self.runner.with_hidden
+        hidden = self.with_hidden
         fn = jax.jit(lambda p, gs, xs: head_stage(p, spec, opts, gs, xs, hidden))
         return fn.lower(_sds(self.head_p), groups, xs).compile()
     raise ValueError(f"unknown stage {layout.stage!r}")

@@ -168,8 +168,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
             body = None
         name, file = _profile_file(body)
         saved = await sup.save_expert_profile(str(profile_dir / file))
-        log.info("expert profile %r written to %s", name, saved["path"])
-        return {"name": name, "path": file, "routed": saved["routed"]}
+        log.info("expert profile %r written to %s", name, saved.path)
+        return {"name": name, "path": file, "routed": saved.routed}
 
     sup.on_fault = lambda fault: metrics.restarts.inc()
 

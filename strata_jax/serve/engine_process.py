@@ -13,10 +13,20 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from .. import envs
-from .protocol import length, pack, unpack
+from .protocol import (
+    AnyReply,
+    Beat,
+    Command,
+    Prepare,
+    Shutdown,
+    Start,
+    Submit,
+    decode_reply,
+    length,
+    pack,
+)
 from .tickets import EngineBusy
 
 log = logging.getLogger("strata_jax.serve")
@@ -47,10 +57,10 @@ class StderrTail:
 
 class EngineProcess:
     """Engine process `generation`: run() starts it, writes `hello` (its start-up frame), hands each frame it
-    sends to `on_frame`, and returns its exit code (None: it could not start) when it ends. `busy()` says how
+    sends (a protocol.Reply) to `on_frame`, and returns its exit code (None: it could not start) when it ends. `busy()` says how
     many requests are in it: the watchdog kills it only then (stall_s without progress)."""
 
-    def __init__(self, command: list[str], generation: int, on_frame: Callable[[dict[str, Any]], None],
+    def __init__(self, command: list[str], generation: int, on_frame: Callable[[AnyReply], None],
                  busy: Callable[[], int], stall_s: float):
         self.command = command
         self.generation = generation
@@ -61,9 +71,10 @@ class EngineProcess:
         self.stall: str | None = None               # why the watchdog killed it
         self.proc: asyncio.subprocess.Process | None = None
         self.heard_at = time.monotonic()            # its last frame of any kind
-        self.beat: dict[str, Any] = {}              # its last heartbeat, with the time it came ("at")
+        self.beat: Beat | None = None               # its last heartbeat
+        self.beat_at = 0.0                          # and when it came
 
-    async def run(self, hello: dict[str, Any]) -> int | None:
+    async def run(self, hello: Start) -> int | None:
         env = {**envs.environ_without(envs.API_KEY),      # the engine needs no key
                envs.ENGINE_GENERATION: str(self.generation), "PYTHONUNBUFFERED": "1"}
         try:
@@ -98,7 +109,7 @@ class EngineProcess:
             return
         try:
             if reading:
-                self.send({"op": "shutdown"})
+                self.send(Shutdown())
                 proc.stdin.close()
             else:                                   # still loading, not reading: no need to wait for it
                 proc.terminate()
@@ -108,16 +119,16 @@ class EngineProcess:
 
     # ---- writing ---------------------------------------------------------------------------------------
 
-    def send(self, msg: dict[str, Any]) -> bool:
+    def send(self, cmd: Start | Command) -> bool:
         """Write a frame; False when the process is gone or going. A prompt beyond MAX_UNREAD_BYTES unread
         raises EngineBusy: nothing more is sent until it reads."""
         proc = self.proc
         if proc is None or proc.stdin is None or proc.stdin.is_closing():
             return False
-        if msg.get("op") in ("prepare", "submit") and self.unread() > MAX_UNREAD_BYTES:
+        if isinstance(cmd, (Prepare, Submit)) and self.unread() > MAX_UNREAD_BYTES:
             raise EngineBusy(f"the engine has not read the last {self.unread()} bytes sent to it")
         try:
-            proc.stdin.write(pack(msg))
+            proc.stdin.write(pack(cmd))
         except (ConnectionError, RuntimeError, OSError):
             return False                            # it is ending: the supervisor hears of its exit next
         return True
@@ -149,20 +160,20 @@ class EngineProcess:
         while True:
             try:
                 n = length(await proc.stdout.readexactly(4))
-                msg = unpack(await proc.stdout.readexactly(n))
+                frame = decode_reply(await proc.stdout.readexactly(n))
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
-            except Exception as e:  # noqa: BLE001 - a corrupt stream: the process cannot be trusted
+            except Exception as e:  # noqa: BLE001 - a corrupt stream or a FrameError: the process cannot be trusted
                 self.tail.add(f"ERR the engine's answers could not be read: {e}")
                 proc.kill()
                 return
             self.heard_at = time.monotonic()
-            if msg.get("t") == "beat":
-                self.beat = {**msg, "at": self.heard_at}
+            if isinstance(frame, Beat):
+                self.beat, self.beat_at = frame, self.heard_at
             try:
-                self.on_frame(msg)
+                self.on_frame(frame)
             except Exception:  # one bad frame must not stop the reader
-                log.exception("could not handle the engine's %r frame", msg.get("t"))
+                log.exception("could not handle the engine's %r frame", type(frame).__name__)
 
     # ---- the watchdog ----------------------------------------------------------------------------------
 
@@ -186,10 +197,12 @@ class EngineProcess:
         if silent >= SILENT_S:
             return "sent nothing, not even its heartbeat", silent
         beat = self.beat
-        if beat.get("loop") == "ended":
-            return "has no engine loop (its thread ended)", now - beat["at"]
-        stuck = beat.get("stuck_s", 0.0) + (now - beat["at"] if beat else 0.0)
-        if beat and stuck >= SILENT_S:
+        if beat is None:
+            return None
+        if beat.loop == "ended":
+            return "has no engine loop (its thread ended)", now - self.beat_at
+        stuck = beat.stuck_s + (now - self.beat_at)
+        if stuck >= SILENT_S:
             return "loop has not moved", stuck
         return None
 

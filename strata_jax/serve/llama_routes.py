@@ -34,6 +34,7 @@ from ..config import ConfigError, ServerConfig
 from .errors import ApiError, invalid
 from .fields import control_params
 from .parse import DEFAULTS, parse_chat
+from .protocol import ApplyTemplate, Detokenize, SlotAction, Tokenize
 
 SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
@@ -55,8 +56,8 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         content = _content(body["content"])
         flags = {k: _flag(body, k, default) for k, default in
                  (("add_special", False), ("parse_special", True), ("with_pieces", False))}
-        reply = await sup.ask("tokenize", content=content, **flags)
-        return {"tokens": reply["tokens"]}
+        reply = await sup.ask(Tokenize, content=content, **flags)
+        return {"tokens": reply.tokens}
 
     @post("/detokenize", status_code=200, guards=[json_body])
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -68,8 +69,8 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
             raise invalid(f"tokens = {_shown(tokens)}: give a list of token ids (whole numbers)", "tokens")
         for i, t in enumerate(tokens):
             _token_id(t, f"tokens[{i}]", "tokens")
-        reply = await sup.ask("detokenize", tokens=tokens)
-        return {"content": reply["content"]}
+        reply = await sup.ask(Detokenize, tokens=tokens)
+        return {"content": reply.content}
 
     @get("/props")
     async def props() -> dict[str, Any]:
@@ -124,11 +125,11 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
     @post("/apply-template", status_code=200, guards=[json_body])
     async def apply_template(request: Request) -> dict[str, Any]:
         job = parse_chat(await request.body(), _AnyModel(served), trust_template=cfg.trust_request_chat_template)
-        reply = await sup.ask("apply_template", prompt=job.prompt,
+        reply = await sup.ask(ApplyTemplate, prompt=job.prompt,
                               params={"tools": job.params.get("tools"), "render": job.params.get("render")},
                               **sup.render_options(),
                               chat_template_kwargs=job.chat_template_kwargs)
-        return {"prompt": reply["prompt"]}
+        return {"prompt": reply.prompt}
 
     @post(["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"], status_code=200,
           guards=[json_body])
@@ -157,8 +158,8 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
             folder = Path(cfg.slot_save_path).expanduser()
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = str(folder / name)
-        reply = await sup.ask("slot", action=action, slot=slot_id, path=path, timeout=60.0)
-        return {k: v for k, v in reply.items() if k not in ("t", "id")}
+        reply = await sup.ask(SlotAction, action=action, slot=slot_id, path=path, timeout=60.0)
+        return reply.slot or {}
 
     return [tokenize, detokenize, props, change_props, apply_template, input_tokens, slot_action]
 

@@ -17,9 +17,26 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 from .. import envs
-from .protocol import pack, read_frame
+from .protocol import (
+    Cancel,
+    EventFrame,
+    GetStats,
+    Prepare,
+    Prepared,
+    Ready,
+    Rejected,
+    Reply,
+    Shutdown,
+    Stats,
+    Submit,
+    decode_command,
+    decode_start,
+    pack,
+    read_frame,
+)
 
 
 def main() -> int:
@@ -27,40 +44,39 @@ def main() -> int:
     os.dup2(2, 1)
     lock = threading.Lock()
 
-    def send(msg) -> None:
+    def send(frame: Reply) -> None:
         with lock:
-            out.write(pack(msg))
+            out.write(pack(frame))
 
-    start = read_frame(sys.stdin.buffer)
+    start = read_frame(sys.stdin.buffer, decode_start)
     if start is None:
         return 0
     if envs.mock_start_fail():
         print("ERR mock engine start: asked to fail (STRATA_MOCK_START_FAIL)", file=sys.stderr, flush=True)
         return 2
-    n_ctx, delay = start["engine"]["max_context"], envs.mock_token_s()
+    n_ctx, delay = start.engine["max_context"], envs.mock_token_s()
     cancelled: dict[str, threading.Event] = {}
     print(f"mock engine {envs.engine_generation()} ready", file=sys.stderr, flush=True)
-    send({"t": "ready", "info": {"architecture": "mock", "name": "mock", "n_ctx": n_ctx, "chat_template": True,
-                                 "parallel": start["engine"]["parallel"]}})
+    send(Ready({"architecture": "mock", "name": "mock", "n_ctx": n_ctx, "chat_template": True,
+                "parallel": start.engine["parallel"]}))
 
     def generate(rid: str, ids: list[int], max_tokens: int) -> None:
         text = "".join(map(chr, ids))
         t0 = time.monotonic()
         for i in range(max_tokens):
             if cancelled[rid].is_set():
-                send({"t": "ev", "id": rid, "k": "final", "x": "", "fr": "cancelled", "st": _stats(ids, i, t0)})
+                send(EventFrame(rid, _event("final", finish_reason="cancelled", stats=_stats(ids, i, t0))))
                 return
             if "EXIT" in text and i == 3:
                 print("ERR mock: exit asked by the prompt", file=sys.stderr, flush=True)
                 os._exit(3)
             time.sleep(delay)
-            send({"t": "ev", "id": rid, "k": "token", "x": f"w{i} ", "tok": i})
-        send({"t": "ev", "id": rid, "k": "final", "x": "", "fr": "length", "st": _stats(ids, max_tokens, t0)})
+            send(EventFrame(rid, _event("token", text=f"w{i} ", token=i)))
+        send(EventFrame(rid, _event("final", finish_reason="length", stats=_stats(ids, max_tokens, t0))))
 
-    while (cmd := read_frame(sys.stdin.buffer)) is not None:
-        op = cmd["op"]
-        if op == "prepare":
-            prompt = cmd["prompt"]
+    while (cmd := read_frame(sys.stdin.buffer, decode_command)) is not None:
+        if isinstance(cmd, Prepare):
+            prompt = cmd.prompt
             text = prompt if isinstance(prompt, str) else "".join(m.get("content", "") for m in prompt) \
                 if isinstance(prompt[0], dict) else "".join(map(chr, prompt))
             if "HANG" in text:
@@ -68,23 +84,28 @@ def main() -> int:
             if "DEAF" in text:
                 time.sleep(3600)
             ids = [ord(c) for c in text]
-            max_tokens = cmd["params"]["max_tokens"] or n_ctx - len(ids)
+            max_tokens = cmd.params["max_tokens"] or n_ctx - len(ids)
             if len(ids) + max_tokens > n_ctx:
-                send({"t": "rejected", "id": cmd["id"], "kind": "context", "message": "too long",
-                      "n_prompt_tokens": len(ids), "max_tokens": max_tokens, "n_ctx": n_ctx})
+                send(Rejected(cmd.id, "context", "too long", n_prompt_tokens=len(ids), max_tokens=max_tokens,
+                              n_ctx=n_ctx))
             else:
-                send({"t": "prepared", "id": cmd["id"], "ids": ids, "max_tokens": max_tokens, "think": False})
-        elif op == "submit":
-            cancelled[cmd["id"]] = threading.Event()
-            threading.Thread(target=generate, args=(cmd["id"], cmd["ids"], cmd["params"]["max_tokens"]),
-                             daemon=True).start()
-        elif op == "cancel" and cmd["id"] in cancelled:
-            cancelled[cmd["id"]].set()
-        elif op == "stats":
-            send({"t": "stats", "id": cmd["id"], "stats": {"programs": {"built": 0, "live": 0}}})
-        elif op == "shutdown":
+                send(Prepared(ids, max_tokens, False, id=cmd.id))
+        elif isinstance(cmd, Submit):
+            cancelled[cmd.id] = threading.Event()
+            threading.Thread(target=generate, args=(cmd.id, cmd.ids, cmd.params["max_tokens"]), daemon=True).start()
+        elif isinstance(cmd, Cancel) and cmd.id in cancelled:
+            cancelled[cmd.id].set()
+        elif isinstance(cmd, GetStats):
+            send(Stats(cmd.id, {"programs": {"built": 0, "live": 0}}))
+        elif isinstance(cmd, Shutdown):
             break
     return 0
+
+
+def _event(kind: str, **fields: Any) -> dict[str, Any]:
+    """An engine Event (engine/request.py) as it travels: a map of its fields. The mock makes the map itself, so
+    that it imports no engine (JAX would cost each start seconds); the server decodes it as an Event."""
+    return {"kind": kind, **fields}
 
 
 def _stats(ids: list[int], n: int, t0: float) -> dict:

@@ -35,6 +35,7 @@ from .choices import events
 from .errors import ApiError, invalid
 from .generate import Outcome, event_error, progress_timings, sse, start, timings
 from .parse import Job, _decode, _params
+from .protocol import Detokenize
 from .schemas import MAX_LOGPROBS, CompletionRequest
 
 MAX_PROMPTS = 8
@@ -233,7 +234,7 @@ class _One:
 
     async def _prompt_text(self) -> str:
         try:
-            return (await self.sup.ask("detokenize", tokens=self.prepared.ids, timeout=5.0))["content"]
+            return (await self.sup.ask(Detokenize, tokens=self.prepared.ids, timeout=5.0)).content or ""
         except ApiError:
             return ""
 

@@ -1,23 +1,219 @@
-"""Frames between the server and its engine process: msgpack maps, each behind a 4-byte big-endian length.
+"""Frames between the server and its engine process: msgspec structs sent as msgpack maps, each behind a
+4-byte big-endian length.
 
-Server -> engine (`op`):  prepare {id, prompt, params, chat_template_kwargs} | submit {id, ids, params}
-                          | cancel {id} | stats {id} | expert_profile {id, path} | shutdown
-                          | tokenize {id, content, add_special, parse_special, with_pieces} | detokenize {id, tokens}
-Engine -> server (`t`):   progress {stage, n, total, what} | ready {info} | prepared {id, ids, max_tokens, think}
-                          | rejected {id, kind, message, ...} | ev {id, k, x, tok, fr, st, err, lp} | stats {id, stats}
-                          | saved {id, path, routed} | answer {id, tokens | content} (tokens.py)
-The first frame the server writes is the engine's start-up: {model, engine (EngineConfig as a dict)}.
+The first frame the server writes is the engine's start-up, `Start` (untagged). After it:
+
+Server -> engine, `Command`s, tagged by "op":
+    prepare {id, prompt, params, chat_template_kwargs, text, template_vars, prefill}  (worker_prompts.py)
+    submit {id, ids, params} | cancel {id} | stats {id} | expert_profile {id, path} | shutdown
+    tokenize {id, content, add_special, parse_special, with_pieces} | detokenize {id, tokens}  (tokens.py)
+    apply_template {id, prompt, params, chat_template_kwargs, template_vars, prefill} | slot {id, action, slot, path}
+Engine -> server, `Reply`s, tagged by "t":
+    progress {stage, n, total} | ready {info} | beat {stuck_s, compiling, loop}
+    prepared {id, ids, max_tokens, think, tool_format, grammar, logit_bias, text} | rejected {id, kind, message, ...}
+    ev {id, event}: the engine's own Event (engine/request.py), so the engine's events and the server's are one type
+    stats {id, stats} | saved {id, path, routed} | answer {id, tokens | content | prompt | slot}
+
+Each side decodes with a decoder typed by the union it reads, so a frame that is not one of these (an unknown
+tag, a field of the wrong type, a field too many) is a FrameError naming the frame and the field, raised where
+the frame is read, never a KeyError later. A request's `params` stay a dict: the server's parse.py makes them
+and worker_prompts.sampling turns them into Engine.submit's keywords.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Union
 
 import msgspec
 
+if TYPE_CHECKING:                               # imported where replies are decoded: see decode_reply
+    from ..engine.request import Event
+
 MAX_FRAME = 1 << 30
 _HEADER = struct.Struct(">I")
+
+
+class Start(msgspec.Struct, forbid_unknown_fields=True):
+    """The engine process's start-up: the model file, EngineConfig as a dict, --chat-template-file's text."""
+    model: str
+    engine: dict[str, Any]
+    chat_template: str | None = None
+
+
+# ---- server -> engine ----------------------------------------------------------------------------------------
+
+
+class Command(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
+    """What the server asks of the engine process; every command but shutdown has the id its answer names."""
+
+
+class Prepare(Command, tag="prepare"):
+    """Tokenize and check a request (the engine answers prepared or rejected); text: send the prompt's text
+    back too. template_vars and prefill are the server's flags (Supervisor.render_options)."""
+    id: str
+    prompt: str | list[Any]                     # a text, token ids, chat messages, or llama.cpp's mix of texts and ids
+    params: dict[str, Any]
+    chat_template_kwargs: dict[str, Any] | None = None
+    text: bool = False
+    template_vars: dict[str, Any] = {}
+    prefill: bool = False
+
+
+class Submit(Command, tag="submit"):
+    id: str
+    ids: list[int]
+    params: dict[str, Any]                      # max_tokens set: the prepared one
+
+
+class Cancel(Command, tag="cancel"):
+    id: str
+
+
+class GetStats(Command, tag="stats"):
+    id: str
+
+
+class SaveExpertProfile(Command, tag="expert_profile"):
+    id: str
+    path: str                                   # in the server's --expert-profile-dir, never a request's path
+
+
+class Shutdown(Command, tag="shutdown"):
+    pass
+
+
+class Tokenize(Command, tag="tokenize"):
+    id: str
+    content: str | list[str | int]
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class Detokenize(Command, tag="detokenize"):
+    id: str
+    tokens: list[int]
+
+
+class ApplyTemplate(Command, tag="apply_template"):
+    """llama.cpp's /apply-template: the prompt text a chat renders to, as prepare renders it."""
+    id: str
+    prompt: list[Any]                           # chat messages
+    params: dict[str, Any]                      # {"tools", "render"} of the request
+    chat_template_kwargs: dict[str, Any] | None = None
+    template_vars: dict[str, Any] = {}
+    prefill: bool = False
+
+
+class SlotAction(Command, tag="slot"):
+    """llama.cpp's /slots/N?action=...; path: a file in the server's --slot-save-path (None to erase)."""
+    id: str
+    action: Literal["save", "restore", "erase"]
+    slot: int
+    path: str | None = None
+
+
+# ---- engine -> server ----------------------------------------------------------------------------------------
+
+
+class Reply(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defaults=True):
+    """What the engine process sends: its start (progress, ready), its heartbeat, answers to commands by id,
+    and each request's events."""
+
+
+class Progress(Reply, tag="progress"):
+    """A progress bar of the engine's start (loading weights, building programs)."""
+    stage: str
+    n: int
+    total: int
+
+
+class Ready(Reply, tag="ready"):
+    info: dict[str, Any]                        # what /props, /v1/models and the console show (worker.py: ready_info)
+
+
+class Beat(Reply, tag="beat"):
+    """The heartbeat (worker.py: Worker.heartbeat): seconds since the engine loop last began a turn."""
+    stuck_s: float
+    compiling: bool
+    loop: Literal["none", "alive", "ended"]
+
+
+class Prepared(Reply, tag="prepared"):
+    """A request tokenized and checked. The supervisor keeps it as the request's prepared prompt (one type from
+    the engine to the routes), so its fields come first and its id last: Prepared(ids, max_tokens, think)."""
+    ids: list[int]
+    max_tokens: int
+    think: bool                                 # the prompt opened a reasoning part (<think>)
+    tool_format: str | None = None              # tools in play: one of tool_formats.FORMATS
+    grammar: list | None = None                 # the grammar that forces a tool call (tool_choice required, named)
+    logit_bias: list | None = None              # [[id, bias]] when the request biased texts (llama.cpp's logit_bias)
+    text: str | None = None                     # the prompt as text, when asked (llama.cpp's "__verbose")
+    id: str = ""
+
+
+class Rejected(Reply, tag="rejected"):
+    """A command the engine refuses; tickets.rejection makes it the API's error. kind "context" fills in the
+    three counts, "invalid" may name the request's field (param); "server" messages are made to be shown,
+    "internal" ones are logged, never echoed."""
+    id: str
+    kind: Literal["context", "template", "invalid", "server", "internal"]
+    message: str
+    param: str | None = None
+    n_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    n_ctx: int | None = None
+
+    def __post_init__(self) -> None:            # (decoding too: a frame without them is a FrameError)
+        if self.kind == "context" and None in (self.n_prompt_tokens, self.max_tokens, self.n_ctx):
+            raise ValueError("a context rejection names n_prompt_tokens, max_tokens and n_ctx")
+
+
+class EventFrame(Reply, tag="ev"):
+    """One of a request's events, as the engine made it (with its server-side logprobs filled in)."""
+    id: str
+    event: Event
+
+
+class Stats(Reply, tag="stats"):
+    id: str
+    stats: dict[str, Any]                       # Engine.stats()
+
+
+class Saved(Reply, tag="saved"):
+    """The expert profile written (Engine.save_expert_profile)."""
+    id: str
+    path: str
+    routed: int
+
+
+class Answer(Reply, tag="answer"):
+    """A quick question's answer: tokenize's tokens, detokenize's content, apply_template's prompt, or a slot
+    action's result (engine/slot_files.py)."""
+    id: str
+    tokens: list[Any] | None = None             # [id, ...] or [{"id", "piece"}, ...] (with_pieces)
+    content: str | None = None
+    prompt: str | None = None
+    slot: dict[str, Any] | None = None
+
+
+AnyCommand = Union[Prepare, Submit, Cancel, GetStats, SaveExpertProfile, Shutdown, Tokenize, Detokenize,  # noqa: UP007
+                   ApplyTemplate, SlotAction]
+AnyReply = Union[Progress, Ready, Beat, Prepared, Rejected, EventFrame, Stats, Saved, Answer]  # noqa: UP007
+
+
+# ---- the wire ------------------------------------------------------------------------------------------------
+
+
+class FrameError(ValueError):
+    """A frame that is none of the protocol's: says which frame (its tag, and its id when it has one) and what
+    is wrong with it (msgspec's words, which name the field: "Expected `int`, got `str` - at `$.ids[0]`")."""
+
+    def __init__(self, message: str, tag: str | None = None, rid: str | None = None):
+        super().__init__(message)
+        self.tag, self.id = tag, rid
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -32,16 +228,61 @@ def _enc_hook(obj: Any) -> Any:
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_decoder = msgspec.msgpack.Decoder()
+_untyped = msgspec.msgpack.Decoder()
 
 
-def pack(obj: Any) -> bytes:
-    body = _encoder.encode(obj)
+class _Frames:
+    """A typed decoder for one direction: `what` says whose frames they are, for the error."""
+
+    def __init__(self, kind: Any, what: str, tag_field: str | None):
+        self._decoder = msgspec.msgpack.Decoder(kind)
+        self.what, self.tag_field = what, tag_field
+        members = getattr(kind, "__args__", (kind,))
+        self.tags = {m.__struct_config__.tag for m in members} if tag_field else set()
+
+    def __call__(self, body: bytes) -> Any:
+        try:
+            return self._decoder.decode(body)
+        except msgspec.ValidationError as e:
+            raise self._error(body, str(e)) from None
+        except msgspec.DecodeError as e:
+            raise FrameError(f"a frame {self.what} that is not msgpack: {e}") from None
+
+    def _error(self, body: bytes, why: str) -> FrameError:
+        raw = _untyped.decode(body)             # it decoded as msgpack, only not as one of our frames
+        if not isinstance(raw, dict):
+            return FrameError(f"a frame {self.what} that is a {type(raw).__name__}, not a map: {why}")
+        rid = raw.get("id") if isinstance(raw.get("id"), str) else None
+        if self.tag_field is None:
+            return FrameError(f"the start-up frame {self.what} is malformed: {why}", None, rid)
+        tag = raw.get(self.tag_field)
+        if tag not in self.tags:
+            return FrameError(f"an unknown frame {self.what}: {self.tag_field} = {tag!r} (known: "
+                              f"{', '.join(sorted(self.tags))})", None, rid)
+        return FrameError(f"a malformed {tag!r} frame {self.what}: {why}", tag, rid)
+
+
+decode_start = _Frames(Start, "from the server", None)
+decode_command = _Frames(AnyCommand, "from the server", "op")
+_replies: _Frames | None = None
+
+
+def decode_reply(body: bytes) -> AnyReply:
+    """A frame from the engine. Its decoder is made at the first one: resolving EventFrame's `Event` imports the
+    engine package (JAX: seconds), which the server has imported anyway, while an engine process only encodes
+    replies, and the mock engine (mock_worker.py) starts in a fraction of a second without it."""
+    global _replies, Event
+    if _replies is None:
+        # the global name msgspec resolves EventFrame.event by
+        from ..engine.request import Event
+
+        _replies = _Frames(AnyReply, "from the engine", "t")
+    return _replies(body)
+
+
+def pack(frame: Start | Command | Reply) -> bytes:
+    body = _encoder.encode(frame)
     return _HEADER.pack(len(body)) + body
-
-
-def unpack(body: bytes) -> Any:
-    return _decoder.decode(body)
 
 
 def length(header: bytes) -> int:
@@ -51,13 +292,14 @@ def length(header: bytes) -> int:
     return n
 
 
-def read_frame(f: BinaryIO) -> Any | None:
-    """One frame from a blocking file; None at end of file."""
+def read_frame(f: BinaryIO, decode: Callable[[bytes], Any]) -> Any | None:
+    """One frame from a blocking file, decoded by `decode` (decode_start, decode_command); None at end of file.
+    A malformed frame raises FrameError after its bytes are read, so the stream stays in step."""
     header = _read_exact(f, _HEADER.size)
     if header is None:
         return None
     body = _read_exact(f, length(header))
-    return None if body is None else unpack(body)
+    return None if body is None else decode(body)
 
 
 def _read_exact(f: BinaryIO, n: int) -> bytes | None:

@@ -3,16 +3,17 @@
 Everything here runs on the server's event loop; no threads, no locks. A request goes:
 
     prepare   the engine tokenizes and checks it (a 4xx answer comes at once, even when every slot is busy)
-    enqueue   it waits in *our* queue, first come first served
+    enqueue   it waits in *our* queue, first come first served (seats.py)
     dispatch  at most `parallel` requests are in the engine at once, one a seat (an engine slot)
     events    token events, then one final or error event, into the request's own asyncio.Queue
 
-Because the queue lives here and not in the engine, an engine that stops takes down only the requests in
-its slots. When the process ends, the supervisor logs `the engine stopped unexpectedly (exit code N). Its
-last error: ...` (its ERR line from stderr, else its last log line), records it in the fault ledger, ends
-each request in flight with an error event, waits (1, 2, 4 ... up to 30 s when it keeps stopping), starts
-the next engine process (STRATA_ENGINE_GENERATION=1, 2, ...), and dispatches the waiting requests to it.
-Requests that arrive meanwhile wait for it, each until its deadline; no wait here is unbounded.
+The supervisor owns what outlives one engine process: the queue and the seats (seats.Seats), the answers
+awaited by id, restarts and the fault ledger; engine_process.EngineProcess owns what dies with one. When the
+process ends, the supervisor logs `the engine stopped unexpectedly (exit code N). Its last error: ...` (its
+ERR line from stderr, else its last log line), records it in the fault ledger, ends each request in flight
+with an error event, waits (1, 2, 4 ... up to 30 s when it keeps stopping), starts the next engine process
+(STRATA_ENGINE_GENERATION=1, 2, ...), and dispatches the waiting requests to it. Requests that arrive
+meanwhile wait for it, each until its deadline; no wait here is unbounded.
 
 Bounds (README, "Limits and safety"):
 - the watchdog: the engine sends a heartbeat every second saying how long ago its loop last moved (a
@@ -31,20 +32,39 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig
 from ..engine.request import Event
+from .answers import Answers, expect
 from .engine_process import MAX_UNREAD_BYTES, EngineProcess, StderrTail
 from .errors import ApiError
 from .ledger import Fault, FaultLedger
-from .tickets import EngineBusy, EngineGone, Prepared, Ticket, rejection
+from .protocol import (
+    Answer,
+    AnyReply,
+    Beat,
+    Cancel,
+    Command,
+    EventFrame,
+    GetStats,
+    Prepare,
+    Prepared,
+    Progress,
+    Ready,
+    Rejected,
+    Saved,
+    SaveExpertProfile,
+    Start,
+    Stats,
+    Submit,
+)
+from .seats import Seats
+from .tickets import EngineBusy, EngineGone, Ticket
 
 __all__ = ["MAX_UNREAD_BYTES", "Prepared", "StderrTail", "Supervisor", "Ticket"]
 
@@ -53,9 +73,10 @@ log = logging.getLogger("strata_jax.serve")
 
 class Supervisor:
     def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None, backoff_s: float = 1.0,
-                 max_backoff_s: float = 30.0, stable_after_s: float = 60.0, on_fault: Callable[[Fault], None] | None = None,
-                 command: list[str] | None = None, max_queue: int = 256, stall_s: float = 60.0,
-                 chat_template: str | None = None, template_vars: dict | None = None, prefill_assistant: bool = False):
+                 max_backoff_s: float = 30.0, stable_after_s: float = 60.0,
+                 on_fault: Callable[[Fault], None] | None = None, command: list[str] | None = None,
+                 max_queue: int = 256, stall_s: float = 60.0, chat_template: str | None = None,
+                 template_vars: dict | None = None, prefill_assistant: bool = False):
         self.model = str(model)
         self.config = config
         self.console = console
@@ -63,7 +84,6 @@ class Supervisor:
         self.max_backoff_s = max_backoff_s
         self.stable_after_s = stable_after_s
         self.on_fault = on_fault
-        self.max_queue = max_queue                  # requests waiting here beyond the free slots
         self.stall_s = stall_s                      # the watchdog's patience with an engine that has work
         # the engine process; tests may put a mock engine that speaks the same frames here
         self.command = command or [sys.executable, "-m", "strata_jax.serve.worker"]
@@ -78,18 +98,15 @@ class Supervisor:
         self.info: dict[str, Any] = {}
         self.last_stats: dict[str, Any] = {}
         self.tail = StderrTail()                    # the current (or last) engine process's stderr
+        self.seats = Seats(config.parallel, max_queue)
         self._engine: EngineProcess | None = None
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._queue: deque[Ticket] = deque()
-        self._seats: list[Ticket | None] = [None] * config.parallel
-        self._replies: dict[str, asyncio.Future] = {}
+        self.answers = Answers(self._send)         # commands waiting for the engine's reply, by id
         self._ids = itertools.count(1)
         self._crashes = 0
         self._ready_at = 0.0
-        self._preparing = 0                         # requests being read by the engine (prepare)
-        self._request_s = 10.0                      # a running mean of request seconds (Retry-After)
 
     # ---- life ------------------------------------------------------------------------------------------
 
@@ -106,7 +123,7 @@ class Supervisor:
                 await asyncio.wait_for(self._task, timeout)
             except (TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
-        for t in self.running + list(self._queue):
+        for t in self.running + list(self.seats.queue):
             self._end(t, Event("error", error="the server is shutting down"))
 
     @property
@@ -115,11 +132,11 @@ class Supervisor:
 
     @property
     def running(self) -> list[Ticket]:
-        return [t for t in self._seats if t is not None]
+        return self.seats.running
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self.seats.queue)
 
     async def _run(self) -> None:
         while not self._stopped.is_set():
@@ -129,8 +146,7 @@ class Supervisor:
                 self.state, self.reason = "loading", f"loading {Path(self.model).name}"
             engine = EngineProcess(self.command, gen, self._on_frame, lambda: len(self.running), self.stall_s)
             self._engine, self.tail = engine, engine.tail
-            rc = await engine.run({"model": self.model, "engine": self.config.to_dict(),
-                                   "chat_template": self.chat_template})
+            rc = await engine.run(Start(self.model, self.config.to_dict(), self.chat_template))
             if self._stopped.is_set():
                 break
             self._on_exit(gen, rc, time.monotonic() - t0, engine.stall)
@@ -157,10 +173,7 @@ class Supervisor:
         message = f"{fault.message}. This request was in flight and did not finish; please retry it"
         for t in running:
             self._end(t, Event("error", error=message))
-        for fut in self._replies.values():
-            if not fut.done():
-                fut.set_exception(EngineGone(fault.message))
-        self._replies.clear()
+        self.answers.fail_all(fault.message)
         again = (f"starting engine process {gen + 1} in {delay:g} s "
                  f"({self._crashes} stop{'s' if self._crashes > 1 else ''} in a row)")
         self.reason = f"{fault.message}. {again[0].upper()}{again[1:]}"
@@ -174,64 +187,46 @@ class Supervisor:
         """(what is wrong, for how many seconds) when the engine is silent or its loop does not move."""
         return self._engine.stalled() if self._engine is not None else None
 
-    def _on_frame(self, msg: dict[str, Any]) -> None:
-        kind = msg["t"]
-        if kind == "beat":
-            self._dispatch()                        # prompts held back by a full pipe go now
-            return
-        if kind == "ev":
-            t = self._seat_of(msg["id"])
-            if t is None:
-                return
-            ev = Event(msg["k"], text=msg.get("x") or "", token=msg.get("tok"), finish_reason=msg.get("fr"),
-                       stats=msg.get("st"), error=msg.get("err"), logprobs=msg.get("lp"), logprob_ids=msg.get("lpi"))
-            if ev.kind == "token":
-                t.n_tokens += 1
-                t.token_came(time.monotonic())
-                t.events.put_nowait(ev)
-            elif ev.kind == "progress":              # the prompt read so far (return_progress)
-                t.events.put_nowait(ev)
-            else:
-                self._end(t, ev)
-        elif kind in ("prepared", "rejected", "stats", "saved", "answer"):
-            fut = self._replies.pop(msg["id"], None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-        elif kind == "progress":
-            self.reason = f"loading {Path(self.model).name}: {msg['stage']} {msg['n']}/{msg['total']}"
-            if self.state == "restarting":
-                self.reason = f"restarting after an engine fault; {self.reason}"
-            if self.console is not None:
-                self.console.progress(self.generation, msg["stage"], msg["n"], msg["total"])
-        elif kind == "ready":
-            self.info = msg["info"]
-            self.state, self.reason = "ready", "ready"
-            self._ready_at = time.monotonic()
-            self._ready.set()
-            if self.console is not None:
-                self.console.ready(self.generation, self.info)
-            self._dispatch()
-
-    def _seat_of(self, rid: str) -> Ticket | None:
-        return next((t for t in self._seats if t is not None and t.id == rid), None)
+    def _on_frame(self, frame: AnyReply) -> None:
+        match frame:
+            case Beat():
+                self._dispatch()                    # prompts held back by a full pipe go now
+            case EventFrame(id=rid, event=ev):
+                t = self.seats.seat_of(rid)
+                if t is None:
+                    return
+                if ev.kind == "token":
+                    t.n_tokens += 1
+                    t.token_came(time.monotonic())
+                    t.events.put_nowait(ev)
+                elif ev.kind == "progress":         # the prompt read so far (return_progress)
+                    t.events.put_nowait(ev)
+                else:
+                    self._end(t, ev)
+            case Prepared() | Rejected() | Stats() | Saved() | Answer():
+                self.answers.came(frame)
+            case Progress(stage=stage, n=n, total=total):
+                self.reason = f"loading {Path(self.model).name}: {stage} {n}/{total}"
+                if self.state == "restarting":
+                    self.reason = f"restarting after an engine fault; {self.reason}"
+                if self.console is not None:
+                    self.console.progress(self.generation, stage, n, total)
+            case Ready(info=info):
+                self.info = info
+                self.state, self.reason = "ready", "ready"
+                self._ready_at = time.monotonic()
+                self._ready.set()
+                if self.console is not None:
+                    self.console.ready(self.generation, self.info)
+                self._dispatch()
 
     # ---- writing to the engine -------------------------------------------------------------------------
 
-    def _send(self, msg: dict[str, Any]) -> bool:
-        return self._engine.send(msg) if self._engine is not None else False
+    def _send(self, cmd: Command) -> bool:
+        return self._engine.send(cmd) if self._engine is not None else False
 
     def _unread(self) -> int:
         return self._engine.unread() if self._engine is not None else 0
-
-    async def _ask(self, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
-        fut = asyncio.get_running_loop().create_future()
-        self._replies[msg["id"]] = fut
-        try:
-            if not self._send(msg):
-                raise EngineGone("the engine process is not running")
-            return await asyncio.wait_for(fut, max(deadline - time.monotonic(), 0.0))
-        finally:
-            self._replies.pop(msg["id"], None)
 
     # ---- requests --------------------------------------------------------------------------------------
 
@@ -249,97 +244,56 @@ class Supervisor:
                       deadline: float, text: bool = False) -> Prepared:
         """Tokenize and check a request on the engine: -> Prepared, or ApiError (4xx for bad requests, 503
         when no engine answers before the deadline). text: the prompt's text comes back too."""
-        msg = {"op": "prepare", "id": rid, "prompt": prompt, "params": params,
-               "chat_template_kwargs": chat_template_kwargs, "text": text, **self.render_options()}
-        self.admit()
-        self._preparing += 1
+        cmd = Prepare(rid, prompt, params, chat_template_kwargs, text, **self.render_options())
+        self.seats.admit()                          # 503 at once beyond --max-queue waiting (seats.py)
+        self.seats.preparing += 1
         try:
-            return await self._prepare(msg, deadline)
+            return await self._prepare(cmd, deadline)
         finally:
-            self._preparing -= 1
-
-    def admit(self) -> None:
-        """Refuse at once (503 + Retry-After) a request beyond --max-queue waiting ones: a burst is answered
-        quickly instead of waiting out its deadline, and the server's memory stays bounded."""
-        waiting = self._preparing + len(self._queue)
-        free = self._seats.count(None)
-        if waiting >= self.max_queue + free:         # (0: none wait beyond the free slots)
-            raise self.busy(f"the server is full: {waiting} requests wait for {self.config.parallel} slots "
-                            f"(--max-queue {self.max_queue})")
-
-    def busy(self, why: str) -> ApiError:
-        waiting = self._preparing + len(self._queue) + 1
-        retry = max(1, min(60, math.ceil(self._request_s * waiting / self.config.parallel)))
-        return ApiError(503, f"{why}; retry in {retry} s", "unavailable_error", headers={"Retry-After": str(retry)})
+            self.seats.preparing -= 1
 
     def render_options(self) -> dict[str, Any]:
         """What a chat's rendering takes from the server's flags: the template's variables (--reasoning) and
         whether a final assistant message is continued (--prefill-assistant)."""
         return {"template_vars": self.template_vars, "prefill": self.prefill_assistant}
 
-    async def _prepare(self, msg: dict[str, Any], deadline: float) -> Prepared:
+    async def _prepare(self, cmd: Prepare, deadline: float) -> Prepared:
         for _ in range(3):                          # an engine that stops meanwhile: ask the next one
             await self.wait_ready(deadline)
             try:
-                reply = await self._ask(msg, deadline)
+                reply = await self.answers.ask(cmd, deadline)
             except EngineGone:
                 continue
             except EngineBusy as e:
-                raise self.busy(str(e)) from None
+                raise self.seats.busy(str(e)) from None
             except TimeoutError:
                 raise ApiError(503, "the engine did not read the request before its deadline "
                                     f"({self.config.request_timeout_s:g} s)", "unavailable_error") from None
-            if reply["t"] == "prepared":
-                return Prepared(reply["ids"], reply["max_tokens"], reply["think"], reply.get("tool_format"),
-                                reply.get("grammar"), reply.get("logit_bias"), reply.get("text"))
-            raise rejection(reply)
+            return expect(reply, Prepared)
         raise ApiError(503, f"the engine stopped three times while reading this request: {self.reason}",
                        "unavailable_error")
 
     def enqueue(self, rid: str, prepared: Prepared, params: dict[str, Any], deadline: float) -> Ticket:
         t = Ticket(rid, prepared.ids, {**params, "max_tokens": prepared.max_tokens}, deadline)
-        self._queue.append(t)
+        self.seats.queue.append(t)
         self._dispatch()
         return t
 
     def cancel(self, t: Ticket) -> None:
         """The caller is gone (or out of time): free its place. The engine frees a slot at its next window,
         and says so with a final "cancelled" event, which frees the seat."""
-        t.cancelled = True
-        if t.state == "queued":
-            self._queue.remove(t)
-            t.state = "done"
-            t.events.put_nowait(Event("final", finish_reason="cancelled"))
-        elif t.state == "running" and t.generation == self.generation:
-            self._send({"op": "cancel", "id": t.id})
+        if self.seats.withdraw(t) and t.generation == self.generation:
+            self._send(Cancel(t.id))
 
     def _dispatch(self) -> None:
-        if not self.ready:
-            return
-        while self._queue and None in self._seats:
-            t = self._queue[0]
-            if time.monotonic() > t.deadline:
-                self._queue.popleft()
-                t.state = "done"
-                t.events.put_nowait(Event("error", error="the request waited for a slot past its deadline"))
-                continue
-            try:
-                self._send({"op": "submit", "id": t.id, "ids": t.ids, "params": t.params})
-            except EngineBusy:
-                return                              # it waits at the head of the queue for the next heartbeat
-            self._queue.popleft()
-            seat = self._seats.index(None)
-            self._seats[seat] = t
-            t.state, t.seat, t.generation, t.started = "running", seat, self.generation, time.monotonic()
+        if self.ready:
+            self.seats.dispatch(self._submit, self.generation)
+
+    def _submit(self, t: Ticket) -> None:
+        self._send(Submit(t.id, t.ids, t.params))   # EngineBusy: the pipe is full (Seats.dispatch)
 
     def _end(self, t: Ticket, ev: Event) -> None:
-        if t.state == "running" and t.seat is not None and self._seats[t.seat] is t:
-            self._seats[t.seat] = None
-            self._request_s = 0.9 * self._request_s + 0.1 * (time.monotonic() - t.started)
-        elif t.state == "queued" and t in self._queue:
-            self._queue.remove(t)
-        t.state = "done"
-        t.events.put_nowait(ev)
+        self.seats.end(t, ev)
         self._dispatch()
 
     # ---- what the routes show ----------------------------------------------------------------------------
@@ -348,59 +302,48 @@ class Supervisor:
         """The engine's stats (programs, memory, counters); the last known ones when it does not answer."""
         if self.ready:
             try:
-                reply = await self._ask({"op": "stats", "id": f"stats-{next(self._ids)}"}, time.monotonic() + timeout)
-                if reply["t"] == "stats":
-                    self.last_stats = reply["stats"]
+                reply = await self.answers.ask(GetStats(f"stats-{next(self._ids)}"), time.monotonic() + timeout)
+                if isinstance(reply, Stats):
+                    self.last_stats = reply.stats
             except (TimeoutError, EngineGone):
                 pass
         return self.last_stats
 
-    async def ask(self, op: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
-        """A quick question for the engine (tokenize, detokenize: serve/tokens.py) -> its answer frame; the
-        engine's refusal as its ApiError, 503 when no engine answers in `timeout` seconds."""
+    async def ask(self, kind: type[Command], timeout: float = 30.0, **fields: Any) -> Answer:
+        """A quick question for the engine: `kind` (Tokenize, Detokenize: serve/tokens.py; ApplyTemplate,
+        SlotAction) made with `fields` and an id of its own -> its Answer; the engine's refusal as its ApiError,
+        503 when no engine answers in `timeout` seconds."""
+        op = kind.__struct_config__.tag
         deadline = time.monotonic() + timeout
         await self.wait_ready(deadline)
         try:
-            reply = await self._ask({"op": op, "id": f"{op}-{next(self._ids)}", **fields}, deadline)
+            reply = await self.answers.ask(kind(id=f"{op}-{next(self._ids)}", **fields), deadline)
         except (TimeoutError, EngineGone):
             raise ApiError(503, f"the engine did not answer {op} within {timeout:g} s", "unavailable_error") from None
-        if reply["t"] == "answer":
-            return reply
-        raise rejection(reply)
+        return expect(reply, Answer)
 
-    async def save_expert_profile(self, path: str, timeout: float = 30.0) -> dict[str, Any]:
+    async def save_expert_profile(self, path: str, timeout: float = 30.0) -> Saved:
         """Have the engine process write its expert profile to `path` (a file in the server's own
         --expert-profile-dir, made by the app from a checked name; never a path a request named)
-        -> {"path", "routed"}."""
+        -> Saved (path, routed)."""
         if not self.ready:
             raise ApiError(503, f"the engine is not ready ({self.state}: {self.reason})", "unavailable_error")
+        cmd = SaveExpertProfile(f"profile-{next(self._ids)}", path)
         try:
-            reply = await self._ask({"op": "expert_profile", "id": f"profile-{next(self._ids)}", "path": path},
-                                    time.monotonic() + timeout)
+            reply = await self.answers.ask(cmd, time.monotonic() + timeout)
         except (TimeoutError, EngineGone):
             raise ApiError(503, "the engine did not write the expert profile in time", "unavailable_error") from None
-        if reply["t"] == "saved":
-            return {"path": reply["path"], "routed": reply["routed"]}
-        raise rejection(reply)
+        return expect(reply, Saved)
 
     def slots(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        out = []
-        for i, t in enumerate(self._seats):
-            slot: dict[str, Any] = {"id": i, "is_processing": t is not None, "n_ctx": self.config.max_context}
-            if t is not None:
-                slot.update(request_id=t.id, n_prompt_tokens=len(t.ids), n_decoded=t.n_tokens,
-                            max_tokens=t.params["max_tokens"], t_elapsed_ms=round((now - t.started) * 1000, 1),
-                            t_queued_ms=round((t.started - t.arrived) * 1000, 1), cancelled=t.cancelled)
-            out.append(slot)
-        return out
+        return self.seats.slots(self.config.max_context)
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         stall = self.stalled() if self.ready else None
         ok = self.ready and stall is None
         body: dict[str, Any] = {"status": "ok" if ok else ("stalled" if stall else self.state),
                                 "generation": self.generation, "restarts": self.restarts,
-                                "slots_idle": self._seats.count(None), "slots_processing": len(self.running),
+                                "slots_idle": self.seats.free, "slots_processing": len(self.running),
                                 "queued": self.queued}
         if not ok:
             reason = f"the engine {stall[0]} for {stall[1]:.1f} s" if stall else self.reason

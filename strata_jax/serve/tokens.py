@@ -1,9 +1,9 @@
 """llama.cpp's /tokenize and /detokenize, answered in the engine process with the engine's own tokenizer (the
 one every prompt goes through), so the ids a client gets are the ids the engine would read.
 
-    {"op": "tokenize", "id", "content": str | [str | int, ...], "add_special", "parse_special", "with_pieces"}
-        -> {"t": "answer", "id", "tokens": [id, ...] | [{"id", "piece"}, ...]}
-    {"op": "detokenize", "id", "tokens": [int, ...]}  -> {"t": "answer", "id", "content": str}
+    Tokenize(id, content: str | [str | int, ...], add_special, parse_special, with_pieces)
+        -> Answer(id, tokens=[id, ...] | [{"id", "piece"}, ...])
+    Detokenize(id, tokens: [int, ...])  -> Answer(id, content=str)
 
 The server has checked the types (serve/llama_routes.py); ids are checked here against the tokenizer's
 vocabulary, and one outside it is a "rejected" frame naming the field and the value.
@@ -13,21 +13,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from .protocol import Answer, Detokenize, Rejected, Tokenize
 
-def answer(tokenizer: Any, cmd: dict[str, Any]) -> dict[str, Any]:
-    rid = cmd["id"]
+
+def answer(tokenizer: Any, cmd: Tokenize | Detokenize) -> Answer | Rejected:
     try:
-        if cmd["op"] == "tokenize":
-            ids = _tokenize(tokenizer, cmd["content"], bool(cmd.get("add_special")), cmd.get("parse_special", True))
+        if isinstance(cmd, Tokenize):
+            ids = _tokenize(tokenizer, cmd.content, cmd.add_special, cmd.parse_special)
             out: list[Any] = ids
-            if cmd.get("with_pieces"):
+            if cmd.with_pieces:
                 out = [{"id": i, "piece": _piece(tokenizer.token_bytes(i))} for i in ids]
-            return {"t": "answer", "id": rid, "tokens": out}
-        ids = cmd["tokens"]
-        _check_ids(tokenizer, ids, "tokens")
-        return {"t": "answer", "id": rid, "content": tokenizer.decode(ids)}
+            return Answer(cmd.id, tokens=out)
+        _check_ids(tokenizer, cmd.tokens, "tokens")
+        return Answer(cmd.id, content=tokenizer.decode(cmd.tokens))
     except _OutOfVocabulary as e:
-        return {"t": "rejected", "id": rid, "kind": "invalid", "message": str(e), "param": e.param}
+        return Rejected(cmd.id, "invalid", str(e), param=e.param)
 
 
 class _OutOfVocabulary(ValueError):

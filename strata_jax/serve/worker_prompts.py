@@ -1,24 +1,103 @@
-"""What the engine process makes of a request's params before the engine sees them: the chat's prompt text
-(with the server's template variables and the ways a final assistant message is continued), the sampling
-keywords, logit biases by text, and the bound on bytes a token can stand for."""
+"""What the engine process makes of a request before the engine sees it: `prepare` (tokenized and checked,
+so the server answers 4xx at once), the chat's prompt text (with the server's template variables and the
+ways a final assistant message is continued; `apply_template`), the sampling keywords, logit biases by
+text, and the bound on bytes a token can stand for."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from .protocol import Answer, ApplyTemplate, Prepare, Prepared, Rejected, Tokenize
+from .tools import tool_prompt
+
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
                  "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs", "grammar")
 
 
-def template_kwargs(cmd: dict[str, Any]) -> dict[str, Any]:
+def prepare(engine: Any, cmd: Prepare) -> Prepared | Rejected:
+    """Tokenize and check a request without queueing it: the server answers 4xx at once, and holds the
+    queue itself (so a request that waits for a slot survives an engine restart)."""
+    from strata_jax.engine import ContextOverflowError, RequestError
+    from strata_jax.engine.request import make_params
+    from strata_jax.gguf.chat_template import NoChatTemplateError
+
+    rid, prompt, p = cmd.id, cmd.prompt, cmd.params
+    kwargs = template_kwargs(cmd)
+    n_ctx = engine.config.max_context
+    chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    tooling: dict[str, Any] = {}
+    try:
+        think = False
+        if p.get("tools") and chat:
+            prompt, kwargs, tooling = tool_prompt(engine.tokenizer, prompt, kwargs, *p["tools"])
+            if tooling.get("grammar"):
+                p = {**p, "grammar": tooling["grammar"]}
+        if chat:
+            # Rendered once: the text is tokenized and says whether the template opened the reasoning
+            # part. kwargs go over the defaults: the server lets them name messages or
+            # add_generation_prompt only with --trust-request-chat-template.
+            text = render_chat(engine.tokenizer, prompt, kwargs, *render_options(cmd, p))
+            think = text.rstrip().endswith("<think>")
+            ids = engine.chat_text_ids(text)
+        elif isinstance(prompt, list) and any(isinstance(x, str) for x in prompt):   # llama.cpp's mixed prompt
+            from .tokens import answer as tokenize
+
+            got = tokenize(engine.tokenizer, Tokenize(rid, prompt, add_special=True))
+            if isinstance(got, Rejected):
+                return got
+            ids = got.tokens
+        else:
+            ids = engine.prompt_ids(prompt)
+        if any(isinstance(k, str) for k, _ in p.get("logit_bias") or ()):    # llama.cpp's: a text's tokens
+            tooling["logit_bias"] = p["logit_bias"] = bias_ids(engine.tokenizer, p["logit_bias"])
+        max_tokens = p.get("max_tokens") or max(n_ctx - len(ids), 1)
+        params = make_params(**sampling(p, max_tokens))
+        params.validate(engine.spec.vocab_size)
+        if params.grammar is not None:       # compiled here too: a schema it cannot compile is a 400
+            engine.grammars.check(params.grammar)
+        if len(ids) + max_tokens > n_ctx:
+            raise ContextOverflowError(len(ids), max_tokens, n_ctx)
+    except ContextOverflowError as e:
+        return Rejected(rid, "context", str(e), n_prompt_tokens=e.prompt_tokens, max_tokens=e.max_tokens,
+                        n_ctx=e.n_ctx)
+    except NoChatTemplateError as e:
+        return Rejected(rid, "template", str(e))
+    except RequestError as e:
+        field = str(e).split(" = ", 1)[0]
+        return Rejected(rid, "invalid", str(e), param=field if field.isidentifier() else None)
+    except ValueError as e:   # ChatMessageError, ChatTemplateError, TokenizerError
+        return Rejected(rid, "invalid", str(e), param="messages" if chat else "prompt")
+    # (cmd.text: llama.cpp's "__verbose", the prompt as the model reads it)
+    return Prepared(ids, max_tokens, think, tooling.get("tool_format"), tooling.get("grammar"),
+                    tooling.get("logit_bias"), engine.tokenizer.decode(ids) if cmd.text else None, id=rid)
+
+
+def apply_template(engine: Any, cmd: ApplyTemplate) -> Answer | Rejected:
+    """llama.cpp's /apply-template: the prompt text a chat renders to, as prepare renders it."""
+    from strata_jax.gguf.chat_template import NoChatTemplateError
+
+    messages, p = cmd.prompt, cmd.params
+    kwargs = template_kwargs(cmd)
+    try:
+        if p.get("tools"):
+            messages, kwargs, _ = tool_prompt(engine.tokenizer, messages, kwargs, *p["tools"])
+        text = render_chat(engine.tokenizer, messages, kwargs, *render_options(cmd, p))
+    except NoChatTemplateError as e:
+        return Rejected(cmd.id, "template", str(e))
+    except ValueError as e:
+        return Rejected(cmd.id, "invalid", str(e), param="messages")
+    return Answer(cmd.id, prompt=text)
+
+
+def template_kwargs(cmd: Prepare | ApplyTemplate) -> dict[str, Any]:
     """The server's template variables (--reasoning) under the request's own chat_template_kwargs."""
-    return {**(cmd.get("template_vars") or {}), **(cmd.get("chat_template_kwargs") or {})}
+    return {**cmd.template_vars, **(cmd.chat_template_kwargs or {})}
 
 
-def render_options(cmd: dict[str, Any], p: dict[str, Any]) -> tuple[bool, bool, bool]:
+def render_options(cmd: Prepare | ApplyTemplate, p: dict[str, Any]) -> tuple[bool, bool, bool]:
     """(add_generation_prompt, continue_final_message, prefill) for render_chat: the request's and the server's."""
     add, cont = p.get("render") or (True, False)
-    return add, cont, bool(cmd.get("prefill"))
+    return add, cont, cmd.prefill
 
 
 def render_chat(tk, messages: list, kwargs: dict, add_generation_prompt: bool = True,

@@ -4,7 +4,7 @@ The layer maps (h_p, t_{p+1}) -> a guess of t_{p+2}, where h_p is the main model
 position p; it has a KV cache of its own (cache layer n_layers), whose entry at p depends on both. So:
 
 - Sync, after every window (`after_window`): the window programs hand back every token's hidden state
-  (ModelRunner.with_hidden). For each row, the positions the window committed (p < the slot's n_past
+  (ModelRunner.with_hidden; EngineCore hands them over after the window). For each row, the positions the window committed (p < the slot's n_past
   after the window: a prompt chunk, a decode token, a verify row's accepted run) whose next token is
   known are run through the layer, one small program a group of the window, which writes the layer's KV
   at those positions (overwriting what drafting wrote there) and returns, for each row's last committed
@@ -21,13 +21,16 @@ not share; reading that token again rewrites it from this conversation's own tok
 logits_reusing, the research path, do not sync the layer: a request reusing a prefix that logits_reusing
 left in a slot drafts from partly stale layer KV. Drafts only: verified output never depends on them.)
 
-The programs live in the runner's ProgramCache (stage "mtp": bounded, budgeted, freed on OOM like the
-windows'). With the expert tiers the NextN layer's own experts (one layer's worth) sit on the device.
+Dependencies, all explicit: the NextN layer's weights (params["mtp"]: the runner loads its experts onto
+the device, one layer's worth, also with the expert tiers), the program cache (its programs are stage
+"mtp" there: bounded, budgeted, freed on OOM like the windows'; it registers their builder), the KVCache
+its programs write through, the run options and the window layouts' KV bucket.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -35,8 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...config import ConfigError
-from ...model import load_nextn_experts, mtp_forward
-from ..programs import Layout
+from ...model import mtp_forward
+from ..kv_cache import KVCache
+from ..programs import Layout, ProgramCache
 from ..scheduler import bucket
 from .draft_model import top1
 
@@ -56,19 +60,16 @@ class Next:
 class MtpDrafter:
     name = "mtp"
 
-    def __init__(self, model, runner):
-        spec = model.spec
-        if not spec.n_nextn:
+    def __init__(self, spec, params: dict | None, programs: ProgramCache, kv: KVCache, opts,
+                 kv_bucket: Callable[[int], int]):
+        """params: the weights' "mtp" subtree (None: the model has none); kv_bucket: the KV length a
+        program over positions below n attends over (layouts.WindowLayouts.kv_bucket)."""
+        if not spec.n_nextn or params is None:
             raise ConfigError(f"drafter = 'mtp': this {spec.architecture} model has no next-token-prediction "
                               "(nextn) layer; use --drafter ngram or draft:PATH.gguf")
-        if not runner.with_hidden:
-            raise ConfigError("drafter = 'mtp': the runner was built without hidden states (needs --spec > 0)")
-        self.runner, self.spec = runner, spec
-        nbytes = load_nextn_experts(model, runner.params, runner.choices["weights"], runner.choices["dtype"])
-        if nbytes:
-            runner.ledger.reserve_bytes("experts", nbytes, "the NextN (MTP) layer's experts, for the mtp drafter")
-        self.params = runner.params["mtp"]
-        runner.builders["mtp"] = self._build
+        self.spec, self.params, self.opts = spec, params, opts
+        self.programs, self.kv, self.kv_bucket = programs, kv, kv_bucket
+        programs.register("mtp", self._build)
         self.next: dict[int, Next] = {}           # slot index -> its first draft
         self.record: list | None = None           # tests: a list gets (slot tokens, drafts, probs) each propose
         self.synced = 0                           # positions run through the layer to keep its KV in sync
@@ -105,15 +106,14 @@ class MtpDrafter:
 
     def _apply(self, hidden, tokens: np.ndarray, pos: np.ndarray, slots: np.ndarray):
         """The layer over rows of positions -> (draft [R], probability [R]) as numpy, hidden_out [R, h]."""
-        r = self.runner
         R, L = tokens.shape
-        layout = Layout(((R, L, True, 0),), r.kv_bucket(int(pos.max()) + 1), stage="mtp")
-        tok, prob, out = r.kv.through(lambda c: r.programs.run(layout, self.params, c, hidden, tokens, pos, slots))
+        layout = Layout(((R, L, True, 0),), self.kv_bucket(int(pos.max()) + 1), stage="mtp")
+        tok, prob, out = self.kv.through(lambda c: self.programs.run(layout, self.params, c, hidden, tokens, pos, slots))
         return np.asarray(tok), np.asarray(prob), out
 
     def _build(self, layout: Layout):
         (R, L, _, _), = layout.groups
-        spec, opts, kv_len, host = self.spec, self.runner.opts, layout.kv_len, self.runner.kv_host
+        spec, opts, kv_len, host = self.spec, self.opts, layout.kv_len, self.kv.host
 
         def program(params, cache, hidden, tokens, pos, slots):
             logits, out, cache = mtp_forward({"mtp": params}, spec, opts, hidden, tokens, pos, slots, cache, kv_len, host,
@@ -124,7 +124,7 @@ class MtpDrafter:
         S = jax.ShapeDtypeStruct
         i32 = jnp.int32
         return jax.jit(program, donate_argnums=(1,)).lower(
-            self.params, self.runner.cache, S((R, L, spec.hidden), jnp.dtype(opts.dtype)), S((R, L), i32),
+            self.params, self.kv.arrays, S((R, L, spec.hidden), jnp.dtype(opts.dtype)), S((R, L), i32),
             S((R, L), i32), S((R,), i32)).compile()
 
     # ---- before a window: drafts ----------------------------------------------------------------------

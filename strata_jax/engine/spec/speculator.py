@@ -91,7 +91,8 @@ class Speculator:
 
 
 def make_speculator(config: EngineConfig, model, runner) -> Speculator | None:
-    """The Speculator for config.drafter, or None without speculation (--spec 0 or --drafter none)."""
+    """The Speculator for config.drafter, or None without speculation (--spec 0 or --drafter none). The
+    runner is only read here, for the parts the drafter takes (the mtp drafter's); no drafter holds it."""
     if config.spec == 0 or config.drafter == "none":
         return None
     if config.drafter == "ngram":
@@ -101,7 +102,10 @@ def make_speculator(config: EngineConfig, model, runner) -> Speculator | None:
     elif config.drafter == "mtp":
         from .mtp import MtpDrafter
 
-        drafter = MtpDrafter(model, runner)
+        if not runner.with_hidden:
+            raise ConfigError("drafter = 'mtp': the runner was built without hidden states (needs --spec > 0)")
+        drafter = MtpDrafter(model.spec, runner.params.get("mtp"), runner.programs, runner.kv, runner.opts,
+                             runner.layouts.kv_bucket)
     elif config.drafter.startswith("draft:"):
         from .draft_model import ModelDrafter
 

@@ -1,0 +1,40 @@
+"""The config's "auto" choices made for this machine (backend, dtype, KV type, weights, prompt chunk, window
+budget), once at start: the runner and everything it makes read them from `ModelRunner.choices`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+
+from ..config import ConfigError, EngineConfig
+from ..gguf import GGUFModel
+
+KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16, "int8": jnp.int8}
+# Below this many float32 bytes a CPU keeps dequantized weights (see model/weights.py).
+DEQUANTIZE_LIMIT = 4 << 30
+
+
+def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
+    """Turn the config's "auto" choices into this machine's: backend, dtype, kv, weights, prefill."""
+    on_gpu = jax.default_backend() == "gpu"
+    backend = pk.resolve_backend(cfg.backend)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    kv = cfg.kv if cfg.kv != "auto" else ("bf16" if on_gpu else "f32")
+    weights = cfg.weights
+    if weights == "auto":
+        # The cpu and pallas kernels read GGUF blocks at memory speed: keep them. XLA alone on a CPU has no
+        # fast low-bit path, so there a small model gets a float copy (DESIGN.md, Speed).
+        f32_bytes = 4 * sum(t.n_values for t in model.tensors.values())
+        small = f32_bytes <= DEQUANTIZE_LIMIT
+        weights = "dequantized" if (backend == "xla" and not on_gpu and small) else "blocks"
+    prefill = cfg.prefill if cfg.prefill != "auto" else (1024 if on_gpu else 256)
+    # auto: the budget measured best here on a CPU (docs/BENCHMARKS.md, issue 15); on a GPU vLLM's default
+    # for online serving (not measured here: no GPU was at hand). Never below one whole prompt chunk.
+    batch = cfg.batch_tokens if cfg.batch_tokens != "auto" else max(prefill, 2048 if on_gpu else 512)
+    if batch < prefill:
+        raise ConfigError(f"batch_tokens = {batch}: must be at least the prompt chunk a window reads "
+                          f"(prefill = {prefill}): a window holds at least one whole chunk")
+    return {"backend": backend, "dtype": dtype, "kv": kv, "weights": weights, "prefill": prefill,
+            "batch_tokens": batch}
