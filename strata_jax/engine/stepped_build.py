@@ -9,14 +9,13 @@ import jax.numpy as jnp
 
 from ..model import Group
 from ..model.layers import rms_norm, route
-from ..model.transformer import (
+from ..model.stages import (
     attn_router_stage,
     dense_stage,
-    embed_stage,
     experts_stage,
-    head_stage,
     host_experts_stage,
 )
+from ..model.transformer import embed_stage, head_stage
 from .programs import Layout
 
 KINDED = ("attn", "experts", "hexperts", "rexperts", "sexperts", "predict", "dense")     # stages built once per kind of layer

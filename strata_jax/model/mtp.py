@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from ..gguf import ModelSpec
 from .layers import rms_norm
-from .transformer import Group, RunOptions, _layer
+from .transformer import Group, RunOptions, decoder_layer
 from .weights import embed_rows, linear
 
 
@@ -68,7 +68,7 @@ def mtp_forward(params: dict, spec: ModelSpec, opts: RunOptions, hidden: jax.Arr
     h = rms_norm(hidden.astype(dtype), p["hnorm"], spec.rms_eps)                             # [R, L, h]
     x = linear(jnp.concatenate([e, h], axis=-1), p["eh_proj"], opts.backend)                 # [R, L, h]
     group = Group(tokens, pos, slots, all_logits=True)
-    (y,), cache = _layer(p["layer"], spec.n_layers, spec, opts, (group,), [x], cache, kv_len, host)
+    (y,), cache = decoder_layer(p["layer"], spec.n_layers, spec, opts, (group,), [x], cache, kv_len, host)
     out = rms_norm(y, p["head_norm"], spec.rms_eps)                                          # [R, L, h]
     if last_only:
         last = jnp.maximum(jnp.sum(pos >= 0, axis=1) - 1, 0)
