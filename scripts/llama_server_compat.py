@@ -8,7 +8,8 @@ What maps (llama-server -> strata-jax serve): -m/--model -> MODEL, --host, --por
 -np/--parallel P -> --max-context N/P (llama.cpp splits its context over the slots unless --kv-unified) and
 --parallel P, -n/--n-predict, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n,
 --presence-penalty, --frequency-penalty, -s/--seed, --api-key,
---api-key-file, -a/--alias -> --model-name, --slot-save-path, --cors-origins (llama.cpp's proxy list: here the
+--api-key-file, -a/--alias -> --model-name (a comma list: several names), --tags, --no-ui/--no-webui -> --no-webui,
+--host (a comma list: several addresses), --slot-save-path, --cors-origins (llama.cpp's proxy list: here the
 allowed origins), --slots/--no-slots, --props, --chat-template-file, -md/--model-draft -> --drafter draft:PATH,
 --draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s, --reasoning (default auto, as
 llama-server's: the chat template's enable_thinking is true), -v/--verbose -> --verbose-responses,
@@ -45,7 +46,7 @@ SAME = {
     "--api-key": "--api-key", "--api-key-file": "--api-key-file", "--alias": "--model-name",
     "--slot-save-path": "--slot-save-path", "--cors-origins": "--cors-origins",
     "--chat-template-file": "--chat-template-file", "--timeout": "--request-timeout-s",
-    "--reasoning": "--reasoning",
+    "--reasoning": "--reasoning", "--tags": "--tags",
 }
 SHORT = {"-m": "--model", "-c": "--ctx-size", "-np": "--parallel", "-n": "--n-predict", "-s": "--seed",
          "-b": "--batch-size", "-a": "--alias", "-md": "--model-draft", "-to": "--timeout", "-hf": "--hf-repo",
@@ -85,6 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefill-assistant", action="store_true")
     p.add_argument("--metrics", action="store_true")
     p.add_argument("--batch-size", type=int)
+    p.add_argument("--no-ui", "--no-webui", dest="no_ui", action="store_true")
     for flag in SAME:
         p.add_argument(flag)
     return p
@@ -137,6 +139,8 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
     if args.batch_size and args.batch_size >= 16:     # the tokens a window holds, and a prompt's chunk within it
         chunk = min(1 << (args.batch_size.bit_length() - 1), 256)     # (a power of two; 256 is the CPU's auto)
         out += ["--batch-tokens", str(args.batch_size), "--prefill", str(chunk)]
+    if args.no_ui:
+        out.append("--no-webui")
     out.append("--llama-conventions")     # llama-server's answers where they differ from OpenAI's and vLLM's
     i = 0
     while i < len(rest):

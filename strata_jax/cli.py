@@ -99,11 +99,17 @@ def add_serve(sub: Subparsers) -> None:
                                    "/faults. The engine runs in a child process; if it stops, the server says why, "
                                    "ends the requests in flight with an error, and starts it again.")
     p.add_argument("model", nargs="?", help="a .gguf file, or the first part of a split one")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on, or a comma list of them, e.g. 127.0.0.1,::1 (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=envs.api_key(), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: env STRATA_API_KEY)")
-    p.add_argument("--model-name", metavar="NAME", help="the model id /v1/models shows (default: the file name)")
+    p.add_argument("--model-name", metavar="NAME",
+                   help="the model id /v1/models shows (default: the file name); a comma list gives several names "
+                        "(llama.cpp's --alias a,b): the id is the first alphabetically, a request may use any")
+    p.add_argument("--tags", metavar="LIST", help="a comma list of tags /v1/models shows (llama.cpp's --tags)")
+    p.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
+                   help="a chat page at / (default on; --no-webui: 404 there, as llama.cpp's flag)")
     p.add_argument("--api-key-file", metavar="FILE",
                    help="read the API key from FILE (its first line): unlike --api-key, not visible in `ps`")
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig().max_body_bytes, metavar="N",
@@ -144,7 +150,8 @@ def add_serve(sub: Subparsers) -> None:
     g.add_argument("--llama-conventions", action="store_true",
                    help="answer as llama-server where its conventions differ from OpenAI's and vLLM's: a streamed "
                         "chat's first chunk has content null, system_fingerprint is b<build>-<name>, ignore_eos "
-                        "bans the end-of-generation tokens (listed in generation_settings.logit_bias)")
+                        "bans the end-of-generation tokens (listed in generation_settings.logit_bias); chat "
+                        "templates get today's date as llama.cpp passes it (date_string, datetime)")
     g.add_argument("--verbose-responses", action="store_true",
                    help="every answer carries llama.cpp's \"__verbose\" object (the rendered prompt, ...), as a "
                         "request's \"verbose\": true asks for its own (llama-server's --verbose)")
@@ -176,7 +183,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model = GGUFModel.open(path)   # a missing or broken file is an error now, not an engine that never starts
     load_tokenizer(model.metadata)   # so is a vocabulary the engine could not load (it would restart forever)
     server = ServerConfig(model=path, host=args.host, port=args.port, api_key=_api_key(args),
-                          model_name=args.model_name, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                          model_name=args.model_name, model_tags=args.tags, webui=args.webui, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                           engine_stall_s=args.engine_stall_s, expert_profile_dir=args.expert_profile_dir,
                           trust_request_chat_template=args.trust_request_chat_template,
                           cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,

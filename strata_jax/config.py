@@ -165,10 +165,11 @@ class EngineConfig:
 @dataclass
 class ServerConfig:
     model: str | None = None             # GGUF path (None: the default SmolLM2)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"              # an address, or several: "127.0.0.1,::1" (serve/__init__.py listen_sockets)
     port: int = 8000
     api_key: str | None = None
-    model_name: str | None = None        # the id /v1/models reports (default: the file's name)
+    model_name: str | None = None        # the id /v1/models reports (default: the file's name); a comma list: aliases
+    model_tags: str | None = None        # a comma list /v1/models shows as the model's tags (llama.cpp's --tags)
     max_body_bytes: int = 8 << 20
     max_queue: int = 256                 # requests waiting for a slot; beyond it: 503 + Retry-After at once
     engine_stall_s: float = 60.0         # an engine with work and no progress this long is killed and restarted
@@ -188,6 +189,7 @@ class ServerConfig:
     verbose_responses: bool = False      # every answer carries llama.cpp's "__verbose" (the prompt text, ...)
     prefill_assistant: bool = False      # a chat ending in the assistant's message continues it (llama.cpp's default)
     llama_conventions: bool = False      # llama.cpp's answers where they differ from OpenAI's and vLLM's (serve/app.py)
+    webui: bool = True                   # the chat page at / (serve/webui.py; llama.cpp's --no-webui turns it off)
     # server-wide sampling defaults a request overrides (llama.cpp's --temp, --top-k, ..., -n); None: the built-in
     sampling: dict = field(default_factory=dict)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -246,6 +247,16 @@ def test_api_key_headers_and_any_model_name(server):
             assert r.json()["error"]["type"] == "authentication_error"
 
 
+def test_web_ui_and_its_assets_need_no_key(server):
+    """The chat page at / and its assets are public (as llama-server's static files); the API still is not."""
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and page.text.startswith("<!doctype html>")
+    assert "/v1/chat/completions" in page.text and page.headers["content-type"].startswith("text/html")
+    for path in ("/sw.js", "/manifest.webmanifest", "/_app/version.json"):
+        assert httpx.get(server.url + path).status_code == 200, path
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+
+
 def test_timings_count_decode_steps_as_llama_cpp(server):
     """The first token comes from the prompt's last window: the rate is over n - 1 decode steps."""
     one = completion(server, prompt="Hi", n_predict=1, ignore_eos=True)["timings"]
@@ -320,6 +331,36 @@ def test_reasoning_flag_sets_enable_thinking_and_verbose_responses(model, tmp_pa
                 assert httpx.get(srv.url + "/metrics").status_code == 200
                 chat = post(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
                 assert chat.status_code == 200 and chat.json()["__verbose"]["prompt"].endswith("Hi|A:off")
+
+
+def test_dates_aliases_tags_hosts_and_no_webui(model, tmp_path):
+    """--llama-conventions: the template gets today's date as llama.cpp passes it (Llama 3.x's date_string,
+    firefunction v2's datetime); an undefined name or none + a string is the string (llama.cpp's jinja), so
+    firefunction's `functions`, which only llama.cpp's code defines, renders as nothing instead of a 400.
+    --model-name a,b,c (llama.cpp's --alias): the id is the first alphabetically, any name is served;
+    --tags; --host with two addresses, each answering; --no-webui: 404 at /."""
+    template = tmp_path / "dated.jinja"
+    template.write_text("{{ 'D:' + date_string + '|T:' + datetime + '|F:' + functions + '|N:' + none }}"
+                        "{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = [str(model), "--max-context", "256", "--chat-template-file", str(template), "--llama-conventions",
+            "--model-name", "tiny-2,fim,code", "--tags", "chat,fim,small", "--strict-model-name",
+            "--host", "127.0.0.1,127.0.0.2", "--no-webui"]
+    with ServerProcess(args) as srv:
+        srv.wait_ready()
+        r = post(srv, "/apply-template", {"messages": [{"role": "user", "content": "What is today?"}]})
+        now = time.localtime()
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt"] == (f"D:{time.strftime('%d %b %Y', now)}|T:{time.strftime('%b %d %Y', now)}"
+                                      "|F:|N:What is today?")
+        (entry,) = httpx.get(srv.url + "/v1/models").json()["data"]
+        assert entry["id"] == "code" and entry["aliases"] == ["tiny-2", "fim", "code"]
+        assert entry["tags"] == ["chat", "fim", "small"]
+        for name in ("fim", "tiny-2"):
+            assert post(srv, "/completion", {"prompt": "Hi", "n_predict": 1, "model": name}).status_code == 200
+        assert post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "model": "other"}).status_code == 404
+        other = srv.url.replace("127.0.0.1", "127.0.0.2")
+        assert httpx.get(other + "/health").json()["status"] == "ok"
+        assert httpx.get(srv.url + "/").status_code == 404
 
 
 def test_continue_final_message_and_add_generation_prompt(server, tok):
@@ -429,3 +470,7 @@ def test_wrapper_maps_batch_size_and_llama_conventions():
     line = " ".join(compat.translate(["-m", "m.gguf", "-b", "48"])[0])
     assert "--batch-tokens 48 --prefill 32" in line and "--llama-conventions" in line
     assert "--prefill 256" in " ".join(compat.translate(["-m", "m.gguf", "--batch-size", "2048"])[0])
+    line = " ".join(compat.translate(["-m", "m.gguf", "--host", "127.0.0.1,::1", "-a", "a,b", "--tags", "x,y",
+                                      "--no-ui"])[0])
+    assert "--host 127.0.0.1,::1" in line and "--model-name a,b" in line and "--tags x,y" in line
+    assert "--no-webui" in line and "--no-webui" not in " ".join(compat.translate(["-m", "m.gguf"])[0])

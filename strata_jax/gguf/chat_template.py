@@ -15,6 +15,7 @@ the bounds of `template_bounds.py`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -165,6 +166,14 @@ class ChatTemplate:
 def _is_list_of_objects(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and all(
         isinstance(v, Mapping) for v in value)
+
+
+def llama_cpp_dates() -> dict[str, str]:
+    """Today's date as llama.cpp's server passes it to every chat template (common/chat.cpp,
+    common_chat_extra_context): Llama 3.x's `date_string` and firefunction v2's `datetime`, local time.
+    transformers and vLLM pass neither (Llama 3.3's template then writes its own default date)."""
+    now = time.localtime()
+    return {"date_string": time.strftime("%d %b %Y", now), "datetime": time.strftime("%b %d %Y", now)}
 
 
 def render_chat_template(

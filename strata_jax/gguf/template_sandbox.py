@@ -114,6 +114,10 @@ class _BoundedCodeGenerator(CodeGenerator):
         self.write("))")
 
 
+def _nothing(value: Any) -> int:
+    return int(value is None or isinstance(value, jinja2.Undefined))
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """jinja's immutable sandbox, with every operation that can make a large value sized, and a clock (see
     template_bounds.py)."""
@@ -127,6 +131,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         if operator == "+" and type(left) is str and type(right) is str:   # most of a chat template's work
             check_size("a + of strings", len(left) + len(right))
             return left + right
+        if operator == "+" and _nothing(left) + _nothing(right) == 1 and str in (type(left), type(right)):
+            # None or an undefined name + a string: the string, as llama.cpp's jinja does (its runtime.cpp,
+            # "treating null/undefined as empty string"): firefunction v2's template adds `functions`,
+            # which only llama.cpp's own code defines. Python's jinja (transformers') raises instead.
+            return left if type(left) is str else right
         check_binop(operator, left, right)
         return checked(super().call_binop(context, operator, left, right))
 

@@ -27,7 +27,7 @@ def build(server: ServerConfig, engine: EngineConfig, *, progress: bool = True):
     sup = Supervisor(server.model, engine, console=Console(bars=progress), max_queue=server.max_queue,
                      stall_s=server.engine_stall_s, chat_template=template,
                      template_vars={} if server.reasoning is None else {"enable_thinking": server.reasoning != "off"},
-                     prefill_assistant=server.prefill_assistant)
+                     prefill_assistant=server.prefill_assistant, template_dates=server.llama_conventions)
     return create_app(sup, server)
 
 
@@ -35,14 +35,42 @@ def serve(server: ServerConfig, engine: EngineConfig, *, progress: bool = True) 
     """Run the server until interrupted (Ctrl-C / SIGTERM); the engine process ends with it."""
     import uvicorn
 
+    sockets = listen_sockets(server.host, server.port)       # first: a bad address fails before the engine starts
     app = build(server, engine, progress=progress)
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=sockets)
     except KeyboardInterrupt:   # uvicorn shut down cleanly, then passes the Ctrl-C on
         pass
     return 0
 
 
 __all__ = ["build", "serve"]
+
+
+def listen_sockets(hosts: str, port: int) -> list:
+    """A listening socket for each address of `hosts` (one, or a comma list as llama.cpp's --host a,b; an IPv6
+    address bare or in brackets), all on `port`. An address that cannot be bound is an error naming it."""
+    import socket
+
+    out = []
+    for host in (h.strip().strip("[]") for h in hosts.split(",")):
+        if not host:
+            continue
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:        # this address only; 127.0.0.1 may have its own socket
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+        except OSError as e:
+            for s in out:
+                s.close()
+            raise ValueError(f"--host {host!r} (port {port}): cannot listen there ({e.strerror or e})") from None
+        out.append(sock)
+    if not out:
+        raise ValueError(f"--host {hosts!r}: no address to listen on")
+    return out
+

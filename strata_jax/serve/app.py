@@ -35,7 +35,7 @@ from litestar.response import Stream
 
 from ..config import ServerConfig
 from ..fetch import cache_dir
-from . import cors, generate, llama_routes, native
+from . import cors, generate, llama_routes, native, webui
 from .errors import ApiError, error_body
 from .generate import Job, ModelNames
 from .metrics import Metrics
@@ -50,8 +50,11 @@ PROFILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
 def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     path = Path(sup.model)
-    names = ModelNames(cfg.model_name or path.name, path.name, path.stem, str(path), sup.model,
-                       strict=cfg.strict_model_name)
+    aliases, tags = _names(cfg.model_name), _names(cfg.model_tags)
+    # several names (llama.cpp's --alias a,b,c): the id is the first in alphabetical order, as llama.cpp's
+    # (a std::set), and a request may use any of them
+    names = ModelNames(min(aliases) if aliases else path.name, *aliases, path.name, path.stem, str(path),
+                       sup.model, strict=cfg.strict_model_name)
     metrics = Metrics(lambda: _snapshot(sup))
     started = int(time.time())
     defaults = dict(cfg.sampling)            # the server's sampling defaults (POST /props may change them)
@@ -130,7 +133,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         meta = {"n_ctx": sup.config.max_context, "parallel": sup.config.parallel, "path": path.name,
                 **{k: info[k] for k in ("architecture", "vocab_size", "n_experts", "name") if k in info}}
         return {"object": "list", "data": [{"id": names.served, "object": "model", "created": int(path.stat().st_mtime)
-                if path.exists() else 0, "owned_by": "strata-jax", "meta": meta}]}
+                if path.exists() else 0, "owned_by": "strata-jax", "aliases": aliases, "tags": tags, "meta": meta}]}
 
     @get(["/health", "/v1/health"], opt={"public": True})
     async def health() -> Response:
@@ -196,7 +199,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
 
     app = Litestar(
         route_handlers=[chat_completions, completions, completion, models, health, prometheus, slots, faults,
-                        expert_profile, *llama_routes.handlers(sup, names.served, path.name, _json_body, cfg, defaults)],
+                        expert_profile, *llama_routes.handlers(sup, names.served, path.name, _json_body, cfg, defaults),
+                        *(webui.handlers() if cfg.webui else [])],
         guards=[_api_key_guard(cfg.api_key)] if cfg.api_key else [],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
         on_startup=[_hook(sup.start)], on_shutdown=[_hook(sup.stop)],
@@ -266,6 +270,11 @@ def _profile_file(body: Any) -> tuple[str, str]:
                             "starting with '.', with no '/' and no '..' (e.g. \"hot-2026\")",
                        "invalid_request_error", "name")
     return name, name if name.endswith(".json") else name + ".json"
+
+
+def _names(listed: str | None) -> list[str]:
+    """A comma list of names (--model-name, --tags) -> the names, in the order given."""
+    return [n.strip() for n in (listed or "").split(",") if n.strip()]
 
 
 def _api_key_guard(key: str):

@@ -40,6 +40,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..engine.request import Event
+from ..gguf.chat_template import llama_cpp_dates
 from .answers import Answers, expect
 from .engine_process import MAX_UNREAD_BYTES, EngineProcess, StderrTail
 from .errors import ApiError
@@ -76,7 +77,7 @@ class Supervisor:
                  max_backoff_s: float = 30.0, stable_after_s: float = 60.0,
                  on_fault: Callable[[Fault], None] | None = None, command: list[str] | None = None,
                  max_queue: int = 256, stall_s: float = 60.0, chat_template: str | None = None,
-                 template_vars: dict | None = None, prefill_assistant: bool = False):
+                 template_vars: dict | None = None, prefill_assistant: bool = False, template_dates: bool = False):
         self.model = str(model)
         self.config = config
         self.console = console
@@ -90,6 +91,7 @@ class Supervisor:
         self.chat_template = chat_template          # --chat-template-file's text, or None: the model's
         self.template_vars = template_vars or {}    # the template's variables a request does not set (--reasoning)
         self.prefill_assistant = prefill_assistant  # a final assistant message is continued (--prefill-assistant)
+        self.template_dates = template_dates        # today's date for the templates, as llama.cpp's (--llama-conventions)
         self.ledger = FaultLedger()
         self.state = "loading"                  # loading | ready | restarting | stopping
         self.reason = f"loading {Path(self.model).name}"
@@ -253,9 +255,10 @@ class Supervisor:
             self.seats.preparing -= 1
 
     def render_options(self) -> dict[str, Any]:
-        """What a chat's rendering takes from the server's flags: the template's variables (--reasoning) and
-        whether a final assistant message is continued (--prefill-assistant)."""
-        return {"template_vars": self.template_vars, "prefill": self.prefill_assistant}
+        """What a chat's rendering takes from the server's flags: the template's variables (--reasoning; today's
+        date with --llama-conventions, read each request), a final assistant message continued (--prefill-assistant)."""
+        dates = llama_cpp_dates() if self.template_dates else {}
+        return {"template_vars": {**dates, **self.template_vars}, "prefill": self.prefill_assistant}
 
     async def _prepare(self, cmd: Prepare, deadline: float) -> Prepared:
         for _ in range(3):                          # an engine that stops meanwhile: ask the next one
