@@ -8,7 +8,7 @@ What maps (llama-server -> strata-jax serve): -m/--model -> MODEL, --host, --por
 -np/--parallel P -> --max-context N/P (llama.cpp splits its context over the slots unless --kv-unified) and
 --parallel P, -n/--n-predict, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n,
 --presence-penalty, --frequency-penalty, -s/--seed, --api-key,
---api-key-file, -a/--alias -> --model-name (a comma list: several names), --tags, --no-ui/--no-webui -> --no-webui,
+--chat-template (a built-in name or Jinja), --api-key-file, -a/--alias -> --model-name (a comma list: several names), --tags, --no-ui/--no-webui -> --no-webui,
 --host (a comma list: several addresses), --slot-save-path, --cors-origins (llama.cpp's proxy list: here the
 allowed origins), --slots/--no-slots, --props, --chat-template-file, -md/--model-draft -> --drafter draft:PATH,
 --draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s, --reasoning (default auto, as
@@ -46,7 +46,7 @@ SAME = {
     "--api-key": "--api-key", "--api-key-file": "--api-key-file", "--alias": "--model-name",
     "--slot-save-path": "--slot-save-path", "--cors-origins": "--cors-origins",
     "--chat-template-file": "--chat-template-file", "--timeout": "--request-timeout-s",
-    "--reasoning": "--reasoning", "--tags": "--tags",
+    "--reasoning": "--reasoning", "--tags": "--tags", "--chat-template": "--chat-template",
 }
 SHORT = {"-m": "--model", "-c": "--ctx-size", "-np": "--parallel", "-n": "--n-predict", "-s": "--seed",
          "-b": "--batch-size", "-a": "--alias", "-md": "--model-draft", "-to": "--timeout", "-hf": "--hf-repo",
@@ -63,8 +63,6 @@ DIFFERS = {
     "--embeddings": "strata-jax serves no embeddings (/embeddings answers 404); generation routes work",
     "--reranking": "strata-jax serves no reranking (/rerank answers 404); generation routes work",
     "--context-shift": "strata-jax does not shift the context: a prompt that does not fit is a 400",
-    "--chat-template": "built-in template names are llama.cpp's: the model's own template is used "
-                       "(give --chat-template-file FILE for another)",
 }
 
 

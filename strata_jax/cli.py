@@ -141,6 +141,9 @@ def add_serve(sub: Subparsers) -> None:
                    help="enable POST /slots/N?action=save|restore with file names (never paths) in DIR")
     g.add_argument("--props", action="store_true", help="let POST /props change the server-wide sampling defaults")
     g.add_argument("--chat-template-file", metavar="FILE", help="a Jinja chat template to use instead of the model's")
+    g.add_argument("--chat-template", metavar="NAME|JINJA",
+                   help="a chat template instead of the model's: one of llama.cpp's names (chatml, llama3, command-r, "
+                        "gemma, phi3, ...: strata_jax/gguf/named_templates.py), else the Jinja template itself")
     g.add_argument("--reasoning", choices=("on", "off", "auto"),
                    help="the chat template's enable_thinking for requests that do not set it (on, auto: true; off: "
                         "false), as llama.cpp passes it; by default it is not passed, as transformers renders")
@@ -189,11 +192,14 @@ def run_serve(args: argparse.Namespace) -> int:
                           cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,
                           slots_endpoint=args.slots, slot_save_path=args.slot_save_path, props_writable=args.props,
                           metrics_endpoint=args.metrics,
-                          chat_template_file=args.chat_template_file, reasoning=args.reasoning,
+                          chat_template_file=args.chat_template_file, chat_template=args.chat_template,
+                          reasoning=args.reasoning,
                           verbose_responses=args.verbose_responses, prefill_assistant=args.prefill_assistant,
                           llama_conventions=args.llama_conventions,
                           sampling={k: getattr(args, f"default_{k}") for k in ServerConfig.SAMPLING_KEYS
                                     if getattr(args, f"default_{k}", None) is not None})
+    if args.chat_template_file and args.chat_template:
+        raise ValueError("--chat-template and --chat-template-file: give one of them")
     if args.chat_template_file:        # read now: a missing file is an error at start, not in every request
         try:
             Path(args.chat_template_file).read_text(encoding="utf-8")

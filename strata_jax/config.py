@@ -183,6 +183,7 @@ class ServerConfig:
     slot_save_path: str | None = None    # where POST /slots/N?action=save|restore keeps its named files
     props_writable: bool = False         # POST /props (llama.cpp's --props)
     chat_template_file: str | None = None   # a Jinja chat template to use instead of the model's
+    chat_template: str | None = None     # llama.cpp's --chat-template: a built-in name (gguf/named_templates.py) or Jinja
     # llama.cpp's --reasoning: the templates' enable_thinking (on/auto: true, off: false); None: not passed, as
     # transformers renders (a request's chat_template_kwargs override it either way)
     reasoning: str | None = None

@@ -13,6 +13,7 @@ from strata_jax.gguf.chat_template import (
     NoChatTemplateError,
     validate_messages,
 )
+from strata_jax.gguf.named_templates import NAMED_TEMPLATES, chat_template_source
 from strata_jax.gguf.template_bounds import ChatTemplateError
 from strata_jax.gguf.tokenizer import load_tokenizer
 
@@ -173,3 +174,40 @@ def test_text_parts_and_none_fields():
 def test_bad_messages_name_the_field(messages, match):
     with pytest.raises(ChatMessageError, match=match):
         smollm2_tokenizer().apply_chat_template(messages)
+
+
+# llama.cpp's built-in names (its src/llama-chat.cpp formats them in C++): the text it makes for this chat.
+NAMED_CHAT = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hi there"},
+              {"role": "assistant", "content": " Hello "}, {"role": "user", "content": "Again"}]
+LLAMA_CPP_TEXT = {
+    "chatml": "<|im_start|>system\nYou are a test.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+              "<|im_start|>assistant\n Hello <|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n",
+    "llama3": "<|start_header_id|>system<|end_header_id|>\n\nYou are a test.<|eot_id|><|start_header_id|>user"
+              "<|end_header_id|>\n\nHi there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nAgain<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "command-r": "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>"
+                 "<|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hello"
+                 "<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Again<|END_OF_TURN_TOKEN|>"
+                 "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    "llama2-sys": "[INST] <<SYS>>\nYou are a test.\n<</SYS>>\n\nHi there [/INST] Hello </s>[INST] Again [/INST]",
+    "mistral-v1": " [INST] You are a test.\n\nHi there [/INST]  Hello </s> [INST] Again [/INST]",
+    "mistral-v3": "[INST] You are a test.\n\nHi there[/INST] Hello</s>[INST] Again[/INST]",
+    "mistral-v7": "[SYSTEM_PROMPT] You are a test.[/SYSTEM_PROMPT][INST] Hi there[/INST]  Hello </s>[INST] Again[/INST]",
+    "gemma": "<start_of_turn>user\nYou are a test.\n\nHi there<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+             "<start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n",
+    "vicuna": "You are a test.\n\nUSER: Hi there\nASSISTANT:  Hello </s>\nUSER: Again\nASSISTANT:",
+    "openchat": "You are a test.<|end_of_turn|>GPT4 Correct User: Hi there<|end_of_turn|>GPT4 Correct Assistant:  Hello "
+                "<|end_of_turn|>GPT4 Correct User: Again<|end_of_turn|>GPT4 Correct Assistant:",
+    "deepseek3": "You are a test.\n\n<｜User｜>Hi there<｜Assistant｜> Hello <｜end▁of▁sentence｜><｜User｜>Again<｜Assistant｜>",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_CPP_TEXT))
+def test_named_templates_render_as_llama_cpp(name):
+    assert ChatTemplate(chat_template_source(name)).render(NAMED_CHAT) == LLAMA_CPP_TEXT[name]
+
+
+def test_named_templates_all_render_and_other_values_are_jinja():
+    for name, source in NAMED_TEMPLATES.items():
+        assert "Again" in ChatTemplate(source).render(NAMED_CHAT), name
+    assert chat_template_source("{{ messages[0].content }}") == "{{ messages[0].content }}"

@@ -333,16 +333,15 @@ def test_reasoning_flag_sets_enable_thinking_and_verbose_responses(model, tmp_pa
                 assert chat.status_code == 200 and chat.json()["__verbose"]["prompt"].endswith("Hi|A:off")
 
 
-def test_dates_aliases_tags_hosts_and_no_webui(model, tmp_path):
+def test_dates_aliases_tags_hosts_and_no_webui(model):
     """--llama-conventions: the template gets today's date as llama.cpp passes it (Llama 3.x's date_string,
     firefunction v2's datetime); an undefined name or none + a string is the string (llama.cpp's jinja), so
     firefunction's `functions`, which only llama.cpp's code defines, renders as nothing instead of a 400.
     --model-name a,b,c (llama.cpp's --alias): the id is the first alphabetically, any name is served;
     --tags; --host with two addresses, each answering; --no-webui: 404 at /."""
-    template = tmp_path / "dated.jinja"
-    template.write_text("{{ 'D:' + date_string + '|T:' + datetime + '|F:' + functions + '|N:' + none }}"
-                        "{% for m in messages %}{{ m.content }}{% endfor %}")
-    args = [str(model), "--max-context", "256", "--chat-template-file", str(template), "--llama-conventions",
+    template = ("{{ 'D:' + date_string + '|T:' + datetime + '|F:' + functions + '|N:' + none }}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")        # --chat-template: not a name, Jinja
+    args = [str(model), "--max-context", "256", "--chat-template", template, "--llama-conventions",
             "--model-name", "tiny-2,fim,code", "--tags", "chat,fim,small", "--strict-model-name",
             "--host", "127.0.0.1,127.0.0.2", "--no-webui"]
     with ServerProcess(args) as srv:

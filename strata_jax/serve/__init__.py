@@ -24,6 +24,10 @@ def build(server: ServerConfig, engine: EngineConfig, *, progress: bool = True):
         from pathlib import Path
 
         template = Path(server.chat_template_file).read_text(encoding="utf-8")
+    elif server.chat_template:                   # one of llama.cpp's names, or the template itself
+        from ..gguf.named_templates import chat_template_source
+
+        template = chat_template_source(server.chat_template)
     sup = Supervisor(server.model, engine, console=Console(bars=progress), max_queue=server.max_queue,
                      stall_s=server.engine_stall_s, chat_template=template,
                      template_vars={} if server.reasoning is None else {"enable_thinking": server.reasoning != "off"},

@@ -36,7 +36,7 @@ _HEADER = struct.Struct(">I")
 
 
 class Start(msgspec.Struct, forbid_unknown_fields=True):
-    """The engine process's start-up: the model file, EngineConfig as a dict, --chat-template-file's text."""
+    """The engine process's start-up: the model file, EngineConfig as a dict, --chat-template(-file)'s text."""
     model: str
     engine: dict[str, Any]
     chat_template: str | None = None

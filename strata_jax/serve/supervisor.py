@@ -88,7 +88,7 @@ class Supervisor:
         self.stall_s = stall_s                      # the watchdog's patience with an engine that has work
         # the engine process; tests may put a mock engine that speaks the same frames here
         self.command = command or [sys.executable, "-m", "strata_jax.serve.worker"]
-        self.chat_template = chat_template          # --chat-template-file's text, or None: the model's
+        self.chat_template = chat_template          # --chat-template(-file)'s text, or None: the model's
         self.template_vars = template_vars or {}    # the template's variables a request does not set (--reasoning)
         self.prefill_assistant = prefill_assistant  # a final assistant message is continued (--prefill-assistant)
         self.template_dates = template_dates        # today's date for the templates, as llama.cpp's (--llama-conventions)

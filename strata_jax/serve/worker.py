@@ -97,7 +97,7 @@ class Worker:
         model = GGUFModel.open(start.model)
         with progress_as_frames(writer):
             self.engine = Engine(model, cfg, progress=True)     # loads the weights, builds the decode programs
-        if start.chat_template:                 # --chat-template-file: this template instead of the model's
+        if start.chat_template:                 # --chat-template(-file): this template instead of the model's
             self.engine.tokenizer.chat_template = start.chat_template
             self.engine.tokenizer._template = None
         self.handles: dict[str, Any] = {}
