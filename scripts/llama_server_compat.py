@@ -9,7 +9,8 @@ What maps (llama-server -> strata-jax serve): -m/--model -> MODEL, --host, --por
 --parallel P, -n/--n-predict, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n,
 --presence-penalty, --frequency-penalty, -s/--seed, --api-key,
 --chat-template (a built-in name or Jinja), --api-key-file, -a/--alias -> --model-name (a comma list: several names), --tags, --no-ui/--no-webui -> --no-webui,
---host (a comma list: several addresses), --slot-save-path, --cors-origins (llama.cpp's proxy list: here the
+--host (a comma list: several addresses), --tools / --mcp-servers-* (not run; CORS then defaults to localhost,
+as llama-server's), --slot-save-path, --cors-origins (llama.cpp's proxy list: here the
 allowed origins), --slots/--no-slots, --props, --chat-template-file, -md/--model-draft -> --drafter draft:PATH,
 --draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s, --reasoning (default auto, as
 llama-server's: the chat template's enable_thinking is true), -v/--verbose -> --verbose-responses,
@@ -66,6 +67,11 @@ DIFFERS = {
 }
 
 
+# llama-server's built-in tools and MCP servers: not served here, but with any of them llama-server limits its
+# default CORS origins to localhost (common/arg.cpp), and so does the wrapper
+TOOLS = ("--tools", "--mcp-servers-config", "--mcp-servers-json")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llama_server_compat.py", allow_abbrev=False, add_help=True,
                                 description="llama-server's command line, run as strata-jax serve")
@@ -85,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", action="store_true")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--no-ui", "--no-webui", dest="no_ui", action="store_true")
+    for flag in TOOLS:
+        p.add_argument(flag)
     for flag in SAME:
         p.add_argument(flag)
     return p
@@ -139,6 +147,11 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
         out += ["--batch-tokens", str(args.batch_size), "--prefill", str(chunk)]
     if args.no_ui:
         out.append("--no-webui")
+    tools = [f for f in TOOLS if getattr(args, f[2:].replace("-", "_")) is not None]
+    if tools:
+        warnings.append(f"{', '.join(tools)}: strata-jax runs no built-in tools or MCP servers (ignored)")
+        if args.cors_origins is None:       # llama-server's default with tools: pages on localhost only
+            out += ["--cors-origins", "localhost"]
     out.append("--llama-conventions")     # llama-server's answers where they differ from OpenAI's and vLLM's
     i = 0
     while i < len(rest):

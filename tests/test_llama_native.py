@@ -473,3 +473,6 @@ def test_wrapper_maps_batch_size_and_llama_conventions():
                                       "--no-ui"])[0])
     assert "--host 127.0.0.1,::1" in line and "--model-name a,b" in line and "--tags x,y" in line
     assert "--no-webui" in line and "--no-webui" not in " ".join(compat.translate(["-m", "m.gguf"])[0])
+    ours, warnings = compat.translate(["-m", "m.gguf", "--tools", "all"])        # llama-server: CORS localhost
+    assert "--cors-origins localhost" in " ".join(ours) and any("--tools" in w for w in warnings)
+    assert "--cors-origins *" in " ".join(compat.translate(["-m", "m.gguf", "--tools", "all", "--cors-origins", "*"])[0])
