@@ -9,7 +9,7 @@ What maps (llama-server -> strata-jax serve): -m/--model -> MODEL, --host, --por
 --parallel P, -n/--n-predict, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n,
 --presence-penalty, --frequency-penalty, -s/--seed, --api-key,
 --chat-template (a built-in name or Jinja), --api-key-file, -a/--alias -> --model-name (a comma list: several names), --tags, --no-ui/--no-webui -> --no-webui,
---host (a comma list: several addresses), --tools / --mcp-servers-* (not run; CORS then defaults to localhost,
+--host (a comma list: several addresses), --ui-mcp-proxy, --tools / --mcp-servers-* (not run; CORS then defaults to localhost,
 as llama-server's), --slot-save-path, --cors-origins (llama.cpp's proxy list: here the
 allowed origins), --slots/--no-slots, --props, --chat-template-file, -md/--model-draft -> --drafter draft:PATH,
 --draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s, --reasoning (default auto, as
@@ -91,6 +91,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", action="store_true")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--no-ui", "--no-webui", dest="no_ui", action="store_true")
+    p.add_argument("--ui-mcp-proxy", action="store_true")
     for flag in TOOLS:
         p.add_argument(flag)
     for flag in SAME:
@@ -147,6 +148,8 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
         out += ["--batch-tokens", str(args.batch_size), "--prefill", str(chunk)]
     if args.no_ui:
         out.append("--no-webui")
+    if args.ui_mcp_proxy:
+        out.append("--ui-mcp-proxy")
     tools = [f for f in TOOLS if getattr(args, f[2:].replace("-", "_")) is not None]
     if tools:
         warnings.append(f"{', '.join(tools)}: strata-jax runs no built-in tools or MCP servers (ignored)")

@@ -6,9 +6,12 @@ One server for the module, on the tiny qwen3 model with BOS (as test_llama_extra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -247,6 +250,33 @@ def test_api_key_headers_and_any_model_name(server):
             assert r.json()["error"]["type"] == "authentication_error"
 
 
+@contextlib.contextmanager
+def _capture_server():
+    """A plain HTTP server that keeps the headers of the last GET (answering "ok") and answers POST with 204."""
+    class Capture(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.server.captured = dict(self.headers)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def do_POST(self):
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    target = ThreadingHTTPServer(("127.0.0.1", 0), Capture)
+    target.captured = {}
+    threading.Thread(target=target.serve_forever, daemon=True).start()
+    try:
+        yield target
+    finally:
+        target.shutdown()
+        target.server_close()
+
+
 def test_web_ui_and_its_assets_need_no_key(server):
     """The chat page at / and its assets are public (as llama-server's static files); the API still is not."""
     page = httpx.get(server.url + "/")
@@ -255,6 +285,7 @@ def test_web_ui_and_its_assets_need_no_key(server):
     for path in ("/sw.js", "/manifest.webmanifest", "/_app/version.json"):
         assert httpx.get(server.url + path).status_code == 200, path
     assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/cors-proxy", headers=server.headers).status_code == 403     # off by default
 
 
 def test_timings_count_decode_steps_as_llama_cpp(server):
@@ -338,13 +369,13 @@ def test_dates_aliases_tags_hosts_and_no_webui(model):
     firefunction v2's datetime); an undefined name or none + a string is the string (llama.cpp's jinja), so
     firefunction's `functions`, which only llama.cpp's code defines, renders as nothing instead of a 400.
     --model-name a,b,c (llama.cpp's --alias): the id is the first alphabetically, any name is served;
-    --tags; --host with two addresses, each answering; --no-webui: 404 at /."""
+    --tags; --host with two addresses, each answering; --no-webui: 404 at /; --ui-mcp-proxy's /cors-proxy."""
     template = ("{{ 'D:' + date_string + '|T:' + datetime + '|F:' + functions + '|N:' + none }}"
                 "{% for m in messages %}{{ m.content }}{% endfor %}")        # --chat-template: not a name, Jinja
     args = [str(model), "--max-context", "256", "--chat-template", template, "--llama-conventions",
             "--model-name", "tiny-2,fim,code", "--tags", "chat,fim,small", "--strict-model-name",
-            "--host", "127.0.0.1,127.0.0.2", "--no-webui"]
-    with ServerProcess(args) as srv:
+            "--host", "127.0.0.1,127.0.0.2", "--no-webui", "--ui-mcp-proxy"]
+    with ServerProcess(args) as srv, _capture_server() as target:
         srv.wait_ready()
         r = post(srv, "/apply-template", {"messages": [{"role": "user", "content": "What is today?"}]})
         now = time.localtime()
@@ -360,6 +391,20 @@ def test_dates_aliases_tags_hosts_and_no_webui(model):
         other = srv.url.replace("127.0.0.1", "127.0.0.2")
         assert httpx.get(other + "/health").json()["status"] == "ok"
         assert httpx.get(srv.url + "/").status_code == 404
+
+        # --ui-mcp-proxy: only the headers marked for the target reach it; its status and body come back
+        r = httpx.get(f"{srv.url}/cors-proxy", params={"url": f"http://127.0.0.1:{target.server_port}/capture"},
+                      headers={"Cookie": "session=secret", "X-Api-Key": "k", "Proxy-Authorization": "Basic s",
+                               "x-llama-server-proxy-header-accept": "application/json",
+                               "x-llama-server-proxy-header-authorization": "Bearer explicit"})
+        assert r.status_code == 200 and r.text == "ok"
+        got = {k.lower(): v for k, v in target.captured.items()}
+        assert got["accept"] == "application/json" and got["authorization"] == "Bearer explicit"
+        assert not {"cookie", "x-api-key", "proxy-authorization"} & set(got)
+        empty = httpx.post(f"{srv.url}/cors-proxy", params={"url": f"http://127.0.0.1:{target.server_port}/"})
+        assert empty.status_code == 204 and empty.content == b""
+        bad = httpx.get(f"{srv.url}/cors-proxy", params={"url": "file:///etc/passwd"})
+        assert bad.status_code == 400 and "http" in bad.json()["error"]["message"]
 
 
 def test_continue_final_message_and_add_generation_prompt(server, tok):
