@@ -47,7 +47,7 @@ SAME = {
     "--api-key": "--api-key", "--api-key-file": "--api-key-file", "--alias": "--model-name",
     "--slot-save-path": "--slot-save-path", "--cors-origins": "--cors-origins",
     "--chat-template-file": "--chat-template-file", "--timeout": "--request-timeout-s",
-    "--reasoning": "--reasoning", "--tags": "--tags", "--chat-template": "--chat-template",
+    "--reasoning": "--reasoning", "--tags": "--tags", "--chat-template": "--chat-template", "--pooling": "--pooling",
 }
 SHORT = {"-m": "--model", "-c": "--ctx-size", "-np": "--parallel", "-n": "--n-predict", "-s": "--seed",
          "-b": "--batch-size", "-a": "--alias", "-md": "--model-draft", "-to": "--timeout", "-hf": "--hf-repo",
@@ -60,8 +60,8 @@ DIFFERS = {
     "--lora": "strata-jax loads no LoRA adapters: the base model answers",
     "--mmproj": "strata-jax reads text only: no multimodal projector",
     "--mmproj-url": "strata-jax reads text only: no multimodal projector",
-    "--embedding": "strata-jax serves no embeddings (/embeddings answers 404); generation routes work",
-    "--embeddings": "strata-jax serves no embeddings (/embeddings answers 404); generation routes work",
+    "--embedding": "strata-jax serves embeddings and generation alike: the flag changes nothing",
+    "--embeddings": "strata-jax serves embeddings and generation alike: the flag changes nothing",
     "--reranking": "strata-jax serves no reranking (/rerank answers 404); generation routes work",
     "--context-shift": "strata-jax does not shift the context: a prompt that does not fit is a 400",
 }

@@ -110,6 +110,9 @@ def add_serve(sub: Subparsers) -> None:
     p.add_argument("--tags", metavar="LIST", help="a comma list of tags /v1/models shows (llama.cpp's --tags)")
     p.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
                    help="a chat page at / (default on; --no-webui: 404 there, as llama.cpp's flag)")
+    p.add_argument("--pooling", default="auto", choices=["auto", "last", "mean", "cls", "none"],
+                   help="how /v1/embeddings and /embeddings pool a text's last hidden states: auto (the file's "
+                        "pooling_type, else last), last, mean, cls, or none (every token's; /embeddings only)")
     p.add_argument("--ui-mcp-proxy", action="store_true",
                    help="enable /cors-proxy?url=URL (llama.cpp's): requests to any http(s) URL made for the caller, "
                         "behind the API key, forwarding only headers named x-llama-server-proxy-header-NAME; "
@@ -191,7 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
     load_tokenizer(model.metadata)   # so is a vocabulary the engine could not load (it would restart forever)
     server = ServerConfig(model=path, host=args.host, port=args.port, api_key=_api_key(args),
                           model_name=args.model_name, model_tags=args.tags, webui=args.webui,
-                          cors_proxy=args.ui_mcp_proxy, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                          cors_proxy=args.ui_mcp_proxy, pooling=args.pooling, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                           engine_stall_s=args.engine_stall_s, expert_profile_dir=args.expert_profile_dir,
                           trust_request_chat_template=args.trust_request_chat_template,
                           cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,

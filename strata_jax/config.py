@@ -191,6 +191,7 @@ class ServerConfig:
     prefill_assistant: bool = False      # a chat ending in the assistant's message continues it (llama.cpp's default)
     llama_conventions: bool = False      # llama.cpp's answers where they differ from OpenAI's and vLLM's (serve/app.py)
     webui: bool = True                   # the chat page at / (serve/webui.py; llama.cpp's --no-webui turns it off)
+    pooling: str = "auto"                # embeddings: auto (the file's, else last) | last | mean | cls | none
     cors_proxy: bool = False             # GET/POST /cors-proxy?url= (serve/cors_proxy.py; llama.cpp's --ui-mcp-proxy)
     # server-wide sampling defaults a request overrides (llama.cpp's --temp, --top-k, ..., -n); None: the built-in
     sampling: dict = field(default_factory=dict)

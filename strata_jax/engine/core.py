@@ -23,7 +23,7 @@ from .. import compile_cache
 from ..config import EngineConfig
 from ..experts import ExpertCounters
 from ..gguf import GGUFModel, load_tokenizer
-from . import research
+from . import embeddings, research
 from .admission import Admission
 from .constrain import Grammars
 from .controls import wants_controls
@@ -43,6 +43,7 @@ _JOBS = {
     "profile": lambda core: core.runner.expert_profile().copy(),
     "logits": research.logits_on_scratch,
     "logits_reusing": research.logits_reusing,
+    "embed": embeddings.embed,
     "call": lambda core, fn: fn(),                 # Engine.between_windows
 }
 

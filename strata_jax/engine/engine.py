@@ -22,6 +22,7 @@ import numpy as np
 from ..config import EngineConfig
 from ..gguf import GGUFModel
 from .core import EngineCore
+from .embeddings import POOLINGS
 from .output import first_line
 from .request import ContextOverflowError, Event, Handle
 
@@ -110,14 +111,32 @@ class Engine(EngineCore):
         -> (tokens reused, float32 [T - reused, vocab] for the tokens read). The slot keeps the KV."""
         return self._ask_engine_thread("logits_reusing", token_ids)
 
+    def embed(self, inputs: list[list[int]], pooling: str = "last", normalize: int = 2) -> list[np.ndarray]:
+        """Each token list's embedding (engine/embeddings.py): its final hidden states pooled (last, mean,
+        cls: float32 [hidden]; none: every token's, [T, hidden]) and normalized as llama.cpp's embd_normalize
+        (2: Euclidean; -1: none). Runs between windows on a scratch KV cache: requests in flight go on."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling = {pooling!r}: must be one of {', '.join(POOLINGS)}")
+        checked = []
+        for ids in inputs:
+            ids = self.prompt_ids([int(t) for t in ids])
+            if len(ids) > self.config.max_context:
+                raise ContextOverflowError(len(ids), 0, self.config.max_context)
+            checked.append(ids)
+        return self._ask("embed", checked, pooling, int(normalize))
+
     def _ask_engine_thread(self, kind: str, token_ids: list[int]):
         """Run a logits job on the engine thread (which alone touches the device) and wait for its answer."""
         ids = self.prompt_ids([int(t) for t in token_ids])
         if len(ids) > self.config.max_context:
             raise ContextOverflowError(len(ids), 0, self.config.max_context)
+        return self._ask(kind, ids)
+
+    def _ask(self, kind: str, *args):
+        """Put a job in the engine thread's inbox (core.py's _JOBS) and wait for its answer."""
         done: queue.Queue = queue.Queue()
         self._ensure_thread()
-        self.inbox.put((kind, ids, done))       # type: ignore[arg-type]
+        self.inbox.put((kind, *args, done))     # type: ignore[arg-type]
         self._wake.set()
         out = done.get()
         if isinstance(out, BaseException):

@@ -26,6 +26,7 @@ from ..model import RunOptions, load_nextn_experts, load_params
 from .choices import KV_DTYPES, resolve
 from .constrain import fill_masks
 from .controls import controls_of, sample_controlled
+from .embeddings import Embedder
 from .faults import Faults
 from .kv_cache import KVCache, kv_bytes
 from .kv_host import KVHostStore
@@ -116,6 +117,10 @@ class ModelRunner:
             if nbytes:
                 self.ledger.reserve_bytes("experts", nbytes, "the NextN (MTP) layer's experts, for the mtp drafter")
         self._hiddens: list[jax.Array] | None = None     # the last window's, until take_hiddens
+        # embeddings ("hidden" programs) read the weights as the whole-window program does: not beside the tiers
+        self.embedder = None if self.stepper is not None else Embedder(
+            self.params, self.spec, self.opts, self.programs, self.kv, self.layouts.kv_bucket,
+            int(self.choices["prefill"]))
         self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
         self._verify = jax.jit(verify)          # the speculative accept rule, one per verify group shape
         # sampling controls and logprobs: one program per row bucket, greedy or sampled (controls.py)

@@ -35,7 +35,7 @@ from litestar.response import Stream
 
 from ..config import ServerConfig
 from ..fetch import cache_dir
-from . import cors, cors_proxy, generate, llama_routes, native, webui
+from . import cors, cors_proxy, embeddings, generate, llama_routes, native, webui
 from .errors import ApiError, error_body
 from .generate import Job, ModelNames
 from .metrics import Metrics
@@ -200,7 +200,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     app = Litestar(
         route_handlers=[chat_completions, completions, completion, models, health, prometheus, slots, faults,
                         expert_profile, *llama_routes.handlers(sup, names.served, path.name, _json_body, cfg, defaults),
-                        *(webui.handlers() if cfg.webui else []), *cors_proxy.handlers(cfg.cors_proxy)],
+                        *(webui.handlers() if cfg.webui else []), *cors_proxy.handlers(cfg.cors_proxy),
+                        *embeddings.handlers(sup, names, _json_body, metrics, cfg.pooling)],
         guards=[_api_key_guard(cfg.api_key)] if cfg.api_key else [],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
         on_startup=[_hook(sup.start)], on_shutdown=[_hook(sup.stop)],

@@ -50,7 +50,7 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
 
     @post("/tokenize", status_code=200, guards=[json_body])
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = _object(await request.body())
+        body = json_object(await request.body())
         if "content" not in body:
             return {"tokens": []}
         content = _content(body["content"])
@@ -61,14 +61,14 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
 
     @post("/detokenize", status_code=200, guards=[json_body])
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = _object(await request.body())
+        body = json_object(await request.body())
         if "tokens" not in body:
             return {"content": ""}
         tokens = body["tokens"]
         if not isinstance(tokens, list):
-            raise invalid(f"tokens = {_shown(tokens)}: give a list of token ids (whole numbers)", "tokens")
+            raise invalid(f"tokens = {shown(tokens)}: give a list of token ids (whole numbers)", "tokens")
         for i, t in enumerate(tokens):
-            _token_id(t, f"tokens[{i}]", "tokens")
+            check_token_id(t, f"tokens[{i}]", "tokens")
         reply = await sup.ask(Detokenize, tokens=tokens)
         return {"content": reply.content}
 
@@ -105,7 +105,7 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         if not cfg.props_writable:
             raise ApiError(501, "this server does not let POST /props change its settings: start it with --props",
                            "not_supported_error")
-        body = _object(await request.body())
+        body = json_object(await request.body())
         given = ((body.get("default_generation_settings") or {}).get("params") or {}) \
             if isinstance(body.get("default_generation_settings"), dict) else {}
         given = {**given, **{k: v for k, v in body.items() if k != "default_generation_settings"}}
@@ -149,10 +149,10 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
             raise invalid(f"action = {action!r}: give ?action=save, restore or erase", "action")
         path = None
         if action != "erase":
-            body = _object(await request.body())
+            body = json_object(await request.body())
             name = body.get("filename")
             if not isinstance(name, str) or not SLOT_FILE.fullmatch(name) or ".." in name:
-                raise invalid(f"filename = {_shown(name)}: a slot file's name is 1 to 100 letters, digits, '.', "
+                raise invalid(f"filename = {shown(name)}: a slot file's name is 1 to 100 letters, digits, '.', "
                               "'_' or '-' (no '/', no '..', not starting with '.'), kept in the server's "
                               "--slot-save-path", "filename")
             folder = Path(cfg.slot_save_path).expanduser()
@@ -194,7 +194,7 @@ class _NoFields:
         return None
 
 
-def _object(raw: bytes) -> dict[str, Any]:
+def json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
@@ -202,7 +202,7 @@ def _object(raw: bytes) -> dict[str, Any]:
     except RecursionError:
         raise invalid("the request body nests arrays or objects too deeply to read") from None
     if not isinstance(body, dict):
-        raise invalid(f"the request body is {_shown(body)}: send a JSON object")
+        raise invalid(f"the request body is {shown(body)}: send a JSON object")
     return body
 
 
@@ -211,19 +211,19 @@ def _content(content: Any) -> str | list[str | int]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"content = {_shown(content)}: give a text, or a list of texts and token ids", "content")
+        raise invalid(f"content = {shown(content)}: give a text, or a list of texts and token ids", "content")
     for i, part in enumerate(content):
         if not isinstance(part, str):
-            _token_id(part, f"content[{i}]", "content")
+            check_token_id(part, f"content[{i}]", "content")
     return content
 
 
-def _token_id(value: Any, where: str, param: str) -> None:
+def check_token_id(value: Any, where: str, param: str) -> None:
     # JSON true is not a token; an id is range-checked by the engine, but one beyond 64 bits cannot cross the pipe
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"{where} = {_shown(value)}: a token id is a whole number", param)
+        raise invalid(f"{where} = {shown(value)}: a token id is a whole number", param)
     if not 0 <= value < 1 << 62:
-        raise invalid(f"{where} = {_shown(value)}: not a token id of this model's vocabulary", param)
+        raise invalid(f"{where} = {shown(value)}: not a token id of this model's vocabulary", param)
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
@@ -231,10 +231,10 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     if value is None:               # left out or null: llama.cpp's default
         return default
     if not isinstance(value, bool):
-        raise invalid(f"{key} = {_shown(value)}: give true or false", key)
+        raise invalid(f"{key} = {shown(value)}: give true or false", key)
     return value
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     text = msgspec.json.encode(value).decode()
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."

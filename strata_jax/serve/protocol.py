@@ -8,11 +8,12 @@ Server -> engine, `Command`s, tagged by "op":
     submit {id, ids, params} | cancel {id} | stats {id} | expert_profile {id, path} | shutdown
     tokenize {id, content, add_special, parse_special, with_pieces} | detokenize {id, tokens}  (tokens.py)
     apply_template {id, prompt, params, chat_template_kwargs, template_vars, prefill} | slot {id, action, slot, path}
+    embed {id, inputs, pooling, normalize}
 Engine -> server, `Reply`s, tagged by "t":
     progress {stage, n, total} | ready {info} | beat {stuck_s, compiling, loop}
     prepared {id, ids, max_tokens, think, tool_format, grammar, logit_bias, text} | rejected {id, kind, message, ...}
     ev {id, event}: the engine's own Event (engine/request.py), so the engine's events and the server's are one type
-    stats {id, stats} | saved {id, path, routed} | answer {id, tokens | content | prompt | slot}
+    stats {id, stats} | saved {id, path, routed} | answer {id, tokens | content | prompt | slot | embeddings}
 
 Each side decodes with a decoder typed by the union it reads, so a frame that is not one of these (an unknown
 tag, a field of the wrong type, a field too many) is a FrameError naming the frame and the field, raised where
@@ -107,6 +108,14 @@ class ApplyTemplate(Command, tag="apply_template"):
     prefill: bool = False
 
 
+class Embed(Command, tag="embed"):
+    """Embeddings (engine/embeddings.py) of texts (tokenized with special tokens) or token lists."""
+    id: str
+    inputs: list[str | list[int]]
+    pooling: str                                # the server's --pooling
+    normalize: int = 2                          # llama.cpp's embd_normalize
+
+
 class SlotAction(Command, tag="slot"):
     """llama.cpp's /slots/N?action=...; path: a file in the server's --slot-save-path (None to erase)."""
     id: str
@@ -197,10 +206,12 @@ class Answer(Reply, tag="answer"):
     content: str | None = None
     prompt: str | None = None
     slot: dict[str, Any] | None = None
+    embeddings: list[Any] | None = None         # embed's: a vector an input ([T][h] each with pooling none)
+    n_tokens: list[int] | None = None           # embed's: the tokens each input read
 
 
 AnyCommand = Union[Prepare, Submit, Cancel, GetStats, SaveExpertProfile, Shutdown, Tokenize, Detokenize,  # noqa: UP007
-                   ApplyTemplate, SlotAction]
+                   ApplyTemplate, SlotAction, Embed]
 AnyReply = Union[Progress, Ready, Beat, Prepared, Rejected, EventFrame, Stats, Saved, Answer]  # noqa: UP007
 
 

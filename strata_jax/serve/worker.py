@@ -30,6 +30,7 @@ from .protocol import (
     Cancel,
     Command,
     Detokenize,
+    Embed,
     EventFrame,
     FrameError,
     GetStats,
@@ -109,6 +110,7 @@ class Worker:
     def ready_info(self, model: Any, start_s: float) -> dict[str, Any]:
         """What the server shows of this engine: GET /props, /v1/models, the console's ready line."""
         from strata_jax import compile_cache
+        from strata_jax.engine.embeddings import model_pooling
 
         eng, cfg, spec, tk = self.engine, self.engine.config, self.engine.spec, self.engine.tokenizer
         programs = eng.stats().get("programs", {})
@@ -123,6 +125,7 @@ class Worker:
             "build_s": programs.get("build_seconds", 0.0), "pid": os.getpid(),
             "choices": eng.runner.choices, "max_token_bytes": max_token_bytes(tk),
             "compile_cache": compile_cache.counters(),
+            "pooling": model_pooling(model.metadata, spec.architecture),     # --pooling auto's
         }
 
     def heartbeat(self) -> None:
@@ -185,6 +188,8 @@ class Worker:
                 self.writer.send(apply_template(self.engine, cmd))
             case SlotAction():          # llama.cpp's /slots/N?action=...: between windows, off this thread
                 threading.Thread(target=self._slot_action, args=(cmd,), name="slot-file", daemon=True).start()
+            case Embed():               # between windows too
+                threading.Thread(target=self._embed, args=(cmd,), name="embed", daemon=True).start()
             case _:
                 raise ValueError(f"no handler for the command {cmd!r}")
 
@@ -225,6 +230,25 @@ class Worker:
             self.writer.send(Rejected(cmd.id, "internal", "the slot action failed"))
         else:
             self.writer.send(Answer(cmd.id, slot=out))
+
+    def _embed(self, cmd: Embed) -> None:
+        from strata_jax.engine.request import ContextOverflowError, RequestError
+
+        try:
+            ids = [self.engine.prompt_ids(x) for x in cmd.inputs]
+            vectors = self.engine.embed(ids, cmd.pooling, cmd.normalize)
+        except ContextOverflowError as e:
+            self.writer.send(Rejected(cmd.id, "context", str(e), n_prompt_tokens=e.prompt_tokens, max_tokens=0,
+                                      n_ctx=e.n_ctx))
+        except (RequestError, ValueError) as e:
+            self.writer.send(Rejected(cmd.id, "invalid", str(e), param="input"))
+        except RuntimeError as e:               # embeddings beside the expert tiers
+            self.writer.send(Rejected(cmd.id, "server", str(e)))
+        except Exception:
+            log.exception("embeddings failed")
+            self.writer.send(Rejected(cmd.id, "internal", "the embeddings failed"))
+        else:
+            self.writer.send(Answer(cmd.id, embeddings=[v.tolist() for v in vectors], n_tokens=[len(i) for i in ids]))
 
     def _stats(self) -> dict[str, Any]:
         for _ in range(3):      # read while the engine thread changes its dicts: a rare "changed size" error
