@@ -102,6 +102,10 @@ def add_serve(sub: Subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on, or a comma list of them, e.g. 127.0.0.1,::1 (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="N engine replicas behind this one endpoint, as a Ray Serve application (each replica a "
+                        "whole server of its own; a conversation keeps its replica; needs pip install "
+                        "'ray[serve]'); default 1: this one server, no Ray")
     p.add_argument("--api-key", default=envs.api_key(), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: env STRATA_API_KEY)")
     p.add_argument("--model-name", metavar="NAME",
@@ -213,7 +217,37 @@ def run_serve(args: argparse.Namespace) -> int:
             Path(args.chat_template_file).read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"--chat-template-file {args.chat_template_file}: cannot read it ({e})") from None
+    if args.replicas != 1:
+        return _serve_replicas(args, path)
     return serve(server, engine)
+
+
+def _serve_replicas(args: argparse.Namespace, path: str) -> int:
+    """`serve --replicas N`: each replica's server gets this command's arguments less --replicas, --host and
+    --port (abbreviated or not), and the model's path (the default model is fetched here, once)."""
+    from strata_jax.serve.ray_app import need_ray, run_replicas
+
+    need_ray()                                   # first: no Ray is a clear error naming the pip command
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_serve(sub)
+    options = [s for a in sub.choices["serve"]._actions for s in a.option_strings]
+    argv = list(args.argv)
+    argv = argv[argv.index("serve") + 1:]
+    rest, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name, eq, _ = token.partition("=")
+        matches = [o for o in options if o.startswith(name)]      # argparse takes unique abbreviations
+        full = name if name in options else (matches[0] if len(matches) == 1 else None)
+        if token.startswith("--") and full in ("--replicas", "--host", "--port"):
+            skip = not eq
+            continue
+        rest.append(token)
+    if args.model is None:
+        rest.insert(0, path)
+    return run_replicas(rest, args.replicas, args.host, args.port)
 
 
 def add_bench(sub: Subparsers) -> None:
@@ -316,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     if not getattr(args, "run", None):
         parser.print_help()
         return 2
