@@ -27,6 +27,7 @@ from strata_jax.serve.protocol import (
     Beat,
     Cancel,
     Detokenize,
+    Embed,
     EventFrame,
     FrameError,
     GetStats,
@@ -71,6 +72,7 @@ COMMANDS = [
     ApplyTemplate("apply_template-1", CHAT, {"tools": None, "render": [True, False]}, None, {}, True),
     SlotAction("slot-1", "save", 0, "/srv/slots/a.bin"),
     SlotAction("slot-2", "erase", 1),
+    Embed("embed-1", ["hello", [1, 2, 3]], "last", -1),
 ]
 
 EVENTS = [
@@ -100,6 +102,7 @@ REPLIES = [
     Answer("detokenize-1", content="hello"),
     Answer("apply_template-1", prompt="<|user|>hi"),
     Answer("slot-1", slot={"id_slot": 0, "filename": "a.bin", "n_saved": 12}),
+    Answer("embed-1", embeddings=[[0.5, -0.25], [1.0, 0.0]], n_tokens=[3, 4]),
 ]
 
 

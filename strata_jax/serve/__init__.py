@@ -41,8 +41,10 @@ def serve(server: ServerConfig, engine: EngineConfig, *, progress: bool = True) 
 
     sockets = listen_sockets(server.host, server.port)       # first: a bad address fails before the engine starts
     app = build(server, engine, progress=progress)
+    # http="h11", whatever else is installed: h11 writes header names as the app gives them (llama.cpp's
+    # `Access-Control-Allow-Origin`: serve/cors.py), where httptools (which Ray's packages bring) lowercases them
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, http="h11")
     try:
         uvicorn.Server(config).run(sockets=sockets)
     except KeyboardInterrupt:   # uvicorn shut down cleanly, then passes the Ctrl-C on
