@@ -225,28 +225,14 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve_replicas(args: argparse.Namespace, path: str) -> int:
     """`serve --replicas N`: each replica's server gets this command's arguments less --replicas, --host and
     --port (abbreviated or not), and the model's path (the default model is fetched here, once)."""
-    from strata_jax.serve.ray_app import need_ray, run_replicas
+    from strata_jax.serve.ray_app import need_ray, replica_argv, run_replicas
 
     need_ray()                                   # first: no Ray is a clear error naming the pip command
     sub = argparse.ArgumentParser().add_subparsers()
     add_serve(sub)
     options = [s for a in sub.choices["serve"]._actions for s in a.option_strings]
     argv = list(args.argv)
-    argv = argv[argv.index("serve") + 1:]
-    rest, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-            continue
-        name, eq, _ = token.partition("=")
-        matches = [o for o in options if o.startswith(name)]      # argparse takes unique abbreviations
-        full = name if name in options else (matches[0] if len(matches) == 1 else None)
-        if token.startswith("--") and full in ("--replicas", "--host", "--port"):
-            skip = not eq
-            continue
-        rest.append(token)
-    if args.model is None:
-        rest.insert(0, path)
+    rest = replica_argv(argv[argv.index("serve") + 1:], options, None if args.model else path)
     return run_replicas(rest, args.replicas, args.host, args.port)
 
 

@@ -107,3 +107,23 @@ def run_replicas(server_args: Sequence[str], replicas: int, host: str, port: int
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def replica_argv(argv: Sequence[str], options: Sequence[str], model: str | None) -> list[str]:
+    """`serve`'s arguments less --replicas, --host and --port (abbreviated or not, `--port 1` or `--port=1`),
+    with `model` first when the command named none (the default model, fetched once by the caller): what
+    each replica's own server is started with. `options`: every option string `serve` takes."""
+    rest, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name, eq, _ = token.partition("=")
+        matches = [o for o in options if o.startswith(name)]      # argparse takes unique abbreviations
+        full = name if name in options else (matches[0] if len(matches) == 1 else None)
+        if token.startswith("--") and full in ("--replicas", "--host", "--port"):
+            skip = not eq
+            continue
+        rest.append(token)
+    return ([model] if model else []) + rest
+
