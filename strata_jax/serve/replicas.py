@@ -14,6 +14,7 @@ request (before that, the ingress may safely try another replica); then the answ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -35,8 +36,12 @@ HEALTH_TIMEOUT_S = 5.0          # /health answers at once when the server is ali
 # The server's process starts with these lines, then runs `python -m strata_jax serve ...`: if the replica's
 # actor process is killed (ray.kill, a crash), Linux sends the server SIGTERM (PR_SET_PDEATHSIG), and the
 # server's engine, whose own death signal is the server's, goes with it. Set in the child itself, not in a
-# preexec_fn: forking a Ray worker (many threads) and running Python before exec may deadlock.
+# preexec_fn: forking a Ray worker (many threads) and running Python before exec may deadlock. It also takes
+# back SIGINT and SIGTERM, which a Ray worker's child may inherit blocked or ignored (then stop() could not stop
+# the server gently).
 _CHILD = """import ctypes, os, runpy, signal, sys
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+signal.signal(signal.SIGINT, signal.default_int_handler)
 try:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 except (OSError, AttributeError):
@@ -176,5 +181,5 @@ class ReplicaServer:
         if getattr(self, "proc", None) is not None:
             self.stop()
         log = getattr(self, "log_path", None)
-        if log is not None:
+        with contextlib.suppress(Exception):     # at interpreter exit, pathlib may be half torn down
             log.unlink(missing_ok=True)
