@@ -94,6 +94,12 @@ FLAGS = {
                           "compile again (env STRATA_JAX_COMPILE_CACHE=DIR or off)"),
     "seed": Flag("N", "the seed a request to llama.cpp's routes (/completion) without its own samples with "
                  "(llama.cpp's -s)"),
+    "devices": Flag("N", "devices of this host the model runs over (several CPU devices: XLA_FLAGS="
+                    "--xla_force_host_platform_device_count=N); see --split"),
+    "split": Flag("auto|experts|layers", "with --devices N > 1: experts = each device holds E/N experts of every "
+                  "layer, the rest replicated (one program over all devices, the expert rows summed by a psum); "
+                  "layers = each device a contiguous run of layers and their KV (a chain of stage programs); "
+                  "auto: experts for a MoE model, else layers"),
 }
 
 

@@ -19,6 +19,7 @@ KV_TYPES = ("bf16", "f16", "f32", "int8")
 DRAFTERS = ("ngram", "mtp", "none")
 WEIGHT_MODES = ("auto", "blocks", "dequantized")
 EXPERT_POLICIES = ("freq", "lru")          # experts/policy.py: frequency-aware LRU (default), plain LRU
+SPLITS = ("auto", "experts", "layers")     # engine/devices.py: auto = experts for a MoE model, else layers
 
 
 @dataclass
@@ -57,6 +58,8 @@ class EngineConfig:
     warmup: bool = True                  # build the base window programs at start; later layouts off the engine thread
     compile_cache: bool = True           # JAX's persistent compilation cache in the cache folder (compile_cache.py)
     seed: int = 0                        # the seed a llama.cpp-route request without one samples with (-s)
+    devices: int = 1                     # devices of this host the model runs over (engine/devices.py)
+    split: str = "auto"                  # how, with devices > 1: experts (each device E/N experts) | layers (stages) | auto
 
     def __post_init__(self) -> None:
         self.validate()
@@ -140,6 +143,9 @@ class EngineConfig:
              "must be auto, xla, cpu, pallas or interpret")
         need(self.dtype in ("auto", "float32", "bfloat16"), "dtype", self.dtype, "must be auto, float32 or bfloat16")
         need(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+        need(isinstance(self.devices, int) and 1 <= self.devices <= 64, "devices", self.devices,
+             "must be a whole number of devices from 1 to 64")
+        need(self.split in SPLITS, "split", self.split, f"must be one of {', '.join(SPLITS)}")
 
     def attention_chunk(self) -> int:
         """Keys an attention step reads; KV lengths are multiples of it, and so is kv_resident."""

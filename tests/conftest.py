@@ -19,7 +19,7 @@ SLOW_FILES = frozenset({
     "test_sampling_api.py", "test_server_faults.py", "test_mtp.py", "test_loadtests.py", "test_tool_formats.py",
     "test_windows.py", "test_fuzz.py", "test_prefix_cache.py", "test_server_limits.py", "test_model_logits.py",
     "test_kernels.py", "test_structured.py", "test_spec.py", "test_cpu_kernels.py", "test_experts.py",
-    "test_smollm2.py", "test_replicas.py",
+    "test_smollm2.py", "test_replicas.py", "test_devices.py",
 })
 
 

@@ -39,8 +39,17 @@ def kv_bytes(spec, dtype, parallel: int, device_len: int) -> int:
 
 
 class KVCache:
-    def __init__(self, spec, parallel: int, device_len: int, dtype, host: KVHostStore | None = None):
-        self._new = lambda: new_kv_cache(spec, parallel, device_len, dtype)
+    def __init__(self, spec, parallel: int, device_len: int, dtype, host: KVHostStore | None = None,
+                 place: Callable[[dict], dict] | None = None, stages: list | None = None):
+        """place: where the arrays live when not on the default device (--split experts: on every device).
+        stages (--split layers): [(a stage's spec, its device)]: the arrays are then a tuple of per-stage
+        dicts, each [its layers, slots, ...] on its device (layer i of the model is layer i - start of its
+        stage's), and read, write, copy and slot join or split them on the layer axis."""
+        make = lambda: new_kv_cache(spec, parallel, device_len, dtype)
+        if stages is not None:
+            make = lambda: tuple(jax.device_put(new_kv_cache(s, parallel, device_len, dtype), d)
+                                 for s, d in stages)
+        self._new = make if place is None else (lambda: place(make()))
         self._arrays: dict[str, jax.Array] = self._new()
         self.device_len = device_len
         self.host = host
@@ -51,6 +60,13 @@ class KVCache:
     @property
     def arrays(self) -> dict[str, jax.Array]:
         return self._arrays
+
+    def _parts(self) -> list[dict]:
+        """The per-stage dicts (one: the whole cache)."""
+        return list(self._arrays) if isinstance(self._arrays, tuple) else [self._arrays]
+
+    def _whole(self, parts: list[dict]):
+        return tuple(parts) if isinstance(self._arrays, tuple) else parts[0]
 
     def through(self, run: Callable[[dict], Any]) -> Any:
         """run(arrays) -> (..., the new arrays): a program run on the cache that returns it last. The
@@ -72,7 +88,7 @@ class KVCache:
     def scratch(self):
         """A blank cache (device and host parts) for the duration; the slots' own is put back after."""
         saved = self._arrays
-        self._arrays = {k: jnp.zeros_like(v) for k, v in saved.items()}
+        self._arrays = self._new()
         try:
             with self.host.scratch() if self.host is not None else nullcontext():
                 yield
@@ -82,7 +98,7 @@ class KVCache:
     def slot(self, slot: int, n: int) -> dict[str, np.ndarray]:
         """A slot's first n positions, from the device and host parts: {name: [layers, n, ...]}."""
         d = min(n, self.device_len)
-        out = {name: np.asarray(a[:, slot, :d]) for name, a in self._arrays.items()}
+        out = _join([{name: np.asarray(a[:, slot, :d]) for name, a in part.items()} for part in self._parts()])
         if n > d:
             host = self.host.read(slot, d, n)
             out = {name: np.concatenate([out[name], host[name]], axis=1) for name in out}
@@ -94,8 +110,8 @@ class KVCache:
         on_dev = max(0, min(start + size, self.device_len) - start)
         parts = []
         if on_dev:
-            out = self._read(self._arrays, jnp.int32(slot), jnp.int32(start), size=on_dev)
-            parts.append({k: np.asarray(v) for k, v in out.items()})
+            outs = [self._read(c, jnp.int32(slot), jnp.int32(start), size=on_dev) for c in self._parts()]
+            parts.append(_join([{k: np.asarray(v) for k, v in out.items()} for out in outs]))
         if on_dev < size:
             parts.append(self.host.read(slot, start + on_dev, start + size))
         return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
@@ -106,13 +122,22 @@ class KVCache:
         on_dev = max(0, min(start + size, self.device_len) - start)
         if on_dev:
             part = block if on_dev == size else {k: v[:, :on_dev] for k, v in block.items()}
-            self.through(lambda c: (self._write(c, part, jnp.int32(slot), jnp.int32(start)),))
+            at = np.cumsum([0] + [next(iter(c.values())).shape[0] for c in self._parts()])   # stages' first layers
+            self.through(lambda cs: (self._whole([
+                self._write(c, {k: v[a:b] for k, v in part.items()}, jnp.int32(slot), jnp.int32(start))
+                for c, a, b in zip(self._parts(), at[:-1], at[1:])]),))
         if on_dev < size:
             self.host.put(slot, start + on_dev, {k: v[:, on_dev:] for k, v in block.items()})
 
     def copy(self, src: int, dst: int, n_blocks: int, block: int) -> None:
         """Slot src's first n_blocks * block device positions into slot dst, a block at a time, in place."""
-        self.through(lambda c: (self._copy(c, jnp.int32(src), jnp.int32(dst), jnp.int32(n_blocks), size=block),))
+        self.through(lambda cs: (self._whole([self._copy(c, jnp.int32(src), jnp.int32(dst), jnp.int32(n_blocks),
+                                                         size=block) for c in self._parts()]),))
+
+
+def _join(parts: list[dict]) -> dict[str, np.ndarray]:
+    """Per-stage {name: [its layers, ...]} -> one {name: [layers, ...]}."""
+    return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def _read_block(cache: dict, slot, start, *, size: int) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 
 import pallas_kernels as pk
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..experts import EXPERT_TENSORS, ExpertArena, HostTier, expert_tensors, slot_bytes
 from ..experts.hybrid import HostRule, host_device, host_rate, link_rate, memcpy_rate
 from ..experts.profile import ExpertProfile, pins_for
@@ -47,13 +47,19 @@ class Tiers:
 
 
 def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: dict, ledger: MemoryLedger,
-                  temp: int) -> Tiers:
+                  temp: int, shards: int = 1) -> Tiers:
     """--expert-cache auto: every expert on the device when they fit beside the weights, the KV cache,
     the largest window's temporary memory and the reserve (today's one-program path); otherwise, or
-    with an explicit number of slots, a device arena of that many expert slots a layer."""
+    with an explicit number of slots, a device arena of that many expert slots a layer. shards: devices
+    the experts are split over (--split experts: a device holds E/N of them, and the ledger is a device's)."""
     spec, mode, dtype, policy = model.spec, choices["weights"], choices["dtype"], cfg.expert_policy
-    all_bytes = expert_tensor_bytes(model, mode, dtype)
+    all_bytes = expert_tensor_bytes(model, mode, dtype) // shards
     free = ledger.free
+    if shards > 1 and free is not None and all_bytes + temp > free:
+        raise ConfigError(f"split = experts over {shards} devices: a device's {spec.n_experts // shards} experts "
+                          f"of every layer ({all_bytes / 2**20:.1f} MiB) and the largest window "
+                          f"({temp / 2**20:.1f} MiB) do not fit its {free / 2**20:.1f} MiB free; the expert tiers do "
+                          "not combine with the split: use more devices")
     layers = list(spec.moe_layers)          # dense layers among them (GLM-4.5's first ones) keep their FFN
     # Layers may differ in quant type (Q4_K_M files give some layers' ffn_down_exps Q6_K): the arena's leaf
     # shapes, quant types and conversion are per layer.
@@ -78,7 +84,8 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
     if cfg.expert_cache == "auto":
         if free is None or all_bytes + temp <= free:
             load_experts(model, params, mode, dtype)
-            ledger.reserve_bytes("experts", all_bytes, "every expert on the device")
+            ledger.reserve_bytes("experts", all_bytes, "every expert on the device" if shards == 1 else
+                                 f"a device's {spec.n_experts // shards} experts of every layer")
             if cfg.expert_profile:        # checked all the same: a bad file is an error, not a surprise
                 ExpertProfile.load(cfg.expert_profile, spec)
                 log.info("expert profile %s: every expert is on the device, nothing to pin", cfg.expert_profile)

@@ -13,25 +13,26 @@ LayerStepper (stepped.py). None of them holds the runner.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..experts.profile import ExpertProfile
 from ..gguf import GGUFModel
 from ..model import RunOptions, load_nextn_experts, load_params
 from .choices import KV_DTYPES, resolve
 from .constrain import fill_masks
 from .controls import controls_of, sample_controlled
+from .devices import AXIS, ExpertShards, devices_for, ledger_for, resolve_split
 from .embeddings import Embedder
 from .faults import Faults
 from .kv_cache import KVCache, kv_bytes
 from .kv_host import KVHostStore
 from .layouts import WindowLayouts, decode_only
-from .memory import MemoryLedger
+from .pipeline import Pipeline, stage_kv
 from .placement import largest_window_temp_bytes, place_experts
 from .programs import Layout, ProgramCache
 from .sampler import SamplingRows, sample
@@ -65,6 +66,13 @@ class ModelRunner:
         self.choices = resolve(cfg, model)
         chunk = cfg.attention_chunk()
         self.opts = RunOptions(dtype=self.choices["dtype"], backend=self.choices["backend"], attn_chunk=chunk)
+        # --devices N (devices.py): "none", one device as before; "experts", each window one program over a
+        # mesh whose devices hold E/N experts each; "layers", a chain of stage programs (pipeline.py)
+        self.split = resolve_split(cfg, self.spec)
+        devs = devices_for(cfg, self.spec, self.split) if self.split != "none" else []
+        self.shards = ExpertShards.over(devs) if self.split == "experts" else None
+        if self.shards is not None:
+            self.opts = replace(self.opts, expert_axis=AXIS)
         # The smallest row bucket of decode and verify windows. XLA's dot takes another path for one row
         # than for 2..32 (DESIGN.md, Batch invariance), so a lone row is padded to two. With blocks on the
         # cpu backend every product, the attention and the router run in its kernels, whose rows are
@@ -74,7 +82,7 @@ class ModelRunner:
         # --kv-resident N: the device holds a slot's first N positions, host RAM the rest (kv_host.py)
         self.device_len = min(cfg.kv_resident or self.cache_len, self.cache_len)
         self.faults = Faults()
-        self.ledger = MemoryLedger(cfg.device_memory_mib, cfg.vram_reserve_mib)
+        self.ledger = ledger_for(cfg, self.split, len(devs))
         # The routed experts are placed after the weights and the KV cache: all on the device when they fit
         # (--expert-cache auto), else in a device arena fed by the host and file tiers (experts/).
         self.params = load_params(model, self.choices["weights"], self.choices["dtype"], progress, experts=False)
@@ -87,7 +95,9 @@ class ModelRunner:
             host = KVHostStore(self.spec, self.device_len, self.cache_len, chunk, self.kv_dtype)
             log.info("KV: the first %d positions of each slot on the device, up to %d more in host RAM",
                      self.device_len, self.cache_len - self.device_len)
-        self.kv = KVCache(self.spec, cfg.parallel, self.device_len, self.kv_dtype, host)     # its one owner
+        self.kv = KVCache(self.spec, cfg.parallel, self.device_len, self.kv_dtype, host,   # its one owner
+                          place=self.shards.replicate if self.shards is not None else None,
+                          stages=stage_kv(self.spec, devs) if self.split == "layers" else None)
         # --drafter mtp: window programs also hand back every token's last hidden state (the MTP layer's
         # input), kept on the device until the engine takes them (take_hiddens)
         self.with_hidden = cfg.spec > 0 and cfg.drafter == "mtp"
@@ -103,7 +113,8 @@ class ModelRunner:
         self.expert_counts = None          # device mode: int32 [n_layers, E], routing of live traffic
         if self.spec.is_moe:
             temp = largest_window_temp_bytes(self.spec, cfg, self.choices, self.opts, self.cache_len, self.device_len)
-            t = place_experts(model, self.params, cfg, self.choices, self.ledger, temp)
+            t = place_experts(model, self.params, cfg, self.choices, self.ledger, temp,
+                              self.shards.n if self.shards is not None else 1)
             self.expert_mode = t.mode
             if t.mode == "device":
                 self.expert_counts = self._new_counts()
@@ -116,9 +127,19 @@ class ModelRunner:
             nbytes = load_nextn_experts(model, self.params, self.choices["weights"], self.choices["dtype"])
             if nbytes:
                 self.ledger.reserve_bytes("experts", nbytes, "the NextN (MTP) layer's experts, for the mtp drafter")
+        if self.shards is not None:          # every expert is loaded now: E/N of them onto each device
+            self.params = self.shards.place(self.params)
+        self.pipeline: Pipeline | None = None
+        if self.split == "layers":           # each device its stage's weights, KV and programs
+            if self.stepper is not None:
+                raise ConfigError("split = layers: the experts do not fit, and the expert tiers do not combine")
+            self.programs.close()
+            self.pipeline = Pipeline(self.params, self.spec, self.opts, devs, self.kv, cfg, self.kv_dtype,
+                                     self.device_len, self.faults)
+            self.programs, self.expert_counts = self.pipeline.programs, None
         self._hiddens: list[jax.Array] | None = None     # the last window's, until take_hiddens
         # embeddings ("hidden" programs) read the weights as the whole-window program does: not beside the tiers
-        self.embedder = None if self.stepper is not None else Embedder(
+        self.embedder = None if self.stepper is not None or self.split != "none" else Embedder(
             self.params, self.spec, self.opts, self.programs, self.kv, self.layouts.kv_bucket,
             int(self.choices["prefill"]))
         self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
@@ -174,6 +195,8 @@ class ModelRunner:
         self.windows += 1
         self.faults.on_window()
         self._hiddens = None
+        if self.pipeline is not None:
+            return self.pipeline.run(groups, layout)
         if self.stepper is not None:
             out = self.stepper.run(groups, layout)
             if self.with_hidden:
@@ -250,7 +273,8 @@ class ModelRunner:
 
     def _build(self, layout: Layout):
         """The program cache's builder of whole windows (window_program.py)."""
-        return build_window(layout, self.params, self.spec, self.opts, self.kv, self.with_hidden, self.expert_counts)
+        return build_window(layout, self.params, self.spec, self.opts, self.kv, self.with_hidden, self.expert_counts,
+                            self.shards)
 
     # ---- the KV cache (kv_cache.py owns it) -----------------------------------------------------------
 
@@ -278,7 +302,8 @@ class ModelRunner:
     # ---- experts and counters -------------------------------------------------------------------------
 
     def _new_counts(self):
-        return jnp.zeros((self.spec.n_layers, self.spec.n_experts), jnp.int32)
+        counts = jnp.zeros((self.spec.n_layers, self.spec.n_experts), jnp.int32)
+        return counts if self.shards is None else self.shards.replicate(counts)
 
     def expert_profile(self) -> ExpertProfile:
         """The routing of live traffic since start, per (MoE layer, expert). Call from the engine thread."""
@@ -308,7 +333,8 @@ class ModelRunner:
         kv = {"device_positions": self.device_len, "positions": self.cache_len,
               **(self.kv_host.stats() if self.kv_host is not None else {})}
         return {"programs": self.programs.snapshot(), "memory": self.ledger.snapshot(), "windows": self.windows,
-                "experts": self.expert_stats(), "kv_cache": kv, **{k: v for k, v in self.choices.items()}}
+                "experts": self.expert_stats(), "kv_cache": kv, **{k: v for k, v in self.choices.items()},
+                "devices": {"count": self.cfg.devices, "split": self.split}}
 
 
 def greedy_on_host(logits: np.ndarray) -> np.ndarray:

@@ -17,10 +17,12 @@ from .kv_cache import KVCache
 from .programs import Layout
 
 
-def build_window(layout: Layout, params: dict, spec, opts, kv: KVCache, with_hidden: bool, counts=None):
+def build_window(layout: Layout, params: dict, spec, opts, kv: KVCache, with_hidden: bool, counts=None,
+                 shards=None):
     """Compile the window program of `layout`, lowered from shapes only: the builder thread compiles while
     the engine thread runs, donates and replaces the arrays. counts: the expert profile's counts array
-    (its shape), or None when routing is not counted in the program."""
+    (its shape), or None when routing is not counted in the program. shards: --split experts' mesh
+    (devices.ExpertShards): the program runs over every device of it, else None (one device)."""
     counting = counts is not None
 
     def window(params, cache, *flat):
@@ -37,6 +39,11 @@ def build_window(layout: Layout, params: dict, spec, opts, kv: KVCache, with_hid
     for rows, length, _, picks in layout.groups:
         args += [S((rows, length), i32), S((rows, length), i32), S((rows,), i32)] + [S((picks,), i32)] * bool(picks)
     donate = (1, 2) if counting else (1,)
+    if shards is not None:
+        fn = shards.wrap(window, params, 1 + len(args))
+        rep = shards.replicated
+        return jax.jit(fn, donate_argnums=donate).lower(shards.shapes(params), shards.shapes(kv.arrays, rep),
+                                                        *shards.shapes(args, rep)).compile()
     return jax.jit(window, donate_argnums=donate).lower(shapes(params), shapes(kv.arrays), *shapes(args)).compile()
 
 

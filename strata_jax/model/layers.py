@@ -127,11 +127,40 @@ def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
     return w * spec.expert_weights_scale, ids.astype(jnp.int32)
 
 
-def moe(x: jax.Array, lp: LayerWeights, spec: ModelSpec, backend: str) -> jax.Array:
-    """Mixture of experts over x [N, h]: each token's top-k experts, weighted; plus the shared expert."""
+def moe(x: jax.Array, lp: LayerWeights, spec: ModelSpec, backend: str, axis: str | None = None) -> jax.Array:
+    """Mixture of experts over x [N, h]: each token's top-k experts, weighted; plus the shared expert.
+    axis: the mesh axis the experts are sharded over (--split experts; inside shard_map), else None."""
     w, ids = route(x, lp.router.weight, spec, backend, lp.router.bias)
-    y = expert_rows(x, ids, ids, lp.experts, spec.n_experts, backend)
+    if axis is None:
+        y = expert_rows(x, ids, ids, lp.experts, spec.n_experts, backend)
+    else:
+        y = sharded_expert_rows(x, ids, lp.experts, spec.n_experts, backend, axis)
     return combine_experts(x, y, w, lp.shared, backend)
+
+
+def sharded_expert_rows(x: jax.Array, ids: jax.Array, p: dict[str, Weight], n_experts: int, backend: str,
+                        axis: str) -> jax.Array:
+    """expert_rows when each device of mesh axis `axis` holds a contiguous E/N of the experts (p's leading
+    axis is the local one): each device computes only the rows whose expert it holds (local id = id -
+    axis_index * E/N; the others get id -1, which the cpu kernel skips and gives zeros for, or are masked),
+    then one psum adds the [N, k, h] rows over the axis. Exactly one device gives each row and the others
+    add exact zeros, so the sum is the row itself: the same bits as one device (tests/test_devices.py)."""
+    held = _leading(p["exp_gate"])                                                          # E/N
+    local = ids - jax.lax.axis_index(axis) * held
+    mine = (local >= 0) & (local < held)                                                    # [N, k]
+    if backend == "cpu" and isinstance(p["exp_gate"], QTensor):
+        where = jnp.where(mine, local, -1)          # the kernel reads no weights for -1 and gives zeros
+    else:
+        where = jnp.where(mine, local, 0)           # XLA's tiles need a real expert: computed, then masked
+    # n_experts (all of them, not E/N) fixes the tile count: the same shapes as on one device
+    y = expert_rows(x, ids, where, p, n_experts, backend)
+    y = jnp.where(mine[..., None], y, 0.0)
+    return jax.lax.psum(y, axis)
+
+
+def _leading(w: Weight) -> int:
+    """Experts a [E, ...] expert tensor holds (its local shard inside shard_map)."""
+    return int((w.data if isinstance(w, QTensor) else w).shape[0])
 
 
 def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict[str, Weight], n_groups: int,

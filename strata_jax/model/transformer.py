@@ -40,6 +40,7 @@ class RunOptions:
     dtype: str = "float32"          # activations: float32 on a CPU, bfloat16 on a GPU
     backend: str = "xla"            # pallas_kernels backend for weights kept in blocks
     attn_chunk: int = 256           # keys an attention step reads; kv lengths are multiples of it
+    expert_axis: str | None = None  # --split experts: the mesh axis the routed experts are sharded over
 
 
 def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype) -> dict[str, jax.Array]:
@@ -162,7 +163,7 @@ def decoder_layer(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups
         R, L = g.tokens.shape
         hx = rms_norm(x, lp.ffn_norm, spec.rms_eps)
         if lp.is_moe:
-            ffn = moe(hx.reshape(R * L, -1), lp, spec, opts.backend).reshape(R, L, -1)
+            ffn = moe(hx.reshape(R * L, -1), lp, spec, opts.backend, opts.expert_axis).reshape(R, L, -1)
             if counts is not None:      # the same router math as moe()'s: XLA computes it once
                 _, ids = route(hx.reshape(R * L, -1), lp.router.weight, spec, opts.backend, lp.router.bias)  # [R*L, k]
                 real = jnp.repeat((g.pos.reshape(-1) >= 0).astype(jnp.int32), ids.shape[1])

@@ -1,0 +1,97 @@
+"""--devices N checks and figures, in a process of its own: XLA_FLAGS must force the CPU devices before JAX
+starts, so tests/test_devices.py (whose JAX already has one device) runs this as a child.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python scripts/multi_device.py check MODEL.gguf \\
+        '[[1, "auto"], [2, "experts"], [4, "experts"], [2, "layers"], [4, "layers"]]'
+        -> one JSON line: per (devices, split) whether the logits are the same bits as the first entry's,
+           their largest difference, and whether greedy tokens (alone, and two requests at once) agree
+    XLA_FLAGS=... python scripts/multi_device.py bench MODEL.gguf '[[1, "auto"], [4, "experts"]]' [TOKENS]
+        -> one JSON line: decode tokens/s of one request and of four at once, per entry
+    XLA_FLAGS=... python scripts/multi_device.py errors MODEL.gguf '[{"devices": 3, "split": "experts"}, ...]'
+        -> one JSON line: each config's ConfigError message (null: it started)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from strata_jax import Engine, EngineConfig
+from strata_jax.config import ConfigError
+
+PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 31, 77]
+OTHER = [9, 8, 7, 6, 5, 4, 3, 2]
+
+
+def engine(path: str, devices: int = 1, split: str = "auto", **extra) -> Engine:
+    cfg = {"parallel": 4, "max_context": 128, "prefill": 16, "warmup": False, "devices": devices,
+           "split": split} | extra
+    return Engine.from_gguf(path, EngineConfig(**cfg))
+
+
+def run_check(path: str, entries: list) -> dict:
+    out, base = [], None
+    for devices, split, *extra in entries:               # [devices, split(, {more EngineConfig settings})]
+        eng = engine(path, devices, split, **(extra[0] if extra else {}))
+        try:
+            logits = eng.logits(PROMPT)
+            alone = eng.generate(PROMPT, max_tokens=6, temperature=0.0).tokens
+            hs = [eng.submit(p, max_tokens=6, temperature=0.0) for p in (PROMPT, OTHER)]
+            together = [[ev.token for ev in h if ev.kind == "token"] for h in hs]
+            stats = eng.stats()
+        finally:
+            eng.close()
+        res = {"logits": logits, "alone": alone, "together": together}
+        base = base or res
+        out.append({"devices": devices, "split": split, "bits_equal": bool(np.array_equal(logits, base["logits"])),
+                    "max_diff": float(np.max(np.abs(logits - base["logits"]))),
+                    "tokens_equal": alone == base["alone"] and together == base["together"],
+                    "alone": alone, "together": together, "runner": stats.get("devices")})
+    return {"results": out}
+
+
+def run_bench(path: str, entries: list, tokens: int) -> dict:
+    """Decode tokens/s (the engine's own predicted_per_second: after the first token) of one request, and
+    of four at once (generated tokens / wall time, prompts included), each workload run once to build its
+    programs and then measured."""
+    out = []
+    for devices, split in entries:
+        eng = engine(path, devices, split)
+        try:
+            for _ in range(2):                  # the first pass builds the programs the second one meets
+                one = eng.generate(PROMPT, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+                t0 = time.perf_counter()
+                hs = [eng.submit(OTHER + PROMPT[i:], max_tokens=tokens, temperature=0.0, ignore_eos=True)
+                      for i in range(4)]
+                n = sum(sum(ev.kind == "token" for ev in h) for h in hs)
+                wall = time.perf_counter() - t0
+        finally:
+            eng.close()
+        out.append({"devices": devices, "split": split, "one_tok_s": round(one.stats["predicted_per_second"], 2),
+                    "four_tok_s": round(n / wall, 2)})
+    return {"results": out}
+
+
+def run_errors(path: str, configs: list) -> dict:
+    out = []
+    for extra in configs:
+        try:
+            engine(path, **extra).close()
+            out.append(None)
+        except ConfigError as e:
+            out.append(str(e))
+    return {"results": out}
+
+
+if __name__ == "__main__":
+    mode, model, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    if mode == "check":
+        res = run_check(model, spec)
+    elif mode == "errors":
+        res = run_errors(model, spec)
+    else:
+        res = run_bench(model, spec, int(sys.argv[4]) if len(sys.argv) > 4 else 32)
+    print(json.dumps(res, default=lambda a: a.tolist() if hasattr(a, "tolist") else str(a)))

@@ -1,0 +1,74 @@
+"""--devices N over the forced CPU devices of one host: --split experts and --split layers give the logits
+and greedy tokens of one device (issue 19). XLA_FLAGS must force the devices before JAX starts, and this
+process's JAX already has one, so the checks run in a child (scripts/multi_device.py) and these tests read
+its JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from strata_jax import Engine, EngineConfig
+from strata_jax.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+MOE = {"arch": "qwen3moe", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
+       "expert_ffn": 32}
+DENSE = {"arch": "llama", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2}
+
+
+def child(mode: str, model: Path, spec, devices: int = 4) -> list:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "multi_device.py"), mode, str(model),
+                           json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+
+
+def check_equal(results: list) -> None:
+    base = results[0]
+    assert base["runner"] == {"count": 1, "split": "none"}
+    for r in results[1:]:
+        assert r["runner"] == {"count": r["devices"], "split": r["split"]}, r
+        assert r["bits_equal"], f"{r['devices']} devices, split {r['split']}: logits differ by {r['max_diff']}"
+        assert r["tokens_equal"], (r, base)
+
+
+def test_moe_both_splits_give_one_devices_logits(tiny_model):
+    results = child("check", tiny_model(**MOE), [[1, "auto"], [2, "experts"], [4, "experts"], [4, "layers"]])
+    check_equal(results)
+
+
+def test_dense_layers_split_gives_one_devices_logits(tiny_model):
+    results = child("check", tiny_model(**DENSE), [[1, "auto"], [2, "layers"], [4, "layers"]])
+    check_equal(results)
+
+
+def test_what_cannot_split_is_refused_with_the_reason(tiny_model):
+    moe, dense = tiny_model(**MOE), tiny_model(**DENSE)
+    errs = child("errors", moe, [{"devices": 3, "split": "experts"}, {"devices": 4, "kv_resident": 64},
+                                 {"devices": 2, "expert_cache": 4}, {"devices": 8}])
+    assert "8 experts do not divide over 3 devices" in errs[0]
+    assert "kv_resident = 64" in errs[1]
+    assert "expert_cache = 4" in errs[2]
+    assert "JAX sees 4 cpu device(s)" in errs[3] and "device_count=8" in errs[3]
+    errs = child("errors", dense, [{"devices": 2, "split": "experts"}, {"devices": 4, "split": "layers"}])
+    assert "no experts to split" in errs[0]
+    assert errs[1] is None                      # 4 layers over 4 devices: one layer a stage
+
+
+def test_more_devices_than_jax_sees_names_the_count_and_the_flag(tiny_model):
+    with pytest.raises(ConfigError, match=r"devices = 4: JAX sees 1 cpu device\(s\).*"
+                                          r"XLA_FLAGS=--xla_force_host_platform_device_count=4"):
+        Engine.from_gguf(tiny_model(**MOE), EngineConfig(devices=4, warmup=False))
+
+
+@pytest.mark.parametrize("bad", [{"devices": 0}, {"devices": "2"}, {"split": "rows"}])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ConfigError):
+        EngineConfig(**bad)
