@@ -42,15 +42,30 @@ def run_check(path: str, entries: list) -> dict:
             hs = [eng.submit(p, max_tokens=6, temperature=0.0) for p in (PROMPT, OTHER)]
             together = [[ev.token for ev in h if ev.kind == "token"] for h in hs]
             stats = eng.stats()
+            kv = kv_moves(eng)
         finally:
             eng.close()
-        res = {"logits": logits, "alone": alone, "together": together}
+        res = {"logits": logits, "alone": alone, "together": together, "kv": kv}
         base = base or res
         out.append({"devices": devices, "split": split, "bits_equal": bool(np.array_equal(logits, base["logits"])),
                     "max_diff": float(np.max(np.abs(logits - base["logits"]))),
                     "tokens_equal": alone == base["alone"] and together == base["together"],
+                    "kv_equal": all(np.array_equal(kv[k], base["kv"][k]) for k in kv),
                     "alone": alone, "together": together, "runner": stats.get("devices")})
     return {"results": out}
+
+
+def kv_moves(eng: Engine) -> dict[str, np.ndarray]:
+    """The KV cache's moves the prefix cache makes (KVCache.read, write, copy: per stage with --split
+    layers), between windows on the engine thread's idle slots 2 and 3 -> what each left in slot 3."""
+    kv, out = eng.runner.kv, {}
+    block = kv.read(0, 0, 16)                               # slot 0 holds PROMPT's KV
+    kv.write(3, 0, block)
+    out["written"] = kv.slot(3, 16)["k"]
+    kv.copy(1, 3, 1, 16)                                    # slot 1: OTHER's
+    out["copied"] = kv.slot(3, 16)["k"]
+    out["read"] = block["k"]
+    return out
 
 
 def run_bench(path: str, entries: list, tokens: int) -> dict:

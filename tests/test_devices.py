@@ -37,6 +37,7 @@ def check_equal(results: list) -> None:
         assert r["runner"] == {"count": r["devices"], "split": r["split"]}, r
         assert r["bits_equal"], f"{r['devices']} devices, split {r['split']}: logits differ by {r['max_diff']}"
         assert r["tokens_equal"], (r, base)
+        assert r["kv_equal"], r             # the prefix cache's KV moves (read, write, copy) across stages
 
 
 def test_moe_both_splits_give_one_devices_logits(tiny_model):
