@@ -15,14 +15,12 @@ Ray is imported only here, and only when this runs: the engine and `serve` witho
 
 from __future__ import annotations
 
-import logging
+import signal
 import time
 from collections.abc import Sequence
 
 from .. import envs
 from .replicas import ReplicaServer
-
-log = logging.getLogger("strata_jax.serve")
 
 PIP_HINT = "pip install 'ray[serve]==2.60.0'  (or: pip install 'strata-jax[ray]')"
 APP_NAME = "strata"
@@ -95,18 +93,23 @@ def run_replicas(server_args: Sequence[str], replicas: int, host: str, port: int
     ray, serve = need_ray()
     if "," in host:
         raise ValueError(f"--host {host}: with --replicas, one address (Ray Serve's proxy listens on one)")
-    url = start(server_args, replicas, host, port)
-    print(f"strata-jax: {replicas} replicas ({', '.join(replica_names(replicas))}) behind {url} "
-          f"(GET {url}/health shows each); Ctrl-C stops them", flush=True)
     try:
+        url = start(server_args, replicas, host, port)
+        signal.signal(signal.SIGTERM, _interrupt)  # after ray.init (it sets its own): `kill PID` acts as Ctrl-C
+        print(f"strata-jax: {replicas} replicas ({', '.join(replica_names(replicas))}) behind {url} "
+              f"(GET {url}/health shows each); Ctrl-C stops them", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
-    finally:
+    finally:                 # the replicas stop their servers; a local Ray started here goes too
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def replica_argv(argv: Sequence[str], options: Sequence[str], model: str | None) -> list[str]:

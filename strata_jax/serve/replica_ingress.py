@@ -28,7 +28,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from . import replica_routing as routing
 
-PROBE_TIMEOUT_S = 3.0
+PROBE_TIMEOUT_S = 3.0           # a replica that does not say how it is in 3 s is routed around
+FIRST_PROBE_TIMEOUT_S = 30.0
 
 
 class ReplicaIngress:
@@ -46,10 +47,10 @@ class ReplicaIngress:
     def healthy(self) -> dict[str, bool]:
         return {n: bool(i.get("ok")) for n, i in self.info.items()}
 
-    async def _probe(self, name: str) -> None:
+    async def _probe(self, name: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         call = self.handles[name].health.remote()
         try:
-            self.info[name] = await asyncio.wait_for(_awaited(call), PROBE_TIMEOUT_S)
+            self.info[name] = await asyncio.wait_for(_awaited(call), timeout)
         except Exception as e:  # noqa: BLE001 - a replica being replaced (Ray queues the call), or its actor gone
             call.cancel()
             self.info[name] = {"name": name, "ok": False, "status": "unavailable",
@@ -60,9 +61,14 @@ class ReplicaIngress:
             await asyncio.gather(*(self._probe(n) for n in self.names))
             await asyncio.sleep(self.poll_s)
 
-    def _start_poller(self) -> None:
+    async def _start_poller(self) -> None:
+        """At the first request: a first look at every replica, given time (a handle's first call waits for
+        Ray to tell it where the replicas are: seconds), then the poller."""
         if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll())
+            if self._poller is None:
+                await asyncio.gather(*(self._probe(n, FIRST_PROBE_TIMEOUT_S) for n in self.names))
+            if self._poller is None or self._poller.done():
+                self._poller = asyncio.get_running_loop().create_task(self._poll())
 
     async def _health(self) -> Response:
         await asyncio.gather(*(self._probe(n) for n in self.names))
@@ -75,7 +81,7 @@ class ReplicaIngress:
 
     # -- requests --------------------------------------------------------------------------------------------
     async def __call__(self, request: Request) -> Response:
-        self._start_poller()
+        await self._start_poller()
         path = request.url.path
         if path == "/health" and request.method in ("GET", "HEAD"):
             return await self._health()
