@@ -51,7 +51,10 @@ def run_check(path: str, entries: list) -> dict:
                     "max_diff": float(np.max(np.abs(logits - base["logits"]))),
                     "tokens_equal": alone == base["alone"] and together == base["together"],
                     "kv_equal": all(np.array_equal(kv[k], base["kv"][k]) for k in kv),
-                    "alone": alone, "together": together, "runner": stats.get("devices")})
+                    "alone": alone, "together": together, "runner": stats.get("devices"),
+                    "programs": [{k: p[k] for k in ("live", "evicted", "oom_recoveries")}
+                                 for p in stats["programs"].get("devices", [stats["programs"]])],
+                    "memory": stats["memory"]})
     return {"results": out}
 
 

@@ -40,9 +40,26 @@ def check_equal(results: list) -> None:
         assert r["kv_equal"], r             # the prefix cache's KV moves (read, write, copy) across stages
 
 
+# A device-memory budget (vram reserve 0) that holds the weights, the KV and about 3 of the 5 programs the
+# check meets: each device's program cache runs out and frees its own older half (per-device ledgers).
+TIGHT = {"experts": {"device_memory_mib": 1.5, "vram_reserve_mib": 0},
+         "layers": {"device_memory_mib": 1.0, "vram_reserve_mib": 0}}
+
+
 def test_moe_both_splits_give_one_devices_logits(tiny_model):
-    results = child("check", tiny_model(**MOE), [[1, "auto"], [2, "experts"], [4, "experts"], [4, "layers"]])
+    results = child("check", tiny_model(**MOE), [[1, "auto"], [2, "experts", TIGHT["experts"]], [4, "experts"],
+                                                 [2, "layers"], [4, "layers", TIGHT["layers"]]])
     check_equal(results)
+    for r in (results[1], results[4]):          # the tight budgets: every device freed its own programs once
+        assert len(r["programs"]) == (1 if r["split"] == "experts" else r["devices"]), r["programs"]
+        assert all(p["oom_recoveries"] >= 1 and p["live"] <= 3 for p in r["programs"]), r["programs"]
+
+
+def test_the_program_bound_holds_on_each_device(tiny_model):
+    results = child("check", tiny_model(**MOE), [[1, "auto"], [4, "layers", {"max_programs": 2}]])
+    check_equal(results)
+    assert [p["live"] for p in results[1]["programs"]] == [2, 2, 2, 2]
+    assert all(p["evicted"] >= 1 for p in results[1]["programs"])
 
 
 def test_dense_layers_split_gives_one_devices_logits(tiny_model):

@@ -103,7 +103,8 @@ def embed(core, inputs: list[list[int]], pooling: str, how: int) -> list[np.ndar
     """The engine thread's job: each input's pooled, normalized embedding."""
     embedder = core.runner.embedder
     if embedder is None:
-        raise RuntimeError("embeddings need every expert on the device; this engine runs expert tiers")
+        raise RuntimeError("embeddings need the whole model on one device: this engine runs expert tiers or "
+                           "several devices (--devices N)")
     how = -1 if pooling == "none" else how              # every token's vector as it is (llama.cpp's)
     out = []
     for ids in inputs:
