@@ -110,6 +110,6 @@ def embed(core, inputs: list[list[int]], pooling: str, how: int) -> list[np.ndar
     for ids in inputs:
         out.append(normalize(pool(embedder.hidden_states(ids), pooling), how))
         chunks = -(-len(ids) // embedder.chunk)         # each chunk a window of one row (llama.cpp: a decode)
-        core.counters["windows"] += chunks
+        core.runner.windows += chunks                   # the windows /metrics counts (llamacpp:n_decode)
         core.counters["window_rows"] += chunks
     return out
