@@ -9,6 +9,8 @@ starts, so tests/test_devices.py (whose JAX already has one device) runs this as
         -> one JSON line: decode tokens/s of one request and of four at once, per entry
     XLA_FLAGS=... python scripts/multi_device.py errors MODEL.gguf '[{"devices": 3, "split": "experts"}, ...]'
         -> one JSON line: each config's ConfigError message (null: it started)
+    XLA_FLAGS=... python scripts/multi_device.py kernels - 200
+        -> one JSON line: the cpu kernels called from every device's thread at once give the bits of alone
 """
 
 from __future__ import annotations
@@ -93,6 +95,44 @@ def run_bench(path: str, entries: list, tokens: int) -> dict:
     return {"results": out}
 
 
+def run_kernels(iters: int) -> dict:
+    """The cpu kernels called from every device's thread at once (their own spin pool: one caller holds
+    its helpers, the others run alone): each device multiplies its own rows (a product large enough to use
+    the helpers, and a small one) `iters` times in one program over all devices; every result must be the
+    bits of the same product run alone on one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import pallas_kernels as pk
+    from pallas_kernels.random_blocks import random_blocks
+
+    n = len(jax.devices())
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(random_blocks("Q8_0", (512, 256), rng))                      # [n_out, k] as blocks
+    x = jnp.asarray(rng.standard_normal((n, 64, 256), np.float32))              # each device its own rows
+
+    def body(x):                                # x [1, 64, 256]: this device's rows
+        def step(i, acc):                       # inputs that change each time: nothing to hoist out of the loop
+            xi = x[0] + acc[:, :256] * 1e-3 + i.astype(jnp.float32)
+            return acc + pk.qmatmul(xi, w, "Q8_0", backend="cpu") + pk.qmatmul(xi[:2], w, "Q8_0",
+                                                                               backend="cpu").sum(0)
+        return jax.lax.fori_loop(0, iters, step, jnp.zeros((64, 512), jnp.float32))[None]
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    spread = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))
+    xs, one = jax.device_put(x, NamedSharding(mesh, P("d"))), jax.jit(body)
+    np.asarray(spread(xs)), np.asarray(one(x[:1]))                              # built
+    t0 = time.perf_counter()
+    got = np.asarray(spread(xs))
+    t1 = time.perf_counter()
+    alone = np.stack([np.asarray(one(x[i:i + 1]))[0] for i in range(n)])
+    t2 = time.perf_counter()
+    return {"results": {"devices": n, "bits_equal": bool(np.array_equal(got, alone)),
+                        "together_s": round(t1 - t0, 3), "one_after_another_s": round(t2 - t1, 3)}}
+
+
 def run_errors(path: str, configs: list) -> dict:
     out = []
     for extra in configs:
@@ -110,6 +150,8 @@ if __name__ == "__main__":
         res = run_check(model, spec)
     elif mode == "errors":
         res = run_errors(model, spec)
+    elif mode == "kernels":
+        res = run_kernels(int(spec))
     else:
         res = run_bench(model, spec, int(sys.argv[4]) if len(sys.argv) > 4 else 32)
     print(json.dumps(res, default=lambda a: a.tolist() if hasattr(a, "tolist") else str(a)))

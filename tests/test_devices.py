@@ -22,7 +22,7 @@ MOE = {"arch": "qwen3moe", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2,
 DENSE = {"arch": "llama", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2}
 
 
-def child(mode: str, model: Path, spec, devices: int = 4) -> list:
+def child(mode: str, model: Path, spec, devices: int = 4):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "multi_device.py"), mode, str(model),
                            json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600, check=False)
@@ -90,3 +90,13 @@ def test_more_devices_than_jax_sees_names_the_count_and_the_flag(tiny_model):
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ConfigError):
         EngineConfig(**bad)
+
+
+def test_cpu_kernels_called_from_every_device_thread_at_once_give_the_same_bits():
+    """The kernels' own spin pool takes one caller at a time (the others run their rows alone): four device
+    threads multiplying at once, 300 times, neither deadlock nor change a bit."""
+    pk = pytest.importorskip("pallas_kernels")
+    if not pk.cpu.available():
+        pytest.skip("the cpu kernels were not built")
+    res = child("kernels", Path("-"), 300)
+    assert res["devices"] == 4 and res["bits_equal"], res
