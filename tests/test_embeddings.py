@@ -100,6 +100,13 @@ def test_openai_embeddings_route(server):
         {"prompt_string": "hello world"}]}, timeout=60).json()
     for d in parts["data"]:
         np.testing.assert_allclose(d["embedding"], vectors[0], rtol=0, atol=1e-6)
+    ids = httpx.post(server.url + "/tokenize", json={"content": "hello world", "add_special": True}).json()["tokens"]
+    both = httpx.post(server.url + "/v1/embeddings", json={"input": ["hello world", ids]}, timeout=60).json()
+    for d in both["data"]:                        # a text and its token ids: the same prompt
+        np.testing.assert_allclose(d["embedding"], vectors[0], rtol=0, atol=1e-6)
+    x = httpx.post(server.url + "/tokenize", json={"content": "x"}).json()["tokens"]
+    mixed = httpx.post(server.url + "/v1/embeddings", json={"input": [ids[0], "x"]}, timeout=60).json()
+    assert len(mixed["data"]) == 1 and mixed["usage"]["prompt_tokens"] == 1 + len(x)    # llama.cpp's mix: one
 
 
 def test_llama_embeddings_route_and_errors(server):

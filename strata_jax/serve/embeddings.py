@@ -5,7 +5,7 @@
         -> {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage"}
     POST /embeddings     {"input" or "content": the same} -> [{"index", "embedding": [[...], ...]}]
 
-An input may also be llama.cpp's object, {"prompt_string": text} or {"content": [{"type": "text", "text"}, ...]}
+An input may also be llama.cpp's mix of texts and token ids (`[12, "text", 34]`, one prompt) or its object, {"prompt_string": text} or {"content": [{"type": "text", "text"}, ...]}
 (the parts joined as they are). Texts are tokenized with the model's special tokens (its BOS), as llama.cpp
 does. The engine pools the last hidden states with the server's `--pooling` (last, mean, cls; none: every
 token's vector, which only /embeddings can return) and normalizes them (`embd_normalize`, 2 = Euclidean by
@@ -80,28 +80,28 @@ def handlers(sup: Any, names: Any, json_body: Any, metrics: Any, pooling_flag: s
     return [openai_embeddings, llama_embeddings]
 
 
-def parse_inputs(value: Any, key: str) -> list[str | list[int]]:
+def parse_inputs(value: Any, key: str) -> list[str | list[int | str]]:
     """The request's input -> a text or token list a prompt."""
     if isinstance(value, (str, dict)):
         return [_one(value, key)]
     if not isinstance(value, list) or not value:
         raise invalid(f"{key} = {shown(value)}: give a text, a list of texts, a list of token ids or a list of "
                       "lists of them", key)
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        return [_one(value, key)]               # one prompt of token ids
+    flat = all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in value)
+    if flat and any(isinstance(x, int) for x in value):
+        return [_one(value, key)]               # one prompt: token ids, or llama.cpp's mix of texts and ids
     if len(value) > MAX_INPUTS:
         raise invalid(f"{key}: {len(value)} inputs; at most {MAX_INPUTS} a request", key)
     return [_one(x, f"{key}[{i}]") for i, x in enumerate(value)]
 
 
-def _one(x: Any, where: str) -> str | list[int]:
-    if isinstance(x, str):
-        if not x:
-            raise invalid(f"{where} is empty: there is nothing to embed", where.split("[")[0])
+def _one(x: Any, where: str) -> str | list[int | str]:
+    if isinstance(x, str):                      # (an empty one: the engine says whether tokens are left)
         return x
     if isinstance(x, list) and x:
         for i, t in enumerate(x):
-            check_token_id(t, f"{where}[{i}]", where.split("[")[0])
+            if not isinstance(t, str):
+                check_token_id(t, f"{where}[{i}]", where.split("[")[0])
         return x
     if isinstance(x, dict):                     # llama.cpp's {"prompt_string"} / {"content": [parts]}
         if isinstance(x.get("prompt_string"), str):

@@ -19,7 +19,7 @@ from .protocol import Answer, Detokenize, Rejected, Tokenize
 def answer(tokenizer: Any, cmd: Tokenize | Detokenize) -> Answer | Rejected:
     try:
         if isinstance(cmd, Tokenize):
-            ids = _tokenize(tokenizer, cmd.content, cmd.add_special, cmd.parse_special)
+            ids = tokenize_mixed(tokenizer, cmd.content, cmd.add_special, cmd.parse_special)
             out: list[Any] = ids
             if cmd.with_pieces:
                 out = [{"id": i, "piece": _piece(tokenizer.token_bytes(i))} for i in ids]
@@ -36,7 +36,7 @@ class _OutOfVocabulary(ValueError):
         self.param = param
 
 
-def _tokenize(tokenizer: Any, content: Any, add_special: bool, parse_special: bool) -> list[int]:
+def tokenize_mixed(tokenizer: Any, content: Any, add_special: bool, parse_special: bool) -> list[int]:
     """llama.cpp's tokenize_mixed: a text, or a list of texts and token ids in order; BOS (add_special) only
     before the first element, and only when it is a text."""
     if isinstance(content, str):

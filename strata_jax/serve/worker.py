@@ -235,7 +235,11 @@ class Worker:
         from strata_jax.engine.request import ContextOverflowError, RequestError
 
         try:
-            ids = [self.engine.prompt_ids(x) for x in cmd.inputs]
+            from .tokens import tokenize_mixed
+
+            tk = self.engine.tokenizer        # a list of texts and ids: llama.cpp's mixed prompt
+            ids = [tokenize_mixed(tk, x, True, True) if isinstance(x, list) and any(isinstance(t, str) for t in x)
+                   else self.engine.prompt_ids(x) for x in cmd.inputs]
             vectors = self.engine.embed(ids, cmd.pooling, cmd.normalize)
         except ContextOverflowError as e:
             self.writer.send(Rejected(cmd.id, "context", str(e), n_prompt_tokens=e.prompt_tokens, max_tokens=0,
