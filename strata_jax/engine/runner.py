@@ -136,7 +136,7 @@ class ModelRunner:
             self.programs.close()
             self.pipeline = Pipeline(self.params, self.spec, self.opts, devs, self.kv, cfg, self.kv_dtype,
                                      self.device_len, self.faults)
-            self.programs, self.expert_counts = self.pipeline.programs, None
+            self.programs, self.expert_counts, self.params = self.pipeline.programs, None, None  # the stages' now
         self._hiddens: list[jax.Array] | None = None     # the last window's, until take_hiddens
         # embeddings ("hidden" programs) read the weights as the whole-window program does: not beside the tiers
         self.embedder = None if self.stepper is not None or self.split != "none" else Embedder(
