@@ -19,7 +19,8 @@ from strata_jax.serve import replica_routing as routing
 from strata_jax.serve.launch import free_port
 
 NAMES = ["strata-0", "strata-1"]
-N_CTX = 2048
+N_CTX = 1024
+LONG = 400          # tokens of the requests in flight at the kill: 4 s and more at 10 ms a window (below)
 
 
 def chat(text: str, max_tokens: int = 4, **extra) -> dict:
@@ -84,9 +85,24 @@ def endpoint(tiny_model):
 
     model = tiny_model(arch="qwen3", layers=2, hidden=64)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
+    # Every window 10 ms longer (engine/faults.py): a tiny model decodes ~1,500 tokens/s here, which would
+    # end a request before the test can kill its replica. The replicas' servers get STRATA_* from the
+    # environment at build time (ray_app.build_app), the replacement replica too.
+    old = os.environ.get("STRATA_FAULT")
+    os.environ["STRATA_FAULT"] = "slow:10"
     try:
         url = ray_app.start([str(model), "--parallel", "2", "--max-context", str(N_CTX), "--model-name", "tiny"],
                             2, port=free_port(), health_period_s=1.0, health_grace_s=30.0, accept_timeout_s=5.0)
+    except BaseException:
+        serve.shutdown()
+        ray.shutdown()
+        raise
+    finally:
+        if old is None:
+            os.environ.pop("STRATA_FAULT")
+        else:
+            os.environ["STRATA_FAULT"] = old
+    try:
         yield url
     finally:
         serve.shutdown()
@@ -133,10 +149,21 @@ def test_a_stream_passes_through_chunk_by_chunk(endpoint):
 
 def test_a_killed_replica_fails_its_requests_clearly_and_comes_back(endpoint):
     # Two long requests on one replica (the victim), then its server is killed while both run.
-    victim_bodies = [b for b in (chat(f"long {i}", max_tokens=1500, ignore_eos=True) for i in range(40))
+    victim_bodies = [b for b in (chat(f"long {i}", max_tokens=LONG, ignore_eos=True) for i in range(40))
                      if replica_of(b) == "strata-0"][:2]
     other = next(b for b in (chat(f"short {i}") for i in range(40)) if replica_of(b) == "strata-1")
-    before = {x["name"]: x["pid"] for x in health(endpoint)["replicas"]}
+    replicas = health(endpoint)["replicas"]
+    before = {x["name"]: x["pid"] for x in replicas}
+    victim_url = next(x["url"] for x in replicas if x["name"] == "strata-0")
+
+    def both_running() -> bool:       # the victim's server itself says both requests hold a slot
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            slots = httpx.get(victim_url + "/slots", timeout=5).json()
+            if sum(1 for x in slots if x["is_processing"]) == 2:
+                return True
+            time.sleep(0.05)
+        return False
     whole: dict = {}
 
     def send_whole():
@@ -150,10 +177,11 @@ def test_a_killed_replica_fails_its_requests_clearly_and_comes_back(endpoint):
                       timeout=120) as r:
         assert r.status_code == 200 and r.headers[routing.REPLICA_HEADER] == "strata-0"
         for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line)
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
             if len(events) == 5:
-                assert "r" not in whole, "the whole request was still running"
+                assert both_running() and "r" not in whole, "both requests run on strata-0"
                 os.kill(before["strata-0"], signal.SIGKILL)
     t.join(120)
     assert time.monotonic() - start < 100, "neither request hung"
