@@ -227,6 +227,8 @@ def _serve_replicas(args: argparse.Namespace, path: str) -> int:
     --port (abbreviated or not), and the model's path (the default model is fetched here, once)."""
     from strata_jax.serve.ray_app import need_ray, replica_argv, run_replicas
 
+    if args.replicas < 1:
+        raise ValueError(f"--replicas {args.replicas}: must be 1 or more")
     need_ray()                                   # first: no Ray is a clear error naming the pip command
     sub = argparse.ArgumentParser().add_subparsers()
     add_serve(sub)

@@ -61,6 +61,8 @@ def test_replicas_without_ray_is_a_clear_error(tiny_model, monkeypatch, capsys):
     assert main(["serve", model, "--replicas", "2"]) == 1
     err = capsys.readouterr().err
     assert "--replicas" in err and "pip install 'ray[serve]==" in err, err
+    assert main(["serve", model, "--replicas", "0"]) == 1
+    assert "--replicas 0: must be 1 or more" in capsys.readouterr().err
 
 
 def test_replica_servers_get_the_arguments_less_host_port_and_replicas(tiny_model, monkeypatch):
