@@ -97,14 +97,7 @@ class ServerProcess:
         raise TimeoutError(f"the server did not answer in {timeout:.0f} s:\n{self.log()}")
 
     def stop(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def __enter__(self) -> Self:
         return self
@@ -112,3 +105,16 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
         self._logfile.unlink(missing_ok=True)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> int:
+    """A server process stopped as Ctrl-C stops it (SIGINT: it ends its engine and requests), killed after
+    `timeout` seconds; -> its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from typing import Any
 import httpx
 
 from .. import envs
-from .launch import free_port
+from .launch import free_port, stop_process
 
 HEALTH_TIMEOUT_S = 5.0          # /health answers at once when the server is alive; longer means stuck
 
@@ -169,13 +168,7 @@ class ReplicaServer:
             await resp.aclose()      # also when the client went away: the server sees the disconnect and cancels
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
 
     def __del__(self) -> None:       # Ray Serve's graceful shutdown of a replica (and a scale down) ends here
         if getattr(self, "proc", None) is not None:
