@@ -120,6 +120,14 @@ def qmatmul_many(x: jax.Array, weights: list, backend: str = "xla") -> list[jax.
     return cpu.qmatmul_many(x, [(b, layout_for(qtype, b.shape[-1])) for b, (_, qtype) in zip(blocks, weights)])
 
 
+def norm_qmatmul_many(x: jax.Array, norm: jax.Array, eps: float, weights: list) -> tuple[jax.Array, list[jax.Array]]:
+    """The cpu backend only: RMSNorm of x [T, k] by norm [k] and the result times each (w_blocks, qtype) of
+    `weights` in one call -> (hx float32 [T, k], [float32 [T, n] each]) (cpu.norm_qmatmul_many)."""
+    blocks = [xla._as_bytes(w) for w, _ in weights]
+    return cpu.norm_qmatmul_many(x, norm, eps, [(b, layout_for(qtype, b.shape[-1])) for b, (_, qtype) in
+                                                zip(blocks, weights)])
+
+
 def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list, backend: str = "xla") -> list[jax.Array]:
     """[expert_matmul(x, w, expert_ids, qtype) for (w, qtype) in weights], the same bits; the cpu backend
     runs them in one call (an MoE layer's gate and up)."""

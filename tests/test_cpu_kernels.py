@@ -159,6 +159,40 @@ def test_a_row_alone_equals_the_row_in_a_batch(qtype):
         np.testing.assert_array_equal(alone, y64[i], err_msg=f"{qtype}: row {i} alone vs in 64")
 
 
+@pytest.mark.parametrize("k", [576, 512])
+def test_norm_then_products_in_one_call(k):
+    """norm_qmatmul_many: the RMSNorm within float32 rounding of the model's XLA rms_norm, its products the
+    bits of qmatmul_many on that hx (a slow type through its tiles), the norm alone (no weights) the same
+    hx, and a row alone the bits of the row among 16 (the norm's sum has a fixed order a row)."""
+    from strata_jax.model.layers import rms_norm
+
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((16, k)).astype(np.float32) * 3)
+    norm = jnp.asarray(rng.standard_normal(k).astype(np.float32))
+    ws = [(jnp.asarray(_blocks(t, (n, k), seed=n)), t) for t, n in (("Q4_1", 64), ("Q8_0", 24))]
+    if k % 256 == 0:
+        ws.append((jnp.asarray(_blocks(SLOW[0], (8, k), seed=3)), SLOW[0]))
+    fn = jax.jit(lambda x, norm: pk.norm_qmatmul_many(x, norm, 1e-5, ws))
+    hx, ys = fn(x, norm)
+    ref = np.asarray(rms_norm(x, norm, 1e-5))
+    np.testing.assert_allclose(np.asarray(hx), ref, rtol=4 * EPS, atol=4 * EPS * float(np.abs(ref).max()))
+    for (b, t), y in zip(ws, ys):
+        want = pk.qmatmul_many(hx, [(b, t)], backend="cpu")[0] if t in FAST else xla_mm(hx, b, t)
+        if t in FAST:
+            np.testing.assert_array_equal(_bits(y), _bits(want), err_msg=t)
+        else:
+            w = np.asarray(pk.dequantize(b.reshape(-1), t)).reshape(8, k)
+            _assert_close(y, want, np.asarray(hx), w, t)
+    alone, _ = jax.jit(lambda x, norm: pk.norm_qmatmul_many(x, norm, 1e-5, []))(x, norm)
+    np.testing.assert_array_equal(_bits(alone), _bits(hx))
+    row, (y_row, *_) = fn(x[5:6], norm)
+    np.testing.assert_array_equal(_bits(row)[0], _bits(hx)[5])
+    np.testing.assert_array_equal(_bits(y_row)[0], _bits(ys[0])[5])
+    odd, _ = pk.norm_qmatmul_many(x[:, :100], norm[:100], 1e-5, [])       # k not a multiple of 16: the tail
+    np.testing.assert_allclose(np.asarray(odd), np.asarray(rms_norm(x[:, :100], norm[:100], 1e-5)), rtol=4 * EPS,
+                               atol=4 * EPS * float(np.abs(ref).max()))
+
+
 @pytest.mark.parametrize("qtype", FLOATS)
 def test_float_rows_of_any_length(qtype):
     """Float weights have no blocks: k need not be a multiple of 16 (x's tail is padded inside)."""

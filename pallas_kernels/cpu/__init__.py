@@ -41,7 +41,8 @@ LIB_ENV = "STRATA_CPU_KERNELS_LIB"
 _STEM = "_strata_cpu"
 _TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataExpertMatmul",
             "strata_attention": "StrataAttention", "strata_qmatmul_many": "StrataQMatmulMany",
-            "strata_expert_matmul_many": "StrataExpertMatmulMany", "strata_attention_part": "StrataAttentionPart"}
+            "strata_expert_matmul_many": "StrataExpertMatmulMany", "strata_attention_part": "StrataAttentionPart",
+            "strata_norm_qmatmul_many": "StrataNormQMatmulMany"}
 
 FAST: frozenset[QType] = frozenset(
     QType[name]
@@ -150,6 +151,34 @@ def qmatmul_many(x: jax.Array, weights: list[tuple[jax.Array, Layout]]) -> list[
         if out[j] is None:
             out[j] = _tiled_qmatmul(x, w, lay)
     return out
+
+
+def norm_qmatmul_many(x: jax.Array, norm: jax.Array, eps: float,
+                      weights: list[tuple[jax.Array, Layout]]) -> tuple[jax.Array, list[jax.Array]]:
+    """RMSNorm of x [M, k] by `norm` [k] (hx = x / sqrt(mean(x^2) + eps) * norm), then hx times each (w_blocks,
+    lay) of `weights` (none: the norm alone) -> (hx, [hx @ W^T for each]), in one call for the FAST types: a
+    decode step's norm and its q, k, v (or gate, up) without XLA's four small operations a norm between
+    kernel calls. The sum of squares has a fixed order a row (ffi.cc rms_norm_rows); the products have
+    qmatmul_many's bits for that hx."""
+    _require()
+    if x.ndim != 2 or norm.shape != (x.shape[1],):
+        raise ValueError(f"x {tuple(x.shape)} and norm {tuple(norm.shape)} must be [M, k] and [k]")
+    for w, lay in weights:
+        _check_k(x, w, lay)
+    x = x.astype(jnp.float32)
+    fast = [j for j, (_, lay) in enumerate(weights) if lay.qtype in FAST]
+    shapes = [jax.ShapeDtypeStruct(x.shape, jnp.float32)]
+    shapes += [jax.ShapeDtypeStruct((x.shape[0], weights[j][0].shape[0]), jnp.float32) for j in fast]
+    qtypes = np.array([int(weights[j][1].qtype) for j in fast], np.int32)
+    hx, *ys = jax.ffi.ffi_call("strata_norm_qmatmul_many", shapes, vmap_method="sequential")(
+        x, norm.astype(jnp.float32), *(weights[j][0] for j in fast), qtypes=qtypes, eps=np.float32(eps))
+    out: list = [None] * len(weights)
+    for j, y in zip(fast, ys):
+        out[j] = y
+    for j, (w, lay) in enumerate(weights):
+        if out[j] is None:
+            out[j] = _tiled_qmatmul(hx, w, lay)
+    return hx, out
 
 
 def f32_matmul(x: jax.Array, w: jax.Array) -> jax.Array:

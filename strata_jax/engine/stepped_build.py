@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from ..model import Group
-from ..model.layers import rms_norm, route
+from ..model.layers import norm_linear_many, route
 from ..model.stages import (
     attn_router_stage,
     dense_stage,
@@ -65,7 +65,7 @@ def predict_stage(p: tuple, spec, opts, xs) -> list:
     out = []
     for x in xs:
         R, L, _ = x.shape
-        hx = rms_norm(x, norm, spec.rms_eps).reshape(R * L, -1)
+        hx = norm_linear_many(x, norm, spec.rms_eps, [], opts.backend)[0].reshape(R * L, -1)
         out.append(route(hx, router.weight, spec, opts.backend, router.bias)[1])
     return out
 

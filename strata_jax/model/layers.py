@@ -19,6 +19,22 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
+def norm_linear_many(x: jax.Array, w: jax.Array, eps: float, ws: list[Weight],
+                     backend: str) -> tuple[jax.Array, list[jax.Array]]:
+    """rms_norm(x, w, eps) and linear_many of it by `ws` (none: the norm alone) -> (hx, [hx @ W^T ...]).
+    The cpu backend, for float32 x and weights in blocks, computes the norm in the products' kernel call
+    (pallas_kernels.cpu.norm_qmatmul_many): one call instead of XLA's four small operations a norm, each
+    ~2 us at decode. Its norm is not XLA's bit for bit (its own fixed order a row), so every program that
+    computes a given norm (the whole-window one, the layer-stepped stages, the router's prediction) comes
+    here, and all get the same bits."""
+    if pk.resolve_backend(backend) != "cpu" or x.dtype != jnp.float32 or not all(isinstance(v, QTensor) for v in ws):
+        hx = rms_norm(x, w, eps)
+        return hx, linear_many(hx, ws, backend) if ws else []
+    lead = x.shape[:-1]
+    hx, ys = pk.norm_qmatmul_many(x.reshape(-1, x.shape[-1]), w, eps, [(v.data, v.qtype) for v in ws])
+    return hx.reshape(x.shape), [y.reshape(*lead, -1) for y in ys]
+
+
 def rope(x: jax.Array, pos: jax.Array, spec: ModelSpec) -> jax.Array:
     """Rotary embedding of x [R, L, heads, D] at positions pos [R, L].
 
@@ -100,6 +116,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
 def mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, backend: str) -> jax.Array:
     """SwiGLU: down(silu(gate x) * up x)."""
     g, u = linear_many(x, [gate, up], backend)
+    return swiglu_down(g, u, down, backend)
+
+
+def swiglu_down(g: jax.Array, u: jax.Array, down: Weight, backend: str) -> jax.Array:
+    """The second half of SwiGLU, from gate x and up x: down(silu(g) * u)."""
     return linear(jax.nn.silu(g) * u, down, backend)
 
 

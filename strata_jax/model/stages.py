@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..gguf import ModelSpec
-from .layers import combine_experts, expert_rows, rms_norm, route
+from .layers import combine_experts, expert_rows, norm_linear_many, route
 from .params import LayerWeights, Mlp
 from .transformer import RunOptions, attention, decoder_layer
 
@@ -25,7 +25,7 @@ def attn_router_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, gr
     xs, cache = attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
     for g, x in zip(groups, xs):
         R, L = g.tokens.shape
-        hx = rms_norm(x, lp.ffn_norm, spec.rms_eps).reshape(R * L, -1)
+        hx = norm_linear_many(x, lp.ffn_norm, spec.rms_eps, [], opts.backend)[0].reshape(R * L, -1)
         w, ids = route(hx, lp.router.weight, spec, opts.backend, lp.router.bias)
         outs.append((x, hx, w, ids))
     return outs, cache

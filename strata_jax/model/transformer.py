@@ -24,14 +24,15 @@ from ..gguf import ModelSpec
 from .kv_offload import HostKV, host_source
 from .layers import (
     attend,
-    mlp,
     moe,
+    norm_linear_many,
     rms_norm,
     rope,
     route,
+    swiglu_down,
 )
 from .params import LayerWeights
-from .weights import embed_rows, linear, linear_many
+from .weights import embed_rows, linear
 
 
 @dataclass(frozen=True)
@@ -161,15 +162,16 @@ def decoder_layer(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups
     for n, g in enumerate(groups):
         x = xs[n]
         R, L = g.tokens.shape
-        hx = rms_norm(x, lp.ffn_norm, spec.rms_eps)
         if lp.is_moe:
+            hx = norm_linear_many(x, lp.ffn_norm, spec.rms_eps, [], opts.backend)[0]
             ffn = moe(hx.reshape(R * L, -1), lp, spec, opts.backend, opts.expert_axis).reshape(R, L, -1)
             if counts is not None:      # the same router math as moe()'s: XLA computes it once
                 _, ids = route(hx.reshape(R * L, -1), lp.router.weight, spec, opts.backend, lp.router.bias)  # [R*L, k]
                 real = jnp.repeat((g.pos.reshape(-1) >= 0).astype(jnp.int32), ids.shape[1])
                 counts = counts.at[i, ids.reshape(-1)].add(real)
         else:
-            ffn = mlp(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down, opts.backend)
+            _, (gx, ux) = norm_linear_many(x, lp.ffn_norm, spec.rms_eps, [lp.mlp.gate, lp.mlp.up], opts.backend)
+            ffn = swiglu_down(gx, ux, lp.mlp.down, opts.backend)
         xs[n] = x + ffn
     return (xs, cache) if counts is None else (xs, cache, counts)
 
@@ -214,8 +216,7 @@ def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Grou
     dtype = jnp.dtype(opts.dtype)
     H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
     R, L = g.tokens.shape
-    hx = rms_norm(x, lp.attn_norm, spec.rms_eps)
-    q, k, v = linear_many(hx, [lp.wq, lp.wk, lp.wv], opts.backend)
+    _, (q, k, v) = norm_linear_many(x, lp.attn_norm, spec.rms_eps, [lp.wq, lp.wk, lp.wv], opts.backend)
     if lp.bq is not None:
         q, k, v = q + lp.bq.astype(dtype), k + lp.bk.astype(dtype), v + lp.bv.astype(dtype)
     q, k, v = q.reshape(R, L, H, D), k.reshape(R, L, K, D), v.reshape(R, L, K, Dv)
@@ -298,7 +299,7 @@ def head_stage(params: dict, spec: ModelSpec, opts: RunOptions, groups, xs, with
     """The final norm and the logits per group; with_hidden: -> (logits, hiddens) as forward() gives them."""
     out, hiddens = [], []
     for x, g in zip(xs, groups):
-        x = rms_norm(x, params["norm"], spec.rms_eps)
+        x = norm_linear_many(x, params["norm"], spec.rms_eps, [], opts.backend)[0]
         hiddens.append(x)                                                              # [R, L, h]
         if g.picks is not None:
             x = x.reshape(-1, x.shape[-1])[g.picks]                                    # [E, h]
