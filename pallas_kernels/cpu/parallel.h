@@ -8,9 +8,9 @@
 // work, so within a step the next call finds them awake.
 //
 // No oversubscription: max_threads() - 1 helpers, the caller being the last thread; a spinning helper
-// offers its core every few microseconds (sched_yield) and sleeps past its spin. Callers from several threads at once are safe:
-// one caller holds the pool at a time, the others run their units alone (same bits: the split never
-// changes a result). STRATA_CPU_POOL=xla uses XLA's intra-op pool instead (for comparison).
+// offers its core every few microseconds (sched_yield) and sleeps past its spin. Callers from several
+// threads at once are safe: one caller holds the pool at a time, the others run their units alone (same
+// bits: the split never changes a result). STRATA_CPU_POOL=xla uses XLA's intra-op pool instead (for comparison).
 #pragma once
 
 #include <sched.h>
