@@ -219,6 +219,13 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--chat-template-file {args.chat_template_file}: cannot read it ({e})") from None
     if args.replicas != 1:
         return _serve_replicas(args, path)
+    if engine.num_processes > 1:        # one model over processes: refused now, not in every engine restart
+        from strata_jax.engine.hosts import refuse
+        from strata_jax.serve.group import follower_loop
+
+        refuse(engine, model.spec)
+        if engine.process_id > 0:       # a follower: no HTTP, its engine process restarted whenever it stops
+            return follower_loop(path, engine)
     return serve(server, engine)
 
 

@@ -100,6 +100,13 @@ FLAGS = {
                   "layer, the rest replicated (one program over all devices, the expert rows summed by a psum); "
                   "layers = each device a contiguous run of layers and their KV (a chain of stage programs); "
                   "auto: experts for a MoE model, else layers"),
+    "coordinator": Flag("HOST:PORT", "process 0's address when one model spans processes or hosts (jax.distributed's "
+                        "coordinator; process 0 also listens on PORT + 1 for its followers); every process gets the "
+                        "same one"),
+    "num_processes": Flag("N", "processes (hosts) the model's experts are split over, every device of each in one "
+                          "mesh; process 0 serves HTTP, the others follow it (README, Several hosts)"),
+    "process_id": Flag("I", "this process's number, 0 to N - 1; the others are started with the same model and "
+                       "flags"),
 }
 
 

@@ -60,6 +60,9 @@ class EngineConfig:
     seed: int = 0                        # the seed a llama.cpp-route request without one samples with (-s)
     devices: int = 1                     # devices of this host the model runs over (engine/devices.py)
     split: str = "auto"                  # how, with devices > 1: experts (each device E/N experts) | layers (stages) | auto
+    coordinator: str | None = None       # HOST:PORT of process 0, with num_processes > 1 (engine/hosts.py)
+    num_processes: int = 1               # processes (hosts) one model runs over, joined by jax.distributed
+    process_id: int = 0                  # this process's number among them: 0 serves HTTP, the others follow
 
     def __post_init__(self) -> None:
         self.validate()
@@ -146,6 +149,16 @@ class EngineConfig:
         need(isinstance(self.devices, int) and 1 <= self.devices <= 64, "devices", self.devices,
              "must be a whole number of devices from 1 to 64")
         need(self.split in SPLITS, "split", self.split, f"must be one of {', '.join(SPLITS)}")
+        need(isinstance(self.num_processes, int) and 1 <= self.num_processes <= 1024, "num_processes",
+             self.num_processes, "must be a whole number of processes from 1 to 1024")
+        need(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes, "process_id",
+             self.process_id, f"must be from 0 to num_processes - 1 = {self.num_processes - 1}")
+        need((self.coordinator is not None) == (self.num_processes > 1), "coordinator", self.coordinator,
+             "is needed with num_processes > 1 (process 0's HOST:PORT), and only then")
+        if self.coordinator is not None:
+            host, _, port = self.coordinator.rpartition(":")
+            need(bool(host) and port.isdigit() and 1 <= int(port) <= 65534, "coordinator", self.coordinator,
+                 "must be HOST:PORT with a port from 1 to 65534 (process 0 also listens on PORT + 1)")
 
     def attention_chunk(self) -> int:
         """Keys an attention step reads; KV lengths are multiples of it, and so is kv_resident."""

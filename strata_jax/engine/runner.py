@@ -29,9 +29,11 @@ from .controls import controls_of, sample_controlled
 from .devices import AXIS, ExpertShards, devices_for, ledger_for, resolve_split
 from .embeddings import Embedder
 from .faults import Faults
+from .hosts import Arr, Window, digest, group_devices, is_group, join
 from .kv_cache import KVCache, kv_bytes
 from .kv_host import KVHostStore
 from .layouts import WindowLayouts, decode_only
+from .lockstep import Leader
 from .pipeline import Pipeline, stage_kv
 from .placement import largest_window_temp_bytes, place_experts
 from .programs import Layout, ProgramCache
@@ -70,6 +72,14 @@ class ModelRunner:
         # mesh whose devices hold E/N experts each; "layers", a chain of stage programs (pipeline.py)
         self.split = resolve_split(cfg, self.spec)
         devs = devices_for(cfg, self.spec, self.split) if self.split != "none" else []
+        # --num-processes N (hosts.py): the experts split over every process's devices, process 0 leading the
+        # others in lockstep (lockstep.py); group is the leader's channel, None in one process and in followers
+        self.group: Leader | None = None
+        if is_group(cfg):
+            join(cfg)
+            self.split, devs = "experts", group_devices(cfg, self.spec)
+            if cfg.process_id == 0:
+                self.group = Leader(cfg, digest(cfg, self.spec))
         self.shards = ExpertShards.over(devs) if self.split == "experts" else None
         if self.shards is not None:
             self.opts = replace(self.opts, expert_axis=AXIS)
@@ -95,7 +105,7 @@ class ModelRunner:
             host = KVHostStore(self.spec, self.device_len, self.cache_len, chunk, self.kv_dtype)
             log.info("KV: the first %d positions of each slot on the device, up to %d more in host RAM",
                      self.device_len, self.cache_len - self.device_len)
-        self.kv = KVCache(self.spec, cfg.parallel, self.device_len, self.kv_dtype, host,   # its one owner
+        self.kv = (KVCache if self.group is None else self.group.kv)(self.spec, cfg.parallel, self.device_len, self.kv_dtype, host,   # its one owner
                           place=self.shards.replicate if self.shards is not None else None,
                           stages=stage_kv(self.spec, devs) if self.split == "layers" else None)
         # --drafter mtp: window programs also hand back every token's last hidden state (the MTP layer's
@@ -148,6 +158,8 @@ class ModelRunner:
         self._controlled = jax.jit(sample_controlled, static_argnames=("sampled",))
         self.last_logprobs: list = []           # per group of the last window: (logprob, top ids, top logprobs)
         self.windows = 0
+        if self.group is not None:           # every follower has loaded its part and says hello
+            self.group.accept()
 
     # ---- layouts (layouts.py) -------------------------------------------------------------------------
 
@@ -205,6 +217,14 @@ class ModelRunner:
         args = []
         for g in groups:
             args += g.arrays()
+        if self.group is not None:            # the followers run it too, then the leader's logits are its own
+            with self.group.call(Window(layout.groups, layout.kv_len, [Arr.of(a) for a in args])):
+                return [lg.addressable_data(0) for lg in self.window(layout, args)]
+        return self.window(layout, args)
+
+    def window(self, layout: Layout, args: list[np.ndarray]) -> list[jax.Array]:
+        """The whole-window program of `layout` on its inputs (after the weights, the KV and the counts) ->
+        the groups' logits; a follower replays the leader's windows through here (lockstep.py)."""
         if self.expert_counts is not None and self.expert_counts.is_deleted():
             log.warning("the expert profile's counts were lost in a failed window: counting anew")
             self.expert_counts = self._new_counts()       # a failed run consumed it: the profile starts again
@@ -334,7 +354,8 @@ class ModelRunner:
               **(self.kv_host.stats() if self.kv_host is not None else {})}
         return {"programs": self.programs.snapshot(), "memory": self.ledger.snapshot(), "windows": self.windows,
                 "experts": self.expert_stats(), "kv_cache": kv, **{k: v for k, v in self.choices.items()},
-                "devices": {"count": self.cfg.devices, "split": self.split}}
+                "devices": {"count": self.cfg.devices, "split": self.split},
+                **({"group": self.group.stats()} if self.group is not None else {})}
 
 
 def greedy_on_host(logits: np.ndarray) -> np.ndarray:

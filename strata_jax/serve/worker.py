@@ -90,14 +90,20 @@ class Worker:
     def __init__(self, start: Start, writer: Writer):
         from strata_jax.config import EngineConfig
         from strata_jax.engine import Engine
+        from strata_jax.engine.hosts import join
+
+        from .group import exit_group_lost
         from strata_jax.gguf import GGUFModel
 
         self.writer = writer
         t0 = time.monotonic()
         cfg = EngineConfig.from_dict(start.engine)
+        join(cfg)               # one model over processes (engine/hosts.py): before JAX starts its backend
         model = GGUFModel.open(start.model)
         with progress_as_frames(writer):
             self.engine = Engine(model, cfg, progress=True)     # loads the weights, builds the decode programs
+        if self.engine.runner.group is not None:    # a process of the group gone: this one ends (serve/group.py)
+            self.engine.runner.group.on_lost = exit_group_lost
         if start.chat_template:                 # --chat-template(-file): this template instead of the model's
             self.engine.tokenizer.chat_template = start.chat_template
             self.engine.tokenizer._template = None

@@ -1,0 +1,268 @@
+"""The leader and its followers in lockstep (one model over processes: hosts.py).
+
+Every call that runs a program over the group's mesh (a window, each KVCache move) must be made by every
+process, in one order, with the same inputs. The leader (process 0) sends each such call to every follower
+on a TCP channel (the coordinator's port + 1) before making it itself; a follower replays the frames in the
+order they come (`follow`). The frames are the window's inputs (a few int32 arrays a window: tokens,
+positions, slots, picks) and the KV moves' arguments; no logits or tokens come back, because only the
+leader samples (its logits are its local replica of a replicated output).
+
+One owner each: the Leader owns the channel and the followers' liveness; the KVCache (here LockstepKV, the
+leader's) still owns the arrays; the runner owns which program a window runs. A follower that leaves (its
+socket closes: the process died) makes the group unusable, since the next collective would fail or hang:
+the leader calls `on_lost` with a message naming the process (the worker exits with it as its ERR line, so
+the fault ledger names it, and the server restarts the group), as it does when a window or a move fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from ..config import ConfigError, EngineConfig
+from .hosts import (
+    JOIN_S,
+    Arr,
+    Frame,
+    Hello,
+    KvCopy,
+    KvRead,
+    KvReset,
+    KvWrite,
+    Scratch,
+    Window,
+    channel_address,
+    pack,
+    unpack,
+)
+from .kv_cache import KVCache
+
+log = logging.getLogger("strata_jax.engine")
+
+
+class GroupLost(RuntimeError):
+    """A process of the group is gone (or the group no longer agrees): it must restart as a whole."""
+
+
+def _recv(conn: socket.socket) -> Frame | None:
+    """One frame, or None when the peer closed the connection."""
+    head = _exactly(conn, 8)
+    body = None if head is None else _exactly(conn, int.from_bytes(head, "big"))
+    return None if body is None else unpack(body)
+
+
+def _exactly(conn: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = conn.recv(min(n - len(buf), 1 << 20))
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+class Leader:
+    """Process 0's side of the channel. Made at the runner's start (it listens at once); `accept` waits for
+    every follower's hello, after their weights are loaded."""
+
+    def __init__(self, cfg: EngineConfig, digest: str):
+        self.n = cfg.num_processes
+        self.digest = digest
+        self.address = channel_address(cfg)
+        self._sock = socket.socket(socket.AF_INET6 if ":" in self.address[0] else socket.AF_INET)
+        # SO_REUSEADDR: a restarted leader binds the port its predecessor's connections left in TIME_WAIT
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("", self.address[1]))
+        self._sock.listen(self.n)
+        self.followers: dict[int, tuple[socket.socket, Hello]] = {}
+        self._lock = threading.RLock()          # one call at a time: sent and made in the same order
+        self.lost: str | None = None            # why the group broke, once it has
+        self._lost_event = threading.Event()
+        self._on_lost: Callable[[str], None] | None = None
+        self.frames = 0
+        self.bytes = 0
+
+    def accept(self, timeout: float = JOIN_S) -> None:
+        """Every follower's connection and hello (its settings must be the leader's). ConfigError names a
+        follower started with other flags or another model; GroupLost, one that never came."""
+        end = time.monotonic() + timeout
+        while len(self.followers) < self.n - 1:
+            self._sock.settimeout(max(end - time.monotonic(), 0.01))
+            try:
+                conn, peer = self._sock.accept()
+            except TimeoutError:
+                missing = sorted(set(range(1, self.n)) - set(self.followers))
+                raise GroupLost(f"process(es) {missing} did not connect to process 0 at port {self.address[1]} "
+                                f"within {timeout:g} s") from None
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(timeout)
+            hello = _recv(conn)
+            conn.settimeout(None)
+            if not isinstance(hello, Hello):
+                conn.close()
+                continue
+            if hello.digest != self.digest:
+                conn.close()
+                raise ConfigError(f"process {hello.process_id} (pid {hello.pid} on {hello.host}) runs other engine "
+                                  "settings or another model than process 0: start every process with the same "
+                                  "model and flags (but --process-id)")
+            self.followers[hello.process_id] = (conn, hello)
+            log.info("process %d (pid %d on %s) follows", hello.process_id, hello.pid, hello.host)
+            threading.Thread(target=self._watch, args=(conn, hello), name=f"follower-{hello.process_id}",
+                             daemon=True).start()
+        self._sock.close()
+
+    @property
+    def on_lost(self):
+        return self._on_lost
+
+    @on_lost.setter
+    def on_lost(self, fn: Callable[[str], None]) -> None:
+        """What to do when the group breaks (the worker: exit with the message). Called at once when it has."""
+        self._on_lost = fn
+        if self.lost is not None:
+            fn(self.lost)
+
+    def _watch(self, conn: socket.socket, hello: Hello) -> None:
+        """A follower never sends after its hello: a read that ends means its process is gone."""
+        _exactly(conn, 1)
+        self._lose(f"process {hello.process_id} of the group (pid {hello.pid} on {hello.host}) is gone: its "
+                   "connection to process 0 closed")
+
+    def _lose(self, why: str) -> None:
+        with contextlib.suppress(Exception):
+            if self.lost is None:
+                self.lost = why
+                log.error("%s; the group restarts", why)
+            self._lost_event.set()
+        if self._on_lost is not None:
+            self._on_lost(self.lost)
+
+    def failed(self, e: BaseException) -> None:
+        """A call failed on process 0. Its followers may have made it or not, so the group is broken: a
+        follower's death shows as such a failure first (a collective's peer closed), so wait a moment for the
+        watcher to name it, then report."""
+        self._lost_event.wait(2.0)
+        self._lose(self.lost or f"a device call failed on process 0 of the group ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); the processes may no longer agree")
+
+    @contextlib.contextmanager
+    def call(self, frame: Frame):
+        """Send `frame` to every follower, then make the call (the with block) under the same lock."""
+        with self._lock:
+            if self.lost is not None:
+                raise GroupLost(self.lost)
+            data = pack(frame)
+            for pid, (conn, hello) in list(self.followers.items()):
+                try:
+                    conn.sendall(data)
+                except OSError as e:
+                    self._lose(f"process {pid} of the group (pid {hello.pid} on {hello.host}) is gone: {e}")
+                    raise GroupLost(self.lost) from e
+            self.frames += 1
+            self.bytes += len(data)
+            try:
+                yield
+            except Exception as e:
+                self.failed(e)
+                raise
+
+    def kv(self, *args, **kwargs) -> LockstepKV:
+        return LockstepKV(self, *args, **kwargs)
+
+    def stats(self) -> dict:
+        return {"processes": self.n, "frames": self.frames, "bytes": self.bytes,
+                "followers": {p: {"pid": h.pid, "host": h.host} for p, (_, h) in self.followers.items()}}
+
+
+class LockstepKV(KVCache):
+    """The leader's KVCache: each move that runs a program on the group's arrays goes to the followers too."""
+
+    def __init__(self, leader: Leader, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._leader = leader
+
+    def read(self, slot: int, start: int, size: int):
+        with self._leader.call(KvRead(slot, start, size)):
+            return super().read(slot, start, size)
+
+    def write(self, slot: int, start: int, block: dict) -> None:
+        with self._leader.call(KvWrite(slot, start, {k: Arr.of(v) for k, v in block.items()})):
+            super().write(slot, start, block)
+
+    def copy(self, src: int, dst: int, n_blocks: int, block: int) -> None:
+        with self._leader.call(KvCopy(src, dst, n_blocks, block)):
+            super().copy(src, dst, n_blocks, block)
+
+    def reset(self) -> None:
+        with self._leader.call(KvReset()):
+            super().reset()
+
+    @contextlib.contextmanager
+    def scratch(self):
+        with self._leader.call(Scratch(True)):
+            cm = super().scratch()
+            cm.__enter__()
+        try:
+            yield
+        finally:
+            with self._leader.call(Scratch(False)):
+                cm.__exit__(None, None, None)
+
+
+def follow(runner, cfg: EngineConfig, digest: str, host: str) -> str:
+    """A follower's life after loading: connect to the leader, say hello, replay every frame in order.
+    Returns why it ended (the leader closed the channel: its process stopped) or raises what a call raised."""
+    conn = _connect(cfg)
+    conn.sendall(pack(Hello(cfg.process_id, os.getpid(), host, digest)))
+    log.info("process %d: following process 0 at %s:%d", cfg.process_id, *channel_address(cfg))
+    scratch: list = []
+    n = 0
+    while True:
+        frame = _recv(conn)
+        if frame is None:
+            return f"process 0 closed the channel after {n} calls (its engine stopped)"
+        n += 1
+        match frame:
+            case Window(groups=groups, kv_len=kv_len, args=args):
+                from .programs import Layout
+
+                runner.window(Layout(groups, kv_len), [a.array() for a in args])
+            case KvRead(slot=slot, start=start, size=size):
+                runner.kv.read(slot, start, size)
+            case KvWrite(slot=slot, start=start, block=block):
+                runner.kv.write(slot, start, {k: a.array() for k, a in block.items()})
+            case KvCopy(src=src, dst=dst, n_blocks=nb, block=b):
+                runner.kv.copy(src, dst, nb, b)
+            case KvReset():
+                runner.kv.reset()
+            case Scratch(begin=True):
+                cm = runner.kv.scratch()
+                cm.__enter__()
+                scratch.append(cm)
+            case Scratch(begin=False):
+                scratch.pop().__exit__(None, None, None)
+
+
+def _connect(cfg: EngineConfig) -> socket.socket:
+    """The leader's channel, retried while it is still loading (it listens from its runner's start)."""
+    host, port = channel_address(cfg)
+    end = time.monotonic() + JOIN_S
+    while True:
+        try:
+            conn = socket.create_connection((host, port), timeout=10)
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return conn
+        except OSError:
+            if time.monotonic() > end:
+                raise GroupLost(f"process 0's channel at {host}:{port} did not answer in {JOIN_S} s") from None
+            time.sleep(0.2)
