@@ -1,0 +1,186 @@
+"""One model over two processes (issue 19, item 2): two real `strata-jax serve` processes on localhost joined by
+jax.distributed (engine/hosts.py, engine/lockstep.py, serve/group.py) give the greedy tokens of one process;
+a follower that dies is a fault in /faults naming it, the request in flight fails clearly, and the group
+comes back. Also what is refused, and the leader's channel on its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from strata_jax import Engine, EngineConfig
+from strata_jax.config import ConfigError
+from strata_jax.engine.hosts import Hello, KvReset, digest, pack, refusal
+from strata_jax.engine.lockstep import GroupLost, Leader
+from strata_jax.gguf import GGUFModel
+from strata_jax.serve.launch import ServerProcess
+
+MOE = {"arch": "qwen3moe", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
+       "expert_ffn": 32}
+DENSE = {"arch": "llama", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2}
+SETTINGS = {"parallel": 2, "max_context": 256, "conversation_cache_mib": 4}
+FLAGS = ["--parallel", "2", "--max-context", "256", "--conversation-cache-mib", "4"]
+# 40-token prompts: longer than a conversation-cache block (16 tokens at this context), so a slot's KV that a
+# third prompt overwrites goes to host RAM (KVCache.read) and comes back for its prompt (KVCache.write)
+PROMPTS = [[(7 * i + 13 * k) % 500 + 3 for i in range(40)] for k in range(3)]
+N = 16
+
+
+def group_port() -> int:
+    """A free port whose next port is free too (the coordinator's, then the leader's channel)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two free ports in a row")
+
+
+def complete(url: str, prompt: list[int]) -> list[int]:
+    r = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": N, "temperature": 0,
+                                               "return_tokens": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+
+
+def follower_engines(follower: ServerProcess) -> list[int]:
+    return [int(p) for p in re.findall(r"follower engine process \d+ started \(pid (\d+)\)", follower.log())]
+
+
+@pytest.mark.slow
+def test_two_processes_give_one_process_tokens_and_a_dead_follower_restarts_the_group(tiny_model):
+    model = tiny_model(**MOE)
+    group = ["--coordinator", f"127.0.0.1:{group_port()}", "--num-processes", "2"]
+    with ServerProcess([str(model), *FLAGS, *group, "--process-id", "1"]) as follower, \
+            ServerProcess([str(model), *FLAGS, *group, "--process-id", "0"]) as leader:
+        eng = Engine.from_gguf(model, EngineConfig(**SETTINGS))      # one process: the reference
+        want = [eng.generate(p, max_tokens=N, temperature=0).tokens for p in PROMPTS]
+        eng.close()
+        leader.wait_ready(120)
+        assert follower.proc.poll() is None, follower.log()
+        assert "serves no HTTP" in follower.log()
+
+        got: dict[int, list[int]] = {}                # two at once: windows of two rows over both processes
+        threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, complete(leader.url, PROMPTS[k])))
+                   for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        got[2] = complete(leader.url, PROMPTS[2])     # takes prompt 0's or 1's slot: its KV to host RAM
+        assert [got[k] for k in range(3)] == want, (got, want)
+        again = [complete(leader.url, PROMPTS[k]) for k in (0, 1)]    # one of them restored from host RAM
+        assert again == want[:2]
+        assert metric(leader.url, "strata_conversation_cache_restored_tokens") > 0
+
+        # the follower's engine process dies while a stream runs on the group
+        victim = follower_engines(follower)[-1]
+        with httpx.stream("POST", leader.url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {") and '"text"' in line:
+                    break
+            os.kill(victim, signal.SIGKILL)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        errors = [json.loads(ln[6:])["error"]["message"] for ln in rest if '"error"' in ln]
+        assert errors and f"process 1 of the group (pid {victim} on" in errors[0], rest[-3:]
+        faults = httpx.get(leader.url + "/faults", timeout=10).json()["faults"]
+        assert any(f"process 1 of the group (pid {victim} on" in f["reason"] for f in faults), faults
+
+        leader.wait_ready(120)                         # the group restarted: both engines anew
+        assert complete(leader.url, PROMPTS[2]) == want[2]
+        assert len(follower_engines(follower)) >= 2 and follower.proc.poll() is None
+
+
+def test_group_settings_are_checked_naming_them():
+    with pytest.raises(ConfigError, match="coordinator = None"):
+        EngineConfig(num_processes=2)
+    with pytest.raises(ConfigError, match="process_id = 2"):
+        EngineConfig(num_processes=2, process_id=2, coordinator="127.0.0.1:1234")
+    with pytest.raises(ConfigError, match="coordinator = 'nohost'"):
+        EngineConfig(num_processes=2, coordinator="nohost")
+    with pytest.raises(ConfigError, match="coordinator = '127.0.0.1:1234'"):
+        EngineConfig(coordinator="127.0.0.1:1234")         # one process needs no coordinator
+
+
+def test_what_cannot_span_processes_is_refused_naming_it(tiny_model):
+    moe = GGUFModel.open(tiny_model(**MOE)).spec
+    dense = GGUFModel.open(tiny_model(**DENSE)).spec
+    group = {"coordinator": "127.0.0.1:1234", "num_processes": 2}
+    assert refusal(EngineConfig(**group), moe) is None
+    cases = [(dense, {}, "no experts"), (moe, {"split": "layers"}, "split = layers"),
+             (moe, {"expert_cache": 4}, "expert_cache = 4"), (moe, {"kv_resident": 256}, "kv_resident = 256"),
+             (moe, {"spec": 2, "drafter": "mtp"}, "drafter = mtp"),
+             (moe, {"num_processes": 3}, "8 experts do not divide over 3 processes")]
+    for spec, extra, why in cases:
+        assert why in refusal(EngineConfig(**{**group, **extra}), spec), (extra, why)
+
+
+def test_the_cli_refuses_before_starting_anything(tiny_model):
+    proc = subprocess.run([sys.executable, "-m", "strata_jax", "serve", str(tiny_model(**DENSE)), "--coordinator",
+                           "127.0.0.1:1234", "--num-processes", "2", "--process-id", "1"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1
+    assert "num_processes = 2: the model has no experts" in proc.stderr
+
+
+def _leader(digest_: str) -> tuple[Leader, int]:
+    port = group_port()
+    cfg = EngineConfig(coordinator=f"127.0.0.1:{port}", num_processes=2)
+    return Leader(cfg, digest_), port
+
+
+def test_the_leader_refuses_a_follower_with_other_settings(tiny_model):
+    spec = GGUFModel.open(tiny_model(**MOE)).spec
+    cfg = EngineConfig(coordinator="127.0.0.1:1234", num_processes=2)
+    assert digest(cfg, spec) != digest(EngineConfig(coordinator="127.0.0.1:1234", num_processes=2, parallel=4), spec)
+    assert digest(cfg, spec) == digest(EngineConfig(coordinator="127.0.0.1:1234", num_processes=2, process_id=1), spec)
+    leader, port = _leader("mine")
+    with socket.create_connection(("127.0.0.1", port + 1)) as c:
+        c.sendall(pack(Hello(1, 4242, "elsewhere", "theirs")))
+        with pytest.raises(ConfigError, match=r"process 1 \(pid 4242 on elsewhere\) runs other engine settings"):
+            leader.accept(timeout=10)
+
+
+def test_the_leader_names_a_follower_that_goes_away():
+    leader, port = _leader("same")
+    c = socket.create_connection(("127.0.0.1", port + 1))
+    c.sendall(pack(Hello(1, 4242, "elsewhere", "same")))
+    leader.accept(timeout=10)
+    lost: list[str] = []
+    leader.on_lost = lost.append
+    with leader.call(KvReset()):                       # a call reaches the follower before it is made
+        pass
+    head = c.recv(8)
+    assert int.from_bytes(head, "big") > 0
+    c.close()                                          # its process died
+    end = time.monotonic() + 10
+    while not lost and time.monotonic() < end:
+        time.sleep(0.05)
+    assert lost and "process 1 of the group (pid 4242 on elsewhere) is gone" in lost[0]
+    with pytest.raises(GroupLost, match="process 1"):
+        with leader.call(KvReset()):
+            pass
