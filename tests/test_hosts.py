@@ -53,9 +53,12 @@ def group_port() -> int:
     raise RuntimeError("no two free ports in a row")
 
 
-def complete(url: str, prompt: list[int]) -> list[int]:
+SAMPLED = {"temperature": 0.9, "seed": 5, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
+def complete(url: str, prompt: list[int], **sampling) -> list[int]:
     r = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": N, "temperature": 0,
-                                               "return_tokens": True}, timeout=120)
+                                               "return_tokens": True, **sampling}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
 
@@ -77,6 +80,7 @@ def test_two_processes_give_one_process_tokens_and_a_dead_follower_restarts_the_
             ServerProcess([str(model), *FLAGS, *group, "--process-id", "0"]) as leader:
         eng = Engine.from_gguf(model, EngineConfig(**SETTINGS))      # one process: the reference
         want = [eng.generate(p, max_tokens=N, temperature=0).tokens for p in PROMPTS]
+        sampled = eng.generate(PROMPTS[1], max_tokens=N, **SAMPLED).tokens      # sampled on process 0 alone
         eng.close()
         leader.wait_ready(120)
         assert follower.proc.poll() is None, follower.log()
@@ -94,6 +98,7 @@ def test_two_processes_give_one_process_tokens_and_a_dead_follower_restarts_the_
         again = [complete(leader.url, PROMPTS[k]) for k in (0, 1)]    # one of them restored from host RAM
         assert again == want[:2]
         assert metric(leader.url, "strata_conversation_cache_restored_tokens") > 0
+        assert complete(leader.url, PROMPTS[1], **SAMPLED) == sampled
 
         # the follower's engine process dies while a stream runs on the group
         victim = follower_engines(follower)[-1]
@@ -184,3 +189,9 @@ def test_the_leader_names_a_follower_that_goes_away():
     with pytest.raises(GroupLost, match="process 1"):
         with leader.call(KvReset()):
             pass
+
+
+def test_a_busy_channel_port_is_named():
+    leader, port = _leader("x")
+    with pytest.raises(ConfigError, match=rf"cannot listen for its followers on port {port + 1}"):
+        Leader(EngineConfig(coordinator=f"127.0.0.1:{port}", num_processes=2), "x")

@@ -80,7 +80,11 @@ class Leader:
         self._sock = socket.socket(socket.AF_INET6 if ":" in self.address[0] else socket.AF_INET)
         # SO_REUSEADDR: a restarted leader binds the port its predecessor's connections left in TIME_WAIT
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("", self.address[1]))
+        try:
+            self._sock.bind(("", self.address[1]))
+        except OSError as e:
+            raise ConfigError(f"coordinator = {cfg.coordinator}: process 0 cannot listen for its followers on port "
+                              f"{self.address[1]} (the coordinator's port + 1): {e.strerror or e}") from None
         self._sock.listen(self.n)
         self.followers: dict[int, tuple[socket.socket, Hello]] = {}
         self._lock = threading.RLock()          # one call at a time: sent and made in the same order
