@@ -41,8 +41,8 @@ def runs(url: str, max_tokens: int, repeat: int) -> dict:
         alone.append(round(ask(url, n, max_tokens)["timings"]["predicted_per_second"], 1))
         got: list[int] = []
         t0 = time.monotonic()
-        threads = [threading.Thread(target=lambda k=k: got.append(ask(url, 10 * n + k, max_tokens)["tokens_predicted"]))
-                   for k in range(4)]
+        threads = [threading.Thread(target=lambda k=k, n=n, got=got: got.append(
+            ask(url, 10 * n + k, max_tokens)["tokens_predicted"])) for k in range(4)]
         for t in threads:
             t.start()
         for t in threads:

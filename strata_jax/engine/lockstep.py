@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import jax
+
 from ..config import ConfigError, EngineConfig
 from .hosts import (
     JOIN_S,
@@ -37,6 +39,9 @@ from .hosts import (
     Scratch,
     Window,
     channel_address,
+    digest,
+    group_devices,
+    join,
     pack,
     unpack,
 )
@@ -101,7 +106,7 @@ class Leader:
         while len(self.followers) < self.n - 1:
             self._sock.settimeout(max(end - time.monotonic(), 0.01))
             try:
-                conn, peer = self._sock.accept()
+                conn, _ = self._sock.accept()
             except TimeoutError:
                 missing = sorted(set(range(1, self.n)) - set(self.followers))
                 raise GroupLost(f"process(es) {missing} did not connect to process 0 at port {self.address[1]} "
@@ -179,6 +184,14 @@ class Leader:
                 self.failed(e)
                 raise
 
+    def window(self, layout, args: list, run: Callable):
+        """A window program: the followers are sent it, then run(layout, args) makes it here -> process 0's
+        own replica of the replicated logits (sampled here alone: nothing comes back from the followers)."""
+        with self.call(Window(layout.groups, layout.kv_len, [Arr.of(a) for a in args])):
+            # waited for here: a collective's failure (a follower gone) surfaces when the result is read, and
+            # must surface inside call(), which breaks the group, not in the engine's own recovery after it
+            return jax.block_until_ready([lg.addressable_data(0) for lg in run(layout, args)])
+
     def kv(self, *args, **kwargs) -> LockstepKV:
         return LockstepKV(self, *args, **kwargs)
 
@@ -220,6 +233,14 @@ class LockstepKV(KVCache):
         finally:
             with self._leader.call(Scratch(False)):
                 cm.__exit__(None, None, None)
+
+
+def over_processes(cfg: EngineConfig, spec) -> tuple[list, Leader | None]:
+    """The runner's start over processes: join the group, its mesh's devices (hosts.py), and on process 0 the
+    Leader (listening at once; it accepts the followers once the runner is built)."""
+    join(cfg)
+    devs = group_devices(cfg, spec)
+    return devs, (Leader(cfg, digest(cfg, spec)) if cfg.process_id == 0 else None)
 
 
 def follow(runner, cfg: EngineConfig, digest: str, host: str) -> str:

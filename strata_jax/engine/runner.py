@@ -29,11 +29,10 @@ from .controls import controls_of, sample_controlled
 from .devices import AXIS, ExpertShards, devices_for, ledger_for, resolve_split
 from .embeddings import Embedder
 from .faults import Faults
-from .hosts import Arr, Window, digest, group_devices, is_group, join
 from .kv_cache import KVCache, kv_bytes
 from .kv_host import KVHostStore
 from .layouts import WindowLayouts, decode_only
-from .lockstep import Leader
+from .lockstep import Leader, over_processes
 from .pipeline import Pipeline, stage_kv
 from .placement import largest_window_temp_bytes, place_experts
 from .programs import Layout, ProgramCache
@@ -73,13 +72,10 @@ class ModelRunner:
         self.split = resolve_split(cfg, self.spec)
         devs = devices_for(cfg, self.spec, self.split) if self.split != "none" else []
         # --num-processes N (hosts.py): the experts split over every process's devices, process 0 leading the
-        # others in lockstep (lockstep.py); group is the leader's channel, None in one process and in followers
+        # others in lockstep; group: the leader's channel (lockstep.py), None in one process and in followers
         self.group: Leader | None = None
-        if is_group(cfg):
-            join(cfg)
-            self.split, devs = "experts", group_devices(cfg, self.spec)
-            if cfg.process_id == 0:
-                self.group = Leader(cfg, digest(cfg, self.spec))
+        if cfg.num_processes > 1:
+            self.split, (devs, self.group) = "experts", over_processes(cfg, self.spec)
         self.shards = ExpertShards.over(devs) if self.split == "experts" else None
         if self.shards is not None:
             self.opts = replace(self.opts, expert_axis=AXIS)
@@ -105,7 +101,8 @@ class ModelRunner:
             host = KVHostStore(self.spec, self.device_len, self.cache_len, chunk, self.kv_dtype)
             log.info("KV: the first %d positions of each slot on the device, up to %d more in host RAM",
                      self.device_len, self.cache_len - self.device_len)
-        self.kv = (KVCache if self.group is None else self.group.kv)(self.spec, cfg.parallel, self.device_len, self.kv_dtype, host,   # its one owner
+        self.kv = (KVCache if self.group is None else self.group.kv)(       # its one owner
+                          self.spec, cfg.parallel, self.device_len, self.kv_dtype, host,
                           place=self.shards.replicate if self.shards is not None else None,
                           stages=stage_kv(self.spec, devs) if self.split == "layers" else None)
         # --drafter mtp: window programs also hand back every token's last hidden state (the MTP layer's
@@ -217,9 +214,8 @@ class ModelRunner:
         args = []
         for g in groups:
             args += g.arrays()
-        if self.group is not None:            # the followers run it too, then the leader's logits are its own
-            with self.group.call(Window(layout.groups, layout.kv_len, [Arr.of(a) for a in args])):
-                return [lg.addressable_data(0) for lg in self.window(layout, args)]
+        if self.group is not None:            # the followers run it too (lockstep.py)
+            return self.group.window(layout, args, self.window)
         return self.window(layout, args)
 
     def window(self, layout: Layout, args: list[np.ndarray]) -> list[jax.Array]:

@@ -91,9 +91,9 @@ class Worker:
         from strata_jax.config import EngineConfig
         from strata_jax.engine import Engine
         from strata_jax.engine.hosts import join
+        from strata_jax.gguf import GGUFModel
 
         from .group import exit_group_lost
-        from strata_jax.gguf import GGUFModel
 
         self.writer = writer
         t0 = time.monotonic()
