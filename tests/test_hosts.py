@@ -1,7 +1,7 @@
 """One model over two processes (issue 19, item 2): two real `strata-jax serve` processes on localhost joined by
 jax.distributed (engine/hosts.py, engine/lockstep.py, serve/group.py) give the greedy tokens of one process;
 a follower that dies is a fault in /faults naming it, the request in flight fails clearly, and the group
-comes back. Also what is refused, and the leader's channel on its own."""
+comes back; so it does when process 0's engine dies, or a follower's whole serve process (a new one joins). Also what is refused, and the leader's channel on its own."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def follower_engines(follower: ServerProcess) -> list[int]:
 
 
 @pytest.mark.slow
-def test_two_processes_give_one_process_tokens_and_a_dead_follower_restarts_the_group(tiny_model):
+def test_two_processes_give_one_process_tokens_and_a_dead_process_restarts_the_group(tiny_model):
     model = tiny_model(**MOE)
     group = ["--coordinator", f"127.0.0.1:{group_port()}", "--num-processes", "2"]
     with ServerProcess([str(model), *FLAGS, *group, "--process-id", "1"]) as follower, \
@@ -118,6 +118,29 @@ def test_two_processes_give_one_process_tokens_and_a_dead_follower_restarts_the_
         leader.wait_ready(120)                         # the group restarted: both engines anew
         assert complete(leader.url, PROMPTS[2]) == want[2]
         assert len(follower_engines(follower)) >= 2 and follower.proc.poll() is None
+
+        # process 0's engine process dies: the followers' engines leave, restart and join its next one
+        n_followers = len(follower_engines(follower))
+        os.kill(leader.engine_pids()[-1], signal.SIGKILL)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and len(httpx.get(leader.url + "/faults", timeout=10).json()["faults"]) < 2:
+            time.sleep(0.2)
+        leader.wait_ready(120)
+        assert complete(leader.url, PROMPTS[1]) == want[1]
+        assert len(follower_engines(follower)) > n_followers
+
+        # the follower's whole serve process dies (its engine with it); a new one, as a service manager would
+        # start, joins the group that process 0 restarted meanwhile
+        victim = follower_engines(follower)[-1]
+        follower.proc.kill()
+        end = time.monotonic() + 30
+        while time.monotonic() < end and len(httpx.get(leader.url + "/faults", timeout=10).json()["faults"]) < 3:
+            time.sleep(0.2)
+        faults = httpx.get(leader.url + "/faults", timeout=10).json()["faults"]
+        assert f"process 1 of the group (pid {victim} on" in faults[2]["reason"], faults
+        with ServerProcess([str(model), *FLAGS, *group, "--process-id", "1"]):
+            leader.wait_ready(120)
+            assert complete(leader.url, PROMPTS[0]) == want[0]
 
 
 def test_group_settings_are_checked_naming_them():
