@@ -4,7 +4,8 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python scripts/probe_gloo.py 0 1     # one process, 2 devices
     python scripts/probe_gloo.py 0 2 PORT & python scripts/probe_gloo.py 1 2 PORT           # 2 processes (gloo)
 
-Prints the time a call (the best of 100 calls' mean, after 5 unmeasured).
+--mode=dot (the default) as above; --mode=psum: the psums alone (no product, the same [4, 1024] float32 sums);
+--mode=dot-only: the products alone (no psum). Prints the mean time a call of 100 calls, after 5 unmeasured.
 """
 
 import sys
@@ -16,6 +17,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+mode = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--mode=")), "dot")
+sys.argv = [a for a in sys.argv if not a.startswith("--mode=")]
 pid, n = int(sys.argv[1]), int(sys.argv[2])
 if n > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -26,7 +29,8 @@ w = jax.device_put(np.random.RandomState(0).randn(8, 1024, 1024).astype(np.float
 
 def layers(w, x):
     for i in range(8):
-        x = jax.lax.psum(jnp.tanh(x @ w[i]), "x") / 2
+        y = jnp.tanh(x + w[i, 0, 0] if mode == "psum" else x @ w[i])
+        x = (y if mode == "dot-only" else jax.lax.psum(y, "x")) / 2
     return x
 
 
@@ -37,4 +41,5 @@ for _ in range(5):
 t = time.perf_counter()
 for _ in range(100):
     np.asarray(program(w, x))
-print(f"process {pid} of {n}, {len(jax.devices())} devices: {(time.perf_counter() - t) * 10:.1f} ms a call", flush=True)
+print(f"process {pid} of {n}, {len(jax.devices())} devices, {mode}: {(time.perf_counter() - t) * 10:.1f} ms a call",
+      flush=True)
