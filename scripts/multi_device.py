@@ -7,6 +7,10 @@ starts, so tests/test_devices.py (whose JAX already has one device) runs this as
            their largest difference, and whether greedy tokens (alone, and two requests at once) agree
     XLA_FLAGS=... python scripts/multi_device.py bench MODEL.gguf '[[1, "auto"], [4, "experts"]]' [TOKENS]
         -> one JSON line: decode tokens/s of one request and of four at once, per entry
+    XLA_FLAGS=... python scripts/multi_device.py overlap MODEL.gguf '[[2, 1], [2, 4]]' [WINDOWS]
+        -> one JSON line: per (devices, --micro-batches) of the layers split, the order the stage programs
+           were dispatched in and in how many windows a later stage finished a part before an earlier
+           stage finished its last part (the stages computed at once)
     XLA_FLAGS=... python scripts/multi_device.py errors MODEL.gguf '[{"devices": 3, "split": "experts"}, ...]'
         -> one JSON line: each config's ConfigError message (null: it started)
     XLA_FLAGS=... python scripts/multi_device.py kernels - 200
@@ -23,6 +27,8 @@ import numpy as np
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
+from strata_jax.engine.runner import GroupInput
+from strata_jax.engine.sampler import SamplingRows
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 31, 77]
 OTHER = [9, 8, 7, 6, 5, 4, 3, 2]
@@ -40,6 +46,7 @@ def run_check(path: str, entries: list) -> dict:
         eng = engine(path, devices, split, **(extra[0] if extra else {}))
         try:
             logits = eng.logits(PROMPT)
+            cut = cut_window_logits(eng)
             alone = eng.generate(PROMPT, max_tokens=6, temperature=0.0).tokens
             hs = [eng.submit(p, max_tokens=6, temperature=0.0) for p in (PROMPT, OTHER)]
             together = [[ev.token for ev in h if ev.kind == "token"] for h in hs]
@@ -47,10 +54,13 @@ def run_check(path: str, entries: list) -> dict:
             kv = kv_moves(eng)
         finally:
             eng.close()
-        res = {"logits": logits, "alone": alone, "together": together, "kv": kv}
+        res = {"logits": logits, "alone": alone, "together": together, "kv": kv, "cut": cut}
         base = base or res
         out.append({"devices": devices, "split": split, "bits_equal": bool(np.array_equal(logits, base["logits"])),
                     "max_diff": float(np.max(np.abs(logits - base["logits"]))),
+                    "cut_bits_equal": all(np.array_equal(a, b) for a, b in zip(cut, base["cut"])),
+                    "cut_max_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(cut, base["cut"])),
+                    "parts": parts_of(eng, cut_window(eng)), **(extra[0] if extra else {}),
                     "tokens_equal": alone == base["alone"] and together == base["together"],
                     "kv_equal": all(np.array_equal(kv[k], base["kv"][k]) for k in kv),
                     "alone": alone, "together": together, "runner": stats.get("devices"),
@@ -58,6 +68,36 @@ def run_check(path: str, entries: list) -> dict:
                                  for p in stats["programs"].get("devices", [stats["programs"]])],
                     "memory": stats["memory"]})
     return {"results": out}
+
+
+def cut_window(eng: Engine) -> list[GroupInput]:
+    """A window of two prompts read at once (PROMPT in slot 0, OTHER in slot 1), with the logits of every
+    token: packed (one group of 20 tokens in 32 rows, 32 picks: the real tokens', then padding) where the
+    backend packs, else a group each; so the layers split cuts it into micro-batches (a prompt across two)."""
+    if eng.runner.packed:
+        toks, pos = np.zeros((32, 1), np.int32), np.full((32, 1), -1, np.int32)
+        toks[:20, 0], pos[:20, 0] = PROMPT + OTHER, list(range(12)) + list(range(8))
+        slots = np.array([0] * 12 + [1] * 8 + [0] * 12, np.int32)
+        picks = np.array(list(range(20)) + [0] * 12, np.int32)
+        return [GroupInput(toks, pos, slots, SamplingRows.greedy(32), picks=picks)]
+    out = []
+    for slot, ids in enumerate((PROMPT, OTHER)):
+        toks, pos = np.zeros((1, 16), np.int32), np.full((1, 16), -1, np.int32)
+        toks[0, :len(ids)], pos[0, :len(ids)] = ids, np.arange(len(ids))
+        out.append(GroupInput(toks, pos, np.array([slot], np.int32), SamplingRows.greedy(1), all_logits=True))
+    return out
+
+
+def cut_window_logits(eng: Engine) -> list[np.ndarray]:
+    """cut_window's logits per group, read on a scratch KV cache between windows (the engine is idle)."""
+    with eng.runner.scratch_kv():
+        return [np.asarray(x) for x in eng.runner.forward_logits(cut_window(eng), 16)]
+
+
+def parts_of(eng: Engine, groups: list[GroupInput]) -> int:
+    """The parts (micro-batches) a window of these groups runs as: 1 without the layers split."""
+    pipe = eng.runner.pipeline
+    return 1 if pipe is None else len(pipe.cut(eng.runner.layout_of(groups, 16)).parts)
 
 
 def kv_moves(eng: Engine) -> dict[str, np.ndarray]:
@@ -141,6 +181,45 @@ def run_kernels(iters: int) -> dict:
                         "together_s": round(t1 - t0, 3), "one_after_another_s": round(t2 - t1, 3)}}
 
 
+def run_overlap(path: str, entries: list, windows: int) -> dict:
+    """Whether the stages compute at once: each window (four 16-token prompts read together, packed) is
+    dispatched whole, then the host polls every (stage, part) program's outputs and notes when each is
+    ready. A stage s + 1 part ready before stage s's last part is ready means device s + 1 computed while
+    device s did: impossible with one part a window (the old chain: every stage waits for the one before)."""
+    out = []
+    for devices, micro in entries:
+        eng = engine(path, devices, "layers", micro_batches=micro, batch_tokens=64)
+        pipe, runner = eng.runner.pipeline, eng.runner
+        toks, pos = np.zeros((64, 1), np.int32), np.full((64, 1), -1, np.int32)
+        for i in range(4):
+            toks[16 * i:16 * i + 16, 0], pos[16 * i:16 * i + 16, 0] = OTHER + PROMPT[:8], np.arange(16)
+        group = GroupInput(toks, pos, np.repeat(np.arange(4, dtype=np.int32), 16), SamplingRows.greedy(4),
+                           picks=np.array([15, 31, 47, 63], np.int32))
+        overlapped, order, pending = 0, [], []
+        try:
+            with runner.scratch_kv():
+                np.asarray(runner.forward_logits([group], 16)[0])          # built
+                for _ in range(windows):
+                    seen: list = []
+                    pipe.on_dispatch = lambda s, p, xs, seen=seen: seen.append((s, p, xs))
+                    runner.forward_logits([group], 16)
+                    pipe.on_dispatch = None
+                    order = [(s, p) for s, p, _ in seen]
+                    ready: dict = {}
+                    pending.append(sum(not all(x.is_ready() for x in xs) for _, _, xs in seen))
+                    while len(ready) < len(seen):
+                        for s, p, xs in seen:
+                            if (s, p) not in ready and all(x.is_ready() for x in xs):
+                                ready[s, p] = time.perf_counter()
+                    last = max(p for _, p in order)
+                    overlapped += any(ready[s + 1, p] < ready[s, last] for s, p in order if (s + 1, p) in ready)
+        finally:
+            eng.close()
+        out.append({"devices": devices, "micro_batches": micro, "order": order, "overlapped": overlapped,
+                    "windows": windows, "pending_after_dispatch": pending})
+    return {"results": out}
+
+
 def run_errors(path: str, configs: list) -> dict:
     out = []
     for extra in configs:
@@ -158,6 +237,8 @@ if __name__ == "__main__":
         res = run_check(model, spec)
     elif mode == "errors":
         res = run_errors(model, spec)
+    elif mode == "overlap":
+        res = run_overlap(model, spec, int(sys.argv[4]) if len(sys.argv) > 4 else 20)
     elif mode == "kernels":
         res = run_kernels(int(spec))
     else:

@@ -100,6 +100,9 @@ FLAGS = {
                   "layer, the rest replicated (one program over all devices, the expert rows summed by a psum); "
                   "layers = each device a contiguous run of layers and their KV (a chain of stage programs); "
                   "auto: experts for a MoE model, else layers"),
+    "micro_batches": Flag("auto|M", "with --split layers: each window's rows cut into up to M parts that follow "
+                          "each other through the stages, so device s + 1 runs one part while device s runs the "
+                          "next (the same bits; no extra programs); auto: the number of devices"),
     "coordinator": Flag("HOST:PORT", "process 0's address when one model spans processes or hosts (jax.distributed's "
                         "coordinator; process 0 also listens on PORT + 1 for its followers); every process gets the "
                         "same one"),

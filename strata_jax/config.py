@@ -60,6 +60,7 @@ class EngineConfig:
     seed: int = 0                        # the seed a llama.cpp-route request without one samples with (-s)
     devices: int = 1                     # devices of this host the model runs over (engine/devices.py)
     split: str = "auto"                  # how, with devices > 1: experts (each device E/N experts) | layers (stages) | auto
+    micro_batches: int | str = "auto"    # split layers: a window in up to this many parts, so stages overlap (pipeline.py)
     coordinator: str | None = None       # HOST:PORT of process 0, with num_processes > 1 (engine/hosts.py)
     num_processes: int = 1               # processes (hosts) one model runs over, joined by jax.distributed
     process_id: int = 0                  # this process's number among them: 0 serves HTTP, the others follow
@@ -149,6 +150,12 @@ class EngineConfig:
         need(isinstance(self.devices, int) and 1 <= self.devices <= 64, "devices", self.devices,
              "must be a whole number of devices from 1 to 64")
         need(self.split in SPLITS, "split", self.split, f"must be one of {', '.join(SPLITS)}")
+        if self.micro_batches != "auto":
+            try:
+                self.micro_batches = int(self.micro_batches)
+            except (TypeError, ValueError):
+                raise ConfigError(f"micro_batches = {self.micro_batches!r}: must be auto or a number of parts") from None
+            need(1 <= self.micro_batches <= 64, "micro_batches", self.micro_batches, "must be auto or 1 to 64 parts")
         need(isinstance(self.num_processes, int) and 1 <= self.num_processes <= 1024, "num_processes",
              self.num_processes, "must be a whole number of processes from 1 to 1024")
         need(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes, "process_id",

@@ -38,6 +38,10 @@ def check_equal(results: list) -> None:
         assert r["bits_equal"], f"{r['devices']} devices, split {r['split']}: logits differ by {r['max_diff']}"
         assert r["tokens_equal"], (r, base)
         assert r["kv_equal"], r             # the prefix cache's KV moves (read, write, copy) across stages
+        # a window of two prompts, logits of every token, cut into micro-batches with the layers split
+        assert r["cut_bits_equal"], f"{r['devices']} devices, split {r['split']}: cut window differs by {r['cut_max_diff']}"
+        want = r.get("micro_batches", r["devices"]) if r["split"] == "layers" else 1
+        assert r["parts"] == want, r
 
 
 # A device-memory budget (vram reserve 0) that holds the weights, the KV and about 3 of the 5 programs the
@@ -63,8 +67,51 @@ def test_the_program_bound_holds_on_each_device(tiny_model):
 
 
 def test_dense_layers_split_gives_one_devices_logits(tiny_model):
-    results = child("check", tiny_model(**DENSE), [[1, "auto"], [2, "layers"], [4, "layers"]])
+    """auto: as many micro-batches as stages; 1: the plain chain of stages; 2 over 4 stages."""
+    results = child("check", tiny_model(**DENSE), [[1, "auto"], [2, "layers"], [4, "layers"],
+                                                   [4, "layers", {"micro_batches": 1}],
+                                                   [4, "layers", {"micro_batches": 2}]])
     check_equal(results)
+
+
+def test_layers_split_stages_compute_at_once(tiny_model):
+    """A window cut in micro-batches is dispatched stage by stage without waiting, and a later stage
+    finishes a part before the earlier stage finishes its last: the devices computed at once. One part a
+    window (micro_batches 1, the plain chain) never can, which is the control that the probe can fail. A
+    wider model than the others, so that a part's program outlasts dispatching the next (hidden 512)."""
+    res = child("overlap", tiny_model(arch="llama", layers=4, hidden=512, heads=8, kv_heads=4), [[2, 1], [2, 2]])
+    chain, cut = res
+    assert chain["order"] == [[0, 0], [1, 0]] and chain["overlapped"] == 0, chain
+    assert cut["order"] == [[0, 0], [0, 1], [1, 0], [1, 1]], cut      # stage-major: both parts on device 0 first
+    assert max(cut["pending_after_dispatch"]) >= 2, cut                # the host did not wait for the devices
+    assert cut["overlapped"] >= 1, cut
+
+
+def test_a_cut_adds_no_programs_and_keeps_groups_whole_where_rows_are_not_alone():
+    """Every part's layout is one the warm-up's set already holds (packed windows, and verify rows with
+    --spec), and where rows are not computed alone (XLA's dots) the parts are whole groups."""
+    from strata_jax.engine.layouts import WindowLayouts
+    from strata_jax.engine.micro_batches import cut
+    from strata_jax.engine.programs import Layout
+
+    packed = WindowLayouts("cpu", 256, 256, 256, 1, True, 4, 0, 16, 64)
+    base = set(packed.base())
+    for lay in base:
+        for m in (2, 3, 4, 8):
+            c = cut(lay, m, rows_alone=True)
+            assert set(c.parts) <= base, (lay, m, c.parts)
+            r = lay.groups[0][0]
+            assert len(c.parts) == min(r, m if m != 3 else 2), (lay, m)    # 3 parts cannot share 2^k rows evenly
+    verify = WindowLayouts("cpu", 256, 256, 256, 1, False, 4, 2, 16, 64)
+    for lay in verify.base():
+        assert set(cut(lay, 2, rows_alone=True).parts) <= set(verify.base()), lay
+    grouped = WindowLayouts("xla", 256, 256, 256, 2, False, 4, 0, 16, 64)
+    for lay in grouped.base():
+        c = cut(lay, 4, rows_alone=False)
+        assert [g for p in c.parts for g in p.groups] == list(lay.groups), lay      # whole groups, in order
+        assert set(c.parts) <= set(grouped.base()), lay
+    two = Layout(((4, 1, False, 0), (1, 16, False, 0)), 256)
+    assert [p.groups for p in cut(two, 4, rows_alone=False).parts] == [((4, 1, False, 0),), ((1, 16, False, 0),)]
 
 
 def test_what_cannot_split_is_refused_with_the_reason(tiny_model):

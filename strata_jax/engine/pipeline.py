@@ -14,14 +14,18 @@ reserved in it), its own bound (--max-programs) and its own out-of-memory halvin
 frees its own programs. StagePrograms gives the runner and the engine the one cache's interface over them
 (a window's layout is ready when every stage's program is).
 
-What overlaps: JAX dispatch is asynchronous, so the host queues all N stage programs of a window without
-waiting, and device s+1 starts as soon as stage s's hidden states arrive; but a window's stages depend on
-each other and the engine plans the next window only after this one's tokens are sampled, so the devices
-take turns: one window in flight, no two stages computing at once (docs/DISTRIBUTED.md).
+What overlaps: a window is cut into micro-batches (micro_batches.py: its rows, or its groups, in up to
+--micro-batches parts, each part's layout one the warm-up already builds), and the host dispatches stage
+0's program on every part, then stage 1's on every part, ... without waiting (JAX dispatch is
+asynchronous; each device runs its programs in the order given, the donated KV chaining a stage's parts).
+So device s+1 runs part p while device s runs part p+1. The engine still plans the next window only after
+this one's tokens are sampled (a decode row's next token is this window's), so windows do not overlap: a
+window of one row (one request decoding) runs its stages in turn (docs/DISTRIBUTED.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import jax
@@ -32,6 +36,7 @@ from ..model import Group
 from ..model.transformer import decoder_layer, embed_stage, head_stage
 from .kv_cache import KVCache, kv_bytes
 from .memory import MemoryLedger
+from .micro_batches import Cut, cut, join, part_inputs
 from .programs import Layout, ProgramCache
 
 
@@ -53,9 +58,15 @@ def stage_kv(spec, devices: list) -> list:
 
 class Pipeline:
     def __init__(self, params: dict, spec, opts, devices: list, kv: KVCache, cfg, kv_dtype, device_len: int,
-                 faults):
+                 faults, rows_alone: bool = False):
+        """rows_alone: every row is computed alone (ModelRunner.min_rows = 1), so a window's rows may be cut."""
         self.spec, self.opts, self.devices, self.kv = spec, opts, devices, kv
         n = len(devices)
+        self.rows_alone = rows_alone
+        self.micro_batches = micro_batches_of(cfg.micro_batches, n)
+        self._cuts: dict[Layout, Cut] = {}
+        # a test's probe: called with (stage, part, that program's outputs) as each is dispatched
+        self.on_dispatch: Callable[[int, int, list], None] | None = None
         self.bounds = stage_bounds(spec.n_layers, n)
         self.params, caches = [], []
         for s, ((a, b), dev) in enumerate(zip(self.bounds, devices)):
@@ -75,20 +86,32 @@ class Pipeline:
                                        faults))
         self.programs = StagePrograms(caches)
 
-    def run(self, groups: list, layout: Layout) -> list[jax.Array]:
-        """One window through every stage -> logits per group (on the last device)."""
-        args = []
-        for g in groups:
-            args += g.arrays()
-        xs: list = []
-        for s, cache in enumerate(self.programs.caches):
-            ins = list(jax.device_put(xs, self.devices[s])) if s else []      # the hidden states, to device s
+    def cut(self, layout: Layout) -> Cut:
+        if layout not in self._cuts:
+            self._cuts[layout] = cut(layout, self.micro_batches, self.rows_alone)
+        return self._cuts[layout]
 
-            def step(cs, s=s, cache=cache, ins=ins):
-                out, c = cache.run(layout, self.params[s], cs[s], *ins, *args)
-                return out, cs[:s] + (c,) + cs[s + 1:]
-            xs = self.kv.through(step)
-        return xs
+    def layouts(self, layout: Layout) -> list[Layout]:
+        """The programs (on every stage) a window of `layout` runs: its parts' layouts."""
+        return list(dict.fromkeys(self.cut(layout).parts))
+
+    def run(self, groups: list, layout: Layout) -> list[jax.Array]:
+        """One window through every stage -> logits per group (on the last device). Stage-major order: every
+        part through stage 0, then every part through stage 1, ...; nothing here waits for a device."""
+        c = self.cut(layout)
+        args, orders = part_inputs(c, groups)
+        xs: list[list] = [[] for _ in c.parts]
+        for s, cache in enumerate(self.programs.caches):
+            for p, lay in enumerate(c.parts):
+                ins = list(jax.device_put(xs[p], self.devices[s])) if s else []      # hidden states, to device s
+
+                def step(cs, s=s, cache=cache, ins=ins, lay=lay, a=args[p]):
+                    out, kv = cache.run(lay, self.params[s], cs[s], *ins, *a)
+                    return out, cs[:s] + (kv,) + cs[s + 1:]
+                xs[p] = self.kv.through(step)
+                if self.on_dispatch is not None:
+                    self.on_dispatch(s, p, xs[p])
+        return join(c, xs, orders)
 
     def _build(self, layout: Layout, s: int):
         """Stage s's program for `layout`: (its weights, its KV, [hidden states per group,] the groups'
@@ -120,6 +143,11 @@ class Pipeline:
             return S(a.shape, a.dtype, sharding=here)
         tree = jax.tree_util.tree_map(shape, (self.params[s], self.kv.arrays[s]))
         return jax.jit(stage, donate_argnums=(1,)).lower(*tree, *ins).compile()
+
+
+def micro_batches_of(setting: int | str, stages: int) -> int:
+    """--micro-batches: a number of parts, or auto (see docs/DISTRIBUTED.md for the measurement)."""
+    return stages if setting == "auto" else int(setting)
 
 
 class StagePrograms:

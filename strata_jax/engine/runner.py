@@ -142,7 +142,7 @@ class ModelRunner:
                 raise ConfigError("split = layers: the experts do not fit, and the expert tiers do not combine")
             self.programs.close()
             self.pipeline = Pipeline(self.params, self.spec, self.opts, devs, self.kv, cfg, self.kv_dtype,
-                                     self.device_len, self.faults)
+                                     self.device_len, self.faults, rows_alone=self.min_rows == 1)
             self.programs, self.expert_counts, self.params = self.pipeline.programs, None, None  # the stages' now
         self._hiddens: list[jax.Array] | None = None     # the last window's, until take_hiddens
         # embeddings ("hidden" programs) read the weights as the whole-window program does: not beside the tiers
@@ -240,7 +240,9 @@ class ModelRunner:
     # ---- programs -------------------------------------------------------------------------------------
 
     def program_layouts(self, layout: Layout) -> list[Layout]:
-        """The programs a window of `layout` runs: itself, or the layer-stepped stages."""
+        """The programs a window of `layout` runs: itself, the layer-stepped stages, or its micro-batches."""
+        if self.pipeline is not None:
+            return self.pipeline.layouts(layout)
         return self.stepper.stage_layouts(layout) if self.stepper is not None else [layout]
 
     def ready(self, layout: Layout) -> bool:
