@@ -20,7 +20,7 @@ import pytest
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
-from strata_jax.engine.hosts import Hello, KvReset, digest, pack, refusal
+from strata_jax.engine.hosts import Hello, KvReset, Loaded, digest, pack, refusal
 from strata_jax.engine.lockstep import GroupLost, Leader
 from strata_jax.gguf import GGUFModel
 from strata_jax.serve.launch import ServerProcess
@@ -212,7 +212,7 @@ def test_the_leader_refuses_a_follower_with_other_settings(tiny_model):
 def test_the_leader_names_a_follower_that_goes_away():
     leader, port = _leader("same")
     c = socket.create_connection(("127.0.0.1", port + 1))
-    c.sendall(pack(Hello(1, 4242, "elsewhere", "same")))
+    c.sendall(pack(Hello(1, 4242, "elsewhere", "same")) + pack(Loaded()))
     leader.accept(timeout=10)
     lost: list[str] = []
     leader.on_lost = lost.append
@@ -233,3 +233,13 @@ def test_a_busy_channel_port_is_named():
     _held, port = _leader("x")
     with pytest.raises(ConfigError, match=rf"cannot listen for its followers on port {port + 1}"):
         Leader(EngineConfig(coordinator=f"127.0.0.1:{port}", num_processes=2), "x")
+
+
+def test_a_follower_that_ends_while_loading_is_named_at_once():
+    leader, port = _leader("same")
+    with socket.create_connection(("127.0.0.1", port + 1)) as c:
+        c.sendall(pack(Hello(1, 4242, "elsewhere", "same")))       # joined, then died loading its weights
+    t0 = time.monotonic()
+    with pytest.raises(GroupLost, match=r"process 1 of the group \(pid 4242 on elsewhere\) is gone: it ended while"):
+        leader.accept(timeout=30)
+    assert time.monotonic() - t0 < 5

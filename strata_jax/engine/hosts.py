@@ -51,6 +51,9 @@ def join(cfg: EngineConfig) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     log.info("process %d of %d: joining the group at %s", cfg.process_id, cfg.num_processes, cfg.coordinator)
     jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=JOIN_S)
+    # the backend's start is a step of joining too (every process publishes its devices and waits for the
+    # others'): done here, so no process waits on its channel for a leader still starting its backend
+    jax.devices()
 
 
 def refusal(cfg: EngineConfig, spec) -> str | None:
@@ -131,6 +134,10 @@ class Hello(Frame, tag="hello"):
     digest: str
 
 
+class Loaded(Frame, tag="loaded"):
+    """A follower's weights are loaded and its decode programs built: it replays from now on."""
+
+
 class Window(Frame, tag="window"):
     """A window program: its layout (programs.Layout's fields) and its inputs after the weights and KV."""
     groups: tuple[tuple[int, int, bool, int], ...]
@@ -166,7 +173,7 @@ class Scratch(Frame, tag="scratch"):
     begin: bool
 
 
-AnyFrame = Hello | Window | KvRead | KvWrite | KvCopy | KvReset | Scratch
+AnyFrame = Hello | Loaded | Window | KvRead | KvWrite | KvCopy | KvReset | Scratch
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyFrame)
 

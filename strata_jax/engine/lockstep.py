@@ -36,6 +36,7 @@ from .hosts import (
     KvRead,
     KvReset,
     KvWrite,
+    Loaded,
     Scratch,
     Window,
     channel_address,
@@ -100,8 +101,10 @@ class Leader:
         self.bytes = 0
 
     def accept(self, timeout: float = JOIN_S) -> None:
-        """Every follower's connection and hello (its settings must be the leader's). ConfigError names a
-        follower started with other flags or another model; GroupLost, one that never came."""
+        """Every follower's connection and hello (its settings must be the leader's), then its Loaded. A
+        follower connects as soon as it has joined, before loading, so one that dies while loading is named
+        here at once. ConfigError names a follower started with other flags or another model; GroupLost, one
+        that never came or ended."""
         end = time.monotonic() + timeout
         while len(self.followers) < self.n - 1:
             self._sock.settimeout(max(end - time.monotonic(), 0.01))
@@ -124,10 +127,21 @@ class Leader:
                                   "settings or another model than process 0: start every process with the same "
                                   "model and flags (but --process-id)")
             self.followers[hello.process_id] = (conn, hello)
+        self._sock.close()
+        for conn, hello in self.followers.values():     # each connected before loading; now its Loaded
+            conn.settimeout(max(end - time.monotonic(), 0.01))
+            try:
+                loaded = _recv(conn)
+            except TimeoutError:
+                loaded = False
+            conn.settimeout(None)
+            if not isinstance(loaded, Loaded):
+                raise GroupLost(f"process {hello.process_id} of the group (pid {hello.pid} on {hello.host}) "
+                                + ("is gone: it ended while loading" if loaded is None else
+                                   f"did not load within {timeout:g} s"))
             log.info("process %d (pid %d on %s) follows", hello.process_id, hello.pid, hello.host)
             threading.Thread(target=self._watch, args=(conn, hello), name=f"follower-{hello.process_id}",
                              daemon=True).start()
-        self._sock.close()
 
     @property
     def on_lost(self):
@@ -243,11 +257,17 @@ def over_processes(cfg: EngineConfig, spec) -> tuple[list, Leader | None]:
     return devs, (Leader(cfg, digest(cfg, spec)) if cfg.process_id == 0 else None)
 
 
-def follow(runner, cfg: EngineConfig, digest: str, host: str) -> str:
-    """A follower's life after loading: connect to the leader, say hello, replay every frame in order.
-    Returns why it ended (the leader closed the channel: its process stopped) or raises what a call raised."""
+def hello(cfg: EngineConfig, digest: str, host: str) -> socket.socket:
+    """A follower, once joined and before loading: connect to the leader and say who it is."""
     conn = _connect(cfg)
     conn.sendall(pack(Hello(cfg.process_id, os.getpid(), host, digest)))
+    return conn
+
+
+def follow(runner, conn: socket.socket, cfg: EngineConfig) -> str:
+    """A follower's life after loading: say so, then replay every frame in order. Returns why it ended (the
+    leader closed the channel: its process stopped) or raises what a call raised."""
+    conn.sendall(pack(Loaded()))
     log.info("process %d: following process 0 at %s:%d", cfg.process_id, *channel_address(cfg))
     scratch: list = []
     n = 0

@@ -94,7 +94,7 @@ def follower_main() -> int:
     try:
         from strata_jax import compile_cache
         from strata_jax.engine.hosts import digest, join
-        from strata_jax.engine.lockstep import follow
+        from strata_jax.engine.lockstep import follow, hello
         from strata_jax.engine.runner import ModelRunner
         from strata_jax.gguf import GGUFModel
 
@@ -102,11 +102,12 @@ def follower_main() -> int:
         join(cfg)
         compile_cache.enable(cfg.compile_cache)
         model = GGUFModel.open(start.model)
+        conn = hello(cfg, digest(cfg, model.spec), socket.gethostname())    # before loading: see Leader.accept
         runner = ModelRunner(model, cfg)
         if cfg.warmup:
             runner.warmup(progress=False)
         log.info("process %d: %s loaded", cfg.process_id, Path(start.model).name)
-        why = follow(runner, cfg, digest(cfg, model.spec), socket.gethostname())
+        why = follow(runner, conn, cfg)
     except BaseException as e:  # noqa: BLE001 - said on one line, then the process ends (its loop restarts it)
         print(f"ERR follower engine: {type(e).__name__}: {one_line(e)}", file=sys.stderr, flush=True)
         os._exit(1)
