@@ -135,10 +135,20 @@ def run_bench(path: str, entries: list, tokens: int) -> dict:
                 if rep:
                     one.append(done.stats["predicted_per_second"])
                     four.append(n / wall)
+            read = []
+            for rep in range(3):                # prompt reading: four 96-token prompts at once, one token each
+                t0 = time.perf_counter()
+                hs = [eng.submit([(rep * 4 + i) % 200 + 1, *(PROMPT * 8)[:95]], max_tokens=1, temperature=0.0)
+                      for i in range(4)]
+                for h in hs:
+                    list(h)
+                read.append(4 * 96 / (time.perf_counter() - t0))
+                eng.wait_for_programs()
         finally:
             eng.close()
         out.append({"devices": devices, "split": split, **(extra[0] if extra else {}),
                     "one_tok_s": round(max(one), 1), "four_tok_s": round(max(four), 1),
+                    "read_tok_s": round(max(read[1:]), 1), "runs_read": [round(x, 1) for x in read],
                     "runs_one": [round(x, 1) for x in one], "runs_four": [round(x, 1) for x in four]})
     return {"results": out}
 

@@ -102,7 +102,8 @@ FLAGS = {
                   "auto: experts for a MoE model, else layers"),
     "micro_batches": Flag("auto|M", "with --split layers: each window's rows cut into up to M parts that follow "
                           "each other through the stages, so device s + 1 runs one part while device s runs the "
-                          "next (the same bits; no extra programs); auto: the number of devices"),
+                          "next (the same bits; no extra programs); auto: 1 on CPU devices (they share the host's cores: "
+                          "slower when cut, docs/DISTRIBUTED.md), else the number of devices"),
     "coordinator": Flag("HOST:PORT", "process 0's address when one model spans processes or hosts (jax.distributed's "
                         "coordinator; process 0 also listens on PORT + 1 for its followers); every process gets the "
                         "same one"),

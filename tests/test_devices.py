@@ -40,19 +40,19 @@ def check_equal(results: list) -> None:
         assert r["kv_equal"], r             # the prefix cache's KV moves (read, write, copy) across stages
         # a window of two prompts, logits of every token, cut into micro-batches with the layers split
         assert r["cut_bits_equal"], f"{r['devices']} devices, split {r['split']}: cut window differs by {r['cut_max_diff']}"
-        want = r.get("micro_batches", r["devices"]) if r["split"] == "layers" else 1
+        want = r.get("micro_batches", 1) if r["split"] == "layers" else 1        # auto on CPU devices: 1
         assert r["parts"] == want, r
 
 
 # A device-memory budget (vram reserve 0) that holds the weights, the KV and about 3 of the 5 programs the
 # check meets: each device's program cache runs out and frees its own older half (per-device ledgers).
 TIGHT = {"experts": {"device_memory_mib": 1.5, "vram_reserve_mib": 0},
-         "layers": {"device_memory_mib": 1.0, "vram_reserve_mib": 0}}
+         "layers": {"device_memory_mib": 1.0, "vram_reserve_mib": 0, "micro_batches": 4}}
 
 
 def test_moe_both_splits_give_one_devices_logits(tiny_model):
     results = child("check", tiny_model(**MOE), [[1, "auto"], [2, "experts", TIGHT["experts"]], [4, "experts"],
-                                                 [2, "layers"], [4, "layers", TIGHT["layers"]]])
+                                                 [2, "layers", {"micro_batches": 2}], [4, "layers", TIGHT["layers"]]])
     check_equal(results)
     for r in (results[1], results[4]):          # the tight budgets: every device freed its own programs once
         assert len(r["programs"]) == (1 if r["split"] == "experts" else r["devices"]), r["programs"]
@@ -60,16 +60,16 @@ def test_moe_both_splits_give_one_devices_logits(tiny_model):
 
 
 def test_the_program_bound_holds_on_each_device(tiny_model):
-    results = child("check", tiny_model(**MOE), [[1, "auto"], [4, "layers", {"max_programs": 2}]])
+    results = child("check", tiny_model(**MOE), [[1, "auto"], [4, "layers", {"max_programs": 2, "micro_batches": 4}]])
     check_equal(results)
     assert [p["live"] for p in results[1]["programs"]] == [2, 2, 2, 2]
     assert all(p["evicted"] >= 1 for p in results[1]["programs"])
 
 
 def test_dense_layers_split_gives_one_devices_logits(tiny_model):
-    """auto: as many micro-batches as stages; 1: the plain chain of stages; 2 over 4 stages."""
-    results = child("check", tiny_model(**DENSE), [[1, "auto"], [2, "layers"], [4, "layers"],
-                                                   [4, "layers", {"micro_batches": 1}],
+    """auto (on CPU devices: the plain chain of stages), 2 and 4 micro-batches."""
+    results = child("check", tiny_model(**DENSE), [[1, "auto"], [2, "layers"], [2, "layers", {"micro_batches": 2}],
+                                                   [4, "layers", {"micro_batches": 4}],
                                                    [4, "layers", {"micro_batches": 2}]])
     check_equal(results)
 

@@ -63,7 +63,7 @@ class Pipeline:
         self.spec, self.opts, self.devices, self.kv = spec, opts, devices, kv
         n = len(devices)
         self.rows_alone = rows_alone
-        self.micro_batches = micro_batches_of(cfg.micro_batches, n)
+        self.micro_batches = micro_batches_of(cfg.micro_batches, n, devices[0].platform)
         self._cuts: dict[Layout, Cut] = {}
         # a test's probe: called with (stage, part, that program's outputs) as each is dispatched
         self.on_dispatch: Callable[[int, int, list], None] | None = None
@@ -145,9 +145,14 @@ class Pipeline:
         return jax.jit(stage, donate_argnums=(1,)).lower(*tree, *ins).compile()
 
 
-def micro_batches_of(setting: int | str, stages: int) -> int:
-    """--micro-batches: a number of parts, or auto (see docs/DISTRIBUTED.md for the measurement)."""
-    return stages if setting == "auto" else int(setting)
+def micro_batches_of(setting: int | str, stages: int, platform: str) -> int:
+    """--micro-batches: a number of parts, or auto: 1 on CPU devices (forced CPU devices share the host's
+    cores, and every M > 1 measured slower on a 2-core machine: the stages' kernel calls contend for the
+    same cores and each part reads the stage's weights again; docs/DISTRIBUTED.md), else one part a stage
+    (devices with compute of their own; not measured here)."""
+    if setting != "auto":
+        return int(setting)
+    return 1 if platform == "cpu" else stages
 
 
 class StagePrograms:
