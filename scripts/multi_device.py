@@ -193,9 +193,11 @@ def run_kernels(iters: int) -> dict:
 
 def run_overlap(path: str, entries: list, windows: int) -> dict:
     """Whether the stages compute at once: each window (four 16-token prompts read together, packed) is
-    dispatched whole, then the host polls every (stage, part) program's outputs and notes when each is
-    ready. A stage s + 1 part ready before stage s's last part is ready means device s + 1 computed while
-    device s did: impossible with one part a window (the old chain: every stage waits for the one before)."""
+    dispatched whole, then the host sweeps over every (stage, part) program's outputs, later stages first,
+    and notes the sweep in which each is ready. A stage s + 1 part ready in an earlier sweep than stage s's
+    last part means device s + 1 finished a part while device s still computed: impossible with one part a
+    window (the old chain: stage s + 1 starts after all of stage s's work), and never a false sign from the
+    poller being descheduled, since within a sweep an earlier stage is checked after a later one."""
     out = []
     for devices, micro in entries:
         eng = engine(path, devices, "layers", micro_batches=micro, batch_tokens=64)
@@ -217,10 +219,12 @@ def run_overlap(path: str, entries: list, windows: int) -> dict:
                     order = [(s, p) for s, p, _ in seen]
                     ready: dict = {}
                     pending.append(sum(not all(x.is_ready() for x in xs) for _, _, xs in seen))
-                    while len(ready) < len(seen):
-                        for s, p, xs in seen:
+                    sweep = 0           # each sweep checks the later stages first: a part seen ready before
+                    while len(ready) < len(seen):       # an earlier stage's part in the same sweep was really so
+                        sweep += 1
+                        for s, p, xs in reversed(seen):
                             if (s, p) not in ready and all(x.is_ready() for x in xs):
-                                ready[s, p] = time.perf_counter()
+                                ready[s, p] = sweep
                     last = max(p for _, p in order)
                     overlapped += any(ready[s + 1, p] < ready[s, last] for s, p in order if (s + 1, p) in ready)
         finally:
