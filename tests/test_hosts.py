@@ -243,3 +243,17 @@ def test_a_follower_that_ends_while_loading_is_named_at_once():
     with pytest.raises(GroupLost, match=r"process 1 of the group \(pid 4242 on elsewhere\) is gone: it ended while"):
         leader.accept(timeout=30)
     assert time.monotonic() - t0 < 5
+
+
+def test_closing_the_leader_is_not_a_lost_follower():
+    leader, port = _leader("same")
+    c = socket.create_connection(("127.0.0.1", port + 1))
+    c.sendall(pack(Hello(1, 4242, "elsewhere", "same")) + pack(Loaded()))
+    leader.accept(timeout=10)
+    lost: list[str] = []
+    leader.on_lost = lost.append
+    leader.close()                                     # the engine closes: its followers' channels end
+    assert c.recv(1) == b""
+    time.sleep(0.3)
+    assert lost == [] and leader.lost is None
+    c.close()

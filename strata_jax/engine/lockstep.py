@@ -97,6 +97,7 @@ class Leader:
         self.lost: str | None = None            # why the group broke, once it has
         self._lost_event = threading.Event()
         self._on_lost: Callable[[str], None] | None = None
+        self._closed = False
         self.frames = 0
         self.bytes = 0
 
@@ -160,7 +161,17 @@ class Leader:
         self._lose(f"process {hello.process_id} of the group (pid {hello.pid} on {hello.host}) is gone: its "
                    "connection to process 0 closed")
 
+    def close(self) -> None:
+        """The engine closes: the followers' channels close (they end, and their loops start them again)."""
+        self._closed = True
+        for conn, _ in self.followers.values():
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)     # not close() alone: the watcher's recv would keep it open
+                conn.close()
+
     def _lose(self, why: str) -> None:
+        if self._closed:                    # our own close, not a follower's death
+            return
         with contextlib.suppress(Exception):
             if self.lost is None:
                 self.lost = why

@@ -335,6 +335,8 @@ class ModelRunner:
 
     def close(self) -> None:
         self.programs.close()
+        if self.group is not None:
+            self.group.close()
         if self.stepper is not None:
             self.stepper.close()
 
