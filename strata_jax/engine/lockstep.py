@@ -76,8 +76,8 @@ def _exactly(conn: socket.socket, n: int) -> bytes | None:
 
 
 class Leader:
-    """Process 0's side of the channel. Made at the runner's start (it listens at once); `accept` waits for
-    every follower's hello, after their weights are loaded."""
+    """Process 0's side of the channel. Made at the runner's start (it listens at once); `accept`, at the
+    runner's end, takes every follower's hello (sent once it has joined) and then its Loaded."""
 
     def __init__(self, cfg: EngineConfig, digest: str):
         self.n = cfg.num_processes
