@@ -5,9 +5,10 @@
 
 Cases: `one` (a plain server), `two` (process 0 serving HTTP, process 1 following; each process one CPU
 device, the experts split in half between them). Each case: the server started, its warm-up and queued
-builds waited for, one unmeasured request, then --repeat times: one request alone (its decode rate: the
-server's `timings.predicted_per_second`, after its first token) and 4 at once (all their generated tokens
-over the wall time from sending them, prompts included). Greedy, ignore_eos, --max-tokens tokens each; the
+builds waited for (and --settle seconds more for the follower's own, which nothing reports), one
+unmeasured request, then --repeat times: one request alone (its decode rate: the server's
+`timings.predicted_per_second`, after its first token) and 4 at once (all their generated tokens over the
+wall time from sending them, prompts included). Greedy, ignore_eos, --max-tokens tokens each; the
 best run is kept, every run printed. Measure on a quiet machine: these are times.
 """
 
@@ -60,6 +61,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json")
+    p.add_argument("--settle", type=float, default=30.0, help="seconds to wait after process 0's builds, for "
+                   "the follower's own background builds (it compiles the same layouts; nothing reports them)")
     p.add_argument("--pin", action="store_true", help="each process of the group (and the one process) on a core "
                    "of its own (taskset -c I): as if each were a host of one core")
     a = p.parse_args(argv)
@@ -77,6 +80,7 @@ def main() -> int:
     with ServerProcess([*flags, *group, "--process-id", "1"], command=cmd(1)), \
             ServerProcess([*flags, *group, "--process-id", "0"], command=cmd(0)) as lead:
         lead.wait_ready(600).wait_built(600)
+        time.sleep(a.settle)
         out["two"] = runs(lead.url, a.max_tokens, a.repeat)
     print("two processes:", out["two"], flush=True)
     print("| processes | 1 request, tok/s | 4 at once, tok/s |\n|---:|---|---|")
