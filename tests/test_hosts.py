@@ -209,13 +209,19 @@ def test_the_leader_refuses_a_follower_with_other_settings(tiny_model):
             leader.accept(timeout=10)
 
 
-def test_the_leader_names_a_follower_that_goes_away():
+def _joined_follower():
+    """A leader and a follower's socket that said hello and loaded: (leader, socket, the lost messages)."""
     leader, port = _leader("same")
     c = socket.create_connection(("127.0.0.1", port + 1))
     c.sendall(pack(Hello(1, 4242, "elsewhere", "same")) + pack(Loaded()))
     leader.accept(timeout=10)
     lost: list[str] = []
     leader.on_lost = lost.append
+    return leader, c, lost
+
+
+def test_the_leader_names_a_follower_that_goes_away():
+    leader, c, lost = _joined_follower()
     with leader.call(KvReset()):                       # a call reaches the follower before it is made
         pass
     head = c.recv(8)
@@ -246,12 +252,7 @@ def test_a_follower_that_ends_while_loading_is_named_at_once():
 
 
 def test_closing_the_leader_is_not_a_lost_follower():
-    leader, port = _leader("same")
-    c = socket.create_connection(("127.0.0.1", port + 1))
-    c.sendall(pack(Hello(1, 4242, "elsewhere", "same")) + pack(Loaded()))
-    leader.accept(timeout=10)
-    lost: list[str] = []
-    leader.on_lost = lost.append
+    leader, c, lost = _joined_follower()
     leader.close()                                     # the engine closes: its followers' channels end
     assert c.recv(1) == b""
     time.sleep(0.3)
