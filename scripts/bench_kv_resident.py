@@ -70,7 +70,7 @@ def main() -> int:
 
 
 def report_windows(args, engines: dict[str, Engine], plist: list[int]) -> None:
-    from strata_jax.engine.runner import GroupInput
+    from strata_jax.engine.layouts import GroupInput
     from strata_jax.engine.sampler import SamplingRows
     from strata_jax.engine.scheduler import bucket
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
-from strata_jax.engine.runner import GroupInput
+from strata_jax.engine.layouts import GroupInput
 from strata_jax.engine.sampler import SamplingRows
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 31, 77]

@@ -11,7 +11,8 @@ import pytest
 
 from pallas_kernels import cpu
 from strata_jax.config import EngineConfig
-from strata_jax.engine.runner import GroupInput, ModelRunner
+from strata_jax.engine.layouts import GroupInput
+from strata_jax.engine.runner import ModelRunner
 from strata_jax.engine.sampler import SamplingRows
 from strata_jax.gguf.reader import GGUFModel
 from strata_jax.model.layers import attend
@@ -114,9 +115,8 @@ def test_a_lone_decode_row_runs_alone_with_the_bits_it_has_among_others(tiny_mod
 
 
 def test_greedy_rows_on_the_host_are_the_samplers_answer():
-    """runner.greedy_on_host (all-greedy windows skip the sample program) against sampler.sample."""
-    from strata_jax.engine.runner import greedy_on_host
-    from strata_jax.engine.sampler import sample
+    """sampler.greedy_on_host (all-greedy windows skip the sample program) against sampler.sample."""
+    from strata_jax.engine.sampler import greedy_on_host, sample
 
     rng = np.random.default_rng(4)
     lg = rng.normal(size=(5, 300)).astype(np.float32)

@@ -1,11 +1,31 @@
-"""The layouts windows take (programs.Layout): a window's KV-length bucket, its layout from its groups, and
-the set the warm-up builds. Fixed at start from the runner's choices; nothing here changes after."""
+"""The groups a window is made of (GroupInput: a program's inputs), the layouts windows take
+(programs.Layout): a window's KV-length bucket, its layout from its groups, and the set the warm-up builds.
+WindowLayouts is fixed at start from the runner's choices; nothing in it changes after."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .programs import Layout
+from .sampler import SamplingRows
+
+
+@dataclass
+class GroupInput:
+    tokens: np.ndarray        # [R, L] int32
+    pos: np.ndarray           # [R, L] int32 (-1: padding)
+    slots: np.ndarray         # [R] int32
+    sampling: SamplingRows
+    all_logits: bool = False
+    drafts: np.ndarray | None = None    # [R, L-1] int32: a verify group's drafts (spec/accept.py), with
+    n_draft: np.ndarray | None = None   # [R] int32: the real drafts a row (the group then returns tokens, n_accepted)
+    picks: np.ndarray | None = None     # [E] int32: logits of these tokens only (a packed window; model.Group)
+
+    def arrays(self) -> list[np.ndarray]:
+        """The program's inputs for this group, in model.Group's order."""
+        return [self.tokens, self.pos, self.slots] + ([self.picks] if self.picks is not None else [])
 
 
 @dataclass(frozen=True)
@@ -34,7 +54,7 @@ class WindowLayouts:
         return min(n, self.device_len if needed <= self.device_len else self.cache_len)
 
     def layout_of(self, groups, kv_needed: int) -> Layout:
-        """The layout of a window of GroupInputs (runner.py) reading up to `kv_needed` positions."""
+        """The layout of a window of GroupInputs reading up to `kv_needed` positions."""
         return Layout(tuple((g.tokens.shape[0], g.tokens.shape[1], g.all_logits,
                              0 if g.picks is None else len(g.picks)) for g in groups),
                       self.kv_bucket(kv_needed))

@@ -52,7 +52,7 @@ def cut(layout: Layout, most: int, rows_alone: bool) -> Cut:
 
 
 def part_inputs(c: Cut, groups: list) -> tuple[list[list[np.ndarray]], list[np.ndarray | None]]:
-    """The window's groups (runner.GroupInput: tokens, pos, slots, picks) -> (each part's program inputs, in
+    """The window's groups (layouts.GroupInput: tokens, pos, slots, picks) -> (each part's program inputs, in
     model.Group's order; per window group, the order its picked logits come back in from the parts' joined
     ones, or None where they are joined as they are)."""
     if not c.rows:

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .runner import GroupInput
+from .layouts import GroupInput
 from .sampler import SamplingRows
 from .scheduler import bucket
 

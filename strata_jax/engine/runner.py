@@ -13,7 +13,7 @@ LayerStepper (stepped.py). None of them holds the runner.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -31,33 +31,17 @@ from .embeddings import Embedder
 from .faults import Faults
 from .kv_cache import KVCache, kv_bytes
 from .kv_host import KVHostStore
-from .layouts import WindowLayouts, decode_only
+from .layouts import GroupInput, WindowLayouts, decode_only
 from .lockstep import Leader, over_processes
 from .pipeline import Pipeline, stage_kv
 from .placement import largest_window_temp_bytes, place_experts
 from .programs import Layout, ProgramCache
-from .sampler import SamplingRows, sample
+from .sampler import greedy_on_host, sample
 from .spec.accept import verify
 from .stepped import LayerStepper
 from .window_program import build_window, cache_last
 
 log = logging.getLogger("strata_jax.engine")
-
-
-@dataclass
-class GroupInput:
-    tokens: np.ndarray        # [R, L] int32
-    pos: np.ndarray           # [R, L] int32 (-1: padding)
-    slots: np.ndarray         # [R] int32
-    sampling: SamplingRows
-    all_logits: bool = False
-    drafts: np.ndarray | None = None    # [R, L-1] int32: a verify group's drafts (spec/accept.py), with
-    n_draft: np.ndarray | None = None   # [R] int32: the real drafts a row (the group then returns tokens, n_accepted)
-    picks: np.ndarray | None = None     # [E] int32: logits of these tokens only (a packed window; model.Group)
-
-    def arrays(self) -> list[np.ndarray]:
-        """The program's inputs for this group, in model.Group's order."""
-        return [self.tokens, self.pos, self.slots] + ([self.picks] if self.picks is not None else [])
 
 
 class ModelRunner:
@@ -356,14 +340,6 @@ class ModelRunner:
                 "experts": self.expert_stats(), "kv_cache": kv, **{k: v for k, v in self.choices.items()},
                 "devices": {"count": self.cfg.devices, "split": self.split},
                 **({"group": self.group.stats()} if self.group is not None else {})}
-
-
-def greedy_on_host(logits: np.ndarray) -> np.ndarray:
-    """sample()'s answer for rows that are all greedy, from logits [R, V] already on the host (on a CPU,
-    a view: no transfer), without a program call (~0.25 ms a decode step): the argmax, or -1 where a row's
-    logits hold a NaN or an inf (sampler.mark_non_finite)."""
-    tokens = np.argmax(logits, axis=-1).astype(np.int32)
-    return np.where(np.isfinite(np.max(logits, axis=-1)), tokens, np.int32(-1))
 
 
 def _tree_bytes(tree) -> int:

@@ -82,3 +82,11 @@ def mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     into an error for that request (argmax over NaNs would give token 0 forever)."""
     finite = jnp.isfinite(jnp.max(logits, axis=-1))       # max propagates NaN, and is inf if any is
     return jnp.where(finite, tokens, -1)
+
+
+def greedy_on_host(logits: np.ndarray) -> np.ndarray:
+    """sample()'s answer for rows that are all greedy, from logits [R, V] already on the host (on a CPU,
+    a view: no transfer), without a program call (~0.25 ms a decode step): the argmax, or -1 where a row's
+    logits hold a NaN or an inf (sampler.mark_non_finite)."""
+    tokens = np.argmax(logits, axis=-1).astype(np.int32)
+    return np.where(np.isfinite(np.max(logits, axis=-1)), tokens, np.int32(-1))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .controls import wants_controls
-from .runner import GroupInput
+from .layouts import GroupInput
 from .sampler import SamplingRows
 from .slots import Slot
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from ...config import ConfigError, EngineConfig
 from ...gguf import GGUFModel
-from ..runner import GroupInput, ModelRunner
+from ..layouts import GroupInput
+from ..runner import ModelRunner
 from ..sampler import SamplingRows
 from ..scheduler import bucket
 
