@@ -27,16 +27,18 @@ int helpers_for(ffi::ThreadPool& pool, int64_t units, int64_t weight_bytes, int6
   return (int)std::max<int64_t>(h, 0);
 }
 
-// Weight rows a unit, a whole number of register tiles. m <= 2 rows of x (decode): about 2 units a
-// thread, so that each thread streams long runs of contiguous weight rows (the kernels prefetch ahead
-// within a unit; units taken alternately by two threads cut every stream short): SmolLM2's decode
-// chain of 211 products 3.5-3.6 -> 2.9-3.1 ms on 2 cores, a 576 x 1536 Q4_1 product 27 -> 18.5 us.
-// More rows (compute-bound): about 8 units a thread, which balance better when a helper joins late
-// (with 2 a thread, 8 rows x 576 x 1536 took 100 us against 68).
+// Weight rows a unit, a whole number of register tiles. m <= 2 rows of x (decode, memory-bound): about
+// 2 units a thread, however long, so that each thread streams long runs of contiguous weight rows (the
+// kernels prefetch ahead within a unit; units taken alternately by two threads cut every stream short):
+// SmolLM2's decode chain of 211 products 3.5-3.6 -> 2.9-3.1 ms on 2 cores with 2 units a thread (a
+// 576 x 1536 Q4_1 product 27 -> 18.5 us), 2.7-2.9 ms without the cap of 256 rows (the head's 49,152).
+// More rows (compute-bound): about 8 units a thread of at most 256 rows, which balance better when a
+// helper joins late (with 2 a thread, 8 rows x 576 x 1536 took 100 us against 68).
 int64_t rows_per_unit(int64_t total_rows, int64_t m) {
   int64_t tile = weight_rows_per_tile();
-  int64_t want = total_rows / ((m <= 2 ? 2 : 8) * (int64_t)max_threads()) + 1;
-  return std::clamp<int64_t>((want + tile - 1) / tile * tile, tile, 256);
+  bool decode = m <= 2;
+  int64_t want = total_rows / ((decode ? 2 : 8) * (int64_t)max_threads()) + 1;
+  return std::clamp<int64_t>((want + tile - 1) / tile * tile, tile, decode ? total_rows + tile : 256);
 }
 
 // x rows as pointers, each 64-byte aligned with k readable up to a multiple of 16: in place when
