@@ -145,6 +145,23 @@ def test_calls_from_several_threads_at_once():
     assert not wrong, wrong
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_a_tall_product_in_long_units_has_the_bits_of_short_ones(qtype):
+    """1-2 rows of x split a product's weight rows into about two long units a thread, more rows into short
+    units of at most 256 (ffi.cc rows_per_unit): a row's result has the same bits either way. n = 1030 rows:
+    units over 256 long, not a whole number of register tiles."""
+    k, n = 576, 1030
+    b = jnp.asarray(_blocks(qtype, (n, k), seed=9))
+    x = np.random.default_rng(6).standard_normal((64, k)).astype(np.float32)
+    y64 = _bits(cpu_mm(jnp.asarray(x), b, qtype))
+    y2 = _bits(cpu_mm(jnp.asarray(x[:2]), b, qtype))
+    np.testing.assert_array_equal(y2, y64[:2], err_msg=f"{qtype}: 2 rows vs the same rows in 64")
+    np.testing.assert_array_equal(_bits(cpu_mm(jnp.asarray(x[5:6]), b, qtype))[0], y64[5], err_msg=qtype)
+    w = gq.dequantize(np.asarray(b), pk.as_qtype(qtype))
+    _assert_close(np.asarray(cpu_mm(jnp.asarray(x[:1]), b, qtype)), x[:1].astype(np.float64) @ w.astype(np.float64).T,
+                  x[:1], w, f"{qtype} 1 x {n} rows vs float64")
+
+
 @pytest.mark.parametrize("qtype", FAST + SLOW[:1])
 def test_a_row_alone_equals_the_row_in_a_batch(qtype):
     """Batch invariance: the bits of a row's result do not depend on M or on the other rows."""
