@@ -35,7 +35,7 @@ from litestar.response import Stream
 
 from ..config import ServerConfig
 from ..fetch import cache_dir
-from . import cors, cors_proxy, embeddings, generate, llama_routes, native, webui
+from . import cors, cors_proxy, embeddings, generate, llama_routes, native, openapi, webui
 from .errors import ApiError, error_body
 from .generate import Job, ModelNames
 from .metrics import Metrics
@@ -174,6 +174,11 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         log.info("expert profile %r written to %s", name, saved.path)
         return {"name": name, "path": file, "routed": saved.routed}
 
+    @get("/openapi.json", include_in_schema=False)
+    async def openapi_document(request: Request) -> dict[str, Any]:
+        """The routes with their request bodies (openapi.py): for client generators and the fuzzer."""
+        return openapi.document(request.app.openapi_schema.to_schema())
+
     sup.on_fault = lambda fault: metrics.restarts.inc()
 
     def api_error(_: Request, exc: ApiError) -> Response:
@@ -199,7 +204,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
 
     app = Litestar(
         route_handlers=[chat_completions, completions, completion, models, health, prometheus, slots, faults,
-                        expert_profile, *llama_routes.handlers(sup, names.served, path.name, _json_body, cfg, defaults),
+                        expert_profile, openapi_document,
+                        *llama_routes.handlers(sup, names.served, path.name, _json_body, cfg, defaults),
                         *(webui.handlers() if cfg.webui else []), *cors_proxy.handlers(cfg.cors_proxy),
                         *embeddings.handlers(sup, names, _json_body, metrics, cfg.pooling)],
         guards=[_api_key_guard(cfg.api_key)] if cfg.api_key else [],

@@ -223,6 +223,9 @@ class ModelNames:
         self.strict = strict
 
     def check(self, model: str | None) -> str:
+        if model is not None and not isinstance(model, str):     # routes that read a body field by field
+            raise invalid(f"model = {str(model)[:80]}: give the model's name as a string (see GET /v1/models)",
+                          "model")
         if model and model not in self.accepted and self.strict:
             raise ApiError(404, f"model = {model!r}: this server serves {self.served!r} (see GET /v1/models)",
                            "invalid_request_error", "model")
