@@ -62,11 +62,20 @@ STRUCTS: dict[str, type[msgspec.Struct]] = {
 }
 
 
+# What the structs' defaults allow but the routes refuse (an empty chat, no prompt), so generated bodies that
+# follow the document reach the engine instead of stopping at the first check.
+NEEDED = {"ChatCompletionRequest": ("messages", {"minItems": 1}), "CompletionRequest": ("prompt", {}),
+          "NativeRequest": ("prompt", {})}
+
+
 def document(litestar_schema: dict[str, Any]) -> dict[str, Any]:
     """Litestar's document (`app.openapi_schema.to_schema()`) with every POST route's request body added."""
     structs = sorted(set(STRUCTS.values()) | {Message}, key=lambda s: s.__name__)
     refs, components = msgspec.json.schema_components(structs, ref_template=REF + "{name}")
     by_struct = dict(zip(structs, refs))
+    for name, (field, bounds) in NEEDED.items():
+        components[name]["required"] = sorted({*components[name].get("required", ()), field})
+        components[name]["properties"][field].update(bounds)
     doc = {**litestar_schema, "info": {**litestar_schema.get("info", {}), "title": "strata-jax"}}
     doc["components"] = {**doc.get("components", {}),
                          "schemas": {**doc.get("components", {}).get("schemas", {}), **components}}
