@@ -119,8 +119,11 @@ def add_serve(sub: Subparsers) -> None:
                         "pooling_type, else last), last, mean, cls, or none (every token's; /embeddings only)")
     p.add_argument("--ui-mcp-proxy", action="store_true",
                    help="enable /cors-proxy?url=URL (llama.cpp's): requests to any http(s) URL made for the caller, "
-                        "behind the API key, forwarding only headers named x-llama-server-proxy-header-NAME; "
-                        "off: 403")
+                        "behind the API key, forwarding only headers named x-llama-server-proxy-header-NAME, for "
+                        "this server's own pages only (a cross-site browser request is a 403); off: 403")
+    p.add_argument("--cors-proxy-max-bytes", type=int, default=ServerConfig().cors_proxy_max_bytes, metavar="N",
+                   help="largest body /cors-proxy passes on: one declared longer is a 502, one longer is cut there "
+                        f"(default {ServerConfig().cors_proxy_max_bytes >> 20} MiB)")
     p.add_argument("--api-key-file", metavar="FILE",
                    help="read the API key from FILE (its first line): unlike --api-key, not visible in `ps`")
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig().max_body_bytes, metavar="N",
@@ -199,6 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(model=path, host=args.host, port=args.port, api_key=_api_key(args),
                           model_name=args.model_name, model_tags=args.tags, webui=args.webui,
                           cors_proxy=args.ui_mcp_proxy, pooling=args.pooling, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                          cors_proxy_max_bytes=args.cors_proxy_max_bytes,
                           engine_stall_s=args.engine_stall_s, expert_profile_dir=args.expert_profile_dir,
                           trust_request_chat_template=args.trust_request_chat_template,
                           cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,

@@ -219,6 +219,7 @@ class ServerConfig:
     webui: bool = True                   # the chat page at / (serve/webui.py; llama.cpp's --no-webui turns it off)
     pooling: str = "auto"                # embeddings: auto (the file's, else last) | last | mean | cls | none
     cors_proxy: bool = False             # GET/POST /cors-proxy?url= (serve/cors_proxy.py; llama.cpp's --ui-mcp-proxy)
+    cors_proxy_max_bytes: int = 16 << 20   # a /cors-proxy answer's body: longer is cut (declared longer: 502)
     # server-wide sampling defaults a request overrides (llama.cpp's --temp, --top-k, ..., -n); None: the built-in
     sampling: dict = field(default_factory=dict)
 
@@ -230,6 +231,9 @@ class ServerConfig:
             raise ConfigError(f"port = {self.port!r}: must be 0 to 65535")
         if not (isinstance(self.max_queue, int) and 0 <= self.max_queue <= 1 << 20):
             raise ConfigError(f"max_queue = {self.max_queue!r}: must be a whole number from 0 to 1048576")
+        if not (isinstance(self.cors_proxy_max_bytes, int) and 1 <= self.cors_proxy_max_bytes <= 1 << 40):
+            raise ConfigError(f"cors_proxy_max_bytes = {self.cors_proxy_max_bytes!r}: must be a whole number of bytes "
+                              "from 1 to 2**40 (--cors-proxy-max-bytes)")
         if not (self.engine_stall_s > 0):
             raise ConfigError(f"engine_stall_s = {self.engine_stall_s!r}: must be > 0 seconds")
         unknown = sorted(set(self.sampling) - set(self.SAMPLING_KEYS))

@@ -206,14 +206,16 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         route_handlers=[chat_completions, completions, completion, models, health, prometheus, slots, faults,
                         expert_profile, openapi_document,
                         *llama_routes.handlers(sup, names.served, path.name, _json_body, cfg, defaults),
-                        *(webui.handlers() if cfg.webui else []), *cors_proxy.handlers(cfg.cors_proxy),
+                        *(webui.handlers() if cfg.webui else []),
+                        *cors_proxy.handlers(cfg.cors_proxy, cfg.cors_proxy_max_bytes),
                         *embeddings.handlers(sup, names, _json_body, metrics, cfg.pooling)],
         guards=[_api_key_guard(cfg.api_key)] if cfg.api_key else [],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
         on_startup=[_hook(sup.start)], on_shutdown=[_hook(sup.stop)],
         request_max_body_size=cfg.max_body_bytes, debug=False, logging_config=None,
     )
-    app.asgi_handler = cors.wrap(app.asgi_handler, cfg.cors_origins)    # as Litestar wraps its own CORS
+    # as Litestar wraps its own CORS; a /cors-proxy answer cut at its cap ends quietly (cors_proxy.quiet)
+    app.asgi_handler = cors.wrap(cors_proxy.quiet(app.asgi_handler), cfg.cors_origins)
     return app
 
 

@@ -7,7 +7,8 @@ answer's header names are written as llama.cpp writes them (`canonical`).
 
 A preflight (OPTIONS) is answered here, 200 and empty, before routing and before the API key is asked for (a
 browser sends no Authorization header in a preflight); an origin that is not allowed gets no
-Access-Control-Allow-Origin header, so the browser refuses the page its answer.
+Access-Control-Allow-Origin header, so the browser refuses the page its answer. /cors-proxy (cors_proxy.py) gets
+no allowance for any origin: it reaches the server's network, and only the server's own pages may use it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 METHODS = b"GET, POST, DELETE, OPTIONS"
+NO_ALLOWANCE = ("/cors-proxy",)       # routes no other origin may read, whatever --cors-origins says
 
 
 def allowed(origins: str, origin: str) -> bool:
@@ -48,7 +50,7 @@ def wrap(app: Any, origins: str) -> Any:
         headers = {k.lower(): v for k, v in scope.get("headers") or ()}
         origin = headers.get(b"origin", b"").decode("latin-1")
         extra = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")] \
-            if allowed(origins, origin) else []
+            if allowed(origins, origin) and scope.get("path", "").rstrip("/") not in NO_ALLOWANCE else []
         if scope["method"] == "OPTIONS":
             await send({"type": "http.response.start", "status": 200, "headers": canonical(extra + [
                 (b"access-control-allow-credentials", b"true"), (b"access-control-allow-methods", METHODS),
