@@ -6,6 +6,7 @@ server and Python users speak one language. Strata's / llama.cpp's flag names ar
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -20,6 +21,44 @@ DRAFTERS = ("ngram", "mtp", "none")
 WEIGHT_MODES = ("auto", "blocks", "dequantized")
 EXPERT_POLICIES = ("freq", "lru")          # experts/policy.py: frequency-aware LRU (default), plain LRU
 SPLITS = ("auto", "experts", "layers")     # engine/devices.py: auto = experts for a MoE model, else layers
+MAX_TEMPERATURE = 100.0
+
+
+# One rule for each sampling value a request sets and a server-wide default may set (--temp, ..., POST /props):
+# SamplingParams.validate (engine/request.py) and ServerConfig ask the same function, so no default can be one
+# that every request which sets nothing would then be refused for.
+def sampling_problem(name: str, value: Any, vocab_size: int | None = None) -> str | None:
+    """What is wrong with `value` as the sampling field `name` (None: nothing), in words for an error message."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    number = (whole or isinstance(value, float)) and math.isfinite(value)
+    if name == "temperature":
+        return None if number and 0 <= value <= MAX_TEMPERATURE else \
+            f"must be a finite number from 0 to {MAX_TEMPERATURE:g} (0: greedy)"
+    if name == "top_k":
+        limit = vocab_size or 2**31 - 1
+        return None if whole and 0 <= value <= limit else \
+            f"must be a whole number from 0 (off) to {limit}" + (" (the vocabulary)" if vocab_size else "")
+    if name == "top_p":
+        return None if number and 0 < value <= 1 else "must be a finite number in (0, 1]"
+    if name == "min_p":
+        return None if number and 0 <= value <= 1 else "must be a finite number in [0, 1]"
+    if name in ("presence_penalty", "frequency_penalty"):
+        return None if number and -2 <= value <= 2 else "must be a number from -2 to 2"
+    if name == "repeat_penalty":
+        return None if number and 0 < value <= 10 else "must be a number in (0, 10] (1: off)"
+    if name == "repeat_last_n":
+        return None if whole and -1 <= value < 2**31 else "must be a whole number >= -1 (-1: the whole context, 0: off)"
+    raise KeyError(name)
+
+
+def default_problem(key: str, value: Any, vocab_size: int | None = None) -> str | None:
+    """What is wrong with `value` as the server's sampling default `key` (None: nothing). llama.cpp's names and
+    meanings: n_predict (-1 or 0: no default), top_k -1 (off, as a request's -1 is); the rest is a request's rule."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if key == "n_predict":
+        return None if whole and -1 <= value < 2**31 else \
+            "must be a whole number: the tokens a request generates, or -1 (up to the end of the slot's context)"
+    return sampling_problem(key, 0 if key == "top_k" and whole and value == -1 else value, vocab_size)
 
 
 @dataclass
@@ -239,14 +278,11 @@ class ServerConfig:
         unknown = sorted(set(self.sampling) - set(self.SAMPLING_KEYS))
         if unknown:
             raise ConfigError(f"sampling: unknown default {unknown[0]!r}; the defaults are {', '.join(self.SAMPLING_KEYS)}")
-        ranges = {"temperature": (0.0, 100.0), "top_k": (-1, 2**31 - 1), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
-                  "repeat_penalty": (0.0, 10.0), "repeat_last_n": (-1, 2**31 - 1), "presence_penalty": (-2.0, 2.0),
-                  "frequency_penalty": (-2.0, 2.0), "n_predict": (-1, 1 << 24)}
         for key, value in self.sampling.items():
-            lo, hi = ranges[key]
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi):
+            what = default_problem(key, value)
+            if what:
                 flag = "-n/--n-predict" if key == "n_predict" else "--" + key.replace("_", "-").replace("temperature", "temp")
-                raise ConfigError(f"{flag} {value!r}: must be a number from {lo} to {hi}")
+                raise ConfigError(f"{flag} {value!r}: {what}")
         if self.reasoning not in (None, "on", "off", "auto"):
             raise ConfigError(f"reasoning = {self.reasoning!r}: must be on, off or auto")
         if not self.cors_origins.strip():

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import MAX_TEMPERATURE, sampling_problem  # noqa: F401  (MAX_TEMPERATURE: schemas.py reads it here)
+
 
 class RequestError(ValueError):
     """A request that cannot run: names the field and the value."""
@@ -31,7 +33,6 @@ class ContextOverflowError(RequestError):
 MAX_STOPS = 16                  # stop strings a request (OpenAI allows 4; llama.cpp any)
 MAX_STOP_CHARS = 512            # characters of one stop string
 GREEDY_BELOW = 1e-5             # a temperature below this is greedy (dividing logits by it overflows float32)
-MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 1024           # logit_bias entries a request
 MAX_LOGPROBS = 20               # top_logprobs / completions' logprobs (OpenAI's limit)
 MAX_GRAMMAR_CHARS = 1 << 17     # a JSON schema's or grammar's text (compiling is bounded by llguidance's limits too)
@@ -61,18 +62,10 @@ class SamplingParams:
             if not cond:
                 raise RequestError(f"{name} = {_shown(getattr(self, name))}: {what}")
 
-        def number(name):
-            v = getattr(self, name)
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
         need(_whole(self.max_tokens) and 1 <= self.max_tokens < 2**31, "max_tokens", "must be a whole number >= 1")
-        need(number("temperature") and 0.0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
-             f"must be a finite number from 0 to {MAX_TEMPERATURE:g} (0: greedy)")
-        top_k_limit = vocab_size if vocab_size else 2**31 - 1
-        need(_whole(self.top_k) and 0 <= self.top_k <= top_k_limit, "top_k",
-             f"must be a whole number from 0 (off) to {top_k_limit}" + (" (the vocabulary)" if vocab_size else ""))
-        need(number("top_p") and 0.0 < self.top_p <= 1.0, "top_p", "must be a finite number in (0, 1]")
-        need(number("min_p") and 0.0 <= self.min_p <= 1.0, "min_p", "must be a finite number in [0, 1]")
+        for name in ("temperature", "top_k", "top_p", "min_p"):     # the rule server defaults meet too (config.py)
+            what = sampling_problem(name, getattr(self, name), vocab_size)
+            need(what is None, name, what)
         need(self.seed is None or (_whole(self.seed) and 0 <= self.seed < 2**32), "seed",
              "must be a whole number from 0 to 4294967295")
         need(isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOPS, "stop",
@@ -80,12 +73,9 @@ class SamplingParams:
         need(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
              f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
-        for name in ("presence_penalty", "frequency_penalty"):
-            need(number(name) and -2.0 <= getattr(self, name) <= 2.0, name, "must be a number from -2 to 2")
-        need(number("repeat_penalty") and 0.0 < self.repeat_penalty <= 10.0, "repeat_penalty",
-             "must be a number in (0, 10] (1: off)")
-        need(_whole(self.repeat_last_n) and -1 <= self.repeat_last_n < 2**31, "repeat_last_n",
-             "must be a whole number >= -1 (-1: the whole context, 0: off)")
+        for name in ("presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n"):
+            what = sampling_problem(name, getattr(self, name), vocab_size)
+            need(what is None, name, what)
         need(self.logprobs is None or (_whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"must be a whole number from 0 to {MAX_LOGPROBS} (the alternatives shown a token)")
         need(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",

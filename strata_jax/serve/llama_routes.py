@@ -30,7 +30,7 @@ from litestar import Request, get, post
 from litestar.params import FromPath, FromQuery
 
 from .._version import __version__
-from ..config import ConfigError, ServerConfig
+from ..config import ServerConfig, default_problem
 from .errors import ApiError, invalid
 from .fields import control_params
 from .parse import DEFAULTS, parse_chat
@@ -115,10 +115,12 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         unknown = sorted(set(given) - set(ServerConfig.SAMPLING_KEYS))
         if unknown:
             raise invalid(f"{unknown[0]}: POST /props may change {', '.join(ServerConfig.SAMPLING_KEYS)}", unknown[0])
-        try:
-            ServerConfig(sampling={**defaults, **given})
-        except ConfigError as e:
-            raise invalid(str(e)) from None
+        vocab = (sup.info or {}).get("vocab_size")     # top_k's bound, as a request's
+        for key, value in given.items():        # what a request would be refused for (config.default_problem)
+            what = default_problem(key, value, vocab)
+            if what:
+                raise invalid(f"{key} = {shown(value)}: {what} (a server-wide default every request that sets "
+                              f"no {key} would get)", key)
         defaults.update(given)
         return {"success": True, "params": default_params(defaults)}
 
