@@ -111,6 +111,9 @@ FLAGS = {
                           "mesh; process 0 serves HTTP, the others follow it (README, Several hosts)"),
     "process_id": Flag("I", "this process's number, 0 to N - 1; the others are started with the same model and "
                        "flags"),
+    "group_key_file": Flag("FILE", "the key every process of a group proves before it may join (its first line, "
+                           "16 characters or more; the same on every host); needed when the coordinator is not a "
+                           "loopback address; default there: <cache folder>/group-key, made once (mode 0600)"),
 }
 
 

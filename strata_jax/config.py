@@ -61,6 +61,16 @@ def default_problem(key: str, value: Any, vocab_size: int | None = None) -> str 
     return sampling_problem(key, 0 if key == "top_k" and whole and value == -1 else value, vocab_size)
 
 
+def _loopback(host: str) -> bool:
+    """A literal loopback address (or localhost): only this machine reaches it."""
+    import ipaddress
+
+    try:
+        return host.lower() == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass
 class EngineConfig:
     parallel: int = 1                    # slots: conversations decoded together
@@ -103,6 +113,7 @@ class EngineConfig:
     coordinator: str | None = None       # HOST:PORT of process 0, with num_processes > 1 (engine/hosts.py)
     num_processes: int = 1               # processes (hosts) one model runs over, joined by jax.distributed
     process_id: int = 0                  # this process's number among them: 0 serves HTTP, the others follow
+    group_key_file: str | None = None    # the group channel's shared key (engine/group_channel.py); loopback: auto
 
     def __post_init__(self) -> None:
         self.validate()
@@ -205,6 +216,11 @@ class EngineConfig:
             host, _, port = self.coordinator.rpartition(":")
             need(bool(host) and port.isdigit() and 1 <= int(port) <= 65534, "coordinator", self.coordinator,
                  "must be HOST:PORT with a port from 1 to 65534 (process 0 also listens on PORT + 1)")
+            # process 0's channel and coordinator listen on HOST: off loopback, a stranger could reach them,
+            # so the followers must prove a key (engine/group_channel.py)
+            need(self.group_key_file is not None or _loopback(host), "coordinator", self.coordinator,
+                 "is not a loopback address, so the group needs a shared key: give every process "
+                 "--group-key-file FILE, the same key on every host (e.g. made by: openssl rand -hex 32 > FILE)")
 
     def attention_chunk(self) -> int:
         """Keys an attention step reads; KV lengths are multiples of it, and so is kv_resident."""

@@ -50,7 +50,10 @@ def join(cfg: EngineConfig) -> None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     log.info("process %d of %d: joining the group at %s", cfg.process_id, cfg.num_processes, cfg.coordinator)
-    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=JOIN_S)
+    # the coordinator listens on the address the processes were given, not on every interface ([::], JAX's
+    # default): a coordinator at 127.0.0.1 cannot be reached from the network
+    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=JOIN_S,
+                               coordinator_bind_address=cfg.coordinator if cfg.process_id == 0 else None)
     # the backend's start is a step of joining too (every process publishes its devices and waits for the
     # others'): done here, so no process waits on its channel for a leader still starting its backend
     jax.devices()
@@ -80,6 +83,10 @@ def refuse(cfg: EngineConfig, spec) -> None:
     why = refusal(cfg, spec) if is_group(cfg) else None
     if why:
         raise ConfigError(f"num_processes = {cfg.num_processes}: {why}")
+    if is_group(cfg):       # an unreadable or short key file: refused now, not at each engine restart
+        from .group_channel import group_key
+
+        group_key(cfg)
 
 
 def group_devices(cfg: EngineConfig, spec) -> list:
@@ -100,7 +107,7 @@ def group_devices(cfg: EngineConfig, spec) -> list:
 def digest(cfg: EngineConfig, spec) -> str:
     """What every process must agree on: the engine settings (but the process's own number) and the model's
     shape. A follower started with other flags or another model is refused by the leader, naming it."""
-    settings = {k: v for k, v in cfg.to_dict().items() if k != "process_id"}
+    settings = {k: v for k, v in cfg.to_dict().items() if k not in ("process_id", "group_key_file")}
     text = json.dumps(settings, sort_keys=True, default=str) + repr(spec)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -127,11 +134,25 @@ class Frame(msgspec.Struct, tag_field="t", array_like=True):
     pass
 
 
+class Challenge(Frame, tag="challenge"):
+    """The leader's first frame on every connection: a fresh nonce the follower's hello must sign."""
+    nonce: bytes
+
+
 class Hello(Frame, tag="hello"):
+    """A follower says who it is; mac: HMAC of both nonces and these fields under the group key
+    (group_channel.py)."""
     process_id: int
     pid: int
     host: str
     digest: str
+    nonce: bytes = b""
+    mac: bytes = b""
+
+
+class Welcome(Frame, tag="welcome"):
+    """The leader's answer to a signed hello: its own HMAC, so the follower knows it holds the key too."""
+    mac: bytes
 
 
 class Loaded(Frame, tag="loaded"):
@@ -173,7 +194,7 @@ class Scratch(Frame, tag="scratch"):
     begin: bool
 
 
-AnyFrame = Hello | Loaded | Window | KvRead | KvWrite | KvCopy | KvReset | Scratch
+AnyFrame = Challenge | Hello | Welcome | Loaded | Window | KvRead | KvWrite | KvCopy | KvReset | Scratch
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyFrame)
 

@@ -12,6 +12,8 @@ leader's) still owns the arrays; the runner owns which program a window runs. A 
 socket closes: the process died) makes the group unusable, since the next collective would fail or hang:
 the leader calls `on_lost` with a message naming the process (the worker exits with it as its ERR line, so
 the fault ledger names it, and the server restarts the group), as it does when a window or a move fails.
+
+Who may join, and the bounds on a frame: group_channel.py (a follower proves the group key before it is one).
 """
 
 from __future__ import annotations
@@ -26,7 +28,19 @@ from collections.abc import Callable
 
 import jax
 
-from ..config import ConfigError, EngineConfig
+from ..config import EngineConfig
+from .group_channel import (
+    FRAME_SLACK,
+    HANDSHAKE_MAX,
+    FrameError,
+    Gate,
+    GroupLost,
+    NotLeader,
+    exactly,
+    follower_handshake,
+    group_key,
+    recv_frame,
+)
 from .hosts import (
     JOIN_S,
     Arr,
@@ -44,54 +58,21 @@ from .hosts import (
     group_devices,
     join,
     pack,
-    unpack,
 )
 from .kv_cache import KVCache
 
 log = logging.getLogger("strata_jax.engine")
 
 
-class GroupLost(RuntimeError):
-    """A process of the group is gone (or the group no longer agrees): it must restart as a whole."""
-
-
-def _recv(conn: socket.socket) -> Frame | None:
-    """One frame, or None when the peer closed the connection."""
-    head = _exactly(conn, 8)
-    body = None if head is None else _exactly(conn, int.from_bytes(head, "big"))
-    return None if body is None else unpack(body)
-
-
-def _exactly(conn: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        try:
-            chunk = conn.recv(min(n - len(buf), 1 << 20))
-        except OSError:
-            chunk = b""
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
 class Leader:
-    """Process 0's side of the channel. Made at the runner's start (it listens at once); `accept`, at the
-    runner's end, takes every follower's hello (sent once it has joined) and then its Loaded."""
+    """Process 0's side of the channel. Made at the runner's start (its Gate listens at once and answers each
+    connection's handshake as it comes); `accept`, at the runner's end, takes every follower's hello (said
+    once it has joined, before loading) and then its Loaded."""
 
     def __init__(self, cfg: EngineConfig, digest: str):
         self.n = cfg.num_processes
-        self.digest = digest
-        self.address = channel_address(cfg)
-        self._sock = socket.socket(socket.AF_INET6 if ":" in self.address[0] else socket.AF_INET)
-        # SO_REUSEADDR: a restarted leader binds the port its predecessor's connections left in TIME_WAIT
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind(("", self.address[1]))
-        except OSError as e:
-            raise ConfigError(f"coordinator = {cfg.coordinator}: process 0 cannot listen for its followers on port "
-                              f"{self.address[1]} (the coordinator's port + 1): {e.strerror or e}") from None
-        self._sock.listen(self.n)
+        self.gate = Gate(cfg, digest)           # listening from now on; who may join: group_channel.py
+        self.address = self.gate.address
         self.followers: dict[int, tuple[socket.socket, Hello]] = {}
         self._lock = threading.RLock()          # one call at a time: sent and made in the same order
         self.lost: str | None = None            # why the group broke, once it has
@@ -102,44 +83,25 @@ class Leader:
         self.bytes = 0
 
     def accept(self, timeout: float = JOIN_S) -> None:
-        """Every follower's connection and hello (its settings must be the leader's), then its Loaded. A
-        follower connects as soon as it has joined, before loading, so one that dies while loading is named
-        here at once. ConfigError names a follower started with other flags or another model; GroupLost, one
-        that never came or ended."""
+        """Every follower's hello (its settings must be the leader's), then its Loaded. A follower says hello
+        as soon as it has joined, before loading, so one that dies while loading is named here at once.
+        ConfigError names a follower with the key but other flags or another model; GroupLost, one that never
+        came (and the connections refused meanwhile) or ended."""
         end = time.monotonic() + timeout
-        while len(self.followers) < self.n - 1:
-            self._sock.settimeout(max(end - time.monotonic(), 0.01))
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                missing = sorted(set(range(1, self.n)) - set(self.followers))
-                raise GroupLost(f"process(es) {missing} did not connect to process 0 at port {self.address[1]} "
-                                f"within {timeout:g} s") from None
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(timeout)
-            hello = _recv(conn)
-            conn.settimeout(None)
-            if not isinstance(hello, Hello):
-                conn.close()
-                continue
-            if hello.digest != self.digest:
-                conn.close()
-                raise ConfigError(f"process {hello.process_id} (pid {hello.pid} on {hello.host}) runs other engine "
-                                  "settings or another model than process 0: start every process with the same "
-                                  "model and flags (but --process-id)")
-            self.followers[hello.process_id] = (conn, hello)
-        self._sock.close()
+        self.followers = self.gate.wait(timeout)
         for conn, hello in self.followers.values():     # each connected before loading; now its Loaded
             conn.settimeout(max(end - time.monotonic(), 0.01))
             try:
-                loaded = _recv(conn)
-            except TimeoutError:
-                loaded = False
+                loaded = recv_frame(conn, HANDSHAKE_MAX)
+            except (TimeoutError, FrameError) as e:
+                loaded = e
             conn.settimeout(None)
             if not isinstance(loaded, Loaded):
+                self.close()
                 raise GroupLost(f"process {hello.process_id} of the group (pid {hello.pid} on {hello.host}) "
                                 + ("is gone: it ended while loading" if loaded is None else
-                                   f"did not load within {timeout:g} s"))
+                                   f"did not load within {timeout:g} s" if isinstance(loaded, TimeoutError) else
+                                   f"sent something other than its Loaded ({loaded})"))
             log.info("process %d (pid %d on %s) follows", hello.process_id, hello.pid, hello.host)
             threading.Thread(target=self._watch, args=(conn, hello), name=f"follower-{hello.process_id}",
                              daemon=True).start()
@@ -157,13 +119,15 @@ class Leader:
 
     def _watch(self, conn: socket.socket, hello: Hello) -> None:
         """A follower never sends after its hello: a read that ends means its process is gone."""
-        _exactly(conn, 1)
+        with contextlib.suppress(OSError):
+            exactly(conn, 1)
         self._lose(f"process {hello.process_id} of the group (pid {hello.pid} on {hello.host}) is gone: its "
                    "connection to process 0 closed")
 
     def close(self) -> None:
         """The engine closes: the followers' channels close (they end, and their loops start them again)."""
         self._closed = True
+        self.gate.close()
         for conn, _ in self.followers.values():
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)     # not close() alone: the watcher's recv would keep it open
@@ -269,10 +233,25 @@ def over_processes(cfg: EngineConfig, spec) -> tuple[list, Leader | None]:
 
 
 def hello(cfg: EngineConfig, digest: str, host: str) -> socket.socket:
-    """A follower, once joined and before loading: connect to the leader and say who it is."""
-    conn = _connect(cfg)
-    conn.sendall(pack(Hello(cfg.process_id, os.getpid(), host, digest)))
-    return conn
+    """A follower, once joined and before loading: connect to the leader and prove the group key (retried
+    while process 0 is not listening yet, or closed before its challenge)."""
+    where = "%s port %d" % channel_address(cfg)
+    key = group_key(cfg)
+    end = time.monotonic() + JOIN_S
+    while True:
+        conn = _connect(cfg, end)
+        try:
+            follower_handshake(conn, key, Hello(cfg.process_id, os.getpid(), host, digest), where)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return conn
+        except NotLeader as e:
+            conn.close()
+            if time.monotonic() > end:
+                raise GroupLost(f"{e}, for {JOIN_S} s") from None
+            time.sleep(0.5)
+        except BaseException:
+            conn.close()
+            raise
 
 
 def follow(runner, conn: socket.socket, cfg: EngineConfig) -> str:
@@ -280,10 +259,16 @@ def follow(runner, conn: socket.socket, cfg: EngineConfig) -> str:
     leader closed the channel: its process stopped) or raises what a call raised."""
     conn.sendall(pack(Loaded()))
     log.info("process %d: following process 0 at %s:%d", cfg.process_id, *channel_address(cfg))
+    # no call carries more than the whole KV cache (a slot file's restore) and a window's inputs
+    limit = sum(a.nbytes for a in jax.tree_util.tree_leaves(runner.kv.arrays)) + FRAME_SLACK
     scratch: list = []
     n = 0
     while True:
-        frame = _recv(conn)
+        try:
+            frame = recv_frame(conn, limit)
+        except FrameError as e:
+            raise GroupLost(f"process 0's channel sent {e} (a follower's bound: its KV cache's bytes + "
+                            f"{FRAME_SLACK >> 20} MiB)") from None
         if frame is None:
             return f"process 0 closed the channel after {n} calls (its engine stopped)"
         n += 1
@@ -308,17 +293,14 @@ def follow(runner, conn: socket.socket, cfg: EngineConfig) -> str:
                 scratch.pop().__exit__(None, None, None)
 
 
-def _connect(cfg: EngineConfig) -> socket.socket:
-    """The leader's channel, retried while it is still loading (it listens from its runner's start)."""
+def _connect(cfg: EngineConfig, end: float) -> socket.socket:
+    """The leader's channel, retried while it is still starting (it listens from its runner's start)."""
     host, port = channel_address(cfg)
-    end = time.monotonic() + JOIN_S
     while True:
         try:
-            conn = socket.create_connection((host, port), timeout=10)
-            conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return conn
+            return socket.create_connection((host, port), timeout=10)
         except OSError:
             if time.monotonic() > end:
                 raise GroupLost(f"process 0's channel at {host}:{port} did not answer in {JOIN_S} s") from None
             time.sleep(0.2)
+
