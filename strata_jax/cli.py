@@ -131,6 +131,12 @@ def add_serve(sub: Subparsers) -> None:
     p.add_argument("--max-queue", type=int, default=ServerConfig().max_queue, metavar="N",
                    help="requests that may wait for a slot; one more gets 503 with Retry-After at once "
                         f"(default {ServerConfig().max_queue})")
+    p.add_argument("--max-tokenize-bytes", type=int, default=ServerConfig().max_tokenize_bytes, metavar="N",
+                   help="the most bytes of text /tokenize reads and /detokenize answers; more is a 413 "
+                        f"(default {ServerConfig().max_tokenize_bytes >> 20} MiB)")
+    p.add_argument("--max-tokenize-ids", type=int, default=ServerConfig().max_tokenize_ids, metavar="N",
+                   help="the most token ids /detokenize reads and /tokenize answers; more is a 413 "
+                        f"(default {ServerConfig().max_tokenize_ids})")
     p.add_argument("--engine-stall-s", type=float, default=ServerConfig().engine_stall_s, metavar="S",
                    help="an engine that has work and makes no progress for S seconds is killed and started again "
                         f"(default {ServerConfig().engine_stall_s:g})")
@@ -203,6 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           model_name=args.model_name, model_tags=args.tags, webui=args.webui,
                           cors_proxy=args.ui_mcp_proxy, pooling=args.pooling, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                           cors_proxy_max_bytes=args.cors_proxy_max_bytes,
+                          max_tokenize_bytes=args.max_tokenize_bytes, max_tokenize_ids=args.max_tokenize_ids,
                           engine_stall_s=args.engine_stall_s, expert_profile_dir=args.expert_profile_dir,
                           trust_request_chat_template=args.trust_request_chat_template,
                           cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,

@@ -253,6 +253,8 @@ class ServerConfig:
     model_tags: str | None = None        # a comma list /v1/models shows as the model's tags (llama.cpp's --tags)
     max_body_bytes: int = 8 << 20
     max_queue: int = 256                 # requests waiting for a slot; beyond it: 503 + Retry-After at once
+    max_tokenize_bytes: int = 1 << 20    # text /tokenize reads and /detokenize answers; beyond it: 413
+    max_tokenize_ids: int = 1 << 18      # ids /detokenize reads and /tokenize answers; beyond it: 413
     engine_stall_s: float = 60.0         # an engine with work and no progress this long is killed and restarted
     expert_profile_dir: str | None = None   # where POST /expert-profile writes (None: <cache>/expert-profiles)
     trust_request_chat_template: bool = False   # let chat_template_kwargs replace the template or its inputs
@@ -286,6 +288,10 @@ class ServerConfig:
             raise ConfigError(f"port = {self.port!r}: must be 0 to 65535")
         if not (isinstance(self.max_queue, int) and 0 <= self.max_queue <= 1 << 20):
             raise ConfigError(f"max_queue = {self.max_queue!r}: must be a whole number from 0 to 1048576")
+        for name in ("max_tokenize_bytes", "max_tokenize_ids"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1 << 30):
+                raise ConfigError(f"{name} = {value!r}: must be a whole number from 1 to {1 << 30}")
         if not (isinstance(self.cors_proxy_max_bytes, int) and 1 <= self.cors_proxy_max_bytes <= 1 << 40):
             raise ConfigError(f"cors_proxy_max_bytes = {self.cors_proxy_max_bytes!r}: must be a whole number of bytes "
                               "from 1 to 2**40 (--cors-proxy-max-bytes)")

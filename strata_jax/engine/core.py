@@ -43,7 +43,6 @@ _JOBS = {
     "profile": lambda core: core.runner.expert_profile().copy(),
     "logits": research.logits_on_scratch,
     "logits_reusing": research.logits_reusing,
-    "embed": embeddings.embed,
     "call": lambda core, fn: fn(),                 # Engine.between_windows
 }
 
@@ -77,6 +76,7 @@ class EngineCore:
         self.admission = Admission(self.prefix, self.tokenizer, self.speculator, self.output,
                                    self.runner.cache_lost, self.lose_cache, self.config.request_timeout_s)
         self.inbox: queue.Queue = queue.Queue()          # requests and jobs, from any thread
+        self.embeds = embeddings.Embeddings(self)        # embed jobs, read a piece a step (embeddings.py)
         self.stepped = False                             # whether the last step() ran a window
         self.waiting_for_programs = False                # it ran none: its window's programs are being built
 
@@ -90,6 +90,7 @@ class EngineCore:
             self.runner.programs.collect()             # programs the builder thread finished
             self._take_inbox()
             self.admission.expire(self.slots)
+            self.stepped = self.embeds.step()          # a piece of an embed job (its failures are its own)
             stage = "planning a window"
             window = self._plan()
             if window is not None:
@@ -178,6 +179,9 @@ class EngineCore:
                 self.counters["requests"] += 1
                 continue
             kind, *args, done = item
+            if kind == "embed":                         # not all at once: a piece a step (embeddings.py)
+                self.embeds.add(*args, done)
+                continue
             try:
                 done.put(_JOBS[kind](self, *args))
             except Exception as e:  # noqa: BLE001 - handed to the caller

@@ -1,9 +1,10 @@
 """Embeddings: a text's hidden states, pooled into one vector (OpenAI's /v1/embeddings, llama.cpp's
-/embeddings), run on the engine thread between windows (EngineCore's "embed" job).
+/embeddings), run on the engine thread between windows (EngineCore's `embeds`).
 
 The hidden state is the model's last one after the final norm (what the output head reads), as llama.cpp
 takes its embeddings from a generative model. A text is read in the scheduler's prompt chunks on a scratch
-copy of the KV cache (KVCache.scratch), so no slot's KV is touched; each chunk runs the "hidden" program
+copy of the KV cache (KVCache.scratch), so no slot's KV is touched, a piece a step between the generation
+windows (Embeddings: a long request never stops the engine loop); each chunk runs the "hidden" program
 of its chunk length: forward() with its hidden states returned and its logits left out (XLA drops the
 output head), through the program cache like every other program, so it is bounded and budgeted the same.
 
@@ -14,6 +15,8 @@ default, as OpenAI's), p > 2 the p-norm).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import jax
 import jax.numpy as jnp
@@ -42,22 +45,21 @@ class Embedder:
         self.programs, self.kv, self.kv_bucket, self.chunk = programs, kv, kv_bucket, chunk
         programs.register("hidden", self._build)
 
-    def hidden_states(self, ids: list[int]) -> np.ndarray:
-        """float32 [T, hidden] for `ids`, on a scratch KV cache, a prompt chunk at a time."""
-        out = []
-        with self.kv.scratch():
-            for start in range(0, len(ids), self.chunk):
-                part = ids[start:start + self.chunk]
-                length = min(max(16, 1 << (len(part) - 1).bit_length()), self.chunk)
-                tokens = np.zeros((1, length), np.int32)
-                pos = np.full((1, length), -1, np.int32)
-                tokens[0, :len(part)] = part
-                pos[0, :len(part)] = np.arange(start, start + len(part))
-                layout = Layout(((1, length, False, 0),), self.kv_bucket(start + len(part)), stage="hidden")
-                h = self.kv.through(lambda c, layout=layout, tokens=tokens, pos=pos: self.programs.run(
-                    layout, self.params, c, tokens, pos, np.zeros((1,), np.int32)))
-                out.append(np.asarray(h, np.float32)[0, :len(part)])
-        return np.concatenate(out, axis=0)
+    def piece(self, ids: list[int], start: int, kept: dict) -> np.ndarray:
+        """float32 [T, hidden] for ids[start:start + chunk], on the scratch KV cache `kept` carries from piece
+        to piece (KVCache.scratch): the earlier pieces' KV is there for this one to read. A text that starts
+        over at 0 writes each position before it reads it, so one scratch cache serves text after text."""
+        part = ids[start:start + self.chunk]
+        length = min(max(16, 1 << (len(part) - 1).bit_length()), self.chunk)
+        tokens = np.zeros((1, length), np.int32)
+        pos = np.full((1, length), -1, np.int32)
+        tokens[0, :len(part)] = part
+        pos[0, :len(part)] = np.arange(start, start + len(part))
+        layout = Layout(((1, length, False, 0),), self.kv_bucket(start + len(part)), stage="hidden")
+        with self.kv.scratch(kept):
+            h = self.kv.through(lambda c: self.programs.run(layout, self.params, c, tokens, pos,
+                                                            np.zeros((1,), np.int32)))
+        return np.asarray(h, np.float32)[0, :len(part)]
 
     def _build(self, layout: Layout):
         (rows, length, _, _), = layout.groups
@@ -99,17 +101,74 @@ def normalize(v: np.ndarray, how: int) -> np.ndarray:
     return (v / np.where(norm > 0, norm, 1.0)).astype(np.float32)
 
 
-def embed(core, inputs: list[list[int]], pooling: str, how: int) -> list[np.ndarray]:
-    """The engine thread's job: each input's pooled, normalized embedding."""
-    embedder = core.runner.embedder
-    if embedder is None:
-        raise RuntimeError("embeddings need the whole model on one device: this engine runs expert tiers or "
-                           "several devices (--devices N)")
-    how = -1 if pooling == "none" else how              # every token's vector as it is (llama.cpp's)
-    out = []
-    for ids in inputs:
-        out.append(normalize(pool(embedder.hidden_states(ids), pooling), how))
-        chunks = -(-len(ids) // embedder.chunk)         # each chunk a window of one row (llama.cpp: a decode)
-        core.runner.windows += chunks                   # the windows /metrics counts (llamacpp:n_decode)
-        core.counters["window_rows"] += chunks
-    return out
+class EmbedJob:
+    """One embed request on the engine thread: where its reading is, and what it has read."""
+
+    def __init__(self, inputs: list[list[int]], pooling: str, how: int, cancel, done):
+        self.inputs, self.pooling, self.done, self.cancel = inputs, pooling, done, cancel
+        self.how = -1 if pooling == "none" else how     # every token's vector as it is (llama.cpp's)
+        self.i, self.start = 0, 0                       # the input being read, and its next token
+        self.parts: list[np.ndarray] = []               # its hidden states so far
+        self.out: list[np.ndarray] = []                 # the finished inputs' vectors
+
+    def next_len(self, chunk: int) -> int:
+        return min(chunk, len(self.inputs[self.i]) - self.start)
+
+
+class Embeddings:
+    """The embed jobs waiting on the engine thread, first come first served (one scratch KV cache at a time).
+    Each step() reads one piece, at most a prompt chunk of tokens (a chunk of a long text, or several short
+    texts whole), between the generation windows: a request of 2,048 long texts delays each window by a
+    chunk's time, never stops the loop, its heartbeat or the streams beside it (issue 32, item 3)."""
+
+    def __init__(self, core):
+        self.core = core
+        self.jobs: deque[EmbedJob] = deque()
+        self.kept: dict = {}            # the scratch KV cache, from piece to piece while jobs wait
+
+    def add(self, inputs: list[list[int]], pooling: str, how: int, cancel, done) -> None:
+        if self.core.runner.embedder is None:
+            done.put(RuntimeError("embeddings need the whole model on one device: this engine runs expert tiers "
+                                  "or several devices (--devices N)"))
+            return
+        self.jobs.append(EmbedJob(inputs, pooling, how, cancel, done))
+
+    def step(self) -> bool:
+        """Read the first job's next piece -> whether there was one. A job's failure (or its cancel) is its
+        caller's answer; no slot, no request in flight is touched."""
+        while self.jobs and self.jobs[0].cancel is not None and self.jobs[0].cancel.is_set():
+            self.jobs.popleft().done.put(RuntimeError("the embeddings were cancelled"))
+        if not self.jobs:
+            self.kept.clear()           # the scratch cache's memory goes back between jobs
+            return False
+        job = self.jobs[0]
+        try:
+            self._read(job, self.core.runner.embedder)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            self.jobs.popleft()
+            self.kept.clear()
+            job.done.put(e)
+            return True
+        if job.i == len(job.inputs):
+            self.jobs.popleft()
+            job.done.put(job.out)
+        return True
+
+    def _read(self, job: EmbedJob, embedder: Embedder) -> None:
+        budget = embedder.chunk
+        while job.i < len(job.inputs) and (budget == embedder.chunk or job.next_len(embedder.chunk) <= budget):
+            ids = job.inputs[job.i]
+            n = job.next_len(embedder.chunk)
+            job.parts.append(embedder.piece(ids, job.start, self.kept))
+            job.start += n
+            budget -= n
+            self.core.runner.windows += 1               # a piece is a window of one row (llama.cpp: a decode),
+            self.core.counters["window_rows"] += 1      # as /metrics counts them (llamacpp:n_decode)
+            if job.start == len(ids):
+                job.out.append(normalize(pool(np.concatenate(job.parts, axis=0), job.pooling), job.how))
+                job.i, job.start, job.parts = job.i + 1, 0, []
+
+    def fail_all(self, why: str) -> None:
+        while self.jobs:
+            self.jobs.popleft().done.put(RuntimeError(why))
+        self.kept.clear()

@@ -111,10 +111,12 @@ class Engine(EngineCore):
         -> (tokens reused, float32 [T - reused, vocab] for the tokens read). The slot keeps the KV."""
         return self._ask_engine_thread("logits_reusing", token_ids)
 
-    def embed(self, inputs: list[list[int]], pooling: str = "last", normalize: int = 2) -> list[np.ndarray]:
+    def embed(self, inputs: list[list[int]], pooling: str = "last", normalize: int = 2,
+              cancel: threading.Event | None = None) -> list[np.ndarray]:
         """Each token list's embedding (engine/embeddings.py): its final hidden states pooled (last, mean,
         cls: float32 [hidden]; none: every token's, [T, hidden]) and normalized as llama.cpp's embd_normalize
-        (2: Euclidean; -1: none). Runs between windows on a scratch KV cache: requests in flight go on."""
+        (2: Euclidean; -1: none). Read a piece a step between windows on a scratch KV cache: requests in
+        flight go on. cancel: set, the job ends (RuntimeError) before its next piece."""
         if pooling not in POOLINGS:
             raise ValueError(f"pooling = {pooling!r}: must be one of {', '.join(POOLINGS)}")
         checked = []
@@ -123,7 +125,7 @@ class Engine(EngineCore):
             if len(ids) > self.config.max_context:
                 raise ContextOverflowError(len(ids), 0, self.config.max_context)
             checked.append(ids)
-        return self._ask("embed", checked, pooling, int(normalize))
+        return self._ask("embed", checked, pooling, int(normalize), cancel)
 
     def _ask_engine_thread(self, kind: str, token_ids: list[int]):
         """Run a logits job on the engine thread (which alone touches the device) and wait for its answer."""
@@ -226,6 +228,7 @@ class Engine(EngineCore):
         for s in self.slots:
             if not s.free:
                 self.output.fail(s, "the engine was closed")
+        self.embeds.fail_all("the engine was closed")
 
     def beat(self) -> None:
         """The loop is alive and moving (the worker's heartbeat reads `progress_at`)."""

@@ -85,13 +85,17 @@ class KVCache:
         jax.block_until_ready(self._arrays)
 
     @contextmanager
-    def scratch(self):
-        """A blank cache (device and host parts) for the duration; the slots' own is put back after."""
+    def scratch(self, kept: dict | None = None):
+        """A blank cache (device and host parts) for the duration; the slots' own is put back after. kept: a
+        dict that carries one scratch cache from use to use (embeddings, read a piece a step between windows):
+        made on its first use, left in it after each one that succeeds."""
         saved = self._arrays
-        self._arrays = self._new()
+        self._arrays = kept.pop("arrays") if kept and "arrays" in kept else self._new()
         try:
-            with self.host.scratch() if self.host is not None else nullcontext():
+            with self.host.scratch(kept) if self.host is not None else nullcontext():
                 yield
+            if kept is not None:
+                kept["arrays"] = self._arrays
         finally:
             self._arrays = saved
 

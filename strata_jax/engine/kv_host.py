@@ -120,11 +120,14 @@ class KVHostStore:
             self.write(layer, np.array([slot]), pos, *(entries[name][layer][None] for name in self.names))
 
     @contextmanager
-    def scratch(self):
-        """A blank store for the duration (eng.logits runs on a scratch cache: the slots' KV stays)."""
-        saved, self.pages = self.pages, {}
+    def scratch(self, kept: dict | None = None):
+        """A blank store for the duration (eng.logits runs on a scratch cache: the slots' KV stays); kept:
+        carries it from use to use (KVCache.scratch)."""
+        saved, self.pages = self.pages, (kept.pop("pages", {}) if kept is not None else {})
         try:
             yield
+            if kept is not None:
+                kept["pages"] = self.pages
         finally:
             self.pages = saved
 

@@ -73,6 +73,9 @@ def load_tokenizer(path_or_metadata: str | os.PathLike | Mapping[str, Any], **kw
 # that are not in the alphabet map to U+FFFF, so encoding the result as latin-1 fails for any text that
 # is not written in the alphabet.
 _UNBYTE = {ord(ch): b for b, ch in bytes_to_unicode().items()}
+# A text longer than this is encoded by encode_batch, which lets go of the GIL while it works: a text of
+# megabytes takes seconds, which must not stop the engine loop and its heartbeat (issue 32, item 4)
+_HOLDS_GIL = 1 << 16
 _UNBYTE.update({c: 0xFFFF for c in range(256) if c not in _UNBYTE})
 
 
@@ -146,7 +149,10 @@ class Tokenizer(Vocabulary):
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
         tk = self._tk if parse_special else self._no_special_tokenizer()
-        ids = tk.encode(text, add_special_tokens=False).ids if text else []
+        if len(text) > _HOLDS_GIL:      # encode_batch lets go of the GIL (encode does not): other threads run
+            ids = tk.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = tk.encode(text, add_special_tokens=False).ids if text else []
         if add_special and self.add_bos:
             ids.insert(0, self.bos_id)
         if add_special and self.add_eos:

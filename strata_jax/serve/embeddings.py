@@ -9,7 +9,10 @@ An input may also be llama.cpp's mix of texts and token ids (`[12, "text", 34]`,
 (the parts joined as they are). Texts are tokenized with the model's special tokens (its BOS), as llama.cpp
 does. The engine pools the last hidden states with the server's `--pooling` (last, mean, cls; none: every
 token's vector, which only /embeddings can return) and normalizes them (`embd_normalize`, 2 = Euclidean by
-default; engine/embeddings.py). An input longer than a slot's context is a 400 naming it.
+default; engine/embeddings.py). An input longer than a slot's context is a 400 naming it (one that cannot fit,
+told from its length, before the engine reads it). A request is admitted as a prompt is (a place in
+--max-queue, the pipe's byte bound: Supervisor.ask) and read by the engine a piece a step between generation
+windows, so a long one delays streams a little and stops nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def handlers(sup: Any, names: Any, json_body: Any, metrics: Any, pooling_flag: s
 
     async def run(body: dict[str, Any], key: str) -> tuple[list, list[int], int]:
         inputs = parse_inputs(body.get(key), key)
+        _refuse_if_too_long(inputs, key, sup.config.max_context, sup.info.get("max_token_bytes"))
         how = body.get("embd_normalize", 2)
         if isinstance(how, bool) or not isinstance(how, int) or not -1 <= how <= 1000:
             raise invalid(f"embd_normalize = {shown(how)}: -1 (none), 0 (max abs), 1 (taxicab), 2 (Euclidean) "
@@ -93,6 +97,19 @@ def parse_inputs(value: Any, key: str) -> list[str | list[int | str]]:
     if len(value) > MAX_INPUTS:
         raise invalid(f"{key}: {len(value)} inputs; at most {MAX_INPUTS} a request", key)
     return [_one(x, f"{key}[{i}]") for i, x in enumerate(value)]
+
+
+def _refuse_if_too_long(inputs: list, key: str, n_ctx: int, max_token_bytes: int | None) -> None:
+    """An input that cannot fit a slot, told from its length before the engine tokenizes it (megabytes of text
+    cost seconds to tokenize, only to be refused): a token stands for at most `max_token_bytes` bytes."""
+    for x in inputs:
+        parts = [x] if isinstance(x, str) else x
+        texts = sum(len(p.encode("utf-8", "surrogatepass")) for p in parts if isinstance(p, str))
+        per_token = max_token_bytes or max(texts, 1)        # (not known yet: a text is at least a token)
+        at_least = sum(1 for p in parts if not isinstance(p, str)) + -(-texts // per_token)
+        if at_least > n_ctx:
+            raise invalid(f"{key}: an input is too large to embed: at least {at_least} tokens (told from its "
+                          f"length), but a slot holds {n_ctx} (--max-context)", key)
 
 
 def _one(x: Any, where: str) -> str | list[int | str]:

@@ -18,11 +18,11 @@ from .. import envs
 from .protocol import (
     AnyReply,
     Beat,
+    Cancel,
     Command,
-    Prepare,
+    GetStats,
     Shutdown,
     Start,
-    Submit,
     decode_reply,
     length,
     pack,
@@ -34,7 +34,8 @@ log = logging.getLogger("strata_jax.serve")
 STDERR_LINES = 200
 SILENT_S = 5.0                      # no frame (not even a heartbeat) this long: /health says 503
 WATCH_S = 0.5                       # how often the watchdog looks
-MAX_UNREAD_BYTES = 32 << 20         # prompts written to the engine and not read by it yet
+MAX_UNREAD_BYTES = 32 << 20         # requests' commands written to the engine and not read by it yet
+_ALWAYS = (Start, Cancel, GetStats, Shutdown)   # sent whatever the engine has not read (send)
 
 
 class StderrTail:
@@ -120,12 +121,13 @@ class EngineProcess:
     # ---- writing ---------------------------------------------------------------------------------------
 
     def send(self, cmd: Start | Command) -> bool:
-        """Write a frame; False when the process is gone or going. A prompt beyond MAX_UNREAD_BYTES unread
-        raises EngineBusy: nothing more is sent until it reads."""
+        """Write a frame; False when the process is gone or going. A request's command (a prompt, a question:
+        tokenize, embed, ...) beyond MAX_UNREAD_BYTES unread raises EngineBusy: nothing more is sent until it
+        reads. Cancels, stats and the shutdown always go (they free things, or are small and bounded)."""
         proc = self.proc
         if proc is None or proc.stdin is None or proc.stdin.is_closing():
             return False
-        if isinstance(cmd, (Prepare, Submit)) and self.unread() > MAX_UNREAD_BYTES:
+        if not isinstance(cmd, _ALWAYS) and self.unread() > MAX_UNREAD_BYTES:
             raise EngineBusy(f"the engine has not read the last {self.unread()} bytes sent to it")
         try:
             proc.stdin.write(pack(cmd))

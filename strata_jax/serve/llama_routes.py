@@ -35,6 +35,7 @@ from .errors import ApiError, invalid
 from .fields import control_params
 from .parse import DEFAULTS, parse_chat
 from .protocol import ApplyTemplate, Detokenize, SlotAction, Tokenize
+from .tokens import check_sizes
 
 SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
@@ -53,10 +54,11 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         body = json_object(await request.body())
         if "content" not in body:
             return {"tokens": []}
+        check_sizes(body["content"], "content", cfg.max_tokenize_bytes, cfg.max_tokenize_ids)     # 413s
         content = _content(body["content"])
         flags = {k: _flag(body, k, default) for k, default in
                  (("add_special", False), ("parse_special", True), ("with_pieces", False))}
-        reply = await sup.ask(Tokenize, content=content, **flags)
+        reply = await sup.ask(Tokenize, content=content, max_ids=cfg.max_tokenize_ids, **flags)
         return {"tokens": reply.tokens}
 
     @post("/detokenize", status_code=200, guards=[json_body])
@@ -67,9 +69,10 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         tokens = body["tokens"]
         if not isinstance(tokens, list):
             raise invalid(f"tokens = {shown(tokens)}: give a list of token ids (whole numbers)", "tokens")
+        check_sizes(tokens, "tokens", cfg.max_tokenize_bytes, cfg.max_tokenize_ids)
         for i, t in enumerate(tokens):
             check_token_id(t, f"tokens[{i}]", "tokens")
-        reply = await sup.ask(Detokenize, tokens=tokens)
+        reply = await sup.ask(Detokenize, tokens=tokens, max_bytes=cfg.max_tokenize_bytes)
         return {"content": reply.content}
 
     @get("/props")

@@ -91,11 +91,13 @@ class Tokenize(Command, tag="tokenize"):
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
+    max_ids: int = 0                            # the most ids it may answer (--max-tokenize-ids; 0: any)
 
 
 class Detokenize(Command, tag="detokenize"):
     id: str
     tokens: list[int]
+    max_bytes: int = 0                          # the most bytes of text it may answer (--max-tokenize-bytes)
 
 
 class ApplyTemplate(Command, tag="apply_template"):
@@ -165,10 +167,10 @@ class Prepared(Reply, tag="prepared"):
 
 class Rejected(Reply, tag="rejected"):
     """A command the engine refuses; tickets.rejection makes it the API's error. kind "context" fills in the
-    three counts, "invalid" may name the request's field (param); "server" messages are made to be shown,
-    "internal" ones are logged, never echoed."""
+    three counts, "invalid" (a 400) and "too_large" (a 413: an answer beyond a bound) may name the request's
+    field (param); "server" messages are made to be shown, "internal" ones are logged, never echoed."""
     id: str
-    kind: Literal["context", "template", "invalid", "server", "internal"]
+    kind: Literal["context", "template", "invalid", "too_large", "server", "internal"]
     message: str
     param: str | None = None
     n_prompt_tokens: int | None = None

@@ -60,6 +60,8 @@ def rejection(reply: Rejected) -> ApiError:
         return ApiError(400, reply.message, "invalid_request_error", "messages")
     if reply.kind == "invalid":
         return ApiError(400, reply.message, "invalid_request_error", reply.param)
+    if reply.kind == "too_large":               # what it asks for is beyond a bound (--max-tokenize-ids, ...)
+        return ApiError(413, reply.message, "invalid_request_error", reply.param)
     if reply.kind == "server":                  # a message made to be shown (no paths, no exception text)
         return ApiError(500, reply.message, "server_error")
     log.error("the engine could not take %s: %s", reply.id, reply.message)   # a bug: log, don't echo

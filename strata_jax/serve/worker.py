@@ -177,19 +177,17 @@ class Worker:
                 self.writer.send(self.prepare(cmd))
             case Submit():
                 self.submit(cmd)
-            case Cancel():
+            case Cancel():              # a request's, or an embedding's the server gave up on (its Event)
                 with self._lock:
                     h = self.handles.get(cmd.id)
                 if h is not None:
-                    h.cancel()
+                    (h.set if isinstance(h, threading.Event) else h.cancel)()
             case SaveExpertProfile():   # a thread of its own: commands keep flowing while it waits a window
                 threading.Thread(target=self._save_profile, args=(cmd,), name="expert-profile", daemon=True).start()
             case GetStats():
                 self.writer.send(Stats(cmd.id, self._stats()))
-            case Tokenize() | Detokenize():     # llama.cpp's routes: quick, like prepare
-                from .tokens import answer
-
-                self.writer.send(answer(self.engine.tokenizer, cmd))
+            case Tokenize() | Detokenize():     # a thread of its own: megabytes of text take seconds (tokens.py)
+                threading.Thread(target=self._tokens, args=(cmd,), name="tokenize", daemon=True).start()
             case ApplyTemplate():
                 self.writer.send(apply_template(self.engine, cmd))
             case SlotAction():          # llama.cpp's /slots/N?action=...: between windows, off this thread
@@ -237,16 +235,28 @@ class Worker:
         else:
             self.writer.send(Answer(cmd.id, slot=out))
 
+    def _tokens(self, cmd: Tokenize | Detokenize) -> None:
+        from .tokens import answer
+
+        try:
+            self.writer.send(answer(self.engine.tokenizer, cmd))
+        except Exception:
+            log.exception("%s failed", type(cmd).__name__)
+            self.writer.send(Rejected(cmd.id, "internal", f"{type(cmd).__name__} failed"))
+
     def _embed(self, cmd: Embed) -> None:
         from strata_jax.engine.request import ContextOverflowError, RequestError
 
+        cancel = threading.Event()              # set by a Cancel: the engine drops the job's next pieces
+        with self._lock:
+            self.handles[cmd.id] = cancel
         try:
             from .tokens import tokenize_mixed
 
             tk = self.engine.tokenizer        # a list of texts and ids: llama.cpp's mixed prompt
             ids = [tokenize_mixed(tk, x, True, True) if isinstance(x, list) and any(isinstance(t, str) for t in x)
                    else self.engine.prompt_ids(x) for x in cmd.inputs]
-            vectors = self.engine.embed(ids, cmd.pooling, cmd.normalize)
+            vectors = self.engine.embed(ids, cmd.pooling, cmd.normalize, cancel)
         except ContextOverflowError as e:
             self.writer.send(Rejected(cmd.id, "context", str(e), n_prompt_tokens=e.prompt_tokens, max_tokens=0,
                                       n_ctx=e.n_ctx))
@@ -259,6 +269,9 @@ class Worker:
             self.writer.send(Rejected(cmd.id, "internal", "the embeddings failed"))
         else:
             self.writer.send(Answer(cmd.id, embeddings=[v.tolist() for v in vectors], n_tokens=[len(i) for i in ids]))
+        finally:
+            with self._lock:
+                self.handles.pop(cmd.id, None)
 
     def _stats(self) -> dict[str, Any]:
         for _ in range(3):      # read while the engine thread changes its dicts: a rare "changed size" error
