@@ -87,6 +87,9 @@ FLAGS = {
                     "C++ kernels were built at install, else xla)"),
     "dtype": Flag("auto|float32|bfloat16", "activations (auto: float32 on a CPU, bfloat16 on a GPU)"),
     "request_timeout_s": Flag("S", "every request's deadline, seconds"),
+    "max_grammar_rules": Flag("N", "rules a request's GBNF grammar may have (more: a 400 naming this flag)"),
+    "max_grammar_depth": Flag("N", "how deep a request's GBNF grammar may nest: a chain of rules that are lexer "
+                              "terminals, or groups in groups (llguidance compiles them by recursion; deeper: a 400)"),
     "warmup": Flag("", "build the decode programs at start (with a progress bar) and every other window layout on a "
                    "builder thread while the engine serves; off: each layout is built when first met, and its "
                    "window waits"),

@@ -104,6 +104,8 @@ class EngineConfig:
     backend: str = "auto"                # kernel backend: auto | xla | cpu | pallas | interpret
     dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16
     request_timeout_s: float = 600.0     # a request's deadline
+    max_grammar_rules: int = 2048        # rules a request's GBNF grammar may have (engine/gbnf.py)
+    max_grammar_depth: int = 256         # a GBNF chain of terminal rules, or of nested groups (llguidance recurses)
     warmup: bool = True                  # build the base window programs at start; later layouts off the engine thread
     compile_cache: bool = True           # JAX's persistent compilation cache in the cache folder (compile_cache.py)
     seed: int = 0                        # the seed a llama.cpp-route request without one samples with (-s)
@@ -197,6 +199,11 @@ class EngineConfig:
              "must be auto, xla, cpu, pallas or interpret")
         need(self.dtype in ("auto", "float32", "bfloat16"), "dtype", self.dtype, "must be auto, float32 or bfloat16")
         need(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+        need(isinstance(self.max_grammar_rules, int) and 1 <= self.max_grammar_rules <= 1 << 20, "max_grammar_rules",
+             self.max_grammar_rules, "must be a whole number of rules from 1 to 1048576")
+        need(isinstance(self.max_grammar_depth, int) and 1 <= self.max_grammar_depth <= 16384, "max_grammar_depth",
+             self.max_grammar_depth, "must be a whole number from 1 to 16384 (the compile threads' stack has room "
+             "for that)")
         need(isinstance(self.devices, int) and 1 <= self.devices <= 64, "devices", self.devices,
              "must be a whole number of devices from 1 to 64")
         need(self.split in SPLITS, "split", self.split, f"must be one of {', '.join(SPLITS)}")

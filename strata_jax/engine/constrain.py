@@ -2,9 +2,10 @@
 
 A request's `grammar` is (kind, text, field): kind one of GRAMMAR_KINDS, text the schema (JSON text) or the
 grammar, field the request field it came from (error messages name it). `Grammars` (one an engine) holds the
-llguidance tokenizer of the engine's vocabulary, made once, when the first constrained request comes; each
-request gets its own `Constraint` (an LLMatcher) at submit, in the caller's thread (building one compiles the
-grammar with the GIL released).
+llguidance tokenizer of the engine's vocabulary, made once, when the first constrained request comes, and the
+compiler (grammar_compile.py): each grammar is compiled once, on threads of its own with a large stack, checked
+at prepare by walking its first tokens, and kept; each request gets its own `Constraint` at submit, a copy of
+the compiled matcher.
 
 Each window, the runner asks `fill_masks` for the allowed-token bitmask of every constrained row after it
 has dispatched the model program, so on the device the program runs while llguidance (off the GIL, on its
@@ -14,44 +15,26 @@ the request with finish_reason "stop" when the grammar is complete (`done`).
 
 Library choice (docs/BENCHMARKS.md, "Constrained decoding"): llguidance. Measured here at a 151,936-token
 vocabulary (Qwen2's) its mask a token takes ~40 us against xgrammar's ~29, both far below a window's cost;
-it compiles a schema ~20x faster (1.3 against 25 ms: each request compiles its own), and it needs no torch
+it compiles a schema ~20x faster (1.3 against 25 ms: each new schema is compiled), and it needs no torch
 (xgrammar imports torch and its bitmasks are torch tensors).
 """
 
 from __future__ import annotations
 
-import json
 import threading
 
 import llguidance as llg
 import llguidance.numpy as llnp
 import numpy as np
 
+from .gbnf import MAX_DEPTH, MAX_RULES
+from .grammar_compile import JSON_LAYOUT, Compiler, grammar_source  # noqa: F401 - the package's names for them
 from .request import MAX_GRAMMAR_CHARS, RequestError
 from .request import _shown as shown
 
 # json_object: any JSON object (OpenAI's JSON mode); json_schema: a JSON schema's text; gbnf: llama.cpp's
 # grammar format; lark and regex: llguidance's own (Python callers)
 GRAMMAR_KINDS = ("json_object", "json_schema", "gbnf", "lark", "regex")
-# JSON as json.dumps writes it: one space after ", " and ": ", no other whitespace. llguidance's default
-# allows any run of whitespace between tokens, which a weak model can fill until max_tokens (llama.cpp
-# bounds it too); a schema's own "x-guidance" options override this.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def grammar_source(kind: str, text: str) -> str:
-    """The llguidance grammar of a (kind, text); ValueError when the text cannot be read as that kind."""
-    if kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
-    if kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(json.loads(text), defaults=JSON_LAYOUT)
-    if kind == "gbnf":
-        return llg.grammar_from("gbnf", text)
-    if kind == "lark":
-        return llg.LLMatcher.grammar_from_lark(text)
-    if kind == "regex":
-        return llg.LLMatcher.grammar_from_regex(text)
-    raise ValueError(f"unknown grammar kind {kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
 
 
 def check_shape(grammar) -> tuple[str, str, str]:
@@ -77,6 +60,7 @@ class _Vocabulary:
         self.bos_token_id = tokenizer.bos_id
         n = tokenizer.vocab_size
         self.tokens = [tokenizer.token_bytes(i) for i in range(n)] + [b""] * max(n_vocab - n, 0)
+        self.lengths = np.array([len(t) for t in self.tokens], np.int32)
         self.special_token_ids = [i for i in range(n) if tokenizer.is_special(i)]
 
     def __call__(self, text: bytes) -> list[int]:
@@ -84,13 +68,16 @@ class _Vocabulary:
 
 
 class Grammars:
-    """The engine's llguidance tokenizer (made when first needed) and the executor that fills masks."""
+    """The engine's llguidance tokenizer (made when first needed), its grammar compiler (grammar_compile.py:
+    each grammar compiled once, on threads with a large stack) and the executor that fills masks."""
 
-    def __init__(self, tokenizer, n_vocab: int):
+    def __init__(self, tokenizer, n_vocab: int, max_rules: int = MAX_RULES, max_depth: int = MAX_DEPTH):
         self._tokenizer, self.n_vocab = tokenizer, n_vocab
         self._ll: llg.LLTokenizer | None = None
+        self._vocabulary: _Vocabulary | None = None
         self._lock = threading.Lock()
         self._executor: llg.LLExecutor | None = None
+        self.compiler = Compiler(lambda: self.ll_tokenizer, lambda: self._vocabulary.lengths, max_rules, max_depth)
 
     @property
     def executor(self) -> llg.LLExecutor:
@@ -105,29 +92,27 @@ class Grammars:
         with self._lock:
             if self._ll is None:      # ~1-2 s at a 150K vocabulary: once an engine
                 eos = sorted(self._tokenizer.eos_ids) or None
-                self._ll = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(self._tokenizer, self.n_vocab)),
-                                           n_vocab=self.n_vocab, eos_token=eos)
+                self._vocabulary = _Vocabulary(self._tokenizer, self.n_vocab)
+                self._ll = llg.LLTokenizer(llg.TokenizerWrapper(self._vocabulary), n_vocab=self.n_vocab,
+                                           eos_token=eos)
             return self._ll
 
     def check(self, grammar) -> tuple[str, str, str]:
-        """RequestError naming the field when the schema or grammar cannot be compiled -> (kind, text, field)."""
-        kind, text, field = check_shape(grammar)
-        try:
-            source = grammar_source(kind, text)
-        except (ValueError, TypeError) as e:
-            raise RequestError(f"{field} = {shown(text)}: the {_what(kind)} cannot be read: {_one_line(e)}") from None
-        error = llg.LLMatcher.validate_grammar(source, self.ll_tokenizer)
-        if error:
-            raise RequestError(f"{field} = {shown(text)}: the {_what(kind)} cannot be compiled: {_one_line(error)}")
-        return kind, text, field
+        """RequestError naming the field when the schema or grammar cannot be compiled -> (kind, text, field).
+        Waits for the compiler (the first time for this grammar; then its kept result)."""
+        return self._compiled(grammar)[0]
 
     def constraint(self, grammar) -> Constraint:
-        kind, text, field = self.check(grammar)
-        matcher = llg.LLMatcher(self.ll_tokenizer, grammar_source(kind, text), log_level=0)
-        if matcher.is_error():
-            raise RequestError(f"{field} = {shown(text)}: the {_what(kind)} cannot be compiled: "
-                               f"{_one_line(matcher.get_error())}")
-        return Constraint(matcher, self)
+        """The request's own matcher: a copy of the grammar's compiled one."""
+        _, compiled = self._compiled(grammar)
+        return Constraint(compiled.matcher.deep_copy(), self)
+
+    def _compiled(self, grammar):
+        kind, text, field = check_shape(grammar)
+        compiled = self.compiler.compile(kind, text)
+        if compiled.problem is not None:
+            raise RequestError(f"{field} = {shown(text)}: the {_what(kind)} {compiled.problem}")
+        return (kind, text, field), compiled
 
 
 class Constraint:
@@ -172,8 +157,3 @@ def _executor_of(rows: list[Constraint | None]) -> llg.LLExecutor:
 def _what(kind: str) -> str:
     return {"json_object": "JSON object grammar", "json_schema": "JSON schema", "gbnf": "GBNF grammar",
             "lark": "Lark grammar", "regex": "regular expression"}.get(kind, "grammar")
-
-
-def _one_line(e) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]

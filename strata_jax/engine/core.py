@@ -58,7 +58,8 @@ class EngineCore:
         self.model = model
         self.spec = model.spec
         self.tokenizer = load_tokenizer(model.metadata)
-        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)     # structured output (constrain.py)
+        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size,     # structured output (constrain.py)
+                                 self.config.max_grammar_rules, self.config.max_grammar_depth)
         compile_cache.enable(self.config.compile_cache)     # before the first program: serve, generate, bench, Python
         self.runner = ModelRunner(model, self.config, progress)
         if self.config.warmup:

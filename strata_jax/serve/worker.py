@@ -109,6 +109,7 @@ class Worker:
             self.engine.tokenizer._template = None
         self.handles: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._grammar_pool = None       # threads for prepares that compile a grammar (made at the first)
         self.engine.on_loop_death = exit_with_error
         writer.send(Ready(self.ready_info(model, time.monotonic() - t0)))
         threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True).start()
@@ -173,6 +174,8 @@ class Worker:
 
     def handle(self, cmd: Command) -> None:
         match cmd:
+            case Prepare() if cmd.params.get("grammar") or cmd.params.get("tools"):
+                self._grammar_prepares().submit(self._prepare_apart, cmd)     # compiling waits there, not here
             case Prepare():
                 self.writer.send(self.prepare(cmd))
             case Submit():
@@ -199,6 +202,22 @@ class Worker:
 
     def prepare(self, cmd: Prepare) -> Prepared | Rejected:
         return prepare(self.engine, cmd)
+
+    def _grammar_prepares(self):
+        """The threads that prepare requests with a grammar (engine/grammar_compile.py compiles it on its own
+        threads; these wait for it), so a grammar that takes seconds holds up no one else's commands."""
+        if self._grammar_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._grammar_pool = ThreadPoolExecutor(4, thread_name_prefix="prepare-grammar")
+        return self._grammar_pool
+
+    def _prepare_apart(self, cmd: Prepare) -> None:
+        try:
+            self.writer.send(self.prepare(cmd))
+        except Exception as e:  # as the command loop does: a bad request must not end the engine
+            log.exception("command Prepare failed")
+            self.writer.send(Rejected(cmd.id, "internal", f"the engine could not take the request: {one_line(e)}"))
 
     def _save_profile(self, cmd: SaveExpertProfile) -> None:
         """The engine thread hands over a copy of the counts between windows; the file is written here, into
