@@ -140,6 +140,10 @@ def add_serve(sub: Subparsers) -> None:
     p.add_argument("--engine-stall-s", type=float, default=ServerConfig().engine_stall_s, metavar="S",
                    help="an engine that has work and makes no progress for S seconds is killed and started again "
                         f"(default {ServerConfig().engine_stall_s:g})")
+    p.add_argument("--read-timeout-s", type=float, default=ServerConfig().read_timeout_s, metavar="S",
+                   help="a client must send each request's headers and body whole within S seconds, else it "
+                        "gets 408 and is disconnected (slow clients); 0: no bound "
+                        f"(default {ServerConfig().read_timeout_s:g})")
     p.add_argument("--expert-profile-dir", metavar="DIR",
                    help="where POST /expert-profile writes its named files (default: the cache folder's "
                         "expert-profiles/)")
@@ -210,7 +214,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           cors_proxy=args.ui_mcp_proxy, pooling=args.pooling, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                           cors_proxy_max_bytes=args.cors_proxy_max_bytes,
                           max_tokenize_bytes=args.max_tokenize_bytes, max_tokenize_ids=args.max_tokenize_ids,
-                          engine_stall_s=args.engine_stall_s, expert_profile_dir=args.expert_profile_dir,
+                          engine_stall_s=args.engine_stall_s, read_timeout_s=args.read_timeout_s,
+                          expert_profile_dir=args.expert_profile_dir,
                           trust_request_chat_template=args.trust_request_chat_template,
                           cors_origins=args.cors_origins, strict_model_name=args.strict_model_name,
                           slots_endpoint=args.slots, slot_save_path=args.slot_save_path, props_writable=args.props,
@@ -253,7 +258,9 @@ def _serve_replicas(args: argparse.Namespace, path: str) -> int:
     options = [s for a in sub.choices["serve"]._actions for s in a.option_strings]
     argv = list(args.argv)
     rest = replica_argv(argv[argv.index("serve") + 1:], options, None if args.model else path)
-    return run_replicas(rest, args.replicas, args.host, args.port)
+    # the ingress checks the servers' key and body bound itself, before it reads a body (replica_ingress.py)
+    return run_replicas(rest, args.replicas, args.host, args.port, api_key=_api_key(args),
+                        max_body_bytes=args.max_body_bytes)
 
 
 def add_bench(sub: Subparsers) -> None:

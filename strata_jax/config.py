@@ -263,6 +263,7 @@ class ServerConfig:
     max_tokenize_bytes: int = 1 << 20    # text /tokenize reads and /detokenize answers; beyond it: 413
     max_tokenize_ids: int = 1 << 18      # ids /detokenize reads and /tokenize answers; beyond it: 413
     engine_stall_s: float = 60.0         # an engine with work and no progress this long is killed and restarted
+    read_timeout_s: float = 30.0         # a request's headers and body must come whole this soon (0: no bound)
     expert_profile_dir: str | None = None   # where POST /expert-profile writes (None: <cache>/expert-profiles)
     trust_request_chat_template: bool = False   # let chat_template_kwargs replace the template or its inputs
     # llama.cpp's conventions (serve/native.py, serve/llama_routes.py)
@@ -304,6 +305,8 @@ class ServerConfig:
                               "from 1 to 2**40 (--cors-proxy-max-bytes)")
         if not (self.engine_stall_s > 0):
             raise ConfigError(f"engine_stall_s = {self.engine_stall_s!r}: must be > 0 seconds")
+        if not (isinstance(self.read_timeout_s, (int, float)) and 0 <= self.read_timeout_s <= 86400):
+            raise ConfigError(f"read_timeout_s = {self.read_timeout_s!r}: must be 0 (no bound) to 86400 seconds")
         unknown = sorted(set(self.sampling) - set(self.SAMPLING_KEYS))
         if unknown:
             raise ConfigError(f"sampling: unknown default {unknown[0]!r}; the defaults are {', '.join(self.SAMPLING_KEYS)}")

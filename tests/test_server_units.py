@@ -210,8 +210,9 @@ def test_mock_engine_exit_fails_running_and_serves_queued():
         return sup, ends, queued
 
     sup, (crash, other, queued_end), queued = _run(go)
-    want = "the engine stopped unexpectedly (exit code 3). Its last error: ERR mock: exit asked by the prompt"
+    want = "the engine stopped unexpectedly (exit code 3). This request was in flight"     # no log text
     assert crash.kind == other.kind == "error" and crash.error.startswith(want)
+    assert "exit asked by the prompt" in sup.ledger.last.message
     assert queued_end.finish_reason == "length" and queued.generation == 2
     fault = sup.ledger.last
     assert fault.requests_in_flight == 2 and fault.restart_in_s == 0.05 and fault.exit_code == 3
@@ -257,8 +258,9 @@ def test_mock_engine_that_cannot_start_backs_off(monkeypatch):
     sup, err, (ok, body) = _run(go)
     assert [f.restart_in_s for f in sup.ledger.entries][:5] == [0.05, 0.1, 0.2, 0.3, 0.3]
     assert not ok and body["status"] == "restarting"
-    assert "ERR mock engine start" in body["reason"] and "in a row" in body["reason"]
-    assert err.status == 503 and "ERR mock engine start" in err.message
+    assert "the engine stopped unexpectedly" in body["reason"] and "in a row" in body["reason"]
+    assert "ERR" not in body["reason"] and "ERR mock engine start" in sup.ledger.last.message
+    assert err.status == 503 and "the engine stopped unexpectedly" in err.message
 
 
 def test_prepared_is_plain_data():

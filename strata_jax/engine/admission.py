@@ -41,7 +41,7 @@ class Admission:
                 self.output.finish_unslotted(req, "cancelled")
                 continue
             req.t_start = time.monotonic()
-            placed = self.place(req.prompt, free, [s for s in slots if not s.free])
+            placed = self.place(req.prompt, free, [s for s in slots if not s.free], req.cache_salt)
             if placed is None:
                 self.output.fail_unslotted(req, "the prefix cache failed to place the request (see the log)")
                 continue
@@ -59,10 +59,11 @@ class Admission:
                 self.output.fail_unslotted(req, f"the engine could not start the request: "
                                                 f"{type(e).__name__}: {first_line(e)}")
 
-    def place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = ()) -> tuple[Slot, int] | None:
+    def place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = (),
+              salt: str | None = None) -> tuple[Slot, int] | None:
         """The prefix cache's choice of slot (and its stores, restores and forks); None if that failed."""
         try:
-            return self.prefix.place(prompt, free, busy)
+            return self.prefix.place(prompt, free, busy, salt)
         except Exception as e:  # noqa: BLE001 - a failed copy must not take the engine down
             log.error("the prefix cache failed to place a request: %s", e)
             if self._cache_lost():

@@ -6,7 +6,9 @@ each) are copied to host RAM. A block's key is a hash chained over the token pre
 block holds its own tokens and its parent block. A lookup walks the prompt block by block and accepts a
 block only when its parent is the block accepted just before and its tokens equal the prompt's: so a
 match is the exact token prefix by induction, and a hash collision (tests use a deliberately weak hash)
-can never hand one conversation's KV to another (llama.cpp issue 27148).
+can never hand one conversation's KV to another (llama.cpp issue 27148). A chain stored under a cache_salt
+starts from the salt (its first key is H(salt || tokens)), and each block keeps the salt, which a lookup
+compares too: blocks of one salt never match a prompt of another (prefix_cache.py).
 
 Bounds: --conversation-cache-mib M (bytes of KV) and --conversation-cache-slots N (conversations; 0 = no
 bound on their number), least recently used conversation out first. A conversation is the chain of blocks
@@ -30,6 +32,11 @@ def blake2b_key(parent: bytes, tokens: np.ndarray) -> bytes:
     return hashlib.blake2b(parent + np.ascontiguousarray(tokens, np.int32).tobytes(), digest_size=16).digest()
 
 
+def _root(salt: str | None) -> bytes:
+    """The key a chain starts from: b"" without a salt (the keys of before), else the salt's bytes."""
+    return b"" if salt is None else b"salt:" + salt.encode("utf-8", "surrogatepass")
+
+
 @dataclass(eq=False)
 class Block:
     key: bytes
@@ -38,6 +45,7 @@ class Block:
     kv: dict[str, np.ndarray]               # name -> [layers, B, kv_heads(, head_dim)]: k, v (and int8 scales)
     nbytes: int
     refs: int = 0                           # conversations holding this block
+    salt: str | None = None                 # the cache_salt it was stored under
 
 
 @dataclass(eq=False)
@@ -62,15 +70,16 @@ class ConversationCache:
 
     # ---- lookups ------------------------------------------------------------------------------------
 
-    def match(self, prompt: list[int] | np.ndarray, limit: int) -> list[Block]:
-        """The longest run of stored blocks that is exactly prompt's prefix, covering at most `limit` tokens."""
+    def match(self, prompt: list[int] | np.ndarray, limit: int, salt: str | None = None) -> list[Block]:
+        """The longest run of stored blocks (stored under `salt`) that is exactly prompt's prefix, covering at
+        most `limit` tokens."""
         toks = np.asarray(prompt, np.int32)
-        B, out, parent, key = self.block, [], None, b""
+        B, out, parent, key = self.block, [], None, _root(salt)
         for i in range(min(limit, len(toks)) // B):
             want = toks[i * B:(i + 1) * B]
             key = self.key_fn(key, want)
-            found = next((b for b in self.index.get(key, ()) if b.parent is parent and np.array_equal(b.tokens, want)),
-                         None)
+            found = next((b for b in self.index.get(key, ()) if b.parent is parent and b.salt == salt
+                          and np.array_equal(b.tokens, want)), None)
             if found is None:
                 break
             out.append(found)
@@ -88,15 +97,17 @@ class ConversationCache:
 
     # ---- storing ------------------------------------------------------------------------------------
 
-    def store(self, tokens: list[int], read_block: Callable[[int], dict[str, np.ndarray]]) -> tuple[int, int]:
-        """Keep the full blocks of a slot's `tokens` (its kept KV); read_block(i) copies block i's KV from the
-        device (only for blocks not stored yet). -> (new blocks, evicted blocks)."""
+    def store(self, tokens: list[int], read_block: Callable[[int], dict[str, np.ndarray]],
+              salt: str | None = None) -> tuple[int, int]:
+        """Keep the full blocks of a slot's `tokens` (its kept KV, of a request with cache_salt `salt`);
+        read_block(i) copies block i's KV from the device (only for blocks not stored yet). -> (new blocks,
+        evicted blocks)."""
         toks = np.asarray(tokens, np.int32)
         B = self.block
         n = len(toks) // B
         if n == 0 or self.max_bytes <= 0:
             return 0, 0
-        chain = self.match(toks, n * B)                    # blocks already here (a shared prefix, an earlier turn)
+        chain = self.match(toks, n * B, salt)              # blocks already here (a shared prefix, an earlier turn)
         if len(chain) == n:                                # all stored already (a conversation holds them): touch it
             self.touch(chain)
             return 0, 0
@@ -104,7 +115,7 @@ class ConversationCache:
             b.refs += 1                                    # held by the new entry, so evictions below keep them
         new, evicted = 0, 0
         conv = Conversation(next(self._ids), list(chain))
-        parent, key = (chain[-1], chain[-1].key) if chain else (None, b"")
+        parent, key = (chain[-1], chain[-1].key) if chain else (None, _root(salt))
         for i in range(len(chain), n):
             want = toks[i * B:(i + 1) * B].copy()
             kv = read_block(i)
@@ -113,7 +124,7 @@ class ConversationCache:
             if self.bytes + nbytes > self.max_bytes:       # even alone it does not fit: keep the prefix stored so far
                 break
             key = self.key_fn(key, want)
-            blk = Block(key, parent, want, kv, nbytes, refs=1)
+            blk = Block(key, parent, want, kv, nbytes, refs=1, salt=salt)
             self.index.setdefault(key, []).append(blk)
             self.bytes += nbytes
             conv.blocks.append(blk)

@@ -30,7 +30,7 @@ from .controls import wants_controls
 from .memory import is_resource_exhausted
 from .output import Output, first_line
 from .prefix_cache import PrefixCache
-from .request import ContextOverflowError, Event, Request, RequestError, make_params
+from .request import ContextOverflowError, Event, Request, RequestError, check_cache_salt, make_params
 from .runner import ModelRunner
 from .scheduler import Scheduler, Window
 from .slots import Slot
@@ -117,20 +117,22 @@ class EngineCore:
                chat_template_kwargs: dict | None = None, logit_bias: dict | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
                repeat_last_n: int = 64, logprobs: int | None = None, grammar: tuple | None = None,
-               progress: bool = False) -> Request:
+               progress: bool = False, cache_salt: str | None = None) -> Request:
         """A checked request, for add(): text (a plain completion), a list of chat messages, or token ids. The sampling
         controls and logprobs are controls.py's (token events then carry `logprob` and `top_logprobs`);
         grammar: (kind, text) constrains the output (constrain.py: a JSON schema's text, "json_object", a GBNF,
         Lark or regex grammar); RequestError when it cannot be compiled. progress: "progress" events as the
-        prompt is read (one when it gets a slot, one a prompt chunk)."""
+        prompt is read (one when it gets a slot, one a prompt chunk). cache_salt: the request shares prefix-cache
+        KV only with requests of the same salt (prefix_cache.py)."""
         params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, logit_bias,
                              presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n, logprobs, grammar)
         params.validate(self.spec.vocab_size)
+        check_cache_salt(cache_salt)
         ids = self.prompt_ids(prompt, chat_template_kwargs)
         n_ctx = self.config.max_context
         if len(ids) + max_tokens > n_ctx:
             raise ContextOverflowError(len(ids), max_tokens, n_ctx)
-        req = Request(ids, params, progress=progress)
+        req = Request(ids, params, progress=progress, cache_salt=cache_salt)
         if params.grammar is not None:        # compiled here, in the caller's thread, not on the engine's
             req.constraint = self.grammars.constraint(params.grammar)
         req.deadline = req.arrived + self.config.request_timeout_s

@@ -10,6 +10,11 @@ copied back into its slot (one small donated program a block: the cache is updat
 It takes the KVCache (kv_cache.py), through which every copy into or out of a slot goes, and owns the
 conversation cache's blocks (kv_cache.py says why they are not the KVCache's).
 
+cache_salt (vLLM's): a request with a salt shares KV only with requests of the same salt, and one without
+only with those without: a slot remembers the salt of the request whose KV it keeps (Slot.salt), and each
+conversation-cache block the salt it was stored under. So `cached_tokens` cannot tell one client which
+prompts another sent, when each client (or tenant) sends its own salt.
+
 Batch invariance: reading resumes at the match and goes on at the scheduler's fixed chunk boundaries
 (multiples of --prefill), so later chunks are cut as they would be from scratch.
 """
@@ -62,24 +67,29 @@ class PrefixCache:
         self.counters = {"requests": 0, "slot_hits": 0, "slot_reused_tokens": 0, "forks": 0, "forked_tokens": 0}
         self.on_restore: Callable[[list[int], np.ndarray], None] | None = None    # tests: (prompt, restored tokens)
 
-    def place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = ()) -> tuple[Slot, int]:
+    def place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = (),
+              salt: str | None = None) -> tuple[Slot, int]:
         """Pick the slot for a new request and bring its prompt's known prefix into it -> (slot, tokens
         already in its KV). May store the slot's old KV to host RAM and restore blocks from there, or copy
-        a busy slot's KV of a longer match (whole blocks of positions already read) into the slot."""
+        a busy slot's KV of a longer match (whole blocks of positions already read) into the slot. Only KV
+        kept under the request's cache_salt (`salt`) matches."""
         self.counters["requests"] += 1
         if not self.enabled:
             return min(free, key=lambda s: s.last_used), 0
         limit = len(prompt) - 1                        # the last prompt token is always read
-        slot, n = min(((s, min(common_prefix(s.kept, prompt), limit)) for s in free),
-                      key=lambda sn: (-sn[1], sn[0].last_used))
-        src, m = max(((s, min(common_prefix(s.kept, prompt), limit, self.kv.device_len)) for s in busy),
+
+        def match(s: Slot) -> int:
+            return common_prefix(s.kept, prompt) if s.salt == salt else 0
+
+        slot, n = min(((s, min(match(s), limit)) for s in free), key=lambda sn: (-sn[1], sn[0].last_used))
+        src, m = max(((s, min(match(s), limit, self.kv.device_len)) for s in busy),
                      key=lambda sm: sm[1], default=(None, 0))
         if src is not None and m >= n + self.block:
             return slot, self._fork(src, slot, m)
         blocks: list[Block] = []
         if self.host is not None:
             self.host.counters["lookups"] += 1
-            blocks = self.host.match(prompt, limit)
+            blocks = self.host.match(prompt, limit, salt)
             if len(blocks) * self.block <= n:
                 blocks = []
         B = self.block
@@ -117,7 +127,7 @@ class PrefixCache:
             return self.kv.read(slot.index, i * B, B)
 
         before = self.host.bytes
-        new, evicted = self.host.store(tokens, read)
+        new, evicted = self.host.store(tokens, read, slot.salt)
         if new or evicted:
             st = self.host.stats()
             log.info("conversation cache: stored %d blocks (%.1f MiB) of slot %d's %d tokens in %.0f ms, evicted %d; "

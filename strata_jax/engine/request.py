@@ -36,6 +36,7 @@ GREEDY_BELOW = 1e-5             # a temperature below this is greedy (dividing l
 MAX_LOGIT_BIAS = 1024           # logit_bias entries a request
 MAX_LOGPROBS = 20               # top_logprobs / completions' logprobs (OpenAI's limit)
 MAX_GRAMMAR_CHARS = 1 << 17     # a JSON schema's or grammar's text (compiling is bounded by llguidance's limits too)
+MAX_CACHE_SALT_CHARS = 256      # a request's cache_salt (prefix_cache.py)
 
 
 @dataclass
@@ -127,6 +128,12 @@ def logit_bias_pairs(bias: Any) -> tuple:
     return tuple(sorted(pairs, key=lambda kv: kv[0]))
 
 
+def check_cache_salt(salt: Any) -> None:
+    """RequestError unless salt is None or a string of 1 to MAX_CACHE_SALT_CHARS characters."""
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise RequestError(f"cache_salt = {_shown(salt)}: must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+
+
 def _whole(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -167,6 +174,7 @@ class Request:
     arrived: float = field(default_factory=time.monotonic)
     deadline: float = 0.0
     progress: bool = False             # a "progress" event as each prompt chunk is read (llama.cpp's return_progress)
+    cache_salt: str | None = None      # vLLM's: only requests of the same salt share prefix-cache KV (prefix_cache.py)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # filled in by the engine

@@ -21,6 +21,7 @@ class Slot:
     stops: StopMatcher = field(default_factory=lambda: StopMatcher(()))   # the request's stop strings
     last_used: float = 0.0            # when its last request ended (prefix cache: least recently used first)
     stopping_word: str = ""           # the stop string that ended its request, if one did (llama.cpp's stop_type)
+    salt: str | None = None           # the cache_salt of the request whose KV it holds (prefix_cache.py)
 
     @property
     def free(self) -> bool:
@@ -43,7 +44,7 @@ class Slot:
     def assign(self, request: Request, decoder, reused: int = 0) -> None:
         """Start `request` here; its first `reused` prompt tokens are already in this slot's KV cache."""
         self.request, self.decoder = request, decoder
-        self.tokens = list(request.prompt)
+        self.tokens, self.salt = list(request.prompt), request.cache_salt
         self.n_past = reused
         self.text, self.emitted, self.stopping_word = "", 0, ""
         self.stops = StopMatcher(request.params.stop)
@@ -56,4 +57,4 @@ class Slot:
             self.forget()
 
     def forget(self) -> None:
-        self.tokens, self.n_past = [], 0
+        self.tokens, self.n_past, self.salt = [], 0, None

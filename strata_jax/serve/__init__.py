@@ -39,12 +39,15 @@ def serve(server: ServerConfig, engine: EngineConfig, *, progress: bool = True) 
     """Run the server until interrupted (Ctrl-C / SIGTERM); the engine process ends with it."""
     import uvicorn
 
+    from .slow_clients import protocol
+
     sockets = listen_sockets(server.host, server.port)       # first: a bad address fails before the engine starts
     app = build(server, engine, progress=progress)
-    # http="h11", whatever else is installed: h11 writes header names as the app gives them (llama.cpp's
-    # `Access-Control-Allow-Origin`: serve/cors.py), where httptools (which Ray's packages bring) lowercases them
+    # uvicorn's h11 protocol, whatever else is installed: h11 writes header names as the app gives them (llama.cpp's
+    # `Access-Control-Allow-Origin`: serve/cors.py), where httptools (which Ray's packages bring) lowercases them;
+    # with a deadline on reading each request (--read-timeout-s: slow_clients.py)
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5, http="h11")
+                            timeout_graceful_shutdown=5, http=protocol(server.read_timeout_s))
     try:
         uvicorn.Server(config).run(sockets=sockets)
     except KeyboardInterrupt:   # uvicorn shut down cleanly, then passes the Ctrl-C on

@@ -2,7 +2,8 @@
 
 Choice 0 goes to the engine first; the others when its first event comes (its prompt is read by then), so
 they take its KV through the prefix cache (the engine copies a busy slot's matching blocks into theirs:
-engine/prefix_cache.py) instead of each reading the prompt again. A request with a seed gives choice k
+engine/prefix_cache.py) instead of each reading the prompt again. Until then choice 0's ticket holds the
+others' places in the queue (Ticket.holds: --max-queue counts each choice). A request with a seed gives choice k
 the seed + k, so the choices differ and each is reproducible.
 """
 
@@ -64,6 +65,7 @@ class Choices:
             while left:
                 k, ev = await self._queue.get()
                 if k == 0 and len(self.tickets) < self.n and ev.kind != "error":
+                    self.tickets[0].holds = 0               # the places it held are taken now
                     for j in range(1, self.n):
                         t = self.sup.enqueue(f"{self.rid}-{j}", self.prepared, choice_params(self.params, j),
                                              self.deadline)

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +22,7 @@ from .console import done_line
 from .errors import ApiError, error_body
 from .logprobs import LogprobsOf
 from .parse import Job, ModelNames, parse_chat, parse_completion
+from .prompt_size import refuse_if_too_long
 from .reasoning import CONTENT, REASONING, ReasoningParser
 from .supervisor import Supervisor
 from .tickets import Prepared, Ticket
@@ -40,34 +40,14 @@ _json = msgspec.json.Encoder()
 
 async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
     deadline = job.arrived + sup.config.request_timeout_s
-    _refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))
+    refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))
     prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline,
-                                 text=job.verbose)
+                                 text=job.verbose, places=job.n)
     if prepared.grammar:                        # tool_choice required / named: the call's grammar (tools.py)
         job.params = {**job.params, "grammar": prepared.grammar}
     if prepared.logit_bias is not None:         # texts in llama.cpp's logit_bias, as their token ids
         job.params = {**job.params, "logit_bias": prepared.logit_bias}
-    return prepared, sup.enqueue(job.id, prepared, job.params, deadline)
-
-
-def _refuse_if_too_long(job: Job, n_ctx: int, max_token_bytes: int | None) -> None:
-    """A prompt that cannot fit the context, told from its length alone, before anything tokenizes it (a
-    megabyte prompt would cost the engine seconds to tokenize, only to be refused): a token stands for at
-    most `max_token_bytes` bytes of text, and the chat template only adds to the messages' text."""
-    if isinstance(job.prompt, list) and job.prompt and isinstance(job.prompt[0], int):
-        at_least = len(job.prompt)
-    elif max_token_bytes:
-        parts = [job.prompt] if isinstance(job.prompt, str) else job.prompt    # messages, or llama.cpp's mixed
-        texts = [p if isinstance(p, str) else (p.get("content") or "") if isinstance(p, dict) else "" for p in parts]
-        at_least = math.ceil(sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) / max_token_bytes)
-    else:
-        return
-    if at_least >= n_ctx:           # (a prompt that fits, with too many max_tokens, gets the exact count later)
-        raise ApiError(400, f"the request exceeds the available context size: its prompt is at least {at_least} "
-                            f"tokens (told from its length, before tokenizing), but a slot holds {n_ctx} "
-                            "(--max-context) with room for at least one generated token; shorten the prompt or "
-                            "raise --max-context",
-                       "exceed_context_size_error", None, n_prompt_tokens=at_least, n_ctx=n_ctx)
+    return prepared, sup.enqueue(job.id, prepared, job.params, deadline, holds=job.n - 1)
 
 
 class Outcome:

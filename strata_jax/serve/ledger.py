@@ -3,10 +3,16 @@
 Strata's users could not tell why their engine exited: the reason was an ERR line nobody read. Here
 every exit keeps its exit code, its ERR line (else its last log line), its last lines, and the requests
 it took down, for as long as the server runs (the newest `keep` entries).
+
+Log text stays out of public answers: a log line can name the machine's folders (the compile cache's, the
+model's), so /health and the errors requests get say only `Fault.public` (a fixed phrase and the exit code),
+the server's own log has `Fault.message` whole, and /faults (behind the API key) shows the lines with every
+absolute path replaced by `<path>` (`scrub`).
 """
 
 from __future__ import annotations
 
+import re
 import signal
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -40,6 +46,22 @@ class Fault:
         what = "Its last error" if self.error_line else "Its last log line"
         return f"the engine stopped unexpectedly ({describe_exit(self.exit_code)}). {what}: {self.reason}"
 
+    @property
+    def public(self) -> str:
+        """What anyone may read (/health, a request's error): the fault's kind and exit code, no log text."""
+        if self.kind == "stall":
+            return f"the engine stalled and the watchdog stopped it ({describe_exit(self.exit_code)}): {self.stall}"
+        return f"the engine stopped unexpectedly ({describe_exit(self.exit_code)})"
+
+
+# An absolute path (/a/b, ~/a) where a word starts: not a URL's (after ':' or '/'), nor a fraction (after a digit)
+_PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s'\"`,;()\[\]{}<>]+")
+
+
+def scrub(text: str | None) -> str | None:
+    """`text` with each absolute path replaced by <path>."""
+    return None if text is None else _PATH.sub("<path>", text)
+
 
 def describe_exit(code: int | None) -> str:
     if code is None:
@@ -67,5 +89,12 @@ class FaultLedger:
         return self.entries[-1] if self.entries else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"total": self.total,
-                "faults": [{**asdict(f), "message": f.message} for f in self.entries]}
+        """GET /faults: every entry, its log text without paths."""
+        out = []
+        for f in self.entries:
+            entry = {**asdict(f), "message": f.message}
+            for key in ("reason", "error_line", "message", "stall"):
+                entry[key] = scrub(entry[key])
+            entry["last_lines"] = [scrub(line) for line in f.last_lines]
+            out.append(entry)
+        return {"total": self.total, "faults": out}

@@ -34,6 +34,7 @@ from ..config import ServerConfig, default_problem
 from .errors import ApiError, invalid
 from .fields import control_params
 from .parse import DEFAULTS, parse_chat
+from .prompt_size import refuse_if_too_long
 from .protocol import ApplyTemplate, Detokenize, SlotAction, Tokenize
 from .tokens import check_sizes
 
@@ -141,6 +142,7 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
     async def input_tokens(request: Request) -> dict[str, Any]:
         """The prompt tokens a chat would read ({"input_tokens": n}), rendered and tokenized as a request is."""
         job = parse_chat(await request.body(), _AnyModel(served), trust_template=cfg.trust_request_chat_template)
+        refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))   # as a chat's
         prepared = await sup.prepare(f"count-{id(job)}", job.prompt, job.params, job.chat_template_kwargs,
                                      time.monotonic() + 30.0)
         return {"input_tokens": len(prepared.ids)}

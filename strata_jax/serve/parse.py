@@ -194,9 +194,10 @@ def _params(req: Any, max_tokens: int | None, chat: bool, defaults: dict | None 
         asked = getattr(req, key) is not None or (key.startswith("repeat") and req.repetition_penalty is not None)
         if not asked and key in defaults:
             controls[key] = defaults[key]
+    salt = getattr(req, "cache_salt", None)            # (llama.cpp's native route has none)
     return {"max_tokens": limit_tokens(max_tokens, defaults), **params, "seed": seed, "stop": stop,
             "ignore_eos": req.ignore_eos, **({"progress": True} if req.stream and req.return_progress else {}),
-            **controls}
+            **({"cache_salt": salt} if salt is not None else {}), **controls}
 
 
 def limit_tokens(asked: int | None, defaults: dict) -> int | None:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from ..engine.request import (
+    MAX_CACHE_SALT_CHARS,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -35,6 +36,7 @@ LogitBias = Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 RepeatPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=10.0)]           # llama.cpp's; 1 is off
 RepeatLastN = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]           # llama.cpp's; -1: all, 0: off
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 MAX_CHOICES = 8
 
 
@@ -103,6 +105,8 @@ class _Sampling(msgspec.Struct):
     response_format: ResponseFormat | None = None
     grammar: GrammarText | None = None
     json_schema: dict[str, Any] | bool | None = None
+    # vLLM's: prefix-cache KV is shared only among requests of the same salt (engine/prefix_cache.py)
+    cache_salt: CacheSalt | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -4,7 +4,9 @@ request may go to it; this owns who waits, who runs, and how long a request take
 
 Because the queue lives here and not in the engine, an engine that stops takes down only the requests in
 its seats. At most `max_queue` (--max-queue) requests wait here beyond the free seats, counting those the
-engine is still reading (prepare); one more is answered 503 with Retry-After at once.
+engine is still reading (prepare); one more is answered 503 with Retry-After at once. A request of n choices
+counts as n: choice 0 is queued at once, and its ticket holds n - 1 places (Ticket.holds) until the other
+choices are queued (serve/choices.py) or it ends, so no burst of n = 8 requests passes the bound 8 times over.
 """
 
 from __future__ import annotations
@@ -39,16 +41,23 @@ class Seats:
     def seat_of(self, rid: str) -> Ticket | None:
         return next((t for t in self.seats if t is not None and t.id == rid), None)
 
-    def admit(self) -> None:
+    @property
+    def waiting(self) -> int:
+        """Places taken beyond the seats: requests being read or queued, and those held for later choices."""
+        return self.preparing + len(self.queue) + sum(t.holds for t in (*self.queue, *self.running))
+
+    def admit(self, places: int = 1) -> None:
         """Refuse at once (503 + Retry-After) a request beyond --max-queue waiting ones: a burst is answered
-        quickly instead of waiting out its deadline, and the server's memory stays bounded."""
-        waiting = self.preparing + len(self.queue)
-        if waiting >= self.max_queue + self.free:    # (0: none wait beyond the free slots)
+        quickly instead of waiting out its deadline, and the server's memory stays bounded. places: the
+        request's n choices, each of which waits as a request does."""
+        waiting = self.waiting
+        if waiting + places > self.max_queue + self.free:    # (0: none wait beyond the free slots)
+            each = f"; this request's n = {places} choices count as {places} requests" if places > 1 else ""
             raise self.busy(f"the server is full: {waiting} requests wait for {len(self.seats)} slots "
-                            f"(--max-queue {self.max_queue})")
+                            f"(--max-queue {self.max_queue}){each}")
 
     def busy(self, why: str) -> ApiError:
-        waiting = self.preparing + len(self.queue) + 1
+        waiting = self.waiting + 1
         retry = max(1, min(60, math.ceil(self.request_s * waiting / len(self.seats))))
         return ApiError(503, f"{why}; retry in {retry} s", "unavailable_error", headers={"Retry-After": str(retry)})
 

@@ -94,7 +94,8 @@ class Supervisor:
         self.template_dates = template_dates        # today's date for the templates, as llama.cpp's (--llama-conventions)
         self.ledger = FaultLedger()
         self.state = "loading"                  # loading | ready | restarting | stopping
-        self.reason = f"loading {Path(self.model).name}"
+        # why it is not ready, as /health and requests' errors say it: fixed phrases, no log text (ledger.py)
+        self.reason = "loading the model"
         self.generation = 0
         self.restarts = 0
         self.info: dict[str, Any] = {}
@@ -145,7 +146,7 @@ class Supervisor:
             self.generation += 1
             gen, t0 = self.generation, time.monotonic()
             if self.state != "restarting":
-                self.state, self.reason = "loading", f"loading {Path(self.model).name}"
+                self.state, self.reason = "loading", "loading the model"
             engine = EngineProcess(self.command, gen, self._on_frame, lambda: len(self.running), self.stall_s)
             self._engine, self.tail = engine, engine.tail
             rc = await engine.run(Start(self.model, self.config.to_dict(), self.chat_template))
@@ -171,14 +172,14 @@ class Supervisor:
                       list(tail.lines)[-20:], "stall" if stall else "exit", stall)
         self.ledger.add(fault)
         self.restarts += 1
-        log.error("%s", fault.message)
-        message = f"{fault.message}. This request was in flight and did not finish; please retry it"
+        log.error("%s", fault.message)             # the log has the line; answers have fault.public
+        message = f"{fault.public}. This request was in flight and did not finish; please retry it"
         for t in running:
             self._end(t, Event("error", error=message))
-        self.answers.fail_all(fault.message)
+        self.answers.fail_all(fault.public)
         again = (f"starting engine process {gen + 1} in {delay:g} s "
                  f"({self._crashes} stop{'s' if self._crashes > 1 else ''} in a row)")
-        self.reason = f"{fault.message}. {again[0].upper()}{again[1:]}"
+        self.reason = f"{fault.public}. {again[0].upper()}{again[1:]}; GET /faults has its last lines"
         log.warning("%s", again)
         if self.on_fault is not None:
             self.on_fault(fault)
@@ -208,7 +209,7 @@ class Supervisor:
             case Prepared() | Rejected() | Stats() | Saved() | Answer():
                 self.answers.came(frame)
             case Progress(stage=stage, n=n, total=total):
-                self.reason = f"loading {Path(self.model).name}: {stage} {n}/{total}"
+                self.reason = f"loading the model: {stage} {n}/{total}"
                 if self.state == "restarting":
                     self.reason = f"restarting after an engine fault; {self.reason}"
                 if self.console is not None:
@@ -243,16 +244,17 @@ class Supervisor:
                            "unavailable_error") from None
 
     async def prepare(self, rid: str, prompt: Any, params: dict[str, Any], chat_template_kwargs: dict | None,
-                      deadline: float, text: bool = False) -> Prepared:
+                      deadline: float, text: bool = False, places: int = 1) -> Prepared:
         """Tokenize and check a request on the engine: -> Prepared, or ApiError (4xx for bad requests, 503
-        when no engine answers before the deadline). text: the prompt's text comes back too."""
+        when no engine answers before the deadline). text: the prompt's text comes back too. places: its n
+        choices, each a place in the queue (enqueue's `holds` keeps them)."""
         cmd = Prepare(rid, prompt, params, chat_template_kwargs, text, **self.render_options())
-        self.seats.admit()                          # 503 at once beyond --max-queue waiting (seats.py)
-        self.seats.preparing += 1
+        self.seats.admit(places)                    # 503 at once beyond --max-queue waiting (seats.py)
+        self.seats.preparing += places
         try:
             return await self._prepare(cmd, deadline)
         finally:
-            self.seats.preparing -= 1
+            self.seats.preparing -= places
 
     def render_options(self) -> dict[str, Any]:
         """What a chat's rendering takes from the server's flags: the template's variables (--reasoning; today's
@@ -276,8 +278,9 @@ class Supervisor:
         raise ApiError(503, f"the engine stopped three times while reading this request: {self.reason}",
                        "unavailable_error")
 
-    def enqueue(self, rid: str, prepared: Prepared, params: dict[str, Any], deadline: float) -> Ticket:
-        t = Ticket(rid, prepared.ids, {**params, "max_tokens": prepared.max_tokens}, deadline)
+    def enqueue(self, rid: str, prepared: Prepared, params: dict[str, Any], deadline: float, holds: int = 0) -> Ticket:
+        """holds: queue places the ticket keeps for its request's later choices (seats.py)."""
+        t = Ticket(rid, prepared.ids, {**params, "max_tokens": prepared.max_tokens}, deadline, holds=holds)
         self.seats.queue.append(t)
         self._dispatch()
         return t

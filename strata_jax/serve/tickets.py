@@ -33,6 +33,7 @@ class Ticket:
     started: float = 0.0
     n_tokens: int = 0
     cancelled: bool = False
+    holds: int = 0                              # queue places kept for its request's later choices (choices.py)
     first_at: float = 0.0                       # when its first and latest token events came (latency.py)
     last_at: float = 0.0
     gaps: list[float] = field(default_factory=list)     # seconds between its token events, in order

@@ -302,7 +302,8 @@ class Worker:
 
     def submit(self, cmd: Submit) -> None:
         p = cmd.params
-        h = self.engine.submit(cmd.ids, **sampling(p, p["max_tokens"]), progress=bool(p.get("progress")))
+        h = self.engine.submit(cmd.ids, **sampling(p, p["max_tokens"]), progress=bool(p.get("progress")),
+                               cache_salt=p.get("cache_salt"))
         with self._lock:
             self.handles[cmd.id] = h
         threading.Thread(target=self._forward, args=(cmd.id, h), name=f"req-{cmd.id}", daemon=True).start()
