@@ -104,7 +104,7 @@ def _write(engine: Any, slot: int, tokens: list[int], kv: dict[str, np.ndarray])
                                 "a slot file restores on the model and KV type that saved it")
     if any(not 0 <= t < engine.spec.vocab_size for t in tokens):
         raise SlotFileError("the file's tokens are outside this model's vocabulary")
-    s.tokens, s.n_past = [], 0          # while its KV is replaced, the slot matches nothing
+    s.forget()                          # while its KV is replaced, the slot matches nothing; after, no cache_salt's
     engine.prefix._write_kv(s.index, 0, {k: kv[k] for k in want})
     s.tokens, s.n_past = list(tokens), len(tokens)
     return len(tokens)
