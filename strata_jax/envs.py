@@ -22,6 +22,7 @@ ENGINE_GENERATION = "STRATA_ENGINE_GENERATION"  # set by the server for its engi
 FAULT = "STRATA_FAULT"                          # fault injection (engine/faults.py), for the fault tests
 MOCK_START_FAIL = "STRATA_MOCK_START_FAIL"      # serve/mock_worker.py: fail at start (the server's restart tests)
 MOCK_TOKEN_S = "STRATA_MOCK_TOKEN_S"            # serve/mock_worker.py: seconds a token
+RAY_ADDRESS = "RAY_ADDRESS"                      # Ray's own: serve --replicas joins that cluster instead of starting one
 
 MAX_PROGRAMS_DEFAULT = 64
 
@@ -74,6 +75,11 @@ def mock_start_fail() -> bool:
 
 def mock_token_s() -> float:
     return float(_get(MOCK_TOKEN_S) or 0.005)
+
+
+def ray_address() -> str:
+    """Ray's RAY_ADDRESS ("" when unset): set, ray.init joins that cluster (serve/ray_app.py)."""
+    return _get(RAY_ADDRESS)
 
 
 def environ_without(*names: str) -> dict[str, str]:

@@ -71,11 +71,12 @@ def test_replica_servers_get_the_arguments_less_host_port_and_replicas(tiny_mode
 
     seen = {}
     monkeypatch.setattr(ray_app, "need_ray", lambda: None)
-    monkeypatch.setattr(ray_app, "run_replicas", lambda rest, n, host, port: seen.update(
-        rest=rest, n=n, host=host, port=port) or 0)
+    monkeypatch.setattr(ray_app, "run_replicas", lambda rest, n, host, port, **kw: seen.update(
+        rest=rest, n=n, host=host, port=port, **kw) or 0)
     model = str(tiny_model(arch="qwen3", layers=2, hidden=64))
     assert cli.main(["serve", model, "--replicas=3", "--host", "0.0.0.0", "--por", "9000", "--parallel", "2"]) == 0
-    assert seen == {"rest": [model, "--parallel", "2"], "n": 3, "host": "0.0.0.0", "port": 9000}
+    assert seen == {"rest": [model, "--parallel", "2"], "n": 3, "host": "0.0.0.0", "port": 9000, "api_key": None,
+                    "max_body_bytes": 8 << 20}
 
 
 # -- a real local Ray ------------------------------------------------------------------------------------------

@@ -45,11 +45,13 @@ def replica_names(n: int) -> list[str]:
 
 
 def build_app(server_args: Sequence[str], replicas: int, *, health_period_s: float = 2.0,
-              health_grace_s: float = 60.0, accept_timeout_s: float = 10.0, replica_cpus: float = 0.0):
+              health_grace_s: float = 60.0, accept_timeout_s: float = 10.0, replica_cpus: float = 0.0,
+              api_key: str | None = None, max_body_bytes: int = 8 << 20):
     """The Ray Serve application (bind it with serve.run). `server_args`: `strata-jax serve`'s arguments for
     each replica's server, without --host and --port (each replica listens on 127.0.0.1 on a port of its own).
     replica_cpus: Ray's CPU count a replica claims; 0 by default, since the work is in its server process,
-    outside Ray's accounting (on a cluster, raise it, or give num_gpus, to spread replicas over machines)."""
+    outside Ray's accounting (on a cluster, raise it, or give num_gpus, to spread replicas over machines).
+    api_key, max_body_bytes: the servers' own, which the ingress checks before it reads a body."""
     _, serve = need_ray()
     from .replica_ingress import ReplicaIngress  # starlette comes with ray[serve]
 
@@ -68,7 +70,8 @@ def build_app(server_args: Sequence[str], replicas: int, *, health_period_s: flo
     ]
     ingress = serve.deployment(ReplicaIngress).options(
         name="strata-ingress", num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(handles, names, accept_timeout_s=accept_timeout_s)
+    return ingress.bind(handles, names, accept_timeout_s=accept_timeout_s, api_key=api_key,
+                        max_body_bytes=max_body_bytes)
 
 
 def start(server_args: Sequence[str], replicas: int, host: str = "127.0.0.1", port: int = 8000,
@@ -76,11 +79,22 @@ def start(server_args: Sequence[str], replicas: int, host: str = "127.0.0.1", po
     """Start Ray (or join $RAY_ADDRESS's cluster), Serve's HTTP proxy on host:port, and the application;
     returns its URL once every replica's server is ready. Undo with stop()."""
     ray, serve = need_ray()
-    if not ray.is_initialized():
-        ray.init(**(ray_init or {}))
+    init_ray(ray_init)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(server_args, replicas, **options), name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}"
+
+
+def init_ray(ray_init: dict | None = None):
+    """Start a local Ray without its dashboard: the dashboard's job API (127.0.0.1:8265) runs any code it is
+    sent, to any local user or a page that reaches it (/cors-proxy), so it is not started. Joining a cluster
+    ($RAY_ADDRESS) leaves that cluster's own settings alone (Ray refuses the option there). Returns ray.init's
+    context (None when Ray was started already)."""
+    ray, _ = need_ray()
+    if ray.is_initialized():
+        return None
+    joins = bool(envs.ray_address()) or (ray_init or {}).get("address") not in (None, "local")
+    return ray.init(**({} if joins else {"include_dashboard": False}), **(ray_init or {}))
 
 
 def stop() -> None:
@@ -88,13 +102,14 @@ def stop() -> None:
     serve.delete(APP_NAME)
 
 
-def run_replicas(server_args: Sequence[str], replicas: int, host: str, port: int) -> int:
+def run_replicas(server_args: Sequence[str], replicas: int, host: str, port: int, api_key: str | None = None,
+                 max_body_bytes: int = 8 << 20) -> int:
     """The CLI's `serve --replicas N`: serve until Ctrl-C, then take the application and Ray down."""
     ray, serve = need_ray()
     if "," in host:
         raise ValueError(f"--host {host}: with --replicas, one address (Ray Serve's proxy listens on one)")
     try:
-        url = start(server_args, replicas, host, port)
+        url = start(server_args, replicas, host, port, api_key=api_key, max_body_bytes=max_body_bytes)
         signal.signal(signal.SIGTERM, _interrupt)  # after ray.init (it sets its own): `kill PID` acts as Ctrl-C
         print(f"strata-jax: {replicas} replicas ({', '.join(replica_names(replicas))}) behind {url} "
               f"(GET {url}/health shows each); Ctrl-C stops them", flush=True)

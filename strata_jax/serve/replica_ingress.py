@@ -12,7 +12,13 @@ puts those last seen unhealthy last, and calls the first one's `forward` through
   stream that already began ends with an SSE error event naming it, then [DONE]. Nothing hangs.
 
 Every answer carries `x-strata-replica`. `GET /health` is answered here: 200 while any replica is healthy,
-with each replica's state (its server's /health, url, pid). A poller keeps that view a second fresh.
+with each replica's state; its url, pid and why it is down only to a caller with the API key (or when there is
+no key), since the route is public. A poller keeps that view a second fresh.
+
+Before it reads a byte of a body, the ingress checks the API key (the replicas' servers check it again) on
+every route the servers do not leave public, and a body past max_body_bytes (the servers' --max-body-bytes) is
+a 413 whether its Content-Length says so or its stream runs past it: a stranger cannot make the ingress hold
+more. JSON nested too deeply to read is a 400 here.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from . import replica_routing as routing
+from .errors import error_body
 
 PROBE_TIMEOUT_S = 3.0           # a replica that does not say how it is in 3 s is routed around
 FIRST_PROBE_TIMEOUT_S = 30.0
@@ -34,7 +41,9 @@ FIRST_PROBE_TIMEOUT_S = 30.0
 
 class ReplicaIngress:
     def __init__(self, replicas: Sequence[Any], names: Sequence[str], accept_timeout_s: float = 10.0,
-                 poll_s: float = 1.0):
+                 poll_s: float = 1.0, api_key: str | None = None, max_body_bytes: int = 8 << 20):
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
         self.handles = dict(zip(names, replicas, strict=True))   # DeploymentHandles (Ray resolves the binds)
         self.names = list(names)
         self.accept_timeout_s = accept_timeout_s
@@ -70,11 +79,14 @@ class ReplicaIngress:
             if self._poller is None or self._poller.done():
                 self._poller = asyncio.get_running_loop().create_task(self._poll())
 
-    async def _health(self) -> Response:
+    async def _health(self, detailed: bool) -> Response:
+        """Public: each replica's name, ok and status; `detailed` (the key, or none is set): its url, pid and
+        why it is down too (exception text, which a public answer must not carry)."""
         await asyncio.gather(*(self._probe(n) for n in self.names))
         replicas = [self.info[n] for n in self.names]
         ok = sum(1 for r in replicas if r.get("ok"))
-        body = {"status": "ok" if ok else "unavailable", "replicas_ok": ok, "replicas": replicas}
+        shown = replicas if detailed else [{k: r.get(k) for k in ("name", "ok", "status")} for r in replicas]
+        body = {"status": "ok" if ok else "unavailable", "replicas_ok": ok, "replicas": shown}
         if not ok:
             body.update(routing.replica_error(None, f"no replica is healthy (0 of {len(replicas)})"))
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -83,11 +95,22 @@ class ReplicaIngress:
     async def __call__(self, request: Request) -> Response:
         await self._start_poller()
         path = request.url.path
+        allowed = routing.authorized(request.headers, self.api_key)
         if path == "/health" and request.method in ("GET", "HEAD"):
-            return await self._health()
-        body = await request.body()
+            return await self._health(allowed)
+        public = request.method == "OPTIONS" or (request.method in ("GET", "HEAD") and path in routing.PUBLIC_GETS)
+        if not (allowed or public):     # before the body: a stranger's bytes are not read
+            return _error(401, "invalid or missing API key: send the header 'Authorization: Bearer KEY' (or "
+                               "'X-Api-Key: KEY') with the key given to --api-key or --api-key-file",
+                          {"WWW-Authenticate": "Bearer"})
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
         headers = routing.forward_headers(request.headers.items())
-        key = routing.conversation_key(body, request.headers)
+        try:
+            key = routing.conversation_key(body, request.headers)
+        except routing.BodyError as e:
+            return _error(400, str(e))
         order = routing.healthy_first(routing.rank(key, self.names, next(self.turn)), self.healthy())
         refused = []
         for name in order:
@@ -110,6 +133,22 @@ class ReplicaIngress:
             refused.append(f"{name}: its server did not take the connection")
         message = f"no replica could take the request ({'; '.join(refused) or 'no replicas'})"
         return JSONResponse(routing.replica_error(None, message), status_code=503, headers={"Retry-After": "5"})
+
+    async def _body(self, request: Request) -> bytes | Response:
+        """The body, or a 413 as soon as it is known to be past max_body_bytes (before reading it when its
+        Content-Length says so)."""
+        too_big = _error(413, f"the request body is larger than {self.max_body_bytes} bytes (the servers' "
+                              "--max-body-bytes)")
+        length = request.headers.get("content-length", "")
+        if length and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return too_big if length.isdigit() else _error(400, f"Content-Length {length[:40]!r} is not a number")
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return too_big
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def _answer(self, name: str, gen) -> Response | None:
         """The replica's answer as a response; None when its server refused the connection (not sent: the
@@ -156,6 +195,10 @@ class ReplicaIngress:
         self.info[name] = {**self.info[name], "ok": False, "status": "unavailable", "since": time.time()}
         return JSONResponse(routing.replica_error(name, message), status_code=503,
                             headers={routing.REPLICA_HEADER: name})
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 async def _awaited(response):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,13 +22,38 @@ CONVERSATION_HEADER = "x-strata-conversation"
 # Every answer says which replica gave it (so a client, a load test or a test can see the spread).
 REPLICA_HEADER = "x-strata-replica"
 PROMPT_KEY_CHARS = 512        # a prompt's first characters are its key: past that, two prompts are two conversations
+# The routes a replica's server answers without the API key (app.py's /health, webui.py's page): the ingress
+# passes them without it too; every other route needs the key before the ingress reads a byte of the body.
+PUBLIC_GETS = frozenset({"/health", "/v1/health", "/", "/sw.js", "/manifest.webmanifest", "/_app/version.json"})
 # Hop-by-hop headers, and those the next hop sets itself from the body it sends.
 _NOT_FORWARDED = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
                             "proxy-connection", "te", "trailer"})
 
 
+class BodyError(ValueError):
+    """A body the ingress refuses itself (400): the message names the problem."""
+
+
+def authorized(headers: Mapping[str, str], key: str | None) -> bool:
+    """The server's own check (app.py): 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'; no key: everyone."""
+    if key is None:
+        return True
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        given = headers.get("x-api-key", "")
+    return secrets.compare_digest(given.strip().encode(), key.encode())
+
+
 def conversation_key(body: bytes, headers: Mapping[str, str] | None = None) -> str | None:
-    """The request's conversation key, or None (no conversation: GET routes, bodies that are not JSON)."""
+    """The request's conversation key, or None (no conversation: GET routes, bodies that are not JSON).
+    BodyError: JSON nested past Python's recursion limit (its parser raises RecursionError)."""
+    try:
+        return _conversation_key(body, headers)
+    except RecursionError:
+        raise BodyError("the JSON body is nested too deeply to read") from None
+
+
+def _conversation_key(body: bytes, headers: Mapping[str, str] | None) -> str | None:
     if headers is not None and headers.get(CONVERSATION_HEADER):
         return "h:" + headers[CONVERSATION_HEADER]
     if not body:
