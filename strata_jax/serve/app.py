@@ -34,6 +34,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.response import Stream
 
 from ..config import ServerConfig
+from ..engine import slot_files
 from ..fetch import cache_dir
 from . import cors, cors_proxy, embeddings, generate, llama_routes, native, openapi, webui
 from .errors import ApiError, error_body
@@ -61,6 +62,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     parse_chat = functools.partial(generate.parse_chat, trust_template=cfg.trust_request_chat_template,
                                    defaults=defaults, prefill=cfg.prefill_assistant)
     parse_completion = functools.partial(generate.parse_completion, defaults=defaults)
+    if cfg.slot_save_path is not None:     # made private now, or refused if others may write there
+        slot_files.folder(cfg.slot_save_path)
     profile_dir = Path(cfg.expert_profile_dir).expanduser().absolute() if cfg.expert_profile_dir else \
         cache_dir().absolute() / "expert-profiles"
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -31,6 +30,7 @@ from litestar.params import FromPath, FromQuery
 
 from .._version import __version__
 from ..config import ServerConfig, default_problem
+from ..engine import slot_files
 from .errors import ApiError, invalid
 from .fields import control_params
 from .parse import DEFAULTS, parse_chat
@@ -39,6 +39,7 @@ from .protocol import ApplyTemplate, Detokenize, SlotAction, Tokenize
 from .tokens import check_sizes
 
 SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+SLOT_ID = re.compile(r"[0-9]{1,6}")          # a slot's number (--parallel is at most 256)
 
 MAX_SHOWN = 60
 
@@ -147,8 +148,15 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
                                      time.monotonic() + 30.0)
         return {"input_tokens": len(prepared.ids)}
 
-    @post("/slots/{slot_id:int}", status_code=200)
-    async def slot_action(request: Request, slot_id: FromPath[int], action: FromQuery[str | None] = None) -> dict[str, Any]:
+    # guarded like every POST that reads JSON: a form or text/plain POST (a cross-site request a browser sends
+    # without a preflight) is a 415, erase included; the id is text, bounded here (beyond 64 bits: no 500)
+    @post("/slots/{slot_id:str}", status_code=200, guards=[json_body])
+    async def slot_action(request: Request, slot_id: FromPath[str], action: FromQuery[str | None] = None
+                          ) -> dict[str, Any]:
+        n = sup.config.parallel
+        if not SLOT_ID.fullmatch(slot_id) or int(slot_id) >= n:
+            raise invalid(f"id_slot = {slot_id[:MAX_SHOWN]}: give a slot of this server, 0..{n - 1} (--parallel)",
+                          "id_slot")
         if cfg.slot_save_path is None and action != "erase":
             raise ApiError(501, "this server keeps no slot files: start it with --slot-save-path DIR",
                            "not_supported_error")
@@ -162,10 +170,11 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
                 raise invalid(f"filename = {shown(name)}: a slot file's name is 1 to 100 letters, digits, '.', "
                               "'_' or '-' (no '/', no '..', not starting with '.'), kept in the server's "
                               "--slot-save-path", "filename")
-            folder = Path(cfg.slot_save_path).expanduser()
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            path = str(folder / name)
-        reply = await sup.ask(SlotAction, action=action, slot=slot_id, path=path, timeout=60.0)
+            try:
+                path = str(slot_files.folder(cfg.slot_save_path) / name)     # made private, or checked still so
+            except slot_files.SlotFileError as e:
+                raise ApiError(500, str(e), "server_error") from None
+        reply = await sup.ask(SlotAction, action=action, slot=int(slot_id), path=path, timeout=60.0)
         return reply.slot or {}
 
     return [tokenize, detokenize, props, change_props, apply_template, input_tokens, slot_action]
