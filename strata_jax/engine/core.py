@@ -209,6 +209,7 @@ class EngineCore:
         if not self.config.warmup or self.runner.ready(layout) or self.runner.refused(layout):
             return w                      # refused: its run is refused at once, and the window split
         self.runner.build_later(layout)
+        self.runner.building(layout)     # a window wants it: ahead of the warm-up's queued guesses (finding 6)
         tries = [(1, False, True), (1, True, True), (0, False, True), (1, True, False), (0, False, False)]
         for prompts, pad, drafts in tries:
             if (prompts and not w.prefills) or (not drafts and w.drafts is None):

@@ -63,8 +63,9 @@ class WindowLayouts:
         """The layouts the warm-up builds, at the first KV bucket. Packed windows (the cpu backend): every
         (tokens, picks) pair of buckets a window can have, so nothing is compiled while serving (until a
         --kv-resident window reaches the host part). Otherwise: decode rows alone for each row bucket
-        (min_rows, 2 min_rows, ... up to parallel), verify rows alone with --spec, one whole prompt chunk
-        alone, and each decode bucket with one whole chunk; whatever else a window needs is built off the
+        (min_rows, 2 min_rows, ... up to parallel), one whole prompt chunk alone, and each decode bucket with
+        one whole chunk. Both: verify rows alone for each row bucket with --spec (never packed); whatever
+        else a window needs (a verify group beside a prompt chunk, ...) is built off the
         engine thread while the engine runs these (EngineCore narrows a window: a chunk pads to a whole
         one, and decode rows can run without it)."""
         rows, buckets = self.min_rows, []
@@ -74,17 +75,25 @@ class WindowLayouts:
                 break
             rows *= 2
         kv, chunk = self.kv_bucket(1), self.prefill
+        # verify windows are never packed (scheduler.py): their layouts are the same in both kinds of window
+        verify = [Layout(((r, 1 + self.spec, True, 0),), kv) for r in buckets] if self.spec else []
         if self.packed:           # every (tokens, picks) bucket pair a window can have: all of them
             n = max(self.batch_tokens, self.parallel + min(chunk, self.cache_len))
             most = 1 << (n - 1).bit_length()
-            return [Layout(((t, 1, False, e),), kv) for t in _powers(most) for e in _powers(min(t, buckets[-1]))]
+            return verify + [Layout(((t, 1, False, e),), kv) for t in _powers(most)
+                             for e in _powers(min(t, buckets[-1]))]
         prompt = (1, chunk, False, 0)
-        lays = [Layout(((r, 1, False, 0),), kv) for r in buckets] + [Layout((prompt,), kv)]
-        if self.spec:
-            lays += [Layout(((r, 1 + self.spec, True, 0),), kv) for r in buckets]
+        lays = [Layout(((r, 1, False, 0),), kv) for r in buckets] + [Layout((prompt,), kv)] + verify
         if self.parallel > 1:
             lays += [Layout(((r, 1, False, 0), prompt), kv) for r in buckets]
         return lays
+
+
+def verify_only(layout: Layout) -> bool:
+    """One verify group alone (rows of 1 + --spec tokens, every logit): the warm-up builds these with the
+    decode ones, or every window with drafts would be narrowed to plain decode until the builder thread
+    reached them (issue 32, finding 6)."""
+    return len(layout.groups) == 1 and layout.groups[0][2] and layout.groups[0][1] > 1
 
 
 def decode_only(layout: Layout) -> bool:

@@ -31,7 +31,7 @@ from .embeddings import Embedder
 from .faults import Faults
 from .kv_cache import KVCache, kv_bytes
 from .kv_host import KVHostStore
-from .layouts import GroupInput, WindowLayouts, decode_only
+from .layouts import GroupInput, WindowLayouts, decode_only, verify_only
 from .lockstep import Leader, over_processes
 from .pipeline import Pipeline, stage_kv
 from .placement import largest_window_temp_bytes, place_experts
@@ -256,13 +256,15 @@ class ModelRunner:
         self.faults = self.programs.faults = faults
 
     def warmup(self, progress: bool = True) -> None:
-        """Build the decode windows' programs of base_layouts() now, and the others on the builder thread
-        (the engine serves meanwhile, in windows whose programs exist). The persistent compilation cache
-        makes a restart's builds fast."""
+        """Build the decode and verify windows' programs of base_layouts() now, and the others on the builder
+        thread (the engine serves meanwhile, in windows whose programs exist). The verify ones (--spec: one a
+        row bucket) are built now because a window with drafts is narrowed to plain decode while they are not
+        built: queued behind the others they were not ready for minutes (issue 32, finding 6). The persistent
+        compilation cache makes a restart's builds fast."""
         from tqdm import tqdm
 
         base = self.base_layouts()
-        now = [lay for lay in base if decode_only(lay)]
+        now = [lay for lay in base if decode_only(lay) or verify_only(lay)]
         for layout in tqdm(now, desc="building decode programs", unit="program", disable=not progress, leave=False):
             for lay in self.program_layouts(layout):
                 self.programs.get(lay)
