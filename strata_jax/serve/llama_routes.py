@@ -15,7 +15,9 @@
 
 Tokenizing runs in the engine process with the engine's own tokenizer (serve/tokens.py). A body without
 `content` (`tokens`) gets an empty answer, as llama.cpp gives; a field of the wrong type, or an id outside the
-vocabulary, is a 400 naming the field and the value. /props is a 503 until the first engine has loaded.
+vocabulary, is a 400 naming the field and the value; text beyond --max-tokenize-bytes or ids beyond
+--max-tokenize-ids (read, or to be answered) a 413 naming the bound and the size (serve/tokens.py). Every
+question to the engine takes a --max-queue place (Supervisor.ask). /props is a 503 until the first engine has loaded.
 """
 
 from __future__ import annotations
