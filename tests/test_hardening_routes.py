@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import stat
 import threading
 import zipfile
@@ -231,11 +232,15 @@ def test_state_changing_routes_need_json(server):
 
 def test_slot_ids_are_bounded_and_named(server):
     """A slot id beyond 64 bits, negative, or past the server's slots is a 400 naming id_slot and the value."""
-    for slot in ("1180591620717411303424", "-1", "1", "99999999999999999999999999999999999999"):
+    wrong = {}
+    for slot in ("1180591620717411303424", "-1", "1", "99999999999999999999999999999999999999", "0x0", "\u0661"):
         for action in ("erase", "save"):
             r = _post(server, f"/slots/{slot}?action={action}", {"filename": "s.bin"})
-            err = _error(r, 400, f"id_slot = {slot}", "0..0")
-            assert err["param"] == "id_slot", err
+            err = r.json().get("error") or {}
+            if not (r.status_code == 400 and f"id_slot = {slot}" in err["message"] and "0..0" in err["message"]
+                    and err["param"] == "id_slot"):
+                wrong[f"{action} {slot}"] = (r.status_code, err.get("message"), err.get("param"))
+    assert not wrong, wrong
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -255,12 +260,12 @@ def test_slot_save_ignores_a_planted_symlink(server, tmp_path):
     assert stat.S_IMODE(server.saves.stat().st_mode) == 0o700
     _fill_slot(server)
     victim = tmp_path / "victim.txt"
-    victim.write_text("precious")
+    victim.write_bytes(b"precious")
     for pid in server.engine_pids():
         (server.saves / f"planted.bin.tmp-{pid}").symlink_to(victim)
     r = _post(server, "/slots/0?action=save", {"filename": "planted.bin"})
     assert r.status_code == 200 and r.json()["n_saved"] > 0, r.text
-    assert victim.read_text() == "precious"
+    assert victim.read_bytes() == b"precious", "save wrote through the planted link"
     saved = server.saves / "planted.bin"
     assert not saved.is_symlink() and stat.S_IMODE(saved.stat().st_mode) == 0o600
     left = sorted(p.name for p in server.saves.iterdir() if ".tmp" in p.name and not p.is_symlink())
@@ -300,9 +305,9 @@ def test_slot_restore_refuses_a_bomb_before_inflating(server):
     _reset_peak(engine)
     before = _rss_kib(engine)
     r = _post(server, "/slots/0?action=restore", {"filename": "bomb.bin"})
-    _error(r, 400, "bomb.bin", "kv.")
     grew = _rss_kib(engine, "VmHWM") - before
-    assert grew < 64 * 1024, f"the engine grew {grew} KiB refusing the file"
+    assert grew < 64 * 1024, f"the engine grew {grew} KiB refusing the file ({r.status_code}: {r.text[:300]})"
+    _error(r, 400, "bomb.bin", "kv.")
     # a pickled object array is refused too (numpy's allow_pickle=False)
     buf = io.BytesIO()
     np.savez(buf, tokens=np.asarray([1, 2], np.int32), evil=np.asarray([{"a": 1}], dtype=object))
@@ -311,18 +316,27 @@ def test_slot_restore_refuses_a_bomb_before_inflating(server):
     assert _post(server, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o770, 0o722])
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o722, "owner"], ids=lambda m: m if isinstance(m, str) else oct(m))
 def test_a_shared_slot_save_path_is_refused_at_start(model, tmp_path, mode):
-    """An existing --slot-save-path others may write to (group or world) is refused at start, naming the folder and
-    its mode: another user could plant files (or links) there for the server to read and overwrite."""
+    """An existing --slot-save-path others may write to (group or world), or another user's, is refused at start,
+    naming the folder and its mode or owner: another user could plant files (or links) there for the server to read
+    and overwrite."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    shared.chmod(mode)
+    if mode == "owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a folder to another user needs root")
+        os.chown(shared, 4321, 4321)
+        shared.chmod(0o700)
+    else:
+        shared.chmod(mode)
     args = [str(model), "--max-context", "64", "--no-warmup", "--slot-save-path", str(shared)]
     with ServerProcess(args) as srv:
         with pytest.raises(RuntimeError, match="exited with code 1") as refused:
             srv.wait_up()
             srv.stop()
-            raise AssertionError(f"the server started with --slot-save-path mode {mode:o}")
+            raise AssertionError(f"the server started with a --slot-save-path folder of {mode}: "
+                                 f"{oct(shared.stat().st_mode)} owned by {shared.stat().st_uid}")
     said = str(refused.value)
-    assert "--slot-save-path" in said and str(shared) in said and f"{mode:o}" in said, said
+    assert "--slot-save-path" in said and str(shared) in said, said
+    assert ("user 4321" if mode == "owner" else f"mode {mode:o}") in said, said
