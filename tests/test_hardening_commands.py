@@ -153,6 +153,27 @@ def test_tokenize_and_detokenize_are_bounded(server):
     assert back.status_code == 200 and back.json()["content"] == "hello world " * 1000
 
 
+def test_a_cancelled_embedding_ends_before_its_next_piece(tiny_model):
+    """What the server does when it gives up on an embedding (its deadline, the client gone): the engine drops
+    the job's next pieces (a RuntimeError to its caller), and the next job, on a fresh scratch cache, gets the
+    same vectors as before."""
+    from strata_jax import Engine, EngineConfig
+
+    eng = Engine.from_gguf(tiny_model(**SIZES), EngineConfig(max_context=256, prefill=32, warmup=False))
+    try:
+        texts = [[int(t) for t in np.random.default_rng(i).integers(3, 500, 200)] for i in range(3)]
+        before = eng.embed(texts)
+        cancel = threading.Event()
+        cancel.set()
+        with pytest.raises(RuntimeError, match="cancelled"):
+            eng.embed(texts * 50, cancel=cancel)
+        assert not eng.embeds.jobs and not eng.embeds.kept
+        for a, b in zip(before, eng.embed(texts)):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        eng.close()
+
+
 def _fire(srv: ServerProcess, path: str, body: bytes, n: int, results: list) -> list[threading.Thread]:
     def one():
         try:

@@ -136,23 +136,28 @@ class Embeddings:
     def step(self) -> bool:
         """Read the first job's next piece -> whether there was one. A job's failure (or its cancel) is its
         caller's answer; no slot, no request in flight is touched."""
-        while self.jobs and self.jobs[0].cancel is not None and self.jobs[0].cancel.is_set():
-            self.jobs.popleft().done.put(RuntimeError("the embeddings were cancelled"))
         if not self.jobs:
-            self.kept.clear()           # the scratch cache's memory goes back between jobs
             return False
         job = self.jobs[0]
+        if job.cancel is not None and job.cancel.is_set():
+            self._end(RuntimeError("the embeddings were cancelled"))
+            return True
         try:
             self._read(job, self.core.runner.embedder)
         except Exception as e:  # noqa: BLE001 - handed to the caller
-            self.jobs.popleft()
-            self.kept.clear()
-            job.done.put(e)
+            self._end(e)
             return True
         if job.i == len(job.inputs):
-            self.jobs.popleft()
-            job.done.put(job.out)
+            self._end(job.out)
         return True
+
+    def _end(self, answer) -> None:
+        """The first job is done: the scratch cache goes (its memory back) when no job is left or this one
+        failed (a failed run may have consumed it), then its caller hears."""
+        job = self.jobs.popleft()
+        if not self.jobs or isinstance(answer, BaseException):
+            self.kept.clear()
+        job.done.put(answer)
 
     def _read(self, job: EmbedJob, embedder: Embedder) -> None:
         budget = embedder.chunk
