@@ -21,6 +21,7 @@ from .protocol import (
     Cancel,
     Command,
     GetStats,
+    SaveExpertProfile,
     Shutdown,
     Start,
     decode_reply,
@@ -35,7 +36,7 @@ STDERR_LINES = 200
 SILENT_S = 5.0                      # no frame (not even a heartbeat) this long: /health says 503
 WATCH_S = 0.5                       # how often the watchdog looks
 MAX_UNREAD_BYTES = 32 << 20         # requests' commands written to the engine and not read by it yet
-_ALWAYS = (Start, Cancel, GetStats, Shutdown)   # sent whatever the engine has not read (send)
+_ALWAYS = (Start, Cancel, GetStats, Shutdown, SaveExpertProfile)   # sent whatever the engine has not read
 
 
 class StderrTail:
@@ -123,7 +124,8 @@ class EngineProcess:
     def send(self, cmd: Start | Command) -> bool:
         """Write a frame; False when the process is gone or going. A request's command (a prompt, a question:
         tokenize, embed, ...) beyond MAX_UNREAD_BYTES unread raises EngineBusy: nothing more is sent until it
-        reads. Cancels, stats and the shutdown always go (they free things, or are small and bounded)."""
+        reads. Cancels, stats, the expert profile and the shutdown always go (they free things, or are small and
+        one at a time)."""
         proc = self.proc
         if proc is None or proc.stdin is None or proc.stdin.is_closing():
             return False
