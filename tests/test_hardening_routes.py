@@ -316,12 +316,8 @@ def test_slot_restore_refuses_a_bomb_before_inflating(server):
     assert _post(server, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o770, 0o722, "owner"], ids=lambda m: m if isinstance(m, str) else oct(m))
-def test_a_shared_slot_save_path_is_refused_at_start(model, tmp_path, mode):
-    """An existing --slot-save-path others may write to (group or world), or another user's, is refused at start,
-    naming the folder and its mode or owner: another user could plant files (or links) there for the server to read
-    and overwrite."""
-    shared = tmp_path / "shared"
+def _shared_folder(root: Path, mode) -> Path:
+    shared = root / "shared"
     shared.mkdir()
     if mode == "owner":
         if os.geteuid() != 0:
@@ -330,13 +326,40 @@ def test_a_shared_slot_save_path_is_refused_at_start(model, tmp_path, mode):
         shared.chmod(0o700)
     else:
         shared.chmod(mode)
+    return shared
+
+
+def _refusal(mode) -> str:
+    return "user 4321" if mode == "owner" else f"mode {mode:o}"
+
+
+def test_a_world_writable_slot_save_path_stops_the_server_at_start(model, tmp_path):
+    """An existing --slot-save-path anyone may write to is refused at start (exit 1), naming the folder and its
+    mode: another user could plant files (or links) there for the server to read and overwrite."""
+    shared = _shared_folder(tmp_path, 0o777)
     args = [str(model), "--max-context", "64", "--no-warmup", "--slot-save-path", str(shared)]
     with ServerProcess(args) as srv:
         with pytest.raises(RuntimeError, match="exited with code 1") as refused:
             srv.wait_up()
             srv.stop()
-            raise AssertionError(f"the server started with a --slot-save-path folder of {mode}: "
-                                 f"{oct(shared.stat().st_mode)} owned by {shared.stat().st_uid}")
+            raise AssertionError(f"the server started with --slot-save-path mode {shared.stat().st_mode:o}")
     said = str(refused.value)
-    assert "--slot-save-path" in said and str(shared) in said, said
-    assert ("user 4321" if mode == "owner" else f"mode {mode:o}") in said, said
+    assert "--slot-save-path" in said and str(shared) in said and _refusal(0o777) in said, said
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o722, "owner"], ids=lambda m: m if isinstance(m, str) else oct(m))
+def test_a_shared_slot_save_path_is_refused(model, tmp_path, mode):
+    """The same check where the server is built (serve.build, as the command above does): a folder its group or
+    others may write to, or another user's, is refused; the server's own private folder is taken."""
+    from strata_jax.config import EngineConfig
+    from strata_jax.serve import build
+
+    shared = _shared_folder(tmp_path, mode)
+    with pytest.raises(ValueError, match="--slot-save-path") as refused:
+        build(ServerConfig(model=str(model), slot_save_path=str(shared)), EngineConfig(max_context=64),
+              progress=False)
+    assert str(shared) in str(refused.value) and _refusal(mode) in str(refused.value), refused.value
+    own = tmp_path / "own"
+    assert build(ServerConfig(model=str(model), slot_save_path=str(own)), EngineConfig(max_context=64),
+                 progress=False) is not None
+    assert stat.S_IMODE(own.stat().st_mode) == 0o700
