@@ -162,3 +162,47 @@ def test_a_schema_whose_lexer_cannot_be_built_is_a_400_at_admission(server):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == '"aaa"', r.json()
     assert server.engine_pids() == pids
+
+
+# ---- in-process: the converter's output and the one compile a grammar gets ---------------------------------------
+
+JSON_GBNF = r'''root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+# a comment
+ws ::= | " " | "\n" [ \t]{0,20}
+'''
+
+
+@pytest.mark.parametrize("text", [JSON_GBNF, chain(40), 'root ::= ("yes" | "no") "." [0-9]',
+                                  'root ::= fooBar-baz # c\nfooBar-baz ::= "a" | "b"\n',
+                                  'root ::= a{2,5} b?\na ::= "x"\nb ::= root | "q"\n'])
+def test_the_linear_converter_writes_what_llguidance_s_writes(text):
+    from llguidance.gbnf_to_lark import gbnf_to_lark as theirs
+
+    from strata_jax.engine.gbnf import gbnf_to_lark
+
+    assert gbnf_to_lark(text) == theirs(text)
+
+
+def test_a_grammar_is_compiled_once_for_its_check_and_every_request(tiny_model, monkeypatch):
+    from strata_jax.engine import grammar_compile
+    from strata_jax.engine.constrain import Grammars
+    from strata_jax.gguf import GGUFModel, load_tokenizer
+
+    model = GGUFModel.open(tiny_model(arch="qwen3", layers=2, hidden=64))
+    tk = load_tokenizer(model.metadata)
+    calls = []
+    real = grammar_compile.grammar_source
+    monkeypatch.setattr(grammar_compile, "grammar_source", lambda *a: calls.append(a[:2]) or real(*a))
+    grammars = Grammars(tk, model.spec.vocab_size)
+    g = ("gbnf", 'root ::= "a" [0-9]', "grammar")
+    grammars.check(g)
+    first, second = grammars.constraint(g), grammars.constraint(g)
+    assert len(calls) == 1, calls
+    assert first.matcher is not second.matcher                 # each request advances its own copy
+    assert first.matcher.consume_token(tk.encode("a", add_special=False)[0])
+    assert not second.matcher.is_error() and not first.matcher.is_error()

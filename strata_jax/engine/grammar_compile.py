@@ -121,11 +121,7 @@ class Compiler:
             return Compiled(None, f"is too large: {e}")
         except (ValueError, TypeError, RecursionError) as e:
             return Compiled(None, f"cannot be read: {_one_line(e)}")
-        tokenizer = self._tokenizer()
-        error = llg.LLMatcher.validate_grammar(source, tokenizer)
-        if error:
-            return Compiled(None, f"cannot be compiled: {_one_line(error)}")
-        matcher = llg.LLMatcher(tokenizer, source, log_level=0)
+        matcher = llg.LLMatcher(self._tokenizer(), source, log_level=0)    # its errors are validate_grammar's
         error = matcher.get_error() if matcher.is_error() else self._probe(matcher.deep_copy())
         if error:
             return Compiled(None, f"cannot be compiled: {_one_line(error)}")
