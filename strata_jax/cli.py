@@ -226,6 +226,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           llama_conventions=args.llama_conventions,
                           sampling={k: getattr(args, f"default_{k}") for k in ServerConfig.SAMPLING_KEYS
                                     if getattr(args, f"default_{k}", None) is not None})
+    server.check_sampling(model.spec.vocab_size)      # --top-k within the vocabulary, as a request's top_k
     if args.chat_template_file and args.chat_template:
         raise ValueError("--chat-template and --chat-template-file: give one of them")
     if args.chat_template_file:        # read now: a missing file is an error at start, not in every request

@@ -310,12 +310,17 @@ class ServerConfig:
         unknown = sorted(set(self.sampling) - set(self.SAMPLING_KEYS))
         if unknown:
             raise ConfigError(f"sampling: unknown default {unknown[0]!r}; the defaults are {', '.join(self.SAMPLING_KEYS)}")
-        for key, value in self.sampling.items():
-            what = default_problem(key, value)
-            if what:
-                flag = "-n/--n-predict" if key == "n_predict" else "--" + key.replace("_", "-").replace("temperature", "temp")
-                raise ConfigError(f"{flag} {value!r}: {what}")
+        self.check_sampling()
         if self.reasoning not in (None, "on", "off", "auto"):
             raise ConfigError(f"reasoning = {self.reasoning!r}: must be on, off or auto")
         if not self.cors_origins.strip():
             raise ConfigError("cors_origins is empty: give '*' or a comma-separated list of origins")
+
+    def check_sampling(self, vocab_size: int | None = None) -> None:
+        """The sampling defaults (--temp, ..., -n) judged as a request's own values are (config.default_problem);
+        with the model's vocab_size, top_k within it (the CLI checks again once it has opened the model)."""
+        for key, value in self.sampling.items():
+            what = default_problem(key, value, vocab_size)
+            if what:
+                flag = "-n/--n-predict" if key == "n_predict" else "--" + key.replace("_", "-").replace("temperature", "temp")
+                raise ConfigError(f"{flag} {value!r}: {what}")

@@ -211,6 +211,16 @@ def test_props_refuses_what_a_request_would_refuse(server):
             ServerConfig(sampling={key: value})
 
 
+def test_a_top_k_beyond_the_vocabulary_stops_the_server_at_start(model):
+    """--top-k is judged as a request's top_k is, against the model's vocabulary (512 here), at start."""
+    with ServerProcess([str(model), "--max-context", "64", "--no-warmup", "--top-k", "100000"]) as srv:
+        with pytest.raises(RuntimeError, match="exited with code 1") as refused:
+            srv.wait_up()
+            srv.stop()
+            raise AssertionError("the server started with --top-k 100000 (every request would be a 400)")
+    assert "--top-k 100000" in str(refused.value) and "512 (the vocabulary)" in str(refused.value), refused.value
+
+
 # ---- 11: state-changing routes need JSON ----------------------------------------------------------------------
 
 def test_state_changing_routes_need_json(server):
