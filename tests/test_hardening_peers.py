@@ -448,18 +448,65 @@ def test_the_public_health_shows_a_status_and_the_details_need_the_key(ingress):
     assert [r["pid"] for r in full["replicas"]] == [4242, 4242] and full["replicas"][1]["detail"] == SECRET
 
 
-def test_ray_is_started_without_its_dashboard_and_job_api():
+class RayFakeReplica:
+    """A replica deployment with no server behind it (Ray calls health and forward on it, as on ReplicaServer)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    async def health(self) -> dict:
+        return {"name": self.name, "url": "http://127.0.0.1:40001", "pid": 4242, "ok": True, "status": "ok",
+                "detail": SECRET}
+
+    async def forward(self, method, path, query, headers, body):
+        yield {"accepted": self.name}
+        yield {"status": 200, "headers": [("content-type", "application/json")], "stream": False}
+        yield b'{"ok": true}'
+
+
+def test_ray_starts_without_its_dashboard_and_its_proxy_hands_the_ingress_no_unchecked_body():
+    """A real local Ray (serve --replicas' own start): no dashboard (its job API) on 8265; through Ray Serve's
+    HTTP proxy, a body promised 10 GiB without the key is a 401 at once, nested JSON a 400, /health public."""
+    import sys
+
     ray = pytest.importorskip("ray")
-    pytest.importorskip("ray.serve")
+    serve = pytest.importorskip("ray.serve")
+    from ray import cloudpickle
+
     from strata_jax.serve import ray_app
+    from strata_jax.serve.launch import free_port
+    from strata_jax.serve.replica_ingress import ReplicaIngress
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])    # Ray's workers cannot import this test module
 
     def on_8265() -> list[int]:
         return [c.pid for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN
                 and c.laddr.port == 8265]
     before = on_8265()
-    ctx = ray_app.init_ray({"num_cpus": 1, "log_to_driver": False, "object_store_memory": 100 * 2**20})
+    ctx = ray_app.init_ray({"num_cpus": 2, "log_to_driver": False, "object_store_memory": 100 * 2**20})
     try:
         assert ctx is not None and not ctx.dashboard_url, ctx.dashboard_url
         assert on_8265() == before, "Ray's dashboard (its job API) listens on 8265"
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        names = ["strata-0", "strata-1"]
+        handles = [serve.deployment(RayFakeReplica).options(name=n, ray_actor_options={"num_cpus": 0}).bind(n)
+                   for n in names]
+        app = serve.deployment(ReplicaIngress).options(name="strata-ingress", ray_actor_options={"num_cpus": 0})
+        serve.run(app.bind(handles, names, api_key=INGRESS_KEY, max_body_bytes=BODY_MAX), name="peers",
+                  route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        status, body = _raw(url, "POST /v1/chat/completions HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+                                 "Content-Length: 10737418240\n", b"{" * 65536)
+        assert status == 401 and b"invalid or missing API key" in body, body[:300]
+        r = httpx.post(url + "/v1/chat/completions", content=b"[" * 200_000, timeout=60,
+                       headers={"Authorization": f"Bearer {INGRESS_KEY}", "Content-Type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.text, r.text[:300]
+        public = httpx.get(url + "/health", timeout=60)
+        assert public.status_code == 200 and SECRET not in public.text and "4242" not in public.text, public.text
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=60,
+                       headers={"Authorization": f"Bearer {INGRESS_KEY}"})
+        assert r.status_code == 200 and r.headers["x-strata-replica"] in names, r.text
     finally:
+        serve.shutdown()
         ray.shutdown()
