@@ -10,7 +10,8 @@ against a real server (a process) on a tiny model.
    and a plain request sent beside it is answered first (generous deadlines, no timing assertion).
 5: a JSON schema whose string pattern llguidance's lexer cannot derive (`^(a{1000}){1000}$`) passed the check and
    failed mid-answer with a 500 ("lexer error: too many expressions constructed"). Now the check builds the
-   request's real matcher and tries its first tokens: a 400 naming response_format, at admission.
+   request's real matcher and tries its first tokens, and each of the schema's patterns alone: a 400 naming
+   response_format, at admission.
 """
 
 from __future__ import annotations
@@ -145,10 +146,11 @@ def test_a_grammar_at_the_bounds_compiles_and_is_followed(server):
 
 
 def test_a_schema_whose_lexer_cannot_be_built_is_a_400_at_admission(server):
-    fmt = {"type": "json_schema",
-           "json_schema": {"name": "s", "schema": {"type": "string", "pattern": "^(a{1000}){1000}$"}}}
+    bad = {"type": "string", "pattern": "^(a{1000}){1000}$"}
     pids = server.engine_pids()
-    for stream in (False, True):
+    # the pattern first, then behind an alternative the model could take instead (each pattern is tried alone)
+    for schema, stream in ((bad, False), (bad, True), ({"anyOf": [{"type": "integer"}, bad]}, False)):
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
         r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
                        json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
                              "response_format": fmt, "stream": stream})

@@ -11,7 +11,8 @@ Why each part (issue 32):
 - A schema can compile and still fail its first tokens (`{"type": "string", "pattern": "^(a{1000}){1000}$"}`:
   the lexer runs out of fuel deriving the pattern after the opening quote, "too many expressions
   constructed"). The check builds the real matcher and walks PROBE_TOKENS of it, each time taking the
-  allowed token of most bytes: what fails there is a 400 at admission, not a 500 mid-answer.
+  allowed token of most bytes, and does the same for each of a schema's patterns alone (one behind an
+  alternative the walk does not take): what fails there is a 400 at admission, not a 500 mid-answer.
 """
 
 from __future__ import annotations
@@ -121,11 +122,21 @@ class Compiler:
             return Compiled(None, f"is too large: {e}")
         except (ValueError, TypeError, RecursionError) as e:
             return Compiled(None, f"cannot be read: {_one_line(e)}")
-        matcher = llg.LLMatcher(self._tokenizer(), source, log_level=0)    # its errors are validate_grammar's
-        error = matcher.get_error() if matcher.is_error() else self._probe(matcher.deep_copy())
+        matcher, error = self._matcher(source)
+        if kind == "json_schema" and not error:     # a pattern behind an alternative the walk did not take
+            for pattern in _patterns(json.loads(text)):
+                alone = grammar_source("json_schema", json.dumps({"type": "string", "pattern": pattern}))
+                if (error := self._matcher(alone)[1]) is not None:
+                    error = f"{_one_line(error)} (its pattern {json.dumps(pattern)[:80]})"
+                    break
         if error:
             return Compiled(None, f"cannot be compiled: {_one_line(error)}")
         return Compiled(matcher, None)
+
+    def _matcher(self, source: str) -> tuple[llg.LLMatcher, str | None]:
+        """The grammar's matcher and its error, or the error its first tokens meet (the probe)."""
+        matcher = llg.LLMatcher(self._tokenizer(), source, log_level=0)    # its errors are validate_grammar's
+        return matcher, matcher.get_error() if matcher.is_error() else self._probe(matcher.deep_copy())
 
     def _probe(self, matcher: llg.LLMatcher) -> str | None:
         """Walk the matcher's first tokens (each step the allowed one of most bytes): its error, or None."""
@@ -144,6 +155,23 @@ class Compiler:
             if not matcher.consume_token(token) or matcher.is_error():
                 return matcher.get_error() or None
         return None
+
+
+def _patterns(schema) -> list[str]:
+    """Every regular expression a JSON schema holds ("pattern"s, "patternProperties"' keys), each once."""
+    found: dict[str, None] = {}
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found[node["pattern"]] = None
+            if isinstance(node.get("patternProperties"), dict):
+                found.update(dict.fromkeys(node["patternProperties"]))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return list(found)
 
 
 def _one_line(e) -> str:
