@@ -4,8 +4,9 @@
    (garbage, a huge length, a hello signed with no key, a replayed handshake, a silent connection) neither fail
    the group's start nor take a follower's place nor read a frame, while real followers join; the channel and
    jax.distributed's coordinator listen on the coordinator's address; frames are bounded.
-12. Ray replicas' ingress (serve/replica_ingress.py) as a real HTTP server: the key before the body, a bounded
-   body, deeply nested JSON a 400, a public /health with only a status; Ray started without its dashboard.
+12. Ray replicas' ingress (serve/replica_ingress.py) as a real HTTP server (uvicorn, fake replicas): the key
+   before the body, a bounded body, deeply nested JSON a 400, a public /health with only a status; then on a real
+   local Ray started as `serve --replicas` starts it: no dashboard, and the same through Ray Serve's proxy.
 """
 
 from __future__ import annotations
