@@ -250,7 +250,7 @@ class Gate:
             self._sock.bind(where)
         except OSError as e:
             raise ConfigError(f"coordinator = {cfg.coordinator}: process 0 cannot listen for its followers on "
-                              f"{self.address[0]} port {self.address[1]} (the coordinator's port + 1): "
+                              f"port {self.address[1]} of {self.address[0]} (the coordinator's port + 1): "
                               f"{e.strerror or e}") from None
         self._sock.listen(64)
         self._sock.settimeout(0.5)              # the acceptor looks at `open` this often
