@@ -5,7 +5,7 @@ Why each part (issue 32):
 - llguidance compiles by recursion on the calling thread's stack, about 2 KB a level of a chain of rules: a
   4,000-rule GBNF chain overflowed the 8 MiB of the engine's main thread (SIGSEGV: every request in flight
   failed). Here the compile threads have STACK_BYTES, room for any chain a 128 Ki-character grammar can
-  write (a Lark chain of 12,000 rules is ~25 MB); GBNF's rules and depth are bounded too (gbnf.py).
+  write (a Lark chain of 10,000 rules, ~20 MB, was tried); GBNF's rules and depth are bounded too (gbnf.py).
 - A grammar was converted and compiled three times a request (prepare, submit, the matcher); now once: each
   request gets a deep copy of the one fresh matcher kept by (kind, text) in a small LRU, errors kept too.
 - A schema can compile and still fail its first tokens (`{"type": "string", "pattern": "^(a{1000}){1000}$"}`:
