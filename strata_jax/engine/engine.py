@@ -21,6 +21,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..gguf import GGUFModel
+from . import at_exit
 from .core import EngineCore
 from .embeddings import POOLINGS
 from .output import first_line
@@ -210,6 +211,7 @@ class Engine(EngineCore):
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
                 self._thread.start()
+                at_exit.engine_started(self)      # closed at interpreter exit if the caller did not
 
     def _loop(self) -> None:
         try:

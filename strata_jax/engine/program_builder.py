@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import at_exit
+
 Built = tuple[Any, Any, float, "BaseException | None"]      # (layout, compiled or None, seconds, error or None)
 
 
@@ -30,8 +32,11 @@ class BuilderThread:
 
     def put(self, layout) -> None:
         if self._thread is None:
+            if at_exit.exiting():       # a thread started now would outlive the exit hook (at_exit.py)
+                return                  # (ProgramCache.get builds a layout the engine thread needs there)
             self._thread = threading.Thread(target=self._loop, name="strata-builder", daemon=True)
             self._thread.start()
+            at_exit.builder_started(self)
         self._todo.put(layout)
 
     def hurry(self, layout) -> None:
@@ -68,7 +73,8 @@ class BuilderThread:
         return self._built.qsize()
 
     def close(self) -> None:
-        """Stop after the compile in progress (a compile cut off at exit aborts the process)."""
+        """Stop after the compile in progress (a compile cut off at exit aborts the process: at_exit.py closes
+        the ones still running then)."""
         if self._thread is None:
             return
         while True:                                      # drop what is queued but not begun
