@@ -41,6 +41,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..engine.request import Event
 from ..gguf.chat_template import llama_cpp_dates
+from . import questions
 from .answers import Answers, expect
 from .engine_process import MAX_UNREAD_BYTES, EngineProcess, StderrTail
 from .errors import ApiError
@@ -316,31 +317,11 @@ class Supervisor:
         return self.last_stats
 
     async def ask(self, kind: type[Command], timeout: float = 30.0, **fields: Any) -> Answer:
-        """A question for the engine: `kind` (Tokenize, Detokenize: serve/tokens.py; ApplyTemplate, SlotAction,
-        Embed) made with `fields` and an id of its own -> its Answer; the engine's refusal as its ApiError. It
-        is admitted as a request is (a place in --max-queue; the pipe's byte bound: 503 + Retry-After beyond);
-        503 when the engine stops meanwhile (its exit said at once) or answers nothing in `timeout` seconds
-        (then it is told to drop the work: an embedding's next pieces)."""
-        op = kind.__struct_config__.tag
-        cmd, deadline = kind(id=f"{op}-{next(self._ids)}", **fields), time.monotonic() + timeout
-        self.seats.admit()
-        self.seats.preparing += 1
-        try:
-            await self.wait_ready(deadline)
-            reply = await self.answers.ask(cmd, deadline)
-        except EngineBusy as e:
-            raise self.seats.busy(str(e)) from None
-        except EngineGone as e:
-            raise ApiError(503, f"the engine stopped while answering {op}: {e}; please retry", "unavailable_error") \
-                from None
-        except (TimeoutError, asyncio.CancelledError) as e:     # out of time, or the client went away
-            self._send(Cancel(cmd.id))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            raise ApiError(503, f"the engine did not answer {op} within {timeout:g} s", "unavailable_error") from None
-        finally:
-            self.seats.preparing -= 1
-        return expect(reply, Answer)
+        """A question for the engine (serve/questions.py: admitted as a request is, 503s when it cannot be
+        answered): `kind` (Tokenize, Detokenize, ApplyTemplate, SlotAction, Embed) made with `fields` and an
+        id of its own -> its Answer; the engine's refusal as its ApiError."""
+        cmd = kind(id=f"{kind.__struct_config__.tag}-{next(self._ids)}", **fields)
+        return await questions.ask(self, cmd, timeout, self._send)
 
     async def save_expert_profile(self, path: str, timeout: float = 30.0) -> Saved:
         """Have the engine process write its expert profile to `path` (a file in the server's own
