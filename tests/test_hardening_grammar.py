@@ -115,7 +115,7 @@ def test_a_chain_under_the_rule_bound_but_too_deep_is_a_400_naming_the_depth_bou
 
 
 def test_a_long_chain_is_answered_at_once_and_other_prepares_do_not_wait(server):
-    """A 3,500-rule chain (86 KiB) took ~14 s to convert, three times a request, on the command thread, and the
+    """A 3,500-rule chain (87 KiB) took 17 s to convert, three times a request, on the command thread, and the
     prepares of requests beside it waited; now the conversion is linear (a 400 at once) and a plain request sent
     beside it is answered. The deadlines are generous (CI is a loaded 2-core machine)."""
     got: dict[str, httpx.Response] = {}
