@@ -38,6 +38,12 @@ def builder_started(builder) -> None:
     _builders.add(builder)
 
 
+def closed(obj) -> None:
+    """Closed by its owner: nothing to do at exit."""
+    _engines.discard(obj)
+    _builders.discard(obj)
+
+
 def exiting() -> bool:
     """The interpreter is exiting: no new thread may start (it would outlive the hook below)."""
     return _exiting

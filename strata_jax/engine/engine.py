@@ -190,6 +190,7 @@ class Engine(EngineCore):
         return out
 
     def close(self) -> None:
+        at_exit.closed(self)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:

@@ -75,6 +75,7 @@ class BuilderThread:
     def close(self) -> None:
         """Stop after the compile in progress (a compile cut off at exit aborts the process: at_exit.py closes
         the ones still running then)."""
+        at_exit.closed(self)
         if self._thread is None:
             return
         while True:                                      # drop what is queued but not begun
