@@ -156,7 +156,7 @@ def test_tokenize_and_detokenize_are_bounded(server):
 def test_a_cancelled_embedding_ends_before_its_next_piece(tiny_model):
     """What the server does when it gives up on an embedding (its deadline, the client gone): the engine drops
     the job's next pieces (a RuntimeError to its caller), and the next job, on a fresh scratch cache, gets the
-    same vectors as before."""
+    same vectors as before. With pooling none (every token's vector) a request embeds one context at most."""
     from strata_jax import Engine, EngineConfig
 
     eng = Engine.from_gguf(tiny_model(**SIZES), EngineConfig(max_context=256, prefill=32, warmup=False))
@@ -170,6 +170,9 @@ def test_a_cancelled_embedding_ends_before_its_next_piece(tiny_model):
         assert not eng.embeds.jobs and not eng.embeds.kept
         for a, b in zip(before, eng.embed(texts)):
             np.testing.assert_array_equal(a, b)
+        assert len(eng.embed(texts[:1], "none")[0]) == 200
+        with pytest.raises(ValueError, match=r"600 tokens in all.*256 tokens \(--max-context\)"):
+            eng.embed(texts, "none")        # every token's vector: a request's answer is one context's at most
     finally:
         eng.close()
 

@@ -131,6 +131,11 @@ class Embeddings:
             done.put(RuntimeError("embeddings need the whole model on one device: this engine runs expert tiers "
                                   "or several devices (--devices N)"))
             return
+        n, n_ctx = sum(len(ids) for ids in inputs), self.core.config.max_context
+        if pooling == "none" and n > n_ctx:     # every token's vector is answered: as many as a slot holds
+            done.put(ValueError(f"input: {n} tokens in all; with pooling none (every token's vector) a request "
+                                f"embeds at most a slot's context, {n_ctx} tokens (--max-context)"))
+            return
         self.jobs.append(EmbedJob(inputs, pooling, how, cancel, done))
 
     def step(self) -> bool:
