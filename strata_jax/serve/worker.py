@@ -1,8 +1,10 @@
 """The engine process: `python -m strata_jax.serve.worker`, driven by the server over stdin/stdout frames
 (see protocol.py); its stderr is the engine's log, read by the server.
 
-Threads: the main thread reads commands from stdin and answers `prepare` and `stats` itself (tokenizing
-is quick; worker_prompts.py); each submitted request gets a thread that forwards its events; a heartbeat
+Threads: the main thread reads commands from stdin and answers `prepare` and `stats` itself (a prompt's
+size is bounded; worker_prompts.py); /tokenize and /detokenize, slot files, embeddings and the expert profile
+each get a thread (megabytes of text, or a wait for the engine thread, hold up no other command; the server
+bounds how many wait: serve/questions.py); each submitted request gets a thread that forwards its events; a heartbeat
 thread says every BEAT_S seconds how long ago the engine loop last moved (see `heartbeat`), for the server's
 watchdog; every write to stdout goes through one lock (worker_process.Writer). If the engine loop's thread
 ever ends, the process prints an ERR line and exits, so that the server starts a new engine instead of
