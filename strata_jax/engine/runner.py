@@ -256,21 +256,24 @@ class ModelRunner:
         self.faults = self.programs.faults = faults
 
     def warmup(self, progress: bool = True) -> None:
-        """Build the decode and verify windows' programs of base_layouts() now, and the others on the builder
-        thread (the engine serves meanwhile, in windows whose programs exist). The verify ones (--spec: one a
-        row bucket) are built now because a window with drafts is narrowed to plain decode while they are not
-        built: queued behind the others they were not ready for minutes (issue 32, finding 6). The persistent
-        compilation cache makes a restart's builds fast."""
+        """Build the decode windows' programs of base_layouts() now, and the others on the builder thread
+        (the engine serves meanwhile, in windows whose programs exist). With --spec, the smallest verify
+        window's too, and the other verify ones first on the builder thread: a window with drafts is narrowed
+        to plain decode while its program is not built, and queued behind the others they were not ready for
+        minutes (issue 32, finding 6). The persistent compilation cache makes a restart's builds fast."""
         from tqdm import tqdm
 
         base = self.base_layouts()
-        now = [lay for lay in base if decode_only(lay) or verify_only(lay)]
+        verify = [lay for lay in base if verify_only(lay)]          # by row bucket, the smallest first
+        now = [lay for lay in base if decode_only(lay)] + verify[:1]
         for layout in tqdm(now, desc="building decode programs", unit="program", disable=not progress, leave=False):
             for lay in self.program_layouts(layout):
                 self.programs.get(lay)
         for layout in base:
             if layout not in now:
                 self.build_later(layout)
+        for layout in reversed(verify[1:]):           # to the front of the builder's queue, smallest first
+            self.building(layout)
         if self.stepper is not None and self.stepper.one_program:     # decode windows as one program (stepped.py)
             for layout in now:
                 self.programs.build_later(self.stepper.resident_layout(layout))
