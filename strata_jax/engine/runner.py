@@ -256,11 +256,10 @@ class ModelRunner:
         self.faults = self.programs.faults = faults
 
     def warmup(self, progress: bool = True) -> None:
-        """Build the decode windows' programs of base_layouts() now, and the others on the builder thread
-        (the engine serves meanwhile, in windows whose programs exist). With --spec, the smallest verify
-        window's too, and the other verify ones first on the builder thread: a window with drafts is narrowed
-        to plain decode while its program is not built, and queued behind the others they were not ready for
-        minutes (issue 32, finding 6). The persistent compilation cache makes a restart's builds fast."""
+        """Build the decode windows' programs of base_layouts() now (--spec: and the smallest verify one; the
+        other verify ones first in the builder's queue: a window with drafts runs as plain decode until its
+        program is built, issue 32 finding 6), the others on the builder thread (the engine serves meanwhile,
+        in windows whose programs exist). The persistent compilation cache makes a restart's builds fast."""
         from tqdm import tqdm
 
         base = self.base_layouts()
