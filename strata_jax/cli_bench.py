@@ -54,7 +54,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from strata_jax.bench.report import render
     from strata_jax.bench.run import write_json
     from strata_jax.bench.twin import parse_moe_twin
-    from strata_jax.cli import _default_model as default_model
+    from strata_jax.fetch import smollm2_path
     from strata_jax.cli_flags import engine_config
 
     try:
@@ -64,7 +64,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if hasattr(args, "parallel"):     # engine flags are only set on args when given
         raise ValueError("bench takes the number of sequences from --parallel-list, not --parallel")
     twin = parse_moe_twin(args.moe_twin) if args.moe_twin is not None else None
-    opts = BenchOptions(model=args.model or default_model(), prompt_tokens=args.prompt_tokens,
+    opts = BenchOptions(model=args.model or str(smollm2_path()), prompt_tokens=args.prompt_tokens,
                         decode_tokens=args.decode_tokens, decode_prompt_tokens=args.decode_prompt_tokens,
                         parallel_list=parallel, vs=args.vs, threads=args.threads, repeat=args.repeat,
                         engine=engine_config(args), max_context=getattr(args, "max_context", None),
