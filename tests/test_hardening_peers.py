@@ -27,29 +27,13 @@ from strata_jax.config import ConfigError
 from strata_jax.engine.hosts import Hello, KvReset, Loaded, digest, pack, unpack
 from strata_jax.gguf import GGUFModel
 from strata_jax.serve.launch import ServerProcess
+from strata_jax.testing.ports import group_port
 
 MOE = {"arch": "qwen3moe", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
        "expert_ffn": 32}
 FLAGS = ["--parallel", "2", "--max-context", "256", "--no-warmup"]
 PROMPT = [(7 * i + 13) % 500 + 3 for i in range(24)]
 KEY = "k3y-0f-th1s-gr0up-" + "7" * 20
-
-
-def group_port() -> int:
-    """A free port whose next port is free too (the coordinator's, then the leader's channel)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-        if port >= 65534:
-            continue
-        with socket.socket() as b:
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two free ports in a row")
 
 
 def listening(pid: int, port: int) -> list[str]:

@@ -25,6 +25,7 @@ from strata_jax.engine.hosts import Hello, KvReset, Loaded, digest, pack, refusa
 from strata_jax.engine.lockstep import GroupLost, Leader
 from strata_jax.gguf import GGUFModel
 from strata_jax.serve.launch import ServerProcess
+from strata_jax.testing.ports import group_port
 
 MOE = {"arch": "qwen3moe", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
        "expert_ffn": 32}
@@ -35,23 +36,6 @@ FLAGS = ["--parallel", "2", "--max-context", "256", "--conversation-cache-mib", 
 # third prompt overwrites goes to host RAM (KVCache.read) and comes back for its prompt (KVCache.write)
 PROMPTS = [[(7 * i + 13 * k) % 500 + 3 for i in range(40)] for k in range(4)]
 N = 16
-
-
-def group_port() -> int:
-    """A free port whose next port is free too (the coordinator's, then the leader's channel)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65534:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two free ports in a row")
 
 
 SAMPLED = {"temperature": 0.9, "seed": 5, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
