@@ -20,6 +20,7 @@ SLOW_FILES = frozenset({
     "test_windows.py", "test_fuzz.py", "test_prefix_cache.py", "test_server_limits.py", "test_model_logits.py",
     "test_kernels.py", "test_structured.py", "test_spec.py", "test_cpu_kernels.py", "test_experts.py",
     "test_smollm2.py", "test_replicas.py", "test_devices.py",
+    "test_hardening_peers.py", "test_hardening_engine.py", "test_openapi_fuzz.py",
 })
 
 
