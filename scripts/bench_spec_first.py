@@ -20,10 +20,10 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from spec_bench import RENAMES, SNIPPETS  # noqa: E402
+from spec_bench import RENAMES, SNIPPETS
 
-from strata_jax.fetch import smollm2_path  # noqa: E402
-from strata_jax.serve.launch import ServerProcess  # noqa: E402
+from strata_jax.fetch import smollm2_path
+from strata_jax.serve.launch import ServerProcess
 
 
 def run(model: str, spec: int, requests: int, max_tokens: int) -> dict:

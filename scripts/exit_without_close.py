@@ -57,15 +57,15 @@ def main(folder: Path) -> int:
         return child.returncode if child.returncode > 0 else 128 - child.returncode
     answers["devices"] = child.stdout.strip().splitlines()[-1]
     modes = {   # the case: tiers with a tiny resident budget, --host-experts and --layer-step as default
-        "tiers": (moe, dict(expert_cache=2, resident_budget_gib=0.001)),
-        "draft": (dense, dict(spec=3, drafter=f"draft:{dense}", spec_min_p=0.0)),
+        "tiers": (moe, {"expert_cache": 2, "resident_budget_gib": 0.001}),
+        "draft": (dense, {"spec": 3, "drafter": f"draft:{dense}", "spec_min_p": 0.0}),
     }
     for name, (path, extra) in modes.items():
         eng = Engine.from_gguf(path, EngineConfig(**BASE, **extra))
         kept.append(eng)
         answers[name] = answer(eng)
     # EngineCore stepped by hand (no engine thread) over layer-stepped windows of the expert tiers
-    stepped = dict(expert_cache=2, resident_budget_gib=0.001, host_experts="off", layer_step="always")
+    stepped = {"expert_cache": 2, "resident_budget_gib": 0.001, "host_experts": "off", "layer_step": "always"}
     core = EngineCore(GGUFModel.open(moe), EngineConfig(**BASE, **stepped))
     kept.append(core)
     req = core.make_request(PROMPT, max_tokens=3, ignore_eos=True)

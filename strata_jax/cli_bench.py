@@ -54,8 +54,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from strata_jax.bench.report import render
     from strata_jax.bench.run import write_json
     from strata_jax.bench.twin import parse_moe_twin
-    from strata_jax.fetch import smollm2_path
     from strata_jax.cli_flags import engine_config
+    from strata_jax.fetch import smollm2_path
 
     try:
         parallel = tuple(int(n) for n in args.parallel_list.split(","))

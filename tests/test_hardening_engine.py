@@ -59,7 +59,8 @@ def test_engines_of_every_mode_exit_without_close(tmp_path):
     in jaxlib's PyClient::DeserializeExecutable)."""
     words = ("terminate called", "exception not rethrown", "Fatal Python error", "Aborted", "core dumped")
     for run in ("cold", "warm"):
-        p = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=900)
+        p = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=900,
+                           check=False)
         told = [w for w in words if w in p.stderr]
         assert p.returncode == 0 and not told, f"{run}: exit status {p.returncode}, {told}:\n{p.stderr[-4000:]}"
         assert "answers: " in p.stdout, p.stdout                 # every engine answered before the exit

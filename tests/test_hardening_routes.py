@@ -213,11 +213,11 @@ def test_props_refuses_what_a_request_would_refuse(server):
 
 def test_a_top_k_beyond_the_vocabulary_stops_the_server_at_start(model):
     """--top-k is judged as a request's top_k is, against the model's vocabulary (512 here), at start."""
-    with ServerProcess([str(model), "--max-context", "64", "--no-warmup", "--top-k", "100000"]) as srv:
-        with pytest.raises(RuntimeError, match="exited with code 1") as refused:
-            srv.wait_up()
-            srv.stop()
-            raise AssertionError("the server started with --top-k 100000 (every request would be a 400)")
+    args = [str(model), "--max-context", "64", "--no-warmup", "--top-k", "100000"]
+    with ServerProcess(args) as srv, pytest.raises(RuntimeError, match="exited with code 1") as refused:
+        srv.wait_up()
+        srv.stop()
+        raise AssertionError("the server started with --top-k 100000 (every request would be a 400)")
     assert "--top-k 100000" in str(refused.value) and "512 (the vocabulary)" in str(refused.value), refused.value
 
 
@@ -348,11 +348,10 @@ def test_a_world_writable_slot_save_path_stops_the_server_at_start(model, tmp_pa
     mode: another user could plant files (or links) there for the server to read and overwrite."""
     shared = _shared_folder(tmp_path, 0o777)
     args = [str(model), "--max-context", "64", "--no-warmup", "--slot-save-path", str(shared)]
-    with ServerProcess(args) as srv:
-        with pytest.raises(RuntimeError, match="exited with code 1") as refused:
-            srv.wait_up()
-            srv.stop()
-            raise AssertionError(f"the server started with --slot-save-path mode {shared.stat().st_mode:o}")
+    with ServerProcess(args) as srv, pytest.raises(RuntimeError, match="exited with code 1") as refused:
+        srv.wait_up()
+        srv.stop()
+        raise AssertionError(f"the server started with --slot-save-path mode {shared.stat().st_mode:o}")
     said = str(refused.value)
     assert "--slot-save-path" in said and str(shared) in said and _refusal(0o777) in said, said
 

@@ -197,9 +197,9 @@ def test_the_leader_refuses_a_follower_with_other_settings(tiny_model):
     assert digest(cfg, spec) != digest(EngineConfig(coordinator="127.0.0.1:1234", num_processes=2, parallel=4), spec)
     assert digest(cfg, spec) == digest(EngineConfig(coordinator="127.0.0.1:1234", num_processes=2, process_id=1), spec)
     leader, port = _leader("mine")
-    with _hello(port, Hello(1, 4242, "elsewhere", "theirs")):
-        with pytest.raises(ConfigError, match=r"process 1 \(pid 4242 on elsewhere\) runs other engine settings"):
-            leader.accept(timeout=10)
+    with _hello(port, Hello(1, 4242, "elsewhere", "theirs")), \
+            pytest.raises(ConfigError, match=r"process 1 \(pid 4242 on elsewhere\) runs other engine settings"):
+        leader.accept(timeout=10)
 
 
 def _joined_follower():

@@ -30,7 +30,14 @@ from .controls import wants_controls
 from .memory import is_resource_exhausted
 from .output import Output, first_line
 from .prefix_cache import PrefixCache
-from .request import ContextOverflowError, Event, Request, RequestError, check_cache_salt, make_params
+from .request import (
+    ContextOverflowError,
+    Event,
+    Request,
+    RequestError,
+    check_cache_salt,
+    make_params,
+)
 from .runner import ModelRunner
 from .scheduler import Scheduler, Window
 from .slots import Slot

@@ -17,7 +17,13 @@ from __future__ import annotations
 import re
 from collections import deque
 
-from llguidance.gbnf_to_lark import ASTNode, GrammarParser, RuleNode, RuleRefNode, is_lark_syntax
+from llguidance.gbnf_to_lark import (
+    ASTNode,
+    GrammarParser,
+    RuleNode,
+    RuleRefNode,
+    is_lark_syntax,
+)
 
 MAX_RULES = 2048        # llama.cpp's own JSON-schema grammars have tens to hundreds of rules
 MAX_DEPTH = 256         # a chain of terminal rules, or of nested groups: what llguidance's stack is sized for

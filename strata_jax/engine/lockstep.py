@@ -235,7 +235,8 @@ def over_processes(cfg: EngineConfig, spec) -> tuple[list, Leader | None]:
 def hello(cfg: EngineConfig, digest: str, host: str) -> socket.socket:
     """A follower, once joined and before loading: connect to the leader and prove the group key (retried
     while process 0 is not listening yet, or closed before its challenge)."""
-    where = "%s port %d" % channel_address(cfg)
+    leader_host, leader_port = channel_address(cfg)
+    where = f"{leader_host} port {leader_port}"
     key = group_key(cfg)
     end = time.monotonic() + JOIN_S
     while True:

@@ -36,7 +36,16 @@ from litestar.response import Stream
 from ..config import ServerConfig
 from ..engine import slot_files
 from ..fetch import cache_dir
-from . import cors, cors_proxy, embeddings, generate, llama_routes, native, openapi, webui
+from . import (
+    cors,
+    cors_proxy,
+    embeddings,
+    generate,
+    llama_routes,
+    native,
+    openapi,
+    webui,
+)
 from .errors import ApiError, error_body
 from .generate import Job, ModelNames
 from .metrics import Metrics

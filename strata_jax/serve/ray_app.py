@@ -78,7 +78,7 @@ def start(server_args: Sequence[str], replicas: int, host: str = "127.0.0.1", po
           ray_init: dict | None = None, **options) -> str:
     """Start Ray (or join $RAY_ADDRESS's cluster), Serve's HTTP proxy on host:port, and the application;
     returns its URL once every replica's server is ready. Undo with stop()."""
-    ray, serve = need_ray()
+    _, serve = need_ray()
     init_ray(ray_init)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(server_args, replicas, **options), name=APP_NAME, route_prefix="/")

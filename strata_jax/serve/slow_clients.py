@@ -71,7 +71,7 @@ class ReadDeadlineH11Protocol(H11Protocol):
         self._read_timer = None
         if self.transport.is_closing() or self.conn.their_state not in READING:
             return
-        client = "%s:%d" % self.client if self.client else "a client"
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         log.warning("%s did not send a whole request within %g s (--read-timeout-s): disconnected", client,
                     self.read_timeout_s)
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE) and not self._answering():
