@@ -25,6 +25,7 @@ from litestar import Request, post
 
 from .errors import ApiError, invalid
 from .llama_routes import check_token_id, json_object, shown
+from .prompt_size import string_bytes
 from .protocol import Embed
 
 MAX_INPUTS = 2048                   # OpenAI's bound on inputs a request
@@ -104,7 +105,7 @@ def _refuse_if_too_long(inputs: list, key: str, n_ctx: int, max_token_bytes: int
     cost seconds to tokenize, only to be refused): a token stands for at most `max_token_bytes` bytes."""
     for x in inputs:
         parts = [x] if isinstance(x, str) else x
-        texts = sum(len(p.encode("utf-8", "surrogatepass")) for p in parts if isinstance(p, str))
+        texts = string_bytes(parts)
         per_token = max_token_bytes or max(texts, 1)        # (not known yet: a text is at least a token)
         at_least = sum(1 for p in parts if not isinstance(p, str)) + -(-texts // per_token)
         if at_least > n_ctx:

@@ -38,11 +38,11 @@ def refuse_if_too_long(job: Job, n_ctx: int, max_token_bytes: int | None) -> Non
 
 def text_bytes(job: Job) -> int:
     """UTF-8 bytes of the strings the job's prompt is rendered from."""
-    total = _strings(job.prompt)                        # text, messages, or llama.cpp's mixed list
+    total = string_bytes(job.prompt)                    # text, messages, or llama.cpp's mixed list
     if job.kind == "chat":
         tools = job.params.get("tools")                 # [tools, choice, parallel] (parse.py)
-        total += _strings(tools[0], keys=True) if tools else 0
-        total += _strings(job.chat_template_kwargs or {})
+        total += string_bytes(tools[0], keys=True) if tools else 0
+        total += string_bytes(job.chat_template_kwargs or {})
     return total
 
 
@@ -53,7 +53,7 @@ def _what(job: Job) -> str:
         else "messages"
 
 
-def _strings(value: Any, keys: bool = False) -> int:
+def string_bytes(value: Any, keys: bool = False) -> int:
     """Bytes of every string in a JSON value (and of its objects' keys when `keys`); a stack, not recursion:
     the value may nest as deep as the request's JSON does."""
     total, stack = 0, [value]
