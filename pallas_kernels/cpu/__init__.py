@@ -50,6 +50,12 @@ FAST: frozenset[QType] = frozenset(
                  "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 )
 
+# The arithmetic of the FAST types' products: "int8" (each row of x quantized per block to 8 bits as llama.cpp's
+# vec_dot_type, integer dot products, float scales per block: the default, fast) or "exact" (x stays float32,
+# weights dequantized in registers exactly as gguf.quants does: the oracle). The float types (F32, F16, BF16)
+# and the slow-path types always take the exact path.
+MATHS = ("int8", "exact")
+
 # Bytes of float32 a slow-path tile dequantizes at a time (L2-sized: the tile is read right back).
 _SLOW_TILE_BYTES = 256 << 10
 
@@ -107,6 +113,12 @@ def _require() -> ctypes.CDLL:
     return lib
 
 
+def _math_code(math: str) -> np.int32:
+    if math not in MATHS:
+        raise ValueError(f"cpu math {math!r} is not one of {', '.join(MATHS)}")
+    return np.int32(MATHS.index(math) == 0)          # the kernels' attribute: 1 = int8, 0 = exact
+
+
 def _qmatmul_call(x: jax.Array, w: jax.Array, qtype: QType) -> jax.Array:
     """The C++ kernel: x float32 [M, k], w [n, row_bytes] bytes of a FAST type -> [M, n]."""
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
@@ -120,7 +132,7 @@ def _check_k(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> None:
                          f"{w_blocks.shape[-1]} bytes hold k = {k} values: x must be [M, {k}]")
 
 
-def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> jax.Array:
+def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout, math: str = "int8") -> jax.Array:
     """x [M, k] @ W^T, W [n, k] given as GGUF blocks uint8 [n, row_bytes] -> float32 [M, n]."""
     _require()
     _check_k(x, w_blocks, lay)
@@ -130,7 +142,7 @@ def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> jax.Array:
     return _tiled_qmatmul(x, w_blocks, lay)
 
 
-def qmatmul_many(x: jax.Array, weights: list[tuple[jax.Array, Layout]]) -> list[jax.Array]:
+def qmatmul_many(x: jax.Array, weights: list[tuple[jax.Array, Layout]], math: str = "int8") -> list[jax.Array]:
     """x [M, k] times each (w_blocks, lay) of `weights` -> [x @ W^T for each]: one call for the FAST types,
     whose rows share the threads (a decode step's q, k, v or gate, up: fewer calls, one wait), with the
     bits of separate qmatmul calls."""
@@ -154,7 +166,7 @@ def qmatmul_many(x: jax.Array, weights: list[tuple[jax.Array, Layout]]) -> list[
 
 
 def norm_qmatmul_many(x: jax.Array, norm: jax.Array, eps: float,
-                      weights: list[tuple[jax.Array, Layout]]) -> tuple[jax.Array, list[jax.Array]]:
+                      weights: list[tuple[jax.Array, Layout]], math: str = "int8") -> tuple[jax.Array, list[jax.Array]]:
     """RMSNorm of x [M, k] by `norm` [k] (hx = x / sqrt(mean(x^2) + eps) * norm), then hx times each (w_blocks,
     lay) of `weights` (none: the norm alone) -> (hx, [hx @ W^T for each]), in one call for the FAST types: a
     decode step's norm and its q, k, v (or gate, up) without XLA's four small operations a norm between
@@ -190,7 +202,7 @@ def f32_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return _qmatmul_call(x.astype(jnp.float32), w.astype(jnp.float32), QType.F32)
 
 
-def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay: Layout) -> jax.Array:
+def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay: Layout, math: str = "int8") -> jax.Array:
     """Row r of x [R, k] times expert expert_ids[r] of w_blocks [E, n, row_bytes] -> float32 [R, n]."""
     _require()
     _check_k(x, w_blocks, lay)
@@ -252,7 +264,7 @@ def attention_part(q: jax.Array, k_src: jax.Array, v_src: jax.Array, layer, slot
     return out, tuple(new)
 
 
-def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list[tuple[jax.Array, Layout]]) -> list[jax.Array]:
+def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list[tuple[jax.Array, Layout]], math: str = "int8") -> list[jax.Array]:
     """expert_matmul of the same rows and ids for each (w_blocks, lay) of `weights` (an MoE layer's gate and
     up): one call for the FAST types, the rows grouped once, with the bits of separate calls."""
     _require()
