@@ -6,10 +6,13 @@
     pk.expert_matmul(x, w_blocks, expert_ids, "Q4_K")        # row r times expert expert_ids[r]
 
 Backends: "xla" (plain jax.numpy), "cpu" (C++ custom calls through jax.ffi, cpu/: the GGUF blocks read
-in place and dequantized in registers; dequantize itself runs on xla), "pallas" (Pallas kernels through
+in place; each row of x quantized per block to 8 bits and multiplied with integer dot products, as
+llama.cpp does; dequantize itself runs on xla), "cpu-exact" (the same C++ kernels with x kept in float32
+and the weights dequantized in registers exactly: the oracle; cpu.MATHS), "pallas" (Pallas kernels through
 Triton, for GPUs: weights are dequantized in registers, the float matrix never exists), "interpret" (the
 same Pallas kernels in interpret mode, for tests on a CPU), "auto" (pallas on a GPU; on a CPU, cpu when
-its library is built, else xla with one log line saying why). One dequant body per type (bodies.py)
+its library is built, else xla with one log line saying why). `is_cpu(backend)` is true for both cpu
+backends; `cpu_backend(math)` names the one of a math ("int8" | "exact"). One dequant body per type (bodies.py)
 serves xla and the Pallas kernels and is checked bit for bit against `gguf.quants.dequantize`; the C++
 dequantization follows the same bodies and is checked against the xla backend.
 """
@@ -37,7 +40,10 @@ from .grouping import gather_rows, group_rows, scatter_rows
 from .layout import Layout, layout_for
 from .random_blocks import random_blocks
 
-BACKENDS = ("xla", "cpu", "pallas", "interpret", "auto")
+BACKENDS = ("xla", "cpu", "cpu-exact", "pallas", "interpret", "auto")
+# The cpu backends and the arithmetic of their quantized products (cpu.MATHS): the math is part of the backend's
+# name, so it travels as plain data wherever a backend does (a program's static options), never as a setting.
+_CPU_MATH = {"cpu": "int8", "cpu-exact": "exact"}
 
 _log = logging.getLogger(__name__)
 
@@ -49,14 +55,20 @@ __all__ = [
     "UnsupportedQuantType",
     "as_qtype",
     "block_size",
+    "cpu_backend",
+    "cpu_math",
     "dequantize",
     "expert_matmul",
+    "expert_matmul_many",
     "expert_matmul_tiles",
     "expert_tile",
     "gather_rows",
     "group_rows",
+    "is_cpu",
     "layout_for",
+    "norm_qmatmul_many",
     "qmatmul",
+    "qmatmul_many",
     "random_blocks",
     "resolve_backend",
     "row_bytes",
@@ -78,6 +90,27 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def is_cpu(backend: str) -> bool:
+    """True for the backends of the C++ CPU kernels ("cpu", "cpu-exact", and "auto" where it resolves to cpu)."""
+    return resolve_backend(backend) in _CPU_MATH
+
+
+def cpu_math(backend: str) -> str:
+    """The math ("int8" | "exact") of a cpu backend's products."""
+    resolved = resolve_backend(backend)
+    if resolved not in _CPU_MATH:
+        raise ValueError(f"backend {backend!r} is not a cpu backend ({', '.join(_CPU_MATH)}): it has no cpu math")
+    return _CPU_MATH[resolved]
+
+
+def cpu_backend(math: str) -> str:
+    """The cpu backend whose products use `math` ("int8" -> "cpu", "exact" -> "cpu-exact")."""
+    for name, m in _CPU_MATH.items():
+        if m == math:
+            return name
+    raise ValueError(f"cpu math {math!r} is not one of {', '.join(cpu.MATHS)}")
+
+
 @cache
 def _say_auto_is_xla() -> None:
     why = cpu.unavailable_reason() or f"the default JAX backend is {jax.default_backend()!r}"
@@ -90,7 +123,7 @@ def dequantize(blocks, qtype, backend: str = "xla") -> jax.Array:
     blocks = xla._as_bytes(blocks)
     lay = layout_for(qtype, blocks.shape[-1])
     backend = resolve_backend(backend)
-    if backend in ("xla", "cpu"):
+    if backend == "xla" or backend in _CPU_MATH:
         return xla.dequantize_rows(blocks, lay)
     return gpu.dequantize_rows(blocks, lay, interpret=backend == "interpret")
 
@@ -99,12 +132,13 @@ def qmatmul(x: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
     """x [T, k] @ W^T, W [n, k] stored as GGUF blocks uint8 [n, row_bytes] -> float32 [T, n].
 
     The product runs in x's dtype (float32 on a CPU, bfloat16 on a GPU) and accumulates in float32; the
-    cpu backend always multiplies in float32 (x is upcast), in a fixed order a row."""
+    cpu backends take x as float32 (upcast) and sum in a fixed order a row: "cpu" quantizes it per block to
+    8 bits, "cpu-exact" multiplies it in float32."""
     w_blocks = xla._as_bytes(w_blocks)
     lay = layout_for(qtype, w_blocks.shape[-1])
     backend = resolve_backend(backend)
-    if backend == "cpu":
-        return cpu.qmatmul(x, w_blocks, lay)
+    if backend in _CPU_MATH:
+        return cpu.qmatmul(x, w_blocks, lay, math=_CPU_MATH[backend])
     if backend == "xla":
         w = xla.dequantize_rows(w_blocks, lay).astype(x.dtype)
         return jnp.einsum("tk,nk->tn", x, w, preferred_element_type=jnp.float32)
@@ -114,27 +148,31 @@ def qmatmul(x: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
 def qmatmul_many(x: jax.Array, weights: list, backend: str = "xla") -> list[jax.Array]:
     """x [T, k] times each (w_blocks, qtype) of `weights` -> [float32 [T, n] each], as qmatmul gives them; the
     cpu backend runs them in one call (its rows share the threads: fewer calls a decode step)."""
-    if resolve_backend(backend) != "cpu":
+    if not is_cpu(backend):
         return [qmatmul(x, w, qtype, backend) for w, qtype in weights]
     blocks = [xla._as_bytes(w) for w, _ in weights]
-    return cpu.qmatmul_many(x, [(b, layout_for(qtype, b.shape[-1])) for b, (_, qtype) in zip(blocks, weights)])
+    return cpu.qmatmul_many(x, [(b, layout_for(qtype, b.shape[-1])) for b, (_, qtype) in zip(blocks, weights)],
+                            math=cpu_math(backend))
 
 
-def norm_qmatmul_many(x: jax.Array, norm: jax.Array, eps: float, weights: list) -> tuple[jax.Array, list[jax.Array]]:
-    """The cpu backend only: RMSNorm of x [T, k] by norm [k] and the result times each (w_blocks, qtype) of
+def norm_qmatmul_many(x: jax.Array, norm: jax.Array, eps: float, weights: list,
+                      backend: str = "cpu") -> tuple[jax.Array, list[jax.Array]]:
+    """The cpu backends only: RMSNorm of x [T, k] by norm [k] and the result times each (w_blocks, qtype) of
     `weights` in one call -> (hx float32 [T, k], [float32 [T, n] each]) (cpu.norm_qmatmul_many)."""
+    math = cpu_math(backend)          # raises for a backend without these kernels
     blocks = [xla._as_bytes(w) for w, _ in weights]
     return cpu.norm_qmatmul_many(x, norm, eps, [(b, layout_for(qtype, b.shape[-1])) for b, (_, qtype) in
-                                                zip(blocks, weights)])
+                                                zip(blocks, weights)], math=math)
 
 
 def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list, backend: str = "xla") -> list[jax.Array]:
     """[expert_matmul(x, w, expert_ids, qtype) for (w, qtype) in weights], the same bits; the cpu backend
     runs them in one call (an MoE layer's gate and up)."""
-    if resolve_backend(backend) != "cpu":
+    if not is_cpu(backend):
         return [expert_matmul(x, w, expert_ids, qtype, backend) for w, qtype in weights]
     blocks = [xla._as_bytes(w) for w, _ in weights]
-    return cpu.expert_matmul_many(x, expert_ids, [(b, layout_for(q, b.shape[-1])) for b, (_, q) in zip(blocks, weights)])
+    return cpu.expert_matmul_many(x, expert_ids, [(b, layout_for(q, b.shape[-1])) for b, (_, q) in zip(blocks, weights)],
+                                  math=cpu_math(backend))
 
 
 # Rows a tile of the expert matmul: small on the XLA path, where a tile costs one expert dequantization
@@ -145,7 +183,7 @@ _XLA_TILE, _PALLAS_TILE, _CPU_TILE = 8, 16, 8
 
 def expert_tile(backend: str = "xla") -> int:
     backend = resolve_backend(backend)
-    return {"xla": _XLA_TILE, "cpu": _CPU_TILE}.get(backend, _PALLAS_TILE)
+    return _CPU_TILE if backend in _CPU_MATH else {"xla": _XLA_TILE}.get(backend, _PALLAS_TILE)
 
 
 def expert_matmul_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:
@@ -158,8 +196,8 @@ def expert_matmul_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w_blocks, qt
     backend = resolve_backend(backend)
     n_tiles = tile_expert.shape[0]
     tile = x_tiles.shape[0] // n_tiles
-    if backend == "cpu":                          # every row of tile i takes expert tile_expert[i]
-        return cpu.expert_matmul(x_tiles, w_blocks, jnp.repeat(tile_expert, tile), lay)
+    if backend in _CPU_MATH:                      # every row of tile i takes expert tile_expert[i]
+        return cpu.expert_matmul(x_tiles, w_blocks, jnp.repeat(tile_expert, tile), lay, math=_CPU_MATH[backend])
     if backend == "xla":
         # Empty tiles repeat tile 0's expert (always a chosen one), so no unchosen expert is ever read.
         te = jnp.where(tile_expert >= 0, tile_expert, tile_expert[0])
@@ -173,10 +211,11 @@ def expert_matmul(x: jax.Array, w_blocks, expert_ids: jax.Array, qtype, backend:
     """Row r of x [R, k] times expert expert_ids[r] of w_blocks [E, n, row_bytes] -> float32 [R, n].
 
     Rows are grouped by expert (grouping.py; the cpu kernel groups them itself); only the experts some
-    row chose are read. An id outside [0, E) gives a zero row on the cpu backend."""
-    if resolve_backend(backend) == "cpu":
+    row chose are read. An id outside [0, E) gives a zero row on the cpu backends."""
+    if is_cpu(backend):
         w_blocks = xla._as_bytes(w_blocks)
-        return cpu.expert_matmul(x, w_blocks, expert_ids, layout_for(qtype, w_blocks.shape[-1]))
+        return cpu.expert_matmul(x, w_blocks, expert_ids, layout_for(qtype, w_blocks.shape[-1]),
+                                 math=cpu_math(backend))
     g = group_rows(expert_ids, w_blocks.shape[0], expert_tile(backend))
     y = expert_matmul_tiles(scatter_rows(x, g), g.tile_expert, w_blocks, qtype, backend)
     return gather_rows(y, g)

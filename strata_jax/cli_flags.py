@@ -85,6 +85,12 @@ FLAGS = {
                     "4 GiB)"),
     "backend": Flag("auto|cpu|xla|pallas|interpret", "kernel backend (auto: pallas on a GPU; on a CPU, cpu where its "
                     "C++ kernels were built at install, else xla)"),
+    "cpu_math": Flag("int8|exact", "the arithmetic of the C++ CPU kernels' products of GGUF blocks: int8 quantizes "
+                     "each row of activations to 8 bits per block, as llama.cpp does, and multiplies with integer "
+                     "dot products (fast); exact keeps them float32 against the dequantized weights (the oracle, "
+                     "for research that needs those bits); float weights (F32, F16, BF16) are always exact. Applies to the "
+                     "cpu backend (stats and GET /props then name it cpu or cpu-exact) and to host experts computed "
+                     "beside a GPU; other backends ignore it"),
     "dtype": Flag("auto|float32|bfloat16", "activations (auto: float32 on a CPU, bfloat16 on a GPU)"),
     "request_timeout_s": Flag("S", "every request's deadline, seconds"),
     "max_grammar_rules": Flag("N", "rules a request's GBNF grammar may have (more: a 400 naming this flag)"),

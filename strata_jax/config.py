@@ -21,6 +21,8 @@ DRAFTERS = ("ngram", "mtp", "none")
 WEIGHT_MODES = ("auto", "blocks", "dequantized")
 EXPERT_POLICIES = ("freq", "lru")          # experts/policy.py: frequency-aware LRU (default), plain LRU
 SPLITS = ("auto", "experts", "layers")     # engine/devices.py: auto = experts for a MoE model, else layers
+# --cpu-math: pallas_kernels.cpu.MATHS, named here so the config needs no JAX (tests/test_cpu_math.py checks they agree)
+CPU_MATHS = ("int8", "exact")
 MAX_TEMPERATURE = 100.0
 
 
@@ -102,6 +104,7 @@ class EngineConfig:
     attn_chunk: str | int = "auto"       # keys an attention step reads (auto: 256, less for a small max_context)
     weights: str = "auto"                # blocks | dequantized | auto (blocks, read by the kernels; see runner.resolve)
     backend: str = "auto"                # kernel backend: auto | xla | cpu | pallas | interpret
+    cpu_math: str = "int8"               # the C++ CPU kernels' products: int8 (8-bit activations, fast) | exact (float32)
     dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16
     request_timeout_s: float = 600.0     # a request's deadline
     max_grammar_rules: int = 2048        # rules a request's GBNF grammar may have (engine/gbnf.py)
@@ -197,6 +200,8 @@ class EngineConfig:
         need(self.weights in WEIGHT_MODES, "weights", self.weights, f"must be one of {', '.join(WEIGHT_MODES)}")
         need(self.backend in ("auto", "xla", "cpu", "pallas", "interpret"), "backend", self.backend,
              "must be auto, xla, cpu, pallas or interpret")
+        need(self.cpu_math in CPU_MATHS, "cpu_math", self.cpu_math,
+             f"must be one of {', '.join(CPU_MATHS)} (int8: 8-bit activations, fast; exact: float32, the oracle)")
         need(self.dtype in ("auto", "float32", "bfloat16"), "dtype", self.dtype, "must be auto, float32 or bfloat16")
         need(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
         need(isinstance(self.max_grammar_rules, int) and 1 <= self.max_grammar_rules <= 1 << 20, "max_grammar_rules",

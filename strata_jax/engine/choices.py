@@ -17,9 +17,14 @@ DEQUANTIZE_LIMIT = 4 << 30
 
 
 def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
-    """Turn the config's "auto" choices into this machine's: backend, dtype, kv, weights, prefill."""
+    """Turn the config's "auto" choices into this machine's: backend (with --cpu-math on the cpu backend), dtype,
+    kv, weights, prefill."""
     on_gpu = jax.default_backend() == "gpu"
     backend = pk.resolve_backend(cfg.backend)
+    if pk.is_cpu(backend):
+        # the math is part of the backend's name ("cpu" | "cpu-exact"): every program's options carry it as
+        # data, and stats show which one runs
+        backend = pk.cpu_backend(cfg.cpu_math)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     kv = cfg.kv if cfg.kv != "auto" else ("bf16" if on_gpu else "f32")
     weights = cfg.weights

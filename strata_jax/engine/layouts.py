@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import pallas_kernels as pk
+
 from .programs import Layout
 from .sampler import SamplingRows
 
@@ -44,7 +46,7 @@ class WindowLayouts:
     def kv_bucket(self, needed: int) -> int:
         """The KV length a window attends over: chunk * 2^i covering `needed`, at most the cache length
         (and at most the device part when `needed` fits in it: such windows never touch host KV)."""
-        if self.backend == "cpu" and needed <= self.device_len:
+        if pk.is_cpu(self.backend) and needed <= self.device_len:
             # the cpu attention kernel reads only the keys each query sees, in place: the KV length is
             # not part of its arithmetic, so one program serves every length (fewer layouts to build)
             return self.device_len

@@ -139,7 +139,7 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
 def _host_device(cfg: EngineConfig, choices: dict):
     """--host-experts / --host-device -> (the CPU device that computes missed experts, "local" |
     "remote"), or (None, None) (experts/hybrid.py)."""
-    able_local = (choices["backend"], choices["weights"]) == ("cpu", "blocks")
+    able_local = pk.is_cpu(choices["backend"]) and choices["weights"] == "blocks"
     return host_device(cfg.host_experts, cfg.host_device, jax.devices()[0],
                        able_local and jax.default_backend() == "cpu", pk.cpu.available())
 
@@ -156,7 +156,8 @@ def _host_rule(cfg: EngineConfig, spec, where: str, infos: dict, host_trees: dic
                  "memcpy: the device cache is host RAM here) and the host computes at the device's own rate, "
                  "so the host wins whenever a layer misses", one.nbytes * 3 / 2**20, rule.link_gbs)
         return rule
-    rule = HostRule(link_rate(one, jax.devices()[0]), host_rate(host_trees[first], spec, dev),
+    rule = HostRule(link_rate(one, jax.devices()[0]), host_rate(host_trees[first], spec, dev,
+                                                               pk.cpu_backend(cfg.cpu_math)),
                     force=cfg.host_experts == "on")
     log.info("host experts on %s beside %s: %s", dev, jax.devices()[0], rule.describe())
     return rule
@@ -176,7 +177,7 @@ def largest_window_temp_bytes(spec, cfg: EngineConfig, choices: dict, opts, cach
     act = (tokens * (8 * s.hidden + 3 * k * (s.expert_ffn or s.ffn)) + logit_rows * s.vocab_size) * 4
     attn = rows * min(cache_len, device_len + opts.attn_chunk) * s.n_kv_heads * (s.head_dim + s.value_dim) * 4
     tiles = 0
-    if opts.backend == "cpu" and choices["weights"] == "blocks":
+    if pk.is_cpu(opts.backend) and choices["weights"] == "blocks":
         return act      # its kernels read the cache and the experts' blocks where they lie: no copies of them
     if s.is_moe:        # each tile's expert weights, gathered (float) or dequantized (blocks), gate/up/down
         n_tiles = -(-tokens * k // pk.expert_tile(opts.backend)) + min(s.n_experts, tokens * k)

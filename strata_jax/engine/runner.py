@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels as pk
+
 from ..config import ConfigError, EngineConfig
 from ..experts.profile import ExpertProfile
 from ..gguf import GGUFModel
@@ -50,7 +52,8 @@ class ModelRunner:
         self.cfg = cfg
         self.choices = resolve(cfg, model)
         chunk = cfg.attention_chunk()
-        self.opts = RunOptions(dtype=self.choices["dtype"], backend=self.choices["backend"], attn_chunk=chunk)
+        self.opts = RunOptions(dtype=self.choices["dtype"], backend=self.choices["backend"], attn_chunk=chunk,
+                               host_backend=pk.cpu_backend(cfg.cpu_math))
         # --devices N (devices.py): "none", one device as before; "experts", each window one program over a
         # mesh whose devices hold E/N experts each; "layers", a chain of stage programs (pipeline.py)
         self.split = resolve_split(cfg, self.spec)
@@ -67,7 +70,7 @@ class ModelRunner:
         # than for 2..32 (DESIGN.md, Batch invariance), so a lone row is padded to two. With blocks on the
         # cpu backend every product, the attention and the router run in its kernels, whose rows are
         # independent of each other: a lone row runs alone (SmolLM2's decode step: ~25% less work).
-        self.min_rows = 1 if (self.choices["backend"], self.choices["weights"]) == ("cpu", "blocks") else 2
+        self.min_rows = 1 if pk.is_cpu(self.choices["backend"]) and self.choices["weights"] == "blocks" else 2
         self.cache_len = -(-cfg.max_context // chunk) * chunk       # positions a slot's cache holds
         # --kv-resident N: the device holds a slot's first N positions, host RAM the rest (kv_host.py)
         self.device_len = min(cfg.kv_resident or self.cache_len, self.cache_len)

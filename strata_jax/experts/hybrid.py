@@ -96,8 +96,9 @@ def link_rate(blocks: np.ndarray, device) -> float:
     return blocks.nbytes / _best_of(lambda: jax.device_put(blocks, device).block_until_ready()) / 1e9
 
 
-def host_rate(tree, spec, device) -> float:
-    """GB/s the host's expert kernel reads one expert's gate blocks at for one row (on `device`)."""
+def host_rate(tree, spec, device, backend: str) -> float:
+    """GB/s the host's expert kernel reads one expert's gate blocks at for one row (on `device`), with the cpu
+    backend the host experts run ("cpu" | "cpu-exact": --cpu-math, which the rate depends on)."""
     import jax.numpy as jnp
 
     import pallas_kernels as pk
@@ -105,7 +106,7 @@ def host_rate(tree, spec, device) -> float:
     gate = tree["exp_gate"]
     x = jax.device_put(jnp.ones((1, spec.hidden), jnp.float32), device)
     ids = jax.device_put(jnp.zeros((1,), jnp.int32), device)
-    fn = jax.jit(lambda x, w, ids: pk.expert_matmul(x, w, ids, gate.qtype, "cpu"))
+    fn = jax.jit(lambda x, w, ids: pk.expert_matmul(x, w, ids, gate.qtype, backend))
     fn(x, gate.data, ids).block_until_ready()
     one = gate.data.nbytes / gate.data.shape[0]
     return one / _best_of(lambda: fn(x, gate.data, ids).block_until_ready()) / 1e9

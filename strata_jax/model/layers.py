@@ -27,11 +27,11 @@ def norm_linear_many(x: jax.Array, w: jax.Array, eps: float, ws: list[Weight],
     of a SmolLM2 decode token). Its norm is not XLA's bit for bit (its own fixed order a row), so every program that
     computes a given norm (the whole-window one, the layer-stepped stages, the router's prediction) comes
     here, and all get the same bits."""
-    if pk.resolve_backend(backend) != "cpu" or x.dtype != jnp.float32 or not all(isinstance(v, QTensor) for v in ws):
+    if not pk.is_cpu(backend) or x.dtype != jnp.float32 or not all(isinstance(v, QTensor) for v in ws):
         hx = rms_norm(x, w, eps)
         return hx, linear_many(hx, ws, backend) if ws else []
     lead = x.shape[:-1]
-    hx, ys = pk.norm_qmatmul_many(x.reshape(-1, x.shape[-1]), w, eps, [(v.data, v.qtype) for v in ws])
+    hx, ys = pk.norm_qmatmul_many(x.reshape(-1, x.shape[-1]), w, eps, [(v.data, v.qtype) for v in ws], backend)
     return hx.reshape(x.shape), [y.reshape(*lead, -1) for y in ys]
 
 
@@ -130,7 +130,7 @@ def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
 
     `bias` [E] (GLM-4.5's exp_probs_b): added to the scores to choose the experts only; the weights are the
     unbiased scores of the chosen ones."""
-    if backend == "cpu" and not isinstance(router, QTensor):
+    if pk.is_cpu(backend) and not isinstance(router, QTensor):
         # the cpu kernel's fixed-order rows (ModelRunner.min_rows): the router's logits do not depend on
         # how many rows the window has, so neither does the choice of experts
         logits = pk.cpu.f32_matmul(x, router)
@@ -169,7 +169,7 @@ def sharded_expert_rows(x: jax.Array, ids: jax.Array, p: dict[str, Weight], n_ex
     held = _leading(p["exp_gate"])                                                          # E/N
     local = ids - jax.lax.axis_index(axis) * held
     mine = (local >= 0) & (local < held)                                                    # [N, k]
-    if backend == "cpu" and isinstance(p["exp_gate"], QTensor):
+    if pk.is_cpu(backend) and isinstance(p["exp_gate"], QTensor):
         where = jnp.where(mine, local, -1)          # the kernel reads no weights for -1 and gives zeros
     else:
         where = jnp.where(mine, local, 0)           # XLA's tiles need a real expert: computed, then masked
@@ -195,7 +195,7 @@ def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict[str, Wei
     N, h = x.shape
     k = ids.shape[1]
     rows = jnp.repeat(x, k, axis=0)                                                         # [N*k, h]
-    if backend == "cpu" and isinstance(p["exp_gate"], QTensor):
+    if pk.is_cpu(backend) and isinstance(p["exp_gate"], QTensor):
         # The cpu kernel groups rows by expert itself and multiplies each row once: no tiles to fill
         # (a tile of 8 rows for one decode token's expert is 7 rows of padding multiplied).
         e = where.reshape(-1)                                                               # [N*k]
@@ -212,7 +212,7 @@ def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict[str, Wei
 
 def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, shared: Mlp | None, backend: str) -> jax.Array:
     """The weighted sum of the experts' outputs y [N, k, h] (weights w [N, k]), plus the shared expert."""
-    if backend == "cpu":        # element-wise, in expert order: no dot whose path depends on the row count
+    if pk.is_cpu(backend):      # element-wise, in expert order: no dot whose path depends on the row count
         out = y[:, 0] * w[:, 0, None]
         for j in range(1, y.shape[1]):
             out = out + y[:, j] * w[:, j, None]
@@ -222,7 +222,7 @@ def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, shared: Mlp | None
         s = mlp(x, shared.gate, shared.up, shared.down, backend).astype(jnp.float32)
         if shared.gate_inp is not None:
             x32, g = x.astype(jnp.float32), shared.gate_inp.astype(jnp.float32).reshape(-1)   # g [h]
-            score = pk.cpu.f32_matmul(x32, g[None, :])[:, 0] if backend == "cpu" else x32 @ g
+            score = pk.cpu.f32_matmul(x32, g[None, :])[:, 0] if pk.is_cpu(backend) else x32 @ g
             s = s * jax.nn.sigmoid(score)[:, None]
         out = out + s
     return out.astype(x.dtype)

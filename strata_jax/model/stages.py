@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+import pallas_kernels as pk
+
 from ..gguf import ModelSpec
 from .layers import combine_experts, expert_rows, norm_linear_many, route
 from .params import LayerWeights, Mlp
@@ -49,13 +51,16 @@ def experts_stage(shared: Mlp | None, arena: dict, table, spec: ModelSpec, opts:
     return xs, ys
 
 
-def host_experts_stage(tree: dict, absent, spec: ModelSpec, parts) -> list:
+def host_experts_stage(tree: dict, absent, spec: ModelSpec, parts, backend: str = "cpu") -> list:
     """The experts of one layer that the device cache lacks, on the host device (experts/hybrid.py, "remote"):
     per group (hx [N, h], ids [N, k]) and absent [E] int32 (the expert itself where the device cache lacks
     it, -1 where it holds it) -> float32 [N, k, h] from the host tier's blocks with the cpu kernel; rows of
     held experts are zeros and read no weights (the kernel skips id -1). The device's experts_stage
-    computes those and keeps these rows (its y_acc): expert_rows either way, so on CPUs the same bits."""
-    return [expert_rows(hx, ids, absent[ids], tree, spec.n_experts, "cpu") for hx, ids in parts]
+    computes those and keeps these rows (its y_acc): expert_rows either way, so on CPUs the same bits.
+    backend: the engine's RunOptions.host_backend, "cpu" or "cpu-exact" (--cpu-math)."""
+    if not pk.is_cpu(backend):
+        raise ValueError(f"host experts run the C++ CPU kernels: backend {backend!r} is not cpu or cpu-exact")
+    return [expert_rows(hx, ids, absent[ids], tree, spec.n_experts, backend) for hx, ids in parts]
 
 
 def dense_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):

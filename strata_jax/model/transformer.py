@@ -42,6 +42,7 @@ class RunOptions:
     backend: str = "xla"            # pallas_kernels backend for weights kept in blocks
     attn_chunk: int = 256           # keys an attention step reads; kv lengths are multiples of it
     expert_axis: str | None = None  # --split experts: the mesh axis the routed experts are sharded over
+    host_backend: str = "cpu"       # host experts beside the device (model/stages.py): cpu | cpu-exact, by --cpu-math
 
 
 def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype) -> dict[str, jax.Array]:
@@ -186,7 +187,7 @@ def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs
     new = [_project_qkv(lp, i, spec, opts, g, x, cache) for g, x in zip(groups, xs)]
     for g, (_, stored) in zip(groups, new):
         cache = _write(cache, i, g.slots, _write_at(cache, g), stored)
-    if opts.backend == "cpu":
+    if pk.is_cpu(opts.backend):
         if host is None or kv_len <= host.resident:
             return _attend_in_place(lp, i, opts, groups, xs, [q for q, _ in new], cache), cache
         return [_attend_in_place_and_host(lp, i, opts, g, x, q, stored, cache, kv_len, host)

@@ -100,6 +100,8 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         }
         if info.get("chat_template_source") is not None:
             out["chat_template"] = info["chat_template_source"]
+        # strata's own: the kernel backend the engine resolved (cpu, cpu-exact with --cpu-math exact, pallas, xla)
+        out["backend"] = (info.get("choices") or {}).get("backend")
         for key in ("bos_token", "eos_token"):
             if info.get(key) is not None:
                 out[key] = info[key]
