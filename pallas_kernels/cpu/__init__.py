@@ -119,10 +119,11 @@ def _math_code(math: str) -> np.int32:
     return np.int32(MATHS.index(math) == 0)          # the kernels' attribute: 1 = int8, 0 = exact
 
 
-def _qmatmul_call(x: jax.Array, w: jax.Array, qtype: QType) -> jax.Array:
+def _qmatmul_call(x: jax.Array, w: jax.Array, qtype: QType, math: str = "exact") -> jax.Array:
     """The C++ kernel: x float32 [M, k], w [n, row_bytes] bytes of a FAST type -> [M, n]."""
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("strata_qmatmul", out, vmap_method="sequential")(x, w, qtype=np.int32(qtype))
+    return jax.ffi.ffi_call("strata_qmatmul", out, vmap_method="sequential")(
+        x, w, qtype=np.int32(qtype), int8=_math_code(math))
 
 
 def _check_k(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> None:
@@ -138,7 +139,7 @@ def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout, math: str = "int8") 
     _check_k(x, w_blocks, lay)
     x = x.astype(jnp.float32)
     if lay.qtype in FAST:
-        return _qmatmul_call(x, w_blocks, lay.qtype)
+        return _qmatmul_call(x, w_blocks, lay.qtype, math)
     return _tiled_qmatmul(x, w_blocks, lay)
 
 
@@ -156,7 +157,7 @@ def qmatmul_many(x: jax.Array, weights: list[tuple[jax.Array, Layout]], math: st
         shapes = [jax.ShapeDtypeStruct((x.shape[0], weights[j][0].shape[0]), jnp.float32) for j in fast]
         qtypes = np.array([int(weights[j][1].qtype) for j in fast], np.int32)
         ys = jax.ffi.ffi_call("strata_qmatmul_many", shapes, vmap_method="sequential")(
-            x, *(weights[j][0] for j in fast), qtypes=qtypes)
+            x, *(weights[j][0] for j in fast), qtypes=qtypes, int8=_math_code(math))
         for j, y in zip(fast, ys):
             out[j] = y
     for j, (w, lay) in enumerate(weights):
@@ -183,7 +184,8 @@ def norm_qmatmul_many(x: jax.Array, norm: jax.Array, eps: float,
     shapes += [jax.ShapeDtypeStruct((x.shape[0], weights[j][0].shape[0]), jnp.float32) for j in fast]
     qtypes = np.array([int(weights[j][1].qtype) for j in fast], np.int32)
     hx, *ys = jax.ffi.ffi_call("strata_norm_qmatmul_many", shapes, vmap_method="sequential")(
-        x, norm.astype(jnp.float32), *(weights[j][0] for j in fast), qtypes=qtypes, eps=np.float32(eps))
+        x, norm.astype(jnp.float32), *(weights[j][0] for j in fast), qtypes=qtypes, eps=np.float32(eps),
+        int8=_math_code(math))
     out: list = [None] * len(weights)
     for j, y in zip(fast, ys):
         out[j] = y
@@ -214,7 +216,7 @@ def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay:
     if lay.qtype in FAST:
         out = jax.ShapeDtypeStruct((x.shape[0], w_blocks.shape[1]), jnp.float32)
         return jax.ffi.ffi_call("strata_expert_matmul", out, vmap_method="sequential")(
-            x, w_blocks, ids, qtype=np.int32(lay.qtype))
+            x, w_blocks, ids, qtype=np.int32(lay.qtype), int8=_math_code(math))
     return _tiled_expert_matmul(x, w_blocks, ids, lay)
 
 
@@ -276,11 +278,11 @@ def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list[tuple[
             raise ValueError(f"w_blocks must be [E, n, row_bytes] (got {tuple(w.shape)}) and expert_ids "
                              f"[{x.shape[0]}] (got {tuple(ids.shape)})")
     if not all(lay.qtype in FAST for _, lay in weights) or len({w.shape[0] for w, _ in weights}) != 1:
-        return [expert_matmul(x, w, ids, lay) for w, lay in weights]
+        return [expert_matmul(x, w, ids, lay, math) for w, lay in weights]
     shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w, _ in weights]
     qtypes = np.array([int(lay.qtype) for _, lay in weights], np.int32)
     return list(jax.ffi.ffi_call("strata_expert_matmul_many", shapes, vmap_method="sequential")(
-        x, ids, *(w for w, _ in weights), qtypes=qtypes))
+        x, ids, *(w for w, _ in weights), qtypes=qtypes, int8=_math_code(math)))
 
 
 # ---- the slow path: one tile of weight rows dequantized at a time --------------------------------

@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "int8.h"
 #include "matmul.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -79,14 +80,46 @@ struct Product {
   const uint8_t* w;
   int64_t row_bytes, n;
   float* y;                // [M, n]
+  int32_t qtype;
 };
+
+// x's rows quantized for the int8 path (--cpu-math int8), once a call for each block size its weights need.
+struct QuantizedX {
+  Q8Rows by32, by256;
+
+  // Quantizes x for every weight type among `qtypes` that has an int8 kernel.
+  void prepare(const float* const* x, int64_t m, int64_t k, const std::vector<int32_t>& qtypes) {
+    bool need32 = false, need256 = false;
+    for (int32_t q : qtypes)
+      if (int8_fn(q)) (int8_unit(q) == 32 ? need32 : need256) = true;
+    if (need32) quantize_rows(x, m, k, 32, by32);
+    if (need256) quantize_rows(x, m, k, 256, by256);
+  }
+  const Q8Rows& for_type(int32_t qtype) const { return int8_unit(qtype) == 32 ? by32 : by256; }
+};
+
+// Weight rows [n0, n1) of one matrix times rows `x` (float, the exact path) or `xq` (quantized: the int8
+// path, when the call asked for it and the type has one).
+void product_rows(const TypeInfo& t, int32_t qtype, bool int8, const uint8_t* w, int64_t row_bytes, int64_t k,
+                  const RowSet& rows, const Q8Row* xq, int64_t n0, int64_t n1) {
+  Int8Fn f = int8 ? int8_fn(qtype) : nullptr;
+  if (f) return f(w, row_bytes, k, Q8RowSet{xq, rows.y, rows.m}, n0, n1);
+  matmul_rows(t, w, row_bytes, k, rows, n0, n1);
+}
 
 // x [M, k] times each of `ps`, in one parallel region: the units of all the matrices share the threads
 // (one wake-up and one wait a call, not one a matrix). A unit's output is computed as in a call of its
 // matrix alone: the same bits.
-void run_products(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, const std::vector<Product>& ps) {
+void run_products(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, const std::vector<Product>& ps,
+                  bool int8) {
   std::vector<f32x16> pad;
   std::vector<const float*> xp = x_rows(x, m, k, pad);
+  QuantizedX xq;
+  if (int8) {
+    std::vector<int32_t> qtypes;
+    for (const Product& p : ps) qtypes.push_back(p.qtype);
+    xq.prepare(xp.data(), m, k, qtypes);
+  }
   int64_t total = 0, bytes = 0;
   for (const Product& p : ps) total += p.n, bytes += p.n * p.row_bytes;
   int64_t per = rows_per_unit(total, m);
@@ -101,7 +134,8 @@ void run_products(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, c
     auto [j, n0] = units[u];
     const Product& p = ps[j];
     RowSet rows{xp.data(), yp[j].data(), m};
-    matmul_rows(p.t, p.w, p.row_bytes, k, rows, n0, std::min(p.n, n0 + per));
+    product_rows(p.t, p.qtype, int8, p.w, p.row_bytes, k, rows, xq.for_type(p.qtype).rows.data(), n0,
+                 std::min(p.n, n0 + per));
   });
 }
 
@@ -109,23 +143,23 @@ ffi::Error product_of(int64_t k, int32_t qtype, ffi::AnyBuffer w, float* y, Prod
   auto wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("strata_qmatmul: each w must be [n, row_bytes]");
   p = Product{{}, static_cast<const uint8_t*>(w.untyped_data()), wd[1] * (int64_t)ffi::ByteWidth(w.element_type()),
-              wd[0], y};
+              wd[0], y, qtype};
   return check_type(qtype, k, p.row_bytes, p.t);
 }
 
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                       ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+                       ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t int8) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("strata_qmatmul: x must be [M, k] and w [n, row_bytes]");
   std::vector<Product> ps(1);
   if (ffi::Error err = product_of(xd[1], qtype, w, y->typed_data(), ps[0]); err.failure()) return err;
-  run_products(pool, x.typed_data(), xd[0], xd[1], ps);
+  run_products(pool, x.typed_data(), xd[0], xd[1], ps, int8);
   return ffi::Error::Success();
 }
 
 // x times several weights at once (q, k and v; gate and up): weights and results in the same order.
 ffi::Error QMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
-                           ffi::RemainingRets ys, ffi::Span<const int32_t> qtypes) {
+                           ffi::RemainingRets ys, ffi::Span<const int32_t> qtypes, int32_t int8) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || ws.size() != qtypes.size() || ys.size() != qtypes.size())
     return ffi::Error::InvalidArgument("strata_qmatmul_many: x [M, k], then as many weights, results and qtypes");
@@ -136,7 +170,7 @@ ffi::Error QMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     if (w.has_error() || y.has_error()) return ffi::Error::InvalidArgument("strata_qmatmul_many: bad operand");
     if (ffi::Error err = product_of(xd[1], qtypes[j], *w, (*y)->typed_data(), ps[j]); err.failure()) return err;
   }
-  run_products(pool, x.typed_data(), xd[0], xd[1], ps);
+  run_products(pool, x.typed_data(), xd[0], xd[1], ps, int8);
   return ffi::Error::Success();
 }
 
@@ -165,7 +199,7 @@ void rms_norm_rows(const float* x, const float* w, float eps, int64_t m, int64_t
 // hx [M, k] first, then one [M, n] a weight.
 ffi::Error NormQMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm,
                                ffi::RemainingArgs ws, ffi::RemainingRets ys, ffi::Span<const int32_t> qtypes,
-                               float eps) {
+                               float eps, int32_t int8) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || norm.element_count() != xd[1] || ws.size() + 1 != ys.size() || ws.size() != qtypes.size())
     return ffi::Error::InvalidArgument("strata_norm_qmatmul_many: x [M, k], norm [k], then as many weights and "
@@ -181,7 +215,7 @@ ffi::Error NormQMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     if (w.has_error() || y.has_error()) return ffi::Error::InvalidArgument("strata_norm_qmatmul_many: bad operand");
     if (ffi::Error err = product_of(xd[1], qtypes[j], *w, (*y)->typed_data(), ps[j]); err.failure()) return err;
   }
-  if (!ps.empty()) run_products(pool, h, xd[0], xd[1], ps);
+  if (!ps.empty()) run_products(pool, h, xd[0], xd[1], ps, int8);
   return ffi::Error::Success();
 }
 
@@ -191,13 +225,14 @@ struct ExpertProduct {
   const uint8_t* w;
   int64_t n_exp, n, row_bytes;
   float* y;
+  int32_t qtype;
 };
 
 // Row r of x [R, k] times expert ids[r] of each weight of `ps` (all with E experts). Rows whose expert
 // id is outside [0, E) (-1: no expert) get zeros and read no weights. The rows are grouped by expert
 // once; the units of every weight and chosen expert share the threads, each computed as alone.
 void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, int64_t k, const int32_t* id,
-                         const std::vector<ExpertProduct>& ps) {
+                         const std::vector<ExpertProduct>& ps, bool int8) {
   int64_t n_exp = ps[0].n_exp;
   std::vector<int64_t> count(n_exp + 1, 0);        // rows by expert, in row order within one (counting sort)
   for (int64_t r = 0; r < r_all; r++) {
@@ -210,6 +245,12 @@ void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, i
   int64_t chosen_rows = count[n_exp];
   std::vector<f32x16> pad;
   std::vector<const float*> xall = x_rows(x, r_all, k, pad);
+  QuantizedX xq;
+  if (int8) {
+    std::vector<int32_t> qtypes;
+    for (const ExpertProduct& p : ps) qtypes.push_back(p.qtype);
+    xq.prepare(xall.data(), r_all, k, qtypes);
+  }
   std::vector<const float*> xp(chosen_rows);
   std::vector<int64_t> row_of(chosen_rows);
   {
@@ -220,6 +261,12 @@ void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, i
       xp[fill[e]] = xall[r];
       row_of[fill[e]++] = r;
     }
+  }
+  // The quantized rows in the same (grouped) order, for each block size quantized.
+  std::vector<Q8Row> xq32(xq.by32.rows.empty() ? 0 : chosen_rows), xq256(xq.by256.rows.empty() ? 0 : chosen_rows);
+  for (int64_t i = 0; i < chosen_rows; i++) {
+    if (!xq32.empty()) xq32[i] = xq.by32.rows[row_of[i]];
+    if (!xq256.empty()) xq256[i] = xq.by256.rows[row_of[i]];
   }
   std::vector<std::vector<float*>> yp(ps.size(), std::vector<float*>(chosen_rows));
   for (size_t j = 0; j < ps.size(); j++)
@@ -241,7 +288,9 @@ void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, i
     auto [j, e, n0] = units[u];
     const ExpertProduct& p = ps[j];
     RowSet rows{xp.data() + count[e], yp[j].data() + count[e], count[e + 1] - count[e]};
-    matmul_rows(p.t, p.w + e * p.n * p.row_bytes, p.row_bytes, k, rows, n0, std::min(p.n, n0 + per));
+    const std::vector<Q8Row>& q = int8_unit(p.qtype) == 32 ? xq32 : xq256;
+    product_rows(p.t, p.qtype, int8, p.w + e * p.n * p.row_bytes, p.row_bytes, k, rows,
+                 q.empty() ? nullptr : q.data() + count[e], n0, std::min(p.n, n0 + per));
   });
 }
 
@@ -249,7 +298,7 @@ ffi::Error expert_product_of(int64_t k, int32_t qtype, ffi::AnyBuffer w, float* 
   auto wd = w.dimensions();
   if (wd.size() != 3) return ffi::Error::InvalidArgument("strata_expert_matmul: each w must be [E, n, row_bytes]");
   p = ExpertProduct{{}, static_cast<const uint8_t*>(w.untyped_data()), wd[0], wd[1],
-                    wd[2] * (int64_t)ffi::ByteWidth(w.element_type()), y};
+                    wd[2] * (int64_t)ffi::ByteWidth(w.element_type()), y, qtype};
   return check_type(qtype, k, p.row_bytes, p.t);
 }
 
@@ -262,18 +311,19 @@ ffi::Error check_expert_inputs(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& 
 }
 
 ffi::Error ExpertMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+                            ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t int8) {
   if (ffi::Error err = check_expert_inputs(x, ids); err.failure()) return err;
   std::vector<ExpertProduct> ps(1);
   if (ffi::Error err = expert_product_of(x.dimensions()[1], qtype, w, y->typed_data(), ps[0]); err.failure())
     return err;
-  run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps);
+  run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps, int8);
   return ffi::Error::Success();
 }
 
 // Several expert weights of the same rows and ids at once (gate and up): weights and results in order.
 ffi::Error ExpertMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
-                                ffi::RemainingArgs ws, ffi::RemainingRets ys, ffi::Span<const int32_t> qtypes) {
+                                ffi::RemainingArgs ws, ffi::RemainingRets ys, ffi::Span<const int32_t> qtypes,
+                                int32_t int8) {
   if (ffi::Error err = check_expert_inputs(x, ids); err.failure()) return err;
   if (ws.size() != qtypes.size() || ys.size() != qtypes.size() || qtypes.size() == 0)
     return ffi::Error::InvalidArgument("strata_expert_matmul_many: as many weights, results and qtypes");
@@ -287,7 +337,7 @@ ffi::Error ExpertMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
     if (ps[j].n_exp != ps[0].n_exp)
       return ffi::Error::InvalidArgument("strata_expert_matmul_many: the weights hold different numbers of experts");
   }
-  run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps);
+  run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps, int8);
   return ffi::Error::Success();
 }
 
@@ -309,7 +359,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataQMatmul, strata::QMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("qtype"));
+                                  .Attr<int32_t>("qtype")
+                                  .Attr<int32_t>("int8"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataQMatmulMany, strata::QMatmulManyImpl,
                               ffi::Ffi::Bind()
@@ -317,7 +368,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataQMatmulMany, strata::QMatmulManyImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<ffi::Span<const int32_t>>("qtypes"));
+                                  .Attr<ffi::Span<const int32_t>>("qtypes")
+                                  .Attr<int32_t>("int8"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataNormQMatmulMany, strata::NormQMatmulManyImpl,
                               ffi::Ffi::Bind()
@@ -327,7 +379,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataNormQMatmulMany, strata::NormQMatmulManyImpl
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<ffi::Span<const int32_t>>("qtypes")
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("int8"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataExpertMatmulMany, strata::ExpertMatmulManyImpl,
                               ffi::Ffi::Bind()
@@ -336,7 +389,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataExpertMatmulMany, strata::ExpertMatmulManyIm
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<ffi::Span<const int32_t>>("qtypes"));
+                                  .Attr<ffi::Span<const int32_t>>("qtypes")
+                                  .Attr<int32_t>("int8"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataExpertMatmul, strata::ExpertMatmulImpl,
                               ffi::Ffi::Bind()
@@ -345,7 +399,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataExpertMatmul, strata::ExpertMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("qtype"));
+                                  .Attr<int32_t>("qtype")
+                                  .Attr<int32_t>("int8"));
 
 // For the Python side's checks and log lines: which SIMD path this build took.
 const char* strata_cpu_isa() { return strata::kIsa; }
