@@ -1,37 +1,63 @@
-"""Builds the C++ CPU kernels (pallas_kernels/cpu/*.cc) into pallas_kernels/cpu/_strata_cpu*.so.
+"""Builds the C++ CPU kernels (pallas_kernels/cpu/*.cc) into pallas_kernels/cpu/_strata_cpu_<level>*.so,
+one library per instruction-set level (LEVELS), compiled at the same time.
 
-Everything else about the package is in pyproject.toml. The library is an XLA FFI handler library
-loaded with ctypes (not a Python extension module): it needs XLA's FFI headers, which ship with
+Everything else about the package is in pyproject.toml. The libraries are XLA FFI handler libraries
+loaded with ctypes (not Python extension modules): they need XLA's FFI headers, which ship with
 jaxlib (jaxlib/include; `[build-system] requires` puts jaxlib in pip's isolated build environment).
+pallas_kernels/cpu/library.py loads the base level, asks it which levels this CPU runs (cpuid),
+and loads the best one that was built (STRATA_CPU_ISA forces one).
 
 Optional: without a C++ compiler (or headers) the install still succeeds, prints why the kernels
-were not built, and pallas_kernels' backend "auto" uses xla on a CPU.
+were not built, and pallas_kernels' backend "auto" uses xla on a CPU. A wider level that does not
+compile (an older compiler without -mavxvnni) is left out with a printed line; the others are kept.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import shlex
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = ["pallas_kernels/cpu/dequant.cc", "pallas_kernels/cpu/direct.cc", "pallas_kernels/cpu/matmul.cc",
-           "pallas_kernels/cpu/ffi.cc", "pallas_kernels/cpu/attention.cc"]
+           "pallas_kernels/cpu/ffi.cc", "pallas_kernels/cpu/attention.cc", "pallas_kernels/cpu/isa.cc",
+           "pallas_kernels/cpu/int8.cc"]
 HEADERS = ["pallas_kernels/cpu/simd.h", "pallas_kernels/cpu/blocks.h", "pallas_kernels/cpu/dequant.h",
-           "pallas_kernels/cpu/matmul.h", "pallas_kernels/cpu/parallel.h"]
+           "pallas_kernels/cpu/matmul.h", "pallas_kernels/cpu/parallel.h", "pallas_kernels/cpu/q8.h",
+           "pallas_kernels/cpu/int8.h", "pallas_kernels/cpu/int8_blocks.h"]
 
-# -march=native: the library is built on the machine that runs it (an editable or source install;
-# no binary wheel of this package is published), so it uses that CPU's widest SIMD (AVX-512, else
-# AVX2+FMA, else the scalar fallback: simd.h). -ffp-contract=off keeps dequantization's (d * q) + m
-# two roundings, as gguf.quants computes it; the accumulation uses explicit FMA instructions.
-# STRATA_CPU_CXXFLAGS replaces the -march flag (e.g. "-mavx2 -mfma" to build the AVX2 path).
+# -ffp-contract=off keeps dequantization's (d * q) + m two roundings, as gguf.quants computes it;
+# the accumulation uses explicit FMA instructions (simd.h).
 FLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fvisibility=hidden", "-w", "-Wno-psabi"]
+# ELF linkers: a symbol no source defines fails the build (the level is left out, with the linker's message),
+# not the library's load at run time.
+LINK = ["-Wl,-z,defs"] if sys.platform.startswith("linux") else []
+
+# The instruction-set levels, narrowest (always safe, built first in the list) to widest, with their -march flags.
+# Not -march=native: a build (or a wheel) made on one machine must run on another; library.py picks a
+# level by cpuid at load time. isa.cc checks at compile time that a level's flags match its name.
+X86_LEVELS = {
+    "scalar": ["-march=x86-64"],
+    "avx2": ["-march=x86-64-v3"],                                       # AVX2, FMA, F16C, BMI2
+    "avxvnni": ["-march=x86-64-v3", "-mavxvnni"],                       # + VEX dot products (Alder Lake, Zen 5)
+    "avx512": ["-march=x86-64-v4"],                                     # AVX-512 F, BW, CD, DQ, VL
+    "avx512vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi"],  # + dot products, byte permutes
+}
+OTHER_LEVELS = {"generic": []}                                          # any other machine: the compiler's default
+MODULE = "pallas_kernels.cpu._strata_cpu_"                              # + level: pallas_kernels/cpu/library.py's names
+
+
+def levels() -> dict[str, list[str]]:
+    """The levels to build on this machine, base level first."""
+    return X86_LEVELS if platform.machine().lower() in ("x86_64", "amd64") else OTHER_LEVELS
 
 
 def ffi_include_dir() -> Path:
@@ -48,28 +74,64 @@ def ffi_include_dir() -> Path:
 class BuildCpuKernels(build_ext):
     def run(self):
         try:
-            super().run()                            # builds each extension, then copies it in place if editable
+            super().run()                            # builds the extensions, then copies them in place if editable
         except Exception as e:  # noqa: BLE001 - the kernels are optional: say why, install the rest
             msg = (f"strata-jax: the C++ CPU kernels were NOT built: {e}\n"
                    "pallas_kernels will use the xla backend on a CPU (backend='cpu' will raise).")
             print("\n" + "!" * 100 + "\n" + msg + "\n" + "!" * 100 + "\n", file=sys.stderr, flush=True)
             self.extensions = []
 
-    def build_extension(self, ext):
+    def build_extensions(self):
+        """Every level at once (each is one ~15 s compiler run); the base level must build, a wider one may fail."""
         cxx = shlex.split(os.environ.get("CXX", "g++"))
         if not cxx or shutil.which(cxx[0]) is None:
             raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'g++')!r} is not on PATH (install g++ or set CXX)")
-        arch = shlex.split(os.environ.get("STRATA_CPU_CXXFLAGS", "-march=native"))
+        include = ffi_include_dir()
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        with ThreadPoolExecutor(max(1, min(workers, len(self.extensions)))) as pool:
+            errors = list(pool.map(lambda ext: self._compile(cxx, include, ext), self.extensions))
+        base = self.extensions[0]
+        failed = {ext.name: err for ext, err in zip(self.extensions, errors) if err}
+        if base.name in failed:
+            raise RuntimeError(f"the base level ({base.name}) did not compile: {failed[base.name]}")
+        for ext in self.extensions:
+            if ext.name in failed:
+                print(f"strata-jax: the CPU kernels' level {_level(ext)} was left out (this compiler cannot build it; "
+                      f"the other levels are used): {failed[ext.name]}", file=sys.stderr, flush=True)
+                self._remove_stale(ext)
+        self.extensions = [ext for ext in self.extensions if ext.name not in failed]
+
+    def _compile(self, cxx: list[str], include: Path, ext: Extension) -> str | None:
+        """Builds one level; returns why it failed, or None."""
         out = Path(self.get_ext_fullpath(ext.name))
         out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [*cxx, *FLAGS, *arch, "-I", str(ffi_include_dir()), *ext.sources, "-o", str(out)]
-        print("building the CPU kernels:", shlex.join(cmd), flush=True)
+        level = _level(ext)
+        cmd = [*cxx, *FLAGS, *levels()[level], f'-DSTRATA_LEVEL="{level}"', "-I", str(include), *ext.sources,
+               *LINK, "-o", str(out)]
+        print(f"building the CPU kernels ({level}):", shlex.join(cmd), flush=True)
         done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"{cxx[0]} failed with exit code {done.returncode}:\n{done.stderr[-4000:]}")
+            return f"{cxx[0]} failed with exit code {done.returncode}:\n{done.stderr[-4000:]}"
+        return None
+
+    def _remove_stale(self, ext: Extension) -> None:
+        """An editable install's library of this level from an earlier build would otherwise be loaded, built
+        from other sources than the rest."""
+        if not self.inplace:
+            return
+        inplace_file, _ = self._get_inplace_equivalent(self.get_finalized_command("build_py"), ext)
+        if os.path.exists(inplace_file):
+            os.remove(inplace_file)
+            print(f"strata-jax: removed the earlier build {inplace_file}", file=sys.stderr, flush=True)
+
+
+def _level(ext: Extension) -> str:
+    return ext.name.removeprefix(MODULE)
 
 
 setup(
-    ext_modules=[Extension("pallas_kernels.cpu._strata_cpu", sources=SOURCES, depends=HEADERS)],
+    # one Extension a level, so that editable installs copy each into pallas_kernels/cpu/
+    ext_modules=[Extension(MODULE + level, sources=SOURCES, depends=HEADERS,
+                           optional=i > 0) for i, level in enumerate(levels())],
     cmdclass={"build_ext": BuildCpuKernels},
 )
