@@ -73,13 +73,19 @@ def ffi_include_dir() -> Path:
 
 class BuildCpuKernels(build_ext):
     def run(self):
+        in_place = self.inplace                      # editable installs: build_ext.run() builds, then copies in place
+        levels_asked = list(self.extensions)
         try:
-            super().run()                            # builds the extensions, then copies them in place if editable
+            super().run()
         except Exception as e:  # noqa: BLE001 - the kernels are optional: say why, install the rest
             msg = (f"strata-jax: the C++ CPU kernels were NOT built: {e}\n"
                    "pallas_kernels will use the xla backend on a CPU (backend='cpu' will raise).")
             print("\n" + "!" * 100 + "\n" + msg + "\n" + "!" * 100 + "\n", file=sys.stderr, flush=True)
             self.extensions = []
+        if in_place:
+            for ext in levels_asked:
+                if ext not in self.extensions:
+                    self._remove_stale(ext)
 
     def build_extensions(self):
         """Every level at once (each is one ~15 s compiler run); the base level must build, a wider one may fail."""
@@ -96,15 +102,16 @@ class BuildCpuKernels(build_ext):
             raise RuntimeError(f"the base level ({base.name}) did not compile: {failed[base.name]}")
         for ext in self.extensions:
             if ext.name in failed:
-                print(f"strata-jax: the CPU kernels' level {_level(ext)} was left out (this compiler cannot build it; "
-                      f"the other levels are used): {failed[ext.name]}", file=sys.stderr, flush=True)
-                self._remove_stale(ext)
+                print(f"strata-jax: the CPU kernels' level {_level(ext)} was left out (it did not compile: an older "
+                      f"compiler may not know its -m flags; the other levels are used): {failed[ext.name]}",
+                      file=sys.stderr, flush=True)
         self.extensions = [ext for ext in self.extensions if ext.name not in failed]
 
     def _compile(self, cxx: list[str], include: Path, ext: Extension) -> str | None:
         """Builds one level; returns why it failed, or None."""
         out = Path(self.get_ext_fullpath(ext.name))
         out.parent.mkdir(parents=True, exist_ok=True)
+        out.unlink(missing_ok=True)                  # a failed level leaves no earlier build behind to be packed
         level = _level(ext)
         cmd = [*cxx, *FLAGS, *levels()[level], f'-DSTRATA_LEVEL="{level}"', "-I", str(include), *ext.sources,
                *LINK, "-o", str(out)]
@@ -115,10 +122,8 @@ class BuildCpuKernels(build_ext):
         return None
 
     def _remove_stale(self, ext: Extension) -> None:
-        """An editable install's library of this level from an earlier build would otherwise be loaded, built
-        from other sources than the rest."""
-        if not self.inplace:
-            return
+        """An editable install's library of a level not built this time, from an earlier build, would otherwise
+        be loaded: built from other sources than the rest, or when the base level failed, instead of none."""
         inplace_file, _ = self._get_inplace_equivalent(self.get_finalized_command("build_py"), ext)
         if os.path.exists(inplace_file):
             os.remove(inplace_file)

@@ -21,11 +21,15 @@ Subparsers = Any  # argparse's _SubParsersAction
 
 
 def add_inspect(sub: Subparsers) -> None:
-    p = sub.add_parser("inspect", help="describe a GGUF model: parameters, tensor types, expert sizes",
+    p = sub.add_parser("inspect", help="describe a GGUF model: parameters, tensor types, expert sizes; or this machine",
                        description="Describe a GGUF model (any part of a split one): architecture, parameter "
                                    "count, tensor types with counts and bytes, the bytes of one expert per layer "
-                                   "and of all experts, and whether they fit a device budget.")
-    p.add_argument("model", help="a .gguf file, or any part of a split model")
+                                   "and of all experts, and whether they fit a device budget. With --system: "
+                                   "this machine's CPU and which level of the C++ CPU kernels runs on it.")
+    p.add_argument("model", nargs="?", help="a .gguf file, or any part of a split model")
+    p.add_argument("--system", action="store_true",
+                   help="describe this machine: CPU, its SIMD flags, the CPU kernels' levels built and the one in use "
+                        "(chosen by cpuid, or forced by STRATA_CPU_ISA)")
     p.add_argument("--device-budget-gib", type=float, metavar="G",
                    help="say whether the experts (and the other weights) fit G GiB of device memory")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -36,9 +40,49 @@ def run_inspect(args: argparse.Namespace) -> int:
     from strata_jax.gguf import GGUFModel
     from strata_jax.gguf.summary import render, summarize
 
-    summary = summarize(GGUFModel.open(args.model, strict=False), args.device_budget_gib)
-    print(json.dumps(summary.to_json(), indent=2) if args.json else render(summary))
+    if args.model is None and not args.system:
+        print("strata-jax inspect: error: give a model file (a .gguf) or --system", file=sys.stderr)
+        return 2
+    figures: dict[str, Any] = {}
+    if args.system:
+        figures["system"] = system_info()
+        if not args.json:
+            print(render_system(figures["system"]))
+    if args.model is not None:
+        summary = summarize(GGUFModel.open(args.model, strict=False), args.device_budget_gib)
+        figures["model"] = summary.to_json()
+        if not args.json:
+            print(("\n" if args.system else "") + render(summary))
+    if args.json:                                   # a model alone: its figures as before; with --system, both
+        print(json.dumps(figures["model"] if not args.system else figures, indent=2))
     return 0
+
+
+def system_info() -> dict[str, Any]:
+    """The machine as the CPU kernels see it (pallas_kernels/cpu/library.py)."""
+    import os
+    import platform
+
+    from pallas_kernels.cpu import library
+    from strata_jax.bench.machine import cpu_model
+
+    return {"cpu": cpu_model(), "machine": platform.machine(), "cores": os.cpu_count(), **library.describe()}
+
+
+def render_system(info: dict[str, Any]) -> str:
+    flags = info["cpu_flags"]
+    listed = ", ".join(f"{name} {'yes' if has else 'no'}" for name, has in flags.items()) if flags else "unknown (no /proc/cpuinfo)"
+    runs = ", ".join(info["cpu_runs"]) if info["cpu_runs"] is not None else "unknown (the base level is not built)"
+    in_use = (f"{info['level']} ({info['how']})\n  file: {info['path']}" if info["level"] is not None
+              else f"none: {info['unavailable']}")
+    return "\n".join([
+        f"CPU: {info['cpu']} ({info['machine']}, {info['cores']} cores)",
+        f"SIMD flags: {listed}",
+        f"CPU kernel levels (best last): {', '.join(info['levels'])}",
+        f"  built: {', '.join(info['built']) or 'none'}",
+        f"  this CPU runs: {runs}",
+        f"  in use: {in_use}",
+    ])
 
 
 def add_fetch_model(sub: Subparsers) -> None:

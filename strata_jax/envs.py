@@ -4,9 +4,12 @@ and the function that reads it. Nothing else in strata_jax reads os.environ (tes
 A variable changes a default or a test hook, never a setting behind the user's back: EngineConfig()'s
 defaults are the same in every shell, and STRATA_BATCH_GRAPHS is the default of the `--max-programs` flag.
 
-The kernel package below strata_jax reads its own three: STRATA_CPU_KERNELS_LIB (pallas_kernels/cpu: a build
-of the C++ kernels to load instead of the installed one), STRATA_CPU_THREADS (the C++ kernels' threads) and
-STRATA_CPU_POOL=xla (their helpers from XLA's intra-op pool instead of their own spinning ones).
+The kernel package below strata_jax reads its own four: STRATA_CPU_ISA (pallas_kernels/cpu/library.py: the
+instruction-set level of the C++ kernels to load, one of scalar, avx2, avxvnni, avx512, avx512vnni, instead of
+the best one this CPU runs as cpuid says: to test or benchmark a lower level on a wider CPU; a level the CPU
+cannot run or that was not built is an error), STRATA_CPU_KERNELS_LIB (a build of the C++ kernels to load as is
+instead of the installed ones), STRATA_CPU_THREADS (the C++ kernels' threads) and STRATA_CPU_POOL=xla (their
+helpers from XLA's intra-op pool instead of their own spinning ones).
 """
 
 from __future__ import annotations

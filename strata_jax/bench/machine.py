@@ -36,15 +36,28 @@ def load_average() -> float | None:
         return None
 
 
+def cpu_kernels() -> tuple[str | None, str]:
+    """The C++ kernels' instruction-set level in use (pallas_kernels/cpu/library.py: chosen by cpuid, or forced by
+    STRATA_CPU_ISA) and how it was chosen; or None and why they are unavailable."""
+    from pallas_kernels.cpu import library
+
+    lib, why = library.load()
+    return (lib.level, lib.how) if lib is not None else (None, f"unavailable: {why}")
+
+
 def machine_info(threads: int) -> dict:
     import jax
 
+    level, how = cpu_kernels()
     return {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "threads": threads,
         "jax": jax.__version__,
         "jax_backend": jax.default_backend(),
+        # AVX2 and AVX-512 figures differ by more than runs do: a figure is only comparable with its level.
+        "cpu_kernels_level": level,
+        "cpu_kernels_how": how,
         "llama_cpp_python": _version("llama_cpp_python"),
         "python": platform.python_version(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
