@@ -73,10 +73,12 @@ void quantize_rows(const float* const* x, int64_t m, int64_t k, int unit, Q8Rows
   }
 }
 
-// ---- a weight row times every x row ----------------------------------------------------------------
+// ---- a tile of 8 weight rows times every x row --------------------------------------------------
 
 namespace {
 
+constexpr int T = 8;                  // weight rows a tile: the 8 float lanes
+constexpr int kDirectMaxM = 8;        // up to this many x rows: no buffer (decode, verify windows)
 
 // Sum over i < n of u[i] * q[i] (the plain build).
 template <bool is_signed>
@@ -86,140 +88,245 @@ inline int32_t dot_plain(const uint8_t* u, const int8_t* q, int n) {
   return s;
 }
 
-// The 32-value types: a group of 8 blocks at once. int1 = S - off * s32 (S: the blocks' dot products),
-// int2 = s32.
+// Unit b's scales for the tile's rows (zeros past nr): the floats w1, w2 by row, and for the super-block
+// types the integer scales sc[j][r], mn[j][r] of sub-block j (in kSub16Order for 16-value sub-blocks:
+// the order of the sums halves8 gives).
 template <class B>
-void row_32(const uint8_t* w, int64_t nblocks, const Q8RowSet& xs, f32x8* acc) {
-  for (int64_t g = 0; g < nblocks; g += 8) {
-    int cnt = (int)std::min<int64_t>(8, nblocks - g);
-    alignas(32) float w1[8] = {}, w2[8] = {};
-    for (int i = 0; i < cnt; i++) B::scales(w + (g + i) * B::bytes, w1[i], w2[i]);
+struct TileScales {
+  alignas(32) float w1[T], w2[T];
+  alignas(32) int32_t sc[16][T], mn[16][T];
+
+  void read(const uint8_t* w, int64_t row_bytes, int64_t b, int nr) {
+    for (int r = 0; r < T; r++) {
+      const uint8_t* p = w + r * row_bytes + b * B::bytes;
+      if constexpr (B::values == 32) {
+        if (r < nr) B::scales(p, w1[r], w2[r]);
+        else w1[r] = w2[r] = 0;
+      } else {
+        int32_t s[16] = {}, m[16] = {};
+        if (r < nr) B::scales(p, w1[r], w2[r], s, m);
+        else w1[r] = w2[r] = 0;
+        constexpr int nsub = 256 / B::sub;
+        for (int j = 0; j < nsub; j++) {
+          int src = nsub == 16 ? kSub16Order[j] : j;
+          sc[j][r] = s[src], mn[j][r] = m[src];
+        }
+      }
+    }
+  }
+};
+
+// The float part of unit b for x row x into acc (8 rows), given the rows' integer sums.
+template <class B>
+Q8_INLINE void add_unit(const TileScales<B>& s, const Q8Row& x, int64_t b, const int32_t* int1, const int32_t* int2,
+                        f32x8& acc) {
+  f32x8 dx = splat8(x.d[b]);
+  acc = fma8(mul8(load8(s.w1), dx), cvt8(int1), acc);
+  if (B::two) acc = fma8(mul8(load8(s.w2), dx), cvt8(int2), acc);
+}
+
 #if defined(STRATA_Q8_AVX2)
-    __m256i wv[8];
-    for (int i = 0; i < 8; i++) wv[i] = i < cnt ? B::vchunk(w + (g + i) * B::bytes, 0) : _mm256_setzero_si256();
-    for (int64_t m = 0; m < xs.m; m++) {
-      const Q8Row& x = xs.x[m];
-      const int8_t* q = x.q + g * 32;
-      __m256i p[8];
+Q8_INLINE __m256i dot_of(bool is_signed, __m256i w, __m256i x) { return is_signed ? dot_i8i8(w, x) : dot_u8i8(w, x); }
+
+// The integer sums of one super-block row (chunks wv) with x's super-block: int1 = sum_j sc_j * (S_j -
+// off * s_j), int2 = sum_j mn_j * s_j, for sub-blocks j (sc, mn: this row's, in the order of S).
+template <class B>
+Q8_INLINE void superblock_sums(const __m256i* wv, const int8_t* q, const int32_t* s32, const int32_t* s16,
+                               const __m256i* sc, const __m256i* mn, int32_t& i1, int32_t& i2) {
+  __m256i p[8];
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; i++)
-        p[i] = B::is_signed ? dot_i8i8(wv[i], load32(q + 32 * i)) : dot_u8i8(wv[i], load32(q + 32 * i));
-      __m256i s = load32(x.s32 + g);
-      __m256i int1 = sums8(p);
-      if (B::off) int1 = _mm256_sub_epi32(int1, _mm256_mullo_epi32(s, _mm256_set1_epi32(B::off)));
-      f32x8 dx = load8(x.d + g);
-      acc[m] = fma8(mul8(load8(w1), dx), cvt8(int1), acc[m]);
-      if (B::two) acc[m] = fma8(mul8(load8(w2), dx), cvt8(s), acc[m]);
+  for (int c = 0; c < 8; c++) p[c] = dot_of(B::is_signed, wv[c], load32(q + 32 * c));
+  const __m256i off = _mm256_set1_epi32(B::off);
+  __m256i t1, t2;
+  if constexpr (B::sub == 32) {
+    __m256i xs = load32(s32), S = sums8(p);
+    if (B::off) S = _mm256_sub_epi32(S, _mm256_mullo_epi32(xs, off));
+    t1 = _mm256_mullo_epi32(sc[0], S);
+    t2 = _mm256_mullo_epi32(mn[0], xs);
+  } else {
+    __m256i xa = load32(s16), xb = load32(s16 + 8), Sa = halves8(p), Sb = halves8(p + 4);
+    if (B::off) Sa = _mm256_sub_epi32(Sa, _mm256_mullo_epi32(xa, off)), Sb = _mm256_sub_epi32(Sb, _mm256_mullo_epi32(xb, off));
+    t1 = _mm256_add_epi32(_mm256_mullo_epi32(sc[0], Sa), _mm256_mullo_epi32(sc[1], Sb));
+    t2 = _mm256_add_epi32(_mm256_mullo_epi32(mn[0], xa), _mm256_mullo_epi32(mn[1], xb));
+  }
+  i1 = hsum_i32(t1);
+  if (B::two) i2 = hsum_i32(t2);
+}
+#endif
+
+// Few x rows: each unit of each weight row unpacked into registers and multiplied with every x row.
+template <class B>
+void tile_direct(const uint8_t* w, int64_t row_bytes, int64_t nunits, int nr, const Q8RowSet& xs, f32x8* acc) {
+  constexpr int nsub = 256 / B::sub;
+  TileScales<B> s;
+  for (int64_t b = 0; b < nunits; b++) {
+    s.read(w, row_bytes, b, nr);
+    alignas(32) int32_t int1[kDirectMaxM][T] = {}, int2[kDirectMaxM][T] = {};
+#if defined(STRATA_Q8_AVX2)
+    if constexpr (B::values == 32) {
+      __m256i wv[T];
+      for (int r = 0; r < T; r++) wv[r] = r < nr ? B::vchunk(w + r * row_bytes + b * B::bytes, 0) : _mm256_setzero_si256();
+      for (int64_t m = 0; m < xs.m; m++) {
+        const Q8Row& x = xs.x[m];
+        __m256i p[T];
+#pragma GCC unroll 8
+        for (int r = 0; r < T; r++) p[r] = dot_of(B::is_signed, wv[r], load32(x.q + 32 * b));
+        __m256i S = sums8(p);
+        if (B::off) S = _mm256_sub_epi32(S, _mm256_set1_epi32(B::off * x.s32[b]));
+        _mm256_store_si256((__m256i*)int1[m], S);
+        if (B::two) _mm256_store_si256((__m256i*)int2[m], _mm256_set1_epi32(x.s32[b]));
+      }
+    } else {
+      for (int r = 0; r < nr; r++) {
+        const uint8_t* p = w + r * row_bytes + b * B::bytes;
+        __m256i wv[8], sc[2], mn[2];
+        for (int c = 0; c < 8; c++) wv[c] = B::vchunk(p, c);
+        alignas(32) int32_t rs[16], rm[16];
+        for (int j = 0; j < nsub; j++) rs[j] = s.sc[j][r], rm[j] = s.mn[j][r];
+        sc[0] = load32(rs), sc[1] = load32(rs + 8), mn[0] = load32(rm), mn[1] = load32(rm + 8);
+        for (int64_t m = 0; m < xs.m; m++) {
+          const Q8Row& x = xs.x[m];
+          superblock_sums<B>(wv, x.q + 256 * b, x.s32 + 8 * b, x.s16 + 16 * b, sc, mn, int1[m][r], int2[m][r]);
+        }
+      }
     }
 #else
-    alignas(32) uint8_t wb[8][32] = {};
-    for (int i = 0; i < cnt; i++) B::chunk(w + (g + i) * B::bytes, 0, wb[i]);
-    for (int64_t m = 0; m < xs.m; m++) {
-      const Q8Row& x = xs.x[m];
-      alignas(32) int32_t int1[8];
-      for (int i = 0; i < 8; i++) int1[i] = dot_plain<B::is_signed>(wb[i], x.q + (g + i) * 32, 32) - B::off * x.s32[g + i];
-      f32x8 dx = load8(x.d + g);
-      acc[m] = fma8(mul8(load8(w1), dx), cvt8(int1), acc[m]);
-      if (B::two) acc[m] = fma8(mul8(load8(w2), dx), cvt8(x.s32 + g), acc[m]);
+    for (int r = 0; r < nr; r++) {
+      const uint8_t* p = w + r * row_bytes + b * B::bytes;
+      alignas(32) uint8_t wb[B::values];
+      for (int c = 0; c < B::values / 32; c++) B::chunk(p, c, wb + 32 * c);
+      for (int64_t m = 0; m < xs.m; m++) {
+        const Q8Row& x = xs.x[m];
+        const int8_t* q = x.q + B::values * b;
+        if constexpr (B::values == 32) {
+          int1[m][r] = dot_plain<B::is_signed>(wb, q, 32) - B::off * x.s32[b];
+          int2[m][r] = x.s32[b];
+        } else {
+          int32_t t1 = 0, t2 = 0;
+          for (int j = 0; j < nsub; j++) {
+            int sj = nsub == 16 ? kSub16Order[j] : j;         // s.sc is in that order
+            int32_t S = dot_plain<B::is_signed>(wb + sj * B::sub, q + sj * B::sub, B::sub), xsum = 0;
+            for (int t = 0; t < B::sub; t++) xsum += q[sj * B::sub + t];
+            t1 += s.sc[j][r] * (S - B::off * xsum);
+            t2 += s.mn[j][r] * xsum;
+          }
+          int1[m][r] = t1, int2[m][r] = t2;
+        }
+      }
     }
 #endif
+    for (int64_t m = 0; m < xs.m; m++) add_unit<B>(s, xs.x[m], b, int1[m], int2[m], acc[m]);
   }
 }
 
-// The 256-value types: one super-block's int1 = sum_j sc_j * (S_j - off * s_j), int2 = sum_j mn_j * s_j
-// (S_j, s_j: the dot product and the x sum of sub-block j).
-template <class B>
-void row_256(const uint8_t* w, int64_t nunits, const Q8RowSet& xs, f32x8* acc, int32_t* i1, int32_t* i2) {
-  constexpr int nsub = 256 / B::sub;
-  for (int64_t g = 0; g < nunits; g += 8) {
-    int cnt = (int)std::min<int64_t>(8, nunits - g);
-    alignas(32) float w1[8] = {}, w2[8] = {};
-    std::fill(i1, i1 + 8 * xs.m, 0);
-    std::fill(i2, i2 + 8 * xs.m, 0);
-    for (int i = 0; i < cnt; i++) {
-      const uint8_t* b = w + (g + i) * B::bytes;
-      alignas(32) int32_t sc[16] = {}, mn[16] = {};
-      B::scales(b, w1[i], w2[i], sc, mn);
 #if defined(STRATA_Q8_AVX2)
-      __m256i wv[8];
-      for (int c = 0; c < 8; c++) wv[c] = B::vchunk(b, c);
-      __m256i vsc[2], vmn[2];                 // in the order of the sub-block sums (sums8, halves8)
-      if constexpr (nsub == 8) {
-        vsc[0] = load32(sc), vmn[0] = load32(mn);
-      } else {
-        alignas(32) int32_t psc[16], pmn[16];
-        for (int j = 0; j < 16; j++) psc[j] = sc[kSub16Order[j]], pmn[j] = mn[kSub16Order[j]];
-        vsc[0] = load32(psc), vsc[1] = load32(psc + 8), vmn[0] = load32(pmn), vmn[1] = load32(pmn + 8);
-      }
-      for (int64_t m = 0; m < xs.m; m++) {
-        const Q8Row& x = xs.x[m];
-        const int8_t* q = x.q + (g + i) * 256;
-        __m256i p[8];
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++)
-          p[c] = B::is_signed ? dot_i8i8(wv[c], load32(q + 32 * c)) : dot_u8i8(wv[c], load32(q + 32 * c));
-        __m256i t1, t2;
-        if constexpr (nsub == 8) {
-          __m256i s = load32(x.s32 + (g + i) * 8), S = sums8(p);
-          if (B::off) S = _mm256_sub_epi32(S, _mm256_mullo_epi32(s, _mm256_set1_epi32(B::off)));
-          t1 = _mm256_mullo_epi32(vsc[0], S);
-          t2 = _mm256_mullo_epi32(vmn[0], s);
-        } else {
-          const int32_t* s16 = x.s16 + (g + i) * 16;
-          __m256i sa = load32(s16), sb = load32(s16 + 8), Sa = halves8(p), Sb = halves8(p + 4);
-          if (B::off) {
-            Sa = _mm256_sub_epi32(Sa, _mm256_mullo_epi32(sa, _mm256_set1_epi32(B::off)));
-            Sb = _mm256_sub_epi32(Sb, _mm256_mullo_epi32(sb, _mm256_set1_epi32(B::off)));
-          }
-          t1 = _mm256_add_epi32(_mm256_mullo_epi32(vsc[0], Sa), _mm256_mullo_epi32(vsc[1], Sb));
-          t2 = _mm256_add_epi32(_mm256_mullo_epi32(vmn[0], sa), _mm256_mullo_epi32(vmn[1], sb));
-        }
-        i1[8 * m + i] = hsum_i32(t1);
-        if (B::two) i2[8 * m + i] = hsum_i32(t2);
-      }
-#else
-      alignas(32) uint8_t wb[8][32];
-      for (int c = 0; c < 8; c++) B::chunk(b, c, wb[c]);
-      for (int64_t m = 0; m < xs.m; m++) {
-        const Q8Row& x = xs.x[m];
-        const int8_t* q = x.q + (g + i) * 256;
-        int32_t t1 = 0, t2 = 0;
-        for (int j = 0; j < nsub; j++) {
-          int32_t S = dot_plain<B::is_signed>(wb[j * B::sub / 32] + (j * B::sub) % 32, q + j * B::sub, B::sub);
-          int32_t s = 0;
-          for (int t = 0; t < B::sub; t++) s += q[j * B::sub + t];
-          t1 += sc[j] * (S - B::off * s);
-          t2 += mn[j] * s;
-        }
-        i1[8 * m + i] = t1;
-        if (B::two) i2[8 * m + i] = t2;
-      }
-#endif
-    }
-    for (int64_t m = 0; m < xs.m; m++) {
-      f32x8 dx = load8(xs.x[m].d + g);
-      acc[m] = fma8(mul8(load8(w1), dx), cvt8(i1 + 8 * m), acc[m]);
-      if (B::two) acc[m] = fma8(mul8(load8(w2), dx), cvt8(i2 + 8 * m), acc[m]);
-    }
+// 8 rows' 32 bytes -> 8 vectors, vector g holding bytes 4g..4g+3 of every row (row r in lane r): the
+// layout in which one dot product with x's 4 bytes broadcast gives 8 rows' sums at once.
+Q8_INLINE void interleave8(__m256i* v) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  for (int i = 0; i < 8; i += 4)
+    for (int h = 0; h < 2; h++)
+      u[i + h] = _mm256_unpacklo_epi64(t[i + h], t[i + 2 + h]), u[i + 2 + h] = _mm256_unpackhi_epi64(t[i + h], t[i + 2 + h]);
+  // u[i], u[i + 1], u[i + 2], u[i + 3]: rows i..i+3 of groups (0 | 4), (2 | 6), (1 | 5), (3 | 7) in the two
+  // 128-bit halves
+  constexpr int group[4] = {0, 2, 1, 3};
+  for (int g = 0; g < 4; g++) {
+    v[group[g]] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x20);
+    v[group[g] + 4] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x31);
   }
 }
+
+// Many x rows: the tile's units unpacked once into `buf` (8 rows interleaved by 4 bytes), then for
+// every x row 8 rows' integer sums a unit by dot products with x's bytes broadcast. The same integer
+// sums and float operations as tile_direct: the same bits.
+template <class B>
+void tile_buffered(const uint8_t* w, int64_t row_bytes, int64_t nunits, int nr, const Q8RowSet& xs, f32x8* acc) {
+  constexpr int nch = B::values / 32, nsub = 256 / B::sub, steps = B::sub / 4;
+  thread_local std::vector<__m256i> buf;
+  thread_local std::vector<TileScales<B>> scales;
+  buf.resize(nunits * nch * 8);
+  scales.resize(nunits);
+  for (int64_t b = 0; b < nunits; b++) {
+    scales[b].read(w, row_bytes, b, nr);
+    for (int c = 0; c < nch; c++) {
+      __m256i* v = buf.data() + (b * nch + c) * 8;
+      for (int r = 0; r < T; r++) v[r] = r < nr ? B::vchunk(w + r * row_bytes + b * B::bytes, c) : _mm256_setzero_si256();
+      interleave8(v);
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t m = 0; m < xs.m; m++) {
+    const Q8Row& x = xs.x[m];
+    f32x8 a = acc[m];
+    for (int64_t b = 0; b < nunits; b++) {
+      const __m256i* v = buf.data() + b * nch * 8;
+      const int8_t* q = x.q + B::values * b;
+      const TileScales<B>& s = scales[b];
+      __m256i i1 = _mm256_setzero_si256(), i2 = _mm256_setzero_si256();
+      for (int j = 0; j < (B::values == 32 ? 1 : nsub); j++) {
+        // j runs in s.sc's order (kSub16Order for 16-value sub-blocks): sub-block sj, its bytes at B::sub * sj
+        const int sj = B::values == 32 ? 0 : (nsub == 16 ? kSub16Order[j] : j);
+        __m256i S = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < steps; g++) {
+          int32_t x4; std::memcpy(&x4, q + B::sub * sj + 4 * g, 4);
+          __m256i wv = v[(B::sub * sj) / 4 + g], xv = _mm256_set1_epi32(x4);
+          __m256i wu = B::is_signed ? _mm256_sign_epi8(wv, wv) : wv;
+          if (B::is_signed) xv = _mm256_sign_epi8(xv, wv);
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+          S = _mm256_dpbusd_epi32(S, wu, xv);
+#elif defined(__AVXVNNI__)
+          S = _mm256_dpbusd_avx_epi32(S, wu, xv);
+#else
+          S = _mm256_add_epi32(S, _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+#endif
+        }
+        if constexpr (B::values == 32) {
+          if (B::off) S = _mm256_sub_epi32(S, _mm256_set1_epi32(B::off * x.s32[b]));
+          i1 = S;
+          i2 = _mm256_set1_epi32(x.s32[b]);
+        } else {
+          int32_t xsum = nsub == 16 ? x.s16[16 * b + j] : x.s32[8 * b + j];     // both in s.sc's order
+          if (B::off) S = _mm256_sub_epi32(S, _mm256_set1_epi32(B::off * xsum));
+          i1 = _mm256_add_epi32(i1, _mm256_mullo_epi32(load32(s.sc[j]), S));
+          if (B::two) i2 = _mm256_add_epi32(i2, _mm256_mullo_epi32(load32(s.mn[j]), _mm256_set1_epi32(xsum)));
+        }
+      }
+      f32x8 dx = splat8(x.d[b]);
+      a = fma8(mul8(load8(s.w1), dx), cvt8(i1), a);
+      if (B::two) a = fma8(mul8(load8(s.w2), dx), cvt8(i2), a);
+    }
+    acc[m] = a;
+  }
+}
+#endif
 
 template <class B>
 void rows_int8(const uint8_t* w, int64_t row_bytes, int64_t k, const Q8RowSet& xs, int64_t n0, int64_t n1) {
   thread_local std::vector<f32x8> acc;
-  thread_local std::vector<int32_t> i1, i2;
   if ((int64_t)acc.size() < xs.m) acc.resize(xs.m);
-  if ((int64_t)i1.size() < 8 * xs.m) i1.resize(8 * xs.m), i2.resize(8 * xs.m);
   int64_t nunits = k / B::values;
-  for (int64_t n = n0; n < n1; n++) {
-    const uint8_t* row = w + n * row_bytes;
-    // Two rows on (a prefetch never faults): the short matrices of a decode step stream from memory
-    // at a fraction of the rate without it (direct.cc measured the same).
-    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + 2 * row_bytes + o, 0, 3);
+  for (int64_t n = n0; n < n1; n += T) {
+    int nr = (int)std::min<int64_t>(T, n1 - n);
+    const uint8_t* tile = w + n * row_bytes;
+    // The next tile's rows (a prefetch never faults): the short matrices of a decode step stream from
+    // memory at a fraction of the rate without it (direct.cc measured the same).
+    for (int64_t o = 0; o < T * row_bytes; o += 64) __builtin_prefetch(tile + T * row_bytes + o, 0, 3);
     std::fill(acc.begin(), acc.begin() + xs.m, zero8());
-    if constexpr (B::values == 32) row_32<B>(row, nunits, xs, acc.data());
-    else row_256<B>(row, nunits, xs, acc.data(), i1.data(), i2.data());
-    for (int64_t m = 0; m < xs.m; m++) xs.y[m][n] = hsum8(acc[m]);
+#if defined(STRATA_Q8_AVX2)
+    if (xs.m > kDirectMaxM) tile_buffered<B>(tile, row_bytes, nunits, nr, xs, acc.data());
+    else
+#endif
+    for (int64_t m0 = 0; m0 < xs.m; m0 += kDirectMaxM) {
+      Q8RowSet part{xs.x + m0, xs.y + m0, std::min<int64_t>(kDirectMaxM, xs.m - m0)};
+      tile_direct<B>(tile, row_bytes, nunits, nr, part, acc.data() + m0);
+    }
+    for (int64_t m = 0; m < xs.m; m++) {
+      alignas(32) float out[T];
+      store8(out, acc[m]);
+      std::copy(out, out + nr, xs.y[m] + n);
+    }
   }
 }
 

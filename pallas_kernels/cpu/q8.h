@@ -7,15 +7,16 @@
 // more accurate, and free. Per block we also keep the integer sums of q that the weights' offsets and
 // minima need (per 32 values, and for the 16-value sub-blocks of Q2_K, Q3_K, Q6_K per 16).
 //
-// A product row . weight row is then, per weight block ("unit": 32 or 256 values), at most two integer
-// sums int1, int2 (exact: int32, no overflow for any block: see int8.cc) and the float parts
-//     a1 = w1 * dx;  acc[u % 8] = fma(a1, float(int1), acc[u % 8])
-//     a2 = w2 * dx;  acc[u % 8] = fma(a2, float(int2), acc[u % 8])      (the types with a min or m)
-// where w1, w2 are the weight block's float scales, dx the x block's d, and acc 8 float lanes; units
-// are padded with zeros to a multiple of 8; the result is hsum8(acc) (lanes i and i+4, then i and i+2,
-// then 0 and 1). That is the definition on every ISA: integer sums are exact whatever the order, and
-// the float operations are the same per lane, so AVX-512, AVX2 and the scalar build give the same bits,
-// and a row's result depends only on that row (batch invariance).
+// A product y[m][n] = x row m . weight row n is then, per weight unit u (a block of 32 values or a
+// super-block of 256, in order), at most two integer sums int1, int2 (exact: int32, no overflow for any
+// unit: int8_blocks.h) and one float accumulator, from 0:
+//     acc = fma(w1 * dx, float(int1), acc)
+//     acc = fma(w2 * dx, float(int2), acc)          (the types with a min or an m)
+// with w1, w2 the weight unit's float scales, dx the x block's d (each product one rounding). That is
+// the definition on every ISA and for every M: integer sums are exact whatever their order, and each
+// (m, n) has its own sequence of float operations, so AVX-512, AVX2 and the scalar build give the same
+// bits, and a row's result depends only on that row (batch invariance). The vector code puts 8 weight
+// rows in the 8 float lanes.
 #pragma once
 
 #include <cmath>
@@ -61,7 +62,7 @@ struct Q8Rows {
 // Quantizes rows x[0..m) of k values (k a multiple of `unit`) into out.
 void quantize_rows(const float* const* x, int64_t m, int64_t k, int unit, Q8Rows& out);
 
-// ---- the float part: 8 lanes, fma per lane, fixed tree ----------------------------------------------
+// ---- the float part: 8 lanes (8 weight rows), fma per lane ----------------------------------------------
 
 #if defined(STRATA_Q8_AVX2)
 struct f32x8 { __m256 v; };
@@ -71,11 +72,8 @@ Q8_INLINE f32x8 mul8(f32x8 a, f32x8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
 Q8_INLINE f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 Q8_INLINE f32x8 cvt8(const int32_t* p) { return {_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)p))}; }
 Q8_INLINE f32x8 cvt8(__m256i v) { return {_mm256_cvtepi32_ps(v)}; }
-Q8_INLINE float hsum8(f32x8 a) {
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
+Q8_INLINE f32x8 splat8(float s) { return {_mm256_set1_ps(s)}; }
+Q8_INLINE void store8(float* p, f32x8 a) { _mm256_storeu_ps(p, a.v); }
 #else
 struct f32x8 { float v[8]; };
 Q8_INLINE f32x8 zero8() { return f32x8{}; }
@@ -86,12 +84,8 @@ Q8_INLINE f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
   return c;
 }
 Q8_INLINE f32x8 cvt8(const int32_t* p) { f32x8 r; for (int i = 0; i < 8; i++) r.v[i] = (float)p[i]; return r; }
-Q8_INLINE float hsum8(f32x8 a) {
-  float s4[4], s2[2];
-  for (int i = 0; i < 4; i++) s4[i] = a.v[i] + a.v[i + 4];
-  for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
-  return s2[0] + s2[1];
-}
+Q8_INLINE f32x8 splat8(float s) { f32x8 r; for (int i = 0; i < 8; i++) r.v[i] = s; return r; }
+Q8_INLINE void store8(float* p, f32x8 a) { std::memcpy(p, a.v, 32); }
 #endif
 
 // ---- integer dot products of 32 bytes (x86: AVX2, AVX-VNNI, AVX-512 VNNI) --------------------------
