@@ -192,16 +192,30 @@ def test_the_kernels_lib_variable_loads_that_file_as_is(fresh_load, monkeypatch)
 # ---- each level in a process of its own -------------------------------------------------------------------------
 
 _LEVEL_SCRIPT = """
-import ctypes, json, re
+import ctypes, hashlib, json, re
 from pathlib import Path
+import numpy as np, jax.numpy as jnp
+from gguf import quants as gq
+import pallas_kernels as pk
+from pallas_kernels import cpu
 from pallas_kernels.cpu import library
+from pallas_kernels.layout import layout_for
 lib, why = library.load()
-isa = None
+out = {"level": library.level(), "why": why, "how": lib and lib.how}
 if lib is not None:
     lib.strata_cpu_isa.restype = ctypes.c_char_p
-    isa = lib.strata_cpu_isa().decode()
+    out["isa"] = lib.strata_cpu_isa().decode()
+    # a Q4_1 product (SmolLM2's type) through the loaded level, both maths; 576: a group of 8 blocks cut short
+    b = pk.random_blocks("Q4_1", (37, 576), np.random.default_rng(1))
+    x = np.random.default_rng(2).standard_normal((5, 576)).astype(np.float32)
+    ref = x.astype(np.float64) @ gq.dequantize(b, pk.as_qtype("Q4_1")).astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(gq.dequantize(b, pk.as_qtype("Q4_1"))).astype(np.float64).T
+    for math in cpu.MATHS:
+        y = np.asarray(cpu.qmatmul(jnp.asarray(x), jnp.asarray(b), layout_for("Q4_1", b.shape[1]), math=math))
+        out[math] = hashlib.sha1(y.tobytes()).hexdigest()
+        out[math + "_err"] = float((np.abs(y - ref) / scale).max())
 maps = sorted({Path(m).name for m in re.findall(r"\\S*_strata_cpu_\\S+", Path("/proc/self/maps").read_text())})
-print(json.dumps({"level": library.level(), "why": why, "how": lib and lib.how, "isa": isa, "mapped": maps}))
+print(json.dumps({**out, "mapped": maps}))
 """
 
 # the SIMD path (simd.h's kIsa) each level's code takes: what the library's strata_cpu_isa says
@@ -216,10 +230,16 @@ def _run_level(env: dict[str, str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def unforced() -> dict:
+    return _run_level(_env())
+
+
 @pytest.mark.parametrize("level", LEVELS)
-def test_a_forced_level_loads_that_build_or_is_refused(level):
+def test_a_forced_level_loads_that_build_or_is_refused(level, unforced):
     """Every level on this machine: one the CPU runs is loaded (its code: strata_cpu_isa, and no wider library is in
-    the process), one it cannot run is refused with the CPU's best level."""
+    the process) and gives the bits of the level cpuid chose, in both maths; one it cannot run is refused with the
+    CPU's best level."""
     got = _run_level(_env(**{ISA_ENV: level}))
     runs = [lv for lv in LEVELS if lv in _cpu_runs()]
     if level in runs:
@@ -228,6 +248,11 @@ def test_a_forced_level_loads_that_build_or_is_refused(level):
         assert got["isa"] == _SIMD[level]
         # the base level answered cpuid; nothing wider than the forced level was ever loaded
         assert {m.split(".")[0].removeprefix("_strata_cpu_") for m in got["mapped"]} == {LEVELS[0], level}
+        # error / (|x| @ |w|^T): exact, float32 summation (4 eps sqrt(k)); int8, x rounded to 1/254 of its block's
+        # largest |x| (here ~1e-3; 0.02 leaves room for blocks whose largest |x| is far above their mean)
+        assert got["exact_err"] < 4 * 2.0**-23 * 576**0.5 and got["int8_err"] < 0.02, got
+        assert (got["exact"], got["int8"]) == (unforced["exact"], unforced["int8"]), \
+            f"level {level} gives other bits than {unforced['level']}"
     else:
         assert got["level"] is None
         assert got["why"].startswith(f"{ISA_ENV}={level}: this CPU cannot run that level's instructions "
@@ -241,8 +266,8 @@ def test_a_bogus_level_is_a_clear_error():
                           f"{', '.join(LEVELS)} (best last), or unset it")
 
 
-def test_unforced_the_best_level_the_cpu_runs_is_loaded():
-    got = _run_level(_env())
+def test_unforced_the_best_level_the_cpu_runs_is_loaded(unforced):
+    got = unforced
     best = [lv for lv in LEVELS if lv in _cpu_runs()][-1]
     assert got["why"] is None and got["level"] == best, got
     assert got["how"].startswith("chosen by cpuid") and "passed over" not in got["how"]
