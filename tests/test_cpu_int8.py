@@ -163,9 +163,12 @@ print(" ".join(out))
 def test_every_isa_level_this_cpu_runs_gives_the_same_bits():
     """The builds pip made (one a level: setup.py), each loaded alone in a fresh process through
     STRATA_CPU_KERNELS_LIB, on the direct and buffered paths of both maths."""
+    import ctypes
+
     from pallas_kernels.cpu import library
 
-    runnable = [lv for lv in library.built_levels() if library.cpu_supports(lv)]
+    supported = library.supported_levels(ctypes.CDLL(str(library.level_path(library.LEVELS[0]))))
+    runnable = [lv for lv in library.built_levels() if lv in supported]
     assert len(runnable) >= 2, f"only {runnable} of the built levels {library.built_levels()} run here"
     hashes = {}
     for level in runnable:

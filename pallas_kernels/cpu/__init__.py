@@ -5,14 +5,20 @@
     y = expert_matmul(x, w_blocks, ids, lay)       # row r times expert ids[r] of [E, n, row_bytes]
     o = attention(q, k_cache, v_cache, layer, slots, pos)   # queries over the KV cache where it lies
 
-The library (`_strata_cpu*.so`, built by `pip install` from the .cc files here, see setup.py) is
-loaded with ctypes and its handlers registered with `jax.ffi` on first use. Weights are read as GGUF
-blocks where they lie and dequantized in registers exactly as gguf.quants.dequantize does; x stays
-float32; each output is one fixed-order float32 sum (simd.h), so a row's result depends only on that
-row, whatever else is in the call.
+The library (`_strata_cpu_<level>*.so`, one a CPU instruction-set level, built by `pip install` from the
+.cc files here, see setup.py; library.py loads the best level this CPU runs, or STRATA_CPU_ISA's) is loaded
+with ctypes and its handlers registered with `jax.ffi` on first use. Weights are read as GGUF blocks where
+they lie. Two maths (MATHS, the `math` argument; --cpu-math):
+- "int8" (the default): each row of x quantized per block to 8 bits as llama.cpp's vec_dot_type does,
+  integer dot products (AVX2 maddubs/madd, VNNI dpbusd), float scales a block (q8.h defines the order);
+- "exact": x stays float32 and the weights are dequantized in registers exactly as gguf.quants does, each
+  output one fixed-order float32 sum (simd.h): the oracle.
+Either way a row's result depends only on that row, whatever else is in the call, and every level gives
+the same bits.
 
 Which path each type takes:
-- FAST (C++ dequantization): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS.
+- FAST (C++ dequantization): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS;
+  all but the float types (F32, F16, BF16: always exact) have the int8 path.
 - every other supported type (the IQ2_* / IQ3_* grid types): a loop over tiles of weight rows, each
   tile dequantized by the xla backend into a float32 buffer of ~256 KiB and multiplied by the C++
   F32 kernel (so the same fixed-order sums). No float copy of the whole matrix exists.
@@ -23,8 +29,6 @@ Expert ids outside [0, E) (-1: no expert) give zero rows and read no weights.
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
-import os
 from functools import cache
 from pathlib import Path
 
@@ -35,10 +39,9 @@ import numpy as np
 from quant_types import QType
 
 from ..layout import Layout
+from . import library
+from .library import ISA_ENV, LIB_ENV  # noqa: F401 - re-exported: tests and scripts name them here
 
-# Set to a library path to use that build instead of the installed one (tests of other SIMD paths).
-LIB_ENV = "STRATA_CPU_KERNELS_LIB"
-_STEM = "_strata_cpu"
 _TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataExpertMatmul",
             "strata_attention": "StrataAttention", "strata_qmatmul_many": "StrataQMatmulMany",
             "strata_expert_matmul_many": "StrataExpertMatmulMany", "strata_attention_part": "StrataAttentionPart",
@@ -65,28 +68,16 @@ class CpuKernelsUnavailable(RuntimeError):
 
 
 def library_path() -> Path | None:
-    if os.environ.get(LIB_ENV):
-        return Path(os.environ[LIB_ENV])
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        if (here / f"{_STEM}{suffix}").exists():
-            return here / f"{_STEM}{suffix}"
-    return None
+    """The library file in use (library.py chooses it: the best ISA level built that this CPU runs)."""
+    return library.library_path()
 
 
 @cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """(library, None) once loaded and registered, or (None, why not)."""
-    path = library_path()
-    if path is None:
-        return None, (f"the C++ kernels are not built (no {_STEM}*.so in {Path(__file__).parent}); "
-                      "install a C++ compiler (g++) and run `pip install -e .` again")
-    if not path.exists():
-        return None, f"{LIB_ENV}={path} does not exist"
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        return None, f"the C++ kernels at {path} do not load: {e}"
+    lib, why = library.load()
+    if lib is None:
+        return None, why
     for name, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     lib.strata_cpu_isa.restype = ctypes.c_char_p
@@ -102,8 +93,14 @@ def unavailable_reason() -> str | None:
 
 
 def isa() -> str:
-    """The SIMD path the library was built with: "avx512", "avx2" or "scalar"."""
+    """The float path's SIMD width in the library in use: "avx512", "avx2" or "scalar"."""
     return _require().strata_cpu_isa().decode()
+
+
+def level() -> str:
+    """The ISA level of the library in use ("avx512vnni", "avx2", ...: library.LEVELS)."""
+    _require()
+    return library.level()
 
 
 def _require() -> ctypes.CDLL:
