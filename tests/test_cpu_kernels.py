@@ -2,7 +2,6 @@
 the xla backend: dequantization bit for bit, products to float32 rounding, a row's bits independent of
 the other rows, and experts that no row chose never read."""
 
-import ast
 import logging
 import os
 import shutil
