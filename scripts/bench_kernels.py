@@ -7,7 +7,7 @@
         dequantized float32 weights, with the blocks' bytes / time
     python scripts/bench_kernels.py --experts [--types Q4_1] [--m 1,4,8] [--shapes 576x1536] [--n-experts 8]
         each row times its expert (top-2 of n-experts, distinct): cpu expert_matmul against the xla backend's
-    python scripts/bench_kernels.py --decode-chain MODEL.gguf [--m 1]
+    python scripts/bench_kernels.py --decode-chain MODEL.gguf [--m 1] [--math int8|exact|both]
         every product of one decode step of a dense GGUF model (each layer's q, k, v, o, gate, up, down,
         then the output head), chained in one jitted function on the cpu backend with the file's real
         weights: the step's products alone, streaming from memory as in the engine (not from L2)
@@ -91,7 +91,7 @@ def expert_rows(types, ms, shapes, n_experts, repeats):
                 print(f"| {t} | {k} x {n} | {m} | {c:.1f} | {chosen / c / 1e3:.1f} | {xl:.1f} | {xl / c:.2f} |")
 
 
-def decode_chain(path: str, m: int, repeats: int) -> None:
+def decode_chain(path: str, m: int, repeats: int, math: str) -> None:
     from pallas_kernels import cpu
     from pallas_kernels.layout import layout_for
     from strata_jax.gguf import GGUFModel
@@ -109,12 +109,12 @@ def decode_chain(path: str, m: int, repeats: int) -> None:
         h = x
         for w, lay in zip(ws, lays):          # each product's input depends on the last one's output
             k = lay.blocks_in(w.shape[-1]) * lay.values
-            h = cpu.qmatmul(jnp.broadcast_to(h[:, :1], (m, k)) * 1e-3, w, lay)
+            h = cpu.qmatmul(jnp.broadcast_to(h[:, :1], (m, k)) * 1e-3, w, lay, math=math)
         return h
 
     us = median_us(jax.jit(chain), jnp.ones((m, model.spec.hidden), jnp.float32), ws, repeats=repeats)
     total = sum(int(w.nbytes) for w in ws)
-    print(f"| {path.rsplit('/', 1)[-1]} | M = {m} | {len(ws)} products | {total / 1e6:.1f} MB | {us / 1e3:.2f} ms | "
+    print(f"| {path.rsplit('/', 1)[-1]} | {math} | M = {m} | {len(ws)} products | {total / 1e6:.1f} MB | {us / 1e3:.2f} ms | "
           f"{total / us / 1e3:.2f} GB/s |")
 
 
@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--m", default=None, help="comma-separated M (tokens for --experts)")
     ap.add_argument("--shapes", default=None, help="comma-separated k x n, e.g. 576x1536,1536x576")
     ap.add_argument("--n-experts", type=int, default=8)
+    ap.add_argument("--math", default="both", choices=("int8", "exact", "both"), help="--decode-chain's cpu math")
     ap.add_argument("--decode-chain", default=None, metavar="MODEL.gguf")
     a = ap.parse_args()
     load = os.getloadavg()[0]
@@ -141,11 +142,12 @@ def main() -> None:
         print("| model | rows | products | bytes | median | rate |")
         print("|---|---|---|---|---|---|")
         for m in [int(v) for v in (a.m or "1").split(",")]:
-            decode_chain(a.decode_chain, m, a.repeats or 30)
+            for math in ("int8", "exact") if a.math == "both" else (a.math,):
+                decode_chain(a.decode_chain, m, a.repeats or 30, math)
         return
     if a.matmul or a.experts:
         from pallas_kernels import cpu
-        print(f"# cpu kernels: {cpu.isa() if cpu.available() else cpu.unavailable_reason()}")
+        print(f"# cpu kernels: {cpu.level() if cpu.available() else cpu.unavailable_reason()}")
         print(f"# noop jit call: {median_us(jax.jit(lambda x: x + 1), jnp.zeros((1, 576)), repeats=300):.1f} us")
         shapes = [tuple(int(v) for v in s.split("x")) for s in (a.shapes or "576x1536,1536x576").split(",")]
         repeats = a.repeats or 200

@@ -97,6 +97,23 @@ struct TileScales {
   alignas(32) int32_t sc[16][T], mn[16][T];
 
   void read(const uint8_t* w, int64_t row_bytes, int64_t b, int nr) {
+#if defined(STRATA_Q8_AVX2)
+    if constexpr (B::values == 32) {
+      if (nr == T) {            // the fields (float16 d, and m, at bytes 0 and 2) of 8 rows in one conversion
+        const uint8_t* p = w + b * B::bytes;
+        __m128i d = _mm_setzero_si128(), m = _mm_setzero_si128();
+#define STRATA_ROW_(r)                                                                       \
+        d = _mm_insert_epi16(d, *(const uint16_t*)(p + r * row_bytes), r);                   \
+        if (B::two) m = _mm_insert_epi16(m, *(const uint16_t*)(p + r * row_bytes + 2), r);
+        STRATA_ROW_(0) STRATA_ROW_(1) STRATA_ROW_(2) STRATA_ROW_(3) STRATA_ROW_(4) STRATA_ROW_(5) STRATA_ROW_(6)
+        STRATA_ROW_(7)
+#undef STRATA_ROW_
+        _mm256_store_ps(w1, _mm256_cvtph_ps(d));
+        _mm256_store_ps(w2, _mm256_cvtph_ps(m));
+        return;
+      }
+    }
+#endif
     for (int r = 0; r < T; r++) {
       const uint8_t* p = w + r * row_bytes + b * B::bytes;
       if constexpr (B::values == 32) {
@@ -161,7 +178,9 @@ void tile_direct(const uint8_t* w, int64_t row_bytes, int64_t nunits, int nr, co
   TileScales<B> s;
   for (int64_t b = 0; b < nunits; b++) {
     s.read(w, row_bytes, b, nr);
-    alignas(32) int32_t int1[kDirectMaxM][T] = {}, int2[kDirectMaxM][T] = {};
+    alignas(32) int32_t int1[kDirectMaxM][T], int2[kDirectMaxM][T];
+    if (B::values == 256 && nr < T)         // rows past the matrix's end: zeros (the 32-value types write all 8)
+      for (int64_t m = 0; m < xs.m; m++) std::fill(int1[m], int1[m] + T, 0), std::fill(int2[m], int2[m] + T, 0);
 #if defined(STRATA_Q8_AVX2)
     if constexpr (B::values == 32) {
       __m256i wv[T];
