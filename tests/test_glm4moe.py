@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from logit_checks import assert_int8_close
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.gguf import GGUFModel
@@ -59,8 +60,8 @@ def _ids(n=32, seed=0):
     return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
 
 
-def _ours(path, ids, weights="dequantized"):
-    with Engine.from_gguf(path, EngineConfig(max_context=64, weights=weights, warmup=False)) as eng:
+def _ours(path, ids, weights="dequantized", math="exact"):
+    with Engine.from_gguf(path, EngineConfig(max_context=64, weights=weights, warmup=False, cpu_math=math)) as eng:
         return eng.logits(ids)
 
 
@@ -90,6 +91,8 @@ def test_logits_match_transformers(glm, variant):
     assert ours.shape == ref.shape == (32, 512)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    if variant != "F32":                    # the int8 cpu math (the default) within its quantization
+        assert_int8_close(ref, _ours(path, ids, weights="blocks", math="int8"), ours, variant)
 
 
 def test_selection_bias_is_needed(glm):
