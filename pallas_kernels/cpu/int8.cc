@@ -1,7 +1,9 @@
 // The int8 path (--cpu-math int8): x rows quantized per block (q8.h), each weight unit's integer sums
-// with them (int8_blocks.h), and q8.h's float part. One weight row at a time, every x row of the call
-// for it (a group of 8 units is unpacked once, into L1, and read back for each x row), so a row's
-// result never depends on the other rows.
+// with them (int8_blocks.h), and q8.h's float part. A tile of 8 weight rows at a time (the 8 float
+// lanes), every x row of the call for it: up to 8 x rows each unit is unpacked into registers and
+// multiplied with each x row (tile_direct: decode and verify windows); above, the tile is interleaved
+// once into a buffer and read back for each x row (tile_buffered: prefill). Both compute the same
+// integer sums and float operations, so a row's result never depends on the other rows.
 #include "int8.h"
 
 #include <algorithm>
