@@ -182,3 +182,17 @@ def test_every_isa_level_this_cpu_runs_gives_the_same_bits():
         assert hashes[level] == hashes[first], f"{level} differs from {first}"
     assert len({h for h in hashes[first]}) == 2 * len(INT8)       # int8 and exact differ, every type
     assert hashlib.sha1(b"").hexdigest() not in hashes[first]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+def test_a_nan_or_inf_activation_gives_nan_in_its_row_only(qtype):
+    """As on the exact path: the engine then ends that request with an error (test_server_limits), instead of
+    8-bit quantization turning the NaN into finite logits."""
+    k = 512
+    b, _, lay = _weights(qtype, 16, k)
+    x = np.random.default_rng(11).standard_normal((12, k)).astype(np.float32)
+    x[3, 17], x[10, 300] = np.nan, np.inf
+    for m in (12, 4):                                             # the buffered path, and the direct one
+        y = np.concatenate([_mm(x[i:i + m], b, lay, "int8") for i in range(0, 12, m)])
+        assert np.isnan(y[[3, 10]]).all()
+        assert np.isfinite(np.delete(y, [3, 10], axis=0)).all()

@@ -26,16 +26,22 @@ def smollm2_moe(smollm2, tmp_path_factory):
     return upcycle(smollm2, tmp_path_factory.mktemp("upcycled") / "smollm2-8x2.gguf", experts=8, top_k=2)
 
 
+# The exact cpu math: these tests check the model itself (its answer, the twin's sameness to float rounding).
+# On the int8 math (the default) "What is the capital of France?" starts "L'Étoile, ...": the exact logits
+# put "The" over "L" by only 0.08, and llama.cpp's own 8-bit activations choose "L" too (by 0.06); a
+# one-word question answers Paris on int8 (tests/test_server_smollm2.py), and int8's accuracy is measured
+# against llama.cpp's over 2,048 positions (docs/BENCHMARKS.md). Quantization is discontinuous, so the
+# twin and the dense model differ on int8 by int8's own noise, not by rounding.
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2):
-    eng = Engine.from_gguf(smollm2, EngineConfig(parallel=2, max_context=256))
+    eng = Engine.from_gguf(smollm2, EngineConfig(parallel=2, max_context=256, cpu_math="exact"))
     yield eng
     eng.close()
 
 
 @pytest.fixture(scope="session")
 def smollm2_moe_engine(smollm2_moe):
-    eng = Engine.from_gguf(smollm2_moe, EngineConfig(parallel=2, max_context=256))
+    eng = Engine.from_gguf(smollm2_moe, EngineConfig(parallel=2, max_context=256, cpu_math="exact"))
     yield eng
     eng.close()
 

@@ -39,7 +39,12 @@ def model(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(model):
-    with ServerProcess([str(model), "--parallel", "8", "--max-context", str(N_CTX), "--model-name", "tiny"]) as srv:
+    # The exact cpu math. On int8 (the default) the 12 free greedy answers change when they share windows
+    # with the 100 constrained rows (found 2026-12-04, issue 33, open): a row's int8 kernels are independent of
+    # the others (tests/test_cpu_int8.py), so the suspect is a 1-ulp difference elsewhere in such a window
+    # that the exact math leaves below a token change and the 8-bit quantization of the next product amplifies.
+    with ServerProcess([str(model), "--parallel", "8", "--max-context", str(N_CTX), "--model-name", "tiny",
+                        "--cpu-math", "exact"]) as srv:
         srv.wait_up().wait_ready()
         yield srv
 
@@ -245,7 +250,7 @@ def hermes_client(model, tmp_path_factory):
 
     path = rewrite_gguf(model, tmp_path_factory.mktemp("hermes") / "hermes.gguf",
                         set_metadata={"tokenizer.chat_template": HERMES_TEMPLATE})
-    with ServerProcess([str(path), "--parallel", "4", "--max-context", str(N_CTX), "--model-name", "tiny"]) as srv:
+    with ServerProcess([str(path), "--parallel", "4", "--max-context", str(N_CTX), "--model-name", "tiny", "--cpu-math", "exact"]) as srv:
         srv.wait_up().wait_ready()
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
 

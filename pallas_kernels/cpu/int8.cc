@@ -7,6 +7,8 @@
 #include "int8.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "int8_blocks.h"
 
@@ -19,9 +21,13 @@ namespace {
 // One block of n values (32 or 256): d = amax / 127, q = nearest-even(x * (1 / d)).
 void quantize_block(const float* x, int n, int8_t* q, float& d) {
   float amax = 0;
-  for (int i = 0; i < n; i++) amax = std::max(amax, std::fabs(x[i]));
+  bool finite = true;
+  for (int i = 0; i < n; i++) amax = std::max(amax, std::fabs(x[i])), finite &= std::isfinite(x[i]);
   d = amax / 127.0f;
-  float id = d != 0.0f ? 1.0f / d : 0.0f;
+  float id = d != 0.0f && finite ? 1.0f / d : 0.0f;
+  // A NaN or infinite activation makes the block's scale NaN, so every product with it is NaN, as on the
+  // exact path (the engine ends such a request with an error instead of sampling finite garbage).
+  if (!finite) d = std::numeric_limits<float>::quiet_NaN();
 #if defined(STRATA_Q8_AVX2)
   const __m256 vid = _mm256_set1_ps(id);
   for (int i = 0; i < n; i += 32) {
