@@ -51,20 +51,18 @@ void quantize_block(const float* x, int n, int8_t* q, float& d) {
 }  // namespace
 
 void quantize_rows(const float* const* x, int64_t m, int64_t k, int unit, Q8Rows& out) {
-  int64_t units = (k / unit + 7) / 8 * 8, kp = units * unit;
-  out.unit = unit;
-  out.units = units;
-  out.q.assign(m * kp, 0);
-  out.d.assign(m * units, 0.0f);
-  out.s32.assign(m * kp / 32, 0);
-  out.s16.assign(unit == 256 ? m * units * 16 : 0, 0);
+  int64_t units = k / unit;
+  out.q.resize(m * k);                     // every entry is written below
+  out.d.resize(m * units);
+  out.s32.resize(m * k / 32);
+  out.s16.resize(unit == 256 ? m * units * 16 : 0);
   out.rows.resize(m);
   for (int64_t i = 0; i < m; i++) {
-    int8_t* q = out.q.data() + i * kp;
+    int8_t* q = out.q.data() + i * k;
     float* d = out.d.data() + i * units;
-    int32_t* s32 = out.s32.data() + i * kp / 32;
+    int32_t* s32 = out.s32.data() + i * k / 32;
     int32_t* s16 = unit == 256 ? out.s16.data() + i * units * 16 : nullptr;
-    for (int64_t u = 0; u < k / unit; u++) quantize_block(x[i] + u * unit, unit, q + u * unit, d[u]);
+    for (int64_t u = 0; u < units; u++) quantize_block(x[i] + u * unit, unit, q + u * unit, d[u]);
     for (int64_t j = 0; j < k / 32; j++) {
       int32_t s = 0;
       for (int t = 0; t < 32; t++) s += q[32 * j + t];

@@ -36,8 +36,7 @@ namespace strata {
 #define STRATA_Q8_AVX2 1
 #endif
 
-// One quantized x row, for one activation format. Arrays are padded: q to a whole number of groups of
-// 8 units (zeros), d and s32 likewise.
+// One quantized x row, for one activation format (units of 32 or 256 values: k / unit of them).
 struct Q8Row {
   const int8_t* q;        // [units * unit_values]
   const float* d;         // [units]: the block scale
@@ -51,8 +50,6 @@ constexpr int kSub16Order[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 1
 
 // Quantized rows of one call, for one unit size (32 or 256 values). Owns the storage.
 struct Q8Rows {
-  int unit = 0;                      // values a unit: 32 or 256
-  int64_t units = 0;                 // units a row, padded to a multiple of 8
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> s32, s16;
