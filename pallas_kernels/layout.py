@@ -10,6 +10,11 @@ from quant_types import TABLES, QType, as_qtype, block_size, type_size
 from .bodies import BODIES, FLOAT_BODIES, FLOAT_BYTES
 
 
+# A quant type's name with this suffix ("Q4_1+packed"): the weight's bytes are in the cpu kernels' packed
+# layout (cpu/packed.h: 8 rows' blocks interleaved, made at load for --cpu-math int8), read by no other path.
+PACKED_SUFFIX = "+packed"
+
+
 @dataclass(frozen=True)
 class Layout:
     qtype: QType
@@ -17,6 +22,7 @@ class Layout:
     nbytes: int            # bytes in one body block
     body: Callable
     tables: tuple[str, ...]
+    packed: bool = False   # the bytes are in cpu/packed.h's layout, not GGUF rows
 
     def blocks_in(self, row_bytes: int) -> int:
         if row_bytes % self.nbytes:
@@ -29,8 +35,12 @@ def layout_for(qtype, row_bytes: int) -> Layout:
     """The body-block layout of `qtype` for rows of `row_bytes` bytes.
 
     Plain float types have no blocks in GGUF; they are cut into runs of up to 32 values (the largest
-    power of two dividing the row) so that the same machinery handles them.
+    power of two dividing the row) so that the same machinery handles them. A name ending in PACKED_SUFFIX
+    gives its type's layout with `packed` set.
     """
+    if isinstance(qtype, str) and qtype.endswith(PACKED_SUFFIX):
+        lay = layout_for(qtype[:-len(PACKED_SUFFIX)], row_bytes)
+        return Layout(lay.qtype, lay.values, lay.nbytes, lay.body, lay.tables, packed=True)
     qtype = as_qtype(qtype)
     if qtype in FLOAT_BODIES:
         per = FLOAT_BYTES[qtype]

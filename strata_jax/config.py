@@ -18,7 +18,7 @@ class ConfigError(ValueError):
 
 KV_TYPES = ("bf16", "f16", "f32", "int8")
 DRAFTERS = ("ngram", "mtp", "none")
-WEIGHT_MODES = ("auto", "blocks", "dequantized")
+WEIGHT_MODES = ("auto", "blocks", "packed", "dequantized")
 EXPERT_POLICIES = ("freq", "lru")          # experts/policy.py: frequency-aware LRU (default), plain LRU
 SPLITS = ("auto", "experts", "layers")     # engine/devices.py: auto = experts for a MoE model, else layers
 # --cpu-math: pallas_kernels.cpu.MATHS, named here so the config needs no JAX (tests/test_cpu_math.py checks they agree)
@@ -102,7 +102,7 @@ class EngineConfig:
     conversation_cache_slots: int = 0    # conversations kept there (0: no bound but the MiB)
     kv_resident: int | None = None       # a slot's KV beyond this many tokens lives in host RAM
     attn_chunk: str | int = "auto"       # keys an attention step reads (auto: 256, less for a small max_context)
-    weights: str = "auto"                # blocks | dequantized | auto (blocks, read by the kernels; see runner.resolve)
+    weights: str = "auto"                # blocks | packed | dequantized | auto (see engine/choices.resolve)
     backend: str = "auto"                # kernel backend: auto | xla | cpu | pallas | interpret
     cpu_math: str = "int8"               # the C++ CPU kernels' products: int8 (8-bit activations, fast) | exact (float32)
     dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16

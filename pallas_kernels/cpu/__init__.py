@@ -24,6 +24,10 @@ Which path each type takes:
   F32 kernel (so the same fixed-order sums). No float copy of the whole matrix exists.
 
 Expert ids outside [0, E) (-1: no expert) give zero rows and read no weights.
+
+Packed weights (`pack`, packed.h): resident matrices of the PACKS types repacked at load, 8 rows' blocks side
+by side, read by the int8 products only (same bits as their GGUF rows, about twice as fast at decode), also
+the expert kernel's when every expert is resident (each expert packed alone); the exact math refuses them.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ FAST: frozenset[QType] = frozenset(
     for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                  "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 )
+
+# The types with a packed layout (packed.h), and the bit of the kernels' qtype attribute that marks a packed weight.
+PACKS: frozenset[QType] = frozenset(QType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"))
+_PACKED_BIT = 1 << 16
 
 # The arithmetic of the FAST types' products: "int8" (each row of x quantized per block to 8 bits as llama.cpp's
 # vec_dot_type, integer dot products, float scales per block: the default, fast) or "exact" (x stays float32,
@@ -116,8 +124,40 @@ def _math_code(math: str) -> np.int32:
     return np.int32(MATHS.index(math) == 0)          # the kernels' attribute: 1 = int8, 0 = exact
 
 
-def _qmatmul_call(x: jax.Array, w: jax.Array, qtype: QType, math: str = "exact") -> jax.Array:
-    """The C++ kernel: x float32 [M, k], w [n, row_bytes] bytes of a FAST type -> [M, n]."""
+def _qtype_attr(lay: Layout, math: str) -> int:
+    """The kernels' qtype attribute: the GGML type, with _PACKED_BIT for a packed weight (int8 math only)."""
+    if lay.packed and math != "int8":
+        raise ValueError(f"a packed {lay.qtype.name} weight is read by the int8 math only, not {math!r}: load the "
+                         f"model without packing (--weights blocks) for --cpu-math {math}")
+    return int(lay.qtype) | (_PACKED_BIT if lay.packed else 0)
+
+
+def pack(blocks: np.ndarray, qtype: QType) -> np.ndarray:
+    """GGUF blocks uint8 [n, row_bytes] (or experts [E, n, row_bytes], each packed alone) of a PACKS type -> a new
+    64-byte aligned uint8 array of the same shape in packed.h's layout (so that jax.device_put on a CPU takes it
+    without a copy)."""
+    if qtype not in PACKS:
+        raise ValueError(f"{qtype.name} has no packed layout (packed types: {', '.join(sorted(q.name for q in PACKS))})")
+    src = np.ascontiguousarray(blocks, dtype=np.uint8)
+    if src.ndim not in (2, 3):
+        raise ValueError(f"pack takes blocks [n, row_bytes] or experts [E, n, row_bytes], not shape {tuple(src.shape)}")
+    raw = np.empty(src.size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    dst = raw[start:start + src.size].reshape(src.shape)
+    ptr = ctypes.POINTER(ctypes.c_uint8)
+    n, row_bytes = src.shape[-2:]
+    for e in range(src.shape[0] if src.ndim == 3 else 1):        # experts each alone: no tile spans two
+        at = e * n * row_bytes
+        rc = _require().strata_pack_rows(ctypes.c_int32(int(qtype)), ctypes.cast(src.ctypes.data + at, ptr),
+                                         ctypes.c_int64(n), ctypes.c_int64(row_bytes),
+                                         ctypes.cast(dst.ctypes.data + at, ptr))
+        if rc != 0:
+            raise ValueError(f"{qtype.name}: rows of {row_bytes} bytes are not whole blocks of the type")
+    return dst
+
+
+def _qmatmul_call(x: jax.Array, w: jax.Array, qtype: int, math: str = "exact") -> jax.Array:
+    """The C++ kernel: x float32 [M, k], w [n, row_bytes] bytes of a FAST type (qtype: _qtype_attr's) -> [M, n]."""
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call("strata_qmatmul", out, vmap_method="sequential")(
         x, w, qtype=np.int32(qtype), int8=_math_code(math))
@@ -136,7 +176,7 @@ def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout, math: str = "int8") 
     _check_k(x, w_blocks, lay)
     x = x.astype(jnp.float32)
     if lay.qtype in FAST:
-        return _qmatmul_call(x, w_blocks, lay.qtype, math)
+        return _qmatmul_call(x, w_blocks, _qtype_attr(lay, math), math)
     return _tiled_qmatmul(x, w_blocks, lay)
 
 
@@ -152,7 +192,7 @@ def qmatmul_many(x: jax.Array, weights: list[tuple[jax.Array, Layout]], math: st
     out: list = [None] * len(weights)
     if fast:
         shapes = [jax.ShapeDtypeStruct((x.shape[0], weights[j][0].shape[0]), jnp.float32) for j in fast]
-        qtypes = np.array([int(weights[j][1].qtype) for j in fast], np.int32)
+        qtypes = np.array([_qtype_attr(weights[j][1], math) for j in fast], np.int32)
         ys = jax.ffi.ffi_call("strata_qmatmul_many", shapes, vmap_method="sequential")(
             x, *(weights[j][0] for j in fast), qtypes=qtypes, int8=_math_code(math))
         for j, y in zip(fast, ys):
@@ -179,7 +219,7 @@ def norm_qmatmul_many(x: jax.Array, norm: jax.Array, eps: float,
     fast = [j for j, (_, lay) in enumerate(weights) if lay.qtype in FAST]
     shapes = [jax.ShapeDtypeStruct(x.shape, jnp.float32)]
     shapes += [jax.ShapeDtypeStruct((x.shape[0], weights[j][0].shape[0]), jnp.float32) for j in fast]
-    qtypes = np.array([int(weights[j][1].qtype) for j in fast], np.int32)
+    qtypes = np.array([_qtype_attr(weights[j][1], math) for j in fast], np.int32)
     hx, *ys = jax.ffi.ffi_call("strata_norm_qmatmul_many", shapes, vmap_method="sequential")(
         x, norm.astype(jnp.float32), *(weights[j][0] for j in fast), qtypes=qtypes, eps=np.float32(eps),
         int8=_math_code(math))
@@ -198,7 +238,7 @@ def f32_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     _require()
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, k] and [n, k]")
-    return _qmatmul_call(x.astype(jnp.float32), w.astype(jnp.float32), QType.F32)
+    return _qmatmul_call(x.astype(jnp.float32), w.astype(jnp.float32), int(QType.F32))
 
 
 def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay: Layout, math: str = "int8") -> jax.Array:
@@ -213,7 +253,7 @@ def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay:
     if lay.qtype in FAST:
         out = jax.ShapeDtypeStruct((x.shape[0], w_blocks.shape[1]), jnp.float32)
         return jax.ffi.ffi_call("strata_expert_matmul", out, vmap_method="sequential")(
-            x, w_blocks, ids, qtype=np.int32(lay.qtype), int8=_math_code(math))
+            x, w_blocks, ids, qtype=np.int32(_qtype_attr(lay, math)), int8=_math_code(math))
     return _tiled_expert_matmul(x, w_blocks, ids, lay)
 
 
@@ -277,7 +317,7 @@ def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list[tuple[
     if not all(lay.qtype in FAST for _, lay in weights) or len({w.shape[0] for w, _ in weights}) != 1:
         return [expert_matmul(x, w, ids, lay, math) for w, lay in weights]
     shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w, _ in weights]
-    qtypes = np.array([int(lay.qtype) for _, lay in weights], np.int32)
+    qtypes = np.array([_qtype_attr(lay, math) for _, lay in weights], np.int32)
     return list(jax.ffi.ffi_call("strata_expert_matmul_many", shapes, vmap_method="sequential")(
         x, ids, *(w for w, _ in weights), qtypes=qtypes, int8=_math_code(math)))
 

@@ -13,6 +13,7 @@
 
 #include "int8.h"
 #include "matmul.h"
+#include "packed.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -62,8 +63,17 @@ std::vector<const float*> x_rows(const float* x, int64_t m, int64_t k, std::vect
   return p;
 }
 
+// A qtype attribute with this bit set: the weight is in packed.h's layout (packed at load: the int8 math only).
+constexpr int32_t kPackedBit = 1 << 16;
+
 // The type's kernel, checked to have one and that rows of row_bytes hold k values of it.
 ffi::Error check_type(int32_t qtype, int64_t k, int64_t row_bytes, TypeInfo& t) {
+  if (qtype & kPackedBit) {
+    if (!packs(qtype & ~kPackedBit))
+      return ffi::Error::InvalidArgument("strata cpu kernels: GGML type " + std::to_string(qtype & ~kPackedBit) +
+                                         " has no packed layout");
+    qtype &= ~kPackedBit;
+  }
   t = type_info(qtype);
   if (!t.fn)
     return ffi::Error::InvalidArgument("strata cpu kernels: no C++ kernel for GGML type " + std::to_string(qtype));
@@ -91,17 +101,18 @@ struct QuantizedX {
   void prepare(const float* const* x, int64_t m, int64_t k, const std::vector<int32_t>& qtypes) {
     bool need32 = false, need256 = false;
     for (int32_t q : qtypes)
-      if (int8_fn(q)) (int8_unit(q) == 32 ? need32 : need256) = true;
+      if (int8_fn(q & ~kPackedBit)) (int8_unit(q & ~kPackedBit) == 32 ? need32 : need256) = true;
     if (need32) quantize_rows(x, m, k, 32, by32);
     if (need256) quantize_rows(x, m, k, 256, by256);
   }
-  const Q8Rows& for_type(int32_t qtype) const { return int8_unit(qtype) == 32 ? by32 : by256; }
+  const Q8Rows& for_type(int32_t qtype) const { return int8_unit(qtype & ~kPackedBit) == 32 ? by32 : by256; }
 };
 
-// Weight rows [n0, n1) of one matrix times rows `x` (float, the exact path) or `xq` (quantized: the int8
-// path, when the call asked for it and the type has one).
+// Weight rows [n0, n1) of a matrix of n rows times rows `x` (float, the exact path) or `xq` (quantized: the
+// int8 path, when the call asked for it and the type has one; a packed weight, always).
 void product_rows(const TypeInfo& t, int32_t qtype, bool int8, const uint8_t* w, int64_t row_bytes, int64_t k,
-                  const RowSet& rows, const Q8Row* xq, int64_t n0, int64_t n1) {
+                  int64_t n, const RowSet& rows, const Q8Row* xq, int64_t n0, int64_t n1) {
+  if (qtype & kPackedBit) return packed_fn(qtype & ~kPackedBit)(w, row_bytes, k, n, Q8RowSet{xq, rows.y, rows.m}, n0, n1);
   Int8Fn f = int8 ? int8_fn(qtype) : nullptr;
   if (f) return f(w, row_bytes, k, Q8RowSet{xq, rows.y, rows.m}, n0, n1);
   matmul_rows(t, w, row_bytes, k, rows, n0, n1);
@@ -134,7 +145,7 @@ void run_products(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, c
     auto [j, n0] = units[u];
     const Product& p = ps[j];
     RowSet rows{xp.data(), yp[j].data(), m};
-    product_rows(p.t, p.qtype, int8, p.w, p.row_bytes, k, rows, xq.for_type(p.qtype).rows.data(), n0,
+    product_rows(p.t, p.qtype, int8, p.w, p.row_bytes, k, p.n, rows, xq.for_type(p.qtype).rows.data(), n0,
                  std::min(p.n, n0 + per));
   });
 }
@@ -147,12 +158,23 @@ ffi::Error product_of(int64_t k, int32_t qtype, ffi::AnyBuffer w, float* y, Prod
   return check_type(qtype, k, p.row_bytes, p.t);
 }
 
+// A packed weight is read by the int8 kernel only (packed at load for --cpu-math int8).
+template <class P>
+ffi::Error check_math(const std::vector<P>& ps, int32_t int8) {
+  for (const P& p : ps)
+    if ((p.qtype & kPackedBit) && !int8)
+      return ffi::Error::InvalidArgument("strata cpu kernels: a packed weight (GGML type " +
+                                         std::to_string(p.qtype & ~kPackedBit) + ") needs the int8 math, not exact");
+  return ffi::Error::Success();
+}
+
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                        ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t int8) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("strata_qmatmul: x must be [M, k] and w [n, row_bytes]");
   std::vector<Product> ps(1);
   if (ffi::Error err = product_of(xd[1], qtype, w, y->typed_data(), ps[0]); err.failure()) return err;
+  if (ffi::Error err = check_math(ps, int8); err.failure()) return err;
   run_products(pool, x.typed_data(), xd[0], xd[1], ps, int8);
   return ffi::Error::Success();
 }
@@ -170,6 +192,7 @@ ffi::Error QMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     if (w.has_error() || y.has_error()) return ffi::Error::InvalidArgument("strata_qmatmul_many: bad operand");
     if (ffi::Error err = product_of(xd[1], qtypes[j], *w, (*y)->typed_data(), ps[j]); err.failure()) return err;
   }
+  if (ffi::Error err = check_math(ps, int8); err.failure()) return err;
   run_products(pool, x.typed_data(), xd[0], xd[1], ps, int8);
   return ffi::Error::Success();
 }
@@ -215,6 +238,7 @@ ffi::Error NormQMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     if (w.has_error() || y.has_error()) return ffi::Error::InvalidArgument("strata_norm_qmatmul_many: bad operand");
     if (ffi::Error err = product_of(xd[1], qtypes[j], *w, (*y)->typed_data(), ps[j]); err.failure()) return err;
   }
+  if (ffi::Error err = check_math(ps, int8); err.failure()) return err;
   if (!ps.empty()) run_products(pool, h, xd[0], xd[1], ps, int8);
   return ffi::Error::Success();
 }
@@ -288,8 +312,8 @@ void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, i
     auto [j, e, n0] = units[u];
     const ExpertProduct& p = ps[j];
     RowSet rows{xp.data() + count[e], yp[j].data() + count[e], count[e + 1] - count[e]};
-    const std::vector<Q8Row>& q = int8_unit(p.qtype) == 32 ? xq32 : xq256;
-    product_rows(p.t, p.qtype, int8, p.w + e * p.n * p.row_bytes, p.row_bytes, k, rows,
+    const std::vector<Q8Row>& q = int8_unit(p.qtype & ~kPackedBit) == 32 ? xq32 : xq256;
+    product_rows(p.t, p.qtype, int8, p.w + e * p.n * p.row_bytes, p.row_bytes, k, p.n, rows,
                  q.empty() ? nullptr : q.data() + count[e], n0, std::min(p.n, n0 + per));
   });
 }
@@ -316,6 +340,7 @@ ffi::Error ExpertMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   std::vector<ExpertProduct> ps(1);
   if (ffi::Error err = expert_product_of(x.dimensions()[1], qtype, w, y->typed_data(), ps[0]); err.failure())
     return err;
+  if (ffi::Error err = check_math(ps, int8); err.failure()) return err;
   run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps, int8);
   return ffi::Error::Success();
 }
@@ -337,6 +362,7 @@ ffi::Error ExpertMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
     if (ps[j].n_exp != ps[0].n_exp)
       return ffi::Error::InvalidArgument("strata_expert_matmul_many: the weights hold different numbers of experts");
   }
+  if (ffi::Error err = check_math(ps, int8); err.failure()) return err;
   run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps, int8);
   return ffi::Error::Success();
 }
@@ -401,6 +427,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataExpertMatmul, strata::ExpertMatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
                                   .Attr<int32_t>("int8"));
+
+// Packs rows [0, n) of src (row_bytes each, GGML type qtype) into dst, the same size (packed.h): 0, or -1
+// when the type has no packed layout or the rows are not whole blocks of it.
+STRATA_EXPORT int strata_pack_rows(int32_t qtype, const uint8_t* src, int64_t n, int64_t row_bytes, uint8_t* dst) {
+  strata::TypeInfo t = strata::type_info(qtype);
+  if (!strata::packs(qtype) || row_bytes % t.block_bytes) return -1;
+  strata::pack_rows(qtype, src, n, row_bytes, dst);
+  return 0;
+}
 
 // For the Python side's checks and log lines: which SIMD path this build took.
 const char* strata_cpu_isa() { return strata::kIsa; }

@@ -72,7 +72,8 @@ const auto kMicro = micro_table(std::make_integer_sequence<int, MR>());
 
 }  // namespace
 
-int weight_rows_per_tile() { return std::lcm(NR, kDirectRows); }
+// Also a multiple of 8: the int8 kernels' tile (int8.cc, packed.cc), whose packed tiles must not be cut.
+int weight_rows_per_tile() { return std::lcm(std::lcm(NR, kDirectRows), 8); }
 
 void matmul_rows(const TypeInfo& t, const uint8_t* w, int64_t row_bytes, int64_t k, const RowSet& rows,
                  int64_t n0, int64_t n1) {

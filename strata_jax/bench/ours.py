@@ -117,7 +117,7 @@ def measure_ours(opts: BenchOptions, cfg: EngineConfig, progress=print) -> dict:
         load_s = time.perf_counter() - t
         st = eng.stats()
         rss = rss_mib()
-        progress(f"strata-jax: loaded in {load_s:.1f} s (weights {st['weights']}, {st['dtype']}, kv {st['kv']}, "
+        progress(f"strata-jax: loaded in {load_s:.1f} s (weights {st['weights']}{' packed' if st.get('pack') else ''}, {st['dtype']}, kv {st['kv']}, "
                  f"backend {st['backend']}, {cfg.parallel} slots; process RSS {rss:.0f} MiB); prefill of "
                  f"{opts.prompt_tokens} tokens")
         prefill = measure_prefill(eng, opts)
@@ -125,7 +125,7 @@ def measure_ours(opts: BenchOptions, cfg: EngineConfig, progress=print) -> dict:
         for n in opts.parallel_list:
             progress(f"strata-jax: decode, {n} sequence{'s' if n > 1 else ''}")
             decode.append(measure_decode(eng, opts, n))
-    return {"engine": {k: st[k] for k in ("weights", "dtype", "kv", "backend", "prefill")},
+    return {"engine": {k: st[k] for k in ("weights", "pack", "dtype", "kv", "backend", "prefill")},
             "config": cfg.to_dict(), "load_seconds": load_s, "rss_mib_after_load": rss, "prefill": prefill,
             "decode": decode}
 

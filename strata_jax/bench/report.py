@@ -57,7 +57,8 @@ def render(result: dict) -> str:
     versions = f"jax {m['jax']} ({m['jax_backend']})"
     if result.get("llama_cpp"):
         versions += f", llama-cpp-python {m['llama_cpp_python']}"
-    weights = eng["weights"] + (f" ({eng['dtype']})" if eng["weights"] == "dequantized" else "")
+    weights = eng["weights"] + (f" ({eng['dtype']})" if eng["weights"] == "dequantized" else "") + (
+        " packed" if eng.get("pack") else "")
     lines = [
         f"model: {model['file']} ({model['architecture']}, {model['parameters'] / 1e6:,.1f}M parameters, "
         + f"{model['experts'] or 'dense'}, {model['types']})",

@@ -16,9 +16,9 @@ KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16, "int8
 DEQUANTIZE_LIMIT = 4 << 30
 
 
-def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
+def resolve(cfg: EngineConfig, model: GGUFModel) -> dict:
     """Turn the config's "auto" choices into this machine's: backend (with --cpu-math on the cpu backend), dtype,
-    kv, weights, prefill."""
+    kv, weights ("blocks" or "dequantized"; "pack": whether blocks are packed), prefill."""
     on_gpu = jax.default_backend() == "gpu"
     backend = pk.resolve_backend(cfg.backend)
     if pk.is_cpu(backend):
@@ -28,7 +28,14 @@ def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     kv = cfg.kv if cfg.kv != "auto" else ("bf16" if on_gpu else "f32")
     weights = cfg.weights
-    if weights == "auto":
+    # Packed blocks (cpu/packed.h) are read by the int8 products only: the "cpu" backend's default. The
+    # exact math, the xla and pallas backends read GGUF blocks as they lie.
+    int8 = pk.is_cpu(backend) and pk.cpu_math(backend) == "int8"
+    if weights == "packed" and not int8:
+        raise ConfigError(f"weights = packed: packed weights are read by the cpu backend's int8 math only (backend "
+                          f"{backend!r} here): use --weights blocks")
+    pack = weights == "packed" or (weights == "auto" and int8)
+    if weights in ("auto", "packed"):
         # The cpu and pallas kernels read GGUF blocks at memory speed: keep them. XLA alone on a CPU has no
         # fast low-bit path, so there a small model gets a float copy (DESIGN.md, Speed).
         f32_bytes = 4 * sum(t.n_values for t in model.tensors.values())
@@ -41,5 +48,5 @@ def resolve(cfg: EngineConfig, model: GGUFModel) -> dict[str, str]:
     if batch < prefill:
         raise ConfigError(f"batch_tokens = {batch}: must be at least the prompt chunk a window reads "
                           f"(prefill = {prefill}): a window holds at least one whole chunk")
-    return {"backend": backend, "dtype": dtype, "kv": kv, "weights": weights, "prefill": prefill,
+    return {"backend": backend, "dtype": dtype, "kv": kv, "weights": weights, "pack": pack, "prefill": prefill,
             "batch_tokens": batch}

@@ -83,7 +83,7 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
     one_slot = slot_bytes(leaf_shapes)     # one expert slot in every MoE layer
     if cfg.expert_cache == "auto":
         if free is None or all_bytes + temp <= free:
-            load_experts(model, params, mode, dtype)
+            load_experts(model, params, mode, dtype, pack=choices["pack"])
             ledger.reserve_bytes("experts", all_bytes, "every expert on the device" if shards == 1 else
                                  f"a device's {spec.n_experts // shards} experts of every layer")
             if cfg.expert_profile:        # checked all the same: a bad file is an error, not a surprise

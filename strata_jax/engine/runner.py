@@ -78,7 +78,8 @@ class ModelRunner:
         self.ledger = ledger_for(cfg, self.split, len(devs))
         # The routed experts are placed after the weights and the KV cache: all on the device when they fit
         # (--expert-cache auto), else in a device arena fed by the host and file tiers (experts/).
-        self.params = load_params(model, self.choices["weights"], self.choices["dtype"], progress, experts=False)
+        self.params = load_params(model, self.choices["weights"], self.choices["dtype"], progress, experts=False,
+                                  pack=self.choices["pack"])
         self.ledger.reserve_bytes("weights", _tree_bytes(self.params), "the model's weights")
         self.kv_dtype = KV_DTYPES[self.choices["kv"]]
         self.ledger.reserve_bytes("kv", kv_bytes(self.spec, self.kv_dtype, cfg.parallel, self.device_len),

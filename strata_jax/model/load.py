@@ -32,10 +32,14 @@ _ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", 
 
 
 
-def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False, experts: bool = True) -> dict:
+def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False, experts: bool = True,
+                pack: bool = False) -> dict:
     """mode "blocks": matrices stay GGUF blocks (QTensor); "dequantized": float `dtype` copies.
     `progress`: a progress bar over the tensors on the console. `experts=False` leaves the routed experts
-    out (the expert tiers hold them; `load_experts` adds them later when they all fit on the device)."""
+    out (the expert tiers hold them; `load_experts` adds them later when they all fit on the device).
+    `pack` (blocks mode, the cpu backend's int8 math): the matrices that only products read are packed
+    (weights.to_device); the embedding table (gathered by rows) is not. The routed experts: see
+    load_experts (packed when all are resident; the tiers hand them over as GGUF blocks)."""
     from tqdm import tqdm
 
     spec = model.spec
@@ -48,7 +52,8 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
         # The embedding table is gathered by rows; every other float matrix is kept transposed ([k, n]):
         # on XLA:CPU x @ W runs twice as fast as x @ W^T for a few rows (the decode case).
         return to_device(t[name], m, jnp.float32 if short in _ALWAYS_FLOAT else dtype,
-                         transpose=short not in ("embed", "router"))
+                         transpose=short not in ("embed", "router"),
+                         pack=pack and short not in EXPERT_TENSORS and short not in ("embed", "router"))
 
     def layer(i: int) -> LayerWeights:
         prefix = f"blk.{i}."
@@ -59,6 +64,10 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
     params["norm"] = params["norm"].astype(jnp.float32)
     if spec.tied_output:   # a float table is kept both ways: rows to embed, transposed to project
         params["output"] = params["embed"] if isinstance(params["embed"], QTensor) else params["embed"].T.copy()
+        if pack and isinstance(params["embed"], QTensor):
+            # the head packed too, a copy beside the table's GGUF rows (SmolLM2: 30 MB, 1/5 of a decode step
+            # read twice as fast); the embedding keeps gathering its rows from the file's pages
+            params["output"] = to_device(t["token_embd.weight"], mode, dtype, pack=True)
     else:
         params["output"] = get("output.weight", "output")
     params["layers"] = [layer(i) for i in range(spec.n_layers)]
@@ -79,15 +88,15 @@ def _load_nextn(params: dict, t, i: int, layer, get) -> dict:
 
 
 
-def load_experts(model: GGUFModel, params: dict, mode: str, dtype: str) -> None:
+def load_experts(model: GGUFModel, params: dict, mode: str, dtype: str, pack: bool = False) -> None:
     """Put every routed expert on the device, into `params` (loaded with experts=False), exactly as
-    load_params(experts=True) would have."""
+    load_params(experts=True) would have; `pack`: each expert packed (to_device), as resident weights are."""
     layers = params["layers"]
     for i, lp in enumerate(layers):
-        layers[i] = lp.with_experts(_experts(model, i, mode, dtype))
+        layers[i] = lp.with_experts(_experts(model, i, mode, dtype, pack))
     if "mtp" in params:
         mtp = params["mtp"]
-        mtp["layer"] = mtp["layer"].with_experts(_experts(model, model.spec.n_layers, mode, dtype))
+        mtp["layer"] = mtp["layer"].with_experts(_experts(model, model.spec.n_layers, mode, dtype, pack))
 
 
 def load_nextn_experts(model: GGUFModel, params: dict, mode: str, dtype: str) -> int:
@@ -100,10 +109,11 @@ def load_nextn_experts(model: GGUFModel, params: dict, mode: str, dtype: str) ->
     return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(experts))
 
 
-def _experts(model: GGUFModel, i: int, mode: str, dtype: str) -> dict | None:
+def _experts(model: GGUFModel, i: int, mode: str, dtype: str, pack: bool = False) -> dict | None:
     """Layer i's routed experts on the device (EXPERT_TENSORS -> weight), or None for a dense layer."""
     names = {short: f"blk.{i}.{suffix}" for suffix, short in _LAYER_TENSORS.items() if short in EXPERT_TENSORS}
-    out = {short: to_device(model.tensors[name], mode, dtype) for short, name in names.items() if name in model.tensors}
+    out = {short: to_device(model.tensors[name], mode, dtype, pack=pack) for short, name in names.items()
+           if name in model.tensors}
     return out or None
 
 

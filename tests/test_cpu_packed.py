@@ -1,0 +1,150 @@
+"""Weights packed at load (pallas_kernels/cpu/packed.h): 8 rows' blocks side by side for the int8 products.
+
+- the packed kernel gives the bits of the same matrix in GGUF blocks, for every packed type, every M (the
+  decode sizes and prefill), rows past the last whole tile of 8, units of work cut anywhere, and in the
+  calls of several weights at once;
+- every ISA level this CPU runs gives those bits too (a fresh process each, as pip built them);
+- packing is a permutation of the bytes (the same multiset, same size), and a type without a layout, the
+  exact math, the expert kernel and the other backends refuse a packed weight with an error that says so;
+- the engine packs on the cpu backend's int8 math (weights auto), not on exact, and a served model answers
+  with the same tokens packed or not (test_cpu_math checks the server end to end).
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import cpu
+from pallas_kernels.layout import layout_for
+
+PACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL"]
+
+
+def _blocks(qtype: str, n: int, k: int, seed: int = 5) -> np.ndarray:
+    return pk.random_blocks(qtype, (n, k), np.random.default_rng(seed))
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("qtype", PACKED)
+def test_a_packed_matrix_gives_the_bits_of_its_gguf_blocks(qtype):
+    """Every M from decode (1..8) to prefill (9, 40), 37 and 1536 rows (a tile of 8 cut short; many units)."""
+    rng = np.random.default_rng(1)
+    for n, k in ((37, 576), (1536, 224)):
+        b = _blocks(qtype, n, k)
+        p = pk.pack(b, qtype)
+        assert p.shape == b.shape and p.dtype == np.uint8
+        plain, packed = layout_for(qtype, b.shape[1]), layout_for(qtype + pk.PACKED_SUFFIX, b.shape[1])
+        assert packed.packed and not plain.packed and packed.qtype == plain.qtype
+        for m in (1, 2, 5, 8, 9, 40):
+            x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32) * 2)
+            want = cpu.qmatmul(x, jnp.asarray(b), plain, math="int8")
+            got = cpu.qmatmul(x, jnp.asarray(p), packed, math="int8")
+            assert (_bits(got) == _bits(want)).all(), f"{qtype} n={n} k={k} M={m}"
+
+
+def test_packing_moves_bytes_and_leaves_the_rows_past_the_last_tile():
+    b = _blocks("Q4_1", 21, 576)
+    p = pk.pack(b, "Q4_1")
+    assert not np.array_equal(p[:16], b[:16])                       # the two whole tiles are rearranged
+    assert np.array_equal(np.sort(p[:16], axis=None), np.sort(b[:16], axis=None))
+    assert np.array_equal(p[16:], b[16:])                           # rows 16..20 stay GGUF rows
+    assert p.ctypes.data % 64 == 0                                  # device_put takes it without a copy
+
+
+def test_several_packed_and_plain_weights_in_one_call_give_the_bits_of_separate_calls():
+    """A decode step's norm + q, k, v call with packed weights beside a type without a packed layout (Q4_K)."""
+    k = 512
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, k)).astype(np.float32))
+    norm = jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, k).astype(np.float32))
+    packed, plain = [], []
+    for qtype, n in (("Q4_1", 576), ("Q8_0", 192), ("Q4_K", 64), ("Q4_0", 1536)):
+        b = _blocks(qtype, n, k)
+        plain.append((jnp.asarray(b), qtype))
+        packed.append((jnp.asarray(pk.pack(b, qtype)), qtype + pk.PACKED_SUFFIX) if pk.packs(qtype) else plain[-1])
+    hx, ys = pk.norm_qmatmul_many(x, norm, 1e-5, packed, backend="cpu")
+    hx2, ys2 = pk.norm_qmatmul_many(x, norm, 1e-5, plain, backend="cpu")
+    assert (_bits(hx) == _bits(hx2)).all()
+    for y, y2 in zip(ys, ys2):
+        assert (_bits(y) == _bits(y2)).all()
+    for y, y2 in zip(pk.qmatmul_many(x, packed, backend="cpu"), pk.qmatmul_many(x, plain, backend="cpu")):
+        assert (_bits(y) == _bits(y2)).all()
+
+
+def test_packed_experts_give_the_bits_of_their_gguf_blocks():
+    """Every expert resident (--expert-cache auto, all fit): each expert packed alone, read in place by the
+    expert kernel, rows of several experts and of none (-1) in one call, gate and up together."""
+    E, n, k = 4, 44, 576
+    rng = np.random.default_rng(9)
+    gate, up = _blocks("Q4_1", E * n, k, 1).reshape(E, n, -1), _blocks("Q8_0", E * n, k, 2).reshape(E, n, -1)
+    pg, pu = pk.pack(gate, "Q4_1"), pk.pack(up, "Q8_0")
+    assert np.array_equal(pg[1], pk.pack(gate[1], "Q4_1"))          # experts packed one by one
+    ids = jnp.asarray(np.array([2, 0, -1, 2, 3, 1, 1, 0, 2, 3, 3], np.int32))
+    x = jnp.asarray(rng.standard_normal((11, k)).astype(np.float32))
+    want = pk.expert_matmul_many(x, ids, [(jnp.asarray(gate), "Q4_1"), (jnp.asarray(up), "Q8_0")], backend="cpu")
+    got = pk.expert_matmul_many(x, ids, [(jnp.asarray(pg), "Q4_1" + pk.PACKED_SUFFIX),
+                                         (jnp.asarray(pu), "Q8_0" + pk.PACKED_SUFFIX)], backend="cpu")
+    for y, y2 in zip(got, want):
+        assert (_bits(y) == _bits(y2)).all()
+    one = pk.expert_matmul(x[:1], jnp.asarray(pg), ids[:1], "Q4_1" + pk.PACKED_SUFFIX, backend="cpu")
+    assert (_bits(one) == _bits(want[0][:1])).all()
+
+
+def test_what_cannot_read_a_packed_weight_says_so():
+    b = _blocks("Q4_1", 16, 64)
+    p = jnp.asarray(pk.pack(b, "Q4_1"))
+    name = "Q4_1" + pk.PACKED_SUFFIX
+    x = jnp.ones((1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="int8 math only"):
+        pk.qmatmul(x, p, name, backend="cpu-exact")
+    with pytest.raises(ValueError, match="packed weights are read only by the cpu backend"):
+        pk.qmatmul(x, p, name, backend="xla")
+    with pytest.raises(ValueError, match="packed weights are read only by the cpu backend"):
+        pk.dequantize(p, name)
+    with pytest.raises(ValueError, match="Q4_K has no packed layout"):
+        pk.pack(_blocks("Q4_K", 8, 256), "Q4_K")
+    assert pk.packs("Q8_0") and not pk.packs("Q6_K")
+
+
+_HASH = r"""
+import hashlib, jax.numpy as jnp, numpy as np, pallas_kernels as pk
+from pallas_kernels import cpu
+from pallas_kernels.layout import layout_for
+out = []
+for qtype in %r:
+    b = pk.random_blocks(qtype, (45, 576), np.random.default_rng(7))
+    lay = layout_for(qtype + pk.PACKED_SUFFIX, b.shape[1])
+    p = jnp.asarray(pk.pack(b, qtype))
+    x = np.random.default_rng(8).standard_normal((20, 576)).astype(np.float32)
+    ys = [np.asarray(cpu.qmatmul(jnp.asarray(x[a:z]), p, lay, math="int8")) for a, z in ((0, 1), (1, 4), (4, 20))]
+    out.append(hashlib.sha1(np.concatenate(ys).tobytes()).hexdigest())
+print(" ".join(out))
+"""
+
+
+def test_every_isa_level_this_cpu_runs_reads_packed_weights_with_the_same_bits():
+    import ctypes
+
+    from pallas_kernels.cpu import library
+
+    supported = library.supported_levels(ctypes.CDLL(str(library.level_path(library.LEVELS[0]))))
+    runnable = [lv for lv in library.built_levels() if lv in supported]
+    assert len(runnable) >= 2, f"only {runnable} of the built levels {library.built_levels()} run here"
+    hashes = {}
+    for level in runnable:
+        env = {**os.environ, cpu.LIB_ENV: str(library.level_path(level))}
+        done = subprocess.run([sys.executable, "-c", _HASH % (PACKED,)], capture_output=True, text=True, env=env,
+                              check=False)
+        assert done.returncode == 0, f"{level}: {done.stderr[-2000:]}"
+        hashes[level] = done.stdout.split()
+    for level in runnable[1:]:
+        assert hashes[level] == hashes[runnable[0]], f"{level} differs from {runnable[0]}"
+    assert len(set(hashes[runnable[0]])) == len(PACKED) and hashlib.sha1(b"").hexdigest() not in hashes[runnable[0]]
