@@ -9,7 +9,6 @@ from quant_types import TABLES, QType, as_qtype, block_size, type_size
 
 from .bodies import BODIES, FLOAT_BODIES, FLOAT_BYTES
 
-
 # A quant type's name with this suffix ("Q4_1+packed"): the weight's bytes are in the cpu kernels' packed
 # layout (cpu/packed.h: 8 rows' blocks interleaved, made at load for --cpu-math int8), read by no other path.
 PACKED_SUFFIX = "+packed"
