@@ -7,7 +7,7 @@
         dequantized float32 weights, with the blocks' bytes / time
     python scripts/bench_kernels.py --experts [--types Q4_1] [--m 1,4,8] [--shapes 576x1536] [--n-experts 8]
         each row times its expert (top-2 of n-experts, distinct): cpu expert_matmul against the xla backend's
-    python scripts/bench_kernels.py --decode-chain MODEL.gguf [--m 1] [--math int8|exact|both]
+    python scripts/bench_kernels.py --decode-chain MODEL.gguf [--m 1] [--math int8|int8-blocks|exact|both]
         every product of one decode step of a dense GGUF model (each layer's q, k, v, o, gate, up, down,
         then the output head), chained in one jitted function on the cpu backend with the file's real
         weights: the step's products alone, streaming from memory as in the engine (not from L2)
@@ -102,8 +102,14 @@ def decode_chain(path: str, m: int, repeats: int, math: str) -> None:
     names = [f"blk.{i}.{n}.weight" for i in range(model.spec.n_layers)
              for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")] + [head]
     infos = [model.tensors[n] for n in names]
-    ws = [blocks_in_place(t.data) for t in infos]
-    lays = [layout_for(pk.as_qtype(t.qtype.name), t.row_bytes) for t in infos]
+    # "int8" reads the weights packed as the engine loads them (pallas_kernels/cpu/packed.h), "int8-blocks" and
+    # "exact" the GGUF blocks in place
+    pack = math == "int8"
+    ws = [jax.device_put(pk.pack(t.data, t.qtype)) if pack and pk.packs(t.qtype) else blocks_in_place(t.data)
+          for t in infos]
+    lays = [layout_for(t.qtype.name + (pk.PACKED_SUFFIX if pack and pk.packs(t.qtype) else ""), t.row_bytes)
+            for t in infos]
+    math = "exact" if math == "exact" else "int8"
 
     def chain(x, ws):
         h = x
@@ -114,7 +120,7 @@ def decode_chain(path: str, m: int, repeats: int, math: str) -> None:
 
     us = median_us(jax.jit(chain), jnp.ones((m, model.spec.hidden), jnp.float32), ws, repeats=repeats)
     total = sum(int(w.nbytes) for w in ws)
-    print(f"| {path.rsplit('/', 1)[-1]} | {math} | M = {m} | {len(ws)} products | {total / 1e6:.1f} MB | {us / 1e3:.2f} ms | "
+    print(f"| {path.rsplit('/', 1)[-1]} | {'int8, packed' if pack else math} | M = {m} | {len(ws)} products | {total / 1e6:.1f} MB | {us / 1e3:.2f} ms | "
           f"{total / us / 1e3:.2f} GB/s |")
 
 
@@ -130,7 +136,9 @@ def main() -> None:
     ap.add_argument("--m", default=None, help="comma-separated M (tokens for --experts)")
     ap.add_argument("--shapes", default=None, help="comma-separated k x n, e.g. 576x1536,1536x576")
     ap.add_argument("--n-experts", type=int, default=8)
-    ap.add_argument("--math", default="both", choices=("int8", "exact", "both"), help="--decode-chain's cpu math")
+    ap.add_argument("--math", default="both", choices=("int8", "int8-blocks", "exact", "both"),
+                    help="--decode-chain's cpu math: int8 (weights packed, as the engine loads them), int8-blocks (GGUF "
+                         "blocks in place), exact, or all three (both)")
     ap.add_argument("--decode-chain", default=None, metavar="MODEL.gguf")
     a = ap.parse_args()
     load = os.getloadavg()[0]
@@ -142,7 +150,7 @@ def main() -> None:
         print("| model | rows | products | bytes | median | rate |")
         print("|---|---|---|---|---|---|")
         for m in [int(v) for v in (a.m or "1").split(",")]:
-            for math in ("int8", "exact") if a.math == "both" else (a.math,):
+            for math in ("int8", "int8-blocks", "exact") if a.math == "both" else (a.math,):
                 decode_chain(a.decode_chain, m, a.repeats or 30, math)
         return
     if a.matmul or a.experts:

@@ -48,7 +48,7 @@ void pack(const uint8_t* src, int64_t n, int64_t row_bytes, uint8_t* dst) {
 
 // Packed unit b of a tile times every x row into acc[m]: the integer sums of int8.cc's tile_direct
 // (exact, any order) and add_unit's float operations, so the same bits.
-template <class P>
+template <class P, bool One>
 Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x8* acc) {
   using B = typename P::B;
 #if defined(STRATA_Q8_AVX2)
@@ -73,7 +73,7 @@ Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) va[g] = _mm256_sign_epi8(v[g], v[g]);
   }
-  for (int64_t m = 0; m < xs.m; m++) {
+  for (int64_t m = 0; m < (One ? 1 : xs.m); m++) {
     const Q8Row& x = xs.x[m];
     const int8_t* xq = x.q + 32 * b;
     int32_t x4[8];
@@ -98,9 +98,12 @@ Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x
 #else
       // Nibbles (<= 15) times |q| <= 127: each int16 of a maddubs is at most 2 * 15 * 127, and the sum of
       // 8 of them 30,480 < 32,768: added as int16, then one madd into int32 (exact).
-      __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(x4[0]));
+      // (added as a tree: a shorter dependency chain than one running sum, the same exact integers)
+      __m256i p[8];
 #pragma GCC unroll 8
-      for (int g = 1; g < 8; g++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[g], _mm256_set1_epi32(x4[g])));
+      for (int g = 0; g < 8; g++) p[g] = _mm256_maddubs_epi16(v[g], _mm256_set1_epi32(x4[g]));
+      __m256i s16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                     _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
       S = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 #endif
     }
@@ -129,7 +132,7 @@ Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x
           vals[r][4 * g + t] = (int8_t)byte;
         }
       }
-  for (int64_t m = 0; m < xs.m; m++) {
+  for (int64_t m = 0; m < (One ? 1 : xs.m); m++) {
     const Q8Row& x = xs.x[m];
     const int8_t* xq = x.q + 32 * b;
     alignas(32) int32_t int1[T], int2[T];
@@ -157,16 +160,17 @@ void rows_packed(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n, cons
   for (int64_t t = n0 / T * T; t < std::min(n1, whole); t += T) {
     const uint8_t* tile = w + t * row_bytes;
     std::fill(acc.begin(), acc.begin() + xs.m, zero8());
+    f32x8 one = zero8();            // M = 1 (decode): the accumulator in a register
     for (int64_t b = 0; b < nunits; b++) {
       // A tile is one run of bytes: the hardware prefetcher follows it; this keeps it ahead at the start
       // of each tile's units too (a prefetch never faults past the matrix's end).
-      __builtin_prefetch(tile + (b + 4) * P::unit, 0, 3);
-      __builtin_prefetch(tile + (b + 4) * P::unit + 64, 0, 3);
-      if (P::unit > 128) __builtin_prefetch(tile + (b + 4) * P::unit + 128, 0, 3);
-      if (P::unit > 192) __builtin_prefetch(tile + (b + 4) * P::unit + 192, 0, 3);
-      if (P::unit > 256) __builtin_prefetch(tile + (b + 4) * P::unit + 256, 0, 3);
-      unit_packed<P>(tile + b * P::unit, b, xs, acc.data());
+      const uint8_t* ahead = tile + (b + 4) * P::unit;
+#pragma GCC unroll 8
+      for (int o = 0; o < P::unit; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+      if (xs.m == 1) unit_packed<P, true>(tile + b * P::unit, b, xs, &one);
+      else unit_packed<P, false>(tile + b * P::unit, b, xs, acc.data());
     }
+    if (xs.m == 1) acc[0] = one;
     for (int64_t m = 0; m < xs.m; m++) {
       alignas(32) float out[T];
       store8(out, acc[m]);
