@@ -46,73 +46,91 @@ void pack(const uint8_t* src, int64_t n, int64_t row_bytes, uint8_t* dst) {
   std::memcpy(dst + whole * row_bytes, src + whole * row_bytes, (n - whole) * row_bytes);
 }
 
-// Packed unit b of a tile times every x row into acc[m]: the integer sums of int8.cc's tile_direct
-// (exact, any order) and add_unit's float operations, so the same bits.
-template <class P, bool One>
-Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x8* acc) {
-  using B = typename P::B;
 #if defined(STRATA_Q8_AVX2)
-  const f32x8 w1{_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)u))};
-  const f32x8 w2{P::scales == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(u + 16))) : _mm256_setzero_ps()};
+// A packed unit's 8 rows in registers: v[g] pairs with x bytes 4g..4g+3 (row r in lane r), and for the
+// signed types |v| (v's sign goes onto x: dot_i8i8's trick); the rows' float scales.
+template <class P>
+struct Unpacked {
+  __m256i v[8], va[8];
+  f32x8 w1, w2;
+};
+
+template <class P>
+Q8_INLINE void unpack_unit(const uint8_t* u, Unpacked<P>& o) {
+  o.w1 = f32x8{_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)u))};
+  o.w2 = f32x8{P::scales == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(u + 16))) : _mm256_setzero_ps()};
   const uint8_t* q = u + P::head;
-  __m256i v[8];                  // v[g] pairs with x bytes 4g..4g+3, row r in lane r
   if constexpr (P::nibbles) {
     const __m256i low = _mm256_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
       __m256i p = load32(q + 32 * g);
-      v[g] = _mm256_and_si256(p, low), v[g + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-      if (P::levels) v[g] = i8::iq4_levels(v[g]), v[g + 4] = i8::iq4_levels(v[g + 4]);
+      o.v[g] = _mm256_and_si256(p, low), o.v[g + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      if (P::levels) o.v[g] = i8::iq4_levels(o.v[g]), o.v[g + 4] = i8::iq4_levels(o.v[g + 4]);
     }
   } else {
 #pragma GCC unroll 8
-    for (int g = 0; g < 8; g++) v[g] = load32(q + 32 * g);
+    for (int g = 0; g < 8; g++) o.v[g] = load32(q + 32 * g);
   }
-  __m256i va[8];                 // signed types: |v|, with v's sign moved onto x (dot_i8i8's trick)
-  if constexpr (B::is_signed) {
+  if constexpr (P::B::is_signed) {
 #pragma GCC unroll 8
-    for (int g = 0; g < 8; g++) va[g] = _mm256_sign_epi8(v[g], v[g]);
+    for (int g = 0; g < 8; g++) o.va[g] = _mm256_sign_epi8(o.v[g], o.v[g]);
   }
+}
+
+// The 8 rows' exact integer sums with x's 32 bytes at xq (int8.cc's, in any order: the same integers).
+template <class P>
+Q8_INLINE __m256i unit_sums(const Unpacked<P>& o, const int8_t* xq) {
+  // x's 4-byte groups broadcast straight from memory (one load each; not through a register and shuffles)
+  auto x4 = [xq](int g) { int32_t v; std::memcpy(&v, xq + 4 * g, 4); return _mm256_set1_epi32(v); };
+  __m256i S = _mm256_setzero_si256();
+  if constexpr (P::B::is_signed) {
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++)
+      S = _mm256_add_epi32(S, dot_u8i8(o.va[g], _mm256_sign_epi8(x4(g), o.v[g])));
+  } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) S = _mm256_dpbusd_epi32(S, o.v[g], x4(g));
+#elif defined(__AVXVNNI__)
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) S = _mm256_dpbusd_avx_epi32(S, o.v[g], x4(g));
+#else
+    // Nibbles (<= 15) times |q| <= 127: each int16 of a maddubs is at most 2 * 15 * 127, and the sum of 8
+    // of them 30,480 < 32,768: added as int16, then one madd into int32 (exact).
+    __m256i s16 = _mm256_maddubs_epi16(o.v[0], x4(0));
+#pragma GCC unroll 8
+    for (int g = 1; g < 8; g++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(o.v[g], x4(g)));
+    S = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#endif
+  }
+  return S;
+}
+
+// int8.cc's add_unit: the float part of unit b for x row x, given the rows' integer sums S.
+template <class P>
+Q8_INLINE void add_packed(const Unpacked<P>& o, __m256i S, const Q8Row& x, int64_t b, f32x8& acc) {
+  using B = typename P::B;
+  if (B::off) S = _mm256_sub_epi32(S, _mm256_set1_epi32(B::off * x.s32[b]));
+  f32x8 dx = splat8(x.d[b]);
+  acc = fma8(mul8(o.w1, dx), cvt8(S), acc);
+  if (B::two) acc = fma8(mul8(o.w2, dx), cvt8(_mm256_set1_epi32(x.s32[b])), acc);
+}
+#endif
+
+// Packed unit b of a tile times every x row into acc[m]: the integer sums of int8.cc's tile_direct
+// (exact, any order) and add_unit's float operations, so the same bits.
+template <class P, bool One>
+Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x8* acc) {
+#if defined(STRATA_Q8_AVX2)
+  Unpacked<P> o;
+  unpack_unit(u, o);
   for (int64_t m = 0; m < (One ? 1 : xs.m); m++) {
     const Q8Row& x = xs.x[m];
-    const int8_t* xq = x.q + 32 * b;
-    int32_t x4[8];
-    std::memcpy(x4, xq, 32);
-    __m256i S;
-    if constexpr (B::is_signed) {
-      S = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; g++)
-        S = _mm256_add_epi32(S, dot_u8i8(va[g], _mm256_sign_epi8(_mm256_set1_epi32(x4[g]), v[g])));
-    } else {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-      S = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; g++) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        S = _mm256_dpbusd_epi32(S, v[g], _mm256_set1_epi32(x4[g]));
-#else
-        S = _mm256_dpbusd_avx_epi32(S, v[g], _mm256_set1_epi32(x4[g]));
-#endif
-      }
-#else
-      // Nibbles (<= 15) times |q| <= 127: each int16 of a maddubs is at most 2 * 15 * 127, and the sum of
-      // 8 of them 30,480 < 32,768: added as int16, then one madd into int32 (exact).
-      // (added as a tree: a shorter dependency chain than one running sum, the same exact integers)
-      __m256i p[8];
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; g++) p[g] = _mm256_maddubs_epi16(v[g], _mm256_set1_epi32(x4[g]));
-      __m256i s16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
-                                     _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
-      S = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-#endif
-    }
-    if (B::off) S = _mm256_sub_epi32(S, _mm256_set1_epi32(B::off * x.s32[b]));
-    f32x8 dx = splat8(x.d[b]);
-    acc[m] = fma8(mul8(w1, dx), cvt8(S), acc[m]);
-    if (B::two) acc[m] = fma8(mul8(w2, dx), cvt8(_mm256_set1_epi32(x.s32[b])), acc[m]);
+    add_packed(o, unit_sums(o, x.q + 32 * b), x, b, acc[m]);
   }
 #else
+  using B = typename P::B;
   alignas(32) float w1[T], w2[T];
   for (int r = 0; r < T; r++) {
     w1[r] = f16_at(u + 2 * r);
@@ -148,29 +166,54 @@ Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x
 #endif
 }
 
+// Decode and verify windows (M <= 8): unit by unit, each unpacked once into registers for every x row.
+template <class P>
+void tile_direct(const uint8_t* tile, int64_t nunits, const Q8RowSet& xs, f32x8* acc) {
+  f32x8 one = zero8();            // M = 1 (decode): the accumulator in a register
+  for (int64_t b = 0; b < nunits; b++) {
+    // A tile is one run of bytes: the hardware prefetcher follows it; this keeps it ahead at the start
+    // of each tile's units too (a prefetch never faults past the matrix's end).
+    const uint8_t* ahead = tile + (b + 4) * P::unit;
+#pragma GCC unroll 8
+    for (int o = 0; o < P::unit; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+    if (xs.m == 1) unit_packed<P, true>(tile + b * P::unit, b, xs, &one);
+    else unit_packed<P, false>(tile + b * P::unit, b, xs, acc);
+  }
+  if (xs.m == 1) acc[0] = one;
+}
+
+// Prefill (M > 8): the tile unpacked once into a buffer, then each x row over it with its accumulator in
+// a register (unit by unit as tile_direct would re-read every row's accumulator a unit).
+template <class P>
+void tile_buffered(const uint8_t* tile, int64_t nunits, const Q8RowSet& xs, f32x8* acc) {
+#if defined(STRATA_Q8_AVX2)
+  thread_local std::vector<Unpacked<P>> buf;
+  buf.resize(nunits);
+  for (int64_t b = 0; b < nunits; b++) unpack_unit(tile + b * P::unit, buf[b]);
+  for (int64_t m = 0; m < xs.m; m++) {
+    const Q8Row& x = xs.x[m];
+    f32x8 a = zero8();
+    for (int64_t b = 0; b < nunits; b++) add_packed(buf[b], unit_sums(buf[b], x.q + 32 * b), x, b, a);
+    acc[m] = a;
+  }
+#else
+  tile_direct<P>(tile, nunits, xs, acc);
+#endif
+}
+
 template <class P>
 void rows_packed(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n, const Q8RowSet& xs, int64_t n0,
                  int64_t n1) {
-  using B = typename P::B;
   thread_local std::vector<f32x8> acc;
   if ((int64_t)acc.size() < xs.m) acc.resize(xs.m);
-  int64_t nunits = k / B::values, whole = n / T * T;
+  int64_t nunits = k / P::B::values, whole = n / T * T;
   // Units of work start at multiples of 8 rows (matmul.cc's weight_rows_per_tile); a tile cut by one
   // anyway is computed whole and only its rows in [n0, n1) are written.
   for (int64_t t = n0 / T * T; t < std::min(n1, whole); t += T) {
     const uint8_t* tile = w + t * row_bytes;
     std::fill(acc.begin(), acc.begin() + xs.m, zero8());
-    f32x8 one = zero8();            // M = 1 (decode): the accumulator in a register
-    for (int64_t b = 0; b < nunits; b++) {
-      // A tile is one run of bytes: the hardware prefetcher follows it; this keeps it ahead at the start
-      // of each tile's units too (a prefetch never faults past the matrix's end).
-      const uint8_t* ahead = tile + (b + 4) * P::unit;
-#pragma GCC unroll 8
-      for (int o = 0; o < P::unit; o += 64) __builtin_prefetch(ahead + o, 0, 3);
-      if (xs.m == 1) unit_packed<P, true>(tile + b * P::unit, b, xs, &one);
-      else unit_packed<P, false>(tile + b * P::unit, b, xs, acc.data());
-    }
-    if (xs.m == 1) acc[0] = one;
+    if (xs.m > 8) tile_buffered<P>(tile, nunits, xs, acc.data());
+    else tile_direct<P>(tile, nunits, xs, acc.data());
     for (int64_t m = 0; m < xs.m; m++) {
       alignas(32) float out[T];
       store8(out, acc[m]);
