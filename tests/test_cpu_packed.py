@@ -148,3 +148,48 @@ def test_every_isa_level_this_cpu_runs_reads_packed_weights_with_the_same_bits()
     for level in runnable[1:]:
         assert hashes[level] == hashes[runnable[0]], f"{level} differs from {runnable[0]}"
     assert len(set(hashes[runnable[0]])) == len(PACKED) and hashlib.sha1(b"").hexdigest() not in hashes[runnable[0]]
+
+
+# a tiny MoE whose every product is Q4_0 (packed): attention, the experts (all resident), the tied head
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
+       "expert_ffn": 64, "quant": "Q4_0"}
+
+
+def test_an_engine_packs_on_int8_and_gives_the_logits_of_blocks(tiny_model):
+    from strata_jax.config import ConfigError, EngineConfig
+    from strata_jax.engine import Engine
+    from strata_jax.model.weights import QTensor
+
+    path = tiny_model(**MOE)
+    ids = [int(t) for t in np.random.default_rng(1).integers(3, 500, 40)]
+    got = {}
+    for weights in ("auto", "blocks"):
+        with Engine.from_gguf(path, EngineConfig(parallel=1, max_context=64, warmup=False, weights=weights)) as eng:
+            assert eng.stats()["pack"] == (weights == "auto") and eng.stats()["weights"] == "blocks"
+            layer = eng.runner.params["layers"][0]
+            names = {layer.wq.qtype, layer.experts["exp_gate"].qtype}
+            assert names == ({"Q4_0+packed"} if weights == "auto" else {"Q4_0"}), names
+            assert isinstance(eng.runner.params["embed"], QTensor) and eng.runner.params["embed"].qtype == "Q4_0"
+            got[weights] = (eng.logits(ids), eng.generate(ids[:8], max_tokens=6, temperature=0.0).tokens)
+    assert np.array_equal(got["auto"][0], got["blocks"][0])         # the same bits, packed or not
+    assert got["auto"][1] == got["blocks"][1]
+    with Engine.from_gguf(path, EngineConfig(parallel=1, max_context=64, warmup=False, cpu_math="exact")) as eng:
+        assert eng.stats()["pack"] is False                          # exact reads GGUF blocks
+    with pytest.raises(ConfigError, match="weights = packed: packed weights are read by the cpu backend's int8"):
+        Engine.from_gguf(path, EngineConfig(parallel=1, max_context=64, warmup=False, cpu_math="exact",
+                                            weights="packed"))
+
+
+def test_releasing_file_pages_keeps_the_data_and_leaves_anonymous_memory_alone(tmp_path):
+    from strata_jax.model.weights import release_file_pages
+
+    data = np.random.default_rng(3).integers(0, 256, 3 * 65536, dtype=np.uint8)
+    f = tmp_path / "blocks.bin"
+    data.tofile(f)
+    view = np.memmap(f, dtype=np.uint8, mode="r")[100:].reshape(-1, 4)[:40000]
+    assert view.sum() > 0
+    release_file_pages(view)                   # unmapped from this process; read back from the page cache
+    assert np.array_equal(view.ravel(), data[100:100 + view.size])
+    anon = data.copy()
+    release_file_pages(anon)                   # not a file map: MADV_DONTNEED would zero it, so nothing happens
+    assert np.array_equal(anon, data)

@@ -12,6 +12,8 @@ Pallas kernels.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 from functools import partial
 
@@ -97,9 +99,26 @@ def to_device(info, mode: str, dtype, transpose: bool = True, pack: bool = False
             vals = jnp.swapaxes(vals, -1, -2).copy()
         return vals
     if pack and len(info.shape) in (2, 3) and pk.packs(info.qtype):     # a matrix, or experts [E, n, k]
-        return QTensor(jax.device_put(pk.pack(info.data, info.qtype)), info.qtype.name + pk.PACKED_SUFFIX,
-                       tuple(info.shape))
+        packed = pk.pack(info.data, info.qtype)
+        release_file_pages(info.data)       # read once to pack: not held twice
+        return QTensor(jax.device_put(packed), info.qtype.name + pk.PACKED_SUFFIX, tuple(info.shape))
     return QTensor(blocks_in_place(info.data), info.qtype.name, tuple(info.shape))
+
+
+def release_file_pages(a: np.ndarray) -> None:
+    """Drop the pages of `a`, a view of a read-only file map (the GGUF reader's np.memmap), from this process's
+    resident set: madvise(MADV_DONTNEED) unmaps clean file pages, which stay in the page cache and come back on
+    the next read. Anything else (an array in anonymous memory, where it would zero the data) is left alone."""
+    base = a
+    while base is not None and not isinstance(base, np.memmap):
+        base = base.base
+    if base is None or base.mode != "r" or not a.flags.c_contiguous:
+        return
+    page = mmap.PAGESIZE
+    start = -(-a.ctypes.data // page) * page           # whole pages inside the array only
+    end = (a.ctypes.data + a.nbytes) // page * page
+    if end > start:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
 
 
 def blocks_in_place(blocks: np.ndarray, device=None) -> jax.Array:
