@@ -75,11 +75,20 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
             vals = pk.dequantize(blocks, t.qtype).reshape(blocks.shape[0], *t.shape[1:]).astype(dtype)
             return jnp.swapaxes(vals, -1, -2).copy()
     else:
+        # On the cpu backend's int8 math the cache slots hold their experts packed (pallas_kernels/cpu/packed.h:
+        # the expert kernel reads them twice as fast), packed as they are copied in; the host and file tiers, and
+        # the misses computed from them, keep the GGUF blocks. Not with --pcie-frac (its reads are the GPU's).
+        def packed(t) -> bool:
+            return choices["pack"] and cfg.pcie_frac == 0 and pk.packs(t.qtype)
+
         leaf_shapes = {i: {n: (t.data.shape[1:], jnp.uint8) for n, t in ts.items()} for i, ts in infos.items()}
-        qtypes = {i: {n: t.qtype.name for n, t in ts.items()} for i, ts in infos.items()}
+        qtypes = {i: {n: t.qtype.name + (pk.PACKED_SUFFIX if packed(t) else "") for n, t in ts.items()}
+                  for i, ts in infos.items()}
 
         def to_arena(layer: int, name: str, blocks: np.ndarray):
-            return blocks        # the update program takes the host array (converted in C++, no Python device_put)
+            # the update program takes the host array (converted in C++, no Python device_put)
+            t = infos[layer][name]
+            return pk.pack(blocks, t.qtype) if packed(t) else blocks
     one_slot = slot_bytes(leaf_shapes)     # one expert slot in every MoE layer
     if cfg.expert_cache == "auto":
         if free is None or all_bytes + temp <= free:
