@@ -11,14 +11,12 @@ block to 8 bits, exact integer sums, float scales a block.
 """
 
 import hashlib
-import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import quants as gq
+from isa_levels import outputs_by_level
 
 import pallas_kernels as pk
 from pallas_kernels import cpu
@@ -163,22 +161,9 @@ print(" ".join(out))
 def test_every_isa_level_this_cpu_runs_gives_the_same_bits():
     """The builds pip made (one a level: setup.py), each loaded alone in a fresh process through
     STRATA_CPU_KERNELS_LIB, on the direct and buffered paths of both maths."""
-    import ctypes
-
-    from pallas_kernels.cpu import library
-
-    supported = library.supported_levels(ctypes.CDLL(str(library.level_path(library.LEVELS[0]))))
-    runnable = [lv for lv in library.built_levels() if lv in supported]
-    assert len(runnable) >= 2, f"only {runnable} of the built levels {library.built_levels()} run here"
-    hashes = {}
-    for level in runnable:
-        env = {**os.environ, cpu.LIB_ENV: str(library.level_path(level))}
-        done = subprocess.run([sys.executable, "-c", _HASH % (INT8,)], capture_output=True, text=True, env=env,
-                              check=False)
-        assert done.returncode == 0, f"{level}: {done.stderr[-2000:]}"
-        hashes[level] = done.stdout.split()
-    first = runnable[0]
-    for level in runnable[1:]:
+    hashes = outputs_by_level(_HASH % (INT8,))
+    first, *others = hashes
+    for level in others:
         assert hashes[level] == hashes[first], f"{level} differs from {first}"
     assert len({h for h in hashes[first]}) == 2 * len(INT8)       # int8 and exact differ, every type
     assert hashlib.sha1(b"").hexdigest() not in hashes[first]

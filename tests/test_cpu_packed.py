@@ -11,13 +11,11 @@
 """
 
 import hashlib
-import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from isa_levels import outputs_by_level
 
 import pallas_kernels as pk
 from pallas_kernels import cpu
@@ -131,23 +129,11 @@ print(" ".join(out))
 
 
 def test_every_isa_level_this_cpu_runs_reads_packed_weights_with_the_same_bits():
-    import ctypes
-
-    from pallas_kernels.cpu import library
-
-    supported = library.supported_levels(ctypes.CDLL(str(library.level_path(library.LEVELS[0]))))
-    runnable = [lv for lv in library.built_levels() if lv in supported]
-    assert len(runnable) >= 2, f"only {runnable} of the built levels {library.built_levels()} run here"
-    hashes = {}
-    for level in runnable:
-        env = {**os.environ, cpu.LIB_ENV: str(library.level_path(level))}
-        done = subprocess.run([sys.executable, "-c", _HASH % (PACKED,)], capture_output=True, text=True, env=env,
-                              check=False)
-        assert done.returncode == 0, f"{level}: {done.stderr[-2000:]}"
-        hashes[level] = done.stdout.split()
-    for level in runnable[1:]:
-        assert hashes[level] == hashes[runnable[0]], f"{level} differs from {runnable[0]}"
-    assert len(set(hashes[runnable[0]])) == len(PACKED) and hashlib.sha1(b"").hexdigest() not in hashes[runnable[0]]
+    hashes = outputs_by_level(_HASH % (PACKED,))
+    first, *others = hashes
+    for level in others:
+        assert hashes[level] == hashes[first], f"{level} differs from {first}"
+    assert len(set(hashes[first])) == len(PACKED) and hashlib.sha1(b"").hexdigest() not in hashes[first]
 
 
 # a tiny MoE whose every product is Q4_0 (packed): attention, the experts (all resident), the tied head

@@ -92,7 +92,7 @@ def test_logits_match_transformers(glm, variant):
     np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     if variant != "F32":                    # the int8 cpu math (the default) within its quantization
-        assert_int8_close(ref, _ours(path, ids, weights="blocks", math="int8"), ours, variant)
+        assert_int8_close(ref, _ours(path, ids, weights="auto", math="int8"), ours, variant)   # packed
 
 
 def test_selection_bias_is_needed(glm):

@@ -71,7 +71,7 @@ def test_logits_match_transformers(tiny_model, arch, quant):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     if quant == "F32":
         return
-    assert_int8_close(ref, _ours(path, ids, weights="blocks", math="int8"), ours, f"{arch} {quant}")
+    assert_int8_close(ref, _ours(path, ids, weights="auto", math="int8"), ours, f"{arch} {quant}")   # packed
 
 
 def test_blocks_and_dequantized_weights_agree(tiny_model):
