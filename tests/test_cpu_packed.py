@@ -179,3 +179,23 @@ def test_releasing_file_pages_keeps_the_data_and_leaves_anonymous_memory_alone(t
     anon = data.copy()
     release_file_pages(anon)                   # not a file map: MADV_DONTNEED would zero it, so nothing happens
     assert np.array_equal(anon, data)
+
+
+def test_auto_does_not_pack_a_model_that_would_take_half_the_free_ram(tiny_model, monkeypatch, caplog):
+    """A model near or past the RAM's size keeps reading the file's pages; --weights packed still packs."""
+    import logging
+
+    from strata_jax.config import EngineConfig
+    from strata_jax.engine import Engine, choices
+    from strata_jax.gguf import GGUFModel
+
+    path = tiny_model(**MOE)
+    need = choices.packable_bytes(GGUFModel.open(path))
+    assert need > 0
+    monkeypatch.setattr(choices, "available_ram", lambda: 2 * need - 1)
+    with caplog.at_level(logging.INFO, logger="strata_jax.engine"), \
+            Engine.from_gguf(path, EngineConfig(parallel=1, max_context=64, warmup=False)) as eng:
+        assert eng.stats()["pack"] is False
+    assert "not packed: packing would copy" in caplog.text
+    with Engine.from_gguf(path, EngineConfig(parallel=1, max_context=64, warmup=False, weights="packed")) as eng:
+        assert eng.stats()["pack"] is True

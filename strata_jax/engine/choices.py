@@ -3,6 +3,9 @@ budget), once at start: the runner and everything it makes read them from `Model
 
 from __future__ import annotations
 
+import logging
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -14,6 +17,29 @@ from ..gguf import GGUFModel
 KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16, "int8": jnp.int8}
 # Below this many float32 bytes a CPU keeps dequantized weights (see model/weights.py).
 DEQUANTIZE_LIMIT = 4 << 30
+
+log = logging.getLogger("strata_jax.engine")
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM available now (/proc/meminfo's MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def packable_bytes(model: GGUFModel) -> int:
+    """Bytes of the tensors packing would copy (matrices and experts of the types pk.packs): at most that much
+    private memory where the file's pages would serve (the expert tiers pack only what they hold)."""
+    return sum(t.n_bytes for t in model.tensors.values() if len(t.shape) in (2, 3) and pk.packs(t.qtype))
 
 
 def resolve(cfg: EngineConfig, model: GGUFModel) -> dict:
@@ -35,6 +61,14 @@ def resolve(cfg: EngineConfig, model: GGUFModel) -> dict:
         raise ConfigError(f"weights = packed: packed weights are read by the cpu backend's int8 math only (backend "
                           f"{backend!r} here): use --weights blocks")
     pack = weights == "packed" or (weights == "auto" and int8)
+    if weights == "auto" and pack:
+        # packing copies those bytes into private memory: only while that leaves half the RAM free (a model near
+        # or past the RAM's size keeps reading the file's pages, as llama.cpp's mmap does)
+        need, avail = packable_bytes(model), available_ram()
+        if avail is not None and need > avail // 2:
+            pack = False
+            log.info("weights: GGUF blocks in place, not packed: packing would copy %.1f GiB, more than half of the "
+                     "%.1f GiB of RAM available (--weights packed packs anyway)", need / 2**30, avail / 2**30)
     if weights in ("auto", "packed"):
         # The cpu and pallas kernels read GGUF blocks at memory speed: keep them. XLA alone on a CPU has no
         # fast low-bit path, so there a small model gets a float copy (DESIGN.md, Speed).
