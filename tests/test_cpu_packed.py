@@ -21,7 +21,7 @@ import pallas_kernels as pk
 from pallas_kernels import cpu
 from pallas_kernels.layout import layout_for
 
-PACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL"]
+PACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K"]
 
 
 def _blocks(qtype: str, n: int, k: int, seed: int = 5) -> np.ndarray:
@@ -36,13 +36,14 @@ def _bits(a) -> np.ndarray:
 def test_a_packed_matrix_gives_the_bits_of_its_gguf_blocks(qtype):
     """Every M from decode (1..8) to prefill (9, 40), 37 and 1536 rows (a tile of 8 cut short; many units)."""
     rng = np.random.default_rng(1)
-    for n, k in ((37, 576), (1536, 224)):
+    shapes = ((37, 576), (1536, 224)) if pk.block_size(pk.as_qtype(qtype)) == 32 else ((37, 512), (1536, 256))
+    for n, k in shapes:
         b = _blocks(qtype, n, k)
         p = pk.pack(b, qtype)
         assert p.shape == b.shape and p.dtype == np.uint8
         plain, packed = layout_for(qtype, b.shape[1]), layout_for(qtype + pk.PACKED_SUFFIX, b.shape[1])
         assert packed.packed and not plain.packed and packed.qtype == plain.qtype
-        for m in (1, 2, 5, 8, 9, 40):
+        for m in (1, 2, 5, 8, 9, 16, 17, 40):
             x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32) * 2)
             want = cpu.qmatmul(x, jnp.asarray(b), plain, math="int8")
             got = cpu.qmatmul(x, jnp.asarray(p), packed, math="int8")
@@ -59,12 +60,12 @@ def test_packing_moves_bytes_and_leaves_the_rows_past_the_last_tile():
 
 
 def test_several_packed_and_plain_weights_in_one_call_give_the_bits_of_separate_calls():
-    """A decode step's norm + q, k, v call with packed weights beside a type without a packed layout (Q4_K)."""
+    """A decode step's norm + q, k, v call with packed weights beside a type without a packed layout (Q6_K)."""
     k = 512
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, k)).astype(np.float32))
     norm = jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, k).astype(np.float32))
     packed, plain = [], []
-    for qtype, n in (("Q4_1", 576), ("Q8_0", 192), ("Q4_K", 64), ("Q4_0", 1536)):
+    for qtype, n in (("Q4_1", 576), ("Q8_0", 192), ("Q6_K", 64), ("Q4_K", 72), ("Q4_0", 1536)):
         b = _blocks(qtype, n, k)
         plain.append((jnp.asarray(b), qtype))
         packed.append((jnp.asarray(pk.pack(b, qtype)), qtype + pk.PACKED_SUFFIX) if pk.packs(qtype) else plain[-1])
@@ -94,6 +95,13 @@ def test_packed_experts_give_the_bits_of_their_gguf_blocks():
         assert (_bits(y) == _bits(y2)).all()
     one = pk.expert_matmul(x[:1], jnp.asarray(pg), ids[:1], "Q4_1" + pk.PACKED_SUFFIX, backend="cpu")
     assert (_bits(one) == _bits(want[0][:1])).all()
+    k4 = _blocks("Q4_K", E * n, 512, 3).reshape(E, n, -1)           # a super-block type, decode and prefill sizes
+    x4 = jnp.asarray(rng.standard_normal((11, 512)).astype(np.float32))
+    for rows in (slice(0, 3), slice(0, 11)):
+        plain = pk.expert_matmul(x4[rows], jnp.asarray(k4), ids[rows], "Q4_K", backend="cpu")
+        packed = pk.expert_matmul(x4[rows], jnp.asarray(pk.pack(k4, "Q4_K")), ids[rows], "Q4_K" + pk.PACKED_SUFFIX,
+                                  backend="cpu")
+        assert (_bits(packed) == _bits(plain)).all()
 
 
 def test_what_cannot_read_a_packed_weight_says_so():
@@ -107,9 +115,9 @@ def test_what_cannot_read_a_packed_weight_says_so():
         pk.qmatmul(x, p, name, backend="xla")
     with pytest.raises(ValueError, match="packed weights are read only by the cpu backend"):
         pk.dequantize(p, name)
-    with pytest.raises(ValueError, match="Q4_K has no packed layout"):
-        pk.pack(_blocks("Q4_K", 8, 256), "Q4_K")
-    assert pk.packs("Q8_0") and not pk.packs("Q6_K")
+    with pytest.raises(ValueError, match="Q6_K has no packed layout"):
+        pk.pack(_blocks("Q6_K", 8, 256), "Q6_K")
+    assert pk.packs("Q8_0") and pk.packs("Q4_K") and not pk.packs("Q6_K")
 
 
 _HASH = r"""
@@ -118,11 +126,12 @@ from pallas_kernels import cpu
 from pallas_kernels.layout import layout_for
 out = []
 for qtype in %r:
-    b = pk.random_blocks(qtype, (45, 576), np.random.default_rng(7))
+    k = 512
+    b = pk.random_blocks(qtype, (45, k), np.random.default_rng(7))
     lay = layout_for(qtype + pk.PACKED_SUFFIX, b.shape[1])
     p = jnp.asarray(pk.pack(b, qtype))
-    x = np.random.default_rng(8).standard_normal((20, 576)).astype(np.float32)
-    ys = [np.asarray(cpu.qmatmul(jnp.asarray(x[a:z]), p, lay, math="int8")) for a, z in ((0, 1), (1, 4), (4, 20))]
+    x = np.random.default_rng(8).standard_normal((20, k)).astype(np.float32)
+    ys = [np.asarray(cpu.qmatmul(jnp.asarray(x[a:z]), p, lay, math="int8")) for a, z in ((0, 1), (1, 4), (4, 20), (0, 20))]
     out.append(hashlib.sha1(np.concatenate(ys).tobytes()).hexdigest())
 print(" ".join(out))
 """

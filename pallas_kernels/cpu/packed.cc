@@ -233,6 +233,7 @@ void pack_rows(int32_t qtype, const uint8_t* src, int64_t n, int64_t row_bytes, 
     case Q4_1: return pack<PQ4_1>(src, n, row_bytes, dst);
     case Q8_0: return pack<PQ8_0>(src, n, row_bytes, dst);
     case IQ4_NL: return pack<PIQ4_NL>(src, n, row_bytes, dst);
+    case Q4_K: return pack_q4k(src, n, row_bytes, dst);
     default: std::memcpy(dst, src, n * row_bytes);
   }
 }
@@ -243,6 +244,7 @@ PackedFn packed_fn(int32_t qtype) {
     case Q4_1: return rows_packed<PQ4_1>;
     case Q8_0: return rows_packed<PQ8_0>;
     case IQ4_NL: return rows_packed<PIQ4_NL>;
+    case Q4_K: return packed_q4k_fn();
     default: return nullptr;
   }
 }

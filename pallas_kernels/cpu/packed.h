@@ -25,7 +25,7 @@
 
 namespace strata {
 
-// Types with a packed layout: Q4_0, Q4_1, Q8_0, IQ4_NL.
+// Types with a packed layout: Q4_0, Q4_1, Q8_0, IQ4_NL (packed.cc), Q4_K (packed_q4k.cc).
 bool packs(int32_t qtype);
 
 // Rows [0, n) of row_bytes each at src, packed into dst (the same size; dst != src).
@@ -36,5 +36,9 @@ void pack_rows(int32_t qtype, const uint8_t* src, int64_t n, int64_t row_bytes, 
 using PackedFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n, const Q8RowSet& xs,
                           int64_t n0, int64_t n1);
 PackedFn packed_fn(int32_t qtype);
+
+// Q4_K's packing and kernel (packed_q4k.cc; packed.cc's pack_rows and packed_fn dispatch to them).
+void pack_q4k(const uint8_t* src, int64_t n, int64_t row_bytes, uint8_t* dst);
+PackedFn packed_q4k_fn();
 
 }  // namespace strata
