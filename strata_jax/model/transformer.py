@@ -26,7 +26,6 @@ from .layers import (
     attend,
     moe,
     norm_linear_many,
-    rms_norm,
     rope,
     route,
     swiglu_down,
@@ -222,7 +221,11 @@ def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Grou
         q, k, v = q + lp.bq.astype(dtype), k + lp.bk.astype(dtype), v + lp.bv.astype(dtype)
     q, k, v = q.reshape(R, L, H, D), k.reshape(R, L, K, D), v.reshape(R, L, K, Dv)
     if lp.q_norm is not None:
-        q, k = rms_norm(q, lp.q_norm, spec.rms_eps), rms_norm(k, lp.k_norm, spec.rms_eps)
+        # through norm_linear_many (the cpu backend's fixed-order norm a row): XLA's mean over the head dim is
+        # not batch-invariant, a token's bits changing once a window holds 64 or more (found by
+        # tests/test_structured.py's mixed windows, issue 33: 1 ulp on exact, whole tokens on int8)
+        q = norm_linear_many(q, lp.q_norm, spec.rms_eps, [], opts.backend)[0]
+        k = norm_linear_many(k, lp.k_norm, spec.rms_eps, [], opts.backend)[0]
     q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
     return q, _stored(cache, "k", k) | _stored(cache, "v", v)
 
