@@ -129,6 +129,14 @@ def packs(qtype) -> bool:
     return as_qtype(qtype) in cpu.PACKS
 
 
+def cpu_multiplies(qtype) -> bool:
+    """True for the quant types (a name may end in PACKED_SUFFIX) that the C++ kernels multiply themselves
+    (cpu.FAST), not through dequantized tiles."""
+    if isinstance(qtype, str):
+        qtype = qtype.removesuffix(PACKED_SUFFIX)
+    return as_qtype(qtype) in cpu.FAST
+
+
 def pack(blocks, qtype):
     """GGUF blocks uint8 [n, row_bytes] of a `packs` type (a numpy array) -> numpy uint8, the same shape, in
     cpu/packed.h's layout, to be used as quant type `qtype + PACKED_SUFFIX` on the "cpu" backend only."""
@@ -199,6 +207,15 @@ def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list, backe
     blocks = [xla._as_bytes(w) for w, _ in weights]
     return cpu.expert_matmul_many(x, expert_ids, [(b, layout_for(q, b.shape[-1])) for b, (_, q) in zip(blocks, weights)],
                                   math=cpu_math(backend))
+
+
+def expert_matmul_sources(x: jax.Array, expert_ids: jax.Array, weights: list[list], backend: str = "cpu") -> list[jax.Array]:
+    """The cpu backends only: cpu.expert_matmul_sources, weights[j] weight j's (w_blocks, qtype) sources in
+    order (an expert tier's slots, then the host tier's blocks), the ids over the sources in order."""
+    math = cpu_math(backend)          # raises for a backend without these kernels
+    return cpu.expert_matmul_sources(x, expert_ids, [[(b, layout_for(q, b.shape[-1])) for b, q in
+                                                      ((xla._as_bytes(w), q) for w, q in sources)]
+                                                     for sources in weights], math=math)
 
 
 # Rows a tile of the expert matmul: small on the XLA path, where a tile costs one expert dequantization

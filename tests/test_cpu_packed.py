@@ -104,6 +104,32 @@ def test_packed_experts_give_the_bits_of_their_gguf_blocks():
         assert (_bits(packed) == _bits(plain)).all()
 
 
+def test_an_expert_call_over_two_sources_gives_each_row_the_bits_of_its_source_alone():
+    """The one-program window with host experts (model/stages.py, tiered_experts_stage): an expert cache's
+    slots (packed) and every expert's GGUF blocks (the host tier) in one call, ids over both in order (slot
+    s, or slots + expert e); each row gets the bits of a call on the source that holds its expert, -1 zeros.
+    The same with both sources GGUF blocks on the exact math."""
+    E, S, n, k = 6, 2, 44, 576
+    rng = np.random.default_rng(11)
+    gate, down = _blocks("Q4_1", E * n, k, 4).reshape(E, n, -1), _blocks("Q4_0", E * n, k, 5).reshape(E, n, -1)
+    held = [4, 1]                                                   # slot s holds expert held[s]
+    x = jnp.asarray(rng.standard_normal((9, k)).astype(np.float32))
+    where = np.array([0, S + 2, 1, -1, S + 4, 0, S + 0, S + 5, 1], np.int32)
+    for backend, suffix, slots_of in (("cpu", pk.PACKED_SUFFIX, lambda w, q: pk.pack(w[held], q)),
+                                      ("cpu-exact", "", lambda w, q: w[held])):
+        weights = [[(jnp.asarray(slots_of(w, q)), q + suffix), (jnp.asarray(w), q)]
+                   for w, q in ((gate, "Q4_1"), (down, "Q4_0"))]
+        got = pk.expert_matmul_sources(x, jnp.asarray(where), weights, backend=backend)
+        for y, (w, q) in zip(got, ((gate, "Q4_1"), (down, "Q4_0"))):
+            experts = np.where(where < 0, -1, np.where(where < S, np.array(held)[np.clip(where, 0, S - 1)], where - S))
+            alone = pk.expert_matmul(x, jnp.asarray(w), jnp.asarray(experts.astype(np.int32)), q, backend=backend)
+            assert (_bits(y) == _bits(alone)).all()
+            assert not np.asarray(y)[where < 0].any() and np.asarray(y)[where >= 0].any()
+    with pytest.raises(ValueError, match=r"E_s = \[2, 6\]"):
+        pk.expert_matmul_sources(x, jnp.asarray(where), [[(jnp.asarray(gate[held]), "Q4_1"), (jnp.asarray(gate), "Q4_1")],
+                                                         [(jnp.asarray(down), "Q4_0"), (jnp.asarray(down), "Q4_0")]])
+
+
 def test_what_cannot_read_a_packed_weight_says_so():
     b = _blocks("Q4_1", 16, 64)
     p = jnp.asarray(pk.pack(b, "Q4_1"))

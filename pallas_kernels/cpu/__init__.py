@@ -322,6 +322,34 @@ def expert_matmul_many(x: jax.Array, expert_ids: jax.Array, weights: list[tuple[
         x, ids, *(w for w, _ in weights), qtypes=qtypes, int8=_math_code(math)))
 
 
+def expert_matmul_sources(x: jax.Array, expert_ids: jax.Array, weights: list[list[tuple[jax.Array, Layout]]],
+                          math: str = "int8") -> list[jax.Array]:
+    """Like expert_matmul_many, with each weight's experts in several places ("sources": weights[j] lists
+    weight j's (w_blocks [E_s, n, row_bytes], lay), e.g. an expert tier's arena slots packed, then the host
+    tier's GGUF blocks). The ids run over the sources in order: id e < E_0 is source 0's expert e, then
+    source 1's expert e - E_0, ...; -1 gives zeros. One call: each row's expert read where it is, with the
+    bits of a call on that source alone. FAST types only (every source of every weight)."""
+    _require()
+    ids = expert_ids.astype(jnp.int32)
+    x = x.astype(jnp.float32)
+    if ids.shape != (x.shape[0],):
+        raise ValueError(f"expert_ids must be [{x.shape[0]}] (got {tuple(ids.shape)})")
+    counts = [w.shape[0] for w, _ in weights[0]]
+    for sources in weights:
+        shapes = [tuple(w.shape) for w, _ in sources]
+        if [s[0] for s in shapes] != counts or len({s[1] for s in shapes}) != 1 or any(len(s) != 3 for s in shapes):
+            raise ValueError(f"each weight's sources must be [E_s, n, row_bytes] with E_s = {counts} and one n "
+                             f"(got {shapes})")
+        for w, lay in sources:
+            _check_k(x, w, lay)
+            if lay.qtype not in FAST:
+                raise ValueError(f"expert_matmul_sources needs the kernels' own types, not {lay.qtype.name}")
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], sources[0][0].shape[1]), jnp.float32) for sources in weights]
+    qtypes = np.array([_qtype_attr(lay, math) for sources in weights for _, lay in sources], np.int32)
+    return list(jax.ffi.ffi_call("strata_expert_matmul_many", shapes, vmap_method="sequential")(
+        x, ids, *(w for sources in weights for w, _ in sources), qtypes=qtypes, int8=_math_code(math)))
+
+
 # ---- the slow path: one tile of weight rows dequantized at a time --------------------------------
 
 def _tiled_qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout) -> jax.Array:

@@ -243,21 +243,42 @@ ffi::Error NormQMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   return ffi::Error::Success();
 }
 
-// One expert weight [E, n, row_bytes] of an expert call and its output [R, n].
-struct ExpertProduct {
+// One expert weight of an expert call: its experts in one or more places ("sources": an expert tier's
+// arena slots, then the host tier's blocks), each [E_s, n, row_bytes] of its own type and layout (the same
+// logical matrix: packed slots, GGUF blocks), and its output [R, n]. The call's expert ids run over the
+// sources in order: id e < E_0 is source 0's expert e, E_0 <= e < E_0 + E_1 source 1's expert e - E_0, ...
+struct ExpertSource {
   TypeInfo t;
   const uint8_t* w;
-  int64_t n_exp, n, row_bytes;
-  float* y;
+  int64_t n_exp, row_bytes;
   int32_t qtype;
 };
+struct ExpertProduct {
+  std::vector<ExpertSource> src;
+  int64_t n;
+  float* y;
 
-// Row r of x [R, k] times expert ids[r] of each weight of `ps` (all with E experts). Rows whose expert
-// id is outside [0, E) (-1: no expert) get zeros and read no weights. The rows are grouped by expert
-// once; the units of every weight and chosen expert share the threads, each computed as alone.
+  int64_t n_exp() const {
+    int64_t e = 0;
+    for (const ExpertSource& s : src) e += s.n_exp;
+    return e;
+  }
+  // The source of expert id e, and e's index in it.
+  const ExpertSource& source(int64_t& e) const {
+    size_t i = 0;
+    while (e >= src[i].n_exp) e -= src[i++].n_exp;
+    return src[i];
+  }
+};
+
+// Row r of x [R, k] times expert ids[r] of each weight of `ps` (all with the same sources' expert counts).
+// Rows whose expert id is outside [0, E) (-1: no expert) get zeros and read no weights. The rows are
+// grouped by expert once; the units of every weight and chosen expert share the threads, each computed as
+// alone (so a row's bits do not depend on which source its expert came from, when the sources' layouts
+// give the same bits: packed and GGUF blocks do).
 void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, int64_t k, const int32_t* id,
                          const std::vector<ExpertProduct>& ps, bool int8) {
-  int64_t n_exp = ps[0].n_exp;
+  int64_t n_exp = ps[0].n_exp();
   std::vector<int64_t> count(n_exp + 1, 0);        // rows by expert, in row order within one (counting sort)
   for (int64_t r = 0; r < r_all; r++) {
     int32_t e = id[r];
@@ -272,7 +293,8 @@ void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, i
   QuantizedX xq;
   if (int8) {
     std::vector<int32_t> qtypes;
-    for (const ExpertProduct& p : ps) qtypes.push_back(p.qtype);
+    for (const ExpertProduct& p : ps)
+      for (const ExpertSource& s : p.src) qtypes.push_back(s.qtype);
     xq.prepare(xall.data(), r_all, k, qtypes);
   }
   std::vector<const float*> xp(chosen_rows);
@@ -301,7 +323,7 @@ void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, i
   if (chosen.empty()) return;
 
   int64_t total = 0, bytes = 0;
-  for (const ExpertProduct& p : ps) total += p.n, bytes += p.n * p.row_bytes;
+  for (const ExpertProduct& p : ps) total += p.n, bytes += p.n * p.src[0].row_bytes;
   int64_t per = rows_per_unit(total * (int64_t)chosen.size(), chosen_rows / (int64_t)chosen.size());
   std::vector<std::tuple<int, int64_t, int64_t>> units;     // (weight, expert, first row)
   for (size_t j = 0; j < ps.size(); j++)
@@ -311,19 +333,29 @@ void run_expert_products(ffi::ThreadPool& pool, const float* x, int64_t r_all, i
   parallel_units(pool, (int64_t)units.size(), helpers, [&](int64_t u) {
     auto [j, e, n0] = units[u];
     const ExpertProduct& p = ps[j];
+    int64_t local = e;
+    const ExpertSource& s = p.source(local);
     RowSet rows{xp.data() + count[e], yp[j].data() + count[e], count[e + 1] - count[e]};
-    const std::vector<Q8Row>& q = int8_unit(p.qtype & ~kPackedBit) == 32 ? xq32 : xq256;
-    product_rows(p.t, p.qtype, int8, p.w + e * p.n * p.row_bytes, p.row_bytes, k, p.n, rows,
+    const std::vector<Q8Row>& q = int8_unit(s.qtype & ~kPackedBit) == 32 ? xq32 : xq256;
+    product_rows(s.t, s.qtype, int8, s.w + local * p.n * s.row_bytes, s.row_bytes, k, p.n, rows,
                  q.empty() ? nullptr : q.data() + count[e], n0, std::min(p.n, n0 + per));
   });
 }
 
-ffi::Error expert_product_of(int64_t k, int32_t qtype, ffi::AnyBuffer w, float* y, ExpertProduct& p) {
+// One source of an expert weight: w [E, n, row_bytes] of GGML type qtype, for rows of k values.
+ffi::Error expert_source_of(int64_t k, int32_t qtype, ffi::AnyBuffer w, ExpertSource& s, int64_t& n) {
   auto wd = w.dimensions();
   if (wd.size() != 3) return ffi::Error::InvalidArgument("strata_expert_matmul: each w must be [E, n, row_bytes]");
-  p = ExpertProduct{{}, static_cast<const uint8_t*>(w.untyped_data()), wd[0], wd[1],
-                    wd[2] * (int64_t)ffi::ByteWidth(w.element_type()), y, qtype};
-  return check_type(qtype, k, p.row_bytes, p.t);
+  s = ExpertSource{{}, static_cast<const uint8_t*>(w.untyped_data()), wd[0],
+                   wd[2] * (int64_t)ffi::ByteWidth(w.element_type()), qtype};
+  n = wd[1];
+  return check_type(qtype, k, s.row_bytes, s.t);
+}
+
+ffi::Error check_math(const std::vector<ExpertProduct>& ps, int32_t int8) {
+  for (const ExpertProduct& p : ps)
+    if (ffi::Error err = check_math(p.src, int8); err.failure()) return err;
+  return ffi::Error::Success();
 }
 
 ffi::Error check_expert_inputs(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& ids) {
@@ -338,29 +370,44 @@ ffi::Error ExpertMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                             ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t int8) {
   if (ffi::Error err = check_expert_inputs(x, ids); err.failure()) return err;
   std::vector<ExpertProduct> ps(1);
-  if (ffi::Error err = expert_product_of(x.dimensions()[1], qtype, w, y->typed_data(), ps[0]); err.failure())
+  ps[0].src.resize(1);
+  ps[0].y = y->typed_data();
+  if (ffi::Error err = expert_source_of(x.dimensions()[1], qtype, w, ps[0].src[0], ps[0].n); err.failure())
     return err;
   if (ffi::Error err = check_math(ps, int8); err.failure()) return err;
   run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps, int8);
   return ffi::Error::Success();
 }
 
-// Several expert weights of the same rows and ids at once (gate and up): weights and results in order.
+// Several expert weights of the same rows and ids at once (gate and up), each from S sources (S = the
+// weights given / the results): weights product by product, each product's sources in order, and a
+// qtype a weight; results in product order.
 ffi::Error ExpertMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                                 ffi::RemainingArgs ws, ffi::RemainingRets ys, ffi::Span<const int32_t> qtypes,
                                 int32_t int8) {
   if (ffi::Error err = check_expert_inputs(x, ids); err.failure()) return err;
-  if (ws.size() != qtypes.size() || ys.size() != qtypes.size() || qtypes.size() == 0)
-    return ffi::Error::InvalidArgument("strata_expert_matmul_many: as many weights, results and qtypes");
-  std::vector<ExpertProduct> ps(qtypes.size());
-  for (size_t j = 0; j < qtypes.size(); j++) {
-    auto w = ws.get<ffi::AnyBuffer>(j);
+  if (ws.size() != qtypes.size() || ys.size() == 0 || ws.size() % ys.size() != 0)
+    return ffi::Error::InvalidArgument("strata_expert_matmul_many: a qtype a weight, and the same number of "
+                                       "weights (sources) for each result");
+  size_t n_src = ws.size() / ys.size();
+  std::vector<ExpertProduct> ps(ys.size());
+  for (size_t j = 0; j < ps.size(); j++) {
     auto y = ys.get<ffi::Buffer<ffi::F32>>(j);
-    if (w.has_error() || y.has_error()) return ffi::Error::InvalidArgument("strata_expert_matmul_many: bad operand");
-    if (ffi::Error err = expert_product_of(x.dimensions()[1], qtypes[j], *w, (*y)->typed_data(), ps[j]); err.failure())
-      return err;
-    if (ps[j].n_exp != ps[0].n_exp)
-      return ffi::Error::InvalidArgument("strata_expert_matmul_many: the weights hold different numbers of experts");
+    if (y.has_error()) return ffi::Error::InvalidArgument("strata_expert_matmul_many: bad result");
+    ps[j].y = (*y)->typed_data();
+    ps[j].src.resize(n_src);
+    for (size_t s = 0; s < n_src; s++) {
+      size_t a = j * n_src + s;
+      auto w = ws.get<ffi::AnyBuffer>(a);
+      if (w.has_error()) return ffi::Error::InvalidArgument("strata_expert_matmul_many: bad weight");
+      int64_t n;
+      if (ffi::Error err = expert_source_of(x.dimensions()[1], qtypes[a], *w, ps[j].src[s], n); err.failure())
+        return err;
+      if (s == 0) ps[j].n = n;
+      if (n != ps[j].n || ps[j].src[s].n_exp != ps[0].src[s].n_exp)
+        return ffi::Error::InvalidArgument("strata_expert_matmul_many: a weight's sources differ in rows, or the "
+                                           "weights' sources in experts");
+    }
   }
   if (ffi::Error err = check_math(ps, int8); err.failure()) return err;
   run_expert_products(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], ids.typed_data(), ps, int8);

@@ -83,6 +83,8 @@ void quantize_rows(const float* const* x, int64_t m, int64_t k, int unit, Q8Rows
 
 namespace {
 
+Q8_INLINE int32_t load_u32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
 constexpr int T = 8;                  // weight rows a tile: the 8 float lanes
 constexpr int kDirectMaxM = 8;        // up to this many x rows: no buffer (decode, verify windows)
 
@@ -93,6 +95,26 @@ inline int32_t dot_plain(const uint8_t* u, const int8_t* q, int n) {
   for (int i = 0; i < n; i++) s += (is_signed ? (int32_t)(int8_t)u[i] : (int32_t)u[i]) * q[i];
   return s;
 }
+
+#if defined(STRATA_Q8_AVX2)
+// The float scales of block b of 8 whole rows (p: the first row's block), 32-value types: w1 = d, w2 = m
+// (zeros for the types without one). Bytes 0..3 of each row's block (d and m, or d and two bytes of
+// quants) as one 32-bit load each, the d's and m's gathered by byte shuffles, one conversion each.
+template <class B>
+Q8_INLINE void scales8(const uint8_t* p, int64_t row_bytes, __m256& w1, __m256& w2) {
+  auto four = [&](int r0) {
+    __m128i a = _mm_unpacklo_epi32(_mm_cvtsi32_si128(load_u32(p + r0 * row_bytes)),
+                                   _mm_cvtsi32_si128(load_u32(p + (r0 + 1) * row_bytes)));
+    __m128i c = _mm_unpacklo_epi32(_mm_cvtsi32_si128(load_u32(p + (r0 + 2) * row_bytes)),
+                                   _mm_cvtsi32_si128(load_u32(p + (r0 + 3) * row_bytes)));
+    // [d m] of 4 rows -> [d0 d1 d2 d3 | m0 m1 m2 m3] (16-bit values)
+    return _mm_shuffle_epi8(_mm_unpacklo_epi64(a, c), _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  };
+  __m128i lo = four(0), hi = four(4);
+  w1 = _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi));
+  w2 = B::two ? _mm256_cvtph_ps(_mm_unpackhi_epi64(lo, hi)) : _mm256_setzero_ps();
+}
+#endif
 
 // Unit b's scales for the tile's rows (zeros past nr): the floats w1, w2 by row, and for the super-block
 // types the integer scales sc[j][r], mn[j][r] of sub-block j (in kSub16Order for 16-value sub-blocks:
@@ -106,16 +128,10 @@ struct TileScales {
 #if defined(STRATA_Q8_AVX2)
     if constexpr (B::values == 32) {
       if (nr == T) {            // the fields (float16 d, and m, at bytes 0 and 2) of 8 rows in one conversion
-        const uint8_t* p = w + b * B::bytes;
-        __m128i d = _mm_setzero_si128(), m = _mm_setzero_si128();
-#define STRATA_ROW_(r)                                                                       \
-        d = _mm_insert_epi16(d, *(const uint16_t*)(p + r * row_bytes), r);                   \
-        if (B::two) m = _mm_insert_epi16(m, *(const uint16_t*)(p + r * row_bytes + 2), r);
-        STRATA_ROW_(0) STRATA_ROW_(1) STRATA_ROW_(2) STRATA_ROW_(3) STRATA_ROW_(4) STRATA_ROW_(5) STRATA_ROW_(6)
-        STRATA_ROW_(7)
-#undef STRATA_ROW_
-        _mm256_store_ps(w1, _mm256_cvtph_ps(d));
-        _mm256_store_ps(w2, _mm256_cvtph_ps(m));
+        __m256 a, c;
+        scales8<B>(w + b * B::bytes, row_bytes, a, c);
+        _mm256_store_ps(w1, a);
+        _mm256_store_ps(w2, c);
         return;
       }
     }
@@ -150,6 +166,59 @@ Q8_INLINE void add_unit(const TileScales<B>& s, const Q8Row& x, int64_t b, const
 
 #if defined(STRATA_Q8_AVX2)
 Q8_INLINE __m256i dot_of(bool is_signed, __m256i w, __m256i x) { return is_signed ? dot_i8i8(w, x) : dot_u8i8(w, x); }
+
+// [sum(p[0]), ..., sum(p[7])] for maddubs results p (16 pair sums each) of values <= 15 with x's bytes:
+// every partial sum of up to 16 products stays within int16 (16 * 15 * 127 = 30480), so three levels of
+// 16-bit horizontal adds reduce the 8 rows (each 128-bit half: one sum of 16 a row), and the two halves
+// are added as int32. Exact integers, as sums8's.
+Q8_INLINE __m256i sums16(const __m256i* p) {
+  __m256i a = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
+  __m256i b = _mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7]));
+  __m256i s = _mm256_hadd_epi16(a, b);               // half h: rows 0..7's sums of bytes 16h..16h+15
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)));
+}
+
+// 8 rows' integer sums of a 32-value block with x's 32 bytes xq (wv: the rows' values, vchunk's).
+template <class B>
+Q8_INLINE __m256i block_sums(const __m256i* wv, __m256i xq) {
+  __m256i p[T];
+  if constexpr (B::nibble) {
+#pragma GCC unroll 8
+    for (int r = 0; r < T; r++) p[r] = _mm256_maddubs_epi16(wv[r], xq);
+    return sums16(p);
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < T; r++) p[r] = dot_of(B::is_signed, wv[r], xq);
+    return sums8(p);
+  }
+}
+
+// One x row (decode) and a whole tile of a 32-value type: tile_direct's integer sums and float
+// operations with the accumulator, scales and sums in registers (nothing goes through memory).
+template <class B>
+void tile_one(const uint8_t* w, int64_t row_bytes, int64_t nunits, const Q8Row& x, f32x8& acc) {
+  __m256 a = acc.v;
+  for (int64_t b = 0; b < nunits; b++) {
+    const uint8_t* p = w + b * B::bytes;
+    // The next tile's rows at the same place, 8 requests a block spread over the tile: from memory the
+    // tile's 8 rows are 8 short streams the hardware prefetcher does not follow (the burst of requests a
+    // tile that rows_int8 makes for the other paths was ~1.4x slower here, out of cache).
+#pragma GCC unroll 8
+    for (int r = 0; r < T; r++) __builtin_prefetch(p + (T + r) * row_bytes, 0, 3);
+    __m256 w1, w2;
+    scales8<B>(p, row_bytes, w1, w2);
+    __m256i wv[T];
+#pragma GCC unroll 8
+    for (int r = 0; r < T; r++) wv[r] = B::vchunk(p + r * row_bytes, 0);
+    __m256i S = block_sums<B>(wv, load32(x.q + 32 * b));
+    if (B::off) S = _mm256_sub_epi32(S, _mm256_set1_epi32(B::off * x.s32[b]));
+    __m256 dx = _mm256_set1_ps(x.d[b]);
+    a = _mm256_fmadd_ps(_mm256_mul_ps(w1, dx), _mm256_cvtepi32_ps(S), a);
+    if (B::two) a = _mm256_fmadd_ps(_mm256_mul_ps(w2, dx), _mm256_cvtepi32_ps(_mm256_set1_epi32(x.s32[b])), a);
+  }
+  acc.v = a;
+}
 
 // The integer sums of one super-block row (chunks wv) with x's super-block: int1 = sum_j sc_j * (S_j -
 // off * s_j), int2 = sum_j mn_j * s_j, for sub-blocks j (sc, mn: this row's, in the order of S).
@@ -193,10 +262,7 @@ void tile_direct(const uint8_t* w, int64_t row_bytes, int64_t nunits, int nr, co
       for (int r = 0; r < T; r++) wv[r] = r < nr ? B::vchunk(w + r * row_bytes + b * B::bytes, 0) : _mm256_setzero_si256();
       for (int64_t m = 0; m < xs.m; m++) {
         const Q8Row& x = xs.x[m];
-        __m256i p[T];
-#pragma GCC unroll 8
-        for (int r = 0; r < T; r++) p[r] = dot_of(B::is_signed, wv[r], load32(x.q + 32 * b));
-        __m256i S = sums8(p);
+        __m256i S = block_sums<B>(wv, load32(x.q + 32 * b));
         if (B::off) S = _mm256_sub_epi32(S, _mm256_set1_epi32(B::off * x.s32[b]));
         _mm256_store_si256((__m256i*)int1[m], S);
         if (B::two) _mm256_store_si256((__m256i*)int2[m], _mm256_set1_epi32(x.s32[b]));
@@ -335,13 +401,20 @@ void rows_int8(const uint8_t* w, int64_t row_bytes, int64_t k, const Q8RowSet& x
   for (int64_t n = n0; n < n1; n += T) {
     int nr = (int)std::min<int64_t>(T, n1 - n);
     const uint8_t* tile = w + n * row_bytes;
+    bool one = false;                  // one x row, a whole tile of a 32-value type: tile_one
+#if defined(STRATA_Q8_AVX2)
+    if constexpr (B::values == 32) one = xs.m == 1 && nr == T;
+#endif
     // The next tile's rows (a prefetch never faults): the short matrices of a decode step stream from
-    // memory at a fraction of the rate without it (direct.cc measured the same).
-    for (int64_t o = 0; o < T * row_bytes; o += 64) __builtin_prefetch(tile + T * row_bytes + o, 0, 3);
+    // memory at a fraction of the rate without it (direct.cc measured the same). tile_one spreads its own.
+    if (!one)
+      for (int64_t o = 0; o < T * row_bytes; o += 64) __builtin_prefetch(tile + T * row_bytes + o, 0, 3);
     std::fill(acc.begin(), acc.begin() + xs.m, zero8());
 #if defined(STRATA_Q8_AVX2)
     if (xs.m > kDirectMaxM) tile_buffered<B>(tile, row_bytes, nunits, nr, xs, acc.data());
-    else
+    else if (one) {
+      if constexpr (B::values == 32) tile_one<B>(tile, row_bytes, nunits, xs.x[0], acc[0]);
+    } else
 #endif
     for (int64_t m0 = 0; m0 < xs.m; m0 += kDirectMaxM) {
       Q8RowSet part{xs.x + m0, xs.y + m0, std::min<int64_t>(kDirectMaxM, xs.m - m0)};

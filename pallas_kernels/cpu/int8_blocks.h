@@ -25,9 +25,10 @@ namespace i8 {
 
 #if defined(STRATA_Q8_AVX2)
 // 16 bytes of nibbles -> 32 bytes: the low nibbles (values 0..15), then the high ones (16..31).
+// (The 16 bytes broadcast to both halves, the upper half shifted by 4: three instructions, no lane insert.)
 Q8_INLINE __m256i nibbles16(const uint8_t* p) {
-  __m128i q = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+  __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 // Bits of 32 bytes: (v >> s) & mask, per byte.
 Q8_INLINE __m256i bits_of(__m256i v, int s, int mask) {
@@ -56,6 +57,7 @@ Q8_INLINE void nibbles16_plain(const uint8_t* p, uint8_t* out) {
 struct Q4_0 {
   static constexpr int values = 32, bytes = 18, sub = 32, off = 8;
   static constexpr bool is_signed = false, two = false;
+  static constexpr bool nibble = true;   // unsigned values <= 15 (int8.cc's sums16)
   Q8_INLINE void scales(const uint8_t* b, float& w1, float& w2) { w1 = f16_at(b); w2 = 0; }
   Q8_INLINE void chunk(const uint8_t* b, int, uint8_t* out) { nibbles16_plain(b + 2, out); }
 #if defined(STRATA_Q8_AVX2)
@@ -66,6 +68,7 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int values = 32, bytes = 20, sub = 32, off = 0;
   static constexpr bool is_signed = false, two = true;
+  static constexpr bool nibble = true;   // unsigned values <= 15 (int8.cc's sums16)
   Q8_INLINE void scales(const uint8_t* b, float& w1, float& w2) { w1 = f16_at(b); w2 = f16_at(b + 2); }
   Q8_INLINE void chunk(const uint8_t* b, int, uint8_t* out) { nibbles16_plain(b + 4, out); }
 #if defined(STRATA_Q8_AVX2)
@@ -89,6 +92,7 @@ Q8_INLINE __m256i five_bits(const uint8_t* qh_at, const uint8_t* qs) {
 struct Q5_0 {
   static constexpr int values = 32, bytes = 22, sub = 32, off = 16;
   static constexpr bool is_signed = false, two = false;
+  static constexpr bool nibble = false;   // unsigned values <= 15 (int8.cc's sums16)
   Q8_INLINE void scales(const uint8_t* b, float& w1, float& w2) { w1 = f16_at(b); w2 = 0; }
   Q8_INLINE void chunk(const uint8_t* b, int, uint8_t* out) { five_bits_plain(b + 2, b + 6, out); }
 #if defined(STRATA_Q8_AVX2)
@@ -99,6 +103,7 @@ struct Q5_0 {
 struct Q5_1 {
   static constexpr int values = 32, bytes = 24, sub = 32, off = 0;
   static constexpr bool is_signed = false, two = true;
+  static constexpr bool nibble = false;   // unsigned values <= 15 (int8.cc's sums16)
   Q8_INLINE void scales(const uint8_t* b, float& w1, float& w2) { w1 = f16_at(b); w2 = f16_at(b + 2); }
   Q8_INLINE void chunk(const uint8_t* b, int, uint8_t* out) { five_bits_plain(b + 4, b + 8, out); }
 #if defined(STRATA_Q8_AVX2)
@@ -109,6 +114,7 @@ struct Q5_1 {
 struct Q8_0 {
   static constexpr int values = 32, bytes = 34, sub = 32, off = 0;
   static constexpr bool is_signed = true, two = false;
+  static constexpr bool nibble = false;   // unsigned values <= 15 (int8.cc's sums16)
   Q8_INLINE void scales(const uint8_t* b, float& w1, float& w2) { w1 = f16_at(b); w2 = 0; }
   Q8_INLINE void chunk(const uint8_t* b, int, uint8_t* out) { std::memcpy(out, b + 2, 32); }
 #if defined(STRATA_Q8_AVX2)
@@ -119,6 +125,7 @@ struct Q8_0 {
 struct IQ4_NL {
   static constexpr int values = 32, bytes = 18, sub = 32, off = 0;
   static constexpr bool is_signed = true, two = false;
+  static constexpr bool nibble = false;   // unsigned values <= 15 (int8.cc's sums16)
   Q8_INLINE void scales(const uint8_t* b, float& w1, float& w2) { w1 = f16_at(b); w2 = 0; }
   Q8_INLINE void chunk(const uint8_t* b, int, uint8_t* out) {
     nibbles16_plain(b + 2, out);

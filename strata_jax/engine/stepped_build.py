@@ -7,13 +7,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..model import Group
+import pallas_kernels as pk
+
+from ..model import Group, QTensor
 from ..model.layers import norm_linear_many, route
 from ..model.stages import (
     attn_router_stage,
     dense_stage,
     experts_stage,
     host_experts_stage,
+    tiered_experts_stage,
 )
 from ..model.transformer import embed_stage, head_stage
 from .programs import Layout
@@ -45,6 +48,8 @@ def resident_window(core: dict, arenas: dict, tables, host_trees: dict | None, m
             return experts_stage(moe_p, arena, table, spec, opts, parts, ys)[0]
         if host_trees is None:
             xs = from_arena()
+        elif _one_call(arenas[i], host_trees[i], opts):
+            xs = tiered_experts_stage(moe_p, arenas[i], host_trees[i], table, spec, opts, groups, parts)
         else:
             real = jnp.concatenate([(g.pos.reshape(-1) >= 0)[:, None] for g in groups])        # [tokens, 1]
             ids = jnp.concatenate([p[3] for p in parts])
@@ -56,6 +61,14 @@ def resident_window(core: dict, arenas: dict, tables, host_trees: dict | None, m
         ids_of.append(jnp.concatenate([p[3] for p in parts]))
     out = head_stage(core["head"], spec, opts, groups, xs, with_hidden)
     return out, cache, jnp.stack(ids_of)
+
+
+def _one_call(arena: dict, host: dict, opts) -> bool:
+    """Whether a layer's experts run as one kernel call over its arena slots and its host blocks
+    (tiered_experts_stage): the cpu kernels, and block weights of the kernels' own types in both (a float
+    arena, or a type multiplied through dequantized tiles, takes the lax.cond)."""
+    return pk.is_cpu(opts.backend) and all(isinstance(t[n], QTensor) and pk.cpu_multiplies(t[n].qtype)
+                                           for t in (arena, host) for n in t)
 
 
 def predict_stage(p: tuple, spec, opts, xs) -> list:

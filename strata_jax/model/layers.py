@@ -210,6 +210,23 @@ def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict[str, Wei
     return pk.gather_rows(y, g).reshape(N, k, h).astype(jnp.float32)
 
 
+def expert_rows_sources(x: jax.Array, ids: jax.Array, where: jax.Array, trees: list[dict[str, QTensor]],
+                        backend: str) -> jax.Array:
+    """expert_rows with each chosen expert in one of several places (cpu backends, block weights): `trees`
+    the places' expert tensors in order (an expert tier's arena slots, then every expert's host blocks),
+    `where` [N, k] the expert's index over them in order (pk.expert_matmul_sources), -1 none (zeros).
+    One kernel call a product; a row's bits are those expert_rows gives from the tree that holds it."""
+    N, h = x.shape
+    k = ids.shape[1]
+    rows = jnp.repeat(x, k, axis=0)                                                         # [N*k, h]
+    e = where.reshape(-1)
+    gate, up = pk.expert_matmul_sources(rows, e, [[(t[n].data, t[n].qtype) for t in trees]
+                                                  for n in ("exp_gate", "exp_up")], backend)
+    y, = pk.expert_matmul_sources(jax.nn.silu(gate) * up, e, [[(t["exp_down"].data, t["exp_down"].qtype)
+                                                               for t in trees]], backend)
+    return y.reshape(N, k, h).astype(jnp.float32)
+
+
 def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, shared: Mlp | None, backend: str) -> jax.Array:
     """The weighted sum of the experts' outputs y [N, k, h] (weights w [N, k]), plus the shared expert."""
     if pk.is_cpu(backend):      # element-wise, in expert order: no dot whose path depends on the row count

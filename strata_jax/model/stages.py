@@ -14,7 +14,13 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 
 from ..gguf import ModelSpec
-from .layers import combine_experts, expert_rows, norm_linear_many, route
+from .layers import (
+    combine_experts,
+    expert_rows,
+    expert_rows_sources,
+    norm_linear_many,
+    route,
+)
 from .params import LayerWeights, Mlp
 from .transformer import RunOptions, attention, decoder_layer
 
@@ -49,6 +55,23 @@ def experts_stage(shared: Mlp | None, arena: dict, table, spec: ModelSpec, opts:
         xs.append(x + ffn)
         ys.append(y)
     return xs, ys
+
+
+def tiered_experts_stage(shared: Mlp | None, arena: dict, host: dict, table, spec: ModelSpec, opts: RunOptions,
+                         groups, parts) -> list:
+    """experts_stage with the host tier's blocks beside the arena (--host-experts on a CPU, one program): each
+    routed expert read from the arena slot that holds it, else from host (every expert's blocks, the GGUF
+    file's pages), in one kernel call -> x + experts per group. The same kernel rows as from either alone,
+    so the same bits; padding rows (pos -1) read no expert."""
+    n_slots = arena["exp_gate"].data.shape[0]
+    xs = []
+    for g, (x, hx, w, ids) in zip(groups, parts):
+        slot = table[ids]                                                             # [N, k]
+        where = jnp.where(slot >= 0, slot, n_slots + ids)
+        where = jnp.where((g.pos.reshape(-1) >= 0)[:, None], where, -1)
+        y = expert_rows_sources(hx, ids, where, [arena, host], opts.backend)
+        xs.append(x + combine_experts(hx, y, w, shared, opts.backend).reshape(x.shape))
+    return xs
 
 
 def host_experts_stage(tree: dict, absent, spec: ModelSpec, parts, backend: str = "cpu") -> list:
