@@ -252,6 +252,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = engine_config(args)
     path = args.model or _default_model()
     model = GGUFModel.open(path)   # a missing or broken file is an error now, not an engine that never starts
+    model.spec.check_runnable(path)     # so is a family the engine reads but does not run
     load_tokenizer(model.metadata)   # so is a vocabulary the engine could not load (it would restart forever)
     server = ServerConfig(model=path, host=args.host, port=args.port, api_key=_api_key(args),
                           model_name=args.model_name, model_tags=args.tags, webui=args.webui,

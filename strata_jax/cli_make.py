@@ -8,7 +8,7 @@ from dataclasses import fields
 _MAKE_MODEL_HELP = {
     "arch": "model family", "layers": "transformer blocks", "hidden": "embedding width",
     "heads": "attention heads", "kv_heads": "key/value heads", "head_dim": "head size (default hidden/heads)",
-    "ffn": "dense FFN width", "experts": "experts per layer (default 8 for qwen2moe/qwen3moe; with llama: "
+    "ffn": "dense FFN width", "experts": "experts per layer (default 8 for the MoE families; with llama: "
     "Mixtral-style MoE)", "experts_used": "experts per token (top-k)", "expert_ffn": "FFN width of one expert",
     "shared_ffn": "qwen2moe's shared expert width", "vocab": "vocabulary size (default 512, or the tokenizer's)",
     "context": "training context length", "rope_theta": "rope.freq_base", "rms_eps": "RMS norm epsilon",
@@ -25,14 +25,18 @@ _MAKE_MODEL_HELP = {
     "nextn": "glm4moe: NextN (MTP) layers stored after the main ones (blk.N.nextn.*)",
     "nextn_head": "glm4moe: give the NextN layer its own embed_tokens and shared_head_head",
     "qk_norm": "glm4moe: per-head q/k norms (as GLM-4.5 355B)",
-    "rope_dims": "rope.dimension_count (default: the head size; glm4moe: half of it)",
+    "rope_dims": "rope.dimension_count (default: the head size; glm4moe: half of it; qwen3next/qwen35moe: a quarter)",
     "expert_weights_scale": "scale of the routed experts' weights (default 1; glm4moe: 2.5)",
+    "ssm_conv": "qwen3next/qwen35moe: taps of the Gated DeltaNet layers' causal conv (ssm.conv_kernel)",
+    "ssm_k_heads": "qwen3next/qwen35moe: the DeltaNet layers' q/k heads (ssm.group_count)",
+    "ssm_v_heads": "qwen3next/qwen35moe: their v heads, a multiple of the k heads (ssm.time_step_rank)",
+    "ssm_head_dim": "qwen3next/qwen35moe: their head size (ssm.state_size)",
+    "full_attention_interval": "qwen3next/qwen35moe: every N-th layer is (gated) attention, the others DeltaNet",
 }
 
 
 def add_make_model(sub: argparse._SubParsersAction) -> None:
-    from strata_jax.gguf.spec import SUPPORTED_ARCHITECTURES
-    from strata_jax.makers.make_model import ModelOptions
+    from strata_jax.makers.make_model import ARCHS, ModelOptions
 
     p = sub.add_parser("make-model", help="write a synthetic GGUF with random weights",
                        description="Write a GGUF model with random weights (random quant blocks with sane "
@@ -45,7 +49,7 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
         default = getattr(defaults, f.name)
         shown = f" (default {default})" if default is not None else ""
         if f.name == "arch":
-            shown = f": {', '.join(SUPPORTED_ARCHITECTURES)}{shown}"
+            shown = f": {', '.join(ARCHS)}{shown}"
         if f.name == "tied":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help="no output.weight: share token_embd (default --no-tied)")
@@ -57,7 +61,7 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
         kind = {"rope_theta": float, "rms_eps": float, "expert_weights_scale": float}.get(f.name, str if f.name in (
             "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "more_bits_quant", "tokenizer_from", "name") else int)
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.split("_")[-1].upper(),
-                       choices=SUPPORTED_ARCHITECTURES if f.name == "arch" else None,
+                       choices=ARCHS if f.name == "arch" else None,
                        help=_MAKE_MODEL_HELP.get(f.name, "") + shown)
     p.set_defaults(run=run_make_model)
 

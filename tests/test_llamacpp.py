@@ -168,3 +168,19 @@ def test_smollm2_logits_match_llamacpp(smollm2, tmp_path):
     assert np.abs(ours8 - ref_f32).max() <= 1.5 * gap
     assert (ours8.argmax(-1) == ref_q4.argmax(-1)).mean() >= 0.9
     assert np.abs(ours8 - ours).max() > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_llamacpp_loads_and_runs_our_hybrid_files(tiny_model, arch):
+    """The format oracle of issue 34's item 1: llama.cpp loads make-model's qwen3next / qwen35moe files (every
+    tensor's name and shape, the ssm.* keys, the layer pattern, qwen35moe's rope sections) and runs them to
+    finite logits; strata-jax reads the same file (tests/test_hybrid_read.py)."""
+    from llama_cpp import Llama
+
+    path = tiny_model(arch=arch, layers=4, hidden=64, heads=4, kv_heads=2, experts=8, experts_used=2,
+                      expert_ffn=32, shared_ffn=64)
+    llm = Llama(str(path), n_ctx=64, verbose=False, logits_all=True)
+    tokens = llm.tokenize(b"hello world, again")
+    llm.eval(tokens)
+    scores = np.asarray(llm.scores[:len(tokens)])
+    assert scores.shape == (len(tokens), 512) and np.isfinite(scores).all() and scores.std() > 0

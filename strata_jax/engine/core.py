@@ -64,6 +64,7 @@ class EngineCore:
             self.config = replace(self.config, expert_policy=expert_policy)     # validated again
         self.model = model
         self.spec = model.spec
+        self.spec.check_runnable(model.paths[0])
         self.tokenizer = load_tokenizer(model.metadata)
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size,     # structured output (constrain.py)
                                  self.config.max_grammar_rules, self.config.max_grammar_depth)

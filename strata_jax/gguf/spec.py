@@ -18,22 +18,25 @@ from .errors import (
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe")
+# Read and checked (ModelSpec, `strata-jax inspect`), not yet run: the hybrid Gated DeltaNet families (issue 34).
+READ_ONLY_ARCHITECTURES: tuple[str, ...] = ("qwen3next", "qwen35moe")
 
 # The three stacked expert tensors of a MoE layer, as llama.cpp names them: [experts, rows, cols] each.
 EXPERT_TENSOR_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 # llama.cpp rotates pairs of adjacent values for llama ("norm") and the two halves of a head for Qwen ("neox").
-_NEOX = frozenset({"qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe"})
+_NEOX = frozenset({"qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe", "qwen3next", "qwen35moe"})
 _ATTN_BIAS = frozenset({"qwen2", "qwen2moe", "glm4moe"})
-_QK_NORM = frozenset({"qwen3", "qwen3moe"})
+_QK_NORM = frozenset({"qwen3", "qwen3moe", "qwen3next", "qwen35moe"})
+_HYBRID = frozenset(READ_ONLY_ARCHITECTURES)
 # Whether llama.cpp renormalizes the top-k router weights when the file has no expert_weights_norm key
 # (its build_moe_ffn `norm_w` argument): Mixtral-style llama and Qwen3-MoE do, Qwen2-MoE does not.
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3next": True, "qwen35moe": True}
 _GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # llama_expert_gating_func_type
 # llama.cpp's default gating when the file has no expert_gating_func key (GLM-4.5: sigmoid).
 _DEFAULT_GATING = {"glm4moe": 2}
 # The norm before the FFN: GLM-4.5's converter names it post_attention_norm (HF's post_attention_layernorm).
-_FFN_NORM = {"glm4moe": "post_attention_norm"}
+_FFN_NORM = {"glm4moe": "post_attention_norm", "qwen3next": "post_attention_norm", "qwen35moe": "post_attention_norm"}
 # GLM-4.5's optional per-head q/k norms (the 355B model has them): taken from the tensors, not the family.
 _OPTIONAL_QK_NORM = frozenset({"glm4moe"})
 
@@ -46,6 +49,27 @@ class RopeScaling:
     factor: float
     original_context: int | None = None
     extra: tuple[tuple[str, Any], ...] = ()  # the other rope.scaling.* keys (yarn_beta_fast, ...), as stored
+
+
+@dataclass(frozen=True)
+class DeltaNetSpec:
+    """The Gated DeltaNet layers of the hybrid families (qwen3next, qwen35moe): `{arch}.ssm.*`."""
+
+    conv_kernel: int  # ssm.conv_kernel: taps of the causal depthwise conv over q, k and v
+    k_heads: int  # ssm.group_count: q/k heads
+    v_heads: int  # ssm.time_step_rank: v heads (each reads q/k head v % k_heads or v // (v_heads / k_heads))
+    head_dim: int  # ssm.state_size: the q/k head size (d_k)
+    v_head_dim: int  # ssm.inner_size / v_heads (d_v)
+    fused_ba: bool  # qwen3next: beta and alpha in one matrix (ssm_ba); qwen35moe: ssm_beta and ssm_alpha
+
+    @property
+    def qkv_dim(self) -> int:
+        """The rows of attn_qkv (and the conv's channels): q and k of every k-head, v of every v-head."""
+        return 2 * self.k_heads * self.head_dim + self.v_heads * self.v_head_dim
+
+    @property
+    def inner(self) -> int:
+        return self.v_heads * self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -80,6 +104,13 @@ class ModelSpec:
     expert_bias: bool = False  # a per-expert bias added to the router scores for choosing only (exp_probs_b)
     n_nextn: int = 0  # nextn_predict_layers: MTP blocks stored after the main ones, blk.{n_layers}...
     name: str = ""  # general.name
+    # The hybrid families: each main layer's kind ("attention" or "deltanet"; () = every layer attention),
+    # the DeltaNet layers' sizes, attention with an output gate (q's rows per head: [q | gate]), and the
+    # multimodal rope sections (qwen35moe: text positions rotate as neox over rope_dims).
+    layer_kinds: tuple[str, ...] = ()
+    deltanet: DeltaNetSpec | None = None
+    attn_output_gate: bool = False
+    rope_sections: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -88,6 +119,26 @@ class ModelSpec:
     @property
     def dense_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.n_layers) if i not in self.moe_layers)
+
+    def kind(self, layer: int) -> str:
+        """"attention" or "deltanet" (a Gated DeltaNet layer of the hybrid families)."""
+        return self.layer_kinds[layer] if layer < len(self.layer_kinds) else "attention"
+
+    @property
+    def runnable(self) -> bool:
+        """Whether strata-jax runs this family (else it is read, checked and described only)."""
+        return self.architecture in SUPPORTED_ARCHITECTURES
+
+    def check_runnable(self, path: str | Path) -> None:
+        """Raise UnsupportedArchitectureError, saying what the file holds, for a family that is read but not run."""
+        if not self.runnable:
+            kinds = f"{self.layer_kinds.count('deltanet')} Gated DeltaNet and {self.layer_kinds.count('attention')} " \
+                    "attention layers, MoE"
+            raise UnsupportedArchitectureError(
+                path, f"architecture {self.architecture!r} ({kinds}) is read and checked, but strata-jax does not run "
+                      "it yet: its forward pass is to come (issue 34); runnable families: "
+                      f"{', '.join(SUPPORTED_ARCHITECTURES)}",
+                "`strata-jax inspect` describes it; serve a model of a runnable family")
 
     @property
     def ffn_norm_tensor(self) -> str:
@@ -111,18 +162,19 @@ class ModelSpec:
         for i in range(self.n_layers + self.n_nextn):  # one layer at a time: a corrupt block_count must not fill memory
             b = f"blk.{i}."
             nextn = i >= self.n_layers  # an MTP block: a MoE decoder layer and its own few tensors
-            out: dict[str, tuple[tuple[int, ...], bool]] = {
-                b + "attn_norm.weight": ((h,), True),
-                b + "attn_q.weight": ((q, h), True),
+            if self.kind(i) == "deltanet":
+                yield from self._deltanet_tensors(b)
+            out: dict[str, tuple[tuple[int, ...], bool]] = {} if self.kind(i) == "deltanet" else {
+                b + "attn_q.weight": ((q * (2 if self.attn_output_gate else 1), h), True),
                 b + "attn_k.weight": ((kv, h), True),
                 b + "attn_v.weight": ((self.n_kv_heads * v, h), True),
                 b + "attn_output.weight": ((h, self.n_heads * v), True),
                 b + "attn_q.bias": ((q,), self.attn_bias),
                 b + "attn_k.bias": ((kv,), self.attn_bias),
                 b + "attn_v.bias": ((self.n_kv_heads * v,), self.attn_bias),
-                b + self.ffn_norm_tensor: ((h,), True),
             }
-            if self.qk_norm:
+            out |= {b + "attn_norm.weight": ((h,), True), b + self.ffn_norm_tensor: ((h,), True)}
+            if self.qk_norm and self.kind(i) == "attention":
                 out |= {b + "attn_q_norm.weight": ((self.head_dim,), True),
                         b + "attn_k_norm.weight": ((self.head_dim,), True)}
             if nextn:  # a file may leave out its embedding and shared head: the main model's are used then
@@ -156,6 +208,22 @@ class ModelSpec:
                 }
             yield from out.items()
 
+    def _deltanet_tensors(self, b: str) -> Iterator[tuple[str, tuple[tuple[int, ...], bool]]]:
+        """A Gated DeltaNet layer's mixing tensors (llama.cpp's names; ssm_a has no .weight suffix)."""
+        d, h = self.deltanet, self.hidden
+        yield from {b + "attn_qkv.weight": ((d.qkv_dim, h), True),
+                    b + "attn_gate.weight": ((d.inner, h), True),
+                    b + "ssm_conv1d.weight": ((d.qkv_dim, d.conv_kernel), True),
+                    b + "ssm_dt.bias": ((d.v_heads,), True),
+                    b + "ssm_a": ((d.v_heads,), True),
+                    b + "ssm_norm.weight": ((d.v_head_dim,), True),
+                    b + "ssm_out.weight": ((h, d.inner), True)}.items()
+        if d.fused_ba:
+            yield b + "ssm_ba.weight", ((2 * d.v_heads, h), True)
+        else:
+            yield from {b + "ssm_beta.weight": ((d.v_heads, h), True),
+                        b + "ssm_alpha.weight": ((d.v_heads, h), True)}.items()
+
     def check_tensors(self, tensors: Mapping[str, tuple[tuple[int, ...], Path]], path: str | Path) -> None:
         """Raise MissingTensorError / TensorSizeError unless every tensor this family needs is in `tensors`
         (name -> (shape, the file it is in)) with the shape the metadata implies."""
@@ -188,9 +256,10 @@ class ModelSpec:
         if arch is None:
             raise MetadataError(path, "no general.architecture key: this GGUF does not say what model it holds",
                                 "Re-convert it with llama.cpp's convert_hf_to_gguf.py")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in SUPPORTED_ARCHITECTURES and arch not in READ_ONLY_ARCHITECTURES:
             raise UnsupportedArchitectureError(
-                path, f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+                path, f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)}; "
+                      f"read and described, not yet run: {', '.join(READ_ONLY_ARCHITECTURES)})",
                 "Use a model of one of the supported families")
         shapes = tensor_shapes or {}
         get = _Getter(metadata, arch, path)
@@ -265,6 +334,7 @@ class ModelSpec:
             expert_bias=arch == "glm4moe" and n_experts > 0,
             n_nextn=n_nextn,
             name=str(metadata.get("general.name", "")),
+            **(_hybrid_fields(metadata, get, arch, n_layers, path) if arch in _HYBRID else {}),
         )
         spec._validate(path)
         return spec
@@ -286,6 +356,18 @@ class ModelSpec:
             raise bad("a MoE model without expert_feed_forward_length or expert tensors")
         if self.dense_layers and self.ffn <= 0:
             raise bad("dense FFN layers but no feed_forward_length")
+        if d := self.deltanet:
+            a = self.architecture
+            for key, value in (("ssm.conv_kernel", d.conv_kernel), ("ssm.group_count", d.k_heads),
+                               ("ssm.time_step_rank", d.v_heads), ("ssm.state_size", d.head_dim),
+                               ("ssm.inner_size", d.inner)):
+                if value <= 0:
+                    raise bad(f"{a}.{key} is {value}")
+            if d.v_heads % d.k_heads:
+                raise bad(f"{a}.ssm.time_step_rank {d.v_heads} (v heads) is not a multiple of {a}.ssm.group_count "
+                          f"{d.k_heads} (k heads)")
+            if d.inner % d.v_heads:
+                raise bad(f"{a}.ssm.inner_size {d.inner} is not a multiple of {a}.ssm.time_step_rank {d.v_heads}")
 
 
 class _Getter:
@@ -318,6 +400,36 @@ class _Getter:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise MetadataError(self.path, f"{self.arch}.{key} is {value!r}, not a number", "Re-convert the model")
         return float(value)
+
+
+def _hybrid_fields(metadata: Mapping[str, Any], get: _Getter, arch: str, n_layers: int, path) -> dict[str, Any]:
+    """qwen3next / qwen35moe: the layer pattern (attention.recurrent_layers, else every
+    full_attention_interval-th layer is attention, default 4, as llama.cpp reads them), the DeltaNet sizes
+    (ssm.*), the output-gated attention and qwen35moe's rope sections."""
+    key = f"{arch}.attention.recurrent_layers"
+    recurrent = metadata.get(key)
+    if recurrent is not None:
+        if not isinstance(recurrent, list) or len(recurrent) < n_layers:
+            raise MetadataError(path, f"{key} must be an array of a bool for each of the {n_layers} layers (got "
+                                      f"{recurrent!r:.80})", "Re-convert the model")
+        kinds = tuple("deltanet" if r else "attention" for r in recurrent[:n_layers])
+    else:
+        interval = get.int("full_attention_interval", 4)
+        if interval < 1:
+            raise MetadataError(path, f"{arch}.full_attention_interval is {interval}: it must be at least 1",
+                                "Re-convert the model")
+        kinds = tuple("attention" if (i + 1) % interval == 0 else "deltanet" for i in range(n_layers))
+    v_heads = get.int("ssm.time_step_rank")
+    inner = get.int("ssm.inner_size")
+    d = DeltaNetSpec(conv_kernel=get.int("ssm.conv_kernel"), k_heads=get.int("ssm.group_count"), v_heads=v_heads,
+                     head_dim=get.int("ssm.state_size"), v_head_dim=inner // v_heads if v_heads > 0 else 0,
+                     fused_ba=arch == "qwen3next")
+    sections = metadata.get(f"{arch}.rope.dimension_sections")
+    if arch == "qwen35moe" and sections is None:
+        raise MetadataError(path, f"metadata key '{arch}.rope.dimension_sections' is missing (llama.cpp requires it "
+                                  "for qwen35moe)", "Re-convert the model with a recent llama.cpp")
+    return {"layer_kinds": kinds, "deltanet": d, "attn_output_gate": True,
+            "rope_sections": tuple(int(x) for x in sections or ())}
 
 
 def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> RopeScaling | None:

@@ -58,6 +58,8 @@ class ModelSummary:
     dense_bytes: int
     shape: str  # one line of hyper-parameters, or why there is no ModelSpec
     runnable: bool
+    layers: str = ""  # the hybrid families: each layer's kind (D: Gated DeltaNet, A: attention) and sizes
+    not_run: str = ""  # a family read and checked but not run: why
     budget: BudgetFit | None = field(default=None)
 
     def to_json(self) -> dict[str, Any]:
@@ -93,9 +95,12 @@ def summarize(model: GGUFModel, device_budget_gib: float | None = None) -> Model
                     if spec.is_moe else "")
                  + (f", shared expert ffn {spec.shared_ffn}" if spec.shared_ffn else "")
                  + (", tied output" if spec.tied_output else ""))
-        runnable = all(t.qtype in SUPPORTED for t in model.tensors.values())
+        runnable = all(t.qtype in SUPPORTED for t in model.tensors.values()) and spec.runnable
+        layers = _layer_kinds(spec)
+        not_run = "" if spec.runnable else (f"{spec.architecture} is read and checked, but its forward pass is to come "
+                                            "(issue 34)")
     except GGUFError as e:
-        shape, runnable = f"not runnable: {e.problem}", False
+        shape, runnable, layers, not_run = f"not runnable: {e.problem}", False, "", ""
     budget = None
     if device_budget_gib is not None:
         budget = _fit(int(device_budget_gib * GIB), tensor_bytes - expert_bytes, expert_bytes,
@@ -107,7 +112,19 @@ def summarize(model: GGUFModel, device_budget_gib: float | None = None) -> Model
         types=[TypeRow(k, v[0], v[1], v[2], any(k == s.name for s in SUPPORTED)) for k, v in sorted(rows.items())],
         n_experts=n_experts, n_experts_used=n_experts_used, moe_layers=sorted(expert_layers),
         expert_bytes_per_layer=dict(sorted(expert_layers.items())), expert_bytes=expert_bytes,
-        dense_bytes=tensor_bytes - expert_bytes, shape=shape, runnable=runnable, budget=budget)
+        dense_bytes=tensor_bytes - expert_bytes, shape=shape, runnable=runnable, layers=layers, not_run=not_run,
+        budget=budget)
+
+
+def _layer_kinds(spec) -> str:
+    """One line for the hybrid families: how many layers of each kind, their sizes, and the pattern."""
+    d = spec.deltanet
+    if d is None:
+        return ""
+    n_d, n_a = spec.layer_kinds.count("deltanet"), spec.layer_kinds.count("attention")
+    pattern = "".join("D" if k == "deltanet" else "A" for k in spec.layer_kinds)
+    return (f"{n_d} Gated DeltaNet (conv {d.conv_kernel}, q/k heads {d.k_heads} x {d.head_dim}, v heads {d.v_heads} x "
+            f"{d.v_head_dim}) + {n_a} gated attention (rope {spec.rope_dims} of {spec.head_dim} dims): {pattern}")
 
 
 def _fit(budget: int, dense: int, experts: int, n_total: int) -> BudgetFit:
@@ -123,6 +140,7 @@ def render(s: ModelSummary) -> str:
         f"model         {s.paths[0]}" + (f" ({len(s.paths)} parts)" if len(s.paths) > 1 else ""),
         f"architecture  {s.architecture}" + (f"  ({s.name})" if s.name else ""),
         f"shape         {s.shape}",
+        *([f"layers        {s.layers}"] if s.layers else []),
         f"parameters    {s.params:,}" + (f"  (active per token: {s.active_params:,})" if s.n_experts else ""),
         f"tensors       {s.n_tensors:,}, {fmt_bytes(s.tensor_bytes)} of data in {fmt_bytes(s.file_bytes)} of files",
         "",
@@ -151,7 +169,9 @@ def render(s: ModelSummary) -> str:
         ]
     if s.budget:
         lines.append(_render_budget(s.budget))
-    if not s.runnable and not s.shape.startswith("not runnable"):
+    if s.not_run:
+        lines.append(f"not runnable: {s.not_run}")
+    elif not s.runnable and not s.shape.startswith("not runnable"):
         lines.append("not runnable: some tensor types are not supported by the kernels (see the table)")
     return "\n".join(lines)
 

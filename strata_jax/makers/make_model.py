@@ -26,13 +26,15 @@ from gguf import GGUFValueType, GGUFWriter, LlamaFileType
 from pallas_kernels.random_blocks import random_blocks
 from quant_types import QType, as_qtype, block_size, type_size
 from strata_jax.gguf.header import ValueType
-from strata_jax.gguf.spec import SUPPORTED_ARCHITECTURES
+from strata_jax.gguf.spec import READ_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
+from .hybrid import HYBRID_ARCHS, hybrid_keys, hybrid_layer_tensors
 from .tiny_tokenizer import tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
-MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe")
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe", *HYBRID_ARCHS)
+ARCHS = (*SUPPORTED_ARCHITECTURES, *READ_ONLY_ARCHITECTURES)
 GLM_ONLY = ("leading_dense", "nextn", "nextn_head", "qk_norm", "rope_dims", "expert_weights_scale")
 DENSE_ONLY_ARCHS = ("qwen2", "qwen3")
 _PRE_TOKENIZER = {"llama": "llama-bpe"}  # the qwen families: "qwen2"
@@ -77,11 +79,17 @@ class ModelOptions:
     qk_norm: bool = False  # per-head q/k norms (GLM-4.5 355B has them)
     rope_dims: int | None = None  # rotated dims a head (default half the head, as GLM-4.5's partial_rotary_factor)
     expert_weights_scale: float | None = None  # routed_scaling_factor (default 2.5, as GLM-4.5)
+    # qwen3next / qwen35moe only (makers/hybrid.py): the Gated DeltaNet layers' sizes and the layer pattern
+    ssm_conv: int = 4  # ssm.conv_kernel: the causal conv's taps
+    ssm_k_heads: int = 2  # ssm.group_count: q/k heads
+    ssm_v_heads: int = 4  # ssm.time_step_rank: v heads (a multiple of the k heads)
+    ssm_head_dim: int = 16  # ssm.state_size: the q/k and v head size
+    full_attention_interval: int = 4  # every this-many-th layer is full attention
 
     def resolved(self) -> ModelOptions:
         """Defaults filled in and every value checked (ValueError saying which and why)."""
-        if self.arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"--arch {self.arch!r} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"--arch {self.arch!r} is not one of {', '.join(ARCHS)}")
         experts = self.experts if self.experts is not None else (8 if self.arch in MOE_ARCHS else 0)
         if self.arch in DENSE_ONLY_ARCHS and experts:
             raise ValueError(f"{self.arch} is a dense family; for experts use --arch {self.arch}moe")
@@ -104,6 +112,8 @@ class ModelOptions:
         for q in (self.quant, self.expert_quant, self.attn_quant, self.embed_quant, self.more_bits_quant):
             if q is not None:
                 as_qtype(q)  # raises UnsupportedQuantType listing the supported ones
+        if self.arch in HYBRID_ARCHS:
+            return self._hybrid(experts, head_dim)
         if self.arch != "glm4moe":
             for flag in GLM_ONLY:
                 if getattr(self, flag) not in (None, 0, False):
@@ -126,6 +136,22 @@ class ModelOptions:
         scale = 2.5 if self.expert_weights_scale is None else self.expert_weights_scale
         return replace(self, experts=experts, head_dim=head_dim, leading_dense=leading, rope_dims=rope_dims,
                        expert_weights_scale=scale)
+
+
+    def _hybrid(self, experts: int, head_dim: int) -> ModelOptions:
+        for flag in GLM_ONLY:
+            if flag != "rope_dims" and getattr(self, flag) not in (None, 0, False):
+                raise ValueError(f"--{flag.replace('_', '-')} is for --arch glm4moe (got --arch {self.arch})")
+        for flag in ("ssm_conv", "ssm_k_heads", "ssm_v_heads", "ssm_head_dim", "full_attention_interval"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(self, flag)})")
+        if self.ssm_v_heads % self.ssm_k_heads:
+            raise ValueError(f"--ssm-v-heads {self.ssm_v_heads} must be a multiple of --ssm-k-heads {self.ssm_k_heads}")
+        rope_dims = max(2, head_dim // 4) if self.rope_dims is None else self.rope_dims    # partial_rotary_factor 0.25
+        if not 0 < rope_dims <= head_dim or rope_dims % 2:
+            raise ValueError(f"--rope-dims must be even and 2..{head_dim} (the head size; got {rope_dims})")
+        return replace(self, experts=experts, head_dim=head_dim, leading_dense=0, rope_dims=rope_dims,
+                       expert_weights_scale=1.0)
 
 
 def make_model(out_path: str | Path, **options: Any) -> list[Path]:
@@ -203,6 +229,9 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
     plan = [weight("token_embd.weight", (vocab, h), embed_q, 1 / math.sqrt(h))]
     for i in range(o.layers + o.nextn):  # GLM-4.5's NextN (MTP) blocks come after the main ones
         b = f"blk.{i}."
+        if o.arch in HYBRID_ARCHS:
+            plan += hybrid_layer_tensors(b, i, o, weight, f32, norm, quant, attn_q, expert_q)
+            continue
         more = as_qtype(o.more_bits_quant) if o.more_bits_quant and use_more_bits(i, n_blocks) else None
         plan += [norm(b + "attn_norm.weight", (h,)),
                  weight(b + "attn_q.weight", (q, h), attn_q, 1 / math.sqrt(h)),
@@ -308,6 +337,8 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
             keys[f"{a}.expert_feed_forward_length"] = (o.expert_ffn, u32)
         if a == "qwen2moe":
             keys[f"{a}.expert_shared_feed_forward_length"] = (o.shared_ffn, u32)
+    if a in HYBRID_ARCHS:
+        keys |= hybrid_keys(o)
     if a == "glm4moe":  # as convert_hf_to_gguf.py's Glm4MoeModel writes them
         keys |= {f"{a}.expert_shared_count": (o.shared_ffn // o.expert_ffn, u32),
                  f"{a}.leading_dense_block_count": (o.leading_dense, u32),

@@ -22,14 +22,16 @@ def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str,
                  tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Path:
     """Write `src` (one file, any types) to `dst` with metadata keys set or dropped, tensors dropped, or
     tensors' declared shapes changed (numpy order; their bytes stay as they were). A new key's type is
-    inferred (str, bool, int as UINT32, float as FLOAT32); an existing key keeps its type."""
+    inferred (str, bool, int as UINT32, float as FLOAT32, a non-empty list as an array of its first
+    item's type); an existing key keeps its type."""
     model = GGUFModel.open(src, strict=False)
     metadata = {k: v for k, v in model.metadata.items() if k not in set(drop_metadata)}
     types = dict(model.metadata_types)
     for key, value in (set_metadata or {}).items():
         metadata[key] = value
         if key not in types:
-            types[key] = (_infer(value), None)
+            types[key] = (GGUFValueType.ARRAY, _infer(value[0])) if isinstance(value, list) and value else \
+                (_infer(value), None)
     writer = GGUFWriter(dst, metadata["general.architecture"])
     for key, value in metadata.items():
         if key != "general.architecture":

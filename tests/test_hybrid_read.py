@@ -1,0 +1,95 @@
+"""The hybrid Gated DeltaNet + MoE families (qwen3next, qwen35moe), issue 34 item 1: their GGUF files are
+read and checked (ModelSpec: the layer pattern, the DeltaNet sizes, every tensor's shape), `strata-jax
+inspect` shows the layer kinds, an inconsistent file is a GGUFError naming the key or tensor, and the engine,
+which does not run them yet, refuses them with a clear message (never a crash or a restarting engine).
+The files are make-model's; tests/test_llamacpp.py checks that llama.cpp loads and runs the same files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from strata_jax.gguf import (
+    GGUFModel,
+    MetadataError,
+    MissingTensorError,
+    TensorSizeError,
+    UnsupportedArchitectureError,
+)
+from strata_jax.testing.edit_gguf import rewrite_gguf
+
+HYBRID = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
+          "expert_ffn": 32, "shared_ffn": 64}
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_a_hybrid_file_is_read_with_its_layer_kinds_and_sizes(tiny_model, arch):
+    spec = GGUFModel.open(tiny_model(arch=arch, **HYBRID)).spec          # strict: every tensor's shape checked
+    assert spec.layer_kinds == ("deltanet", "deltanet", "deltanet", "attention")   # full_attention_interval 4
+    d = spec.deltanet
+    assert (d.conv_kernel, d.k_heads, d.v_heads, d.head_dim, d.v_head_dim) == (4, 2, 4, 16, 16)
+    assert d.qkv_dim == 2 * 2 * 16 + 4 * 16 and d.fused_ba == (arch == "qwen3next")
+    assert spec.attn_output_gate and spec.qk_norm and spec.rope_type == "neox" and spec.rope_dims == 4
+    assert spec.moe_layers == (0, 1, 2, 3) and spec.shared_expert_gate and spec.expert_weights_norm
+    assert spec.ffn_norm_tensor == "post_attention_norm.weight"
+    assert spec.rope_sections == ((1, 1, 0, 0) if arch == "qwen35moe" else ())
+    assert not spec.runnable
+    names = spec.tensor_shapes()
+    assert names["blk.0.ssm_conv1d.weight"] == ((d.qkv_dim, 4), True) and "blk.0.attn_q.weight" not in names
+    assert names["blk.3.attn_q.weight"] == ((2 * 4 * 16, 64), True)           # [q | gate] a head
+    assert ("blk.0.ssm_ba.weight" in names) == (arch == "qwen3next") == ("blk.0.ssm_beta.weight" not in names)
+
+
+def test_the_layer_pattern_follows_the_interval_or_the_recurrent_layers_key(tiny_model, tmp_path):
+    path = tiny_model(arch="qwen3next", **dict(HYBRID, layers=6, full_attention_interval=2))
+    assert GGUFModel.open(path).spec.layer_kinds == ("deltanet", "attention") * 3
+    # attention.recurrent_layers, where a file has it, wins over the interval; here it must agree with the
+    # tensors, so the same pattern written out as bools
+    both = rewrite_gguf(path, tmp_path / "rec.gguf", set_metadata={
+        "qwen3next.attention.recurrent_layers": [True, False] * 3})
+    assert GGUFModel.open(both).spec.layer_kinds == ("deltanet", "attention") * 3
+
+
+def test_inspect_shows_the_layer_kinds_and_says_it_does_not_run_them(tiny_model):
+    path = tiny_model(arch="qwen35moe", **dict(HYBRID, layers=8))
+    out = subprocess.run([sys.executable, "-m", "strata_jax", "inspect", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    assert "layers        6 Gated DeltaNet (conv 4, q/k heads 2 x 16, v heads 4 x 16) + 2 gated attention" in out
+    assert "DDDADDDA" in out and "not runnable: qwen35moe is read and checked" in out
+    js = json.loads(subprocess.run([sys.executable, "-m", "strata_jax", "inspect", "--json", str(path)],
+                                   capture_output=True, text=True, check=True).stdout)
+    assert js["architecture"] == "qwen35moe" and js["runnable"] is False and js["layers"].endswith("DDDADDDA")
+
+
+@pytest.mark.parametrize(("change", "error", "named"), [
+    ({"drop_metadata": ["qwen3next.ssm.state_size"]}, MetadataError, "'qwen3next.ssm.state_size' is missing"),
+    ({"set_metadata": {"qwen3next.ssm.time_step_rank": 3}}, MetadataError,
+     "qwen3next.ssm.time_step_rank 3 (v heads) is not a multiple of qwen3next.ssm.group_count 2"),
+    ({"set_metadata": {"qwen3next.ssm.inner_size": 128}}, TensorSizeError, "'blk.0.attn_qkv.weight'"),
+    ({"set_metadata": {"qwen3next.full_attention_interval": 2}}, MissingTensorError, "'blk.1.attn_q.weight'"),
+    ({"set_metadata": {"qwen3next.attention.recurrent_layers": [True]}}, MetadataError,
+     "qwen3next.attention.recurrent_layers must be an array of a bool for each of the 4 layers"),
+    ({"drop_tensors": ["blk.2.ssm_a"]}, MissingTensorError, "'blk.2.ssm_a'"),
+    ({"tensor_shapes": {"blk.1.ssm_conv1d.weight": (96, 8)}}, TensorSizeError, "'blk.1.ssm_conv1d.weight'"),
+])
+def test_an_inconsistent_hybrid_file_is_an_error_naming_the_key_or_tensor(tiny_model, tmp_path, change, error, named):
+    bad = rewrite_gguf(tiny_model(arch="qwen3next", **HYBRID), tmp_path / "bad.gguf", **change)
+    with pytest.raises(error) as e:
+        GGUFModel.open(bad)
+    assert named in str(e.value)
+
+
+def test_the_engine_and_the_server_refuse_a_family_they_do_not_run_yet(tiny_model):
+    from strata_jax.engine import Engine
+
+    path = tiny_model(arch="qwen3next", **HYBRID)
+    with pytest.raises(UnsupportedArchitectureError, match=r"'qwen3next' \(3 Gated DeltaNet and 1 attention layers, "
+                                                           r"MoE\) is read and checked, but strata-jax does not run it"):
+        Engine.from_gguf(path)
+    # `serve` says so at once and exits, instead of a supervisor restarting an engine that cannot start
+    done = subprocess.run([sys.executable, "-m", "strata_jax", "serve", str(path), "--port", "0"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "does not run it yet" in done.stderr and "issue 34" in done.stderr
