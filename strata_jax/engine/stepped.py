@@ -33,7 +33,9 @@ One program a window where it can (`--layer-step auto`): the host round trip of 
 bring in experts the arena lacks. A window whose every layer finds its routed experts where one program can
 read them runs as ONE program ("resident": resident_window, the same stages chained on the device, each
 layer's page table looked up there): with --host-experts, a layer with a miss computes its experts from the
-host tier's blocks inside that program (lax.cond picks the arena or the host blocks on the device: the same
+host tier's blocks inside that program (on the cpu kernels one expert call reads each routed expert where it
+is, the held ones from the arena's slots and the missed ones from the host blocks: model/stages.py's
+tiered_experts_stage; elsewhere lax.cond picks the arena or the host blocks for the whole layer: the same
 kernel, the same bits); without, the program is tried when the window before had no miss, its router ids
 come back with the logits, and a window that met a miss after all is run again layer by layer (its KV writes
 are the same positions, rewritten). With host experts a layout's only program is that one (stage_layouts);
