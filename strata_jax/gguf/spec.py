@@ -125,6 +125,21 @@ class ModelSpec:
         return self.layer_kinds[layer] if layer < len(self.layer_kinds) else "attention"
 
     @property
+    def deltanet_layers(self) -> tuple[int, ...]:
+        """The main layers that are Gated DeltaNet (none outside the hybrid families)."""
+        return tuple(i for i in range(self.n_layers) if self.kind(i) == "deltanet")
+
+    @property
+    def n_kv_layers(self) -> int:
+        """Layers with keys and values in the KV cache: the attention ones, then the NextN (MTP) ones."""
+        return self.n_layers - len(self.deltanet_layers) + self.n_nextn
+
+    def kv_layer(self, layer: int) -> int:
+        """Layer `layer`'s index in the KV cache (an attention layer: the attention layers before it), or in the
+        DeltaNet state arrays (a DeltaNet layer: the DeltaNet layers before it)."""
+        return sum(self.kind(i) == self.kind(layer) for i in range(layer))
+
+    @property
     def runnable(self) -> bool:
         """Whether strata-jax runs this family (else it is read, checked and described only)."""
         return self.architecture in SUPPORTED_ARCHITECTURES

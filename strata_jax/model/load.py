@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from ..gguf import GGUFModel
-from .params import EXPERT_TENSORS, LayerWeights
+from .params import EXPERT_TENSORS, DeltaNetWeights, LayerWeights
 from .weights import QTensor, to_device
 
 # GGUF tensor name (after "blk.N.") -> our short name.
@@ -21,6 +21,12 @@ _LAYER_TENSORS = {
     "post_attention_norm.weight": "ffn_norm",  # glm4moe's name for the norm before the FFN
     "exp_probs_b.bias": "exp_bias",            # glm4moe's expert-choosing bias
 }
+# A Gated DeltaNet layer's own tensors (the hybrid families; params.DeltaNetWeights), beside the MoE ones above.
+_DELTANET_TENSORS = {
+    "attn_qkv.weight": "qkv", "attn_gate.weight": "z", "ssm_conv1d.weight": "conv", "ssm_dt.bias": "dt_bias",
+    "ssm_a": "ssm_a", "ssm_norm.weight": "ssm_norm", "ssm_out.weight": "ssm_out", "ssm_ba.weight": "ssm_ba",
+    "ssm_beta.weight": "ssm_beta", "ssm_alpha.weight": "ssm_alpha",
+}
 # A NextN (MTP) block's own tensors (after "blk.N.nextn."): see mtp.py.
 _NEXTN_TENSORS = {"eh_proj.weight": "eh_proj", "enorm.weight": "enorm", "hnorm.weight": "hnorm",
                   "embed_tokens.weight": "embed", "shared_head_head.weight": "head",
@@ -28,7 +34,7 @@ _NEXTN_TENSORS = {"eh_proj.weight": "eh_proj", "enorm.weight": "enorm", "hnorm.w
 # Small tensors stay float32 whatever the mode: norms, biases, routers (the router's top-k decides which
 # experts run, so it is computed in float32 as llama.cpp does).
 _ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "router", "sh_router", "exp_bias",
-                 "enorm", "hnorm", "head_norm"}
+                 "enorm", "hnorm", "head_norm", "conv", "dt_bias", "ssm_a", "ssm_norm"}
 
 
 
@@ -55,10 +61,13 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
                          transpose=short not in ("embed", "router"),
                          pack=pack and short not in EXPERT_TENSORS and short not in ("embed", "router"))
 
-    def layer(i: int) -> LayerWeights:
+    def layer(i: int) -> LayerWeights | DeltaNetWeights:
         prefix = f"blk.{i}."
-        return LayerWeights.from_named({short: get(prefix + suffix, short) for suffix, short in _LAYER_TENSORS.items()
-                                        if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)})
+        deltanet = spec.kind(i) == "deltanet"
+        names = _LAYER_TENSORS | _DELTANET_TENSORS if deltanet else _LAYER_TENSORS
+        named = {short: get(prefix + suffix, short) for suffix, short in names.items()
+                 if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)}
+        return (DeltaNetWeights if deltanet else LayerWeights).from_named(named)
 
     params: dict = {"embed": get("token_embd.weight", "embed"), "norm": get("output_norm.weight", "norm")}
     params["norm"] = params["norm"].astype(jnp.float32)

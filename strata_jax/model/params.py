@@ -86,3 +86,46 @@ class LayerWeights:
                    bq=t.get("bq"), bk=t.get("bk"), bv=t.get("bv"), q_norm=t.get("q_norm"), k_norm=t.get("k_norm"),
                    mlp=mlp("w_"), router=Router(t["router"], t.get("exp_bias")) if "router" in t else None,
                    experts=experts, shared=mlp("sh_", "sh_router"))
+
+
+@_pytree
+@dataclass(frozen=True)
+class DeltaNetWeights:
+    """A Gated DeltaNet layer of the hybrid families (deltanet.py): attn_norm, qkv (attn_qkv: q and k of every
+    k-head, v of every v-head), z (attn_gate: the output gate), conv [K, C] (ssm_conv1d, float32), dt_bias and
+    ssm_a [Hv] (ssm_a = -exp(A_log), the converter's), ssm_norm [dv], ssm_out; beta and alpha as qwen3next's one
+    ssm_ba or qwen35moe's ssm_beta and ssm_alpha. The FFN is a MoE layer's, as LayerWeights' (router, experts,
+    shared), so layers.moe and the expert tiers read it the same way."""
+    attn_norm: jax.Array
+    qkv: Weight
+    z: Weight
+    conv: jax.Array
+    dt_bias: jax.Array
+    ssm_a: jax.Array
+    ssm_norm: jax.Array
+    ssm_out: Weight
+    ffn_norm: jax.Array
+    ssm_ba: Weight | None = None
+    ssm_beta: Weight | None = None
+    ssm_alpha: Weight | None = None
+    router: Router | None = None
+    experts: dict[str, Weight] | None = None
+    shared: Mlp | None = None
+    mlp: Mlp | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.router is not None
+
+    def with_experts(self, experts: dict[str, Weight] | None) -> DeltaNetWeights:
+        return replace(self, experts=experts)
+
+    @classmethod
+    def from_named(cls, t: dict) -> DeltaNetWeights:
+        """From load.py's short names (qkv, z, conv, ..., router, exp_gate, sh_up, ...)."""
+        common = LayerWeights.from_named(t | {n: None for n in ("wq", "wk", "wv", "wo")})
+        return cls(t["attn_norm"], t["qkv"], t["z"], t["conv"], t["dt_bias"], t["ssm_a"], t["ssm_norm"],
+                   t["ssm_out"], t["ffn_norm"], ssm_ba=t.get("ssm_ba"), ssm_beta=t.get("ssm_beta"),
+                   ssm_alpha=t.get("ssm_alpha"), router=common.router, experts=common.experts, shared=common.shared,
+                   mlp=common.mlp)
+

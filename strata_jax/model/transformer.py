@@ -47,14 +47,30 @@ class RunOptions:
 def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype) -> dict[str, jax.Array]:
     """Keys and values [layers, slots, max_context + 1, kv_heads, head_dim]; the extra position is where
     padding tokens write, and no query ever reads it. int8: with a float32 scale per token and head
-    ([layers, slots, max_context + 1, kv_heads]). layers = n_layers + n_nextn: a model with NextN (MTP)
-    layers keeps their keys and values after the main layers' (mtp.py writes layer n_layers)."""
-    shape = (spec.n_layers + spec.n_nextn, n_slots, max_context + 1, spec.n_kv_heads, spec.head_dim)
+    ([layers, slots, max_context + 1, kv_heads]). layers = spec.n_kv_layers: the attention layers (all of
+    them but a hybrid family's DeltaNet ones), then the NextN (MTP) layers' (mtp.py writes layer n_layers).
+    The hybrid families' DeltaNet state beside them: state_shapes."""
+    shape = (spec.n_kv_layers, n_slots, max_context + 1, spec.n_kv_heads, spec.head_dim)
     vshape = shape[:-1] + (spec.value_dim,)
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(vshape, dtype)}
     if jnp.dtype(dtype) == jnp.int8:
         cache |= {"k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
-    return cache
+    return cache | {name: jnp.zeros(s, jnp.float32) for name, s in state_shapes(spec, n_slots).items()}
+
+
+# The cache's arrays with a positions axis (axis 2): the rest (STATE) are a slot's fixed-size state.
+POSITIONAL = ("k", "v", "k_scale", "v_scale")
+
+
+def state_shapes(spec: ModelSpec, n_slots: int) -> dict[str, tuple[int, ...]]:
+    """The hybrid families' per-slot DeltaNet state (deltanet.py), float32: "conv" [layers, slots + 1, K-1, C]
+    and "ssm" [layers, slots + 1, Hv, dk, dv] over the DeltaNet layers; slot n_slots is a scratch one that
+    window rows without a real token write (model/hybrid.py). {} for every other family."""
+    d, n = spec.deltanet, len(spec.deltanet_layers)
+    if d is None or not n:
+        return {}
+    return {"conv": (n, n_slots + 1, d.conv_kernel - 1, d.qkv_dim),
+            "ssm": (n, n_slots + 1, d.v_heads, d.head_dim, d.v_head_dim)}
 
 
 def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -159,6 +175,14 @@ def decoder_layer(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups
     the cache first) and the FFN or experts -> (xs, cache), and the updated counts third when `counts` (the
     expert profile, int32 [n_layers, E]) is given."""
     xs, cache = attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
+    xs, counts = ffn_half(lp, i, spec, opts, groups, xs, counts)
+    return (xs, cache) if counts is None else (xs, cache, counts)
+
+
+def ffn_half(lp, i, spec: ModelSpec, opts: RunOptions, groups, xs, counts=None):
+    """The FFN half of layer i (its experts, or its dense FFN) for every group -> (xs, counts): the expert
+    profile's counts with the routing of the groups' real tokens added (when given, else None)."""
+    xs = list(xs)
     for n, g in enumerate(groups):
         x = xs[n]
         R, L = g.tokens.shape
@@ -173,7 +197,7 @@ def decoder_layer(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups
             _, (gx, ux) = norm_linear_many(x, lp.ffn_norm, spec.rms_eps, [lp.mlp.gate, lp.mlp.up], opts.backend)
             ffn = swiglu_down(gx, ux, lp.mlp.down, opts.backend)
         xs[n] = x + ffn
-    return (xs, cache) if counts is None else (xs, cache, counts)
+    return xs, counts
 
 
 def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None):
@@ -184,22 +208,24 @@ def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs
     chunk showed the cache's size as temporary memory); written first, it is updated in place. The groups'
     rows are distinct slots, so no group reads another's new entries either way: the same bits."""
     new = [_project_qkv(lp, i, spec, opts, g, x, cache) for g, x in zip(groups, xs)]
+    gates = [gate for _, _, gate in new]
+    new = [(q, stored) for q, stored, _ in new]
     for g, (_, stored) in zip(groups, new):
         cache = _write(cache, i, g.slots, _write_at(cache, g), stored)
     if pk.is_cpu(opts.backend):
         if host is None or kv_len <= host.resident:
-            return _attend_in_place(lp, i, opts, groups, xs, [q for q, _ in new], cache), cache
-        return [_attend_in_place_and_host(lp, i, opts, g, x, q, stored, cache, kv_len, host)
-                for g, x, (q, stored) in zip(groups, xs, new)], cache
+            return _attend_in_place(lp, i, opts, groups, xs, [q for q, _ in new], cache, gates), cache
+        return [_attend_in_place_and_host(lp, i, opts, g, x, q, stored, cache, kv_len, host, gate)
+                for g, x, (q, stored), gate in zip(groups, xs, new, gates)], cache
     on_device = kv_len if host is None or kv_len <= host.resident else host.resident
     dtype = jnp.dtype(opts.dtype)
     slots = jnp.concatenate([g.slots for g in groups])          # one read of all the window's rows
     keys = _read(cache, "k", i, slots, on_device, dtype)      # [rows, on_device, K, D]
     vals = _read(cache, "v", i, slots, on_device, dtype)
     out, at = [], 0
-    for g, x, (q, stored) in zip(groups, xs, new):
+    for g, x, (q, stored), gate in zip(groups, xs, new, gates):
         R = g.tokens.shape[0]
-        out.append(_attend(lp, i, spec, opts, g, x, q, stored, keys[at:at + R], vals[at:at + R], kv_len, host))
+        out.append(_attend(lp, i, spec, opts, g, x, q, stored, keys[at:at + R], vals[at:at + R], kv_len, host, gate))
         at += R
     return out, cache
 
@@ -212,13 +238,19 @@ def _write_at(cache: dict, g: Group) -> jax.Array:
 
 
 def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache):
-    """Queries [R, L, H, D] and the new keys and values as the cache stores them (_stored) for one group."""
+    """Queries [R, L, H, D], the new keys and values as the cache stores them (_stored) and the output gate
+    [R, L, H * Dv] (the hybrid families' gated attention: attn_q holds [q | gate] a head), else None, for one
+    group."""
     dtype = jnp.dtype(opts.dtype)
     H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
     R, L = g.tokens.shape
     _, (q, k, v) = norm_linear_many(x, lp.attn_norm, spec.rms_eps, [lp.wq, lp.wk, lp.wv], opts.backend)
     if lp.bq is not None:
         q, k, v = q + lp.bq.astype(dtype), k + lp.bk.astype(dtype), v + lp.bv.astype(dtype)
+    gate = None
+    if spec.attn_output_gate:
+        q, gate = jnp.split(q.reshape(R, L, H, 2 * D), 2, axis=-1)
+        gate = gate.reshape(R, L, H * D)
     q, k, v = q.reshape(R, L, H, D), k.reshape(R, L, K, D), v.reshape(R, L, K, Dv)
     if lp.q_norm is not None:
         # through norm_linear_many (the cpu backend's fixed-order norm a row): XLA's mean over the head dim is
@@ -227,10 +259,18 @@ def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Grou
         q = norm_linear_many(q, lp.q_norm, spec.rms_eps, [], opts.backend)[0]
         k = norm_linear_many(k, lp.k_norm, spec.rms_eps, [], opts.backend)[0]
     q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
-    return q, _stored(cache, "k", k) | _stored(cache, "v", v)
+    return q, _stored(cache, "k", k) | _stored(cache, "v", v), gate
 
 
-def _attend_in_place(lp: LayerWeights, i, opts: RunOptions, groups, xs, qs, cache) -> list:
+def _output(lp: LayerWeights, opts: RunOptions, x, y, gate):
+    """x + the attention output y [R, L, H * Dv] projected by wo, gated first by sigmoid(gate) where the family
+    gates it (qwen3next, qwen35moe)."""
+    if gate is not None:
+        y = (y.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
+    return x + linear(y, lp.wo, opts.backend)
+
+
+def _attend_in_place(lp: LayerWeights, i, opts: RunOptions, groups, xs, qs, cache, gates) -> list:
     """The cpu backend's attention for every group of the window: its C++ kernel reads the slots' keys and
     values from the cache where they lie, only the positions each query sees (no gather, no transposed copy:
     XLA's cost more than the layer's products at one decode row), in a fixed order a query
@@ -251,11 +291,12 @@ def _attend_in_place(lp: LayerWeights, i, opts: RunOptions, groups, xs, qs, cach
             n = g.tokens.shape[0] * g.tokens.shape[1]
             o.append(flat[at:at + n].reshape(*g.tokens.shape, H, -1))
             at += n
-    return [x + linear(y.astype(x.dtype).reshape(*g.tokens.shape, -1), lp.wo, opts.backend)
-            for g, x, y in zip(groups, xs, o)]
+    return [_output(lp, opts, x, y.astype(x.dtype).reshape(*g.tokens.shape, -1), gate)
+            for g, x, y, gate in zip(groups, xs, o, gates)]
 
 
-def _attend_in_place_and_host(lp: LayerWeights, i, opts: RunOptions, g: Group, x, q, stored, cache, kv_len: int, host):
+def _attend_in_place_and_host(lp: LayerWeights, i, opts: RunOptions, g: Group, x, q, stored, cache, kv_len: int, host,
+                              gate=None):
     """The cpu backend's attention with --kv-resident past the device part: the kernel over the device
     cache's positions [0, resident), then over each host block as kv_offload brings it, the softmax state
     carried from part to part in the kernel's tile order: the bits of one call over all the keys."""
@@ -272,11 +313,11 @@ def _attend_in_place_and_host(lp: LayerWeights, i, opts: RunOptions, g: Group, x
         return part(q, kb[None], vb[None], 0, rows, g.pos, jnp.stack([b0, b0, b0 + block]), carry[1]), None
 
     (out, _), _ = jax.lax.scan(host_block, (out, state), starts)
-    return x + linear(out.astype(x.dtype).reshape(R, L, -1), lp.wo, opts.backend)
+    return _output(lp, opts, x, out.astype(x.dtype).reshape(R, L, -1), gate)
 
 
 def _attend(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x, q, stored, keys, vals, kv_len: int,
-            host=None):
+            host=None, gate=None):
     """One group's queries over its slots' keys and values read from the device cache (keys [R, on_device,
     K, D], vals) -> x + attention. With a host store and kv_len past its resident positions, positions >=
     host.resident are written to and read from host RAM (kv_offload.py); the device cache holds the first
@@ -289,7 +330,7 @@ def _attend(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x,
     if host is not None and kv_len > host.resident:
         more = host_source(host, i, g.slots, g.pos, stored, kv_len, chunk, dtype)
     o = attend(q, keys, vals, g.pos, chunk, more)                                  # [R, L, H, Dv]
-    return x + linear(o.reshape(R, L, H * Dv), lp.wo, opts.backend)
+    return _output(lp, opts, x, o.reshape(R, L, H * Dv), gate)
 
 
 # ---- the stages forward() shares with the layer-stepped windows (stages.py) ------------------------------
