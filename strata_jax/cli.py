@@ -246,6 +246,7 @@ def add_serve(sub: Subparsers) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from strata_jax.cli_flags import engine_config
+    from strata_jax.engine.families import family_config
     from strata_jax.gguf import GGUFModel, load_tokenizer
     from strata_jax.serve import serve
 
@@ -253,6 +254,7 @@ def run_serve(args: argparse.Namespace) -> int:
     path = args.model or _default_model()
     model = GGUFModel.open(path)   # a missing or broken file is an error now, not an engine that never starts
     model.spec.check_runnable(path)     # so is a family the engine reads but does not run
+    family_config(engine, model.spec)   # and a setting the family cannot run with
     load_tokenizer(model.metadata)   # so is a vocabulary the engine could not load (it would restart forever)
     server = ServerConfig(model=path, host=args.host, port=args.port, api_key=_api_key(args),
                           model_name=args.model_name, model_tags=args.tags, webui=args.webui,

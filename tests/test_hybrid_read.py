@@ -1,8 +1,9 @@
 """The hybrid Gated DeltaNet + MoE families (qwen3next, qwen35moe), issue 34 item 1: their GGUF files are
 read and checked (ModelSpec: the layer pattern, the DeltaNet sizes, every tensor's shape), `strata-jax
-inspect` shows the layer kinds, an inconsistent file is a GGUFError naming the key or tensor, and the engine,
-which does not run them yet, refuses them with a clear message (never a crash or a restarting engine).
-The files are make-model's; tests/test_llamacpp.py checks that llama.cpp loads and runs the same files."""
+inspect` shows the layer kinds, an inconsistent file is a GGUFError naming the key or tensor, and `serve`
+refuses a setting the family cannot run with yet at once, with a clear message (never a restarting engine).
+The files are make-model's; tests/test_llamacpp.py checks that llama.cpp loads and runs the same files;
+tests/test_hybrid_model.py runs them."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_a_hybrid_file_is_read_with_its_layer_kinds_and_sizes(tiny_model, arch):
     assert spec.moe_layers == (0, 1, 2, 3) and spec.shared_expert_gate and spec.expert_weights_norm
     assert spec.ffn_norm_tensor == "post_attention_norm.weight"
     assert spec.rope_sections == ((1, 1, 0, 0) if arch == "qwen35moe" else ())
-    assert not spec.runnable
+    assert spec.runnable
     names = spec.tensor_shapes()
     assert names["blk.0.ssm_conv1d.weight"] == ((d.qkv_dim, 4), True) and "blk.0.attn_q.weight" not in names
     assert names["blk.3.attn_q.weight"] == ((2 * 4 * 16, 64), True)           # [q | gate] a head
@@ -53,15 +54,15 @@ def test_the_layer_pattern_follows_the_interval_or_the_recurrent_layers_key(tiny
     assert GGUFModel.open(both).spec.layer_kinds == ("deltanet", "attention") * 3
 
 
-def test_inspect_shows_the_layer_kinds_and_says_it_does_not_run_them(tiny_model):
+def test_inspect_shows_the_layer_kinds(tiny_model):
     path = tiny_model(arch="qwen35moe", **dict(HYBRID, layers=8))
     out = subprocess.run([sys.executable, "-m", "strata_jax", "inspect", str(path)], capture_output=True, text=True,
                          check=True).stdout
     assert "layers        6 Gated DeltaNet (conv 4, q/k heads 2 x 16, v heads 4 x 16) + 2 gated attention" in out
-    assert "DDDADDDA" in out and "not runnable: qwen35moe is read and checked" in out
+    assert "DDDADDDA" in out and "not runnable" not in out
     js = json.loads(subprocess.run([sys.executable, "-m", "strata_jax", "inspect", "--json", str(path)],
                                    capture_output=True, text=True, check=True).stdout)
-    assert js["architecture"] == "qwen35moe" and js["runnable"] is False and js["layers"].endswith("DDDADDDA")
+    assert js["architecture"] == "qwen35moe" and js["runnable"] is True and js["layers"].endswith("DDDADDDA")
 
 
 @pytest.mark.parametrize(("change", "error", "named"), [
@@ -82,14 +83,24 @@ def test_an_inconsistent_hybrid_file_is_an_error_naming_the_key_or_tensor(tiny_m
     assert named in str(e.value)
 
 
-def test_the_engine_and_the_server_refuse_a_family_they_do_not_run_yet(tiny_model):
+def test_a_family_read_but_not_run_is_refused_by_name(tiny_model, monkeypatch):
+    """The read-only state a family passes through on its way in (spec.READ_ONLY_ARCHITECTURES): the engine
+    refuses it with what the file holds, before any work."""
     from strata_jax.engine import Engine
+    from strata_jax.gguf import spec as spec_module
 
     path = tiny_model(arch="qwen3next", **HYBRID)
+    monkeypatch.setattr(spec_module, "SUPPORTED_ARCHITECTURES", ("llama",))
+    monkeypatch.setattr(spec_module, "READ_ONLY_ARCHITECTURES", ("qwen3next",))
     with pytest.raises(UnsupportedArchitectureError, match=r"'qwen3next' \(3 Gated DeltaNet and 1 attention layers, "
                                                            r"MoE\) is read and checked, but strata-jax does not run it"):
         Engine.from_gguf(path)
-    # `serve` says so at once and exits, instead of a supervisor restarting an engine that cannot start
-    done = subprocess.run([sys.executable, "-m", "strata_jax", "serve", str(path), "--port", "0"],
+
+
+def test_serve_refuses_a_setting_the_family_cannot_run_with_at_once(tiny_model):
+    """`serve --spec 2` on a qwen3next file says so and exits, instead of a supervisor restarting an engine
+    that cannot start (engine/families.py)."""
+    path = tiny_model(arch="qwen3next", **HYBRID)
+    done = subprocess.run([sys.executable, "-m", "strata_jax", "serve", str(path), "--port", "0", "--spec", "2"],
                           check=False, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "does not run it yet" in done.stderr and "issue 34" in done.stderr
+    assert done.returncode != 0 and "--spec 2" in done.stderr and "issue 34" in done.stderr

@@ -74,6 +74,32 @@ def llamacpp_logits(path: Path, ids: list[int]) -> np.ndarray:
         out.unlink()
 
 
+_GREEDY_CHILD = """
+import json, sys
+import numpy as np
+import llama_cpp
+path, ids, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+F32 = llama_cpp.GGML_TYPE_F32
+llm = llama_cpp.Llama(path, logits_all=True, n_ctx=max(64, len(ids) + n), n_threads=2, verbose=False, type_k=F32,
+                      type_v=F32)
+llm.eval(ids)
+out = []
+for _ in range(n):
+    out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    llm.eval(out[-1:])
+print(json.dumps(out))
+llm.close()
+"""
+
+
+def llamacpp_greedy(path: Path, ids: list[int], n: int) -> list[int]:
+    """llama.cpp's n greedy tokens after `ids` (the argmax of its logits, a token at a time; F32 KV cache)."""
+    done = subprocess.run([sys.executable, "-c", _GREEDY_CHILD, str(path), json.dumps(ids), str(n)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, f"llama.cpp failed on {path} (exit code {done.returncode}):\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def our_logits(path: Path, ids: list[int], weights: str = "dequantized") -> np.ndarray:
     with Engine.from_gguf(path, EngineConfig(max_context=64, weights=weights, warmup=False)) as eng:
         return eng.logits(ids)

@@ -27,6 +27,7 @@ from . import embeddings, research
 from .admission import Admission
 from .constrain import Grammars
 from .controls import wants_controls
+from .families import family_config
 from .memory import is_resource_exhausted
 from .output import Output, first_line
 from .prefix_cache import PrefixCache
@@ -65,6 +66,7 @@ class EngineCore:
         self.model = model
         self.spec = model.spec
         self.spec.check_runnable(model.paths[0])
+        self.config = family_config(self.config, self.spec)      # what the family needs (families.py)
         self.tokenizer = load_tokenizer(model.metadata)
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size,     # structured output (constrain.py)
                                  self.config.max_grammar_rules, self.config.max_grammar_depth)

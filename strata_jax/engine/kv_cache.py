@@ -26,16 +26,18 @@ import numpy as np
 from jax import lax
 
 from ..model import new_kv_cache
+from ..model.transformer import POSITIONAL, state_shapes
 from .kv_host import KVHostStore
 
 
 def kv_bytes(spec, dtype, parallel: int, device_len: int) -> int:
     """Device bytes of the cache of `parallel` slots of `device_len` positions (what the ledger reserves)."""
-    layers = spec.n_layers + spec.n_nextn                                   # new_kv_cache: MTP layers too
+    layers = spec.n_kv_layers                                               # new_kv_cache: MTP layers too
     per_pos = layers * spec.n_kv_heads * (spec.head_dim + spec.value_dim) * jnp.dtype(dtype).itemsize
     if dtype == jnp.int8:
         per_pos += layers * spec.n_kv_heads * 2 * 4                         # a float32 scale a token and head
-    return per_pos * parallel * (device_len + 1)
+    state = sum(4 * int(np.prod(s)) for s in state_shapes(spec, parallel).values())   # DeltaNet state, float32
+    return per_pos * parallel * (device_len + 1) + state
 
 
 class KVCache:
@@ -102,7 +104,8 @@ class KVCache:
     def slot(self, slot: int, n: int) -> dict[str, np.ndarray]:
         """A slot's first n positions, from the device and host parts: {name: [layers, n, ...]}."""
         d = min(n, self.device_len)
-        out = _join([{name: np.asarray(a[:, slot, :d]) for name, a in part.items()} for part in self._parts()])
+        out = _join([{name: np.asarray(a[:, slot, :d]) for name, a in _positional(part).items()}
+                     for part in self._parts()])
         if n > d:
             host = self.host.read(slot, d, n)
             out = {name: np.concatenate([out[name], host[name]], axis=1) for name in out}
@@ -139,6 +142,12 @@ class KVCache:
                                                          size=block) for c in self._parts()]),))
 
 
+def _positional(cache: dict) -> dict:
+    """The arrays with a positions axis (KV and its scales): the ones read, written and copied by position.
+    A hybrid family's DeltaNet state (model.transformer.state_shapes) has none: it is a slot's whole."""
+    return {name: a for name, a in cache.items() if name in POSITIONAL}
+
+
 def _join(parts: list[dict]) -> dict[str, np.ndarray]:
     """Per-stage {name: [its layers, ...]} -> one {name: [layers, ...]}."""
     return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -147,15 +156,15 @@ def _join(parts: list[dict]) -> dict[str, np.ndarray]:
 def _read_block(cache: dict, slot, start, *, size: int) -> dict:
     """Positions start..start+size of one slot -> {name: [layers, size, ...]} (k, v, int8 scales)."""
     out = {}
-    for name, a in cache.items():                       # a [layers, slots, positions, kv_heads(, head_dim)]
+    for name, a in _positional(cache).items():          # a [layers, slots, positions, kv_heads(, head_dim)]
         at = (0, slot, start) + (0,) * (a.ndim - 3)
         out[name] = lax.dynamic_slice(a, at, (a.shape[0], 1, size) + a.shape[3:])[:, 0]
     return out
 
 
 def _write_block(cache: dict, block: dict, slot, start) -> dict:
-    out = {}
-    for name, a in cache.items():
+    out = dict(cache)
+    for name, a in _positional(cache).items():
         at = (0, slot, start) + (0,) * (a.ndim - 3)
         out[name] = lax.dynamic_update_slice(a, block[name][:, None].astype(a.dtype), at)
     return out
@@ -165,8 +174,8 @@ def _copy_blocks(cache: dict, src, dst, n_blocks, *, size: int) -> dict:
     """Positions 0..n_blocks*size of slot src copied into slot dst, a block at a time (a fork: n choices of
     one prompt, or requests sharing a system prompt, read it once)."""
     def body(i, c):
-        out = {}
-        for name, a in c.items():
+        out = dict(c)
+        for name, a in _positional(c).items():
             rest = (0,) * (a.ndim - 3)
             blk = lax.dynamic_slice(a, (0, src, i * size) + rest, (a.shape[0], 1, size) + a.shape[3:])
             out[name] = lax.dynamic_update_slice(a, blk, (0, dst, i * size) + rest)

@@ -30,6 +30,7 @@ from .constrain import fill_masks
 from .controls import controls_of, sample_controlled
 from .devices import AXIS, ExpertShards, devices_for, ledger_for, resolve_split
 from .embeddings import Embedder
+from .families import is_hybrid
 from .faults import Faults
 from .kv_cache import KVCache, kv_bytes
 from .kv_host import KVHostStore
@@ -98,7 +99,8 @@ class ModelRunner:
         self.with_hidden = cfg.spec > 0 and cfg.drafter == "mtp"
         # Packed windows (engine/scheduler.py) where every row is computed alone and no drafter reads the
         # windows' hidden states by group row.
-        self.packed = self.min_rows == 1 and not self.with_hidden
+        # A hybrid family's recurrent state needs a row a slot (engine/families.py).
+        self.packed = self.min_rows == 1 and not self.with_hidden and not is_hybrid(self.spec)
         self.layouts = WindowLayouts(self.opts.backend, chunk, self.device_len, self.cache_len, self.min_rows,
                                      self.packed, cfg.parallel, cfg.spec, int(self.choices["prefill"]),
                                      int(self.choices["batch_tokens"]))
@@ -113,6 +115,10 @@ class ModelRunner:
             self.expert_mode = t.mode
             if t.mode == "device":
                 self.expert_counts = self._new_counts()
+            elif is_hybrid(self.spec):
+                raise ConfigError(f"{self.spec.architecture!r}: the experts do not all fit on the device ({t.mode}), "
+                                  "and the expert tiers do not run this family yet (issue 34): give the device more "
+                                  "memory, or use --expert-cache auto on a machine where they fit")
             else:
                 self.stepper = LayerStepper(self.params, self.spec, self.opts, self.programs, self.kv, t.arena,
                                             t.qtypes, t.shapes, t.host_trees, t.remote, t.rule, t.stream,

@@ -1,0 +1,45 @@
+"""What the engine does differently for a model family: one place that says it.
+
+The hybrid families (qwen3next, qwen35moe) keep a fixed-size Gated DeltaNet state a slot (model/hybrid.py)
+that, unlike KV, cannot be cut back to an earlier token. Until state checkpoints exist (issue 34, items 3-5),
+the engine runs them with what needs no cut:
+- no prefix reuse (a new request reads its whole prompt; the conversation cache needs reuse too);
+- no packed windows (a packed window gives each prompt token a row of its own: a recurrence needs a row a slot);
+and refuses, with a ConfigError that names the setting, what would need one or is not built for them yet:
+speculative decoding (a rejected draft must be taken back out of the state), --kv-resident, several
+devices or processes. The expert tiers (experts that do not all fit on the device) are refused by the
+runner when it places the experts (runner.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from ..config import ConfigError, EngineConfig
+
+log = logging.getLogger("strata_jax.engine")
+
+
+def is_hybrid(spec) -> bool:
+    return spec.deltanet is not None
+
+
+def family_config(cfg: EngineConfig, spec) -> EngineConfig:
+    """cfg as the engine runs spec's family: unchanged for the attention families; for a hybrid one, prefix
+    reuse off, and a ConfigError for a setting the family cannot run with yet."""
+    if not is_hybrid(spec):
+        return cfg
+    arch = spec.architecture
+    refused = [(cfg.spec > 0, f"--spec {cfg.spec} (speculative decoding)"),
+               (cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}"),
+               (cfg.devices > 1, f"--devices {cfg.devices}"),
+               (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]
+    for on, what in refused:
+        if on:
+            raise ConfigError(f"{what}: not supported yet for {arch!r} (its Gated DeltaNet state cannot be cut "
+                              "back or split; issue 34)")
+    if cfg.prefix_cache:
+        log.info("%s: prefix reuse is off (a Gated DeltaNet state cannot be cut at a token; checkpoints are to "
+                 "come, issue 34): each request reads its whole prompt", arch)
+    return replace(cfg, prefix_cache=False, conversation_cache_mib=0)
