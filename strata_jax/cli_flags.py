@@ -75,6 +75,13 @@ FLAGS = {
     "conversation_cache_mib": Flag("M", "host RAM (MiB) for slots' KV that new requests overwrite, restored by exact "
                                    "token prefix"),
     "conversation_cache_slots": Flag("N", "conversations kept there (0 = no bound but the MiB)"),
+    "ctx_checkpoints": Flag("N", "hybrid families (qwen3next, qwen35moe): Gated DeltaNet state checkpoints kept in "
+                            "host RAM a slot, taken at each prompt's end and every --checkpoint-every tokens of a "
+                            "long one; a new request resumes from the longest one its prompt starts with (its "
+                            "recurrent state cannot be cut at any token, as KV can); 0 = none (llama.cpp's "
+                            "--ctx-checkpoints)"),
+    "checkpoint_every": Flag("N", "hybrid families: a state checkpoint every N prompt tokens (at the first chunk end "
+                             "past each multiple)"),
     "kv_resident": Flag("N", "a slot's KV past its first N positions in host RAM (N: a multiple of the attention "
                         "chunk)"),
     "attn_chunk": Flag("auto|N", "keys an attention step reads (auto: 256, less for a max context under 256; a power "

@@ -100,6 +100,8 @@ class EngineConfig:
     prefix_cache: bool = True            # a slot keeps its KV after its request; a new request reuses the longest match
     conversation_cache_mib: int = 0      # host RAM for evicted conversations' KV (0: none)
     conversation_cache_slots: int = 0    # conversations kept there (0: no bound but the MiB)
+    ctx_checkpoints: int = 8             # hybrid families: recurrent-state checkpoints kept a slot (llama.cpp's --ctx-checkpoints)
+    checkpoint_every: int = 4096         # ... and one every this many prompt tokens of a long prompt (at chunk ends)
     kv_resident: int | None = None       # a slot's KV beyond this many tokens lives in host RAM
     attn_chunk: str | int = "auto"       # keys an attention step reads (auto: 256, less for a small max_context)
     weights: str = "auto"                # blocks | packed | dequantized | auto (see engine/choices.resolve)
@@ -184,6 +186,8 @@ class EngineConfig:
              self.conversation_cache_mib, "needs the prefix cache (drop --no-prefix-cache, or set it to 0)")
         need(self.conversation_cache_slots >= 0, "conversation_cache_slots", self.conversation_cache_slots,
              "must be >= 0")
+        need(self.ctx_checkpoints >= 0, "ctx_checkpoints", self.ctx_checkpoints, "must be >= 0 (0: none)")
+        need(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "must be >= 1")
         if self.attn_chunk != "auto":
             try:
                 self.attn_chunk = int(self.attn_chunk)

@@ -27,7 +27,7 @@ from . import embeddings, research
 from .admission import Admission
 from .constrain import Grammars
 from .controls import wants_controls
-from .families import family_config
+from .families import family_config, is_hybrid
 from .memory import is_resource_exhausted
 from .output import Output, first_line
 from .prefix_cache import PrefixCache
@@ -43,6 +43,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler, Window
 from .slots import Slot
 from .spec import make_speculator
+from .state_checkpoints import StateCheckpoints
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -75,7 +76,11 @@ class EngineCore:
         if self.config.warmup:
             self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
-        self.prefix = PrefixCache(self.runner.kv, self.config)      # which slot a request takes, and what it reuses
+        states = None
+        if is_hybrid(self.spec):        # a recurrent state resumes only where one was kept (state_checkpoints.py)
+            states = StateCheckpoints(self.runner.kv, self.config.parallel, self.config.ctx_checkpoints,
+                                      self.config.checkpoint_every)
+        self.prefix = PrefixCache(self.runner.kv, self.config, states=states)   # which slot a request takes, what it reuses
         self.scheduler = Scheduler(self.runner.choices["prefill"], self.runner.min_rows,
                                    self.runner.choices["batch_tokens"], self.runner.packed)
         self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
@@ -127,13 +132,14 @@ class EngineCore:
                chat_template_kwargs: dict | None = None, logit_bias: dict | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
                repeat_last_n: int = 64, logprobs: int | None = None, grammar: tuple | None = None,
-               progress: bool = False, cache_salt: str | None = None) -> Request:
+               progress: bool = False, cache_salt: str | None = None, checkpoint_at: int | None = None) -> Request:
         """A checked request, for add(): text (a plain completion), a list of chat messages, or token ids. The sampling
         controls and logprobs are controls.py's (token events then carry `logprob` and `top_logprobs`);
         grammar: (kind, text) constrains the output (constrain.py: a JSON schema's text, "json_object", a GBNF,
         Lark or regex grammar); RequestError when it cannot be compiled. progress: "progress" events as the
         prompt is read (one when it gets a slot, one a prompt chunk). cache_salt: the request shares prefix-cache
-        KV only with requests of the same salt (prefix_cache.py)."""
+        KV only with requests of the same salt (prefix_cache.py). checkpoint_at: a hybrid family keeps its state
+        after this many prompt tokens (turn_end; a chat's is found here)."""
         params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, logit_bias,
                              presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n, logprobs, grammar)
         params.validate(self.spec.vocab_size)
@@ -142,7 +148,14 @@ class EngineCore:
         n_ctx = self.config.max_context
         if len(ids) + max_tokens > n_ctx:
             raise ContextOverflowError(len(ids), max_tokens, n_ctx)
-        req = Request(ids, params, progress=progress, cache_salt=cache_salt)
+        if checkpoint_at is None and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            checkpoint_at = self.turn_end(prompt, chat_template_kwargs or {}, ids)
+        if checkpoint_at is None and self.prefix.states is not None and len(ids) > 1:
+            checkpoint_at = len(ids) - 1        # the same prompt again resumes there (its last token is read again)
+        if checkpoint_at is not None and not 0 < checkpoint_at < len(ids):
+            raise RequestError(f"checkpoint_at = {checkpoint_at}: must be a position inside the prompt (1.."
+                               f"{len(ids) - 1})")
+        req = Request(ids, params, progress=progress, cache_salt=cache_salt, checkpoint_at=checkpoint_at)
         if params.grammar is not None:        # compiled here, in the caller's thread, not on the engine's
             req.constraint = self.grammars.constraint(params.grammar)
         req.deadline = req.arrived + self.config.request_timeout_s
@@ -169,6 +182,22 @@ class EngineCore:
         if not ids:
             raise RequestError("the prompt is empty after tokenization")
         return ids
+
+    def turn_end(self, messages: list[dict], kwargs: dict, ids: list[int]) -> int | None:
+        """A hybrid family's chat: the tokens of its messages without the generation prompt, where they are the
+        prompt's first tokens, else None (and None for the other families). The next turn of the conversation
+        starts with exactly these (its template renders the history the same way, but this turn's answer
+        after them may be written otherwise: without its reasoning, say), so a state kept here is the one it
+        can resume from (state_checkpoints.py; llama.cpp takes its checkpoints near a turn's start too)."""
+        if self.prefix.states is None:
+            return None
+        try:
+            head = self.chat_text_ids(self.tokenizer.apply_chat_template(messages=messages,
+                                                                         add_generation_prompt=False, **kwargs))
+        except (ValueError, RequestError):
+            return None
+        n = len(head)
+        return n if 0 < n < len(ids) and ids[:n] == head else None
 
     def chat_text_ids(self, text: str) -> list[int]:
         """The ids of a chat already rendered to `text` (the server renders once, and reads the text too):
@@ -283,6 +312,7 @@ class EngineCore:
                         s.request.experts = ExpertCounters()
                     s.request.experts.add(self.runner.stepper.last)
         self.output.apply(w, outs)
+        self.prefix.after_window(w)
         if self.speculator is not None and hiddens is not None:
             self._after_window(w, hiddens)
 

@@ -1,10 +1,10 @@
 """What the engine does differently for a model family: one place that says it.
 
 The hybrid families (qwen3next, qwen35moe) keep a fixed-size Gated DeltaNet state a slot (model/hybrid.py)
-that, unlike KV, cannot be cut back to an earlier token. Until state checkpoints exist (issue 34, items 3-5),
-the engine runs them with what needs no cut:
-- no prefix reuse (a new request reads its whole prompt; the conversation cache needs reuse too);
-- no packed windows (a packed window gives each prompt token a row of its own: a recurrence needs a row a slot);
+that, unlike KV, cannot be cut back to an earlier token. So the engine runs them:
+- with prefix reuse only where a state exists (state_checkpoints.py: the slot's live state, or a checkpoint
+  kept in host RAM), no KV forks between slots and no conversation cache (KV without its state);
+- without packed windows (a packed window gives each prompt token a row of its own: a recurrence needs a row a slot);
 and refuses, with a ConfigError that names the setting, what would need one or is not built for them yet:
 speculative decoding (a rejected draft must be taken back out of the state), --kv-resident, several
 devices or processes. The expert tiers (experts that do not all fit on the device) are refused by the
@@ -39,7 +39,7 @@ def family_config(cfg: EngineConfig, spec) -> EngineConfig:
         if on:
             raise ConfigError(f"{what}: not supported yet for {arch!r} (its Gated DeltaNet state cannot be cut "
                               "back or split; issue 34)")
-    if cfg.prefix_cache:
-        log.info("%s: prefix reuse is off (a Gated DeltaNet state cannot be cut at a token; checkpoints are to "
-                 "come, issue 34): each request reads its whole prompt", arch)
-    return replace(cfg, prefix_cache=False, conversation_cache_mib=0)
+    if cfg.conversation_cache_mib:
+        log.info("%s: --conversation-cache-mib is off (it keeps KV without the recurrent state it goes with); "
+                 "prefix reuse resumes from state checkpoints (--ctx-checkpoints)", arch)
+    return replace(cfg, conversation_cache_mib=0)

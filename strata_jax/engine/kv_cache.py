@@ -58,6 +58,8 @@ class KVCache:
         self._read = jax.jit(_read_block, static_argnames=("size",))
         self._write = jax.jit(_write_block, donate_argnums=(0,))
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), static_argnames=("size",))
+        self._write_state = jax.jit(lambda c, state, slot: c | {k: c[k].at[:, slot].set(v) for k, v in state.items()},
+                                    donate_argnums=(0,))
 
     @property
     def arrays(self) -> dict[str, jax.Array]:
@@ -135,6 +137,15 @@ class KVCache:
                 for c, a, b in zip(self._parts(), at[:-1], at[1:])]),))
         if on_dev < size:
             self.host.put(slot, start + on_dev, {k: v[:, on_dev:] for k, v in block.items()})
+
+    def read_state(self, slot: int) -> dict[str, np.ndarray]:
+        """A slot's whole fixed-size state (a hybrid family's DeltaNet conv and delta-rule state): {name: [layers,
+        ...]}, {} for the attention families."""
+        return {name: np.asarray(a[:, slot]) for name, a in self._arrays.items() if name not in POSITIONAL}
+
+    def write_state(self, slot: int, state: dict[str, np.ndarray]) -> None:
+        """The inverse of read_state, in place (a donated program)."""
+        self.through(lambda c: (self._write_state(c, {k: jnp.asarray(v) for k, v in state.items()}, jnp.int32(slot)),))
 
     def copy(self, src: int, dst: int, n_blocks: int, block: int) -> None:
         """Slot src's first n_blocks * block device positions into slot dst, a block at a time, in place."""

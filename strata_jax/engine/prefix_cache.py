@@ -31,6 +31,7 @@ from ..config import EngineConfig
 from .conversation_cache import Block, ConversationCache
 from .kv_cache import KVCache
 from .slots import Slot
+from .state_checkpoints import StateCheckpoints
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -52,8 +53,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, kv: KVCache, cfg: EngineConfig, key_fn: Callable | None = None):
+    def __init__(self, kv: KVCache, cfg: EngineConfig, key_fn: Callable | None = None,
+                 states: StateCheckpoints | None = None):
+        """states: a hybrid family's recurrent-state checkpoints (state_checkpoints.py): a request then resumes
+        only where a state exists, and KV is neither forked nor kept in the conversation cache."""
         self.kv = kv
+        self.states = states
         self.enabled = cfg.prefix_cache
         self.block = block_tokens(cfg.max_context)
         self.host: ConversationCache | None = None
@@ -81,6 +86,12 @@ class PrefixCache:
         def match(s: Slot) -> int:
             return common_prefix(s.kept, prompt) if s.salt == salt else 0
 
+        if self.states is not None:
+            slot, n = min(((s, self.states.usable(s, prompt, min(match(s), limit))) for s in free),
+                          key=lambda sn: (-sn[1], sn[0].last_used))
+            self.states.resume(slot, prompt, n)
+            self._count_hit(n)
+            return slot, n
         slot, n = min(((s, min(match(s), limit)) for s in free), key=lambda sn: (-sn[1], sn[0].last_used))
         src, m = max(((s, min(match(s), limit, self.kv.device_len)) for s in busy),
                      key=lambda sm: sm[1], default=(None, 0))
@@ -99,10 +110,13 @@ class PrefixCache:
             n = self._restore(slot, prompt, blocks, n) - self.reread
         else:
             n = max(n - self.reread, 0)
-            if n:
-                self.counters["slot_hits"] += 1
-                self.counters["slot_reused_tokens"] += n
+            self._count_hit(n)
         return slot, n
+
+    def _count_hit(self, n: int) -> None:
+        if n:
+            self.counters["slot_hits"] += 1
+            self.counters["slot_reused_tokens"] += n
 
     def _fork(self, src: Slot, slot: Slot, m: int) -> int:
         """Copy src's first m positions into slot (its old KV to host RAM first, if kept there) -> tokens
@@ -172,4 +186,14 @@ class PrefixCache:
         out = {"enabled": int(self.enabled), "block_tokens": self.block, **self.counters}
         if self.host is not None:
             out["conversation_cache"] = self.host.stats()
+        if self.states is not None:
+            out["state_checkpoints"] = self.states.stats()
         return out
+
+    def after_window(self, w) -> None:
+        """A hybrid family's checkpoints of the window's prompt chunks that are due (state_checkpoints.py)."""
+        if self.states is None or not self.enabled:
+            return
+        for s, c in zip(w.prefills, w.chunks):
+            if not s.free and self.states.due(s.n_past - c, s.n_past, len(s.request.prompt), s.request.checkpoint_at):
+                self.states.take(s.index, s.kept)

@@ -175,6 +175,7 @@ class Request:
     deadline: float = 0.0
     progress: bool = False             # a "progress" event as each prompt chunk is read (llama.cpp's return_progress)
     cache_salt: str | None = None      # vLLM's: only requests of the same salt share prefix-cache KV (prefix_cache.py)
+    checkpoint_at: int | None = None   # a hybrid family: a prompt position to keep the state at (state_checkpoints.py)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # filled in by the engine

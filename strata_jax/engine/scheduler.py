@@ -111,8 +111,11 @@ def verify_group(slots: list[Slot], drafts: list[list[int]], length: int, min_ro
 
 def chunk_of(slot: Slot, max_chunk: int) -> int:
     """The prompt tokens `slot` reads next: up to the next multiple of max_chunk in its prompt, so a prompt
-    is cut the same way whatever else runs."""
-    return min(max_chunk - slot.n_past % max_chunk, len(slot.tokens) - slot.n_past)
+    is cut the same way whatever else runs; and a chunk ends at the request's checkpoint_at (a hybrid
+    family's state is kept there: state_checkpoints.py)."""
+    n = min(max_chunk - slot.n_past % max_chunk, len(slot.tokens) - slot.n_past)
+    at = slot.request.checkpoint_at if slot.request is not None else None
+    return at - slot.n_past if at is not None and slot.n_past < at < slot.n_past + n else n
 
 
 def prefill_group(slots: list[Slot], chunks: list[int], max_chunk: int) -> GroupInput:

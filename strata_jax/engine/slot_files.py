@@ -9,7 +9,8 @@ The file is our own (numpy's .npz: `tokens`, and each KV array as raw bytes with
 llama.cpp's state format; a file made for another model or KV type is refused, naming what differs. The
 slot's arrays are read and written on the engine thread between windows (Engine.between_windows); the file
 is read and written in the caller's thread. Only whole blocks are kept (prefix_cache.block_tokens), as the
-prefix cache keeps them.
+prefix cache keeps them; a hybrid family's slot (qwen3next, qwen35moe) keeps all its tokens and, beside their
+KV, its Gated DeltaNet state, which exists at their end only (state_checkpoints.py).
 
 Files are handled as an attacker could have planted them: the folder must be the server user's and writable by
 no one else (`folder`, checked at start and at each request); save writes a random temporary name opened
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ..model.transformer import POSITIONAL
 
 HEADER = 4096               # the most an .npy member's header may take (numpy writes ~128 bytes)
 
@@ -126,7 +129,10 @@ def _layout(engine: Any) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     out = {}
     for name, a in parts[0].items():
         layers = sum(part[name].shape[0] for part in parts)
-        out[name] = (np.dtype(a.dtype), (layers, *a.shape[3:]))
+        if name in POSITIONAL:
+            out[name] = (np.dtype(a.dtype), (layers, *a.shape[3:]), True)
+        else:                   # a hybrid family's DeltaNet state: [layers, slots + 1, ...], one a slot
+            out[name] = (np.dtype(a.dtype), (layers, *a.shape[2:]), False)
     return out
 
 
@@ -149,8 +155,8 @@ def _read_file(f: Any, layout: dict, cache_len: int) -> tuple[list[int], dict[st
         if missing:
             raise ValueError(f"it has no {missing[0]}: a slot file restores on the model and KV type that saved it")
         kv = {}
-        for name, (dtype, per_pos) in layout.items():
-            shape = (per_pos[0], n, *per_pos[1:])
+        for name, (dtype, per_pos, positional) in layout.items():
+            shape = (per_pos[0], n, *per_pos[1:]) if positional else per_pos
             given = (str(_member(zf, infos[f"dtype.{name}.npy"], 64)), _member(zf, infos[f"shape.{name}.npy"], 64))
             if given[0] != str(dtype) or tuple(int(x) for x in given[1]) != shape:
                 raise ValueError(f"its KV {name!r} is {given[0]}{given[1].tolist()}, this model's is "
@@ -190,10 +196,13 @@ def _free(engine: Any, slot: int):
 def _read(engine: Any, slot: int) -> tuple[list[int], dict[str, np.ndarray]]:
     s = _free(engine, slot)
     block = engine.prefix.block
-    n = len(s.kept) // block * block
+    hybrid = engine.prefix.states is not None
+    # a hybrid family's state exists at the kept tokens' end only (state_checkpoints.py): all of them, with it
+    n = len(s.kept) if hybrid else len(s.kept) // block * block
     if n == 0:
         return [], {}
-    return list(s.kept[:n]), engine.prefix._read_kv(s.index, 0, n)
+    kv = engine.prefix._read_kv(s.index, 0, n)
+    return list(s.kept[:n]), kv | engine.runner.kv.read_state(s.index) if hybrid else kv
 
 
 def _write(engine: Any, slot: int, tokens: list[int], kv: dict[str, np.ndarray]) -> int:
@@ -204,6 +213,8 @@ def _write(engine: Any, slot: int, tokens: list[int], kv: dict[str, np.ndarray])
     want = engine.prefix._read_kv(s.index, 0, len(tokens)) if len(tokens) <= engine.runner.cache_len else None
     if want is None:
         raise SlotFileError(f"the file holds {len(tokens)} tokens; a slot holds {engine.runner.cache_len}")
+    state = engine.runner.kv.read_state(s.index)      # a hybrid family's DeltaNet state ({} for the others)
+    want |= state
     for name, a in want.items():
         got = kv.get(name)
         if got is None or got.shape != a.shape or got.dtype != a.dtype:
@@ -213,7 +224,9 @@ def _write(engine: Any, slot: int, tokens: list[int], kv: dict[str, np.ndarray])
     if any(not 0 <= t < engine.spec.vocab_size for t in tokens):
         raise SlotFileError("the file's tokens are outside this model's vocabulary")
     s.forget()                          # while its KV is replaced, the slot matches nothing; after, no cache_salt's
-    engine.prefix._write_kv(s.index, 0, {k: kv[k] for k in want})
+    engine.prefix._write_kv(s.index, 0, {k: kv[k] for k in want if k not in state})
+    if state:
+        engine.runner.kv.write_state(s.index, {k: kv[k] for k in state})
     s.tokens, s.n_past = list(tokens), len(tokens)
     return len(tokens)
 

@@ -162,6 +162,7 @@ class Prepared(Reply, tag="prepared"):
     grammar: list | None = None                 # the grammar that forces a tool call (tool_choice required, named)
     logit_bias: list | None = None              # [[id, bias]] when the request biased texts (llama.cpp's logit_bias)
     text: str | None = None                     # the prompt as text, when asked (llama.cpp's "__verbose")
+    checkpoint_at: int | None = None            # a hybrid family's chat: its turn's end (EngineCore.turn_end)
     id: str = ""
 
 

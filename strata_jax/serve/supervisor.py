@@ -281,7 +281,10 @@ class Supervisor:
 
     def enqueue(self, rid: str, prepared: Prepared, params: dict[str, Any], deadline: float, holds: int = 0) -> Ticket:
         """holds: queue places the ticket keeps for its request's later choices (seats.py)."""
-        t = Ticket(rid, prepared.ids, {**params, "max_tokens": prepared.max_tokens}, deadline, holds=holds)
+        params = {**params, "max_tokens": prepared.max_tokens}
+        if prepared.checkpoint_at is not None:      # where a hybrid family keeps its state (state_checkpoints.py)
+            params["checkpoint_at"] = prepared.checkpoint_at
+        t = Ticket(rid, prepared.ids, params, deadline, holds=holds)
         self.seats.queue.append(t)
         self._dispatch()
         return t

@@ -305,7 +305,7 @@ class Worker:
     def submit(self, cmd: Submit) -> None:
         p = cmd.params
         h = self.engine.submit(cmd.ids, **sampling(p, p["max_tokens"]), progress=bool(p.get("progress")),
-                               cache_salt=p.get("cache_salt"))
+                               cache_salt=p.get("cache_salt"), checkpoint_at=p.get("checkpoint_at"))
         with self._lock:
             self.handles[cmd.id] = h
         threading.Thread(target=self._forward, args=(cmd.id, h), name=f"req-{cmd.id}", daemon=True).start()

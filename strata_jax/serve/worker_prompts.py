@@ -26,6 +26,7 @@ def prepare(engine: Any, cmd: Prepare) -> Prepared | Rejected:
     n_ctx = engine.config.max_context
     chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
     tooling: dict[str, Any] = {}
+    checkpoint_at = None
     try:
         think = False
         if p.get("tools") and chat:
@@ -39,6 +40,7 @@ def prepare(engine: Any, cmd: Prepare) -> Prepared | Rejected:
             text = render_chat(engine.tokenizer, prompt, kwargs, *render_options(cmd, p))
             think = text.rstrip().endswith("<think>")
             ids = engine.chat_text_ids(text)
+            checkpoint_at = engine.turn_end(prompt, kwargs, ids)
         elif isinstance(prompt, list) and any(isinstance(x, str) for x in prompt):   # llama.cpp's mixed prompt
             from .tokens import answer as tokenize
 
@@ -69,7 +71,8 @@ def prepare(engine: Any, cmd: Prepare) -> Prepared | Rejected:
         return Rejected(rid, "invalid", str(e), param="messages" if chat else "prompt")
     # (cmd.text: llama.cpp's "__verbose", the prompt as the model reads it)
     return Prepared(ids, max_tokens, think, tooling.get("tool_format"), tooling.get("grammar"),
-                    tooling.get("logit_bias"), engine.tokenizer.decode(ids) if cmd.text else None, id=rid)
+                    tooling.get("logit_bias"), engine.tokenizer.decode(ids) if cmd.text else None, checkpoint_at,
+                    id=rid)
 
 
 def apply_template(engine: Any, cmd: ApplyTemplate) -> Answer | Rejected:

@@ -9,3 +9,21 @@ THINK_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
     "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
+
+# Qwen3-Next's way: the tools in the system turn, calls as Hermes' <tool_call>{json}</tool_call>, tool results
+# as <tool_response> in a user turn, and a generation prompt that opens the reasoning (<think>).
+QWEN3_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n"
+    "{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}</tools>\nAnswer a call as <tool_call>{\"name\": ..., "
+    "\"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{%- for c in m.tool_calls %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
+    "<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
