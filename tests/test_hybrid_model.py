@@ -241,3 +241,45 @@ def test_int8_math_matches_llamacpps_8_bit_activations(hybrid):
     path, _ = hybrid("qwen3next", "Q8_0")
     ids = _ids(40, seed=1)
     assert mean_kl(llamacpp_logits(path, ids), _ours(path, ids, weights="auto", math="int8")) <= 0.03
+
+
+@pytest.mark.parametrize("math", ["exact", "int8"])
+def test_expert_tiers_at_a_quarter_of_the_experts_give_the_all_on_device_logits(hybrid, math):
+    """--expert-cache 2 (of 8 experts a layer): the one-program window reading misses from the host tier's
+    blocks (host experts on), and the layer-stepped chain (host experts off: misses copied into the arena),
+    give the logits of every expert on the device, bit for bit, and its greedy tokens."""
+    path, _ = hybrid("qwen3next", "Q8_0")
+    ids = _ids(40, seed=4)
+    runs = {}
+    for name, kw in (("device", {}), ("tiers", {"expert_cache": 2}),
+                     ("stepped", {"expert_cache": 2, "host_experts": "off"})):
+        cfg = EngineConfig(max_context=64, warmup=False, cpu_math=math, prefill=16, **kw)
+        with Engine.from_gguf(path, cfg) as eng:
+            assert eng.runner.expert_mode == ("device" if name == "device" else "arena")
+            runs[name] = (eng.logits(ids), eng.generate(ids[:10], max_tokens=8, ignore_eos=True).tokens)
+    for name in ("tiers", "stepped"):
+        np.testing.assert_array_equal(runs[name][0], runs["device"][0])
+        assert runs[name][1] == runs["device"][1]
+
+
+def test_a_second_turn_resumes_from_a_checkpoint_with_a_cold_runs_answer(hybrid):
+    """Turn 1, then turn 2 = turn 1's tokens and answer and more (resumed at the slot's live state), then a
+    prompt that leaves turn 1's after its prompt (resumed at the checkpoint kept at its end): each reads only
+    its new tokens (reused_tokens) and gives the tokens of a cold engine (no prefix cache)."""
+    path, _ = hybrid("qwen35moe", "Q8_0")
+    rng = np.random.default_rng(3)
+    first = [int(t) for t in rng.integers(3, 500, 50)]
+    new = [int(t) for t in rng.integers(3, 500, 7)]
+    cfg = EngineConfig(parallel=2, max_context=256, prefill=16, warmup=False)
+    with Engine.from_gguf(path, cfg) as eng:
+        answer = eng.generate(first, max_tokens=8, ignore_eos=True).tokens
+        turn2 = eng.generate(first + answer + new, max_tokens=8, ignore_eos=True)
+        other = eng.generate(first + new, max_tokens=8, ignore_eos=True)
+        states = eng.stats()["prefix_cache"]["state_checkpoints"]
+    with Engine.from_gguf(path, EngineConfig(parallel=2, max_context=256, prefill=16, warmup=False,
+                                             prefix_cache=False)) as cold:
+        assert cold.generate(first + answer + new, max_tokens=8, ignore_eos=True).tokens == turn2.tokens
+        assert cold.generate(first + new, max_tokens=8, ignore_eos=True).tokens == other.tokens
+    assert turn2.stats["reused_tokens"] == len(first) + len(answer) - 1      # all it had read (the live state)
+    assert other.stats["reused_tokens"] == len(first)                         # the checkpoint at turn 1's end
+    assert states["live_reused"] >= 1 and states["restored"] >= 1 and states["taken"] >= 3

@@ -7,8 +7,8 @@ that, unlike KV, cannot be cut back to an earlier token. So the engine runs them
 - without packed windows (a packed window gives each prompt token a row of its own: a recurrence needs a row a slot);
 and refuses, with a ConfigError that names the setting, what would need one or is not built for them yet:
 speculative decoding (a rejected draft must be taken back out of the state), --kv-resident, several
-devices or processes. The expert tiers (experts that do not all fit on the device) are refused by the
-runner when it places the experts (runner.py).
+devices or processes. The expert tiers run them as any MoE family (model/stages.py's attention stage is a
+DeltaNet layer's mixing for those layers).
 """
 
 from __future__ import annotations

@@ -115,10 +115,6 @@ class ModelRunner:
             self.expert_mode = t.mode
             if t.mode == "device":
                 self.expert_counts = self._new_counts()
-            elif is_hybrid(self.spec):
-                raise ConfigError(f"{self.spec.architecture!r}: the experts do not all fit on the device ({t.mode}), "
-                                  "and the expert tiers do not run this family yet (issue 34): give the device more "
-                                  "memory, or use --expert-cache auto on a machine where they fit")
             else:
                 self.stepper = LayerStepper(self.params, self.spec, self.opts, self.programs, self.kv, t.arena,
                                             t.qtypes, t.shapes, t.host_trees, t.remote, t.rule, t.stream,

@@ -85,7 +85,8 @@ class LayerStepper:
         self.dense_p = {i: lp for i, lp in enumerate(layers) if i not in self.attn_p}
         self.qtypes = qtypes                 # layer -> tensor -> quant type name, or None where the arena holds floats
         self.shapes = expert_shapes          # layer -> tensor -> logical shape of one expert [n, k]
-        self.index = [jnp.int32(i) for i in range(len(layers))]
+        # each layer's index in the cache (its KV, or a hybrid family's DeltaNet state: spec.kv_layer)
+        self.index = [jnp.int32(spec.kv_layer(i)) for i in range(len(layers))]
         self.predict_p = {i: (lp.ffn_norm, lp.router) for i, lp in self.attn_p.items()}   # predict_stage's
         # One program a kind of layer and stage (see the module docstring): kind_of[stage][layer] is the stage
         # name that layer's program runs under, first_of[that name] the layer its program is built for.

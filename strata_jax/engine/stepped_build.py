@@ -40,7 +40,8 @@ def resident_window(core: dict, arenas: dict, tables, host_trees: dict | None, m
             xs, cache = dense_stage(core["dense"][i], i, spec, opts, groups, xs, cache, kv_len)
             continue
         j = moe.index(i)
-        parts, cache = attn_router_stage(core["attn"][i], i, spec, opts, groups, xs, cache, kv_len, kv_host)
+        parts, cache = attn_router_stage(core["attn"][i], spec.kv_layer(i), spec, opts, groups, xs, cache, kv_len,
+                                         kv_host)
         ys = [jnp.zeros((p[3].shape[0], k, h), jnp.float32) for p in parts]
         moe_p, table = core["shared"][i], tables[j]
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 
 from ..gguf import ModelSpec
+from .hybrid import deltanet_mix
 from .layers import (
     combine_experts,
     expert_rows,
@@ -21,16 +22,20 @@ from .layers import (
     norm_linear_many,
     route,
 )
-from .params import LayerWeights, Mlp
+from .params import DeltaNetWeights, LayerWeights, Mlp
 from .transformer import RunOptions, attention, decoder_layer
 
 
 def attn_router_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int,
                       host=None):
-    """Attention of layer i, then the FFN norm and the router, per group -> (x [R, L, h], hx [R*L, h],
+    """Attention of layer i (its index in the cache: spec.kv_layer; a hybrid family's DeltaNet layer mixes its
+    tokens through its state instead), then the FFN norm and the router, per group -> (x [R, L, h], hx [R*L, h],
     router weights [R*L, k] float32, expert ids [R*L, k] int32) per group, and the cache."""
     outs = []
-    xs, cache = attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
+    if isinstance(lp, DeltaNetWeights):
+        xs, cache = deltanet_mix(lp, i, spec, opts, groups, xs, cache)
+    else:
+        xs, cache = attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
     for g, x in zip(groups, xs):
         R, L = g.tokens.shape
         hx = norm_linear_many(x, lp.ffn_norm, spec.rms_eps, [], opts.backend)[0].reshape(R * L, -1)
