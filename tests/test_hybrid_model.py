@@ -206,7 +206,7 @@ def test_a_slot_reused_by_a_new_request_starts_from_a_zero_state(hybrid):
     assert again.tokens == first
 
 
-@pytest.mark.parametrize("setting", [{"spec": 2}, {"kv_resident": 256}])
+@pytest.mark.parametrize("setting", [{"kv_resident": 256}, {"devices": 2}])
 def test_settings_the_family_cannot_run_with_are_refused_by_name(hybrid, setting):
     path, _ = hybrid("qwen3next")
     name = next(iter(setting)).replace("_", "-")
@@ -283,3 +283,43 @@ def test_a_second_turn_resumes_from_a_checkpoint_with_a_cold_runs_answer(hybrid)
     assert turn2.stats["reused_tokens"] == len(first) + len(answer) - 1      # all it had read (the live state)
     assert other.stats["reused_tokens"] == len(first)                         # the checkpoint at turn 1's end
     assert states["live_reused"] >= 1 and states["restored"] >= 1 and states["taken"] >= 3
+
+
+@pytest.fixture(scope="module")
+def few_tokens(hybrid, tmp_path_factory):
+    """qwen3next F32 with 4 rows of its output head scaled by 40: its greedy tokens are nearly always those 4,
+    in an order its state decides, so n-gram drafts are accepted in part (a random model's output never
+    repeats itself)."""
+    from strata_jax.testing.edit_gguf import rewrite_gguf
+
+    path, _ = hybrid("qwen3next")
+    head = GGUFModel.open(path).tensors["output.weight"].dequantize().copy()
+    head[[11, 12, 13, 14]] *= 40.0
+    return rewrite_gguf(path, tmp_path_factory.mktemp("few") / "few.gguf", tensor_values={"output.weight": head})
+
+
+def test_spec_greedy_equals_plain_and_accepts_drafts(few_tokens):
+    """--spec 4 with n-gram drafts, each prompt alone and all at once: the plain greedy tokens, drafts accepted
+    in part, so that each verify window's state is taken back to its accepted tokens (KVCache.keep_steps;
+    without it the tokens differ: checked when this was written)."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (8, 20, 33, 5)]
+    runs = {}
+    for spec in (0, 4):
+        cfg = EngineConfig(parallel=4, max_context=256, prefill=16, spec=spec, spec_min_p=0.0, warmup=False)
+        with Engine.from_gguf(few_tokens, cfg) as eng:
+            alone = [eng.generate(p, max_tokens=48, ignore_eos=True) for p in prompts]
+            handles = [eng.submit(p, max_tokens=48, ignore_eos=True) for p in prompts]
+            together = [[ev.token for ev in h if ev.kind == "token"] for h in handles]
+            runs[spec] = ([a.tokens for a in alone], together, [a.stats for a in alone])
+    assert runs[4][0] == runs[0][0] and runs[4][1] == runs[0][0]
+    accepted = sum(s["draft_n_accepted"] for s in runs[4][2])
+    assert 0 < accepted < sum(s["draft_n"] for s in runs[4][2])         # some accepted, some rejected
+
+
+def test_a_hybrid_draft_model_and_the_mtp_drafter_are_refused_by_name(hybrid):
+    path, _ = hybrid("qwen3next")
+    with pytest.raises(ConfigError, match="qwen3next draft model is not supported"):
+        Engine.from_gguf(path, EngineConfig(max_context=64, warmup=False, spec=2, drafter=f"draft:{path}"))
+    with pytest.raises(ConfigError, match="--drafter mtp.*qwen3next"):
+        Engine.from_gguf(path, EngineConfig(max_context=64, warmup=False, spec=2, drafter="mtp"))

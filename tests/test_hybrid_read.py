@@ -98,9 +98,9 @@ def test_a_family_read_but_not_run_is_refused_by_name(tiny_model, monkeypatch):
 
 
 def test_serve_refuses_a_setting_the_family_cannot_run_with_at_once(tiny_model):
-    """`serve --spec 2` on a qwen3next file says so and exits, instead of a supervisor restarting an engine
-    that cannot start (engine/families.py)."""
+    """`serve --spec 2 --drafter mtp` on a qwen3next file says so and exits, instead of a supervisor restarting
+    an engine that cannot start (engine/families.py)."""
     path = tiny_model(arch="qwen3next", **HYBRID)
-    done = subprocess.run([sys.executable, "-m", "strata_jax", "serve", str(path), "--port", "0", "--spec", "2"],
-                          check=False, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "--spec 2" in done.stderr and "issue 34" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "strata_jax", "serve", str(path), "--port", "0", "--spec", "2",
+                           "--drafter", "mtp"], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--spec 2 --drafter mtp" in done.stderr and "issue 34" in done.stderr

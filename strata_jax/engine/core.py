@@ -311,10 +311,22 @@ class EngineCore:
                     if s.request.experts is None:
                         s.request.experts = ExpertCounters()
                     s.request.experts.add(self.runner.stepper.last)
+        starts = [int(p) for p in w.groups[0].pos[:len(w.decode), 0]] if w.drafts is not None else None
         self.output.apply(w, outs)
         self.prefix.after_window(w)
+        if starts is not None and self.prefix.states is not None:
+            self._keep_accepted_states(w, starts)
         if self.speculator is not None and hiddens is not None:
             self._after_window(w, hiddens)
+
+    def _keep_accepted_states(self, w: Window, starts: list[int]) -> None:
+        """A hybrid family's verify window read every draft into its slots' DeltaNet state: each slot keeps the
+        state after the tokens it accepted (s.n_past - start of them: its drafts up to the first rejected,
+        the last token emitted excluded, as every window leaves it), chosen from the window's steps."""
+        rows = [(s.index, s.n_past - start - 1) for s, start in zip(w.decode, starts) if s.n_past > start]
+        if rows:
+            slots, steps = zip(*rows)
+            self.runner.kv.keep_steps(np.asarray(slots), np.asarray(steps))
 
     def _after_window(self, w: Window, hiddens) -> None:
         """Hand the window's hidden states to the drafter (mtp). A failure there costs drafts, not requests."""

@@ -5,9 +5,11 @@ that, unlike KV, cannot be cut back to an earlier token. So the engine runs them
 - with prefix reuse only where a state exists (state_checkpoints.py: the slot's live state, or a checkpoint
   kept in host RAM), no KV forks between slots and no conversation cache (KV without its state);
 - without packed windows (a packed window gives each prompt token a row of its own: a recurrence needs a row a slot);
-and refuses, with a ConfigError that names the setting, what would need one or is not built for them yet:
-speculative decoding (a rejected draft must be taken back out of the state), --kv-resident, several
-devices or processes. The expert tiers run them as any MoE family (model/stages.py's attention stage is a
+- speculative decoding keeps each verify window's state after every token and takes the one after the
+  accepted drafts (model/hybrid.py, KVCache.keep_steps; a hybrid draft model is refused: its own state could
+  not drop rejected drafts);
+and refuses, with a ConfigError that names the setting, what is not built for them yet: the MTP drafter,
+--kv-resident, several devices or processes. The expert tiers run them as any MoE family (model/stages.py's attention stage is a
 DeltaNet layer's mixing for those layers).
 """
 
@@ -31,7 +33,7 @@ def family_config(cfg: EngineConfig, spec) -> EngineConfig:
     if not is_hybrid(spec):
         return cfg
     arch = spec.architecture
-    refused = [(cfg.spec > 0, f"--spec {cfg.spec} (speculative decoding)"),
+    refused = [(cfg.spec > 0 and cfg.drafter == "mtp", f"--spec {cfg.spec} --drafter mtp"),
                (cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}"),
                (cfg.devices > 1, f"--devices {cfg.devices}"),
                (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]

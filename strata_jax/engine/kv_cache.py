@@ -26,28 +26,29 @@ import numpy as np
 from jax import lax
 
 from ..model import new_kv_cache
-from ..model.transformer import POSITIONAL, state_shapes
+from ..model.transformer import POSITIONAL, STATE, state_shapes
 from .kv_host import KVHostStore
 
 
-def kv_bytes(spec, dtype, parallel: int, device_len: int) -> int:
+def kv_bytes(spec, dtype, parallel: int, device_len: int, steps: int = 0) -> int:
     """Device bytes of the cache of `parallel` slots of `device_len` positions (what the ledger reserves)."""
     layers = spec.n_kv_layers                                               # new_kv_cache: MTP layers too
     per_pos = layers * spec.n_kv_heads * (spec.head_dim + spec.value_dim) * jnp.dtype(dtype).itemsize
     if dtype == jnp.int8:
         per_pos += layers * spec.n_kv_heads * 2 * 4                         # a float32 scale a token and head
-    state = sum(4 * int(np.prod(s)) for s in state_shapes(spec, parallel).values())   # DeltaNet state, float32
+    state = sum(4 * int(np.prod(s)) for s in state_shapes(spec, parallel, steps).values())   # DeltaNet state, f32
     return per_pos * parallel * (device_len + 1) + state
 
 
 class KVCache:
     def __init__(self, spec, parallel: int, device_len: int, dtype, host: KVHostStore | None = None,
-                 place: Callable[[dict], dict] | None = None, stages: list | None = None):
+                 place: Callable[[dict], dict] | None = None, stages: list | None = None, steps: int = 0):
         """place: where the arrays live when not on the default device (--split experts: on every device).
         stages (--split layers): [(a stage's spec, its device)]: the arrays are then a tuple of per-stage
         dicts, each [its layers, slots, ...] on its device (layer i of the model is layer i - start of its
-        stage's), and read, write, copy and slot join or split them on the layer axis."""
-        make = lambda: new_kv_cache(spec, parallel, device_len, dtype)
+        stage's), and read, write, copy and slot join or split them on the layer axis. steps: a hybrid family's
+        verify windows' tokens a row (model.transformer.state_shapes; keep_steps)."""
+        make = lambda: new_kv_cache(spec, parallel, device_len, dtype, steps)
         if stages is not None:
             make = lambda: tuple(jax.device_put(new_kv_cache(s, parallel, device_len, dtype), d)
                                  for s, d in stages)
@@ -58,6 +59,7 @@ class KVCache:
         self._read = jax.jit(_read_block, static_argnames=("size",))
         self._write = jax.jit(_write_block, donate_argnums=(0,))
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), static_argnames=("size",))
+        self._keep_steps = jax.jit(_keep_steps, donate_argnums=(0,))
         self._write_state = jax.jit(lambda c, state, slot: c | {k: c[k].at[:, slot].set(v) for k, v in state.items()},
                                     donate_argnums=(0,))
 
@@ -141,16 +143,26 @@ class KVCache:
     def read_state(self, slot: int) -> dict[str, np.ndarray]:
         """A slot's whole fixed-size state (a hybrid family's DeltaNet conv and delta-rule state): {name: [layers,
         ...]}, {} for the attention families."""
-        return {name: np.asarray(a[:, slot]) for name, a in self._arrays.items() if name not in POSITIONAL}
+        return {name: np.asarray(a[:, slot]) for name, a in self._arrays.items() if name in STATE}
 
     def write_state(self, slot: int, state: dict[str, np.ndarray]) -> None:
         """The inverse of read_state, in place (a donated program)."""
         self.through(lambda c: (self._write_state(c, {k: jnp.asarray(v) for k, v in state.items()}, jnp.int32(slot)),))
 
+    def keep_steps(self, slots: np.ndarray, steps: np.ndarray) -> None:
+        """After a verify window: each slot's DeltaNet state becomes the one after step steps[i] of its row
+        (its accepted tokens, the last one emitted included, less one), in place."""
+        self.through(lambda c: (self._keep_steps(c, jnp.asarray(slots, jnp.int32), jnp.asarray(steps, jnp.int32)),))
+
     def copy(self, src: int, dst: int, n_blocks: int, block: int) -> None:
         """Slot src's first n_blocks * block device positions into slot dst, a block at a time, in place."""
         self.through(lambda cs: (self._whole([self._copy(c, jnp.int32(src), jnp.int32(dst), jnp.int32(n_blocks),
                                                          size=block) for c in self._parts()]),))
+
+
+def _keep_steps(cache: dict, slots, steps) -> dict:
+    conv, ssm = cache["conv_steps"][:, slots, steps], cache["ssm_steps"][:, slots, steps]
+    return cache | {"conv": cache["conv"].at[:, slots].set(conv), "ssm": cache["ssm"].at[:, slots].set(ssm)}
 
 
 def _positional(cache: dict) -> dict:

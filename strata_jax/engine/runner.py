@@ -83,7 +83,9 @@ class ModelRunner:
                                   pack=self.choices["pack"])
         self.ledger.reserve_bytes("weights", _tree_bytes(self.params), "the model's weights")
         self.kv_dtype = KV_DTYPES[self.choices["kv"]]
-        self.ledger.reserve_bytes("kv", kv_bytes(self.spec, self.kv_dtype, cfg.parallel, self.device_len),
+        # a hybrid family with --spec keeps its DeltaNet state after each token of a verify window (keep_steps)
+        steps = 1 + cfg.spec if is_hybrid(self.spec) and cfg.spec > 0 else 0
+        self.ledger.reserve_bytes("kv", kv_bytes(self.spec, self.kv_dtype, cfg.parallel, self.device_len, steps),
                                   f"the KV cache of {cfg.parallel} slots ({self.device_len} positions a slot)")
         host = None
         if self.device_len < self.cache_len:
@@ -93,7 +95,7 @@ class ModelRunner:
         self.kv = (KVCache if self.group is None else self.group.kv)(       # its one owner
                           self.spec, cfg.parallel, self.device_len, self.kv_dtype, host,
                           place=self.shards.replicate if self.shards is not None else None,
-                          stages=stage_kv(self.spec, devs) if self.split == "layers" else None)
+                          stages=stage_kv(self.spec, devs) if self.split == "layers" else None, steps=steps)
         # --drafter mtp: window programs also hand back every token's last hidden state (the MTP layer's
         # input), kept on the device until the engine takes them (take_hiddens)
         self.with_hidden = cfg.spec > 0 and cfg.drafter == "mtp"

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..model.transformer import POSITIONAL
+from ..model.transformer import POSITIONAL, STATE
 
 HEADER = 4096               # the most an .npy member's header may take (numpy writes ~128 bytes)
 
@@ -131,7 +131,7 @@ def _layout(engine: Any) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         layers = sum(part[name].shape[0] for part in parts)
         if name in POSITIONAL:
             out[name] = (np.dtype(a.dtype), (layers, *a.shape[3:]), True)
-        else:                   # a hybrid family's DeltaNet state: [layers, slots + 1, ...], one a slot
+        elif name in STATE:     # a hybrid family's DeltaNet state: [layers, slots + 1, ...], one a slot
             out[name] = (np.dtype(a.dtype), (layers, *a.shape[2:]), False)
     return out
 

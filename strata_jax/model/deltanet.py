@@ -36,33 +36,41 @@ def l2_normalize(x: jax.Array, eps: float) -> jax.Array:
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, n_real: jax.Array) -> tuple[jax.Array, jax.Array]:
+def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, n_real: jax.Array,
+                steps: bool = False) -> tuple[jax.Array, ...]:
     """The depthwise causal conv, then SiLU: x [R, L, C] after state [R, K-1, C] (the K-1 inputs before x's
     first), w [K, C] (tap K-1 is the current token) -> (silu(conv) [R, L, C], the new state: the K-1 inputs
-    before position n_real [R] of each row, its real tokens' end)."""
+    before position n_real [R] of each row, its real tokens' end), and with `steps` the state after each
+    token [R, L, K-1, C] third."""
     K, L = w.shape[0], x.shape[1]
     xs = jnp.concatenate([state.astype(x.dtype), x], axis=1)                  # [R, K-1+L, C]
     out = xs[:, 0:L] * w[0]
     for j in range(1, K):
         out = out + xs[:, j:j + L] * w[j]
     new = jax.vmap(lambda row, n: lax.dynamic_slice_in_dim(row, n, K - 1, axis=0))(xs, n_real)
+    if steps:
+        return jax.nn.silu(out), new, jnp.stack([xs[:, t + 1:t + K] for t in range(L)], axis=1)
     return jax.nn.silu(out), new
 
 
-def recurrent(q, k, v, g, beta, S):
+def recurrent(q, k, v, g, beta, S, steps: bool = False):
     """The gated delta rule a token at a time. q, k [R, L, H, dk] (q already scaled), v [R, L, H, dv],
-    g, beta [R, L, H], S [R, H, dk, dv] float32 -> (o [R, L, H, dv], S after the L tokens). The products are
-    element-wise sums over dk, in a fixed order whatever the window's size (transformers' form)."""
+    g, beta [R, L, H], S [R, H, dk, dv] float32 -> (o [R, L, H, dv], S after the L tokens), and with `steps`
+    S after each token [R, L, H, dk, dv] third. The products are element-wise sums over dk, in a fixed order
+    whatever the window's size (transformers' form)."""
     def step(S, t):
         qt, kt, vt, gt, bt = t
         S = S * jnp.exp(gt)[..., None, None]
         mem = jnp.sum(S * kt[..., None], axis=-2)                                  # S^T k [R, H, dv]
         S = S + kt[..., None] * ((vt - mem) * bt[..., None])[..., None, :]
-        return S, jnp.sum(S * qt[..., None], axis=-2)
+        o = jnp.sum(S * qt[..., None], axis=-2)
+        return S, ((o, S) if steps else o)
 
     seq = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    S, o = lax.scan(step, S, seq)
-    return jnp.moveaxis(o, 0, 1), S
+    S, out = lax.scan(step, S, seq)
+    if steps:
+        return jnp.moveaxis(out[0], 0, 1), S, jnp.moveaxis(out[1], 0, 1)
+    return jnp.moveaxis(out, 0, 1), S
 
 
 def chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
@@ -139,10 +147,11 @@ def _beta_alpha(lp, spec: ModelSpec, ys: list) -> tuple[jax.Array, jax.Array]:
 
 
 def mix(lp, spec: ModelSpec, backend: str, x: jax.Array, pos: jax.Array, conv_state: jax.Array,
-        S: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        S: jax.Array, steps: bool = False) -> tuple[jax.Array, ...]:
     """A DeltaNet layer's token mixing for one group: x [R, L, h] at positions pos [R, L] (-1: padding), the
     rows' conv states [R, K-1, C] and delta-rule states S [R, Hv, dk, dv] -> (x + mixing, new conv state,
-    new S). lp: params.DeltaNetWeights."""
+    new S), and with `steps` (a verify window: the recurrent form) both states after each token
+    ([R, L, K-1, C], [R, L, Hv, dk, dv]) after them. lp: params.DeltaNetWeights."""
     d = spec.deltanet
     R, L, _ = x.shape
     ba = [lp.ssm_ba] if lp.ssm_ba is not None else [lp.ssm_beta, lp.ssm_alpha]
@@ -152,7 +161,8 @@ def mix(lp, spec: ModelSpec, backend: str, x: jax.Array, pos: jax.Array, conv_st
     fresh = (pos[:, 0] == 0)[:, None, None]                                    # a sequence starts: zero state
     conv_state = jnp.where(fresh, 0.0, conv_state)
     S = jnp.where(fresh[..., None], 0.0, S)
-    c, conv_state = causal_conv(qkv.astype(jnp.float32), conv_state, lp.conv, jnp.sum(real, axis=1))
+    c, conv_state, *conv_steps = causal_conv(qkv.astype(jnp.float32), conv_state, lp.conv, jnp.sum(real, axis=1),
+                                             steps)
     nk = d.k_heads * d.head_dim
     q = c[..., :nk].reshape(R, L, d.k_heads, d.head_dim)
     k = c[..., nk:2 * nk].reshape(R, L, d.k_heads, d.head_dim)
@@ -161,6 +171,7 @@ def mix(lp, spec: ModelSpec, backend: str, x: jax.Array, pos: jax.Array, conv_st
     k = _heads(l2_normalize(k, spec.rms_eps), spec)
     beta = jnp.where(real[..., None], jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
     g = jnp.where(real[..., None], lp.ssm_a * jax.nn.softplus(a.astype(jnp.float32) + lp.dt_bias), 0.0)
-    o, S = delta_rule(q, k, v, g, beta, S)                                     # [R, L, Hv, dv]
+    o, S, *S_steps = recurrent(q, k, v, g, beta, S, True) if steps else delta_rule(q, k, v, g, beta, S)
     o = rms_norm(o, lp.ssm_norm, spec.rms_eps) * jax.nn.silu(z.astype(jnp.float32).reshape(o.shape))
-    return x + linear(o.reshape(R, L, -1).astype(x.dtype), lp.ssm_out, backend), conv_state, S
+    return (x + linear(o.reshape(R, L, -1).astype(x.dtype), lp.ssm_out, backend), conv_state, S,
+            *conv_steps, *S_steps)

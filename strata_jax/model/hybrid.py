@@ -47,9 +47,18 @@ def deltanet_mix(lp, j: int, spec: ModelSpec, opts: RunOptions, groups, xs, cach
     attention's signature (kv_len unused). Every group's state is read before any is written (the groups'
     rows are distinct slots: none reads another's new state)."""
     scratch = cache["conv"].shape[1] - 1
-    new = [deltanet.mix(lp, spec, opts.backend, x, g.pos, cache["conv"][j, g.slots], cache["ssm"][j, g.slots])
-           for g, x in zip(groups, xs)]
-    for g, (_, conv, S) in zip(groups, new):
+    new = [deltanet.mix(lp, spec, opts.backend, x, g.pos, cache["conv"][j, g.slots], cache["ssm"][j, g.slots],
+                        _keeps_steps(g, cache)) for g, x in zip(groups, xs)]
+    for g, (_, conv, S, *steps) in zip(groups, new):
         at = jnp.where(g.pos[:, 0] >= 0, g.slots, scratch)
         cache = cache | {"conv": cache["conv"].at[j, at].set(conv), "ssm": cache["ssm"].at[j, at].set(S)}
-    return [x for x, _, _ in new], cache
+        if steps:
+            cache = cache | {"conv_steps": cache["conv_steps"].at[j, at].set(steps[0]),
+                             "ssm_steps": cache["ssm_steps"].at[j, at].set(steps[1])}
+    return [x for x, *_ in new], cache
+
+
+def _keeps_steps(g: Group, cache: dict) -> bool:
+    """A verify group (every logit, 1 + --spec tokens a row: the steps arrays' length), whose rows' states after
+    each token are kept for the engine to choose from once it knows how many drafts it accepts."""
+    return "ssm_steps" in cache and g.all_logits and g.tokens.shape[1] == cache["ssm_steps"].shape[2]

@@ -44,33 +44,41 @@ class RunOptions:
     host_backend: str = "cpu"       # host experts beside the device (model/stages.py): cpu | cpu-exact, by --cpu-math
 
 
-def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype) -> dict[str, jax.Array]:
+def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype, steps: int = 0) -> dict[str, jax.Array]:
     """Keys and values [layers, slots, max_context + 1, kv_heads, head_dim]; the extra position is where
     padding tokens write, and no query ever reads it. int8: with a float32 scale per token and head
     ([layers, slots, max_context + 1, kv_heads]). layers = spec.n_kv_layers: the attention layers (all of
     them but a hybrid family's DeltaNet ones), then the NextN (MTP) layers' (mtp.py writes layer n_layers).
-    The hybrid families' DeltaNet state beside them: state_shapes."""
+    The hybrid families' DeltaNet state beside them: state_shapes (`steps`: its verify windows' tokens)."""
     shape = (spec.n_kv_layers, n_slots, max_context + 1, spec.n_kv_heads, spec.head_dim)
     vshape = shape[:-1] + (spec.value_dim,)
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(vshape, dtype)}
     if jnp.dtype(dtype) == jnp.int8:
         cache |= {"k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
-    return cache | {name: jnp.zeros(s, jnp.float32) for name, s in state_shapes(spec, n_slots).items()}
+    return cache | {name: jnp.zeros(s, jnp.float32) for name, s in state_shapes(spec, n_slots, steps).items()}
 
 
-# The cache's arrays with a positions axis (axis 2): the rest (STATE) are a slot's fixed-size state.
+# The cache's arrays with a positions axis (axis 2); a hybrid family's slot state (one a slot, no positions);
+# the rest ("conv_steps", "ssm_steps": state_shapes) live only through a verify window.
 POSITIONAL = ("k", "v", "k_scale", "v_scale")
+STATE = ("conv", "ssm")
 
 
-def state_shapes(spec: ModelSpec, n_slots: int) -> dict[str, tuple[int, ...]]:
+def state_shapes(spec: ModelSpec, n_slots: int, steps: int = 0) -> dict[str, tuple[int, ...]]:
     """The hybrid families' per-slot DeltaNet state (deltanet.py), float32: "conv" [layers, slots + 1, K-1, C]
     and "ssm" [layers, slots + 1, Hv, dk, dv] over the DeltaNet layers; slot n_slots is a scratch one that
-    window rows without a real token write (model/hybrid.py). {} for every other family."""
+    window rows without a real token write (model/hybrid.py). With steps (speculative decoding: 1 + --spec,
+    a verify window's tokens a row), "conv_steps" and "ssm_steps" [layers, slots + 1, steps, ...] hold the
+    state after each token of a slot's last verify window, so the engine keeps the one after its accepted
+    tokens (KVCache.keep_steps). {} for every other family."""
     d, n = spec.deltanet, len(spec.deltanet_layers)
     if d is None or not n:
         return {}
-    return {"conv": (n, n_slots + 1, d.conv_kernel - 1, d.qkv_dim),
-            "ssm": (n, n_slots + 1, d.v_heads, d.head_dim, d.v_head_dim)}
+    conv, ssm = (d.conv_kernel - 1, d.qkv_dim), (d.v_heads, d.head_dim, d.v_head_dim)
+    out = {"conv": (n, n_slots + 1, *conv), "ssm": (n, n_slots + 1, *ssm)}
+    if steps:
+        out |= {"conv_steps": (n, n_slots + 1, steps, *conv), "ssm_steps": (n, n_slots + 1, steps, *ssm)}
+    return out
 
 
 def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:

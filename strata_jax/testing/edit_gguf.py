@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from quant_types import block_size, type_size
 from strata_jax.gguf import GGUFModel
@@ -19,9 +19,11 @@ from strata_jax.gguf import GGUFModel
 
 def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str, Any] | None = None,
                  drop_metadata: Iterable[str] = (), drop_tensors: Iterable[str] = (),
-                 tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Path:
-    """Write `src` (one file, any types) to `dst` with metadata keys set or dropped, tensors dropped, or
-    tensors' declared shapes changed (numpy order; their bytes stay as they were). A new key's type is
+                 tensor_shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 tensor_values: Mapping[str, np.ndarray] | None = None) -> Path:
+    """Write `src` (one file, any types) to `dst` with metadata keys set or dropped, tensors dropped,
+    tensors' declared shapes changed (numpy order; their bytes stay as they were), or F32 tensors' values
+    replaced (tensor_values: name -> float32 array of the tensor's shape). A new key's type is
     inferred (str, bool, int as UINT32, float as FLOAT32, a non-empty list as an array of its first
     item's type); an existing key keeps its type."""
     model = GGUFModel.open(src, strict=False)
@@ -37,7 +39,13 @@ def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str,
         if key != "general.architecture":
             writer.add_key_value(key, value, *types[key])
     shapes, dropped = dict(tensor_shapes or {}), set(drop_tensors)
+    values = dict(tensor_values or {})
     for name, t in model.tensors.items():
+        if name in values:
+            if t.qtype != GGMLQuantizationType.F32 or tuple(values[name].shape) != tuple(t.shape):
+                raise ValueError(f"{name}: only an F32 tensor's values are replaced, by an array of shape {t.shape}")
+            writer.add_tensor(name, np.ascontiguousarray(values.pop(name), np.float32))
+            continue
         if name not in dropped:
             shape = shapes.get(name, t.shape)  # the writer takes uint8 data's shape in bytes
             byte_shape = (*shape[:-1], shape[-1] // block_size(t.qtype) * type_size(t.qtype))

@@ -56,6 +56,10 @@ class ModelDrafter:
         if not Path(path).is_file():
             raise ConfigError(f"drafter = 'draft:{path}': no such file")
         model = GGUFModel.open(path)
+        if model.spec.deltanet is not None:     # its state cannot drop rejected drafts as its KV would
+            raise ConfigError(f"drafter = 'draft:{path}': a {model.spec.architecture} draft model is not supported "
+                              "(a Gated DeltaNet state cannot be cut back to the slot's tokens): draft with an "
+                              "attention model, or --drafter ngram")
         check_vocabulary(model, target, path)
         bound = min(config.max_programs or DRAFT_PROGRAMS, DRAFT_PROGRAMS)
         cfg = replace(config, spec=0, drafter="none", warmup=False, max_programs=bound)
