@@ -196,6 +196,9 @@ def test_a_chat_is_rendered_once_per_request(think_model, monkeypatch):
                              spec=SimpleNamespace(vocab_size=tok.vocab_size))
     engine.chat_text_ids = lambda text: Engine.chat_text_ids(engine, text)
     engine.prompt_ids = lambda prompt, kwargs=None: Engine.prompt_ids(engine, prompt, kwargs)
+    # an attention family: no second render for a hybrid family's turn end (EngineCore.turn_end)
+    engine.prefix = SimpleNamespace(states=None)
+    engine.turn_end = lambda messages, kwargs, ids: Engine.turn_end(engine, messages, kwargs, ids)
     renders = []
     real_render = ChatTemplate.render
     monkeypatch.setattr(ChatTemplate, "render", lambda self, *a, **k: renders.append(1) or real_render(self, *a, **k))
