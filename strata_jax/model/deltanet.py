@@ -98,10 +98,9 @@ def chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
     kb, vb = k * beta[..., None], v * beta[..., None]
     A = jnp.einsum("...id,...jd->...ij", kb, k) * decay
     A = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), A, 0.0)
-    eye = jnp.eye(chunk, dtype=A.dtype)
-    solve = lambda b: lax.linalg.triangular_solve(eye + A, b, left_side=True, lower=True, unit_diagonal=True)
-    U = solve(vb)                                                                # [R, H, N, chunk, dv]
-    W = solve(kb * jnp.exp(G)[..., None])                                        # [R, H, N, chunk, dk]
+    T = _unit_lower_inverse(A)
+    U = jnp.einsum("...ij,...jd->...id", T, vb)                                   # [R, H, N, chunk, dv]
+    W = jnp.einsum("...ij,...jd->...id", T, kb * jnp.exp(G)[..., None])           # [R, H, N, chunk, dk]
     intra = jnp.einsum("...id,...jd->...ij", q, k) * decay
     qg = q * jnp.exp(G)[..., None]
     kd = k * jnp.exp(G[..., -1:] - G)[..., None]
@@ -118,6 +117,20 @@ def chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
     S, o = lax.scan(step, S, seq)                                                # o [N, R, H, chunk, dv]
     o = jnp.moveaxis(o, 0, 2).reshape(R, H, N * chunk, -1)[:, :, :L]
     return jnp.moveaxis(o, 1, 2), S
+
+
+def _unit_lower_inverse(A: jax.Array) -> jax.Array:
+    """(I + A)^-1 for A strictly lower triangular [..., C, C], by forward substitution a row at a time (row i
+    = e_i - A[i, :i] T[:i]): plain XLA operations. XLA:CPU's triangular_solve is a runtime call that, beside
+    the C++ kernels' own threads, hung a 256-token prompt chunk now and then (the engine waited on the
+    window's result with every thread idle)."""
+    C = A.shape[-1]
+    eye = jnp.eye(C, dtype=A.dtype)
+
+    def row(i, T):
+        return T.at[..., i, :].set(eye[i] - jnp.einsum("...j,...jk->...k", A[..., i, :], T))
+
+    return lax.fori_loop(0, C, row, jnp.zeros_like(A))
 
 
 def delta_rule(q, k, v, g, beta, S):
