@@ -16,6 +16,7 @@ import pytest
 from tool_data import TIME, WEATHER
 
 from strata_jax.serve.launch import ServerProcess
+from strata_jax.testing.templates import HERMES_TEMPLATE
 
 N_CTX = 1024
 SCHEMA = {
@@ -227,21 +228,6 @@ def test_bad_tool_fields_are_400s(server, body, field):
 
 
 # ---- a template that renders the tools (Hermes / Qwen's way): calls as <tool_call>{json}</tool_call> ------
-
-HERMES_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n"
-    "{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}</tools>\nAnswer a call as <tool_call>{\"name\": ..., "
-    "\"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- elif m.tool_calls %}<|im_start|>assistant\n{%- for c in m.tool_calls %}<tool_call>\n"
-    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
-    "<|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
-)
-
 
 @pytest.fixture(scope="module")
 def hermes_client(model, tmp_path_factory):

@@ -10,9 +10,9 @@ THINK_TEMPLATE = (
     "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
 
-# Qwen3-Next's way: the tools in the system turn, calls as Hermes' <tool_call>{json}</tool_call>, tool results
-# as <tool_response> in a user turn, and a generation prompt that opens the reasoning (<think>).
-QWEN3_TOOLS_TEMPLATE = (
+# Hermes / Qwen's way with tools: the tools in a system turn, calls as <tool_call>{json}</tool_call>, tool results
+# as <tool_response> in a user turn.
+_HERMES_TURNS = (
     "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n"
     "{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}</tools>\nAnswer a call as <tool_call>{\"name\": ..., "
     "\"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
@@ -23,6 +23,11 @@ QWEN3_TOOLS_TEMPLATE = (
     "<|im_end|>\n"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}"
+)
+HERMES_TEMPLATE = _HERMES_TURNS + "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+
+# Qwen3-Next's way: Hermes' tools, and a generation prompt that opens the reasoning (<think>).
+QWEN3_TOOLS_TEMPLATE = _HERMES_TURNS + (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
     "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
