@@ -18,6 +18,9 @@ import numpy as np
 import pytest
 import torch
 from logit_checks import mean_kl
+from test_hybrid_read import (
+    HYBRID,  # the same made files (tiny_model caches them by options)
+)
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
@@ -32,8 +35,6 @@ from strata_jax.model import (
 )
 from strata_jax.testing.hf_hybrid import load_hybrid
 
-HYBRID = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
-          "expert_ffn": 32, "shared_ffn": 64}
 ARCHS = ["qwen3next", "qwen35moe"]
 TOL = 1e-4
 INT8_KL = 0.1
