@@ -100,6 +100,7 @@ class _Req:
         self.id = n
         self.params = SamplingParams()                  # greedy, no controls
         self.constraint = None                          # no grammar
+        self.checkpoint_at = None                       # no hybrid state kept mid-prompt
 
 
 def test_no_compile_while_serving_the_same_burst_twice(moe):
