@@ -22,8 +22,9 @@ _MAKE_MODEL_HELP = {
     "(and the vocabulary size) from this GGUF instead of the built-in byte-level BPE",
     "name": "general.name",
     "leading_dense": "glm4moe: leading dense-FFN layers before the MoE ones (default 1)",
-    "nextn": "glm4moe: NextN (MTP) layers stored after the main ones (blk.N.nextn.*)",
-    "nextn_head": "glm4moe: give the NextN layer its own embed_tokens and shared_head_head",
+    "nextn": "glm4moe, qwen3next, qwen35moe: NextN (MTP) layers stored after the main ones (blk.N.nextn.*; "
+    "the hybrids: 0 or 1)",
+    "nextn_head": "glm4moe, qwen3next, qwen35moe: give the NextN layer its own embed_tokens and shared_head_head",
     "qk_norm": "glm4moe: per-head q/k norms (as GLM-4.5 355B)",
     "rope_dims": "rope.dimension_count (default: the head size; glm4moe: half of it; qwen3next/qwen35moe: a quarter)",
     "expert_weights_scale": "scale of the routed experts' weights (default 1; glm4moe: 2.5)",

@@ -98,9 +98,33 @@ def test_a_family_read_but_not_run_is_refused_by_name(tiny_model, monkeypatch):
 
 
 def test_serve_refuses_a_setting_the_family_cannot_run_with_at_once(tiny_model):
-    """`serve --spec 2 --drafter mtp` on a qwen3next file says so and exits, instead of a supervisor restarting
+    """`serve --kv-resident 256` on a qwen3next file says so and exits, instead of a supervisor restarting
     an engine that cannot start (engine/families.py)."""
     path = tiny_model(arch="qwen3next", **HYBRID)
-    done = subprocess.run([sys.executable, "-m", "strata_jax", "serve", str(path), "--port", "0", "--spec", "2",
-                           "--drafter", "mtp"], check=False, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "--spec 2 --drafter mtp" in done.stderr and "issue 34" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "strata_jax", "serve", str(path), "--port", "0", "--kv-resident",
+                           "256"], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--kv-resident 256" in done.stderr and "issue 34" in done.stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"nextn": 2}, "--nextn must be 0 or 1 for qwen3next"),
+    ({"nextn_head": True}, "--nextn-head needs --nextn 1"),
+    ({"leading_dense": 1}, "--leading-dense is for --arch glm4moe"),
+    ({"ssm_v_heads": 3}, "--ssm-v-heads 3 must be a multiple of --ssm-k-heads 2"),
+    ({"full_attention_interval": 0}, "--full-attention-interval must be at least 1"),
+])
+def test_bad_hybrid_make_model_options_say_what_is_wrong(tmp_path, options, message):
+    from strata_jax.makers.make_model import make_model
+
+    with pytest.raises(ValueError, match=message):
+        make_model(tmp_path / "x.gguf", arch="qwen3next", **options)
+
+
+def test_a_nextn_block_is_read_as_gated_attention_after_the_main_layers(tiny_model):
+    """The MTP block (blk.{n_layers}) is full gated attention whatever the interval says, as llama.cpp's
+    qwen3next loader marks it; its KV layer follows the main attention layers'."""
+    spec = GGUFModel.open(tiny_model(arch="qwen35moe", nextn=1, **dict(HYBRID, layers=3))).spec
+    assert spec.n_layers == 3 and spec.n_nextn == 1 and spec.layer_kinds == ("deltanet",) * 3
+    assert spec.kind(3) == "attention" and spec.kv_layer(3) == 0 and spec.n_kv_layers == 1
+    assert spec.tensor_shapes()["blk.3.attn_q.weight"] == ((2 * 4 * 16, 64), True)
+    assert "blk.3.nextn.eh_proj.weight" in spec.tensor_shapes()

@@ -8,8 +8,9 @@ that, unlike KV, cannot be cut back to an earlier token. So the engine runs them
 - speculative decoding keeps each verify window's state after every token and takes the one after the
   accepted drafts (model/hybrid.py, KVCache.keep_steps; a hybrid draft model is refused: its own state could
   not drop rejected drafts);
-and refuses, with a ConfigError that names the setting, what is not built for them yet: the MTP drafter,
---kv-resident, several devices or processes. The expert tiers run them as any MoE family (model/stages.py's attention stage is a
+and refuses, with a ConfigError that names the setting, what is not built for them yet: --kv-resident,
+several devices or processes. The MTP drafter runs as for glm4moe: its block is gated attention with KV of its
+own (KV layer spec.kv_layer(n_layers)), no recurrent state. The expert tiers run them as any MoE family (model/stages.py's attention stage is a
 DeltaNet layer's mixing for those layers).
 """
 
@@ -33,8 +34,7 @@ def family_config(cfg: EngineConfig, spec) -> EngineConfig:
     if not is_hybrid(spec):
         return cfg
     arch = spec.architecture
-    refused = [(cfg.spec > 0 and cfg.drafter == "mtp", f"--spec {cfg.spec} --drafter mtp"),
-               (cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}"),
+    refused = [(cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}"),
                (cfg.devices > 1, f"--devices {cfg.devices}"),
                (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]
     for on, what in refused:

@@ -1,7 +1,7 @@
 """The hybrid Gated DeltaNet + MoE families (qwen3next, qwen35moe) for make_model: their layers' tensors and
 metadata keys, with llama.cpp's names and shapes (src/models/qwen3next.cpp / qwen35moe.cpp; gguf-py's
 MODEL_TENSORS). Layer i is full (gated) attention when (i + 1) % full_attention_interval == 0, else a Gated
-DeltaNet ("recurrent") layer; every layer's FFN is routed experts plus a sigmoid-gated shared expert.
+DeltaNet ("recurrent") layer; the NextN (MTP) block after the main layers is gated attention; every layer's FFN is routed experts plus a sigmoid-gated shared expert.
 
 Shapes here are numpy order ([rows, cols]): GGUF's {cols, rows} reversed.
 """
@@ -16,9 +16,10 @@ from gguf import GGUFValueType
 HYBRID_ARCHS = ("qwen3next", "qwen35moe")
 
 
-def is_recurrent(layer: int, interval: int) -> bool:
-    """llama.cpp's default layer pattern: every `interval`-th layer is full attention."""
-    return (layer + 1) % interval != 0
+def is_recurrent(layer: int, interval: int, n_layers: int) -> bool:
+    """llama.cpp's default layer pattern: every `interval`-th layer is full attention, and so is the NextN (MTP)
+    block after the `n_layers` main ones."""
+    return layer < n_layers and (layer + 1) % interval != 0
 
 
 def hybrid_layer_tensors(b: str, layer: int, o: Any, weight, f32, norm, quant, attn_q, expert_q) -> list:
@@ -26,7 +27,7 @@ def hybrid_layer_tensors(b: str, layer: int, o: Any, weight, f32, norm, quant, a
     the MoE FFN with its gated shared expert. `weight`, `f32`, `norm`: make_model's planners."""
     h, hd, residual = o.hidden, o.head_dim, 1.0 / math.sqrt(2 * o.layers)
     plan = [norm(b + "attn_norm.weight", (h,))]
-    if is_recurrent(layer, o.full_attention_interval):
+    if is_recurrent(layer, o.full_attention_interval, o.layers):
         hk, hv, dk = o.ssm_k_heads, o.ssm_v_heads, o.ssm_head_dim
         qkv, inner = 2 * hk * dk + hv * dk, hv * dk
         plan += [weight(b + "attn_qkv.weight", (qkv, h), attn_q, 1 / math.sqrt(h)),

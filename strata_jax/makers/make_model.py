@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe", *HYBRID_ARCHS)
 ARCHS = (*SUPPORTED_ARCHITECTURES, *READ_ONLY_ARCHITECTURES)
 GLM_ONLY = ("leading_dense", "nextn", "nextn_head", "qk_norm", "rope_dims", "expert_weights_scale")
+HYBRID_TOO = ("rope_dims", "nextn", "nextn_head")  # of GLM_ONLY, the flags the hybrid families take as well
 DENSE_ONLY_ARCHS = ("qwen2", "qwen3")
 _PRE_TOKENIZER = {"llama": "llama-bpe"}  # the qwen families: "qwen2"
 
@@ -140,8 +141,12 @@ class ModelOptions:
 
     def _hybrid(self, experts: int, head_dim: int) -> ModelOptions:
         for flag in GLM_ONLY:
-            if flag != "rope_dims" and getattr(self, flag) not in (None, 0, False):
+            if flag not in HYBRID_TOO and getattr(self, flag) not in (None, 0, False):
                 raise ValueError(f"--{flag.replace('_', '-')} is for --arch glm4moe (got --arch {self.arch})")
+        if self.nextn not in (0, 1):     # llama.cpp's qwen3next / qwen35moe graphs run one MTP block
+            raise ValueError(f"--nextn must be 0 or 1 for {self.arch} (got {self.nextn})")
+        if self.nextn_head and not self.nextn:
+            raise ValueError("--nextn-head needs --nextn 1")
         for flag in ("ssm_conv", "ssm_k_heads", "ssm_v_heads", "ssm_head_dim", "full_attention_interval"):
             if getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(self, flag)})")
@@ -231,6 +236,8 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
         b = f"blk.{i}."
         if o.arch in HYBRID_ARCHS:
             plan += hybrid_layer_tensors(b, i, o, weight, f32, norm, quant, attn_q, expert_q)
+            if i >= o.layers:   # the MTP block: a gated-attention MoE block and the NextN tensors
+                plan += _nextn_tensors(b, o, vocab, quant, embed_q, weight, norm)
             continue
         more = as_qtype(o.more_bits_quant) if o.more_bits_quant and use_more_bits(i, n_blocks) else None
         plan += [norm(b + "attn_norm.weight", (h,)),
@@ -339,6 +346,8 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
             keys[f"{a}.expert_shared_feed_forward_length"] = (o.shared_ffn, u32)
     if a in HYBRID_ARCHS:
         keys |= hybrid_keys(o)
+        if o.nextn:
+            keys[f"{a}.nextn_predict_layers"] = (o.nextn, u32)
     if a == "glm4moe":  # as convert_hf_to_gguf.py's Glm4MoeModel writes them
         keys |= {f"{a}.expert_shared_count": (o.shared_ffn // o.expert_ffn, u32),
                  f"{a}.leading_dense_block_count": (o.leading_dense, u32),

@@ -1,4 +1,5 @@
-"""GLM-4.5's NextN layer (multi-token prediction, MTP): the model's own drafter for speculative decoding.
+"""The NextN layer (multi-token prediction, MTP) of GLM-4.5 and of the hybrid families (qwen3next, qwen35moe,
+whose block is gated attention): the model's own drafter for speculative decoding.
 
 The layer predicts the token after next. For a hidden state h_p (the main model's last hidden state at
 position p, AFTER its final norm: `forward(..., with_hidden=True)`) and the token t_{p+1} that follows it:
@@ -57,7 +58,7 @@ def mtp_forward(params: dict, spec: ModelSpec, opts: RunOptions, hidden: jax.Arr
                 pos: jax.Array, slots: jax.Array, cache: dict[str, jax.Array], kv_len: int, host=None,
                 last_only: bool = False):
     """The NextN layer over R rows of L positions -> (logits [R, L, V] float32, hidden_out [R, L, h], cache).
-    Writes the layer's keys and values at cache layer spec.n_layers (see the module docstring). host: the
+    Writes the layer's keys and values at cache layer spec.kv_layer(spec.n_layers) (see the module docstring). host: the
     runner's kv_host (--kv-resident), as for forward()."""
     if "mtp" not in params:
         raise ValueError(f"this {spec.architecture} model has no NextN (MTP) layer (nextn_predict_layers is "
@@ -68,7 +69,9 @@ def mtp_forward(params: dict, spec: ModelSpec, opts: RunOptions, hidden: jax.Arr
     h = rms_norm(hidden.astype(dtype), p["hnorm"], spec.rms_eps)                             # [R, L, h]
     x = linear(jnp.concatenate([e, h], axis=-1), p["eh_proj"], opts.backend)                 # [R, L, h]
     group = Group(tokens, pos, slots, all_logits=True)
-    (y,), cache = decoder_layer(p["layer"], spec.n_layers, spec, opts, (group,), [x], cache, kv_len, host)
+    # the block's KV layer: spec.n_layers, or after the attention layers' in a hybrid model (spec.kv_layer)
+    (y,), cache = decoder_layer(p["layer"], spec.kv_layer(spec.n_layers), spec, opts, (group,), [x], cache, kv_len,
+                                host)
     out = rms_norm(y, p["head_norm"], spec.rms_eps)                                          # [R, L, h]
     if last_only:
         last = jnp.maximum(jnp.sum(pos >= 0, axis=1) - 1, 0)

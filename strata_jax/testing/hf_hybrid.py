@@ -81,8 +81,8 @@ def _deltanet_state(t: dict, b: str, spec: ModelSpec) -> dict[str, np.ndarray]:
     return {"linear_attn." + k: v for k, v in s.items()}
 
 
-def _layer_state(t: dict, i: int, spec: ModelSpec) -> dict[str, np.ndarray]:
-    b, prefix = f"blk.{i}.", f"model.layers.{i}."
+def _layer_state(t: dict, i: int, spec: ModelSpec, prefix: str) -> dict[str, np.ndarray]:
+    b = f"blk.{i}."
     out = {hf: t[b + g] - (1.0 if g in _ZERO_CENTRED else 0.0) for g, hf in (_ATTENTION | _FFN).items() if b + g in t}
     if spec.kind(i) == "deltanet":
         out |= _deltanet_state(t, b, spec)
@@ -91,9 +91,12 @@ def _layer_state(t: dict, i: int, spec: ModelSpec) -> dict[str, np.ndarray]:
     return {prefix + k: v for k, v in out.items()}
 
 
-def load_hybrid(path: str | Path):
-    """-> Qwen3NextForCausalLM or Qwen3_5MoeForCausalLM (eval, float32) on the file's weights. Raises if any
-    parameter is left unloaded (it would be random)."""
+def load_hybrid(path: str | Path, with_mtp: bool = False):
+    """-> Qwen3NextForCausalLM or Qwen3_5MoeForCausalLM (eval, float32) on the file's weights, or (model,
+    MtpModel) with `with_mtp`: transformers' generic MTP drafter (modeling_layers.MtpLayer: enorm, hnorm,
+    eh_proj, the family's decoder layer as full attention, the shared-head norm as post_norm; the main model's
+    embedding and head), the file's NextN block loaded into it. Raises if any parameter is left unloaded (it
+    would be random)."""
     import torch
     from transformers import Qwen3NextForCausalLM
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
@@ -103,13 +106,44 @@ def load_hybrid(path: str | Path):
     t = {name: info.dequantize().astype(np.float32) for name, info in gguf.tensors.items()}
     torch.manual_seed(0)
     cls = Qwen3NextForCausalLM if spec.architecture == "qwen3next" else Qwen3_5MoeForCausalLM
-    model = cls(hybrid_config(spec)).float().eval()
+    config = hybrid_config(spec)
+    config.num_mtp_layers, config.mtp_layer_types = 1, ["full_attention"]     # read by get_mtp_config()
+    model = cls(config).float().eval()
+
+    def take(state: dict[str, np.ndarray], module, shared: tuple[str, ...] = ()) -> None:
+        tensors = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
+        missing, unexpected = module.load_state_dict(tensors, strict=False)
+        missing = [k for k in missing if not k.startswith(shared)]   # tied to the main model's, loaded there
+        if missing or unexpected:
+            raise ValueError(f"{path}: transformers' model left {missing[:5]} unloaded, has no {unexpected[:5]}")
+
     state = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"] - 1.0,
              "lm_head.weight": t.get("output.weight", t["token_embd.weight"])}
     for i in range(spec.n_layers):
-        state |= _layer_state(t, i, spec)
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}: transformers' model left {missing[:5]} unloaded, has no {unexpected[:5]}")
-    return model
+        state |= _layer_state(t, i, spec, f"model.layers.{i}.")
+    take(state, model)
+    if not with_mtp:
+        return model
+    return model, _mtp_model(model, t, spec, take, torch)
+
+
+def _mtp_model(model, t: dict, spec: ModelSpec, take, torch):
+    """transformers' MtpModel on `model` with blk.{n_layers}'s NextN block (every norm zero-centred: -1)."""
+    from transformers.modeling_layers import MtpModel
+
+    if not spec.n_nextn:
+        raise ValueError("the file has no NextN (MTP) layer")
+    i, b = spec.n_layers, f"blk.{spec.n_layers}.nextn."
+    mtp = MtpModel(model, 1).float().eval()
+    state = _layer_state(t, i, spec, "layers.0.mtp_block.")
+    norm = t.get(b + "shared_head_norm.weight", t["output_norm.weight"])
+    state |= {"layers.0.enorm.weight": t[b + "enorm.weight"] - 1.0, "layers.0.hnorm.weight": t[b + "hnorm.weight"] - 1.0,
+              "layers.0.eh_proj.weight": t[b + "eh_proj.weight"], "layers.0.post_norm.weight": norm - 1.0}
+    take(state, mtp, shared=("embed_tokens.", "shared_head."))
+    if b + "embed_tokens.weight" in t:          # the block's own embedding / head, else the main model's (tied)
+        mtp.embed_tokens = torch.nn.Embedding.from_pretrained(torch.from_numpy(t[b + "embed_tokens.weight"]))
+    if b + "shared_head_head.weight" in t:
+        head = torch.nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+        head.weight.data = torch.from_numpy(t[b + "shared_head_head.weight"])
+        mtp.shared_head = head
+    return mtp
