@@ -1,7 +1,8 @@
 """The real `strata-jax serve` on a made qwen3next model (issue 34's server test): streamed chat with reasoning,
 a forced tool call in the family's Hermes format, a second turn that resumes from the first turn's state,
 slot save / erase / restore of a slot's KV and Gated DeltaNet state, and the seed's ladder (1, 2, 4 users,
-3 waves) with no failure and no engine restart. The weights are random: outputs are checked for their
+3 waves) with no failure and no engine restart; and qwen35moe with Qwen3.5's own template: a forced call in its
+Qwen3-Coder XML while the template has opened the reasoning, with the NextN block drafting (--drafter mtp). The weights are random: outputs are checked for their
 plumbing, not their sense. The model is Q8_0 with the default int8 cpu math, as a user runs it."""
 
 from __future__ import annotations
@@ -137,3 +138,42 @@ def test_the_seeds_ladder_without_a_failure_or_a_restart(server, tmp_path):
     report = json.loads(out.read_text())
     assert [lv["level"] for lv in report["levels"]] == [1, 2, 4]
     assert report["requests"] == 3 * (1 + 2 + 4) and report["failed"] == 0 and report["engine_restarts"] == 0
+
+
+@pytest.fixture(scope="module")
+def qwen35(tiny_model, tmp_path_factory):
+    """qwen35moe with its NextN block, Qwen3.5's own template (Qwen3-Coder XML calls), served with MTP drafts."""
+    from strata_jax.testing.templates import QWEN35_TEMPLATE
+
+    made = tiny_model(**{**HYBRID, "arch": "qwen35moe", "nextn": 1})
+    path = rewrite_gguf(made, tmp_path_factory.mktemp("qwen35") / "qwen35moe.gguf",
+                        set_metadata={"tokenizer.chat_template": QWEN35_TEMPLATE})
+    args = [str(path), "--parallel", "2", "--max-context", "2048", "--model-name", "tiny", "--spec", "2",
+            "--drafter", "mtp", "--spec-min-p", "0"]          # (a random block's drafts are never sure)
+    with ServerProcess(args) as srv:
+        srv.wait_up().wait_ready()
+        yield srv
+
+
+def test_qwen35_calls_in_its_xml_format_while_thinking_with_mtp_drafts(qwen35):
+    """A forced call with the reasoning left open by the template (<think>): the call ends the reasoning (as
+    llama.cpp's Qwen3.5 parser ends it at <tool_call>) and comes back as an OpenAI tool call, whole and streamed;
+    the engine drafts with the model's NextN block meanwhile (/metrics' draft counters)."""
+    client = openai.OpenAI(base_url=qwen35.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    kw = {"model": "tiny", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 80,
+          "temperature": 1.0, "parallel_tool_calls": False}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    r = client.chat.completions.create(seed=2, **kw)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert not r.choices[0].message.model_extra.get("reasoning_content")
+    chunks = list(client.chat.completions.create(seed=2, stream=True, **kw))
+    pieces = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert pieces[0].function.name == call.function.name
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+    plain = client.chat.completions.create(model="tiny", messages=HI, max_tokens=24, temperature=0)
+    assert plain.usage.completion_tokens == 24
+    metrics = httpx.get(qwen35.url + "/metrics", timeout=30).text
+    drafted = [line for line in metrics.splitlines() if line.startswith("strata_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) > 0, drafted

@@ -69,6 +69,26 @@ def test_reasoning_streams_as_it_comes():
     assert p.flush() == []
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("Let me look.\n<tool_call>\n<function=f>", ("Let me look.", "<tool_call>\n<function=f>")),
+    ("<tool_call>\n{}", ("", "<tool_call>\n{}")),
+    ("Hm.</think>\n\nSure.<tool_call>x", ("Hm.", "Sure.<tool_call>x")),   # after </think> it is content anyway
+])
+def test_a_call_mark_ends_the_reasoning_and_is_the_answer(text, expected):
+    """With tools (the format's call mark given), a call written inside the reasoning the template opened ends
+    it, as llama.cpp's Qwen3-Coder / Qwen3.5 parser ends it at <tool_call>: whole, and cut at every character."""
+    assert split_reasoning(text, True, call_mark="<tool_call>") == expected
+    for cut in range(len(text) + 1):
+        p = ReasoningParser(True, call_mark="<tool_call>")
+        parts = p.feed(text[:cut]) + p.feed(text[cut:]) + p.flush()
+        got = ("".join(t for k, t in parts if k == REASONING), "".join(t for k, t in parts if k == CONTENT))
+        assert got == expected, cut
+
+
+def test_without_tools_a_call_mark_is_reasoning():
+    assert split_reasoning("Let me look.\n<tool_call>x", True) == ("Let me look.\n<tool_call>x", "")
+
+
 def test_reasoning_off_passes_tags_through():
     p = ReasoningParser(in_reasoning=True, enabled=False)
     assert p.feed("<think>x</think>y") == [(CONTENT, "<think>x</think>y")] and not p.saw_reasoning

@@ -1,5 +1,5 @@
-"""Tool-call formats of the families we serve (issue 16, item 1): Llama 3, Mistral's two, GLM-4.5, beside Hermes
-and generic (serve/tool_formats/).
+"""Tool-call formats of the families we serve (issue 16, item 1): Llama 3, Mistral's two, GLM-4.5, Qwen3.5's
+Qwen3-Coder XML (issue 34), beside Hermes and generic (serve/tool_formats/).
 
 Parsers on literal model texts, fed whole and split at every character boundary (a streamed answer is the
 same calls as a whole one); the forced-call grammars walked at random over a vocabulary where the marks are
@@ -23,6 +23,7 @@ from tool_data import TIME, WEATHER
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.serve.tool_formats import CallStream, detect
 from strata_jax.serve.tools import call_grammar, deltas, parse_calls, special_marks
+from strata_jax.testing.templates import QWEN35_TEMPLATE
 
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -49,6 +50,11 @@ TEXTS = [
               '<arg_key>zone</arg_key>\n<arg_value>-3</arg_value>\n</tool_call>'), None, TWO),
     ("glm45", 'I will check.\n<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>-3</arg_value>\n</tool_call>',
      "I will check.", TWO[1:]),
+    ("qwen3_coder", ('<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n<parameter=unit>\n'
+                    'c\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\n-3\n'
+                    '</parameter>\n</function>\n</tool_call>'), None, TWO),
+    ("qwen3_coder", ('I will check.\n\n<tool_call>\n<function=get_time>\n<parameter=zone>\n-3\n</parameter>\n'
+                    '</function>\n</tool_call>'), "I will check.", TWO[1:]),
     ("generic", f'{{"name": "get_weather", "arguments": {PARIS}}}', None, TWO[:1]),
     ("generic", f'[{{"name": "get_weather", "arguments": {PARIS}}}, {{"name": "get_time", "arguments": {ZONE}}}]',
      None, TWO),
@@ -95,14 +101,15 @@ def test_split_at_every_boundary_the_same_calls(fmt, text, content, calls):
                            "function": {"name": name, "arguments": ""}}
         assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in mine[1:])
         assert "".join(p["function"]["arguments"] for p in mine[1:]) == args
-        if fmt != "glm45":              # GLM's arguments are made a pair at a time: the others as written
+        if fmt not in ("glm45", "qwen3_coder"):     # arguments made a pair at a time there: the others as written
             assert len(mine) > 3
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "mistral_args", "glm45", "generic"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "mistral_args", "glm45", "qwen3_coder", "generic"])
 @pytest.mark.parametrize("text", ["Paris is sunny.", '{"answer": 42}', "<tool_call>\nnot json\n</tool_call> ok",
                                   '{"name": "nope", "arguments": {}}', "[TOOL_CALLS]nope[ARGS]{} ok",
-                                  "<tool_call>nope\n</tool_call>", "[1, 2]", "<|python_tag|>print(1)"])
+                                  "<tool_call>nope\n</tool_call>", "[1, 2]", "<|python_tag|>print(1)",
+                                  "<tool_call>\n<function=nope>\n</function>\n</tool_call>"])
 def test_text_that_is_no_call_is_content(fmt, text):
     content, calls = parse_calls(text, fmt, TOOLS)
     assert (content, calls) == (text, [])
@@ -122,6 +129,7 @@ def test_a_call_cut_short_is_no_call_whole_and_a_started_one_streamed():
     ("llama3", "{{- '<|start_header_id|>ipython<|end_header_id|>' }}"), ("mistral", "[TOOL_CALLS]["),
     ("mistral_args", "[TOOL_CALLS]{{ name }}[ARGS]"), ("glm45", "<tool_call>{{ n }}<arg_key>"),
     ("hermes", "<tool_call>\n{{ c | tojson }}"), ("hermes", "anything else"),
+    ("qwen3_coder", "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + args_name }}"),
 ])
 def test_formats_are_told_by_the_template_marks(fmt, source):
     assert detect(source) == fmt
@@ -433,6 +441,7 @@ FAMILIES = {
     "mistral_args": (MISTRAL_SMALL_32, ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[INST]", "[/INST]"]),
     "glm45": (GLM45, ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
                       "<|user|>", "<|assistant|>", "<|observation|>"]),
+    "qwen3_coder": (QWEN35_TEMPLATE, ["<tool_call>", "</tool_call>"]),     # (<think> is in the vocabulary)
     "generic": (None, []),          # the made model's own ChatML, which knows no tools
 }
 
@@ -458,7 +467,7 @@ def family_tokenizer(family: str):
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "mistral_args", "glm45", "generic"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "mistral_args", "glm45", "qwen3_coder", "generic"])
 def test_forced_grammars_walked_at_random_give_valid_calls(fmt, parallel):
     """Random tokens among those each grammar allows: every walk that ends is calls that validate, written
     with the marks' special tokens; parallel false: one call."""

@@ -26,6 +26,7 @@ from .prompt_size import refuse_if_too_long
 from .reasoning import CONTENT, REASONING, ReasoningParser
 from .supervisor import Supervisor
 from .tickets import Prepared, Ticket
+from .tool_formats import call_mark
 from .tools import HeldCalls, finish_reason, parse_calls
 
 log = logging.getLogger("strata_jax.serve")
@@ -183,7 +184,9 @@ class _Run:
         self.choices = Choices(sup, job.id, job.n, prepared, ticket.params, ticket.deadline, ticket,
                                lambda t: self.outcomes.append(Outcome(job, prepared, t, on_done)))
         chat = job.kind == "chat"
-        self.parsers = [ReasoningParser(prepared.think, enabled=job.reasoning and chat) for _ in range(job.n)]
+        mark = call_mark(prepared.tool_format) if job.tools and prepared.tool_format else None
+        self.parsers = [ReasoningParser(prepared.think, enabled=job.reasoning and chat, call_mark=mark)
+                        for _ in range(job.n)]
         wanted = job.params.get("logprobs") is not None
         self.logprobs = [LogprobsOf(chat, wanted, len(job.echo)) for _ in range(job.n)]
         self.held = [HeldCalls(job.tools, prepared.tool_format, job.parallel_tool_calls) for _ in range(job.n)]

@@ -6,6 +6,9 @@ what it has that could still become a tag, and emits the rest. Rules (as llama.c
 - output starts inside the reasoning when the chat template opened it (the generation prompt ends with
   `<think>`, as Qwen3's and DeepSeek-R1's do); else a `<think>` before any answer text opens it;
 - `</think>` closes it; a `<think>` later in the answer is just text;
+- with tools, the format's call mark (`<tool_call>`) closes it too, and is the answer's first text (as
+  llama.cpp's thinking end tags for Qwen3-Coder / Qwen3.5: a call is never reasoning, so a call forced while the
+  template has opened the reasoning is a call);
 - whitespace at the start of each part and at the end of the reasoning is dropped (`<think>\\n...\\n</think>\\n\\n`).
 
     p = ReasoningParser(in_reasoning=True)
@@ -20,8 +23,9 @@ REASONING, CONTENT = "reasoning", "content"
 
 class ReasoningParser:
     def __init__(self, in_reasoning: bool = False, enabled: bool = True, open_tag: str = "<think>",
-                 close_tag: str = "</think>"):
+                 close_tag: str = "</think>", call_mark: str | None = None):
         self.enabled = enabled
+        self.call_mark = call_mark
         self.in_reasoning = enabled and in_reasoning
         self.saw_reasoning = self.in_reasoning
         self.open_tag, self.close_tag = open_tag, close_tag
@@ -61,12 +65,17 @@ class ReasoningParser:
                 return ""
             self._strip = False
         end = buf.find(self.close_tag)
+        call = buf.find(self.call_mark) if self.call_mark else -1
+        if call >= 0 and (end < 0 or call < end):        # a call: the reasoning ends, the mark is the answer's
+            _emit(out, REASONING, buf[:call].rstrip())
+            self.in_reasoning = False
+            return buf[call:]
         if end >= 0:
             _emit(out, REASONING, buf[:end].rstrip())
             self.in_reasoning, self._strip = False, True
             return buf[end + len(self.close_tag):]
-        # hold a possible start of the close tag, and trailing space (it goes if the tag follows)
-        keep = _partial_suffix(buf, self.close_tag)
+        # hold a possible start of the close tag (or call mark), and trailing space (it goes if the tag follows)
+        keep = max(_partial_suffix(buf, self.close_tag), _partial_suffix(buf, self.call_mark or ""))
         body = buf[:len(buf) - keep]
         stripped = body.rstrip()
         _emit(out, REASONING, stripped)
@@ -106,9 +115,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_reasoning(text: str, in_reasoning: bool = False, enabled: bool = True) -> tuple[str | None, str]:
+def split_reasoning(text: str, in_reasoning: bool = False, enabled: bool = True,
+                    call_mark: str | None = None) -> tuple[str | None, str]:
     """Whole text -> (reasoning or None, content): what the streamed pieces add up to."""
-    p = ReasoningParser(in_reasoning, enabled)
+    p = ReasoningParser(in_reasoning, enabled, call_mark=call_mark)
     parts = p.feed(text) + p.flush()
     reasoning = "".join(t for k, t in parts if k == REASONING)
     content = "".join(t for k, t in parts if k == CONTENT)

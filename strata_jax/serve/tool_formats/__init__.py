@@ -8,6 +8,7 @@ forces a call in it, and the parser that turns the model's text into calls as it
 | "mistral"      | `[TOOL_CALLS][{"name": "f", "arguments": {...}, "id": "a1b2c3d4e"}, ...]` (Nemo)  | `[TOOL_CALLS]` |
 | "mistral_args" | `[TOOL_CALLS]f[ARGS]{...}`, once a call (Mistral Small 3.2, Devstral, Magistral) | `[ARGS]`       |
 | "glm45"        | `<tool_call>f\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>`  | `<arg_key>`    |
+| "qwen3_coder"  | `<tool_call>\\n<function=f>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>` | `<function=`, `<parameter=` (Qwen3.5, Qwen3-Coder) |
 | "generic"      | `{"name": "f", "arguments": {...}}` or an array of them: the whole answer       | (no tools)     |
 
 (llama.cpp's common/chat.cpp tells them apart by the same marks; vLLM has a parser for each.) A mark that is
@@ -30,9 +31,14 @@ from .marks import (
     ARG_VALUE_END,
     ARGS,
     FORMATS,
+    FUNCTION,
+    FUNCTION_END,
     HERMES_CLOSE,
     HERMES_OPEN,
+    PARAMETER,
+    PARAMETER_END,
     TOOL_CALLS,
+    call_mark,
     detect,
     mistral_id,
 )
@@ -45,11 +51,16 @@ __all__ = [
     "ARG_VALUE",
     "ARG_VALUE_END",
     "FORMATS",
+    "FUNCTION",
+    "FUNCTION_END",
     "HERMES_CLOSE",
     "HERMES_OPEN",
+    "PARAMETER",
+    "PARAMETER_END",
     "TOOL_CALLS",
     "CallStream",
     "call_grammar",
+    "call_mark",
     "detect",
     "mistral_id",
 ]

@@ -12,12 +12,18 @@ from .marks import (
     ARG_VALUE,
     ARG_VALUE_END,
     ARGS,
+    FUNCTION,
+    FUNCTION_END,
     HERMES_CLOSE,
     HERMES_OPEN,
+    PARAMETER,
+    PARAMETER_END,
     TOOL_CALLS,
     is_string,
     parameters,
 )
+
+NL = "\n"
 
 
 def call_grammar(fmt: str, fns: list[dict], parallel: bool, specials: dict[str, int]) -> list[str]:
@@ -35,6 +41,11 @@ def call_grammar(fmt: str, fns: list[dict], parallel: bool, specials: dict[str, 
         calls = " | ".join(f"call{i}" for i in range(len(fns)))
         think = f'({lit("<think>")} {lit("</think>")} "\\n"?)?'   # GLM opens its answer with <think></think>
         start = f'start: {think} call ("\\n" call)*' if parallel else f"start: {think} call"
+        return ["lark", "\n".join([start, f"call: {calls}", *rules]) + "\n", "tools"]
+    if fmt == "qwen3_coder":
+        rules = [_xml_call(i, f, lit) for i, f in enumerate(fns)]
+        calls = " | ".join(f"call{i}" for i in range(len(fns)))
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return ["lark", "\n".join([start, f"call: {calls}", *rules]) + "\n", "tools"]
     if fmt == "mistral_args":
         rules = [f"call{i}: {lit(TOOL_CALLS)} {json.dumps(f['name'])} {lit(ARGS)} %json "
@@ -83,6 +94,24 @@ def _glm_call(i: int, fn: dict, lit) -> str:
         pairs.append(f"({pair})" if key in required else f"({pair})?")
     body = " ".join(pairs) or '""'
     return f"call{i}: {lit(HERMES_OPEN)} {json.dumps(fn['name'])} \"\\n\" {body} {lit(HERMES_CLOSE)}"
+
+
+def _xml_call(i: int, fn: dict, lit) -> str:
+    """Qwen3-Coder's call to fn (Qwen3.5's template's layout): one <parameter=k> a property, in the schema's order
+    (the optional ones may be left out); a string value is its raw text (no <), any other a JSON value."""
+    def text(t: str) -> str:
+        return json.dumps(t, ensure_ascii=False)
+
+    params = parameters(fn)
+    required = set(params.get("required") or ())
+    pairs = []
+    for key, prop in (params.get("properties") or {}).items():
+        value = _glm_string(prop) if is_string(prop) else f"%json {json.dumps(_layout(prop))}"
+        pair = f"{text(PARAMETER + key + '>' + NL)} {value} {text(NL + PARAMETER_END + NL)}"
+        pairs.append(f"({pair})" if key in required else f"({pair})?")
+    body = " ".join(pairs) or '""'
+    head, tail = text(NL + FUNCTION + fn["name"] + ">" + NL), text(FUNCTION_END + NL)
+    return f"call{i}: {lit(HERMES_OPEN)} {head} {body} {tail} {lit(HERMES_CLOSE)}"
 
 
 def _glm_string(prop: dict) -> str:

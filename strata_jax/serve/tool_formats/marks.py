@@ -8,17 +8,20 @@ import string
 import uuid
 from typing import Any
 
-FORMATS = ("hermes", "llama3", "mistral", "mistral_args", "glm45", "generic")
+FORMATS = ("hermes", "llama3", "mistral", "mistral_args", "glm45", "qwen3_coder", "generic")
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END = "<function=", "</function>", "<parameter=", "</parameter>"
 
 
 def detect(template: str | None) -> str:
     """The format of a template that renders the tools, told by the marks in its source (llama.cpp's way);
     "hermes" when it has none of them."""
     t = template or ""
+    if HERMES_OPEN in t and FUNCTION in t and PARAMETER in t:      # before hermes: the same <tool_call> mark
+        return "qwen3_coder"
     if ARG_KEY in t:
         return "glm45"
     if TOOL_CALLS in t:
@@ -26,6 +29,13 @@ def detect(template: str | None) -> str:
     if "ipython" in t or PYTHON_TAG in t:
         return "llama3"
     return "hermes"
+
+
+def call_mark(fmt: str) -> str | None:
+    """The text that opens a call in `fmt` where one may follow other text (None: a call is the whole answer)."""
+    if fmt in ("llama3", "generic"):
+        return None
+    return TOOL_CALLS if fmt.startswith("mistral") else HERMES_OPEN
 
 
 def call_id(fmt: str) -> str:

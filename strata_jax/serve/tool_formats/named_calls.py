@@ -1,4 +1,5 @@
-"""CallStream's states for calls whose name is written before their arguments: mistral_args and glm45."""
+"""CallStream's states for calls whose name is written before their arguments: mistral_args and glm45 (and the
+key/value pairs that glm45 and qwen3_coder (xml_calls.py) write their arguments as)."""
 
 from __future__ import annotations
 
@@ -98,17 +99,15 @@ class NamedCalls:
             return self._fail()
         self.i += j
         self._begin(name)
-        self._glm_n = 0
+        self._n_pairs = 0
         self.state = "glm_args"
         return True
 
     def _glm_args(self, final: bool) -> bool:
         rest = self.rest.lstrip()
-        call = self.calls[-1]
         if rest.startswith(HERMES_CLOSE):
-            self._args("}" if self._glm_n else "{}")
             self.i = len(self.buf) - len(rest) + len(HERMES_CLOSE)
-            self._complete()
+            self._pairs_end()
             self.state = "content" if self.parallel else "ignore"
             return True
         if rest.startswith(ARG_KEY):
@@ -117,22 +116,30 @@ class NamedCalls:
                 m = re.match(re.escape(ARG_KEY) + r"(.*?)" + re.escape(ARG_KEY_END) + r"\s*" + re.escape(ARG_VALUE)
                              + r"(.*)", rest[:end], re.DOTALL)
                 if m is None:
-                    return self._glm_broken()
-                key, raw = m.group(1).strip(), m.group(2)
-                prop = (parameters(self.fns[call["name"]]).get("properties") or {}).get(key)
-                value = raw if is_string(prop) else _json_or_text(raw)
-                self._args(("{" if not self._glm_n else ", ") + json.dumps(key, **_SEP) + ": "
-                           + json.dumps(value, **_SEP))
-                self._glm_n += 1
+                    return self._pairs_broken()
+                self._pair(m.group(1).strip(), m.group(2))
                 self.i = len(self.buf) - len(rest) + end + len(ARG_VALUE_END)
                 return True
         elif rest and not (ARG_KEY.startswith(rest) or HERMES_CLOSE.startswith(rest)):
-            return self._glm_broken()
+            return self._pairs_broken()
         return self._stop() if final else False
 
-    def _glm_broken(self) -> bool:
-        self._args("}" if self._glm_n else "{}")
-        self._complete(broken=True)
+    # -- arguments as key/value pairs (glm45, qwen3_coder)
+
+    def _pair(self, key: str, raw: str) -> None:
+        """One argument, its key and its raw text: a string property's value is the text, any other's is JSON
+        (the text itself where it is not JSON); sent as the next piece of the arguments' JSON object."""
+        prop = (parameters(self.fns[self.calls[-1]["name"]]).get("properties") or {}).get(key)
+        value = raw if is_string(prop) else _json_or_text(raw)
+        self._args(("{" if not self._n_pairs else ", ") + json.dumps(key, **_SEP) + ": " + json.dumps(value, **_SEP))
+        self._n_pairs += 1
+
+    def _pairs_end(self, broken: bool = False) -> None:
+        self._args("}" if self._n_pairs else "{}")
+        self._complete(broken)
+
+    def _pairs_broken(self) -> bool:
+        self._pairs_end(broken=True)
         self.state = "content"
         return True
 

@@ -8,16 +8,17 @@ from .json_calls import JsonCalls
 from .json_scan import JsonScan
 from .marks import HERMES_OPEN, PYTHON_TAG, TOOL_CALLS, call_id, mistral_id
 from .named_calls import NamedCalls
+from .xml_calls import XmlCalls
 
 
-class CallStream(JsonCalls, NamedCalls):
+class CallStream(JsonCalls, NamedCalls, XmlCalls):
     """One answer's content -> events, as it arrives: ("content", text), ("call", index, id, name),
     ("args", index, json_text). `feed` what came, `end` at the end of the answer; `calls` holds each call
     started so far as {"id", "name", "arguments", "complete"}. Text that may still turn out to be a call is
     held back; a call to no tool of the request, or one that is not a call after all, is content.
 
     The reading is a state machine: state S is the method `_S` (False: wait for more text), those that read
-    one family's calls in JsonCalls (json_calls.py) and NamedCalls (named_calls.py)."""
+    one family's calls in JsonCalls (json_calls.py), NamedCalls (named_calls.py) and XmlCalls (xml_calls.py)."""
 
     def __init__(self, fmt: str, tools: list[dict], parallel: bool = True):
         self.fmt, self.parallel = fmt, parallel
@@ -31,7 +32,7 @@ class CallStream(JsonCalls, NamedCalls):
         self._array = False                 # reading a JSON array of calls (mistral, generic)
         self._out: list[tuple] = []
         self._content_seen, self._ws = False, ""
-        self._pending_name, self._glm_n = "", 0
+        self._pending_name, self._n_pairs = "", 0
 
     # -- feeding
 
@@ -64,8 +65,8 @@ class CallStream(JsonCalls, NamedCalls):
             return False
         self._say(rest[:at])
         self.seg, self.i = self.i + at, self.i + at + len(mark)
-        self.state = {"mistral": "mistral_open", "mistral_args": "mistral_name", "glm45": "glm_name"}.get(
-            self.fmt, "hermes_body")
+        self.state = {"mistral": "mistral_open", "mistral_args": "mistral_name", "glm45": "glm_name",
+                      "qwen3_coder": "xml_function"}.get(self.fmt, "hermes_body")
         return True
 
     def _text(self, final: bool) -> bool:
