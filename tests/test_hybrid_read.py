@@ -128,3 +128,53 @@ def test_a_nextn_block_is_read_as_gated_attention_after_the_main_layers(tiny_mod
     assert spec.kind(3) == "attention" and spec.kv_layer(3) == 0 and spec.n_kv_layers == 1
     assert spec.tensor_shapes()["blk.3.attn_q.weight"] == ((2 * 4 * 16, 64), True)
     assert "blk.3.nextn.eh_proj.weight" in spec.tensor_shapes()
+
+
+def _legacy_ssm_in(path, dst):
+    """The file as converted before llama.cpp split the DeltaNet input projection: attn_qkv and attn_gate fused
+    into one ssm_in in transformers' in_proj_qkvz order (per k-head group: q, k, v x r, z x r)."""
+    import numpy as np
+
+    model = GGUFModel.open(path)
+    d = model.spec.deltanet
+    r, dk, nk = d.v_heads // d.k_heads, d.head_dim, d.k_heads * d.head_dim
+    add, drop = {}, []
+    for i in model.spec.deltanet_layers:
+        b = f"blk.{i}."
+        qkv, z = (model.tensors[b + n].dequantize() for n in ("attn_qkv.weight", "attn_gate.weight"))
+        q, k, v = qkv[:nk], qkv[nk:2 * nk], qkv[2 * nk:]
+        add[b + "ssm_in.weight"] = np.concatenate([np.concatenate([
+            q[g * dk:(g + 1) * dk], k[g * dk:(g + 1) * dk], v[g * r * dk:(g + 1) * r * dk], z[g * r * dk:(g + 1) * r * dk]])
+            for g in range(d.k_heads)])
+        drop += [b + "attn_qkv.weight", b + "attn_gate.weight"]
+    return rewrite_gguf(path, dst, drop_tensors=drop, add_tensors=add)
+
+
+def test_a_legacy_ssm_in_file_is_read_as_todays_layout(tiny_model, tmp_path):
+    """A qwen3next file with the legacy fused ssm_in (gguf/legacy.py): read as attn_qkv and attn_gate equal to
+    the split file's, bit for bit; llama.cpp (its legacy path) and our engine give the same logits on it."""
+    import importlib.util
+
+    import numpy as np
+
+    from strata_jax import Engine, EngineConfig
+
+    path = tiny_model(arch="qwen3next", quant="F32", **HYBRID)
+    legacy = _legacy_ssm_in(path, tmp_path / "legacy.gguf")
+    old, new = GGUFModel.open(legacy), GGUFModel.open(path)
+    from gguf import GGUFReader
+
+    assert "blk.0.ssm_in.weight" in {t.name for t in GGUFReader(legacy).tensors}          # the file is legacy
+    assert "blk.0.ssm_in.weight" not in old.tensors and "blk.0.attn_qkv.weight" in old.tensors
+    for i in new.spec.deltanet_layers:
+        for name in (f"blk.{i}.attn_qkv.weight", f"blk.{i}.attn_gate.weight"):
+            assert np.array_equal(old.tensors[name].dequantize(), new.tensors[name].dequantize()), name
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
+    from test_llamacpp import llamacpp_logits
+
+    ids = [int(t) for t in np.random.default_rng(4).integers(3, 500, 24)]
+    ref = llamacpp_logits(legacy, ids)
+    with Engine.from_gguf(legacy, EngineConfig(max_context=64, weights="dequantized", warmup=False)) as eng:
+        ours = eng.logits(ids)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4 * np.abs(ref).max())

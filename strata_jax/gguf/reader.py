@@ -36,6 +36,7 @@ from .errors import (
     UnsupportedTensorTypeError,
 )
 from .header import Header, RawTensor, ValueType, parse_header
+from .legacy import split_ssm_in
 from .spec import ModelSpec
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -111,7 +112,8 @@ class GGUFModel:
                         "" if other == h.path else f" (it is also in {other.name})"),
                         "The file is corrupt, or the parts come from different models: fetch it again")
                 tensors[t.name] = t
-        model = cls(tuple(paths), metadata, types, tensors)
+        model = cls(tuple(paths), metadata, types, split_ssm_in(metadata, tensors))
+        tensors = model.tensors
         if strict:
             if not tensors:
                 raise MissingTensorError(paths[0], "the file holds no tensors (a vocabulary-only GGUF?)",

@@ -20,10 +20,12 @@ from strata_jax.gguf import GGUFModel
 def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str, Any] | None = None,
                  drop_metadata: Iterable[str] = (), drop_tensors: Iterable[str] = (),
                  tensor_shapes: Mapping[str, tuple[int, ...]] | None = None,
-                 tensor_values: Mapping[str, np.ndarray] | None = None) -> Path:
+                 tensor_values: Mapping[str, np.ndarray] | None = None,
+                 add_tensors: Mapping[str, np.ndarray] | None = None) -> Path:
     """Write `src` (one file, any types) to `dst` with metadata keys set or dropped, tensors dropped,
     tensors' declared shapes changed (numpy order; their bytes stay as they were), or F32 tensors' values
-    replaced (tensor_values: name -> float32 array of the tensor's shape). A new key's type is
+    replaced (tensor_values: name -> float32 array of the tensor's shape), or new F32 tensors added after the
+    others (add_tensors: name -> float32 array). A new key's type is
     inferred (str, bool, int as UINT32, float as FLOAT32, a non-empty list as an array of its first
     item's type); an existing key keeps its type."""
     model = GGUFModel.open(src, strict=False)
@@ -50,6 +52,8 @@ def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str,
             shape = shapes.get(name, t.shape)  # the writer takes uint8 data's shape in bytes
             byte_shape = (*shape[:-1], shape[-1] // block_size(t.qtype) * type_size(t.qtype))
             writer.add_tensor(name, np.ascontiguousarray(t.data), raw_shape=byte_shape, raw_dtype=t.qtype)
+    for name, value in (add_tensors or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(value, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
