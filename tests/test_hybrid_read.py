@@ -178,3 +178,46 @@ def test_a_legacy_ssm_in_file_is_read_as_todays_layout(tiny_model, tmp_path):
     with Engine.from_gguf(legacy, EngineConfig(max_context=64, weights="dequantized", warmup=False)) as eng:
         ours = eng.logits(ids)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
+def test_fused_gate_up_experts_are_read_as_two_views_and_run_on_the_tiers(tiny_model, tmp_path):
+    """A file written with convert_hf_to_gguf.py --fuse-gate-up-exps (ffn_gate_up_exps [E, 2f, h], gate first):
+    read as ffn_gate_exps and ffn_up_exps views of the mapped file (gguf/legacy.py), equal to the split file's;
+    the engine gives the split file's logits bit for bit, all experts on the device and on the tiers
+    (--expert-cache 2 of 8: experts read from the fused tensor by the host tier), and llama.cpp's on it."""
+    import importlib.util
+
+    import numpy as np
+
+    from strata_jax import Engine, EngineConfig
+
+    path = tiny_model(arch="qwen35moe", quant="F32", **HYBRID)
+    split = GGUFModel.open(path)
+    add, drop = {}, []
+    for i in range(split.spec.n_layers):
+        gate, up = (split.tensors[f"blk.{i}.ffn_{n}_exps.weight"].dequantize() for n in ("gate", "up"))
+        add[f"blk.{i}.ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+        drop += [f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_up_exps.weight"]
+    fused_path = rewrite_gguf(path, tmp_path / "fused.gguf", drop_tensors=drop, add_tensors=add)
+    fused = GGUFModel.open(fused_path)
+    assert "blk.0.ffn_gate_up_exps.weight" not in fused.tensors
+    for i in range(split.spec.n_layers):
+        for n in ("gate", "up"):
+            t = fused.tensors[f"blk.{i}.ffn_{n}_exps.weight"]
+            assert t.data.base is not None and not t.data.flags.c_contiguous           # a view, not a copy
+            assert np.array_equal(t.dequantize(), split.tensors[t.name].dequantize()), t.name
+    ids = [int(t) for t in np.random.default_rng(6).integers(3, 500, 24)]
+
+    def logits(p, **kw):
+        with Engine.from_gguf(p, EngineConfig(max_context=64, warmup=False, prefill=16, **kw)) as eng:
+            return eng.logits(ids)
+
+    want = logits(path)
+    np.testing.assert_array_equal(logits(fused_path), want)
+    np.testing.assert_array_equal(logits(fused_path, expert_cache=2), want)
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
+    from test_llamacpp import llamacpp_logits
+
+    ref = llamacpp_logits(fused_path, ids)
+    np.testing.assert_allclose(want, ref, rtol=0, atol=1e-4 * np.abs(ref).max())

@@ -1,4 +1,10 @@
-"""Older layouts of a family's tensors, read as today's.
+"""Other layouts of a family's tensors, read as the one the engine knows.
+
+Any MoE file converted with `convert_hf_to_gguf.py --fuse-gate-up-exps` holds each layer's expert gate and up
+projections as one `blk.N.ffn_gate_up_exps.weight` [experts, 2 x ffn, hidden], gate rows first (llama.cpp's
+build_moe_ffn splits its product the same way). `split_gate_up_exps` makes ffn_gate_exps and ffn_up_exps of it
+as views of the same mapped file (no copy): each expert's half is whole rows, contiguous in the file, so the
+expert tiers read an expert's gate or up blocks from it as from a split file.
 
 qwen3next files converted before llama.cpp split the Gated DeltaNet input projection keep it as one
 `blk.N.ssm_in.weight` [qkvz, hidden] in transformers' `in_proj_qkvz` order: per k-head group g the rows
@@ -17,6 +23,30 @@ import numpy as np
 
 if TYPE_CHECKING:                     # reader.py calls this module
     from .reader import TensorInfo
+
+
+def read_as_today(metadata: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """`tensors` with every layout this module knows turned into the engine's (the same dict if none applies)."""
+    return split_gate_up_exps(split_ssm_in(metadata, tensors))
+
+
+def split_gate_up_exps(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """Each fused ffn_gate_up_exps [E, 2f, h] as ffn_gate_exps and ffn_up_exps [E, f, h] views (gate first)."""
+    fused = [n for n, t in tensors.items() if n.endswith(".ffn_gate_up_exps.weight") and len(t.shape) == 3
+             and t.shape[1] % 2 == 0]
+    if not fused:
+        return tensors
+    out = dict(tensors)
+    for name in fused:
+        t, b = tensors[name], name[:-len("ffn_gate_up_exps.weight")]
+        if b + "ffn_gate_exps.weight" in tensors or b + "ffn_up_exps.weight" in tensors:
+            continue
+        f = t.shape[1] // 2
+        del out[name]
+        for part, rows in (("ffn_gate_exps.weight", slice(0, f)), ("ffn_up_exps.weight", slice(f, 2 * f))):
+            data = t.data[:, rows]
+            out[b + part] = replace(t, name=b + part, shape=(t.shape[0], f, t.shape[2]), n_bytes=data.nbytes, data=data)
+    return out
 
 
 def split_ssm_in(metadata: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:

@@ -36,7 +36,7 @@ from .errors import (
     UnsupportedTensorTypeError,
 )
 from .header import Header, RawTensor, ValueType, parse_header
-from .legacy import split_ssm_in
+from .legacy import read_as_today
 from .spec import ModelSpec
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -112,7 +112,7 @@ class GGUFModel:
                         "" if other == h.path else f" (it is also in {other.name})"),
                         "The file is corrupt, or the parts come from different models: fetch it again")
                 tensors[t.name] = t
-        model = cls(tuple(paths), metadata, types, split_ssm_in(metadata, tensors))
+        model = cls(tuple(paths), metadata, types, read_as_today(metadata, tensors))
         tensors = model.tensors
         if strict:
             if not tensors:
