@@ -11,6 +11,7 @@ chunk boundary could go wrong (llama.cpp's and transformers' own pitfalls: famil
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,22 @@ def test_blocks_on_the_cpu_kernels_match_transformers(hybrid, arch):
     int8 = _ours(path, ids, weights="auto", math="int8")
     assert np.abs(int8 - exact).max() > 0
     assert mean_kl(ref, int8) <= INT8_KL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_pallas_kernels_match_transformers(hybrid, arch):
+    """The GPU code path (the Pallas kernels over Q8_0 blocks; the DeltaNet math is plain jnp, for any backend):
+    run by Pallas' interpreter on a CPU; with a GPU and STRATA_TEST_BACKEND=pallas (scripts/device_check.sh),
+    by Triton on the GPU (float32 products there may run in TF32: 3e-3 of the largest logit)."""
+    on_gpu = os.environ.get("STRATA_TEST_BACKEND", "").strip() == "pallas" and jax.default_backend() == "gpu"
+    path, model = hybrid(arch, "Q8_0")
+    ids = _ids(40, seed=1)
+    ref = _hf(model, ids)
+    cfg = EngineConfig(max_context=64, weights="blocks", warmup=False, prefill=32,
+                       backend="pallas" if on_gpu else "interpret")
+    with Engine.from_gguf(path, cfg) as eng:
+        ours = eng.logits(ids)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=(3e-3 if on_gpu else TOL) * np.abs(ref).max())
 
 
 def test_the_output_gate_matters(hybrid):
