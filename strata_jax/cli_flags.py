@@ -13,13 +13,13 @@ from .config import ConfigError, EngineConfig
 
 @dataclass(frozen=True)
 class Flag:
-    values: str            # what the flag takes, as the README's table shows it ("auto|N"; "" for a switch)
-    help: str              # its meaning: --help and the README's table
+    values: str            # what the flag takes, as docs/FLAGS.md's table shows it ("auto|N"; "" for a switch)
+    help: str              # its meaning: --help and docs/FLAGS.md's table
     default: str = ""      # the default as shown, where the field's own would mislead ("" : the field's)
 
 
-# One entry an EngineConfig field: the CLI's flags (add_engine_flags) and README's engine-flag table
-# (flag_table; tests/test_layers.py checks the README holds it) are made from these and the fields' defaults.
+# One entry an EngineConfig field: the CLI's flags (add_engine_flags) and docs/FLAGS.md's engine-flag table
+# (flag_table; tests/test_layers.py checks docs/FLAGS.md holds it) are made from these and the fields' defaults.
 FLAGS = {
     "parallel": Flag("N", "slots: conversations decoded together"),
     "max_context": Flag("N", "tokens a slot holds (prompt + answer)"),
@@ -127,7 +127,7 @@ FLAGS = {
                         "coordinator; process 0 also listens on PORT + 1 for its followers); every process gets the "
                         "same one"),
     "num_processes": Flag("N", "processes (hosts) the model's experts are split over, every device of each in one "
-                          "mesh; process 0 serves HTTP, the others follow it (README, Several hosts)"),
+                          "mesh; process 0 serves HTTP, the others follow it (docs/DISTRIBUTED.md)"),
     "process_id": Flag("I", "this process's number, 0 to N - 1; the others are started with the same model and "
                        "flags"),
     "group_key_file": Flag("FILE", "the key every process of a group proves before it may join (its first line, "
@@ -182,7 +182,7 @@ def _shown(name: str, default: Any) -> str:
 
 
 def flag_table() -> str:
-    """README's table of engine flags, made from FLAGS and EngineConfig's defaults."""
+    """docs/FLAGS.md's table of engine flags, made from FLAGS and EngineConfig's defaults."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for f in fields(EngineConfig):
         flag, default = FLAGS[f.name], _default(f)
@@ -193,5 +193,5 @@ def flag_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":          # python -m strata_jax.cli_flags > the table README.md holds
+if __name__ == "__main__":          # python -m strata_jax.cli_flags > the table docs/FLAGS.md holds
     print(flag_table(), end="")

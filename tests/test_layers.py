@@ -147,13 +147,13 @@ def test_engine_config_defaults_are_the_same_in_every_shell():
     assert bad.returncode != 0 and "STRATA_BATCH_GRAPHS='many' is not a whole number" in bad.stderr
 
 
-def test_readme_holds_the_engine_flag_table_made_from_the_fields():
+def test_flags_md_holds_the_engine_flag_table_made_from_the_fields():
     from dataclasses import fields
 
     from strata_jax.cli_flags import FLAGS, flag_table
     from strata_jax.config import EngineConfig
 
     assert set(FLAGS) == {f.name for f in fields(EngineConfig)}, "one FLAGS entry an EngineConfig field"
-    readme = (ROOT / "README.md").read_text()
-    held = readme.split("(tests/test_layers.py checks) -->\n", 1)[1].split("<!-- /engine flags -->", 1)[0]
-    assert held == flag_table(), "README's engine flags are stale: python -m strata_jax.cli_flags makes them"
+    doc = (ROOT / "docs" / "FLAGS.md").read_text()
+    held = doc.split("(tests/test_layers.py checks) -->\n", 1)[1].split("<!-- /engine flags -->", 1)[0]
+    assert held == flag_table(), "docs/FLAGS.md's engine flags are stale: python -m strata_jax.cli_flags makes them"

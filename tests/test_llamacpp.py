@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 if importlib.util.find_spec("llama_cpp") is None:
-    pytest.skip("llama-cpp-python is not installed (README, Tests: how to build it)", allow_module_level=True)
+    pytest.skip("llama-cpp-python is not installed (docs/TESTING.md: how it is built)", allow_module_level=True)
 
 from gguf import GGMLQuantizationType, GGUFWriter
 

@@ -1,4 +1,4 @@
-"""Fault injection for tests (STRATA_FAULT; test-only, documented in README.md, Limits and safety).
+"""Fault injection for tests (STRATA_FAULT; test-only, documented in docs/LIMITS.md).
 
     STRATA_FAULT="build_oom:3"      the 3rd program build raises RESOURCE_EXHAUSTED
     STRATA_FAULT="build_oom:3+"     every build from the 3rd on raises it

@@ -55,7 +55,7 @@ def host_device(want: str, device_name: str, engine_device, able_local: bool, ke
     if not kernels:
         if want == "on":
             raise ConfigError("host_experts = on: computing experts on the host needs the C++ CPU kernels, which "
-                              "are not built here (see README, CPU kernels)")
+                              "are not built here (see docs/FLAGS.md, The CPU kernels)")
         return None, None
     cpus = jax.devices("cpu")
     if device_name == "auto":

@@ -15,7 +15,7 @@ with an error event, waits (1, 2, 4 ... up to 30 s when it keeps stopping), star
 (STRATA_ENGINE_GENERATION=1, 2, ...), and dispatches the waiting requests to it. Requests that arrive
 meanwhile wait for it, each until its deadline; no wait here is unbounded.
 
-Bounds (README, "Limits and safety"):
+Bounds (docs/LIMITS.md):
 - the watchdog: the engine sends a heartbeat every second saying how long ago its loop last moved (a
   program build counts as moving). While requests are in the engine, an engine that is silent (stopped,
   SIGSTOP) or whose loop has not moved for `stall_s` (--engine-stall-s) is killed: the stall goes in the
