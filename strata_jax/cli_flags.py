@@ -44,8 +44,9 @@ FLAGS = {
     "expert_policy": Flag("freq|lru", "device expert cache eviction: freq (frequency-aware LRU) or lru"),
     "expert_prefetch": Flag("", "copy the experts the next layer will likely need into the device cache ahead of it"),
     "host_experts": Flag("auto|on|off", "a layer whose routed experts miss the device arena computes them where they "
-                         "live, from the host tier's GGUF blocks with the CPU expert kernel, instead of copying them "
-                         "in (misses still fill free arena slots). On a CPU device the blocks are the device's own "
+                         "live, from the host tier with the CPU expert kernel (packed like the weights when every "
+                         "expert is in host RAM, else the file's GGUF blocks), instead of copying them "
+                         "in (misses still fill free arena slots). On a CPU device the host tier is the device's own "
                          "memory: every miss is computed in place, inside the window's one program. Beside a GPU the "
                          "layer's normed input and router ids go to the host CPU, which computes only the missed "
                          "experts' rows; the GPU computes the held ones and adds the host's rows in. auto chooses per "

@@ -143,6 +143,26 @@ def test_host_experts_on_where_they_cannot_run_is_a_clear_error(reference):
         Engine.from_gguf(path, EngineConfig(**dict(BASE, host_experts="on", weights="dequantized"), expert_cache=3))
 
 
+def test_host_experts_are_packed_unless_a_ram_budget_keeps_them_in_the_file(reference):
+    """Every expert in host RAM (no --resident-budget-gib) and packed weights (the int8 default): the host tier's
+    experts, which the one-program window reads a layer's misses from, are packed (cpu/packed.h), so a miss is
+    read as fast as a hit, with the same bits; under a RAM budget (the rest in the file) they stay GGUF blocks,
+    the file's pages, and so with --weights blocks."""
+    from pallas_kernels import PACKED_SUFFIX
+
+    path, logits, answers = reference["qwen3moe"]
+    all_in_ram = 100 * _one_expert_bytes(path) / (1 << 30)
+    for extra, packed in (({}, True), ({"resident_budget_gib": all_in_ram}, False), ({"weights": "blocks"}, False)):
+        cfg = EngineConfig(**dict(BASE, host_experts="on", layer_step="auto", **extra), expert_cache=3)
+        with Engine.from_gguf(path, cfg) as eng:
+            kinds = {w.qtype.endswith(PACKED_SUFFIX) for ts in eng.runner.stepper.host_trees.values()
+                     for w in ts.values()}
+            assert kinds == {packed}, extra
+            assert np.array_equal(eng.logits(_prompts()[0]), logits)
+            assert _answers(eng, _prompts()) == answers
+            assert eng.stats()["experts"]["one_program"] > 0
+
+
 def _stages(eng) -> list[str]:
     """The stage names of the programs a decode window of 2 rows runs (ModelRunner.warmup builds these)."""
     from strata_jax.engine.programs import Layout

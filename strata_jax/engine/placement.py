@@ -24,7 +24,7 @@ from ..experts.profile import ExpertProfile, pins_for
 from ..experts.stream import ExpertStream
 from ..gguf import GGUFModel
 from ..model import expert_tensor_bytes, load_experts
-from ..model.weights import QTensor, blocks_in_place
+from ..model.weights import QTensor, blocks_in_place, release_file_pages
 from .faults import resource_exhausted
 from .memory import MemoryLedger
 from .programs import MIN_PROGRAM_BYTES
@@ -130,10 +130,15 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
     dev, where = _host_device(cfg, choices)
     host_trees = rule = None
     if dev is not None:
-        # every expert of a layer as the GGUF file's own blocks, on the CPU device that computes a layer's
-        # missed experts (on a CPU device its mmap pages, no copy): --host-experts, experts/hybrid.py
-        host_trees = {i: {n: QTensor(blocks_in_place(t.data, dev), t.qtype.name, (spec.n_experts, *shapes[i][n]))
-                          for n, t in ts.items()} for i, ts in infos.items()}
+        # every expert of a layer on the CPU device that computes a layer's missed experts (--host-experts,
+        # experts/hybrid.py): packed where the weights are (see _host_tree), else the GGUF file's own blocks
+        pack = bool(choices.get("pack")) and budget is None
+        host_trees = {i: {n: _host_tree(t, (spec.n_experts, *shapes[i][n]), dev, pack) for n, t in ts.items()}
+                      for i, ts in infos.items()}
+        if pack:
+            log.info("host experts: the host tier's experts packed for the int8 products (%.1f MiB, a private "
+                     "copy instead of the file's pages; --weights blocks keeps the pages)",
+                     sum(int(w.data.nbytes) for ts in host_trees.values() for w in ts.values()) / 2**20)
         rule = _host_rule(cfg, spec, where, infos, host_trees, dev)
     stream = None
     if cfg.pcie_frac > 0:                # --pcie-frac: the device reads some misses from pinned host memory
@@ -144,6 +149,19 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
              "RAM, the rest read from the file by %d threads", arena.n_slots, spec.n_experts, policy,
              host.resident_bytes / 2**30, host.total_bytes / 2**30, cfg.pool_workers)
     return Tiers("arena", arena, qtypes, shapes, host_trees, dev if where == "remote" else None, rule, stream)
+
+def _host_tree(info, shape: tuple[int, ...], dev, pack: bool) -> QTensor:
+    """One expert tensor of every expert on the host device. Packed (cpu/packed.h, the same bits) when the
+    weights are packed and the host tier holds every expert in RAM (no --resident-budget-gib: a budget means
+    the rest stays in the file): a miss then costs what a hit costs, where from GGUF blocks it cost ~1.5x a
+    byte (docs/BENCHMARKS.md, issue 33 session 18; KTransformers repacks its CPU experts the same way). Else
+    the file's blocks in place (on a CPU device its mmap pages, no copy)."""
+    if pack and pk.packs(info.qtype):
+        packed = jax.device_put(pk.pack(info.data, info.qtype), dev)
+        release_file_pages(info.data)       # read once to pack: not held twice
+        return QTensor(packed, info.qtype.name + pk.PACKED_SUFFIX, shape)
+    return QTensor(blocks_in_place(info.data, dev), info.qtype.name, shape)
+
 
 def _host_device(cfg: EngineConfig, choices: dict):
     """--host-experts / --host-device -> (the CPU device that computes missed experts, "local" |
