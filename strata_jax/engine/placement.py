@@ -19,6 +19,7 @@ import pallas_kernels as pk
 
 from ..config import ConfigError, EngineConfig
 from ..experts import EXPERT_TENSORS, ExpertArena, HostTier, expert_tensors, slot_bytes
+from ..experts.host import aligned_copy as aligned
 from ..experts.hybrid import HostRule, host_device, host_rate, link_rate, memcpy_rate
 from ..experts.profile import ExpertProfile, pins_for
 from ..experts.stream import ExpertStream
@@ -64,6 +65,11 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
     # Layers may differ in quant type (Q4_K_M files give some layers' ffn_down_exps Q6_K): the arena's leaf
     # shapes, quant types and conversion are per layer.
     infos = {i: expert_tensors(model, i) for i in layers}       # layer -> tensor -> GGUF TensorInfo
+    budget = None if cfg.resident_budget_gib is None else int(cfg.resident_budget_gib * (1 << 30))
+    dev, where = _host_device(cfg, choices)
+    # The host tier's experts packed (see _host_tree): with host experts, packed weights, every expert in
+    # host RAM (no budget) and no --pcie-frac (its reads are the GPU's)
+    pack_host = dev is not None and bool(choices.get("pack")) and budget is None and cfg.pcie_frac == 0
     if mode == "dequantized":
         jdt = jnp.dtype(dtype)
         leaf_shapes = {i: {n: ((t.shape[2], t.shape[1]), jdt) for n, t in ts.items()}   # stored [k, n]
@@ -76,8 +82,9 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
             return jnp.swapaxes(vals, -1, -2).copy()
     else:
         # On the cpu backend's int8 math the cache slots hold their experts packed (pallas_kernels/cpu/packed.h:
-        # the expert kernel reads them twice as fast), packed as they are copied in; the host and file tiers, and
-        # the misses computed from them, keep the GGUF blocks. Not with --pcie-frac (its reads are the GPU's).
+        # the expert kernel reads them twice as fast), packed as they are copied in, or copied as they are
+        # when the host tier holds them packed already (pack_host); the file tier keeps the GGUF blocks. Not
+        # with --pcie-frac (its reads are the GPU's).
         def packed(t) -> bool:
             return choices["pack"] and cfg.pcie_frac == 0 and pk.packs(t.qtype)
 
@@ -88,7 +95,7 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
         def to_arena(layer: int, name: str, blocks: np.ndarray):
             # the update program takes the host array (converted in C++, no Python device_put)
             t = infos[layer][name]
-            return pk.pack(blocks, t.qtype) if packed(t) else blocks
+            return pk.pack(blocks, t.qtype) if packed(t) and not pack_host else blocks
     one_slot = slot_bytes(leaf_shapes)     # one expert slot in every MoE layer
     if cfg.expert_cache == "auto":
         if free is None or all_bytes + temp <= free:
@@ -116,8 +123,20 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
             raise ValueError("expert_cache = 0: the device cache needs at least 1 expert slot a layer "
                              "(or auto)")
     profile = ExpertProfile.load(cfg.expert_profile, spec, layers) if cfg.expert_profile else None
-    budget = None if cfg.resident_budget_gib is None else int(cfg.resident_budget_gib * (1 << 30))
-    host = HostTier(model, layers, budget, cfg.pool_workers)
+    shapes = {i: {n: tuple(t.shape[1:]) for n, t in ts.items()} for i, ts in infos.items()}
+    host_trees = rule = None
+    if dev is not None:
+        # every expert of a layer on the CPU device that computes a layer's missed experts (--host-experts,
+        # experts/hybrid.py): packed (pack_host), else the GGUF file's own blocks
+        host_trees = {i: {n: _host_tree(t, (spec.n_experts, *shapes[i][n]), dev, pack_host) for n, t in ts.items()}
+                      for i, ts in infos.items()}
+    in_ram = None
+    if pack_host:           # the host tier's RAM copies are these packed experts themselves, not a second copy
+        in_ram = {i: {n: np.asarray(w.data) for n, w in ts.items()} for i, ts in host_trees.items()}
+        log.info("host experts: the host tier's experts packed for the int8 products (%.1f MiB, in place of the "
+                 "host tier's copies of the file's blocks; --weights blocks keeps the blocks)",
+                 sum(a.nbytes for ts in in_ram.values() for a in ts.values()) / 2**20)
+    host = HostTier(model, layers, budget, cfg.pool_workers, in_ram)
     arena = ExpertArena(host, n_slots, to_arena, leaf_shapes, policy)
     if profile is not None:              # preload and pin each layer's hottest experts
         for i in layers:
@@ -126,19 +145,7 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
                  cfg.expert_profile, sum(len(p) for p in arena.pinned.values()), pins_for(arena.n_slots),
                  arena.n_slots)
     ledger.reserve_bytes("experts", arena.nbytes, f"the device expert cache ({arena.n_slots} slots a layer)")
-    shapes = {i: {n: tuple(t.shape[1:]) for n, t in ts.items()} for i, ts in infos.items()}
-    dev, where = _host_device(cfg, choices)
-    host_trees = rule = None
     if dev is not None:
-        # every expert of a layer on the CPU device that computes a layer's missed experts (--host-experts,
-        # experts/hybrid.py): packed where the weights are (see _host_tree), else the GGUF file's own blocks
-        pack = bool(choices.get("pack")) and budget is None
-        host_trees = {i: {n: _host_tree(t, (spec.n_experts, *shapes[i][n]), dev, pack) for n, t in ts.items()}
-                      for i, ts in infos.items()}
-        if pack:
-            log.info("host experts: the host tier's experts packed for the int8 products (%.1f MiB, a private "
-                     "copy instead of the file's pages; --weights blocks keeps the pages)",
-                     sum(int(w.data.nbytes) for ts in host_trees.values() for w in ts.values()) / 2**20)
         rule = _host_rule(cfg, spec, where, infos, host_trees, dev)
     stream = None
     if cfg.pcie_frac > 0:                # --pcie-frac: the device reads some misses from pinned host memory
@@ -150,6 +157,7 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
              host.resident_bytes / 2**30, host.total_bytes / 2**30, cfg.pool_workers)
     return Tiers("arena", arena, qtypes, shapes, host_trees, dev if where == "remote" else None, rule, stream)
 
+
 def _host_tree(info, shape: tuple[int, ...], dev, pack: bool) -> QTensor:
     """One expert tensor of every expert on the host device. Packed (cpu/packed.h, the same bits) when the
     weights are packed and the host tier holds every expert in RAM (no --resident-budget-gib: a budget means
@@ -157,7 +165,7 @@ def _host_tree(info, shape: tuple[int, ...], dev, pack: bool) -> QTensor:
     byte (docs/BENCHMARKS.md, issue 33 session 18; KTransformers repacks its CPU experts the same way). Else
     the file's blocks in place (on a CPU device its mmap pages, no copy)."""
     if pack and pk.packs(info.qtype):
-        packed = jax.device_put(pk.pack(info.data, info.qtype), dev)
+        packed = jax.device_put(aligned(pk.pack(info.data, info.qtype)), dev)    # aligned: used in place, no copy
         release_file_pages(info.data)       # read once to pack: not held twice
         return QTensor(packed, info.qtype.name + pk.PACKED_SUFFIX, shape)
     return QTensor(blocks_in_place(info.data, dev), info.qtype.name, shape)

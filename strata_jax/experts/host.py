@@ -35,7 +35,10 @@ def aligned_copy(a: np.ndarray) -> np.ndarray:
 
 
 class HostTier:
-    def __init__(self, model, layers: list[int], budget_bytes: int | None, workers: int):
+    def __init__(self, model, layers: list[int], budget_bytes: int | None, workers: int,
+                 in_ram: dict[int, dict[str, np.ndarray]] | None = None):
+        """in_ram: every expert already in RAM ([E, n, row_bytes] a tensor: the packed host experts,
+        engine/placement.py): the tier hands out views of them instead of copying the file's blocks."""
         self.layers = layers
         self.tensors = {i: expert_tensors(model, i) for i in layers}
         self.n_experts = self.tensors[layers[0]]["exp_gate"].shape[0]
@@ -56,7 +59,8 @@ class HostTier:
             for e in range(self.n_experts):
                 if self.resident_bytes + self.expert_bytes[i] > budget:
                     break
-                self.resident[(i, e)] = {n: aligned_copy(t.data[e]) for n, t in self.tensors[i].items()}
+                self.resident[(i, e)] = ({n: a[e] for n, a in in_ram[i].items()} if in_ram is not None else
+                                         {n: aligned_copy(t.data[e]) for n, t in self.tensors[i].items()})
                 self.resident_bytes += self.expert_bytes[i]
         self.file_reads = 0
         self._lock = threading.Lock()
