@@ -155,9 +155,13 @@ def test_host_experts_are_packed_unless_a_ram_budget_keeps_them_in_the_file(refe
     for extra, packed in (({}, True), ({"resident_budget_gib": all_in_ram}, False), ({"weights": "blocks"}, False)):
         cfg = EngineConfig(**dict(BASE, host_experts="on", layer_step="auto", **extra), expert_cache=3)
         with Engine.from_gguf(path, cfg) as eng:
-            kinds = {w.qtype.endswith(PACKED_SUFFIX) for ts in eng.runner.stepper.host_trees.values()
-                     for w in ts.values()}
+            trees = eng.runner.stepper.host_trees
+            kinds = {w.qtype.endswith(PACKED_SUFFIX) for ts in trees.values() for w in ts.values()}
             assert kinds == {packed}, extra
+            layer = next(iter(trees))
+            held = eng.runner.stepper.arena.host.resident[(layer, 0)]["exp_gate"]
+            # packed: the host tier's RAM copy is a view of the packed experts (one copy in all)
+            assert np.shares_memory(held, np.asarray(trees[layer]["exp_gate"].data)) == packed, extra
             assert np.array_equal(eng.logits(_prompts()[0]), logits)
             assert _answers(eng, _prompts()) == answers
             assert eng.stats()["experts"]["one_program"] > 0
