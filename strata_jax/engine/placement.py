@@ -19,7 +19,6 @@ import pallas_kernels as pk
 
 from ..config import ConfigError, EngineConfig
 from ..experts import EXPERT_TENSORS, ExpertArena, HostTier, expert_tensors, slot_bytes
-from ..experts.host import aligned_copy as aligned
 from ..experts.hybrid import HostRule, host_device, host_rate, link_rate, memcpy_rate
 from ..experts.profile import ExpertProfile, pins_for
 from ..experts.stream import ExpertStream
@@ -165,7 +164,7 @@ def _host_tree(info, shape: tuple[int, ...], dev, pack: bool) -> QTensor:
     byte (docs/BENCHMARKS.md, issue 33 session 18; KTransformers repacks its CPU experts the same way). Else
     the file's blocks in place (on a CPU device its mmap pages, no copy)."""
     if pack and pk.packs(info.qtype):
-        packed = jax.device_put(aligned(pk.pack(info.data, info.qtype)), dev)    # aligned: used in place, no copy
+        packed = jax.device_put(pk.pack(info.data, info.qtype), dev)    # 64-byte aligned: used in place, no copy
         release_file_pages(info.data)       # read once to pack: not held twice
         return QTensor(packed, info.qtype.name + pk.PACKED_SUFFIX, shape)
     return QTensor(blocks_in_place(info.data, dev), info.qtype.name, shape)

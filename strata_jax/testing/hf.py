@@ -48,3 +48,30 @@ def load_hf_model(path: str | Path, dtype: Any = None):
     if unloaded:
         raise ValueError(f"{path}: transformers did not load {len(unloaded)} parameters from it: {unloaded[:5]}")
     return model.eval()
+
+
+def load_state(module, state: dict, path: str | Path, shared: tuple[str, ...] = ()) -> None:
+    """`state` (name -> numpy array) into a torch module; raises if a parameter is left unloaded (it would be
+    random) or a name is not the module's. `shared`: prefixes of parameters tied to another module's."""
+    import numpy as np
+    import torch
+
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
+    missing, unexpected = module.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not k.startswith(shared)]
+    if missing or unexpected:
+        raise ValueError(f"{path}: transformers' model left {missing[:5]} unloaded, has no {unexpected[:5]}")
+
+
+def use_own_nextn_head(mtp, t: dict, layer: int, spec: ModelSpec) -> None:
+    """transformers' MtpModel with the NextN block's own embedding and head where the file has them
+    (blk.N.nextn.embed_tokens / shared_head_head), else the main model's it was tied to."""
+    import torch
+
+    b = f"blk.{layer}.nextn."
+    if b + "embed_tokens.weight" in t:
+        mtp.embed_tokens = torch.nn.Embedding.from_pretrained(torch.from_numpy(t[b + "embed_tokens.weight"]))
+    if b + "shared_head_head.weight" in t:
+        head = torch.nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+        head.weight.data = torch.from_numpy(t[b + "shared_head_head.weight"])
+        mtp.shared_head = head

@@ -15,6 +15,8 @@ import numpy as np
 
 from strata_jax.gguf import GGUFModel, ModelSpec
 
+from .hf import load_state, use_own_nextn_head
+
 # GGUF name after "blk.N." -> transformers' name after "layers.N." (q/k/v biases, q/k norms when present).
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -73,20 +75,13 @@ def load_glm4moe(path: str | Path, with_mtp: bool = False):
     spec = gguf.spec
     t = {name: info.dequantize().astype(np.float32) for name, info in gguf.tensors.items()}
 
-    def take(state: dict[str, np.ndarray], module, shared: tuple[str, ...] = ()) -> None:
-        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
-        missing, unexpected = module.load_state_dict(tensors, strict=False)
-        missing = [k for k in missing if not k.startswith(shared)]  # tied to the main model's, loaded there
-        if missing or unexpected:
-            raise ValueError(f"{path}: transformers' model left {missing[:5]} unloaded, has no {unexpected[:5]}")
-
     torch.manual_seed(0)
     model = Glm4MoeForCausalLM(glm4moe_config(spec)).float().eval()
     state = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"],
              "lm_head.weight": t.get("output.weight", t["token_embd.weight"])}
     for i in range(spec.n_layers):
         state |= _layer_state(t, i, f"model.layers.{i}.")
-    take(state, model)
+    load_state(model, state, path)
     if not with_mtp:
         return model
     if not spec.n_nextn:
@@ -97,12 +92,6 @@ def load_glm4moe(path: str | Path, with_mtp: bool = False):
     state |= {"layers.0." + hf: t[f"blk.{i}.{g}"] for g, hf in _NEXTN.items() if f"blk.{i}.{g}" in t}
     if f"blk.{i}.nextn.shared_head_norm.weight" not in t:
         state["layers.0.post_norm.weight"] = t["output_norm.weight"]
-    take(state, mtp, shared=("embed_tokens.", "shared_head."))
-    # The NextN block's own embedding / head, when the file has them (else the main model's, tied).
-    if f"blk.{i}.nextn.embed_tokens.weight" in t:
-        mtp.embed_tokens = torch.nn.Embedding.from_pretrained(torch.from_numpy(t[f"blk.{i}.nextn.embed_tokens.weight"]))
-    if f"blk.{i}.nextn.shared_head_head.weight" in t:
-        head = torch.nn.Linear(spec.hidden, spec.vocab_size, bias=False)
-        head.weight.data = torch.from_numpy(t[f"blk.{i}.nextn.shared_head_head.weight"])
-        mtp.shared_head = head
+    load_state(mtp, state, path, shared=("embed_tokens.", "shared_head."))
+    use_own_nextn_head(mtp, t, i, spec)
     return model, mtp

@@ -20,6 +20,8 @@ import numpy as np
 
 from strata_jax.gguf import GGUFModel, ModelSpec
 
+from .hf import load_state, use_own_nextn_head
+
 _ATTENTION = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
               "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
               "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
@@ -109,25 +111,17 @@ def load_hybrid(path: str | Path, with_mtp: bool = False):
     config = hybrid_config(spec)
     config.num_mtp_layers, config.mtp_layer_types = 1, ["full_attention"]     # read by get_mtp_config()
     model = cls(config).float().eval()
-
-    def take(state: dict[str, np.ndarray], module, shared: tuple[str, ...] = ()) -> None:
-        tensors = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
-        missing, unexpected = module.load_state_dict(tensors, strict=False)
-        missing = [k for k in missing if not k.startswith(shared)]   # tied to the main model's, loaded there
-        if missing or unexpected:
-            raise ValueError(f"{path}: transformers' model left {missing[:5]} unloaded, has no {unexpected[:5]}")
-
     state = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"] - 1.0,
              "lm_head.weight": t.get("output.weight", t["token_embd.weight"])}
     for i in range(spec.n_layers):
         state |= _layer_state(t, i, spec, f"model.layers.{i}.")
-    take(state, model)
+    load_state(model, state, path)
     if not with_mtp:
         return model
-    return model, _mtp_model(model, t, spec, take, torch)
+    return model, _mtp_model(model, t, spec, path)
 
 
-def _mtp_model(model, t: dict, spec: ModelSpec, take, torch):
+def _mtp_model(model, t: dict, spec: ModelSpec, path):
     """transformers' MtpModel on `model` with blk.{n_layers}'s NextN block (every norm zero-centred: -1)."""
     from transformers.modeling_layers import MtpModel
 
@@ -139,11 +133,6 @@ def _mtp_model(model, t: dict, spec: ModelSpec, take, torch):
     norm = t.get(b + "shared_head_norm.weight", t["output_norm.weight"])
     state |= {"layers.0.enorm.weight": t[b + "enorm.weight"] - 1.0, "layers.0.hnorm.weight": t[b + "hnorm.weight"] - 1.0,
               "layers.0.eh_proj.weight": t[b + "eh_proj.weight"], "layers.0.post_norm.weight": norm - 1.0}
-    take(state, mtp, shared=("embed_tokens.", "shared_head."))
-    if b + "embed_tokens.weight" in t:          # the block's own embedding / head, else the main model's (tied)
-        mtp.embed_tokens = torch.nn.Embedding.from_pretrained(torch.from_numpy(t[b + "embed_tokens.weight"]))
-    if b + "shared_head_head.weight" in t:
-        head = torch.nn.Linear(spec.hidden, spec.vocab_size, bias=False)
-        head.weight.data = torch.from_numpy(t[b + "shared_head_head.weight"])
-        mtp.shared_head = head
+    load_state(mtp, state, path, shared=("embed_tokens.", "shared_head."))
+    use_own_nextn_head(mtp, t, i, spec)
     return mtp
