@@ -24,7 +24,7 @@ from typing import Any
 from litestar import Request, post
 
 from .errors import ApiError, invalid
-from .llama_routes import check_token_id, json_object, shown
+from .fields import check_token_id, json_object, shown
 from .prompt_size import string_bytes
 from .protocol import Embed
 

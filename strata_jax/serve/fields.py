@@ -14,8 +14,12 @@ import json
 import math
 from typing import Any
 
+import msgspec
+
 from ..engine.request import MAX_GRAMMAR_CHARS
 from .errors import invalid
+
+MAX_SHOWN = 60              # characters of a bad value an error message shows
 
 
 def control_params(req: Any, chat: bool) -> dict[str, Any]:
@@ -86,3 +90,28 @@ def _logit_bias(bias: dict[str, float] | None) -> list[list]:
                           "logit_bias")
         pairs.append([int(key), float(value)])
     return pairs
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid("the request body nests arrays or objects too deeply to read") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body is {shown(body)}: send a JSON object")
+    return body
+
+
+def check_token_id(value: Any, where: str, param: str) -> None:
+    # JSON true is not a token; an id is range-checked by the engine, but one beyond 64 bits cannot cross the pipe
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{where} = {shown(value)}: a token id is a whole number", param)
+    if not 0 <= value < 1 << 62:
+        raise invalid(f"{where} = {shown(value)}: not a token id of this model's vocabulary", param)
+
+
+def shown(value: Any) -> str:
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."

@@ -26,7 +26,6 @@ import re
 import time
 from typing import Any
 
-import msgspec
 from litestar import Request, get, post
 from litestar.params import FromPath, FromQuery
 
@@ -34,7 +33,7 @@ from .._version import __version__
 from ..config import ServerConfig, default_problem
 from ..engine import slot_files
 from .errors import ApiError, invalid
-from .fields import control_params
+from .fields import MAX_SHOWN, check_token_id, control_params, json_object, shown
 from .parse import DEFAULTS, parse_chat
 from .prompt_size import refuse_if_too_long
 from .protocol import ApplyTemplate, Detokenize, SlotAction, Tokenize
@@ -42,8 +41,6 @@ from .tokens import check_sizes
 
 SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 SLOT_ID = re.compile(r"[0-9]{1,6}")          # a slot's number (--parallel is at most 256)
-
-MAX_SHOWN = 60
 
 
 def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerConfig | None = None,
@@ -214,16 +211,6 @@ class _NoFields:
         return None
 
 
-def json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise invalid("the request body nests arrays or objects too deeply to read") from None
-    if not isinstance(body, dict):
-        raise invalid(f"the request body is {shown(body)}: send a JSON object")
-    return body
 
 
 def _content(content: Any) -> str | list[str | int]:
@@ -238,12 +225,6 @@ def _content(content: Any) -> str | list[str | int]:
     return content
 
 
-def check_token_id(value: Any, where: str, param: str) -> None:
-    # JSON true is not a token; an id is range-checked by the engine, but one beyond 64 bits cannot cross the pipe
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"{where} = {shown(value)}: a token id is a whole number", param)
-    if not 0 <= value < 1 << 62:
-        raise invalid(f"{where} = {shown(value)}: not a token id of this model's vocabulary", param)
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
@@ -253,8 +234,3 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise invalid(f"{key} = {shown(value)}: give true or false", key)
     return value
-
-
-def shown(value: Any) -> str:
-    text = msgspec.json.encode(value).decode()
-    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
