@@ -1,5 +1,5 @@
 """Decode speed of one `strata-jax serve` process against the same model over 2 processes on this host
-(--coordinator/--num-processes/--process-id: engine/hosts.py), issue 19 item 2.
+(--coordinator/--num-processes/--process-id: engine/distributed/hosts.py), issue 19 item 2.
 
     python scripts/bench_hosts.py MODEL.gguf [--max-tokens 64] [--repeat 3] [--json FILE] [-- serve flags]
 

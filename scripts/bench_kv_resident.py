@@ -70,9 +70,9 @@ def main() -> int:
 
 
 def report_windows(args, engines: dict[str, Engine], plist: list[int]) -> None:
-    from strata_jax.engine.layouts import GroupInput
-    from strata_jax.engine.sampler import SamplingRows
-    from strata_jax.engine.scheduler import bucket
+    from strata_jax.engine.execute.layouts import GroupInput
+    from strata_jax.engine.execute.sampler import SamplingRows
+    from strata_jax.engine.schedule.scheduler import bucket
 
     def window(n: int) -> GroupInput:
         rows = bucket(n, 2)

@@ -27,7 +27,7 @@ if lib == "llguidance":
     import llguidance as llg
     import llguidance.numpy as llnp
 
-    from strata_jax.engine.constrain import Grammars
+    from strata_jax.engine.grammar.constrain import Grammars
     g = Grammars(tk, V)
     t = time.perf_counter(); llt = g.ll_tokenizer; t_tok = time.perf_counter() - t
     grammar = llg.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})

@@ -1,4 +1,4 @@
-"""Throughput of `strata-jax serve` against `serve --replicas N` (Ray Serve, strata_jax/serve/ray_app.py).
+"""Throughput of `strata-jax serve` against `serve --replicas N` (Ray Serve, strata_jax/serve/replicas/ray_app.py).
 
     python scripts/bench_replicas.py [MODEL.gguf | --tiny] [--replicas 1,2] [--clients 4] [--requests 4]
         [--max-tokens 32] [--parallel 4] [--repeat 1] [--json FILE]
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import httpx
+from strata_jax.serve.replicas.replicas.replica_routing import REPLICA_HEADER
 
 from strata_jax.serve.launch import ServerProcess, free_port
-from strata_jax.serve.replica_routing import REPLICA_HEADER
 
 
 def load(url: str, clients: int, requests: int, max_tokens: int, salt: str) -> dict:
@@ -121,7 +121,7 @@ def main() -> int:
         import ray
         from ray import serve
 
-        from strata_jax.serve import ray_app
+        from strata_jax.serve.replicas.replicas import ray_app
 
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
         port = free_port()

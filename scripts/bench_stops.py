@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 
-from strata_jax.engine.stops import StopMatcher
+from strata_jax.engine.schedule.stops import StopMatcher
 
 
 def whole_text(text: str, stops: tuple[str, ...]) -> tuple[int | None, int]:

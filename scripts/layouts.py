@@ -2,7 +2,7 @@
 
 Strata keyed a window's graph on which slots it held: up to 2^P - 1 layouts for P slots (255 for 8),
 ~13 MiB each, never freed. Here a layout is a window's static shape and slot ids are inputs. On the cpu
-backend a window is packed (engine/scheduler.py): (tokens bucket, logits bucket), one KV length; on the
+backend a window is packed (engine/schedule/scheduler.py): (tokens bucket, logits bucket), one KV length; on the
 other backends (groups' rows x tokens, KV bucket): rows bucketed (2, 4, 8, ...), prompt chunks too
 (16 ... --prefill), KV lengths to chunk * 2^i.
 This runs a mixed workload (random prompt lengths and answer lengths, requests arriving while others run)

@@ -27,8 +27,8 @@ import numpy as np
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
-from strata_jax.engine.layouts import GroupInput
-from strata_jax.engine.sampler import SamplingRows
+from strata_jax.engine.execute.layouts import GroupInput
+from strata_jax.engine.execute.sampler import SamplingRows
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 31, 77]
 OTHER = [9, 8, 7, 6, 5, 4, 3, 2]

@@ -20,7 +20,7 @@ KV_TYPES = ("bf16", "f16", "f32", "int8")
 DRAFTERS = ("ngram", "mtp", "none")
 WEIGHT_MODES = ("auto", "blocks", "packed", "dequantized")
 EXPERT_POLICIES = ("freq", "lru")          # experts/policy.py: frequency-aware LRU (default), plain LRU
-SPLITS = ("auto", "experts", "layers")     # engine/devices.py: auto = experts for a MoE model, else layers
+SPLITS = ("auto", "experts", "layers")     # engine/distributed/devices.py: auto = experts for a MoE model, else layers
 # --cpu-math: pallas_kernels.cpu.MATHS, named here so the config needs no JAX (tests/test_cpu_math.py checks they agree)
 CPU_MATHS = ("int8", "exact")
 MAX_TEMPERATURE = 100.0
@@ -109,18 +109,18 @@ class EngineConfig:
     cpu_math: str = "int8"               # the C++ CPU kernels' products: int8 (8-bit activations, fast) | exact (float32)
     dtype: str = "auto"                  # activations: auto (float32 on a CPU, bfloat16 on a GPU) | float32 | bfloat16
     request_timeout_s: float = 600.0     # a request's deadline
-    max_grammar_rules: int = 2048        # rules a request's GBNF grammar may have (engine/gbnf.py)
+    max_grammar_rules: int = 2048        # rules a request's GBNF grammar may have (engine/grammar/gbnf.py)
     max_grammar_depth: int = 256         # a GBNF chain of terminal rules, or of nested groups (llguidance recurses)
     warmup: bool = True                  # build the base window programs at start; later layouts off the engine thread
     compile_cache: bool = True           # JAX's persistent compilation cache in the cache folder (compile_cache.py)
     seed: int = 0                        # the seed a llama.cpp-route request without one samples with (-s)
-    devices: int = 1                     # devices of this host the model runs over (engine/devices.py)
+    devices: int = 1                     # devices of this host the model runs over (engine/distributed/devices.py)
     split: str = "auto"                  # how, with devices > 1: experts (each device E/N experts) | layers (stages) | auto
     micro_batches: int | str = "auto"    # split layers: a window in up to this many parts, so stages overlap (pipeline.py)
-    coordinator: str | None = None       # HOST:PORT of process 0, with num_processes > 1 (engine/hosts.py)
+    coordinator: str | None = None       # HOST:PORT of process 0, with num_processes > 1 (engine/distributed/hosts.py)
     num_processes: int = 1               # processes (hosts) one model runs over, joined by jax.distributed
     process_id: int = 0                  # this process's number among them: 0 serves HTTP, the others follow
-    group_key_file: str | None = None    # the group channel's shared key (engine/group_channel.py); loopback: auto
+    group_key_file: str | None = None    # the group channel's shared key (engine/distributed/group_channel.py); loopback: auto
 
     def __post_init__(self) -> None:
         self.validate()
@@ -233,7 +233,7 @@ class EngineConfig:
             need(bool(host) and port.isdigit() and 1 <= int(port) <= 65534, "coordinator", self.coordinator,
                  "must be HOST:PORT with a port from 1 to 65534 (process 0 also listens on PORT + 1)")
             # process 0's channel and coordinator listen on HOST: off loopback, a stranger could reach them,
-            # so the followers must prove a key (engine/group_channel.py)
+            # so the followers must prove a key (engine/distributed/group_channel.py)
             need(self.group_key_file is not None or _loopback(host), "coordinator", self.coordinator,
                  "is not a loopback address, so the group needs a shared key: give every process "
                  "--group-key-file FILE, the same key on every host (e.g. made by: openssl rand -hex 32 > FILE)")
@@ -275,7 +275,7 @@ class ServerConfig:
     read_timeout_s: float = 30.0         # a request's headers and body must come whole this soon (0: no bound)
     expert_profile_dir: str | None = None   # where POST /expert-profile writes (None: <cache>/expert-profiles)
     trust_request_chat_template: bool = False   # let chat_template_kwargs replace the template or its inputs
-    # llama.cpp's conventions (serve/native.py, serve/llama_routes.py)
+    # llama.cpp's conventions (serve/llama/native.py, serve/llama/llama_routes.py)
     cors_origins: str = "*"              # origins a browser may call from: "*" (llama.cpp's default) or a comma list
     strict_model_name: bool = False      # an unknown `model` is a 404 (vLLM's way) instead of the one model
     slots_endpoint: bool = True          # GET /slots (llama.cpp's --slots / --no-slots)
@@ -290,9 +290,9 @@ class ServerConfig:
     verbose_responses: bool = False      # every answer carries llama.cpp's "__verbose" (the prompt text, ...)
     prefill_assistant: bool = False      # a chat ending in the assistant's message continues it (llama.cpp's default)
     llama_conventions: bool = False      # llama.cpp's answers where they differ from OpenAI's and vLLM's (serve/app.py)
-    webui: bool = True                   # the chat page at / (serve/webui.py; llama.cpp's --no-webui turns it off)
+    webui: bool = True                   # the chat page at / (serve/http/webui.py; llama.cpp's --no-webui turns it off)
     pooling: str = "auto"                # embeddings: auto (the file's, else last) | last | mean | cls | none
-    cors_proxy: bool = False             # GET/POST /cors-proxy?url= (serve/cors_proxy.py; llama.cpp's --ui-mcp-proxy)
+    cors_proxy: bool = False             # GET/POST /cors-proxy?url= (serve/http/cors_proxy.py; llama.cpp's --ui-mcp-proxy)
     cors_proxy_max_bytes: int = 16 << 20   # a /cors-proxy answer's body: longer is cut (declared longer: 502)
     # server-wide sampling defaults a request overrides (llama.cpp's --temp, --top-k, ..., -n); None: the built-in
     sampling: dict = field(default_factory=dict)

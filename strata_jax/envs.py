@@ -23,8 +23,8 @@ CACHE = "STRATA_JAX_CACHE"                      # the cache folder (models, comp
 COMPILE_CACHE = "STRATA_JAX_COMPILE_CACHE"      # JAX's compilation cache folder, or 0/off (compile_cache.py)
 ENGINE_GENERATION = "STRATA_ENGINE_GENERATION"  # set by the server for its engine process: 1, 2, ... at each restart
 FAULT = "STRATA_FAULT"                          # fault injection (engine/faults.py), for the fault tests
-MOCK_START_FAIL = "STRATA_MOCK_START_FAIL"      # serve/mock_worker.py: fail at start (the server's restart tests)
-MOCK_TOKEN_S = "STRATA_MOCK_TOKEN_S"            # serve/mock_worker.py: seconds a token
+MOCK_START_FAIL = "STRATA_MOCK_START_FAIL"      # serve/worker/mock_worker.py: fail at start (the server's restart tests)
+MOCK_TOKEN_S = "STRATA_MOCK_TOKEN_S"            # serve/worker/mock_worker.py: seconds a token
 RAY_ADDRESS = "RAY_ADDRESS"                      # Ray's own: serve --replicas joins that cluster instead of starting one
 
 MAX_PROGRAMS_DEFAULT = 64
@@ -81,7 +81,7 @@ def mock_token_s() -> float:
 
 
 def ray_address() -> str:
-    """Ray's RAY_ADDRESS ("" when unset): set, ray.init joins that cluster (serve/ray_app.py)."""
+    """Ray's RAY_ADDRESS ("" when unset): set, ray.init joins that cluster (serve/replicas/ray_app.py)."""
     return _get(RAY_ADDRESS)
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from pallas_kernels import cpu
 from strata_jax.config import EngineConfig
-from strata_jax.engine.layouts import GroupInput
+from strata_jax.engine.execute.layouts import GroupInput
+from strata_jax.engine.execute.sampler import SamplingRows
 from strata_jax.engine.runner import ModelRunner
-from strata_jax.engine.sampler import SamplingRows
 from strata_jax.gguf.reader import GGUFModel
 from strata_jax.model.layers import attend
 from strata_jax.model.transformer import quantize_int8
@@ -116,7 +116,7 @@ def test_a_lone_decode_row_runs_alone_with_the_bits_it_has_among_others(tiny_mod
 
 def test_greedy_rows_on_the_host_are_the_samplers_answer():
     """sampler.greedy_on_host (all-greedy windows skip the sample program) against sampler.sample."""
-    from strata_jax.engine.sampler import greedy_on_host, sample
+    from strata_jax.engine.execute.sampler import greedy_on_host, sample
 
     rng = np.random.default_rng(4)
     lg = rng.normal(size=(5, 300)).astype(np.float32)

@@ -92,9 +92,9 @@ def test_layers_split_dispatches_stage_by_stage_without_waiting(tiny_model):
 def test_a_cut_adds_no_programs_and_keeps_groups_whole_where_rows_are_not_alone():
     """Every part's layout is one the warm-up's set already holds (packed windows, and verify rows with
     --spec), and where rows are not computed alone (XLA's dots) the parts are whole groups."""
-    from strata_jax.engine.layouts import WindowLayouts
-    from strata_jax.engine.micro_batches import cut
-    from strata_jax.engine.programs import Layout
+    from strata_jax.engine.distributed.micro_batches import cut
+    from strata_jax.engine.execute.layouts import WindowLayouts
+    from strata_jax.engine.execute.programs import Layout
 
     packed = WindowLayouts("cpu", 256, 256, 256, 1, True, 4, 0, 16, 64)
     base = set(packed.base())

@@ -1,4 +1,4 @@
-"""Embeddings (engine/embeddings.py, serve/embeddings.py): the pooled last hidden states against transformers'
+"""Embeddings (engine/execute/embeddings.py, serve/http/embeddings.py): the pooled last hidden states against transformers'
 on the same GGUF, read in chunks as one piece, beside a request in flight; then the real server's
 /v1/embeddings (the openai client, base64, usage, errors) and llama.cpp's /embeddings."""
 

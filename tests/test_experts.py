@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from strata_jax import Engine, EngineConfig
-from strata_jax.engine.placement import largest_window_temp_bytes
-from strata_jax.engine.programs import MIN_PROGRAM_BYTES
+from strata_jax.engine.execute.placement import largest_window_temp_bytes
+from strata_jax.engine.execute.programs import MIN_PROGRAM_BYTES
 from strata_jax.experts import ExpertCounters
 from strata_jax.experts.policy import FreqLRUPolicy, LRUPolicy, make_policy
 
@@ -169,7 +169,7 @@ def test_host_experts_are_packed_unless_a_ram_budget_keeps_them_in_the_file(refe
 
 def _stages(eng) -> list[str]:
     """The stage names of the programs a decode window of 2 rows runs (ModelRunner.warmup builds these)."""
-    from strata_jax.engine.programs import Layout
+    from strata_jax.engine.execute.programs import Layout
 
     return [lay.stage for lay in eng.runner.stepper.stage_layouts(Layout(((2, 1, False, 0),), 16))]
 

@@ -185,14 +185,14 @@ ws ::= | " " | "\n" [ \t]{0,20}
 def test_the_linear_converter_writes_what_llguidance_s_writes(text):
     from llguidance.gbnf_to_lark import gbnf_to_lark as theirs
 
-    from strata_jax.engine.gbnf import gbnf_to_lark
+    from strata_jax.engine.grammar.gbnf import gbnf_to_lark
 
     assert gbnf_to_lark(text) == theirs(text)
 
 
 def test_a_grammar_is_compiled_once_for_its_check_and_every_request(tiny_model, monkeypatch):
-    from strata_jax.engine import grammar_compile
-    from strata_jax.engine.constrain import Grammars
+    from strata_jax.engine.grammar import grammar_compile
+    from strata_jax.engine.grammar.constrain import Grammars
     from strata_jax.gguf import GGUFModel, load_tokenizer
 
     model = GGUFModel.open(tiny_model(arch="qwen3", layers=2, hidden=64))

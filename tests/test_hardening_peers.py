@@ -1,10 +1,10 @@
 """Issue 32, items 8 and 12: peers and the network.
 
-8. The process-group channel (engine/lockstep.py, engine/group_channel.py): strangers on a real leader's port
+8. The process-group channel (engine/distributed/lockstep.py, engine/distributed/group_channel.py): strangers on a real leader's port
    (garbage, a huge length, a hello signed with no key, a replayed handshake, a silent connection) neither fail
    the group's start nor take a follower's place nor read a frame, while real followers join; the channel and
    jax.distributed's coordinator listen on the coordinator's address; frames are bounded.
-12. Ray replicas' ingress (serve/replica_ingress.py) as a real HTTP server (uvicorn, fake replicas): the key
+12. Ray replicas' ingress (serve/replicas/replica_ingress.py) as a real HTTP server (uvicorn, fake replicas): the key
    before the body, a bounded body, deeply nested JSON a 400, a public /health with only a status; then on a real
    local Ray started as `serve --replicas` starts it: no dashboard, and the same through Ray Serve's proxy.
 """
@@ -24,7 +24,14 @@ import pytest
 
 from strata_jax import EngineConfig
 from strata_jax.config import ConfigError
-from strata_jax.engine.hosts import Hello, KvReset, Loaded, digest, pack, unpack
+from strata_jax.engine.distributed.hosts import (
+    Hello,
+    KvReset,
+    Loaded,
+    digest,
+    pack,
+    unpack,
+)
 from strata_jax.gguf import GGUFModel
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.testing.ports import group_port
@@ -164,7 +171,7 @@ def test_strangers_on_the_group_channel_neither_fail_its_start_nor_join_nor_read
 
 
 def _leader(key_file, n: int = 2):
-    from strata_jax.engine.lockstep import Leader
+    from strata_jax.engine.distributed.lockstep import Leader
 
     port = group_port()
     cfg = EngineConfig(coordinator=f"127.0.0.1:{port}", num_processes=n, group_key_file=str(key_file))
@@ -185,7 +192,7 @@ class _Recording(socket.socket):
 
 def _follow(port: int, key: bytes, process_id: int = 1, dig: str = "same", record: list | None = None):
     """A follower's side of the handshake on a real socket (sent bytes kept in `record`)."""
-    from strata_jax.engine.group_channel import follower_handshake
+    from strata_jax.engine.distributed.group_channel import follower_handshake
 
     c = socket.create_connection(("127.0.0.1", port + 1), timeout=10)
     if record is not None:
@@ -236,7 +243,7 @@ def test_a_replayed_handshake_and_an_unsigned_hello_do_not_join_and_the_real_fol
 
 
 def test_a_follower_with_another_key_is_refused_and_told_so(tmp_path):
-    from strata_jax.engine.group_channel import GroupLost
+    from strata_jax.engine.distributed.group_channel import GroupLost
 
     key_file = tmp_path / "k"
     key_file.write_text(KEY)
@@ -248,7 +255,7 @@ def test_a_follower_with_another_key_is_refused_and_told_so(tmp_path):
 
 
 def test_a_frame_past_its_bound_is_refused_naming_the_bound_before_reading_it():
-    from strata_jax.engine.group_channel import FrameError, recv_frame
+    from strata_jax.engine.distributed.group_channel import FrameError, recv_frame
 
     a, b = socket.socketpair()
     with a, b:
@@ -259,7 +266,7 @@ def test_a_frame_past_its_bound_is_refused_naming_the_bound_before_reading_it():
 
 
 def test_a_group_off_loopback_needs_a_key_and_a_loopback_one_makes_a_private_one(tmp_path, monkeypatch):
-    from strata_jax.engine.group_channel import group_key
+    from strata_jax.engine.distributed.group_channel import group_key
 
     with pytest.raises(ConfigError, match="coordinator = '10.1.2.3:1234': is not a loopback address.*--group-key-file"):
         EngineConfig(num_processes=2, coordinator="10.1.2.3:1234")
@@ -348,9 +355,9 @@ def ingress():
 
     import uvicorn
     from starlette.requests import Request
+    from strata_jax.serve.replicas.replicas.replica_ingress import ReplicaIngress
 
     from strata_jax.serve.launch import free_port
-    from strata_jax.serve.replica_ingress import ReplicaIngress
 
     replicas = [FakeReplica("strata-0"), FakeReplica("strata-1", down=True)]
     front = ReplicaIngress(replicas, ["strata-0", "strata-1"], accept_timeout_s=5, api_key=INGRESS_KEY,
@@ -456,10 +463,10 @@ def test_ray_starts_without_its_dashboard_and_its_proxy_hands_the_ingress_no_unc
 
     import ray  # the test extra pins ray[serve]: a missing Ray is a failure, not a skip
     from ray import cloudpickle, serve
+    from strata_jax.serve.replicas.replicas.replica_ingress import ReplicaIngress
 
-    from strata_jax.serve import ray_app
     from strata_jax.serve.launch import free_port
-    from strata_jax.serve.replica_ingress import ReplicaIngress
+    from strata_jax.serve.replicas.replicas import ray_app
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])    # Ray's workers cannot import this test module
 

@@ -1,5 +1,5 @@
 """One model over two processes (issue 19, item 2): two real `strata-jax serve` processes on localhost joined by
-jax.distributed (engine/hosts.py, engine/lockstep.py, serve/group.py) give the greedy tokens of one process;
+jax.distributed (engine/distributed/hosts.py, engine/distributed/lockstep.py, serve/worker/group.py) give the greedy tokens of one process;
 a follower that dies is a fault in /faults naming it, the request in flight fails clearly, and the group
 comes back; so it does when process 0's engine dies, or a follower's whole serve process (a new one joins). Also what is refused, and the leader's channel on its own."""
 
@@ -20,9 +20,16 @@ import pytest
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
-from strata_jax.engine.group_channel import follower_handshake, group_key
-from strata_jax.engine.hosts import Hello, KvReset, Loaded, digest, pack, refusal
-from strata_jax.engine.lockstep import GroupLost, Leader
+from strata_jax.engine.distributed.group_channel import follower_handshake, group_key
+from strata_jax.engine.distributed.hosts import (
+    Hello,
+    KvReset,
+    Loaded,
+    digest,
+    pack,
+    refusal,
+)
+from strata_jax.engine.distributed.lockstep import GroupLost, Leader
 from strata_jax.gguf import GGUFModel
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.testing.ports import group_port

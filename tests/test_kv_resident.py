@@ -135,7 +135,7 @@ def test_host_store_pages_and_ends():
     """The numpy store alone: put/read across pages, fetch zeros past a row's end, int8 with scales."""
     from types import SimpleNamespace
 
-    from strata_jax.engine.kv_host import KVHostStore
+    from strata_jax.engine.execute.kv_host import KVHostStore
 
     spec = SimpleNamespace(n_layers=2, n_kv_heads=2, head_dim=4, value_dim=4)
     store = KVHostStore(spec, resident=32, cache_len=32 + 16 * 16 * 3, chunk=16, kv_dtype=np.int8)

@@ -9,14 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "strata_jax"
 
 
-def layers() -> dict[str, int]:
-    """docs/DESIGN.md's layer table -> {unit: layer}; a unit is a module or package right under strata_jax."""
+def layers(marker: str = "<!-- layers:", end: str = "<!-- /layers -->") -> dict[str, int]:
+    """docs/DESIGN.md's layer table -> {unit: layer}; a unit is a module or package right under strata_jax
+    (or, for a package's floor table, right under that package)."""
     text = (ROOT / "docs" / "DESIGN.md").read_text()
-    table = text.split("<!-- layers:", 1)[1].split("<!-- /layers -->", 1)[0]
+    table = text.split(marker, 1)[1].split(end, 1)[0]
     out: dict[str, int] = {}
     for row in table.splitlines():
         m = re.match(r"\|\s*(\d+)\s*\|([^|]*)\|", row)
@@ -82,6 +85,57 @@ def test_no_import_runs_up_the_layers():
                 wrong.append(f"{path.relative_to(ROOT)}:{line} ({mine}, layer {table[mine]}) imports "
                              f"{module} ({theirs}, layer {table[theirs]})")
     assert wrong == []
+
+
+FLOORED = ("engine", "serve")        # the packages whose folders are floors of their own (docs/DESIGN.md)
+
+
+def floors(package: str) -> dict[str, int]:
+    return layers(f"<!-- floors {package}:", "<!-- /floors -->")
+
+
+def units_under(package: Path) -> set[str]:
+    return {p.stem if p.is_file() else p.name for p in package.iterdir()
+            if (p.suffix == ".py" or (p / "__init__.py").exists())}
+
+
+def floor_unit(module: str, package: str) -> str | None:
+    """strata_jax.engine.execute.kv_cache -> execute (for package engine); None outside the package."""
+    parts = module.split(".")
+    if parts[:2] != ["strata_jax", package]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+@pytest.mark.parametrize("package", FLOORED)
+def test_each_floor_table_names_every_unit_of_its_package(package):
+    assert units_under(PKG / package) == set(floors(package))
+
+
+@pytest.mark.parametrize("package", FLOORED)
+def test_no_import_runs_up_or_across_the_floors_of_a_package(package):
+    table, wrong = floors(package), []
+    for path in sorted((PKG / package).rglob("*.py")):
+        mine = floor_unit(module_name(path), package)
+        for module, line in imports(path):
+            theirs = floor_unit(module, package)
+            if theirs is not None and theirs != mine and table[theirs] >= table[mine]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({mine}, floor {table[mine]}) imports "
+                             f"{module} ({theirs}, floor {table[theirs]})")
+    assert wrong == []
+
+
+def test_the_floor_checker_sees_an_import_across(tmp_path):
+    """The floor check can fail: a module of execute importing the scheduler is one it reports."""
+    fake = PKG / "engine" / "execute" / "_floor_probe.py"
+    fake.write_text("from ..schedule import scheduler\n")
+    try:
+        found = imports(fake)
+    finally:
+        fake.unlink()
+    assert found == [("strata_jax.engine.schedule.scheduler", 1)]
+    table = floors("engine")
+    assert table[floor_unit(found[0][0], "engine")] > table[floor_unit(module_name(fake), "engine")]
 
 
 def test_the_kernels_import_nothing_of_strata_jax():

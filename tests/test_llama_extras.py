@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.utils import floatToGoString
 
 from strata_jax.gguf import load_tokenizer
-from strata_jax.serve.latency import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS
+from strata_jax.serve.http.latency import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS
 from strata_jax.serve.launch import ServerProcess
 
 N_CTX, PARALLEL = 256, 2

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from strata_jax import Engine, EngineConfig
-from strata_jax.engine.conversation_cache import ConversationCache
+from strata_jax.engine.schedule.conversation_cache import ConversationCache
 from strata_jax.serve.launch import ServerProcess
 
 MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2, "expert_ffn": 32}

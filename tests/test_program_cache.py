@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from strata_jax.engine.memory import MemoryLedger, MiB, is_resource_exhausted
-from strata_jax.engine.programs import Layout, ProgramCache
+from strata_jax.engine.execute.memory import MemoryLedger, MiB, is_resource_exhausted
+from strata_jax.engine.execute.programs import Layout, ProgramCache
 
 
 class FakeCompiled:

@@ -13,10 +13,11 @@ import typing
 import msgspec
 import numpy as np
 import pytest
+from strata_jax.serve.supervisor.supervisor.answers import expect
+from strata_jax.serve.supervisor.supervisor.supervisor import Supervisor
 
 from strata_jax import EngineConfig
 from strata_jax.engine.request import Event
-from strata_jax.serve.answers import expect
 from strata_jax.serve.errors import ApiError
 from strata_jax.serve.protocol import (
     MAX_FRAME,
@@ -51,7 +52,6 @@ from strata_jax.serve.protocol import (
     pack,
     read_frame,
 )
-from strata_jax.serve.supervisor import Supervisor
 
 CHAT = [{"role": "user", "content": "é \x00 \U0001f600"}]
 PARAMS = {"max_tokens": 7, "temperature": 0.5, "stop": ["\n"], "logit_bias": [[3, -1.5]], "grammar": None}

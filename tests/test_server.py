@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
+from strata_jax.serve.http.reasoning import split_reasoning
 from strata_jax.serve.launch import ServerProcess
-from strata_jax.serve.reasoning import split_reasoning
 from strata_jax.testing.edit_gguf import rewrite_gguf
 from strata_jax.testing.templates import THINK_TEMPLATE
 

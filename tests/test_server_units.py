@@ -11,19 +11,23 @@ import sys
 import time
 
 import pytest
+from strata_jax.serve.supervisor.supervisor.ledger import Fault, describe_exit
+from strata_jax.serve.supervisor.supervisor.supervisor import (
+    Prepared,
+    StderrTail,
+    Supervisor,
+)
 
 from strata_jax import EngineConfig
 from strata_jax.serve.errors import ApiError
-from strata_jax.serve.generate import ModelNames, parse_chat, parse_completion
-from strata_jax.serve.ledger import Fault, describe_exit
-from strata_jax.serve.protocol import Cancel, Prepare, decode_command, pack, read_frame
-from strata_jax.serve.reasoning import (
+from strata_jax.serve.http.generate import ModelNames, parse_chat, parse_completion
+from strata_jax.serve.http.reasoning import (
     CONTENT,
     REASONING,
     ReasoningParser,
     split_reasoning,
 )
-from strata_jax.serve.supervisor import Prepared, StderrTail, Supervisor
+from strata_jax.serve.protocol import Cancel, Prepare, decode_command, pack, read_frame
 
 # ---- reasoning -------------------------------------------------------------------------------------------
 
@@ -173,7 +177,7 @@ def test_fault_messages_say_why():
 
 # ---- the supervisor over a mock engine -------------------------------------------------------------------
 
-MOCK = [sys.executable, "-m", "strata_jax.serve.mock_worker"]
+MOCK = [sys.executable, "-m", "strata_jax.serve.worker.mock_worker"]
 PARAMS = {"max_tokens": None, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": None,
           "stop": [], "ignore_eos": False}
 
@@ -302,8 +306,9 @@ def test_serve_refuses_bad_settings_before_starting(args, says):
 def test_pipe_to_a_deaf_engine_is_bounded():
     """An engine that stops reading its input: prompts written to it and not read stay under
     MAX_UNREAD_BYTES, and a prepare beyond it is a 503 with Retry-After at once, not a wait."""
+    from strata_jax.serve.supervisor.supervisor.supervisor import MAX_UNREAD_BYTES
+
     from strata_jax.serve.errors import ApiError
-    from strata_jax.serve.supervisor import MAX_UNREAD_BYTES
 
     async def go():
         sup = Supervisor("mock.gguf", EngineConfig(parallel=2, max_context=1 << 20, request_timeout_s=20),

@@ -11,7 +11,7 @@ import pytest
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
-from strata_jax.engine.spec.accept import accept_row, verify
+from strata_jax.engine.execute.accept import accept_row, verify
 from strata_jax.engine.spec.ngram import NgramDrafter
 from strata_jax.testing.requests import run_all as _run_all
 
@@ -168,7 +168,7 @@ def test_stop_string_and_max_tokens_inside_an_accepted_run(self_drafted):
 
 
 def test_metrics_count_drafts():
-    from strata_jax.serve.metrics import Metrics
+    from strata_jax.serve.http.metrics import Metrics
 
     engine = {"draft_n": 80, "draft_n_accepted": 60, "acceptance": 0.75, "drafter": "ngram"}
     m = Metrics(lambda: {"up": 1, "generation": 1, "slots": 2, "busy_slots": 0, "queued": 0,

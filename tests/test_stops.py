@@ -1,4 +1,4 @@
-"""Stop strings matched incrementally (engine/stops.py): the same answers as searching the whole text at
+"""Stop strings matched incrementally (engine/schedule/stops.py): the same answers as searching the whole text at
 every token, and a cost a token that does not grow with the answer."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import time
 
-from strata_jax.engine.stops import StopMatcher
+from strata_jax.engine.schedule.stops import StopMatcher
 
 
 def _whole_text(text: str, stops: tuple[str, ...]) -> tuple[int | None, int]:

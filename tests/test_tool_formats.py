@@ -471,7 +471,7 @@ def family_tokenizer(family: str):
 def test_forced_grammars_walked_at_random_give_valid_calls(fmt, parallel):
     """Random tokens among those each grammar allows: every walk that ends is calls that validate, written
     with the marks' special tokens; parallel false: one call."""
-    from strata_jax.engine.constrain import Grammars, fill_masks
+    from strata_jax.engine.grammar.constrain import Grammars, fill_masks
 
     tk = family_tokenizer(fmt if FAMILIES.get(fmt, (None,))[0] else "glm45")
     marks = special_marks(tk)

@@ -13,8 +13,8 @@ import pytest
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.engine import SamplingParams
-from strata_jax.engine.scheduler import Scheduler, bucket
-from strata_jax.engine.slots import Slot
+from strata_jax.engine.schedule.scheduler import Scheduler, bucket
+from strata_jax.engine.schedule.slots import Slot
 
 MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
        "expert_ffn": 32}

@@ -23,14 +23,12 @@ from .. import compile_cache
 from ..config import EngineConfig
 from ..experts import ExpertCounters
 from ..gguf import GGUFModel, load_tokenizer
-from . import embeddings, research
-from .admission import Admission
-from .constrain import Grammars
-from .controls import wants_controls
+from . import research
+from .execute import embeddings
+from .execute.controls import wants_controls
+from .execute.memory import is_resource_exhausted
 from .families import family_config, is_hybrid
-from .memory import is_resource_exhausted
-from .output import Output, first_line
-from .prefix_cache import PrefixCache
+from .grammar.constrain import Grammars
 from .request import (
     ContextOverflowError,
     Event,
@@ -40,10 +38,13 @@ from .request import (
     make_params,
 )
 from .runner import ModelRunner
-from .scheduler import Scheduler, Window
-from .slots import Slot
+from .schedule.admission import Admission
+from .schedule.output import Output, first_line
+from .schedule.prefix_cache import PrefixCache
+from .schedule.scheduler import Scheduler, Window
+from .schedule.slots import Slot
+from .schedule.state_checkpoints import StateCheckpoints
 from .spec import make_speculator
-from .state_checkpoints import StateCheckpoints
 
 log = logging.getLogger("strata_jax.engine")
 

@@ -23,9 +23,9 @@ from ..config import EngineConfig
 from ..gguf import GGUFModel
 from . import at_exit
 from .core import EngineCore
-from .embeddings import POOLINGS
-from .output import first_line
+from .execute.embeddings import POOLINGS
 from .request import ContextOverflowError, Event, Handle
+from .schedule.output import first_line
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -114,7 +114,7 @@ class Engine(EngineCore):
 
     def embed(self, inputs: list[list[int]], pooling: str = "last", normalize: int = 2,
               cancel: threading.Event | None = None) -> list[np.ndarray]:
-        """Each token list's embedding (engine/embeddings.py): its final hidden states pooled (last, mean,
+        """Each token list's embedding (engine/execute/embeddings.py): its final hidden states pooled (last, mean,
         cls: float32 [hidden]; none: every token's, [T, hidden]) and normalized as llama.cpp's embd_normalize
         (2: Euclidean; -1: none). Read a piece a step between windows on a scratch KV cache: requests in
         flight go on. cancel: set, the job ends (RuntimeError) before its next piece."""

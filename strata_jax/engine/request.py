@@ -55,7 +55,7 @@ class SamplingParams:
     repeat_penalty: float = 1.0        # llama.cpp's: 1 is off
     repeat_last_n: int = 64            # llama.cpp's: the tokens of prompt + output it looks at (-1: all, 0: off)
     logprobs: int | None = None        # None: no logprobs; N: the chosen token's and the top N alternatives'
-    grammar: tuple[str, ...] | None = None   # structured output: (kind, text, request field): engine/constrain.py
+    grammar: tuple[str, ...] | None = None   # structured output: (kind, text, request field): engine/grammar/constrain.py
 
     def validate(self, vocab_size: int | None = None) -> None:
         """RequestError naming the field and the value, for anything the engine cannot hold or use."""
@@ -158,9 +158,9 @@ class Event:
     logprob: float | None = None      # token events of a request with logprobs: the token's (raw model) logprob
     top_logprobs: list[tuple[int, float]] | None = None   # and its top alternatives (token id, logprob)
     request: int | None = None        # the id of the request it belongs to (set by the engine: Engine.step())
-    # The server's side of the same event (serve/supervisor.py: _on_frame), made by the worker off the engine thread:
-    logprobs: list | None = None      # [token bytes, logprob, [[bytes, logprob], ...]] (serve/logprobs.py)
-    logprob_ids: list | None = None   # [token id, [alternatives' ids]] (llama.cpp's n_probs: serve/native.py)
+    # The server's side of the same event (serve/supervisor/supervisor.py: _on_frame), made by the worker off the engine thread:
+    logprobs: list | None = None      # [token bytes, logprob, [[bytes, logprob], ...]] (serve/http/logprobs.py)
+    logprob_ids: list | None = None   # [token id, [alternatives' ids]] (llama.cpp's n_probs: serve/llama/native.py)
 
 
 _ids = itertools.count(1)

@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from .layouts import GroupInput
-from .sampler import SamplingRows
-from .scheduler import bucket
+from .execute.layouts import GroupInput
+from .execute.sampler import SamplingRows
+from .schedule.scheduler import bucket
 
 
 def logits_on_scratch(core, ids: list[int]) -> np.ndarray:

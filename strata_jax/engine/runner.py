@@ -26,23 +26,29 @@ from ..experts.profile import ExpertProfile
 from ..gguf import GGUFModel
 from ..model import RunOptions, load_nextn_experts, load_params
 from .choices import KV_DTYPES, resolve
-from .constrain import fill_masks
-from .controls import controls_of, sample_controlled
-from .devices import AXIS, ExpertShards, devices_for, ledger_for, resolve_split
-from .embeddings import Embedder
+from .distributed.devices import (
+    AXIS,
+    ExpertShards,
+    devices_for,
+    ledger_for,
+    resolve_split,
+)
+from .distributed.lockstep import Leader, over_processes
+from .distributed.pipeline import Pipeline, stage_kv
+from .execute.accept import verify
+from .execute.controls import controls_of, sample_controlled
+from .execute.embeddings import Embedder
+from .execute.kv_cache import KVCache, kv_bytes
+from .execute.kv_host import KVHostStore
+from .execute.layouts import GroupInput, WindowLayouts, decode_only, verify_only
+from .execute.placement import largest_window_temp_bytes, place_experts
+from .execute.programs import Layout, ProgramCache
+from .execute.sampler import greedy_on_host, sample
+from .execute.stepped import LayerStepper
+from .execute.window_program import build_window, cache_last
 from .families import is_hybrid
 from .faults import Faults
-from .kv_cache import KVCache, kv_bytes
-from .kv_host import KVHostStore
-from .layouts import GroupInput, WindowLayouts, decode_only, verify_only
-from .lockstep import Leader, over_processes
-from .pipeline import Pipeline, stage_kv
-from .placement import largest_window_temp_bytes, place_experts
-from .programs import Layout, ProgramCache
-from .sampler import greedy_on_host, sample
-from .spec.accept import verify
-from .stepped import LayerStepper
-from .window_program import build_window, cache_last
+from .grammar.constrain import fill_masks
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -99,7 +105,7 @@ class ModelRunner:
         # --drafter mtp: window programs also hand back every token's last hidden state (the MTP layer's
         # input), kept on the device until the engine takes them (take_hiddens)
         self.with_hidden = cfg.spec > 0 and cfg.drafter == "mtp"
-        # Packed windows (engine/scheduler.py) where every row is computed alone and no drafter reads the
+        # Packed windows (engine/schedule/scheduler.py) where every row is computed alone and no drafter reads the
         # windows' hidden states by group row.
         # A hybrid family's recurrent state needs a row a slot (engine/families.py).
         self.packed = self.min_rows == 1 and not self.with_hidden and not is_hybrid(self.spec)

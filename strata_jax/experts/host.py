@@ -38,7 +38,7 @@ class HostTier:
     def __init__(self, model, layers: list[int], budget_bytes: int | None, workers: int,
                  in_ram: dict[int, dict[str, np.ndarray]] | None = None):
         """in_ram: every expert already in RAM ([E, n, row_bytes] a tensor: the packed host experts,
-        engine/placement.py): the tier hands out views of them instead of copying the file's blocks."""
+        engine/execute/placement.py): the tier hands out views of them instead of copying the file's blocks."""
         self.layers = layers
         self.tensors = {i: expert_tensors(model, i) for i in layers}
         self.n_experts = self.tensors[layers[0]]["exp_gate"].shape[0]

@@ -1,6 +1,6 @@
 """Attention over KV that lives partly in host RAM (`--kv-resident N`).
 
-A slot's first N positions sit in the device cache; positions N.. sit in a host store (engine/kv_host.py).
+A slot's first N positions sit in the device cache; positions N.. sit in a host store (engine/execute/kv_host.py).
 Inside a window program whose KV length reaches past N, each layer's attention
   1. attends over the device part [0, N) exactly as before (the window's new keys and values at
      positions >= N go to the device cache's scratch position, which nobody reads),
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 
 class HostKV(Protocol):
-    """What the model needs from a host store (engine/kv_host.py holds the numpy one)."""
+    """What the model needs from a host store (engine/execute/kv_host.py holds the numpy one)."""
     resident: int                         # positions a slot keeps on the device
     names: tuple[str, ...]                # the cache's entries: k, v (and k_scale, v_scale for int8)
 

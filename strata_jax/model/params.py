@@ -4,7 +4,7 @@ shared expert, an expert-choosing bias) read as `lp.router is not None`.
 
 Every class is a dataclass pytree (flattened in C++, see weights.QTensor) whose fields are all data: a None
 field is an empty subtree, so a program's inputs hold only the parts a layer has, and two layers with the
-same parts and shapes share one program (engine/stepped.py groups them by tree structure).
+same parts and shapes share one program (engine/execute/stepped.py groups them by tree structure).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The layer-stepped window's own stages (engine/stepped.py runs them, for the expert tiers).
+"""The layer-stepped window's own stages (engine/execute/stepped.py runs them, for the expert tiers).
 
 When the experts do not all sit on the device, a window runs as a chain of small programs: embed, then per
 layer "attention + router" (the router's choices go to the host, which brings the experts into the device

@@ -99,7 +99,7 @@ class Group:
     slots: jax.Array         # [R] int32
     all_logits: bool = False  # static: logits of every token, else of each row's last real token
     # [E] int32, or None: logits of these of the R * L tokens only (a packed window: the cpu backend's tokens
-    # one a row, decode rows and prompt chunks together; engine/scheduler.py)
+    # one a row, decode rows and prompt chunks together; engine/schedule/scheduler.py)
     picks: jax.Array | None = None
 
     def tree_flatten(self):

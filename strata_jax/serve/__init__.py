@@ -14,8 +14,8 @@ from ..config import EngineConfig, ServerConfig
 def build(server: ServerConfig, engine: EngineConfig, *, progress: bool = True):
     """The Litestar app, with its supervisor (the engine starts with the app)."""
     from .app import create_app
-    from .console import Console
-    from .supervisor import Supervisor
+    from .http.console import Console
+    from .supervisor.supervisor import Supervisor
 
     if server.model is None:
         raise ValueError("ServerConfig.model is None: pass a GGUF path (the CLI fills in the default model)")
@@ -39,12 +39,12 @@ def serve(server: ServerConfig, engine: EngineConfig, *, progress: bool = True) 
     """Run the server until interrupted (Ctrl-C / SIGTERM); the engine process ends with it."""
     import uvicorn
 
-    from .slow_clients import protocol
+    from .http.slow_clients import protocol
 
     sockets = listen_sockets(server.host, server.port)       # first: a bad address fails before the engine starts
     app = build(server, engine, progress=progress)
     # uvicorn's h11 protocol, whatever else is installed: h11 writes header names as the app gives them (llama.cpp's
-    # `Access-Control-Allow-Origin`: serve/cors.py), where httptools (which Ray's packages bring) lowercases them;
+    # `Access-Control-Allow-Origin`: serve/http/cors.py), where httptools (which Ray's packages bring) lowercases them;
     # with a deadline on reading each request (--read-timeout-s: slow_clients.py)
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5, http=protocol(server.read_timeout_s))

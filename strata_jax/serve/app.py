@@ -36,20 +36,13 @@ from litestar.response import Stream
 from ..config import ServerConfig
 from ..engine import slot_files
 from ..fetch import cache_dir
-from . import (
-    cors,
-    cors_proxy,
-    embeddings,
-    generate,
-    llama_routes,
-    native,
-    openapi,
-    webui,
-)
+from . import openapi
 from .errors import ApiError, error_body
-from .generate import Job, ModelNames
-from .metrics import Metrics
-from .supervisor import Supervisor
+from .http import cors, cors_proxy, embeddings, generate, webui
+from .http.generate import Job, ModelNames
+from .http.metrics import Metrics
+from .llama import llama_routes, native
+from .supervisor.supervisor import Supervisor
 
 log = logging.getLogger("strata_jax.serve")
 
@@ -124,7 +117,7 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
 
     @post(["/completion", "/completions"], status_code=200, guards=[_json_body])
     async def completion(request: Request) -> Response:
-        """llama.cpp's native /completion (serve/native.py); /completions is llama.cpp's name for it too."""
+        """llama.cpp's native /completion (serve/llama/native.py); /completions is llama.cpp's name for it too."""
         try:
             jobs, req = native.parse(await request.body(), names.served, names.served, defaults, sup.config.seed)
             for job in jobs:

@@ -1,7 +1,7 @@
 """The server's OpenAPI document with the request bodies its routes read: GET /openapi.json (vLLM's path).
 
 Litestar describes each route from its handler's signature, but ours read the raw body themselves (msgspec
-decodes it and names the field at fault, serve/parse.py), so Litestar's own document (/schema/openapi.json)
+decodes it and names the field at fault, serve/http/parse.py), so Litestar's own document (/schema/openapi.json)
 has no request bodies. This one adds them: the msgspec structs' own JSON schemas where a route decodes one,
 a small hand-written schema where it reads a JSON object field by field. A client generator or a fuzzer
 (schemathesis, tests/test_openapi_fuzz.py and scripts/fuzz_openapi.py) then sees what every route takes.
@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from .native import NativeRequest
-from .schemas import ChatCompletionRequest, CompletionRequest, Message
+from .http.schemas import ChatCompletionRequest, CompletionRequest, Message
+from .llama.native import NativeRequest
 
 REF = "#/components/schemas/"
 TOKEN_ID = {"type": "integer", "minimum": 0}

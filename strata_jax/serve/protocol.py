@@ -111,7 +111,7 @@ class ApplyTemplate(Command, tag="apply_template"):
 
 
 class Embed(Command, tag="embed"):
-    """Embeddings (engine/embeddings.py) of texts (tokenized with special tokens) or token lists."""
+    """Embeddings (engine/execute/embeddings.py) of texts (tokenized with special tokens) or token lists."""
     id: str
     inputs: list[str | list[int | str]]         # a text, token ids, or llama.cpp's mix of texts and ids
     pooling: str                                # the server's --pooling

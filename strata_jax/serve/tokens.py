@@ -5,11 +5,11 @@ one every prompt goes through), so the ids a client gets are the ids the engine 
         -> Answer(id, tokens=[id, ...] | [{"id", "piece"}, ...])
     Detokenize(id, tokens: [int, ...])  -> Answer(id, content=str)
 
-The server has checked the types and the sizes it can see (serve/llama_routes.py: the text's bytes, the ids);
+The server has checked the types and the sizes it can see (serve/llama/llama_routes.py: the text's bytes, the ids);
 ids are checked here against the tokenizer's vocabulary, and one outside it is a "rejected" frame naming the
 field and the value. What only the answer tells is bounded here, before it is built or sent: a text of more
 ids than `max_ids` (--max-tokenize-ids), ids whose text is longer than `max_bytes` (--max-tokenize-bytes),
-refused as "too_large" (a 413). These run on a thread of their own (serve/worker.py), and a long text's
+refused as "too_large" (a 413). These run on a thread of their own (serve/worker/worker.py), and a long text's
 tokenizing lets go of the GIL (gguf/tokenizer.py), so the engine loop and its heartbeat go on meanwhile.
 """
 

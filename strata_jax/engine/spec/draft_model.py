@@ -21,10 +21,10 @@ import numpy as np
 
 from ...config import ConfigError, EngineConfig
 from ...gguf import GGUFModel
-from ..layouts import GroupInput
+from ..execute.layouts import GroupInput
+from ..execute.sampler import SamplingRows
 from ..runner import ModelRunner
-from ..sampler import SamplingRows
-from ..scheduler import bucket
+from ..schedule.scheduler import bucket
 
 DRAFT_PROGRAMS = 32       # the drafter's own program bound
 CATCH_UP = 4              # tokens a slot may still need read in the batched group (after a verify: 1 or 2)

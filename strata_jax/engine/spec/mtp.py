@@ -39,9 +39,9 @@ import numpy as np
 
 from ...config import ConfigError
 from ...model import mtp_forward
-from ..kv_cache import KVCache
-from ..programs import Layout, ProgramCache
-from ..scheduler import bucket
+from ..execute.kv_cache import KVCache
+from ..execute.programs import Layout, ProgramCache
+from ..schedule.scheduler import bucket
 from .draft_model import top1
 
 log = logging.getLogger("strata_jax.engine")

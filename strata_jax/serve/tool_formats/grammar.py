@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ...engine.constrain import JSON_LAYOUT
+from ...engine.grammar.constrain import JSON_LAYOUT
 from .marks import (
     ARG_KEY,
     ARG_KEY_END,

@@ -1,0 +1,1 @@
+"""`serve --replicas N`: engine replicas behind one ingress, as a Ray Serve application."""

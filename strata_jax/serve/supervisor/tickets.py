@@ -1,0 +1,70 @@
+"""What the supervisor hands around: a prepared prompt (the engine's Prepared frame, protocol.py), a request's
+ticket from queue to end, the two ways an engine answer can fail to come, and the engine's refusals as the
+API's errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ApiError, context_overflow
+from ..protocol import Prepared, Rejected
+
+__all__ = ["EngineBusy", "EngineGone", "Prepared", "Ticket", "rejection"]
+
+log = logging.getLogger("strata_jax.serve")
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request from the moment it is queued."""
+    id: str
+    ids: list[int]
+    params: dict[str, Any]
+    deadline: float                             # time.monotonic()
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    state: str = "queued"                       # queued | running | done
+    seat: int | None = None
+    generation: int = 0                         # the engine process it ran on
+    arrived: float = field(default_factory=time.monotonic)
+    started: float = 0.0
+    n_tokens: int = 0
+    cancelled: bool = False
+    holds: int = 0                              # queue places kept for its request's later choices (choices.py)
+    first_at: float = 0.0                       # when its first and latest token events came (latency.py)
+    last_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)     # seconds between its token events, in order
+
+    def token_came(self, now: float) -> None:
+        if self.first_at:
+            self.gaps.append(now - self.last_at)
+        else:
+            self.first_at = now
+        self.last_at = now
+
+
+class EngineGone(Exception):
+    """The engine process ended while we waited for its answer."""
+
+
+class EngineBusy(Exception):
+    """The engine has not read what was written to it (MAX_UNREAD_BYTES): nothing more is sent for now."""
+
+
+def rejection(reply: Rejected) -> ApiError:
+    if reply.kind == "context":
+        return context_overflow(reply.n_prompt_tokens, reply.max_tokens, reply.n_ctx)
+    if reply.kind == "template":
+        return ApiError(400, reply.message, "invalid_request_error", "messages")
+    if reply.kind == "invalid":
+        return ApiError(400, reply.message, "invalid_request_error", reply.param)
+    if reply.kind == "too_large":               # what it asks for is beyond a bound (--max-tokenize-ids, ...)
+        return ApiError(413, reply.message, "invalid_request_error", reply.param)
+    if reply.kind == "server":                  # a message made to be shown (no paths, no exception text)
+        return ApiError(500, reply.message, "server_error")
+    log.error("the engine could not take %s: %s", reply.id, reply.message)   # a bug: log, don't echo
+    return ApiError(500, f"internal error in the engine ({reply.id}): the server's log has the details",
+                    "server_error")
