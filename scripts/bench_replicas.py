@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import httpx
-from strata_jax.serve.replicas.replicas.replica_routing import REPLICA_HEADER
 
 from strata_jax.serve.launch import ServerProcess, free_port
+from strata_jax.serve.replicas.replica_routing import REPLICA_HEADER
 
 
 def load(url: str, clients: int, requests: int, max_tokens: int, salt: str) -> dict:
@@ -121,7 +121,7 @@ def main() -> int:
         import ray
         from ray import serve
 
-        from strata_jax.serve.replicas.replicas import ray_app
+        from strata_jax.serve.replicas import ray_app
 
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
         port = free_port()

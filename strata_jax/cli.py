@@ -285,7 +285,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _serve_replicas(args, path)
     if engine.num_processes > 1:        # one model over processes: refused now, not in every engine restart
         from strata_jax.engine.distributed.hosts import refuse
-        from strata_jax.serve.worker.worker.group import follower_loop
+        from strata_jax.serve.worker.group import follower_loop
 
         refuse(engine, model.spec)
         if engine.process_id > 0:       # a follower: no HTTP, its engine process restarted whenever it stops
@@ -296,7 +296,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve_replicas(args: argparse.Namespace, path: str) -> int:
     """`serve --replicas N`: each replica's server gets this command's arguments less --replicas, --host and
     --port (abbreviated or not), and the model's path (the default model is fetched here, once)."""
-    from strata_jax.serve.replicas.replicas.ray_app import (
+    from strata_jax.serve.replicas.ray_app import (
         need_ray,
         replica_argv,
         run_replicas,

@@ -355,9 +355,9 @@ def ingress():
 
     import uvicorn
     from starlette.requests import Request
-    from strata_jax.serve.replicas.replicas.replica_ingress import ReplicaIngress
 
     from strata_jax.serve.launch import free_port
+    from strata_jax.serve.replicas.replica_ingress import ReplicaIngress
 
     replicas = [FakeReplica("strata-0"), FakeReplica("strata-1", down=True)]
     front = ReplicaIngress(replicas, ["strata-0", "strata-1"], accept_timeout_s=5, api_key=INGRESS_KEY,
@@ -463,10 +463,10 @@ def test_ray_starts_without_its_dashboard_and_its_proxy_hands_the_ingress_no_unc
 
     import ray  # the test extra pins ray[serve]: a missing Ray is a failure, not a skip
     from ray import cloudpickle, serve
-    from strata_jax.serve.replicas.replicas.replica_ingress import ReplicaIngress
 
     from strata_jax.serve.launch import free_port
-    from strata_jax.serve.replicas.replicas import ray_app
+    from strata_jax.serve.replicas import ray_app
+    from strata_jax.serve.replicas.replica_ingress import ReplicaIngress
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])    # Ray's workers cannot import this test module
 

@@ -13,8 +13,6 @@ import typing
 import msgspec
 import numpy as np
 import pytest
-from strata_jax.serve.supervisor.supervisor.answers import expect
-from strata_jax.serve.supervisor.supervisor.supervisor import Supervisor
 
 from strata_jax import EngineConfig
 from strata_jax.engine.request import Event
@@ -52,6 +50,8 @@ from strata_jax.serve.protocol import (
     pack,
     read_frame,
 )
+from strata_jax.serve.supervisor.answers import expect
+from strata_jax.serve.supervisor.supervisor import Supervisor
 
 CHAT = [{"role": "user", "content": "é \x00 \U0001f600"}]
 PARAMS = {"max_tokens": 7, "temperature": 0.5, "stop": ["\n"], "logit_bias": [[3, -1.5]], "grammar": None}

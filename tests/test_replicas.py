@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from strata_jax.serve.launch import free_port
-from strata_jax.serve.replicas.replicas import replica_routing as routing
+from strata_jax.serve.replicas import replica_routing as routing
 
 NAMES = ["strata-0", "strata-1"]
 N_CTX = 1024
@@ -67,7 +67,7 @@ def test_replicas_without_ray_is_a_clear_error(tiny_model, monkeypatch, capsys):
 
 def test_replica_servers_get_the_arguments_less_host_port_and_replicas(tiny_model, monkeypatch):
     from strata_jax import cli
-    from strata_jax.serve.replicas.replicas import ray_app
+    from strata_jax.serve.replicas import ray_app
 
     seen = {}
     monkeypatch.setattr(ray_app, "need_ray", lambda: None)
@@ -84,7 +84,7 @@ def test_replica_servers_get_the_arguments_less_host_port_and_replicas(tiny_mode
 def endpoint(tiny_model):
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
-    from strata_jax.serve.replicas.replicas import ray_app
+    from strata_jax.serve.replicas import ray_app
 
     model = tiny_model(arch="qwen3", layers=2, hidden=64)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)

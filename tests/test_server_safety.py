@@ -144,10 +144,10 @@ def test_the_key_comes_from_the_file_and_the_engine_does_not_inherit_it(server):
 
 def test_a_500_says_where_the_log_is_not_what_failed(caplog):
     from litestar.testing import TestClient
-    from strata_jax.serve.supervisor.supervisor.supervisor import Supervisor
 
     from strata_jax import EngineConfig, ServerConfig
     from strata_jax.serve.app import create_app
+    from strata_jax.serve.supervisor.supervisor import Supervisor
 
     sup = Supervisor("/very/secret/dir/mock.gguf", EngineConfig(parallel=1, max_context=64),
                      command=[sys.executable, "-m", "strata_jax.serve.worker.mock_worker"])

@@ -11,12 +11,6 @@ import sys
 import time
 
 import pytest
-from strata_jax.serve.supervisor.supervisor.ledger import Fault, describe_exit
-from strata_jax.serve.supervisor.supervisor.supervisor import (
-    Prepared,
-    StderrTail,
-    Supervisor,
-)
 
 from strata_jax import EngineConfig
 from strata_jax.serve.errors import ApiError
@@ -28,6 +22,12 @@ from strata_jax.serve.http.reasoning import (
     split_reasoning,
 )
 from strata_jax.serve.protocol import Cancel, Prepare, decode_command, pack, read_frame
+from strata_jax.serve.supervisor.ledger import Fault, describe_exit
+from strata_jax.serve.supervisor.supervisor import (
+    Prepared,
+    StderrTail,
+    Supervisor,
+)
 
 # ---- reasoning -------------------------------------------------------------------------------------------
 
@@ -306,9 +306,8 @@ def test_serve_refuses_bad_settings_before_starting(args, says):
 def test_pipe_to_a_deaf_engine_is_bounded():
     """An engine that stops reading its input: prompts written to it and not read stay under
     MAX_UNREAD_BYTES, and a prepare beyond it is a 503 with Retry-After at once, not a wait."""
-    from strata_jax.serve.supervisor.supervisor.supervisor import MAX_UNREAD_BYTES
-
     from strata_jax.serve.errors import ApiError
+    from strata_jax.serve.supervisor.supervisor import MAX_UNREAD_BYTES
 
     async def go():
         sup = Supervisor("mock.gguf", EngineConfig(parallel=2, max_context=1 << 20, request_timeout_s=20),

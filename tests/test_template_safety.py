@@ -18,7 +18,6 @@ import jinja2
 import jinja2.ext
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from strata_jax.serve.worker.worker.worker import Worker
 from tokenizer_data import smollm2_tokenizer
 
 from strata_jax.engine.engine import Engine
@@ -31,6 +30,7 @@ from strata_jax.serve.errors import ApiError
 from strata_jax.serve.http.generate import ModelNames, parse_chat
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.serve.protocol import Prepare, Prepared
+from strata_jax.serve.worker.worker import Worker
 from strata_jax.testing.edit_gguf import rewrite_gguf
 from strata_jax.testing.templates import THINK_TEMPLATE
 
