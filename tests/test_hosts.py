@@ -216,7 +216,7 @@ def _joined_follower():
     c.sendall(pack(Loaded()))
     leader.accept(timeout=10)
     lost: list[str] = []
-    leader.on_lost = lost.append
+    leader.when_lost(lost.append)
     return leader, c, lost
 
 

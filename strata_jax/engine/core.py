@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -57,6 +57,26 @@ _JOBS = {
 }
 
 
+@dataclass
+class WindowCounts:
+    """Requests taken in and windows run, since the start (the core's own; Output counts how requests end)."""
+    requests: int = 0
+    windows: int = 0
+    window_rows: int = 0
+    prompt_rows: int = 0
+    multi_prompt_windows: int = 0
+    narrowed_windows: int = 0
+    split_windows: int = 0
+    max_window_tokens: int = 0      # the most real tokens a window held (llama.cpp's n_tokens_max)
+
+    def add_window(self, rows: list, prompts: list, real_tokens: int) -> None:
+        self.windows += 1
+        self.window_rows += len(rows)
+        self.prompt_rows += len(prompts)
+        self.multi_prompt_windows += len(prompts) > 1
+        self.max_window_tokens = max(self.max_window_tokens, real_tokens)
+
+
 class EngineCore:
     def __init__(self, model: GGUFModel, config: EngineConfig | None = None, progress: bool = False,
                  expert_policy: str | None = None):
@@ -85,17 +105,22 @@ class EngineCore:
         self.scheduler = Scheduler(self.runner.choices["prefill"], self.runner.min_rows,
                                    self.runner.choices["batch_tokens"], self.runner.packed)
         self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
-        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
-                         "generated_tokens": 0, "windows": 0, "window_rows": 0, "prompt_rows": 0,
-                         "multi_prompt_windows": 0, "narrowed_windows": 0, "split_windows": 0,
-                         "max_window_tokens": 0}      # the most real tokens a window held (llama.cpp's n_tokens_max)
-        self.output = Output(self.tokenizer, self.runner, self.speculator, self.counters)
+        self.counts = WindowCounts()                      # requests taken in and windows run (Output counts the ends)
+        self.output = Output(self.tokenizer, self.runner, self.speculator)
         self.admission = Admission(self.prefix, self.tokenizer, self.speculator, self.output,
                                    self.runner.cache_lost, self.lose_cache, self.config.request_timeout_s)
         self.inbox: queue.Queue = queue.Queue()          # requests and jobs, from any thread
-        self.embeds = embeddings.Embeddings(self)        # embed jobs, read a piece a step (embeddings.py)
+        self.embeds = embeddings.Embeddings(self.runner, self.config.max_context)   # a piece a step (embeddings.py)
         self.stepped = False                             # whether the last step() ran a window
         self.waiting_for_programs = False                # it ran none: its window's programs are being built
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Every count as one flat dict (stats, /metrics): the core's, Output's, and each embeddings piece as a
+        window of one row (llama.cpp counts it as a decode)."""
+        out = {**asdict(self.counts), **asdict(self.output.counts)}
+        out["window_rows"] += self.embeds.pieces
+        return out
 
     def step(self) -> list[Event]:
         """Take in new requests, plan one window, run it and apply its tokens -> the events it produced, in
@@ -218,8 +243,8 @@ class EngineCore:
             except queue.Empty:
                 break
             if isinstance(item, Request):
-                self.admission.waiting.append(item)
-                self.counters["requests"] += 1
+                self.admission.wait(item)
+                self.counts.requests += 1
                 continue
             kind, *args, done = item
             if kind == "embed":                         # not all at once: a piece a step (embeddings.py)
@@ -260,7 +285,7 @@ class EngineCore:
                 if w.drafts is not None and small.drafts is None:
                     for s in w.decode:                    # their drafts were not verified
                         self.speculator.reset(s)
-                self.counters["narrowed_windows"] += 1
+                self.counts.narrowed_windows += 1
                 return small
         if self.runner.building(layout):      # nothing smaller is built: no window until the builder thread
             self.scheduler.skipped(w)        # has built w's (the loop takes in cancels and requests meanwhile)
@@ -300,12 +325,7 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - every failure is reported to the requests, never lost
             self._recover(w, e)
             return
-        self.counters["windows"] += 1
-        self.counters["window_rows"] += len(w.rows)
-        self.counters["prompt_rows"] += len(w.prefills)
-        self.counters["multi_prompt_windows"] += len(w.prefills) > 1
-        real = sum(int((g.pos >= 0).sum()) for g in w.groups)
-        self.counters["max_window_tokens"] = max(self.counters["max_window_tokens"], real)
+        self.counts.add_window(w.rows, w.prefills, sum(int((g.pos >= 0).sum()) for g in w.groups))
         if self.runner.stepper is not None:               # expert-tier counters, per request too
             for s in w.rows:
                 if not s.free:
@@ -358,7 +378,7 @@ class EngineCore:
             for s in rows:
                 self.output.fail(s, f"window {self._describe(w)} failed: {e}")
             return
-        self.counters["split_windows"] += 1
+        self.counts.split_windows += 1
         log.warning("window %s failed (%s): running its rows in smaller windows", self._describe(w), first_line(e))
         parts = [w.decode[: len(w.decode) // 2], w.decode[len(w.decode) // 2:]] if len(w.decode) > 1 else [w.decode]
         for part in parts:

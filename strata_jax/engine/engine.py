@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..gguf import GGUFModel
-from . import at_exit
+from . import at_exit, slot_files
 from .core import EngineCore
 from .execute.embeddings import POOLINGS
 from .request import ContextOverflowError, Event, Handle
@@ -51,6 +51,19 @@ class Engine(EngineCore):
         self.progress_at = time.monotonic()     # last sign of life of the loop (heartbeat)
         self.loop_error: str | None = None       # why the loop thread ended, if it did
         self.on_loop_death = None                # called with that reason (the worker exits the process)
+
+    @property
+    def loop_thread(self) -> threading.Thread | None:
+        """The thread that steps the engine (None before the first request): the heartbeat watches it."""
+        return self._thread
+
+    def when_lost(self, on_loop_death: Callable[[str], None],
+                  on_group_lost: Callable[[str], None] | None = None) -> None:
+        """What the engine process does when the engine cannot go on: its loop thread died (with the reason),
+        or, for one model over processes, a process of the group is gone (called at once if it is already)."""
+        self.on_loop_death = on_loop_death
+        if self.runner.group is not None and on_group_lost is not None:
+            self.runner.group.when_lost(on_group_lost)
 
     @classmethod
     def from_gguf(cls, path: str | Path, config: EngineConfig | None = None, progress: bool = False,
@@ -169,6 +182,13 @@ class Engine(EngineCore):
             raise out
         return out
 
+    def slot_action(self, action: str, slot: int, path: str | None = None) -> dict[str, Any]:
+        """llama.cpp's slot files (POST /slots/N?action=save|restore|erase, engine/slot_files.py): slot `slot`'s
+        kept KV and tokens written to the file at `path`, read back from it, or forgotten -> the action's
+        llama.cpp answer. Raises slot_files.SlotFileError for what a client must mend (a busy slot, a file
+        of another model)."""
+        return slot_files.run(self, action, slot, path)
+
     def between_windows(self, fn):
         """fn() run on the engine thread between windows (slots and the KV cache hold still) -> its result."""
         done: queue.Queue = queue.Queue()
@@ -182,9 +202,10 @@ class Engine(EngineCore):
 
     def stats(self) -> dict[str, Any]:
         busy = sum(not s.free for s in self.slots)
-        out = {**dict(self.counters), **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
+        out = {**self.counters, **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
                "queued": self.inbox.qsize() + len(self.admission.waiting), "prefix_cache": self.prefix.stats(),
                "kv_used_positions": sum(s.n_past for s in self.slots if not s.free)}     # KV usage (/metrics)
+        out["windows"] += self.embeds.pieces             # the runner's windows and the embeddings' pieces
         if self.speculator is not None:
             out["spec"] = self.speculator.stats()
         return out

@@ -4,8 +4,6 @@ slot through the prefix cache, as a request would read its prompt."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from .execute.layouts import GroupInput
@@ -34,20 +32,20 @@ def logits_reusing(core, ids: list[int]) -> tuple[int, np.ndarray]:
     if placed is None:
         raise RuntimeError("the prefix cache failed to place the tokens (see the log)")
     slot, n = placed
-    slot.tokens, slot.n_past = list(ids), n
+    slot.load(ids, n)
     chunk, out = core.scheduler.max_chunk, []
     try:
         while slot.n_past < len(ids):
             start = slot.n_past
             part = min(chunk - start % chunk, len(ids) - start)     # the scheduler's boundaries
             out.append(_read(core.runner, ids, start, part, min(bucket(part, 16), chunk), slot=slot.index))
-            slot.n_past += part
+            slot.advance(part)
     except Exception:
         slot.forget()
         if core.runner.cache_lost():
             core.lose_cache(RuntimeError("logits_reusing failed"))
         raise
-    slot.last_used = time.monotonic()
+    slot.release()                  # free, keeping the KV it read (the prefix cache's, as a request's)
     return n, np.concatenate(out, axis=0)
 
 

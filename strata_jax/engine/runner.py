@@ -267,7 +267,8 @@ class ModelRunner:
 
     def set_faults(self, faults: Faults) -> None:
         """Swap the fault injector (tests)."""
-        self.faults = self.programs.faults = faults
+        self.faults = faults
+        self.programs.use_faults(faults)
 
     def warmup(self, progress: bool = True) -> None:
         """Build the decode windows' programs of base_layouts() now (--spec: and the smallest verify one; the

@@ -28,11 +28,14 @@ import secrets
 import stat
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..model.transformer import POSITIONAL, STATE
+
+if TYPE_CHECKING:
+    from .core import EngineCore
 
 HEADER = 4096               # the most an .npy member's header may take (numpy writes ~128 bytes)
 
@@ -41,7 +44,8 @@ class SlotFileError(ValueError):
     """A request the slot files cannot serve: the message says why, for the client."""
 
 
-def run(engine: Any, action: str, slot: int, path: str | None) -> dict[str, Any]:
+def run(engine: EngineCore, action: str, slot: int, path: str | None) -> dict[str, Any]:
+    """Engine.slot_action: the file is read or written in the caller's thread, the slot on the engine's."""
     if not 0 <= slot < len(engine.slots):
         raise SlotFileError(f"slot {slot}: this server has slots 0..{len(engine.slots) - 1}")
     if action == "save":
@@ -75,7 +79,7 @@ def folder(path: str) -> Path:
     return p
 
 
-def save(engine: Any, slot: int, path: str) -> dict[str, Any]:
+def save(engine: EngineCore, slot: int, path: str) -> dict[str, Any]:
     tokens, kv = engine.between_windows(lambda: _read(engine, slot))
     arrays = {"tokens": np.asarray(tokens, np.int32)}
     for name, a in kv.items():
@@ -100,7 +104,7 @@ def save(engine: Any, slot: int, path: str) -> dict[str, Any]:
     return {"id_slot": slot, "filename": where.name, "n_saved": len(tokens), "n_written": written}
 
 
-def restore(engine: Any, slot: int, path: str) -> dict[str, Any]:
+def restore(engine: EngineCore, slot: int, path: str) -> dict[str, Any]:
     name = Path(path).name
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -121,10 +125,10 @@ def restore(engine: Any, slot: int, path: str) -> dict[str, Any]:
     return {"id_slot": slot, "filename": name, "n_restored": n, "n_read": size}
 
 
-def _layout(engine: Any) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+def _layout(engine: EngineCore) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     """This model's KV arrays as a slot file holds them: {name: (dtype, shape of one position: [layers, ...])},
     from the cache's arrays ([layers, slots, positions, ...], per pipeline stage: layers add up)."""
-    arrays = engine.prefix.kv.arrays
+    arrays = engine.runner.kv.arrays
     parts = list(arrays) if isinstance(arrays, tuple) else [arrays]
     out = {}
     for name, a in parts[0].items():
@@ -186,14 +190,14 @@ def _member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, exact: bool 
     return np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
 
 
-def _free(engine: Any, slot: int):
+def _free(engine: EngineCore, slot: int):
     s = engine.slots[slot]
     if not s.free:
         raise SlotFileError(f"slot {slot} is running a request; try again when it is idle")
     return s
 
 
-def _read(engine: Any, slot: int) -> tuple[list[int], dict[str, np.ndarray]]:
+def _read(engine: EngineCore, slot: int) -> tuple[list[int], dict[str, np.ndarray]]:
     s = _free(engine, slot)
     block = engine.prefix.block
     hybrid = engine.prefix.states is not None
@@ -201,16 +205,16 @@ def _read(engine: Any, slot: int) -> tuple[list[int], dict[str, np.ndarray]]:
     n = len(s.kept) if hybrid else len(s.kept) // block * block
     if n == 0:
         return [], {}
-    kv = engine.prefix._read_kv(s.index, 0, n)
+    kv = engine.runner.kv.read(s.index, 0, n)
     return list(s.kept[:n]), kv | engine.runner.kv.read_state(s.index) if hybrid else kv
 
 
-def _write(engine: Any, slot: int, tokens: list[int], kv: dict[str, np.ndarray]) -> int:
+def _write(engine: EngineCore, slot: int, tokens: list[int], kv: dict[str, np.ndarray]) -> int:
     s = _free(engine, slot)
     if not tokens:
-        s.tokens, s.n_past = [], 0
+        s.forget()
         return 0
-    want = engine.prefix._read_kv(s.index, 0, len(tokens)) if len(tokens) <= engine.runner.cache_len else None
+    want = engine.runner.kv.read(s.index, 0, len(tokens)) if len(tokens) <= engine.runner.cache_len else None
     if want is None:
         raise SlotFileError(f"the file holds {len(tokens)} tokens; a slot holds {engine.runner.cache_len}")
     state = engine.runner.kv.read_state(s.index)      # a hybrid family's DeltaNet state ({} for the others)
@@ -224,15 +228,15 @@ def _write(engine: Any, slot: int, tokens: list[int], kv: dict[str, np.ndarray])
     if any(not 0 <= t < engine.spec.vocab_size for t in tokens):
         raise SlotFileError("the file's tokens are outside this model's vocabulary")
     s.forget()                          # while its KV is replaced, the slot matches nothing; after, no cache_salt's
-    engine.prefix._write_kv(s.index, 0, {k: kv[k] for k in want if k not in state})
+    engine.runner.kv.write(s.index, 0, {k: kv[k] for k in want if k not in state})
     if state:
         engine.runner.kv.write_state(s.index, {k: kv[k] for k in state})
-    s.tokens, s.n_past = list(tokens), len(tokens)
+    s.load(tokens, len(tokens))
     return len(tokens)
 
 
-def _erase(engine: Any, slot: int) -> int:
+def _erase(engine: EngineCore, slot: int) -> int:
     s = _free(engine, slot)
     n = len(s.kept)
-    s.tokens, s.n_past = [], 0
+    s.forget()
     return n

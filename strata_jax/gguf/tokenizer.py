@@ -111,6 +111,10 @@ class Tokenizer(Vocabulary):
         self._tk_no_special = None  # a copy that leaves special-token text as text, made when first needed
         self._pieces, self._skippable = self._decoding_tables()
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with this template instead of the model's (--chat-template / --chat-template-file)."""
+        self.chat_template, self._template = source, None
+
     # ---- construction
 
     def _decoding_tables(self) -> tuple[list[bytes], list[bool]]:

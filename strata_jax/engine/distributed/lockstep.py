@@ -10,7 +10,7 @@ leader samples (its logits are its local replica of a replicated output).
 One owner each: the Leader owns the channel and the followers' liveness; the KVCache (here LockstepKV, the
 leader's) still owns the arrays; the runner owns which program a window runs. A follower that leaves (its
 socket closes: the process died) makes the group unusable, since the next collective would fail or hang:
-the leader calls `on_lost` with a message naming the process (the worker exits with it as its ERR line, so
+the leader calls the `when_lost` hook with a message naming the process (the worker exits with it as its ERR line, so
 the fault ledger names it, and the server restarts the group), as it does when a window or a move fails.
 
 Who may join, and the bounds on a frame: group_channel.py (a follower proves the group key before it is one).
@@ -106,12 +106,7 @@ class Leader:
             threading.Thread(target=self._watch, args=(conn, hello), name=f"follower-{hello.process_id}",
                              daemon=True).start()
 
-    @property
-    def on_lost(self):
-        return self._on_lost
-
-    @on_lost.setter
-    def on_lost(self, fn: Callable[[str], None]) -> None:
+    def when_lost(self, fn: Callable[[str], None]) -> None:
         """What to do when the group breaks (the worker: exit with the message). Called at once when it has."""
         self._on_lost = fn
         if self.lost is not None:

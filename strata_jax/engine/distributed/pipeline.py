@@ -169,10 +169,9 @@ class StagePrograms:
     def faults(self):
         return self.caches[0].faults
 
-    @faults.setter
-    def faults(self, value) -> None:
+    def use_faults(self, faults) -> None:
         for c in self.caches:
-            c.faults = value
+            c.use_faults(faults)
 
     @property
     def pending(self) -> int:

@@ -121,17 +121,18 @@ class Embeddings:
     texts whole), between the generation windows: a request of 2,048 long texts delays each window by a
     chunk's time, never stops the loop, its heartbeat or the streams beside it (issue 32, item 3)."""
 
-    def __init__(self, core):
-        self.core = core
+    def __init__(self, runner, max_context: int):
+        self.runner, self.max_context = runner, max_context
         self.jobs: deque[EmbedJob] = deque()
+        self.pieces = 0                 # pieces read since the start: windows of one row (llama.cpp: decodes)
         self.kept: dict = {}            # the scratch KV cache, from piece to piece while jobs wait
 
     def add(self, inputs: list[list[int]], pooling: str, how: int, cancel, done) -> None:
-        if self.core.runner.embedder is None:
+        if self.runner.embedder is None:
             done.put(RuntimeError("embeddings need the whole model on one device: this engine runs expert tiers "
                                   "or several devices (--devices N)"))
             return
-        n, n_ctx = sum(len(ids) for ids in inputs), self.core.config.max_context
+        n, n_ctx = sum(len(ids) for ids in inputs), self.max_context
         if pooling == "none" and n > n_ctx:     # every token's vector is answered: as many as a slot holds
             done.put(ValueError(f"input: {n} tokens in all; with pooling none (every token's vector) a request "
                                 f"embeds at most a slot's context, {n_ctx} tokens (--max-context)"))
@@ -148,7 +149,7 @@ class Embeddings:
             self._end(RuntimeError("the embeddings were cancelled"))
             return True
         try:
-            self._read(job, self.core.runner.embedder)
+            self._read(job, self.runner.embedder)
         except Exception as e:  # noqa: BLE001 - handed to the caller
             self._end(e)
             return True
@@ -172,8 +173,7 @@ class Embeddings:
             job.parts.append(embedder.piece(ids, job.start, self.kept))
             job.start += n
             budget -= n
-            self.core.runner.windows += 1               # a piece is a window of one row (llama.cpp: a decode),
-            self.core.counters["window_rows"] += 1      # as /metrics counts them (llamacpp:n_decode)
+            self.pieces += 1                            # as /metrics counts windows (llamacpp:n_decode)
             if job.start == len(ids):
                 job.out.append(normalize(pool(np.concatenate(job.parts, axis=0), job.pooling), job.how))
                 job.i, job.start, job.parts = job.i + 1, 0, []

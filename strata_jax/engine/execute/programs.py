@@ -94,6 +94,10 @@ class ProgramCache:
         self._builder = BuilderThread(self._compile)
         self._failed: dict[Layout, Exception] = {}      # the builder thread's errors, met when a window needs the layout
 
+    def use_faults(self, faults) -> None:
+        """Swap the fault injector (tests: runner.set_faults)."""
+        self.faults = faults
+
     def register(self, stage: str, build: Callable[[Layout], Any]) -> None:
         """Layouts of `stage`, and of its kinds (`stage.1`, ...: stepped.py), are compiled by `build(layout)`."""
         self._builders[stage] = build

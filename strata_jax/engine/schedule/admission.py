@@ -30,6 +30,10 @@ class Admission:
         self.request_timeout_s = request_timeout_s
         self.waiting: deque[Request] = deque()
 
+    def wait(self, req: Request) -> None:
+        """A new request joins the queue (it takes a slot in admit, in order of arrival)."""
+        self.waiting.append(req)
+
     def admit(self, slots: list[Slot]) -> None:
         """Waiting requests onto free slots, in order of arrival."""
         while self.waiting:
@@ -55,9 +59,8 @@ class Admission:
             except Exception as e:
                 log.exception("request %d could not start", req.id)
                 slot.release(keep=False)
-                self.output.counters["failed"] += 1
                 self.output.fail_unslotted(req, f"the engine could not start the request: "
-                                                f"{type(e).__name__}: {first_line(e)}")
+                                                f"{type(e).__name__}: {first_line(e)}", count=True)
 
     def place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = (),
               salt: str | None = None) -> tuple[Slot, int] | None:

@@ -70,6 +70,11 @@ class ConversationCache:
 
     # ---- lookups ------------------------------------------------------------------------------------
 
+    def lookup(self, prompt: list[int] | np.ndarray, limit: int, salt: str | None = None) -> list[Block]:
+        """match, counted as a lookup (a request's prompt looked for here: the hit rate's denominator)."""
+        self.counters["lookups"] += 1
+        return self.match(prompt, limit, salt)
+
     def match(self, prompt: list[int] | np.ndarray, limit: int, salt: str | None = None) -> list[Block]:
         """The longest run of stored blocks (stored under `salt`) that is exactly prompt's prefix, covering at
         most `limit` tokens."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,12 +24,22 @@ from .slots import Slot
 log = logging.getLogger("strata_jax.engine")
 
 
+@dataclass
+class RequestCounts:
+    """How requests ended, since the start (Output's own: it ends them)."""
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
 class Output:
-    def __init__(self, tokenizer, runner, speculator, counters: dict[str, int]):
+    def __init__(self, tokenizer, runner, speculator):
         self.tokenizer = tokenizer
         self.runner = runner              # reads: cache_len, last_logprobs, stepper (request stats)
         self.speculator = speculator      # None without --spec
-        self.counters = counters
+        self.counts = RequestCounts()
         self.events: list[Event] = []     # since the last take_events()
 
     def take_events(self) -> list[Event]:
@@ -57,12 +68,12 @@ class Output:
             for i, s in enumerate(w.decode):
                 if s.free:
                     continue
-                s.n_past += 1
+                s.advance()
                 self.emit(s, int(toks[i]), self._logprobs(k - 1, i))
         for i, (s, c) in enumerate(zip(w.prefills, w.chunks)):
             if s.free:
                 continue
-            s.n_past += c
+            s.advance(c)
             if s.request.progress:
                 self.progress(s)
             if not s.reading:                          # the prompt is read: its last logits gave a token
@@ -73,12 +84,12 @@ class Output:
         """A packed window's tokens: the decode rows' in order, then each ending prompt's (scheduler.packed_group)."""
         for i, s in enumerate(w.decode):
             if not s.free:
-                s.n_past += 1
+                s.advance()
                 self.emit(s, int(toks[i]), self._logprobs(0, i))
         j = len(w.decode)
         for s, c, end in zip(w.prefills, w.chunks, w.ends):
             if not s.free:
-                s.n_past += c
+                s.advance(c)
                 if s.request.progress:
                     self.progress(s)
                 if end:                                # the prompt is read: its last logits gave a token
@@ -90,13 +101,13 @@ class Output:
         """Each slot emits its accepted drafts and the token after them (toks [R, 1+N], n_acc [R]), one by
         one: a finish inside the run (stop string, EOS, max_tokens) ends it there. The KV written for the
         rejected drafts stays behind n_past, where the next window overwrites it."""
-        self.speculator.counters.verify_windows += 1
+        self.speculator.count_verify_window()
         for i, (s, d) in enumerate(zip(w.decode, w.drafts)):
             if s.free:
                 continue
             self.speculator.record(s.request, len(d), int(n_acc[i]))
             for t in toks[i, :int(n_acc[i]) + 1]:
-                s.n_past += 1
+                s.advance()
                 self.emit(s, int(t))
                 if s.free:
                     break
@@ -131,7 +142,7 @@ class Output:
 
     def _emit_token(self, s: Slot, token: int, logprobs=None) -> None:
         req = s.request
-        s.tokens.append(token)
+        s.add_token(token)
         refused = req.constraint.advance(token) if req.constraint is not None else None
         if refused:
             self.fail(s, f"the grammar cannot go on after token {token}: {refused}")
@@ -139,11 +150,8 @@ class Output:
         n_gen = len(s.tokens) - len(req.prompt)
         eos = self.tokenizer.is_eos(token) and not req.params.ignore_eos
         if not eos:
-            s.text += s.decoder.add(token)
-        stop_at = s.stops.find(s.text)
-        if stop_at is not None:
-            s.stopping_word = next((w for w in req.params.stop if s.text.startswith(w, stop_at)), "")
-            s.text = s.text[:stop_at]
+            s.add_text(s.decoder.add(token))
+        if s.cut_at_stop():
             self._send_text(s, token, len(s.text), logprobs)
             self.finish(s, "stop")
             return
@@ -159,27 +167,28 @@ class Output:
             self.finish(s, "length")
 
     def _send_text(self, s: Slot, token: int, upto: int, logprobs=None) -> None:
-        upto = max(upto, s.emitted)
-        ev = Event("token", text=s.text[s.emitted:upto], token=token)
+        ev = Event("token", text=s.take_text(upto), token=token)
         n = s.request.params.logprobs
         if logprobs is not None and n is not None:     # (logprob, top ids, top logprobs): controls.py
             ev.logprob = float(logprobs[0])
             ev.top_logprobs = [(int(t), float(v)) for t, v in zip(logprobs[1][:n], logprobs[2][:n])]
         self.put(s.request, ev)
-        s.emitted = upto
 
     # ---- the end of a request -----------------------------------------------------------------------------
 
     def finish(self, s: Slot, reason: str) -> None:
         req = s.request
         if reason != "cancelled" and s.decoder is not None:
-            s.text += s.decoder.flush() if reason == "length" else ""
+            s.add_text(s.decoder.flush() if reason == "length" else "")
         tail = s.text[s.emitted:] if reason != "cancelled" else ""
         req.t_end = time.monotonic()
         stats = self._request_stats(s)
-        self.counters["finished" if reason != "cancelled" else "cancelled"] += 1
-        self.counters["prompt_tokens"] += len(req.prompt)
-        self.counters["generated_tokens"] += stats["generated_tokens"]
+        if reason == "cancelled":
+            self.counts.cancelled += 1
+        else:
+            self.counts.finished += 1
+        self.counts.prompt_tokens += len(req.prompt)
+        self.counts.generated_tokens += stats["generated_tokens"]
         log.info("%s", stats["log_line"])
         for line in stats.get("expert_lines", ()):
             log.info("%s", line)
@@ -187,17 +196,18 @@ class Output:
         s.release()
 
     def fail(self, s: Slot, message: str) -> None:
-        self.counters["failed"] += 1
+        self.counts.failed += 1
         log.error("request %d failed: %s", s.request.id, message)
         self.put(s.request, Event("error", error=message))
         s.release(keep=False)
 
-    def fail_unslotted(self, req: Request, message: str) -> None:
-        """A request that never got a slot (or could not start on one)."""
+    def fail_unslotted(self, req: Request, message: str, count: bool = False) -> None:
+        """A request that never got a slot (or could not start on one: count, it is counted as failed)."""
+        self.counts.failed += count
         self.put(req, Event("error", error=message))
 
     def finish_unslotted(self, req: Request, reason: str) -> None:
-        self.counters["cancelled"] += 1
+        self.counts.cancelled += 1
         self.put(req, Event("final", stats={"prompt_tokens": len(req.prompt), "generated_tokens": 0},
                             finish_reason=reason))
 

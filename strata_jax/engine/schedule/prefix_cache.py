@@ -99,8 +99,7 @@ class PrefixCache:
             return slot, self._fork(src, slot, m)
         blocks: list[Block] = []
         if self.host is not None:
-            self.host.counters["lookups"] += 1
-            blocks = self.host.match(prompt, limit, salt)
+            blocks = self.host.lookup(prompt, limit, salt)
             if len(blocks) * self.block <= n:
                 blocks = []
         B = self.block
@@ -173,14 +172,6 @@ class PrefixCache:
                  len(blocks) - n_slot // B, B, slot.index, (time.monotonic() - t0) * 1000, c["hits"], c["lookups"],
                  c["restored_tokens"], c["stored_blocks"], c["evicted_blocks"])
         return done
-
-    def _read_kv(self, slot: int, start: int, size: int) -> dict[str, np.ndarray]:
-        """KVCache.read (slot_files.py reads a slot's blocks here)."""
-        return self.kv.read(slot, start, size)
-
-    def _write_kv(self, slot: int, start: int, block: dict[str, np.ndarray]) -> None:
-        """KVCache.write (slot_files.py)."""
-        self.kv.write(slot, start, block)
 
     def stats(self) -> dict:
         out = {"enabled": int(self.enabled), "block_tokens": self.block, **self.counters}

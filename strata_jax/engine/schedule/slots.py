@@ -49,6 +49,42 @@ class Slot:
         self.text, self.emitted, self.stopping_word = "", 0, ""
         self.stops = StopMatcher(request.params.stop)
 
+    # ---- the sequence and its KV: every write of them is one of these (docs/DESIGN.md, "Owners") -------------
+
+    def advance(self, n: int = 1) -> None:
+        """n more positions of the sequence are in the KV cache (a window read them)."""
+        self.n_past += n
+
+    def add_token(self, token: int) -> None:
+        """A generated token joins the sequence (its KV is written by the next window)."""
+        self.tokens.append(token)
+
+    def load(self, tokens: list[int], n_past: int) -> None:
+        """The slot's KV now holds tokens[:n_past] (restored from a file, or placed by the prefix cache for a
+        research read); no request runs on it."""
+        self.tokens, self.n_past = list(tokens), n_past
+
+    # ---- the request's text -------------------------------------------------------------------------------
+
+    def add_text(self, piece: str) -> None:
+        self.text += piece
+
+    def cut_at_stop(self) -> bool:
+        """Whether a stop string has appeared in the text: if so the text ends before it and stopping_word
+        names it."""
+        at = self.stops.find(self.text)
+        if at is None:
+            return False
+        self.stopping_word = next((w for w in self.request.params.stop if self.text.startswith(w, at)), "")
+        self.text = self.text[:at]
+        return True
+
+    def take_text(self, upto: int) -> str:
+        """The text from what was sent up to `upto` (never back), marked sent."""
+        upto = max(upto, self.emitted)
+        piece, self.emitted = self.text[self.emitted:upto], upto
+        return piece
+
     def release(self, keep: bool = True) -> None:
         """End the request; keep=False also forgets the KV (after a failure it is not trusted)."""
         self.request, self.decoder = None, None

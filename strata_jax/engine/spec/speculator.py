@@ -76,6 +76,9 @@ class Speculator:
         if hook is not None:
             hook(window, hiddens)
 
+    def count_verify_window(self) -> None:
+        self.counters.verify_windows += 1
+
     def record(self, request, drafted: int, accepted: int) -> None:
         self.counters.drafted += drafted
         self.counters.accepted += accepted

@@ -65,7 +65,7 @@ class Choices:
             while left:
                 k, ev = await self._queue.get()
                 if k == 0 and len(self.tickets) < self.n and ev.kind != "error":
-                    self.tickets[0].holds = 0               # the places it held are taken now
+                    self.tickets[0].places_taken()          # the places it held are taken now
                     for j in range(1, self.n):
                         t = self.sup.enqueue(f"{self.rid}-{j}", self.prepared, choice_params(self.params, j),
                                              self.deadline)

@@ -120,12 +120,12 @@ class _LlamaCppGauges:
             return _gauge(f"llamacpp:{name}", doc, value)
 
         c = self._c
-        seconds = c.prompt_seconds._value.get()
+        seconds = _total(c.prompt_seconds)
         yield gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
-                    c.prompt_tokens._value.get() / seconds if seconds else 0.0)
-        seconds = c.predicted_seconds._value.get()
+                    _total(c.prompt_tokens) / seconds if seconds else 0.0)
+        seconds = _total(c.predicted_seconds)
         yield gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
-                    c.predicted._value.get() / seconds if seconds else 0.0)
+                    _total(c.predicted) / seconds if seconds else 0.0)
         yield gauge("requests_processing", "Number of requests processing.", s["busy_slots"])
         yield gauge("requests_deferred", "Number of requests deferred.", s["queued"])
         if "kv_used_positions" in stats and s.get("n_ctx"):
@@ -206,3 +206,8 @@ class _EngineCollector:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     yield gauge(f"{name}_{key}", f"{name.replace('_', ' ').capitalize()}: {key.replace('_', ' ')} "
                                 "(this engine process)", value)
+
+
+def _total(counter) -> float:
+    """A prometheus Counter's value, through its public samples."""
+    return next(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))

@@ -28,10 +28,10 @@ async def ask(sup: Any, cmd: Command, timeout: float, send: Callable[[Command], 
     op = type(cmd).__struct_config__.tag
     deadline = time.monotonic() + timeout
     sup.seats.admit()                           # 503 + Retry-After at once beyond --max-queue (seats.py)
-    sup.seats.preparing += 1
     try:
-        await sup.wait_ready(deadline)
-        reply = await sup.answers.ask(cmd, deadline)
+        with sup.seats.preparing():
+            await sup.wait_ready(deadline)
+            reply = await sup.answers.ask(cmd, deadline)
     except EngineBusy as e:                     # the pipe's byte bound
         raise sup.seats.busy(str(e)) from None
     except EngineGone as e:                     # it stopped: its exit, now (not "did not answer" later)
@@ -42,6 +42,4 @@ async def ask(sup: Any, cmd: Command, timeout: float, send: Callable[[Command], 
         if isinstance(e, asyncio.CancelledError):
             raise
         raise ApiError(503, f"the engine did not answer {op} within {timeout:g} s", "unavailable_error") from None
-    finally:
-        sup.seats.preparing -= 1
     return expect(reply, Answer)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ...engine.request import Event
@@ -27,7 +28,7 @@ class Seats:
         self.max_queue = max_queue                  # requests waiting here beyond the free seats
         self.queue: deque[Ticket] = deque()
         self.seats: list[Ticket | None] = [None] * parallel
-        self.preparing = 0                          # requests being read by the engine (prepare)
+        self.n_preparing = 0                        # requests being read by the engine (prepare, questions)
         self.request_s = 10.0                       # a running mean of request seconds (Retry-After)
 
     @property
@@ -44,7 +45,20 @@ class Seats:
     @property
     def waiting(self) -> int:
         """Places taken beyond the seats: requests being read or queued, and those held for later choices."""
-        return self.preparing + len(self.queue) + sum(t.holds for t in (*self.queue, *self.running))
+        return self.n_preparing + len(self.queue) + sum(t.holds for t in (*self.queue, *self.running))
+
+    @contextmanager
+    def preparing(self, places: int = 1) -> Iterator[None]:
+        """A request (its `places` choices) or a question being read by the engine: a wait beyond the seats."""
+        self.n_preparing += places
+        try:
+            yield
+        finally:
+            self.n_preparing -= places
+
+    def enqueue(self, t: Ticket) -> None:
+        """A prepared request waits for a seat (dispatch seats it)."""
+        self.queue.append(t)
 
     def admit(self, places: int = 1) -> None:
         """Refuse at once (503 + Retry-After) a request beyond --max-queue waiting ones: a burst is answered

@@ -251,11 +251,8 @@ class Supervisor:
         choices, each a place in the queue (enqueue's `holds` keeps them)."""
         cmd = Prepare(rid, prompt, params, chat_template_kwargs, text, **self.render_options())
         self.seats.admit(places)                    # 503 at once beyond --max-queue waiting (seats.py)
-        self.seats.preparing += places
-        try:
+        with self.seats.preparing(places):
             return await self._prepare(cmd, deadline)
-        finally:
-            self.seats.preparing -= places
 
     def render_options(self) -> dict[str, Any]:
         """What a chat's rendering takes from the server's flags: the template's variables (--reasoning; today's
@@ -285,7 +282,7 @@ class Supervisor:
         if prepared.checkpoint_at is not None:      # where a hybrid family keeps its state (state_checkpoints.py)
             params["checkpoint_at"] = prepared.checkpoint_at
         t = Ticket(rid, prepared.ids, params, deadline, holds=holds)
-        self.seats.queue.append(t)
+        self.seats.enqueue(t)
         self._dispatch()
         return t
 

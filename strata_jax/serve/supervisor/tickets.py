@@ -38,6 +38,10 @@ class Ticket:
     last_at: float = 0.0
     gaps: list[float] = field(default_factory=list)     # seconds between its token events, in order
 
+    def places_taken(self) -> None:
+        """Its request's later choices are queued now: the places it held for them are theirs."""
+        self.holds = 0
+
     def token_came(self, now: float) -> None:
         if self.first_at:
             self.gaps.append(now - self.last_at)

@@ -104,15 +104,13 @@ class Worker:
         model = GGUFModel.open(start.model)
         with progress_as_frames(writer):
             self.engine = Engine(model, cfg, progress=True)     # loads the weights, builds the decode programs
-        if self.engine.runner.group is not None:    # a process of the group gone: this one ends (serve/worker/group.py)
-            self.engine.runner.group.on_lost = exit_group_lost
         if start.chat_template:                 # --chat-template(-file): this template instead of the model's
-            self.engine.tokenizer.chat_template = start.chat_template
-            self.engine.tokenizer._template = None
+            self.engine.tokenizer.use_chat_template(start.chat_template)
         self.handles: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._grammar_pool = None       # threads for prepares that compile a grammar (made at the first)
-        self.engine.on_loop_death = exit_with_error
+        # the loop thread dead, or a process of the group gone (serve/worker/group.py): this process ends
+        self.engine.when_lost(exit_with_error, exit_group_lost)
         writer.send(Ready(self.ready_info(model, time.monotonic() - t0)))
         threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True).start()
 
@@ -145,7 +143,7 @@ class Worker:
         eng = self.engine
         while True:
             time.sleep(BEAT_S)
-            thread = eng._thread
+            thread = eng.loop_thread
             compiling = thread is not None and in_build(thread)
             stuck = 0.0 if compiling or thread is None else max(time.monotonic() - eng.progress_at, 0.0)
             loop = "none" if thread is None else ("alive" if thread.is_alive() else "ended")
@@ -242,7 +240,7 @@ class Worker:
         from strata_jax.engine import slot_files
 
         try:
-            out = slot_files.run(self.engine, cmd.action, cmd.slot, cmd.path)
+            out = self.engine.slot_action(cmd.action, cmd.slot, cmd.path)
         except slot_files.SlotFileError as e:
             self.writer.send(Rejected(cmd.id, "invalid", str(e), param="filename"))
         except OSError as e:
