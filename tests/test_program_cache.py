@@ -97,7 +97,7 @@ def test_a_mixed_window_does_not_copy_the_kv_cache(tiny_model):
     with Engine.from_gguf(path, EngineConfig(parallel=8, max_context=4096, prefill=64, warmup=False)) as eng:
         r = eng.runner
         kv = sum(a.nbytes for a in r.cache.values())                       # 32 MiB
-        temp = {lay: r._build(lay).memory_analysis().temp_size_in_bytes
+        temp = {lay: r.executor.build(lay).memory_analysis().temp_size_in_bytes
                 for lay in (Layout(((4, 1, False, 0),), 1024), Layout(((1, 64, False, 0),), 1024),
                             Layout(((4, 1, False, 0), (1, 64, False, 0)), 1024))}
     decode, chunk, mixed = temp.values()

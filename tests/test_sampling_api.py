@@ -210,11 +210,11 @@ def test_a_sampled_row_obeys_logit_bias(eng, client):
 def test_controls_compile_per_row_bucket_not_per_request(eng):
     ids = eng.tokenizer.encode(PROMPT)
     eng.generate(ids, max_tokens=2, temperature=0, logit_bias={3: 1.0})
-    before = eng.runner._controlled._cache_size()
+    before = eng.runner.answers._controlled._cache_size()
     for controls in ({"logit_bias": {i: 2.0 for i in range(40)}}, {"repeat_penalty": 1.2, "repeat_last_n": 3},
                      {"presence_penalty": 0.3, "logprobs": 20}, {"frequency_penalty": -0.5, "logprobs": 0}):
         eng.generate(ids + [1] * len(controls), max_tokens=5, temperature=0, ignore_eos=True, **controls)
-    assert eng.runner._controlled._cache_size() == before       # the same one-row program every time
+    assert eng.runner.answers._controlled._cache_size() == before       # the same one-row program every time
 
 
 def test_controlled_rows_take_no_drafts_with_spec(model):

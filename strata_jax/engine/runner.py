@@ -6,8 +6,10 @@ returns each group's sampled tokens. The KV cache is donated to every program an
 
 The runner makes the parts and hands each its own dependencies: the machine's choices (choices.py), the
 KVCache (kv_cache.py), the program cache (programs.py, where each part registers the builder of its
-stages), the layouts (layouts.py), the window program (window_program.py) and, for the expert tiers, the
-LayerStepper (stepped.py). None of them holds the runner.
+stages), the layouts (layouts.py) and the executor of the engine's mode, chosen once here and asked
+everything that differs between modes (execute/executors.py: whole windows on one device or an expert
+mesh, the expert tiers' LayerStepper, the pipeline's stages, a process group's leader); a window's groups
+get their answers from their logits in answers.py. None of them holds the runner.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import logging
 from dataclasses import replace
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
@@ -33,22 +34,19 @@ from .distributed.devices import (
     ledger_for,
     resolve_split,
 )
-from .distributed.lockstep import Leader, over_processes
+from .distributed.lockstep import GroupWindows, Leader, over_processes
 from .distributed.pipeline import Pipeline, stage_kv
-from .execute.accept import verify
-from .execute.controls import controls_of, sample_controlled
+from .execute.answers import GroupAnswers
 from .execute.embeddings import Embedder
+from .execute.executors import Executor, SteppedWindows, WholeWindows
 from .execute.kv_cache import KVCache, kv_bytes
 from .execute.kv_host import KVHostStore
 from .execute.layouts import GroupInput, WindowLayouts, decode_only, verify_only
 from .execute.placement import largest_window_temp_bytes, place_experts
 from .execute.programs import Layout, ProgramCache
-from .execute.sampler import greedy_on_host, sample
 from .execute.stepped import LayerStepper
-from .execute.window_program import build_window, cache_last
 from .families import is_hybrid
 from .faults import Faults
-from .grammar.constrain import fill_masks
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -112,18 +110,16 @@ class ModelRunner:
         self.layouts = WindowLayouts(self.opts.backend, chunk, self.device_len, self.cache_len, self.min_rows,
                                      self.packed, cfg.parallel, cfg.spec, int(self.choices["prefill"]),
                                      int(self.choices["batch_tokens"]))
-        self.programs = ProgramCache(self._build, self.ledger, cfg.max_programs, self.kv.wait, self.faults)
+        # each mode registers the builders of its programs (executors.py)
+        self.programs = ProgramCache(None, self.ledger, cfg.max_programs, self.kv.wait, self.faults)
         self.stepper: LayerStepper | None = None
         self.expert_mode = "none"          # none (a dense model) | device (every expert) | arena (expert tiers)
-        self.expert_counts = None          # device mode: int32 [n_layers, E], routing of live traffic
         if self.spec.is_moe:
             temp = largest_window_temp_bytes(self.spec, cfg, self.choices, self.opts, self.cache_len, self.device_len)
             t = place_experts(model, self.params, cfg, self.choices, self.ledger, temp,
                               self.shards.n if self.shards is not None else 1)
             self.expert_mode = t.mode
-            if t.mode == "device":
-                self.expert_counts = self._new_counts()
-            else:
+            if t.mode != "device":
                 self.stepper = LayerStepper(self.params, self.spec, self.opts, self.programs, self.kv, t.arena,
                                             t.qtypes, t.shapes, t.host_trees, t.remote, t.rule, t.stream,
                                             with_hidden=self.with_hidden, prefetch=cfg.expert_prefetch,
@@ -141,16 +137,14 @@ class ModelRunner:
             self.programs.close()
             self.pipeline = Pipeline(self.params, self.spec, self.opts, devs, self.kv, cfg, self.kv_dtype,
                                      self.device_len, self.faults, rows_alone=self.min_rows == 1)
-            self.programs, self.expert_counts, self.params = self.pipeline.programs, None, None  # the stages' now
+            self.programs, self.params = self.pipeline.programs, None      # the stages' now
+        self.executor = self._executor()    # how windows run in this mode, chosen once
         self._hiddens: list[jax.Array] | None = None     # the last window's, until take_hiddens
         # embeddings ("hidden" programs) read the weights as the whole-window program does: not beside the tiers
         self.embedder = None if self.stepper is not None or self.split != "none" else Embedder(
             self.params, self.spec, self.opts, self.programs, self.kv, self.layouts.kv_bucket,
             int(self.choices["prefill"]))
-        self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
-        self._verify = jax.jit(verify)          # the speculative accept rule, one per verify group shape
-        # sampling controls and logprobs: one program per row bucket, greedy or sampled (controls.py)
-        self._controlled = jax.jit(sample_controlled, static_argnames=("sampled",))
+        self.answers = GroupAnswers(self.cache_len)   # each group's tokens from its logits (answers.py)
         self.last_logprobs: list = []           # per group of the last window: (logprob, top ids, top logprobs)
         self.windows = 0
         if self.group is not None:           # every follower has loaded its part and says hello
@@ -172,28 +166,9 @@ class ModelRunner:
         or for a verify group the pair (tokens [R, L], n_accepted [R])); a group with sampling controls or
         logprobs also leaves (logprob [R], top ids [R, K], top logprobs [R, K]) in last_logprobs."""
         logits = self.forward_logits(groups, kv_needed)
-        out = []
-        self.last_logprobs = [None] * len(groups)
-        for i, (lg, g) in enumerate(zip(logits, groups)):
-            if g.drafts is not None:
-                out.append(tuple(np.asarray(a) for a in self._verify(lg, g.drafts, g.n_draft, *g.sampling.as_tuple())))
-            elif g.all_logits:
-                out.append(np.asarray(lg))
-            elif g.sampling.controlled is not None:      # a row with sampling controls or logprobs
-                c = controls_of(g.sampling.controlled, lg.shape[0], lg.shape[-1], self.cache_len)
-                sampled = bool(np.any(g.sampling.temperature > 0))
-                # the model program is dispatched: the grammars' masks are filled while the device runs it
-                cons = g.sampling.constraints
-                mask = None if cons is None else fill_masks(cons, lg.shape[0], lg.shape[-1])
-                tokens, *lp = (np.asarray(a) for a in self._controlled(lg, *g.sampling.as_tuple(), *c.as_tuple(),
-                                                                       mask, sampled=sampled))
-                out.append(tokens)
-                self.last_logprobs[i] = tuple(lp)
-            elif not np.any(g.sampling.temperature > 0):
-                out.append(greedy_on_host(np.asarray(lg)))
-            else:
-                out.append(np.asarray(self._sample(lg, *g.sampling.as_tuple())))
-        return out
+        answers = [self.answers.answer(lg, g) for lg, g in zip(logits, groups)]
+        self.last_logprobs = [lp for _, lp in answers]
+        return [out for out, _ in answers]
 
     def forward_logits(self, groups: list[GroupInput], kv_needed: int) -> list[jax.Array]:
         """Run one window's model program(s) -> logits per group, on the device (and its hidden states,
@@ -201,33 +176,14 @@ class ModelRunner:
         layout = self.layout_of(groups, kv_needed)
         self.windows += 1
         self.faults.on_window()
-        self._hiddens = None
-        if self.pipeline is not None:
-            return self.pipeline.run(groups, layout)
-        if self.stepper is not None:
-            out = self.stepper.run(groups, layout)
-            if self.with_hidden:
-                out, self._hiddens = out
-            return out
-        args = []
-        for g in groups:
-            args += g.arrays()
-        if self.group is not None:            # the followers run it too (lockstep.py)
-            return self.group.window(layout, args, self.window)
-        return self.window(layout, args)
+        logits, self._hiddens = self.executor.forward(groups, layout)
+        return logits
 
     def window(self, layout: Layout, args: list[np.ndarray]) -> list[jax.Array]:
-        """The whole-window program of `layout` on its inputs (after the weights, the KV and the counts) ->
-        the groups' logits; a follower replays the leader's windows through here (lockstep.py)."""
-        if self.expert_counts is not None and self.expert_counts.is_deleted():
-            log.warning("the expert profile's counts were lost in a failed window: counting anew")
-            self.expert_counts = self._new_counts()       # a failed run consumed it: the profile starts again
-        counts = [] if self.expert_counts is None else [self.expert_counts]
-        res = self.kv.through(lambda c: cache_last(self.programs.run(layout, self.params, c, *counts, *args)))
-        if counts:
-            self.expert_counts = res.counts
-        self._hiddens = res.hiddens
-        return res.logits
+        """A follower of a process group replays the leader's windows through here (lockstep.py): the
+        whole-window program of `layout` on its inputs -> the groups' logits."""
+        logits, self._hiddens = self.executor.window(layout, args)
+        return logits
 
     def take_hiddens(self) -> list[jax.Array] | None:
         """The last window's hidden states a group (with_hidden; else None), handed over once: the MTP
@@ -239,9 +195,7 @@ class ModelRunner:
 
     def program_layouts(self, layout: Layout) -> list[Layout]:
         """The programs a window of `layout` runs: itself, the layer-stepped stages, or its micro-batches."""
-        if self.pipeline is not None:
-            return self.pipeline.layouts(layout)
-        return self.stepper.stage_layouts(layout) if self.stepper is not None else [layout]
+        return self.executor.layouts(layout)
 
     def ready(self, layout: Layout) -> bool:
         """Every program a window of `layout` runs is built (after taking in the builder thread's)."""
@@ -292,10 +246,14 @@ class ModelRunner:
             for layout in now:
                 self.programs.build_later(self.stepper.resident_layout(layout))
 
-    def _build(self, layout: Layout):
-        """The program cache's builder of whole windows (window_program.py)."""
-        return build_window(layout, self.params, self.spec, self.opts, self.kv, self.with_hidden, self.expert_counts,
-                            self.shards)
+    def _executor(self) -> Executor:
+        """The mode's executor (executors.py), made once the weights, experts and devices are placed."""
+        if self.pipeline is not None:
+            return self.pipeline
+        if self.stepper is not None:
+            return SteppedWindows(self.stepper, self.programs, self.with_hidden)
+        args = (self.spec, self.opts, self.params, self.kv, self.programs, self.shards, self.with_hidden)
+        return GroupWindows(self.group, *args) if self.group is not None else WholeWindows(*args)
 
     # ---- the KV cache (kv_cache.py owns it) -----------------------------------------------------------
 
@@ -322,35 +280,17 @@ class ModelRunner:
 
     # ---- experts and counters -------------------------------------------------------------------------
 
-    def _new_counts(self):
-        counts = jnp.zeros((self.spec.n_layers, self.spec.n_experts), jnp.int32)
-        return counts if self.shards is None else self.shards.replicate(counts)
-
     def expert_profile(self) -> ExpertProfile:
         """The routing of live traffic since start, per (MoE layer, expert). Call from the engine thread."""
-        if self.stepper is not None:
-            return self.stepper.profile
-        if self.expert_counts is None:
-            raise ValueError("this model has no experts: there is no expert profile to write")
-        prof = ExpertProfile(self.spec)
-        prof.add_all(np.asarray(self.expert_counts))
-        return prof
+        return self.executor.expert_profile()
 
     def close(self) -> None:
         self.programs.close()
-        if self.group is not None:
-            self.group.close()
-        if self.stepper is not None:
-            self.stepper.close()
+        self.executor.close()
 
     def expert_stats(self) -> dict:
         """Flat numeric counters (the server exports them as metrics)."""
-        if self.stepper is not None:
-            return self.stepper.stats()
-        if self.spec.is_moe:
-            n = self.spec.n_experts * len(self.spec.moe_layers)
-            return {"device_slots": self.spec.n_experts, "experts_total": n, "all_on_device": 1}
-        return {}
+        return self.executor.expert_stats()
 
     def stats(self) -> dict:
         kv = {"device_positions": self.device_len, "positions": self.cache_len,

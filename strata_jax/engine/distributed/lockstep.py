@@ -29,6 +29,7 @@ from collections.abc import Callable
 import jax
 
 from ...config import EngineConfig
+from ..execute.executors import Forward, WholeWindows
 from ..execute.kv_cache import KVCache
 from .group_channel import (
     FRAME_SLACK,
@@ -182,6 +183,28 @@ class Leader:
     def stats(self) -> dict:
         return {"processes": self.n, "frames": self.frames, "bytes": self.bytes,
                 "followers": {p: {"pid": h.pid, "host": h.host} for p, (_, h) in self.followers.items()}}
+
+
+class GroupWindows(WholeWindows):
+    """--num-processes N: the leader's executor (executors.py). Each window is sent to the followers, then run
+    here over the group's mesh (Leader.window); a follower runs the windows it is sent as WholeWindows."""
+
+    def __init__(self, leader: Leader, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.leader = leader
+
+    def forward(self, groups: list, layout) -> Forward:
+        hiddens = []
+
+        def run(layout, args):
+            logits, h = self.window(layout, args)
+            hiddens.append(h)
+            return logits
+        logits = self.leader.window(layout, [a for g in groups for a in g.arrays()], run)
+        return logits, hiddens[0] if hiddens else None
+
+    def close(self) -> None:
+        self.leader.close()
 
 
 class LockstepKV(KVCache):

@@ -32,8 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
+from ...experts.profile import ExpertProfile
 from ...model import Group
 from ...model.transformer import decoder_layer, embed_stage, head_stage
+from ..execute.executors import Forward, all_on_device
 from ..execute.kv_cache import KVCache, kv_bytes
 from ..execute.memory import MemoryLedger
 from ..execute.programs import Layout, ProgramCache
@@ -94,6 +96,20 @@ class Pipeline:
     def layouts(self, layout: Layout) -> list[Layout]:
         """The programs (on every stage) a window of `layout` runs: its parts' layouts."""
         return list(dict.fromkeys(self.cut(layout).parts))
+
+    def forward(self, groups: list, layout: Layout) -> Forward:
+        """The executor's run (executors.py): the stages keep no hidden states for a drafter."""
+        return self.run(groups, layout), None
+
+    def expert_profile(self) -> ExpertProfile:
+        raise ValueError("the expert profile is not counted with --split layers" if self.spec.is_moe else
+                         "this model has no experts: there is no expert profile to write")
+
+    def expert_stats(self) -> dict:
+        return all_on_device(self.spec)
+
+    def close(self) -> None:
+        pass                      # the stages' program caches close with the runner's programs
 
     def run(self, groups: list, layout: Layout) -> list[jax.Array]:
         """One window through every stage -> logits per group (on the last device). Stage-major order: every
