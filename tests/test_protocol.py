@@ -35,6 +35,7 @@ from strata_jax.serve.protocol import (
     Progress,
     Ready,
     Rejected,
+    RequestParams,
     Saved,
     SaveExpertProfile,
     Shutdown,
@@ -54,11 +55,11 @@ from strata_jax.serve.supervisor.answers import expect
 from strata_jax.serve.supervisor.supervisor import Supervisor
 
 CHAT = [{"role": "user", "content": "é \x00 \U0001f600"}]
-PARAMS = {"max_tokens": 7, "temperature": 0.5, "stop": ["\n"], "logit_bias": [[3, -1.5]], "grammar": None}
+PARAMS = RequestParams(max_tokens=7, temperature=0.5, stop=["\n"], logit_bias=[(3, -1.5)], tools=[[], "auto", True])
 
 COMMANDS = [
     Prepare("a", CHAT, PARAMS, {"enable_thinking": False}, True, {"enable_thinking": True}, True),
-    Prepare("b", "plain text", {}),
+    Prepare("b", "plain text", RequestParams()),
     Prepare("c", [1, 2, 3], PARAMS),
     Prepare("d", ["text", 5, "more"], PARAMS),
     Submit("a", [1, 2, 3], PARAMS),
@@ -69,7 +70,7 @@ COMMANDS = [
     Tokenize("tokenize-1", "hello", add_special=True, parse_special=False, with_pieces=True),
     Tokenize("tokenize-2", ["a", 7, "b"]),
     Detokenize("detokenize-1", [1, 2, 3]),
-    ApplyTemplate("apply_template-1", CHAT, {"tools": None, "render": [True, False]}, None, {}, True),
+    ApplyTemplate("apply_template-1", CHAT, RequestParams(render=[True, False]), None, {}, True),
     SlotAction("slot-1", "save", 0, "/srv/slots/a.bin"),
     SlotAction("slot-2", "erase", 1),
     Embed("embed-1", ["hello", [1, 2, 3]], "last", -1),

@@ -21,7 +21,14 @@ from strata_jax.serve.http.reasoning import (
     ReasoningParser,
     split_reasoning,
 )
-from strata_jax.serve.protocol import Cancel, Prepare, decode_command, pack, read_frame
+from strata_jax.serve.protocol import (
+    Cancel,
+    Prepare,
+    RequestParams,
+    decode_command,
+    pack,
+    read_frame,
+)
 from strata_jax.serve.supervisor.ledger import Fault, describe_exit
 from strata_jax.serve.supervisor.supervisor import (
     Prepared,
@@ -129,11 +136,11 @@ def test_chat_parsing_maps_openai_fields():
                      b'"stream": true, "stream_options": {"include_usage": true}, "user": "ignored"}', NAMES)
     assert job.model == "tiny" and job.stream and job.include_usage
     assert job.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"}]
-    assert job.params == {"max_tokens": 7, "temperature": 0.8, "top_k": 5, "top_p": 0.95, "min_p": 0.05,
-                          "seed": None, "stop": ["END"], "ignore_eos": False, "logit_bias": [],
-                          "presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0,
-                          "repeat_last_n": 64, "logprobs": None, "grammar": None}
-    assert parse_completion(b'{"prompt": ["hi"], "seed": 8589934593}', NAMES).params["seed"] == 1
+    assert job.params == RequestParams(max_tokens=7, temperature=0.8, top_k=5, top_p=0.95, min_p=0.05, seed=None,
+                                       stop=["END"], ignore_eos=False, logit_bias=[], presence_penalty=0.0,
+                                       frequency_penalty=0.0, repeat_penalty=1.0, repeat_last_n=64, logprobs=None,
+                                       grammar=None)
+    assert parse_completion(b'{"prompt": ["hi"], "seed": 8589934593}', NAMES).params.seed == 1
 
 
 @pytest.mark.parametrize("body, param", [
@@ -154,7 +161,7 @@ def test_chat_parsing_names_the_field(body, param):
 
 def test_frames_round_trip_and_stop_at_a_cut():
     """(every frame type round trips, and malformed ones are refused: tests/test_protocol.py)"""
-    msgs = [Prepare("a", [{"role": "user", "content": "é"}], {}), Cancel("\x00")]
+    msgs = [Prepare("a", [{"role": "user", "content": "é"}], RequestParams()), Cancel("\x00")]
     data = b"".join(pack(m) for m in msgs)
     f = io.BytesIO(data)
     assert [read_frame(f, decode_command), read_frame(f, decode_command), read_frame(f, decode_command)] == \
@@ -178,8 +185,7 @@ def test_fault_messages_say_why():
 # ---- the supervisor over a mock engine -------------------------------------------------------------------
 
 MOCK = [sys.executable, "-m", "strata_jax.serve.worker.mock_worker"]
-PARAMS = {"max_tokens": None, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": None,
-          "stop": [], "ignore_eos": False}
+PARAMS = RequestParams()                  # the engine's defaults: greedy, to the end of the context
 
 
 def _run(coro_fn, parallel=2, timeout_s=10.0, **kw):
@@ -197,7 +203,7 @@ def _run(coro_fn, parallel=2, timeout_s=10.0, **kw):
 
 async def _ask(sup, prompt, max_tokens=5):
     deadline = time.monotonic() + sup.config.request_timeout_s
-    params = {**PARAMS, "max_tokens": max_tokens}
+    params = RequestParams(max_tokens=max_tokens)
     prepared = await sup.prepare(f"r-{prompt}", prompt, params, None, deadline)
     return sup.enqueue(f"r-{prompt}", prepared, params, deadline)
 

@@ -29,7 +29,7 @@ from strata_jax.gguf.tokenizer import load_tokenizer
 from strata_jax.serve.errors import ApiError
 from strata_jax.serve.http.generate import ModelNames, parse_chat
 from strata_jax.serve.launch import ServerProcess
-from strata_jax.serve.protocol import Prepare, Prepared
+from strata_jax.serve.protocol import Prepare, Prepared, RequestParams
 from strata_jax.serve.worker.worker import Worker
 from strata_jax.testing.edit_gguf import rewrite_gguf
 from strata_jax.testing.templates import THINK_TEMPLATE
@@ -202,8 +202,7 @@ def test_a_chat_is_rendered_once_per_request(think_model, monkeypatch):
     renders = []
     real_render = ChatTemplate.render
     monkeypatch.setattr(ChatTemplate, "render", lambda self, *a, **k: renders.append(1) or real_render(self, *a, **k))
-    params = {"max_tokens": 4, "temperature": 0.0, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": None,
-              "stop": [], "ignore_eos": False}
+    params = RequestParams(max_tokens=4, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05)
     for kwargs, think in (({}, True), ({"enable_thinking": False}, False)):
         renders.clear()
         reply = Worker.prepare(SimpleNamespace(engine=engine), Prepare("r", HI, params, kwargs))

@@ -74,9 +74,9 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         bans the end-of-generation tokens, llama.cpp's -inf biases, where vLLM's generates past them)."""
         job.verbose = job.verbose or cfg.verbose_responses
         job.llama = cfg.llama_conventions
-        if job.llama and job.params.get("ignore_eos"):
-            bans = [[t, -100.0] for t in sup.info.get("eos_ids", ())]
-            job.params["logit_bias"] = [*(job.params.get("logit_bias") or []), *bans]
+        if job.llama and job.params.ignore_eos:
+            bans = [(t, -100.0) for t in sup.info.get("eos_ids", ())]
+            job.params.logit_bias = [*(job.params.logit_bias or []), *bans]
 
     def done(job: Job, ticket, outcome: str, stats: dict | None, seconds: float) -> None:
         metrics.finished(job.endpoint, outcome, stats, seconds)

@@ -17,8 +17,8 @@ Engine -> server, `Reply`s, tagged by "t":
 
 Each side decodes with a decoder typed by the union it reads, so a frame that is not one of these (an unknown
 tag, a field of the wrong type, a field too many) is a FrameError naming the frame and the field, raised where
-the frame is read, never a KeyError later. A request's `params` stay a dict: the server's parse.py makes them
-and worker_prompts.sampling turns them into Engine.submit's keywords.
+the frame is read, never a KeyError later. A request's parameters are a `RequestParams`, made once by the
+server's parse.py and turned into Engine.submit's keywords by worker_prompts.sampling.
 """
 
 from __future__ import annotations
@@ -46,6 +46,32 @@ class Start(msgspec.Struct, forbid_unknown_fields=True):
 # ---- server -> engine ----------------------------------------------------------------------------------------
 
 
+class RequestParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A generation request's parameters as the HTTP edge decoded and checked them (serve/http/parse.py), carried
+    as they are by Prepare and Submit. The defaults are the engine's (engine/request.py make_params); the routes
+    set every sampling field from the request and the server's defaults."""
+    max_tokens: int | None = None               # None: to the end of the context (prepare sets it)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    logprobs: int | None = None
+    logit_bias: list[tuple[int | str, float]] | None = None    # (token id, or a text: llama.cpp's; bias)
+    grammar: list[str] | None = None            # [kind, text, the request's field] (engine/grammar/constrain.py)
+    tools: list[Any] | None = None              # [tools, tool_choice, parallel_tool_calls] (parse.py, tools.py)
+    render: list[bool] | None = None            # [add_generation_prompt, continue_final_message] (render_chat)
+    progress: bool = False                      # prompt progress events (return_progress)
+    cache_salt: str | None = None
+    checkpoint_at: int | None = None            # a hybrid family's turn end: the prepared one (enqueue)
+
+
 class Command(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
     """What the server asks of the engine process; every command but shutdown has the id its answer names."""
 
@@ -55,7 +81,7 @@ class Prepare(Command, tag="prepare"):
     back too. template_vars and prefill are the server's flags (Supervisor.render_options)."""
     id: str
     prompt: str | list[Any]                     # a text, token ids, chat messages, or llama.cpp's mix of texts and ids
-    params: dict[str, Any]
+    params: RequestParams
     chat_template_kwargs: dict[str, Any] | None = None
     text: bool = False
     template_vars: dict[str, Any] = {}
@@ -65,7 +91,7 @@ class Prepare(Command, tag="prepare"):
 class Submit(Command, tag="submit"):
     id: str
     ids: list[int]
-    params: dict[str, Any]                      # max_tokens set: the prepared one
+    params: RequestParams                       # max_tokens set: the prepared one
 
 
 class Cancel(Command, tag="cancel"):
@@ -104,7 +130,7 @@ class ApplyTemplate(Command, tag="apply_template"):
     """llama.cpp's /apply-template: the prompt text a chat renders to, as prepare renders it."""
     id: str
     prompt: list[Any]                           # chat messages
-    params: dict[str, Any]                      # {"tools", "render"} of the request
+    params: RequestParams                       # the request's tools and render
     chat_template_kwargs: dict[str, Any] | None = None
     template_vars: dict[str, Any] = {}
     prefill: bool = False

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+
+import msgspec
 
 from ...engine.request import Event
+from ..protocol import RequestParams
 from ..supervisor.supervisor import Supervisor
 from ..supervisor.tickets import Prepared, Ticket
 
@@ -34,15 +36,15 @@ async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[Event]:
             return
 
 
-def choice_params(params: dict[str, Any], k: int) -> dict[str, Any]:
-    seed = params.get("seed")
-    return params if seed is None or k == 0 else {**params, "seed": (seed + k) % 2**32}
+def choice_params(params: RequestParams, k: int) -> RequestParams:
+    seed = params.seed
+    return params if seed is None or k == 0 else msgspec.structs.replace(params, seed=(seed + k) % 2**32)
 
 
 class Choices:
     """The tickets of one request's choices, and their events as (choice index, event)."""
 
-    def __init__(self, sup: Supervisor, rid: str, n: int, prepared: Prepared, params: dict[str, Any],
+    def __init__(self, sup: Supervisor, rid: str, n: int, prepared: Prepared, params: RequestParams,
                  deadline: float, first: Ticket, on_ticket: Callable[[Ticket], None]):
         self.sup, self.rid, self.n, self.prepared = sup, rid, n, prepared
         self.params, self.deadline, self.on_ticket = params, deadline, on_ticket

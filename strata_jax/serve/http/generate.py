@@ -45,9 +45,9 @@ async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
     prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline,
                                  text=job.verbose, places=job.n)
     if prepared.grammar:                        # tool_choice required / named: the call's grammar (tools.py)
-        job.params = {**job.params, "grammar": prepared.grammar}
+        job.params = msgspec.structs.replace(job.params, grammar=prepared.grammar)
     if prepared.logit_bias is not None:         # texts in llama.cpp's logit_bias, as their token ids
-        job.params = {**job.params, "logit_bias": prepared.logit_bias}
+        job.params = msgspec.structs.replace(job.params, logit_bias=prepared.logit_bias)
     return prepared, sup.enqueue(job.id, prepared, job.params, deadline, holds=job.n - 1)
 
 
@@ -187,7 +187,7 @@ class _Run:
         mark = call_mark(prepared.tool_format) if job.tools and prepared.tool_format else None
         self.parsers = [ReasoningParser(prepared.think, enabled=job.reasoning and chat, call_mark=mark)
                         for _ in range(job.n)]
-        wanted = job.params.get("logprobs") is not None
+        wanted = job.params.logprobs is not None
         self.logprobs = [LogprobsOf(chat, wanted, len(job.echo)) for _ in range(job.n)]
         self.held = [HeldCalls(job.tools, prepared.tool_format, job.parallel_tool_calls) for _ in range(job.n)]
         self.finals: dict[int, Event] = {}

@@ -18,6 +18,7 @@ import msgspec
 
 from ...gguf.chat_template import reserved_kwargs
 from ..errors import ApiError, invalid
+from ..protocol import RequestParams
 from ..tools import forced, tool_request
 from .fields import control_params
 from .schemas import ChatCompletionRequest, CompletionRequest, Message, decode
@@ -31,7 +32,7 @@ class Job:
     id: str
     model: str
     prompt: Any                                  # messages (dicts), text, or token ids
-    params: dict[str, Any]
+    params: RequestParams
     stream: bool
     include_usage: bool
     chat_template_kwargs: dict[str, Any] | None = None
@@ -82,13 +83,13 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False, def
     tooling = tool_request(req.tools, req.tool_choice)
     _check_carried(tools=req.tools)
     if tooling is not None:
-        if forced(tooling[1]) and params.get("grammar"):
+        if forced(tooling[1]) and params.grammar:
             raise invalid("tool_choice: a forced tool call is its own grammar; leave out "
-                          f"{params['grammar'][2]} or set tool_choice to auto", "tool_choice")
+                          f"{params.grammar[2]} or set tool_choice to auto", "tool_choice")
         # the engine process renders them (tools.tool_prompt)
-        params["tools"] = [*tooling, req.parallel_tool_calls is not False]
+        params.tools = [*tooling, req.parallel_tool_calls is not False]
     if not req.add_generation_prompt or req.continue_final_message:     # worker_prompts.render_chat; else its defaults
-        params["render"] = [req.add_generation_prompt, req.continue_final_message]
+        params.render = [req.add_generation_prompt, req.continue_final_message]
     return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
                params, req.stream, _include_usage(req), req.chat_template_kwargs,
                req.reasoning_format != "none", n=req.n or 1,
@@ -182,7 +183,7 @@ def _message(m: Message, i: int, joiner: str = "\n") -> dict[str, Any]:
     return out
 
 
-def _params(req: Any, max_tokens: int | None, chat: bool, defaults: dict | None = None) -> dict[str, Any]:
+def _params(req: Any, max_tokens: int | None, chat: bool, defaults: dict | None = None) -> RequestParams:
     defaults = defaults or {}
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     seed = None if req.seed is None or req.seed == -1 else req.seed % 2**32
@@ -195,9 +196,9 @@ def _params(req: Any, max_tokens: int | None, chat: bool, defaults: dict | None 
         if not asked and key in defaults:
             controls[key] = defaults[key]
     salt = getattr(req, "cache_salt", None)            # (llama.cpp's native route has none)
-    return {"max_tokens": limit_tokens(max_tokens, defaults), **params, "seed": seed, "stop": stop,
-            "ignore_eos": req.ignore_eos, **({"progress": True} if req.stream and req.return_progress else {}),
-            **({"cache_salt": salt} if salt is not None else {}), **controls}
+    return RequestParams(max_tokens=limit_tokens(max_tokens, defaults), **params, seed=seed, stop=stop,
+                         ignore_eos=bool(req.ignore_eos), progress=bool(req.stream and req.return_progress),
+                         cache_salt=salt, **controls)
 
 
 def limit_tokens(asked: int | None, defaults: dict) -> int | None:

@@ -40,7 +40,7 @@ def text_bytes(job: Job) -> int:
     """UTF-8 bytes of the strings the job's prompt is rendered from."""
     total = string_bytes(job.prompt)                    # text, messages, or llama.cpp's mixed list
     if job.kind == "chat":
-        tools = job.params.get("tools")                 # [tools, choice, parallel] (parse.py)
+        tools = job.params.tools                        # [tools, choice, parallel] (parse.py)
         total += string_bytes(tools[0], keys=True) if tools else 0
         total += string_bytes(job.chat_template_kwargs or {})
     return total
@@ -49,7 +49,7 @@ def text_bytes(job: Job) -> int:
 def _what(job: Job) -> str:
     if job.kind != "chat":
         return "text"
-    return "messages, tools and chat_template_kwargs" if job.params.get("tools") or job.chat_template_kwargs \
+    return "messages, tools and chat_template_kwargs" if job.params.tools or job.chat_template_kwargs \
         else "messages"
 
 

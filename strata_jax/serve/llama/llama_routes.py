@@ -36,7 +36,7 @@ from ..errors import ApiError, invalid
 from ..http.fields import MAX_SHOWN, check_token_id, control_params, json_object, shown
 from ..http.parse import DEFAULTS, parse_chat
 from ..http.prompt_size import refuse_if_too_long
-from ..protocol import ApplyTemplate, Detokenize, SlotAction, Tokenize
+from ..protocol import ApplyTemplate, Detokenize, RequestParams, SlotAction, Tokenize
 from ..tokens import check_sizes
 
 SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
@@ -134,7 +134,7 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
     async def apply_template(request: Request) -> dict[str, Any]:
         job = parse_chat(await request.body(), _AnyModel(served), trust_template=cfg.trust_request_chat_template)
         reply = await sup.ask(ApplyTemplate, prompt=job.prompt,
-                              params={"tools": job.params.get("tools"), "render": job.params.get("render")},
+                              params=RequestParams(tools=job.params.tools, render=job.params.render),
                               **sup.render_options(),
                               chat_template_kwargs=job.chat_template_kwargs)
         return {"prompt": reply.prompt}

@@ -67,12 +67,13 @@ def parse(body: bytes, served: str, model: str, defaults: dict[str, Any],
                       "n_predict")
     plain = msgspec.structs.replace(req, logit_bias=None, logprobs=req.n_probs or None)
     params = _params(plain, asked, chat=False, defaults=defaults)
-    params["logit_bias"] = _logit_bias(req.logit_bias)
-    if params["seed"] is None and req.seed is None and seed is not None:
-        params["seed"] = seed % 2**32
+    params.logit_bias = _logit_bias(req.logit_bias)
+    if params.seed is None and req.seed is None and seed is not None:
+        params.seed = seed % 2**32
     jobs = []
     for prompt in prompts:
-        job = Job("text", f"cmpl-{uuid.uuid4().hex[:24]}", model, prompt, dict(params), req.stream, False)
+        job = Job("text", f"cmpl-{uuid.uuid4().hex[:24]}", model, prompt, msgspec.structs.replace(params), req.stream,
+                  False)
         jobs.append(job)
     return jobs, req
 
@@ -243,17 +244,17 @@ def generation_settings(job: Job, req: NativeRequest, seed: int) -> dict[str, An
     """llama.cpp's generation_settings: the sampling this request runs with (only what this engine has, plus the
     samplers llama.cpp has and this engine has not, at their off values)."""
     p = job.params
-    n = p.get("max_tokens")
-    grammar = p.get("grammar")
-    return {"n_predict": n if n is not None else -1, "seed": p["seed"] if p.get("seed") is not None else seed,
-            "temperature": p["temperature"], "top_k": p["top_k"], "top_p": p["top_p"], "min_p": p["min_p"],
-            "repeat_last_n": p["repeat_last_n"], "repeat_penalty": p["repeat_penalty"],
-            "presence_penalty": p["presence_penalty"], "frequency_penalty": p["frequency_penalty"],
-            "max_tokens": n if n is not None else -1, "ignore_eos": p["ignore_eos"], "stream": job.stream,
-            "n_probs": req.n_probs, "post_sampling_probs": req.post_sampling_probs, "stop": p["stop"],
+    n = p.max_tokens
+    grammar = p.grammar
+    return {"n_predict": n if n is not None else -1, "seed": p.seed if p.seed is not None else seed,
+            "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+            "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "max_tokens": n if n is not None else -1, "ignore_eos": p.ignore_eos, "stream": job.stream,
+            "n_probs": req.n_probs, "post_sampling_probs": req.post_sampling_probs, "stop": p.stop,
             "grammar": grammar[1] if grammar else "",
             # llama.cpp's shape; a ban (-100 here, false in a request) is its -inf, which its JSON writes as null
-            "logit_bias": [{"bias": None if b <= -100 else b, "token": t} for t, b in p["logit_bias"]],
+            "logit_bias": [{"bias": None if b <= -100 else b, "token": t} for t, b in p.logit_bias or ()],
             "timings_per_token": req.timings_per_token,
             # llama.cpp's samplers this engine does not have, at the values that turn them off
             "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,

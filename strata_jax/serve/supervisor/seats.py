@@ -123,7 +123,7 @@ class Seats:
             slot: dict[str, Any] = {"id": i, "is_processing": t is not None, "n_ctx": n_ctx}
             if t is not None:
                 slot.update(request_id=t.id, n_prompt_tokens=len(t.ids), n_decoded=t.n_tokens,
-                            max_tokens=t.params["max_tokens"], t_elapsed_ms=round((now - t.started) * 1000, 1),
+                            max_tokens=t.params.max_tokens, t_elapsed_ms=round((now - t.started) * 1000, 1),
                             t_queued_ms=round((t.started - t.arrived) * 1000, 1), cancelled=t.cancelled)
             out.append(slot)
         return out

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from ...config import EngineConfig
 from ...engine.request import Event
 from ...gguf.chat_template import llama_cpp_dates
@@ -55,6 +57,7 @@ from ..protocol import (
     Progress,
     Ready,
     Rejected,
+    RequestParams,
     Saved,
     SaveExpertProfile,
     Start,
@@ -244,7 +247,7 @@ class Supervisor:
                                 f"({self.config.request_timeout_s:g} s, --request-timeout-s) has passed",
                            "unavailable_error") from None
 
-    async def prepare(self, rid: str, prompt: Any, params: dict[str, Any], chat_template_kwargs: dict | None,
+    async def prepare(self, rid: str, prompt: Any, params: RequestParams, chat_template_kwargs: dict | None,
                       deadline: float, text: bool = False, places: int = 1) -> Prepared:
         """Tokenize and check a request on the engine: -> Prepared, or ApiError (4xx for bad requests, 503
         when no engine answers before the deadline). text: the prompt's text comes back too. places: its n
@@ -276,11 +279,11 @@ class Supervisor:
         raise ApiError(503, f"the engine stopped three times while reading this request: {self.reason}",
                        "unavailable_error")
 
-    def enqueue(self, rid: str, prepared: Prepared, params: dict[str, Any], deadline: float, holds: int = 0) -> Ticket:
+    def enqueue(self, rid: str, prepared: Prepared, params: RequestParams, deadline: float, holds: int = 0) -> Ticket:
         """holds: queue places the ticket keeps for its request's later choices (seats.py)."""
-        params = {**params, "max_tokens": prepared.max_tokens}
-        if prepared.checkpoint_at is not None:      # where a hybrid family keeps its state (state_checkpoints.py)
-            params["checkpoint_at"] = prepared.checkpoint_at
+        # the prepared max_tokens; a hybrid family's turn end, where it keeps its state (state_checkpoints.py)
+        params = msgspec.structs.replace(params, max_tokens=prepared.max_tokens,
+                                         checkpoint_at=prepared.checkpoint_at)
         t = Ticket(rid, prepared.ids, params, deadline, holds=holds)
         self.seats.enqueue(t)
         self._dispatch()

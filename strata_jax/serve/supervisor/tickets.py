@@ -8,10 +8,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..errors import ApiError, context_overflow
-from ..protocol import Prepared, Rejected
+from ..protocol import Prepared, Rejected, RequestParams
 
 __all__ = ["EngineBusy", "EngineGone", "Prepared", "Ticket", "rejection"]
 
@@ -23,7 +22,7 @@ class Ticket:
     """A request from the moment it is queued."""
     id: str
     ids: list[int]
-    params: dict[str, Any]
+    params: RequestParams
     deadline: float                             # time.monotonic()
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: str = "queued"                       # queued | running | done

@@ -84,7 +84,7 @@ def main() -> int:
             if "DEAF" in text:
                 time.sleep(3600)
             ids = [ord(c) for c in text]
-            max_tokens = cmd.params["max_tokens"] or n_ctx - len(ids)
+            max_tokens = cmd.params.max_tokens or n_ctx - len(ids)
             if len(ids) + max_tokens > n_ctx:
                 send(Rejected(cmd.id, "context", "too long", n_prompt_tokens=len(ids), max_tokens=max_tokens,
                               n_ctx=n_ctx))
@@ -92,7 +92,7 @@ def main() -> int:
                 send(Prepared(ids, max_tokens, False, id=cmd.id))
         elif isinstance(cmd, Submit):
             cancelled[cmd.id] = threading.Event()
-            threading.Thread(target=generate, args=(cmd.id, cmd.ids, cmd.params["max_tokens"]), daemon=True).start()
+            threading.Thread(target=generate, args=(cmd.id, cmd.ids, cmd.params.max_tokens), daemon=True).start()
         elif isinstance(cmd, Cancel) and cmd.id in cancelled:
             cancelled[cmd.id].set()
         elif isinstance(cmd, GetStats):

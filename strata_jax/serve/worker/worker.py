@@ -174,7 +174,7 @@ class Worker:
 
     def handle(self, cmd: Command) -> None:
         match cmd:
-            case Prepare() if cmd.params.get("grammar") or cmd.params.get("tools"):
+            case Prepare() if cmd.params.grammar or cmd.params.tools:
                 self._grammar_prepares().submit(self._prepare_apart, cmd)     # compiling waits there, not here
             case Prepare():
                 self.writer.send(self.prepare(cmd))
@@ -302,8 +302,8 @@ class Worker:
 
     def submit(self, cmd: Submit) -> None:
         p = cmd.params
-        h = self.engine.submit(cmd.ids, **sampling(p, p["max_tokens"]), progress=bool(p.get("progress")),
-                               cache_salt=p.get("cache_salt"), checkpoint_at=p.get("checkpoint_at"))
+        h = self.engine.submit(cmd.ids, **sampling(p, p.max_tokens), progress=p.progress, cache_salt=p.cache_salt,
+                               checkpoint_at=p.checkpoint_at)
         with self._lock:
             self.handles[cmd.id] = h
         threading.Thread(target=self._forward, args=(cmd.id, h), name=f"req-{cmd.id}", daemon=True).start()

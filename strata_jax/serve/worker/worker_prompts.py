@@ -7,11 +7,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..protocol import Answer, ApplyTemplate, Prepare, Prepared, Rejected, Tokenize
+import msgspec
+
+from ..protocol import (
+    Answer,
+    ApplyTemplate,
+    Prepare,
+    Prepared,
+    Rejected,
+    RequestParams,
+    Tokenize,
+)
 from ..tools import tool_prompt
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
-                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs", "grammar")
+                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs", "grammar")   # make_params'
 
 
 def prepare(engine: Any, cmd: Prepare) -> Prepared | Rejected:
@@ -29,10 +39,10 @@ def prepare(engine: Any, cmd: Prepare) -> Prepared | Rejected:
     checkpoint_at = None
     try:
         think = False
-        if p.get("tools") and chat:
-            prompt, kwargs, tooling = tool_prompt(engine.tokenizer, prompt, kwargs, *p["tools"])
+        if p.tools and chat:
+            prompt, kwargs, tooling = tool_prompt(engine.tokenizer, prompt, kwargs, *p.tools)
             if tooling.get("grammar"):
-                p = {**p, "grammar": tooling["grammar"]}
+                p = msgspec.structs.replace(p, grammar=tooling["grammar"])
         if chat:
             # Rendered once: the text is tokenized and says whether the template opened the reasoning
             # part. kwargs go over the defaults: the server lets them name messages or
@@ -50,9 +60,10 @@ def prepare(engine: Any, cmd: Prepare) -> Prepared | Rejected:
             ids = got.tokens
         else:
             ids = engine.prompt_ids(prompt)
-        if any(isinstance(k, str) for k, _ in p.get("logit_bias") or ()):    # llama.cpp's: a text's tokens
-            tooling["logit_bias"] = p["logit_bias"] = bias_ids(engine.tokenizer, p["logit_bias"])
-        max_tokens = p.get("max_tokens") or max(n_ctx - len(ids), 1)
+        if any(isinstance(k, str) for k, _ in p.logit_bias or ()):    # llama.cpp's: a text's tokens
+            tooling["logit_bias"] = bias_ids(engine.tokenizer, p.logit_bias)
+            p = msgspec.structs.replace(p, logit_bias=tooling["logit_bias"])
+        max_tokens = p.max_tokens or max(n_ctx - len(ids), 1)
         params = make_params(**sampling(p, max_tokens))
         params.validate(engine.spec.vocab_size)
         if params.grammar is not None:       # compiled here too: a schema it cannot compile is a 400
@@ -82,8 +93,8 @@ def apply_template(engine: Any, cmd: ApplyTemplate) -> Answer | Rejected:
     messages, p = cmd.prompt, cmd.params
     kwargs = template_kwargs(cmd)
     try:
-        if p.get("tools"):
-            messages, kwargs, _ = tool_prompt(engine.tokenizer, messages, kwargs, *p["tools"])
+        if p.tools:
+            messages, kwargs, _ = tool_prompt(engine.tokenizer, messages, kwargs, *p.tools)
         text = render_chat(engine.tokenizer, messages, kwargs, *render_options(cmd, p))
     except NoChatTemplateError as e:
         return Rejected(cmd.id, "template", str(e))
@@ -97,9 +108,9 @@ def template_kwargs(cmd: Prepare | ApplyTemplate) -> dict[str, Any]:
     return {**cmd.template_vars, **(cmd.chat_template_kwargs or {})}
 
 
-def render_options(cmd: Prepare | ApplyTemplate, p: dict[str, Any]) -> tuple[bool, bool, bool]:
+def render_options(cmd: Prepare | ApplyTemplate, p: RequestParams) -> tuple[bool, bool, bool]:
     """(add_generation_prompt, continue_final_message, prefill) for render_chat: the request's and the server's."""
-    add, cont = p.get("render") or (True, False)
+    add, cont = p.render or (True, False)
     return add, cont, cmd.prefill
 
 
@@ -127,10 +138,10 @@ def render_chat(tk, messages: list, kwargs: dict, add_generation_prompt: bool = 
     return tk.apply_chat_template(**{"messages": messages[:-1], "add_generation_prompt": True, **kwargs}) + content
 
 
-def sampling(p: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """Engine.submit's keywords from a request's params (logit_bias comes as [id, bias] pairs)."""
-    out = {k: p[k] for k in SAMPLING_KEYS if k in p}
-    return {**out, "max_tokens": max_tokens, "logit_bias": {int(t): b for t, b in p.get("logit_bias") or ()}}
+def sampling(p: RequestParams, max_tokens: int) -> dict[str, Any]:
+    """Engine.submit's keywords from a request's params (logit_bias comes as (id, bias) pairs)."""
+    out = {k: getattr(p, k) for k in SAMPLING_KEYS}
+    return {**out, "max_tokens": max_tokens, "logit_bias": {int(t): b for t, b in p.logit_bias or ()}}
 
 
 def bias_ids(tokenizer, pairs: list) -> list[list]:
