@@ -8,11 +8,14 @@ them an ordinary request is served and the engine never restarted.
 
 The summary (bodies tried, answers by status) is printed (`pytest -s`) and written to
 $TMPDIR/strata-jax-fuzz.json. STRATA_FUZZ_KEEP_GOING=1 records every failing body instead of stopping at
-the first (hypothesis then does not shrink): for hunting several bugs in one run.
+the first (hypothesis then does not shrink): for hunting several bugs in one run. STRATA_FUZZ_CORPUS=FILE writes
+every body sent and the status it got (JSON lines), which scripts/fuzz_replay.py sends again to another build
+of the server and compares, status by status (a refactoring's check that the HTTP answers stay the same).
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import os
@@ -37,6 +40,7 @@ MODEL = "fuzz"
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 SUMMARY = Path(tempfile.gettempdir()) / "strata-jax-fuzz.json"
 KEEP_GOING = os.environ.get("STRATA_FUZZ_KEEP_GOING") == "1"
+CORPUS = os.environ.get("STRATA_FUZZ_CORPUS")
 HUGE_BODIES = 6                   # bodies near the 8 MiB limit: a few, each costs the server a full read
 
 
@@ -371,6 +375,7 @@ def test_fuzz_completion_routes(server):
     huge_sent = [0]
     started = time.monotonic()
     client = httpx.Client(base_url=server.url, timeout=httpx.Timeout(60.0, connect=5.0))
+    corpus = open(CORPUS, "w") if CORPUS else None       # noqa: SIM115 - closed in the finally below
 
     def send(route: str, data: bytes, content_type: str) -> None:
         headers = {"Content-Type": content_type} if content_type else {}
@@ -383,6 +388,9 @@ def test_fuzz_completion_routes(server):
             problem, status = _check(r, raw, streams), r.status_code
         by_status[status] += 1
         by_route[route] += 1
+        if corpus is not None:
+            corpus.write(json.dumps({"route": route, "content_type": content_type, "status": status,
+                                     "body": base64.b64encode(data).decode()}) + "\n")
         if problem:
             failures.append(f"{route} {_shown(data)} (Content-Type {content_type!r}) -> {problem}")
             assert KEEP_GOING, failures[-1]
@@ -406,6 +414,8 @@ def test_fuzz_completion_routes(server):
     try:
         fuzz()
     finally:
+        if corpus is not None:
+            corpus.close()
         tried = sum(by_status.values())
         seconds = time.monotonic() - started
         summary = {"bodies_tried": tried, "by_status": {str(k): v for k, v in sorted(by_status.items(), key=str)},
