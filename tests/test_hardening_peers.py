@@ -266,7 +266,7 @@ def test_a_frame_past_its_bound_is_refused_naming_the_bound_before_reading_it():
 
 
 def test_a_group_off_loopback_needs_a_key_and_a_loopback_one_makes_a_private_one(tmp_path, monkeypatch):
-    from strata_jax.engine.distributed.group_channel import group_key
+    from strata_jax.engine.distributed.group_key import group_key
 
     with pytest.raises(ConfigError, match="coordinator = '10.1.2.3:1234': is not a loopback address.*--group-key-file"):
         EngineConfig(num_processes=2, coordinator="10.1.2.3:1234")

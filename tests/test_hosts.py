@@ -20,7 +20,8 @@ import pytest
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
-from strata_jax.engine.distributed.group_channel import follower_handshake, group_key
+from strata_jax.engine.distributed.group_channel import follower_handshake
+from strata_jax.engine.distributed.group_key import group_key
 from strata_jax.engine.distributed.hosts import (
     Hello,
     KvReset,

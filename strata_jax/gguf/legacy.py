@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:                     # reader.py calls this module
-    from .reader import TensorInfo
+    from .tensor_info import TensorInfo
 
 
 def read_as_today(metadata: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:

@@ -14,14 +14,12 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf import quants as gq
 
 from quant_types import SUPPORTED, block_size, supported_names, type_size
 
@@ -38,39 +36,10 @@ from .errors import (
 from .header import Header, RawTensor, ValueType, parse_header
 from .legacy import read_as_today
 from .spec import ModelSpec
+from .tensor_info import TensorInfo
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
-
-
-@dataclass(frozen=True, eq=False)
-class TensorInfo:
-    """One tensor, its bytes left where they are in the file.
-
-    `shape` is numpy order (ggml's ne reversed): token_embd is (vocab, hidden), ffn_up_exps is
-    (experts, expert_ffn, hidden). `data` is a read-only uint8 memmap view [*shape[:-1], row_bytes]:
-    each row is the GGUF blocks of one row of values.
-    """
-
-    name: str
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]
-    n_bytes: int
-    offset: int  # absolute, in `path`
-    path: Path
-    data: np.ndarray = field(repr=False)
-
-    @property
-    def n_values(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def row_bytes(self) -> int:
-        return self.data.shape[-1]
-
-    def dequantize(self) -> np.ndarray:
-        """The values as float32 [*shape] (with the gguf package's reference code: for checks, not speed)."""
-        return np.asarray(gq.dequantize(self.data, self.qtype), dtype=np.float32).reshape(self.shape)
 
 
 class GGUFModel:

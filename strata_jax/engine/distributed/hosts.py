@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 
 from ...config import ConfigError, EngineConfig
+from .group_key import group_key
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -84,8 +85,6 @@ def refuse(cfg: EngineConfig, spec) -> None:
     if why:
         raise ConfigError(f"num_processes = {cfg.num_processes}: {why}")
     if is_group(cfg):       # an unreadable or short key file: refused now, not at each engine restart
-        from .group_channel import group_key
-
         group_key(cfg)
 
 
