@@ -14,6 +14,8 @@
 #      not needed on a GPU); then every module the run needs must import and JAX must see the GPU;
 #   3. tests/test_kernels.py with STRATA_TEST_BACKEND=pallas: every kernel on the GPU's Pallas (Triton)
 #      backend and on xla, against gguf's reference;
+#   3b. the hybrid family's logits (qwen3next, qwen35moe) through the Pallas kernels on the GPU against
+#      transformers (tests/test_hybrid_model.py; needs transformers and torch on the device);
 #   4. `strata-jax make-model`: a qwen3moe model with Q4_K experts, 8 layers x 64 experts of 2048 x 768
 #      (1.36 GB of experts), into /tmp;
 #   5. `strata-jax bench` on it with every expert on the device (--expert-cache auto), then with a device
@@ -22,7 +24,7 @@
 #      (--host-experts on: experts computed where they live);
 #   6. a table of the three.
 # The log and the results go to $OUT if set, else ./device-check-out/: device_check.log, kernel_tests.xml,
-# bench_all.json, bench_cache.json, bench_hybrid.json, results.md. A failed step says so at once (!!! lines); the run goes on
+# hybrid_tests.xml, bench_all.json, bench_cache.json, bench_hybrid.json, results.md. A failed step says so at once (!!! lines); the run goes on
 # where a later step can still tell something, and ends with a summary and exit 1 if anything failed.
 #
 # The wheels: on a machine with pip and the internet, in the repository root (.whl/ is git-ignored):
@@ -204,6 +206,17 @@ if ((DRY)); then
 fi
 step "kernel tests, Pallas backend on the GPU" 180 go-on \
     env STRATA_TEST_BACKEND=pallas XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest "${XDIST[@]}" "${PYTEST_ARGS[@]}"
+
+# ---- 3b. the hybrid family (issue 34): its logits through the GPU's Pallas kernels against transformers ---
+# (the oracle needs transformers and torch: carried in .whl/ where the image lacks them, else said and skipped)
+if "$PY" -c "import transformers, torch" 2>/dev/null || ((DRY)); then
+    step "hybrid (Gated DeltaNet + MoE) logits, Pallas on the GPU, against transformers" 120 go-on \
+        env STRATA_TEST_BACKEND=pallas XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -q -p no:cacheprovider \
+        -ra --junit-xml "$OUTDIR/hybrid_tests.xml" tests/test_hybrid_model.py -k pallas_kernels_match_transformers
+else
+    loud "the hybrid step is not run: transformers and torch do not import here (carry their wheels in .whl/)"
+    FAILED+=("hybrid step: transformers/torch missing")
+fi
 
 # ---- 4. the MoE model ----------------------------------------------------------------------------------
 step "make the MoE model" 120 critical "$PY" -m strata_jax make-model "$MODEL" "${MAKE_ARGS[@]}"
