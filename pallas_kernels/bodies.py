@@ -3,12 +3,12 @@
 A body turns a batch of blocks into values: `body(src) -> float32 [rows, block_size]`. It never sees
 the block bytes as an array; it asks `src.u8(offsets)` for the bytes at given offsets inside each
 block (-> int32 [rows, *offsets.shape]) and `src.lookup(table, idx)` for IQ table entries. Offsets
-are computed from `src.iota(n)`: numpy arrays for the XLA backend (so they are static and the gathers
-become slices), traced arrays inside Pallas kernels. The XLA
+are computed from `src.iota(n)`: numpy arrays for the XLA backend (so they are static and the
+gathers become slices), traced arrays inside Pallas kernels. The XLA
 backend answers with gathers on a [rows, type_size] array; the Pallas kernels answer with indexed
 loads from the raw weight buffer (Triton has no slicing or concatenation of values, but gathers from
-memory are native). So every value is computed as "value j of the block", j = 0..block_size-1, and the
-index arithmetic below is llama.cpp's block layout written per value.
+memory are native). So every value is computed as "value j of the block", j = 0..block_size-1, and
+the index arithmetic below is llama.cpp's block layout written per value.
 
 The float arithmetic follows `gguf.quants` operation for operation (same products, same order), so
 the results are bit-identical to that reference on any backend that does not contract a*b+c into an
@@ -62,7 +62,7 @@ def _signed8(x: jax.Array) -> jax.Array:
     return jnp.where(x >= 128, x - 256, x)
 
 
-# ---- plain floats (a "block" is a run of `n` values; the caller picks n) ----------------------------
+# ---- plain floats (a "block" is a run of `n` values; the caller picks n) -------------------------
 
 def f32_body(n: int) -> Callable:
     def body(src: BlockSource) -> jax.Array:
@@ -88,7 +88,7 @@ def bf16_body(n: int) -> Callable:
     return body
 
 
-# ---- 32-value blocks --------------------------------------------------------------------------------
+# ---- 32-value blocks -----------------------------------------------------------------------------
 
 def q8_0(src):          # d: f16, qs: int8[32]
     d = _f16(src, 0)
@@ -136,7 +136,7 @@ def iq4_nl(src):        # d, qs[16] -> indices into the 16 non-linear levels
     return d * src.lookup("kvalues", q)
 
 
-# ---- 256-value super-blocks (k-quants) --------------------------------------------------------------
+# ---- 256-value super-blocks (k-quants) -----------------------------------------------------------
 
 def q2_k(src):          # scales[16] (4-bit scale | 4-bit min), qs[64] (2 bits), d, dmin
     j = src.iota(QK_K)
@@ -159,7 +159,8 @@ def q3_k(src):          # hmask[32], qs[64], scales[12] (6-bit, offset 32), d
     dl = d * scale
     half, k, l = j // 128, (j // 32) % 4, j % 32
     ql = (src.u8(32 + half * 32 + l) >> (2 * k)) & 3
-    hbit = ((src.u8(j % 32) >> (j // 32)) & 1) ^ 1       # the offset 4 applies when the mask bit is 0
+    # the offset 4 applies when the mask bit is 0
+    hbit = ((src.u8(j % 32) >> (j // 32)) & 1) ^ 1
     q = (ql - (hbit << 2)).astype(f32)
     return dl * q
 
@@ -207,7 +208,7 @@ def q6_k(src):          # ql[128], qh[64], scales[16] (int8), d
     return ds * q
 
 
-# ---- 256-value i-quants -----------------------------------------------------------------------------
+# ---- 256-value i-quants --------------------------------------------------------------------------
 
 def iq4_xs(src):        # d, scales_h (u16), scales_l[4], qs[128]
     j = src.iota(QK_K)

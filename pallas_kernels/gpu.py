@@ -3,8 +3,8 @@
 Triton runs on Ampere and newer (RTX 3090, L40S, RTX PRO 5000, H100/H200), the cards Strata's users
 have. The same kernels run in Pallas' interpret mode on a CPU, which is how the tests check them.
 
-Every kernel reads weights as raw GGUF bytes through indexed loads (`_RefSource`) and dequantizes them
-in registers with the shared bodies (bodies.py); the float matrix never exists in memory.
+Every kernel reads weights as raw GGUF bytes through indexed loads (`_RefSource`) and dequantizes
+them in registers with the shared bodies (bodies.py); the float matrix never exists in memory.
 Triton wants power-of-two tensor shapes, so tiles are powers of two and ragged edges are handled by
 clamping the rows read (loads stay in bounds) and slicing the padded output.
 """
@@ -51,7 +51,7 @@ def _call(kernel, out_shape, grid, out_specs, interpret: bool):
     )
 
 
-# ---- dequantize -------------------------------------------------------------------------------------
+# ---- dequantize ----------------------------------------------------------------------------------
 
 def dequantize_rows(blocks: jax.Array, lay: Layout, *, interpret: bool) -> jax.Array:
     """uint8 [..., n_blocks * nbytes] -> float32 [..., n_blocks * values]."""
@@ -62,17 +62,20 @@ def dequantize_rows(blocks: jax.Array, lay: Layout, *, interpret: bool) -> jax.A
 
     def kernel(w_ref, *refs):
         *tbl_refs, o_ref = refs
-        b = jnp.minimum(pl.program_id(0) * per_prog + jnp.arange(per_prog, dtype=jnp.int32), total - 1)
+        b = jnp.minimum(pl.program_id(0) * per_prog + jnp.arange(per_prog, dtype=jnp.int32),
+                        total - 1)
         src = _RefSource(w_ref, b * lay.nbytes, dict(zip(lay.tables, tbl_refs)))
         o_ref[...] = lay.body(src)
 
     n_prog = pl.cdiv(total, per_prog)
-    out = _call(kernel, jax.ShapeDtypeStruct((n_prog * per_prog, lay.values), jnp.float32), (n_prog,),
-                pl.BlockSpec((per_prog, lay.values), lambda i: (i, 0)), interpret)(blocks.reshape(-1), *_tables(lay))
+    out = _call(kernel, jax.ShapeDtypeStruct((n_prog * per_prog, lay.values), jnp.float32),
+                (n_prog,),
+                pl.BlockSpec((per_prog, lay.values), lambda i: (i, 0)),
+                interpret)(blocks.reshape(-1), *_tables(lay))
     return out[:total].reshape(*lead, nb * lay.values)
 
 
-# ---- quantized matmul -------------------------------------------------------------------------------
+# ---- quantized matmul ----------------------------------------------------------------------------
 
 def _tile_k(lay: Layout, nb_row: int) -> int:
     """Blocks a K step: up to 256 values (the dot wants >= 16), a divisor of the blocks in a row."""
@@ -80,13 +83,13 @@ def _tile_k(lay: Layout, nb_row: int) -> int:
     while nb > 1 and nb_row % nb:
         nb //= 2
     if nb * lay.values < 16:
-        raise ValueError(f"{lay.qtype.name}: rows of {nb_row * lay.values} values cannot be cut into K tiles of "
-                         f">= 16 values for the Pallas matmul; use the xla backend")
+        raise ValueError(f"{lay.qtype.name}: rows of {nb_row * lay.values} values cannot be cut "
+                         "into K tiles of >= 16 values for the Pallas matmul; use the xla backend")
     return nb
 
 
-def _matmul_tile(x_ref, w_ref, tbls, lay: Layout, *, t0, n0, n_rows, w_base, row_bytes, nb_row, bt, bn, nb,
-                 out_dtype):
+def _matmul_tile(x_ref, w_ref, tbls, lay: Layout, *, t0, n0, n_rows, w_base, row_bytes, nb_row, bt,
+                 bn, nb, out_dtype):
     """acc[bt, bn] = x[t0:t0+bt] @ W[n0:n0+bn]^T, W's rows at w_base + row * row_bytes."""
     rr = jnp.arange(bn * nb, dtype=jnp.int32)
     row = jnp.minimum(n0 + rr // nb, n_rows - 1)                  # [bn * nb] block-rows, clamped
@@ -99,7 +102,8 @@ def _matmul_tile(x_ref, w_ref, tbls, lay: Layout, *, t0, n0, n_rows, w_base, row
         x = x_ref[pl.ds(t0, bt), pl.ds(c * kv, kv)]               # [bt, kv]
         return acc + plt.dot(x, w, trans_b=True)
 
-    return jax.lax.fori_loop(0, nb_row // nb, step, jnp.zeros((bt, bn), jnp.float32)).astype(out_dtype)
+    return jax.lax.fori_loop(0, nb_row // nb, step,
+                             jnp.zeros((bt, bn), jnp.float32)).astype(out_dtype)
 
 
 def _tiles(T: int, N: int) -> tuple[int, int]:
@@ -114,7 +118,8 @@ def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout, *, interpret: bool) 
     N, row_bytes = w_blocks.shape
     nb_row = lay.blocks_in(row_bytes)
     if nb_row * lay.values != K:
-        raise ValueError(f"qmatmul: x has {K} columns but the weight rows hold {nb_row * lay.values} values")
+        raise ValueError(f"qmatmul: x has {K} columns but the weight rows hold "
+                         f"{nb_row * lay.values} values")
     bt, bn = _tiles(T, N)
     nb = _tile_k(lay, nb_row)
     Tp = pl.cdiv(T, bt) * bt
@@ -129,20 +134,22 @@ def qmatmul(x: jax.Array, w_blocks: jax.Array, lay: Layout, *, interpret: bool) 
 
     grid = (Tp // bt, pl.cdiv(N, bn))
     out = _call(kernel, jax.ShapeDtypeStruct((Tp, grid[1] * bn), jnp.float32), grid,
-                pl.BlockSpec((bt, bn), lambda i, j: (i, j)), interpret)(xp, w_blocks.reshape(-1), *_tables(lay))
+                pl.BlockSpec((bt, bn), lambda i, j: (i, j)), interpret)(xp, w_blocks.reshape(-1),
+                                                                        *_tables(lay))
     return out[:T, :N]
 
 
-# ---- expert (grouped) matmul ------------------------------------------------------------------------
+# ---- expert (grouped) matmul ---------------------------------------------------------------------
 
-def expert_matmul_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w_blocks: jax.Array, lay: Layout, *,
-                        bt: int, interpret: bool) -> jax.Array:
-    """Row tiles x_tiles [n_tiles * bt, K], each tile multiplied by one expert (tile_expert [n_tiles],
-    -1: an empty tile, left zero) of w_blocks [E, N, row_bytes] -> float32 [n_tiles * bt, N].
-    Only the experts named in tile_expert are read."""
+def expert_matmul_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w_blocks: jax.Array,
+                        lay: Layout, *, bt: int, interpret: bool) -> jax.Array:
+    """Row tiles x_tiles [n_tiles * bt, K], each tile multiplied by one expert (tile_expert
+    [n_tiles], -1: an empty tile, left zero) of w_blocks [E, N, row_bytes] -> float32 [n_tiles * bt,
+    N]. Only the experts named in tile_expert are read."""
     E, N, row_bytes = w_blocks.shape
     if E * N * row_bytes >= 2**31:
-        raise ValueError("expert tensor over 2 GiB: the kernel's int32 byte offsets cannot address it")
+        raise ValueError("expert tensor over 2 GiB: the kernel's int32 byte offsets cannot "
+                         "address it")
     nb_row = lay.blocks_in(row_bytes)
     _, bn = _tiles(bt, N)
     nb = _tile_k(lay, nb_row)
@@ -157,7 +164,8 @@ def expert_matmul_tiles(x_tiles: jax.Array, tile_expert: jax.Array, w_blocks: ja
         @pl.when(e >= 0)
         def _():
             o_ref[...] = _matmul_tile(
-                x_ref, w_ref, dict(zip(lay.tables, tbl_refs)), lay, t0=i * bt, n0=j * bn, n_rows=N, w_base=e * (N * row_bytes), row_bytes=row_bytes,
+                x_ref, w_ref, dict(zip(lay.tables, tbl_refs)), lay, t0=i * bt, n0=j * bn, n_rows=N,
+                w_base=e * (N * row_bytes), row_bytes=row_bytes,
                 nb_row=nb_row, bt=bt, bn=bn, nb=nb, out_dtype=jnp.float32)
 
     grid = (n_tiles, pl.cdiv(N, bn))

@@ -1,8 +1,8 @@
 """Rows routed to experts, regrouped into tiles that each belong to one expert (static shapes).
 
 An MoE layer sends each token to k experts. Sorting those rows by expert and padding every expert's
-group to a whole number of tiles lets a kernel multiply each tile by one expert's weights, reading only
-the experts that some row chose. The number of tiles is bounded statically by
+group to a whole number of tiles lets a kernel multiply each tile by one expert's weights, reading
+only the experts that some row chose. The number of tiles is bounded statically by
 ceil(R / tile) + min(E, R), so the shapes (and so the compiled program) depend only on R.
 """
 

@@ -1,9 +1,9 @@
 """Random GGUF quant blocks that are valid, finite weights.
 
-Random bytes are valid blocks for every supported type except in their float16 scale fields, which may
-decode to inf or NaN. So: random bytes, then the scale fields set to finite values chosen so that the
-dequantized weights have mean ~0 and the standard deviation asked for. Used by kernel tests and by
-`strata-jax make-model` ("random quant blocks with sane scales are valid random weights").
+Random bytes are valid blocks for every supported type except in their float16 scale fields, which
+may decode to inf or NaN. So: random bytes, then the scale fields set to finite values chosen so
+that the dequantized weights have mean ~0 and the standard deviation asked for. Used by kernel tests
+and by `strata-jax make-model` ("random quant blocks with sane scales are valid random weights").
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ SCALE_FIELDS: dict[QType, tuple[tuple[int, str], ...]] = {
 }
 
 
-def _set_fields(blocks: np.ndarray, qtype: QType, scale: float | np.ndarray, offset: float | np.ndarray) -> None:
+def _set_fields(blocks: np.ndarray, qtype: QType, scale: float | np.ndarray,
+                offset: float | np.ndarray) -> None:
     for pos, role in SCALE_FIELDS[qtype]:
         value = np.asarray(scale if role == "scale" else offset, dtype=np.float16)
-        blocks[..., pos:pos + 2] = np.broadcast_to(value, blocks.shape[:-1])[..., None].view(np.uint8)
+        blocks[..., pos:pos + 2] = np.broadcast_to(value,
+                                                   blocks.shape[:-1])[..., None].view(np.uint8)
 
 
 @cache
@@ -62,13 +64,15 @@ def _unit_stats(qtype: QType) -> tuple[float, float]:
 
 def random_blocks(qtype: QType | str, n_values_shape: tuple[int, ...], rng: np.random.Generator,
                   std: float = 0.02, jitter: float = 0.5) -> np.ndarray:
-    """Random weights of logical shape `n_values_shape` (last dim a multiple of the block size), as GGUF
-    bytes: uint8 [..., last // block_size * type_size]. Each block's scale varies by +-`jitter`."""
+    """Random weights of logical shape `n_values_shape` (last dim a multiple of the block size), as
+    GGUF bytes: uint8 [..., last // block_size * type_size]. Each block's scale varies
+    by +-`jitter`."""
     qtype = as_qtype(qtype)
     *lead, n = n_values_shape
     bs, ts = block_size(qtype), type_size(qtype)
     if n % bs:
-        raise ValueError(f"{qtype.name}: the last dimension ({n}) must be a multiple of the block size {bs}")
+        raise ValueError(f"{qtype.name}: the last dimension ({n}) must be a multiple of the block "
+                         f"size {bs}")
     if qtype in (QType.F32, QType.F16, QType.BF16):
         w = rng.standard_normal(n_values_shape, dtype=np.float32) * np.float32(std)
         if qtype == QType.F32:

@@ -12,13 +12,14 @@ from .layout import Layout, layout_for
 
 
 class _ArraySource:
-    """Answers a body's byte requests from a [rows, nbytes] uint8 array; offsets are static numpy arrays.
+    """Answers a body's byte requests from a [rows, nbytes] uint8 array; offsets are static numpy
+    arrays.
 
     A gather is slow on XLA:CPU (each request materializes a [rows, values] int32 array), but the
     offsets of every body are affine in the bits of the value index j (they are sums of terms like
-    (j // 32) * 32 and j % 16). Such a pattern is a strided view of the block bytes: slices, reshapes,
-    a transpose and broadcasts, which XLA fuses into one loop. `_strided_view` builds it; anything else
-    falls back to a gather.
+    (j // 32) * 32 and j % 16). Such a pattern is a strided view of the block bytes: slices,
+    reshapes, a transpose and broadcasts, which XLA fuses into one loop. `_strided_view` builds it;
+    anything else falls back to a gather.
     """
 
     def __init__(self, blocks: jax.Array):
@@ -39,8 +40,8 @@ class _ArraySource:
 
 
 def _bit_dims(off: np.ndarray) -> list[tuple[int, int]] | None:
-    """Write off[j] = base + sum_d stride_d * digit_d(j) over mixed-radix digits of j (outermost first),
-    as [(extent, stride), ...]; None when off is not affine in the bits of j."""
+    """Write off[j] = base + sum_d stride_d * digit_d(j) over mixed-radix digits of j (outermost
+    first), as [(extent, stride), ...]; None when off is not affine in the bits of j."""
     n = len(off)
     if n & (n - 1):
         return None
@@ -49,7 +50,8 @@ def _bit_dims(off: np.ndarray) -> list[tuple[int, int]] | None:
     j = np.arange(n)
     if not np.array_equal(off, off[0] + sum(c * ((j >> k) & 1) for k, c in enumerate(coef))):
         return None
-    dims: list[list[int]] = []                                          # [extent, stride], low bits first
+    # [extent, stride], low bits first
+    dims: list[list[int]] = []
     for c in coef:
         if dims and ((c == 0 and dims[-1][1] == 0) or (c != 0 and c == dims[-1][1] * dims[-1][0])):
             dims[-1][0] *= 2
@@ -66,9 +68,11 @@ def _strided_view(blocks: jax.Array, off: np.ndarray) -> jax.Array | None:
     dims = _bit_dims(off)
     if dims is None or any(s < 0 for _, s in dims):
         return None
-    moving = sorted([(s, e, i) for i, (e, s) in enumerate(dims) if s > 0], reverse=True)   # by stride, outer first
+    # by stride, outer first
+    moving = sorted([(s, e, i) for i, (e, s) in enumerate(dims) if s > 0], reverse=True)
     spans = [sum((e - 1) * s for s, e, _ in moving[k:]) + 1 for k in range(len(moving) + 1)]
-    for k in range(len(moving) - 1):                                   # views need nested, non-overlapping dims
+    # views need nested, non-overlapping dims
+    for k in range(len(moving) - 1):
         if moving[k][0] < spans[k + 1]:
             return None
     x = blocks[:, base:]
@@ -80,7 +84,8 @@ def _strided_view(blocks: jax.Array, off: np.ndarray) -> jax.Array | None:
     for k, (s, e, _) in enumerate(moving):                              # peel one dim at a time
         x = x.reshape(*shape, e, s)[..., :spans[k + 1] if k + 1 < len(moving) else 1]
         shape.append(e)
-    x = x.reshape(shape)                                                # [rows, moving dims by stride]
+    # [rows, moving dims by stride]
+    x = x.reshape(shape)
     order = [i for _, _, i in moving]
     full = [rows] + [e for e, _ in dims]
     expanded = [rows] + [e if s > 0 else 1 for e, s in dims]
@@ -110,7 +115,8 @@ def qmatmul(x: jax.Array, w_blocks, qtype, *, precision=None) -> jax.Array:
 
 
 def _as_bytes(blocks) -> jax.Array:
-    """GGUF tensor data as uint8 [..., row_bytes] (float16/float32/bfloat16 arrays are viewed as bytes)."""
+    """GGUF tensor data as uint8 [..., row_bytes] (float16/float32/bfloat16 arrays are viewed as
+    bytes)."""
     if isinstance(blocks, np.ndarray):
         if blocks.dtype != np.uint8:
             blocks = blocks.view(np.uint8)

@@ -28,7 +28,8 @@ QK_K = 256
 
 
 class UnsupportedQuantType(ValueError):
-    """A tensor type the kernels do not handle (the message names it and lists the supported ones)."""
+    """A tensor type the kernels do not handle (the message names it and lists the supported
+    ones)."""
 
 
 def as_qtype(qtype: QType | str | int) -> QType:
@@ -39,14 +40,17 @@ def as_qtype(qtype: QType | str | int) -> QType:
         try:
             t = QType[qtype.upper()]
         except KeyError:
-            raise UnsupportedQuantType(f"unknown quant type {qtype!r}; supported: {supported_names()}") from None
+            raise UnsupportedQuantType(f"unknown quant type {qtype!r}; supported: "
+                                       f"{supported_names()}") from None
     else:
         try:
             t = QType(int(qtype))
         except ValueError:
-            raise UnsupportedQuantType(f"unknown quant type number {qtype!r}; supported: {supported_names()}") from None
+            raise UnsupportedQuantType(f"unknown quant type number {qtype!r}; supported: "
+                                       f"{supported_names()}") from None
     if t not in SUPPORTED:
-        raise UnsupportedQuantType(f"quant type {t.name} is not supported by the kernels; supported: {supported_names()}")
+        raise UnsupportedQuantType(f"quant type {t.name} is not supported by the kernels; "
+                                   f"supported: {supported_names()}")
     return t
 
 
@@ -67,7 +71,8 @@ def type_size(qtype: QType) -> int:
 def row_bytes(qtype: QType, n_values: int) -> int:
     bs, ts = GGML_QUANT_SIZES[qtype]
     if n_values % bs:
-        raise ValueError(f"{qtype.name} stores values in blocks of {bs}; a row of {n_values} values is not a whole number of blocks")
+        raise ValueError(f"{qtype.name} stores values in blocks of {bs}; a row of {n_values} "
+                         "values is not a whole number of blocks")
     return n_values // bs * ts
 
 
@@ -75,14 +80,15 @@ def row_bytes(qtype: QType, n_values: int) -> int:
 def table(name: str) -> np.ndarray:
     """Lookup tables of the IQ types, as flat arrays the kernels index.
 
-    grid tables are [entries * width] float32 (width 8 for IQ2_*, 4 for IQ3_*), `ksigns` is [128] int32
-    (7 sign bits -> 8 with even parity), `kvalues` is [16] float32 (IQ4's non-linear levels).
+    grid tables are [entries * width] float32 (width 8 for IQ2_*, 4 for IQ3_*), `ksigns` is [128]
+    int32 (7 sign bits -> 8 with even parity), `kvalues` is [16] float32 (IQ4's non-linear levels).
     """
     if name == "ksigns":
         return np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).astype(np.int32)
     if name == "kvalues":
         return np.array(gq.IQ4_NL.kvalues, dtype=np.float32)
-    cls = {"iq2xxs": gq.IQ2_XXS, "iq2xs": gq.IQ2_XS, "iq2s": gq.IQ2_S, "iq3xxs": gq.IQ3_XXS, "iq3s": gq.IQ3_S}[name]
+    cls = {"iq2xxs": gq.IQ2_XXS, "iq2xs": gq.IQ2_XS, "iq2s": gq.IQ2_S, "iq3xxs": gq.IQ3_XXS,
+           "iq3s": gq.IQ3_S}[name]
     cls.init_grid()
     return np.ascontiguousarray(cls.grid, dtype=np.float32).reshape(-1)
 

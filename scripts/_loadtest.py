@@ -1,8 +1,10 @@
-"""What the load scripts (ladder.py, replay.py) share: one streamed chat request, measured; the server's
-health, fault ledger and metrics; prompts of a given token length; a server started for the run.
+"""What the load scripts (ladder.py, replay.py) share: one streamed chat request, measured; the
+server's health, fault ledger and metrics; prompts of a given token length; a server started for the
+run.
 
-Everything speaks the OpenAI streaming API (plus llama.cpp's `timings`, /health and /faults where the
-server has them), so the scripts also run against llama.cpp's server or any other compatible one.
+Everything speaks the OpenAI streaming API (plus llama.cpp's `timings`, /health and /faults where
+the server has them), so the scripts also run against llama.cpp's server or any other compatible
+one.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from typing import Any, Self
 
 import httpx
 
-# ---- one request ------------------------------------------------------------------------------------------
+# ---- one request ---------------------------------------------------------------------------------
 
 
 @dataclass
 class Result:
-    """One streamed chat request as the client saw it. Rates come from the server's `timings` when it sends
-    them, else they are measured here (`measured` says which)."""
+    """One streamed chat request as the client saw it. Rates come from the server's `timings` when
+    it sends them, else they are measured here (`measured` says which)."""
 
     ok: bool = False
     error: str | None = None
@@ -38,7 +40,8 @@ class Result:
     ttft_s: float | None = None             # time to the first token (content or reasoning)
     latency_s: float = 0.0                  # time to the end of the stream (or the failure)
     prompt_tokens: int | None = None        # usage.prompt_tokens (all of the prompt)
-    prompt_n: int | None = None             # timings.prompt_n (tokens read), cache_n (tokens reused)
+    # timings.prompt_n (tokens read), cache_n (tokens reused)
+    prompt_n: int | None = None
     cache_n: int | None = None
     prompt_tps: float | None = None
     decode_tps: float | None = None
@@ -46,9 +49,12 @@ class Result:
     chunks: int = 0                         # SSE chunks that carried text
     finish_reason: str | None = None
     measured: bool = False
-    text: str = field(default="", repr=False)   # the answer's content (replay appends it to the history)
-    itl_s: list[float] = field(default_factory=list, repr=False)   # gaps between the chunks that carried text
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the answer's, assembled from its deltas
+    # the answer's content (replay appends it to the history)
+    text: str = field(default="", repr=False)
+    # gaps between the chunks that carried text
+    itl_s: list[float] = field(default_factory=list, repr=False)
+    # the answer's, assembled from its deltas
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -72,8 +78,9 @@ def error_message(body: str) -> str:
 
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float,
                       t0: float, headers: dict[str, str] | None = None) -> Result:
-    """POST a streamed chat completion and measure it. Never raises for what the server or the network does:
-    every failure (HTTP status, an SSE error event, a stream cut short, the client timeout) is `error`."""
+    """POST a streamed chat completion and measure it. Never raises for what the server or the
+    network does: every failure (HTTP status, an SSE error event, a stream cut short, the client
+    timeout) is `error`."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     r = Result(sent_s=time.monotonic() - t0)
     start = time.monotonic()
@@ -139,15 +146,17 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
 
 
 def add_tool_call_deltas(calls: list[dict[str, Any]], deltas: Any) -> None:
-    """OpenAI's streamed tool calls: each delta names its call by `index`; the first piece of a call brings
-    its id, type and function name, later ones pieces of its arguments (a JSON text), in order."""
+    """OpenAI's streamed tool calls: each delta names its call by `index`; the first piece of a call
+    brings its id, type and function name, later ones pieces of its arguments (a JSON text), in
+    order."""
     for d in deltas or ():
         if not isinstance(d, dict):
             continue
         i = d.get("index", len(calls))
         i = i if isinstance(i, int) and 0 <= i < 64 else len(calls)
         while len(calls) <= i:
-            calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            calls.append({"id": None, "type": "function",
+                          "function": {"name": "", "arguments": ""}})
         call, fn = calls[i], d.get("function") or {}
         call["id"] = d.get("id") or call["id"]
         call["type"] = d.get("type") or call["type"]
@@ -156,28 +165,31 @@ def add_tool_call_deltas(calls: list[dict[str, Any]], deltas: Any) -> None:
 
 
 def latency_figures(results: Sequence[dict[str, Any]]) -> dict[str, float | None]:
-    """TTFT, inter-token latency (every gap between chunks, pooled over the requests, as vLLM's benchmark
-    does) and end-to-end latency, p50 and p95, of requests as `Result.to_json()` gives them (the ok ones)."""
+    """TTFT, inter-token latency (every gap between chunks, pooled over the requests, as vLLM's
+    benchmark does) and end-to-end latency, p50 and p95, of requests as `Result.to_json()` gives
+    them (the ok ones)."""
     ok = [r for r in results if r["ok"]]
     itl = [gap for r in ok for gap in r.get("itl_s") or ()]
     out: dict[str, float | None] = {}
-    for name, values in (("ttft", [r["ttft_s"] for r in ok]), ("itl", itl), ("e2e", [r["latency_s"] for r in ok])):
+    for name, values in (("ttft", [r["ttft_s"] for r in ok]), ("itl", itl),
+                         ("e2e", [r["latency_s"] for r in ok])):
         for q in (50, 95):
             out[f"{name}_p{q}_s"] = percentile(values, q)
     return out
 
 
 def describe_latency(f: dict[str, float | None]) -> str:
-    return (f"TTFT p50 / p95 {fmt(f['ttft_p50_s'], 2)} / {fmt(f['ttft_p95_s'], 2)} s, ITL p50 / p95 "
-            f"{fmt(in_ms(f['itl_p50_s']), 1)} / {fmt(in_ms(f['itl_p95_s']), 1)} ms, e2e p50 / p95 "
-            f"{fmt(f['e2e_p50_s'], 2)} / {fmt(f['e2e_p95_s'], 2)} s")
+    return (f"TTFT p50 / p95 {fmt(f['ttft_p50_s'], 2)} / {fmt(f['ttft_p95_s'], 2)} s, ITL p50 / "
+            f"p95 {fmt(in_ms(f['itl_p50_s']), 1)} / {fmt(in_ms(f['itl_p95_s']), 1)} ms, e2e p50 / "
+            f"p95 {fmt(f['e2e_p50_s'], 2)} / {fmt(f['e2e_p95_s'], 2)} s")
 
 
 def in_ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-def _fill_figures(r: Result, usage: dict, timings: dict, first: float | None, last: float | None) -> None:
+def _fill_figures(r: Result, usage: dict, timings: dict, first: float | None,
+                  last: float | None) -> None:
     r.prompt_tokens = usage.get("prompt_tokens")
     r.prompt_n = timings.get("prompt_n")
     r.cache_n = timings.get("cache_n")
@@ -189,15 +201,17 @@ def _fill_figures(r: Result, usage: dict, timings: dict, first: float | None, la
         r.prompt_tps = read / r.ttft_s if read else None
         r.measured = r.prompt_tps is not None
     if r.decode_tps is None and first and last and last > first and r.chunks > 1:
-        r.decode_tps = (r.chunks - 1) / (last - first)      # chunks after the first, over their span
+        # chunks after the first, over their span
+        r.decode_tps = (r.chunks - 1) / (last - first)
         r.measured = True
 
 
-# ---- the server's own view --------------------------------------------------------------------------------
+# ---- the server's own view -----------------------------------------------------------------------
 
 
 async def wait_healthy(client: httpx.AsyncClient, url: str, timeout: float) -> tuple[bool, str]:
-    """Until GET /health is 200 (the engine may be loading or restarting after a fault) -> (ready, why not)."""
+    """Until GET /health is 200 (the engine may be loading or restarting after a fault) -> (ready,
+    why not)."""
     end = time.monotonic() + timeout
     why = "no answer"
     while True:
@@ -213,17 +227,21 @@ async def wait_healthy(client: httpx.AsyncClient, url: str, timeout: float) -> t
         await asyncio.sleep(0.25)
 
 
-async def wait_built(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None, timeout: float) -> float:
-    """Until strata-jax's builder thread has compiled what its warm-up queued (strata_programs_building 0 on
-    /metrics), so the first level does not share the CPU with background compiles (llama.cpp's server has
-    none to do) -> seconds waited. A server without that metric (another engine) is not waited for."""
+async def wait_built(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None,
+                     timeout: float) -> float:
+    """Until strata-jax's builder thread has compiled what its warm-up queued
+    (strata_programs_building 0 on /metrics), so the first level does not share the CPU with
+    background compiles (llama.cpp's server has none to do) -> seconds waited. A server without that
+    metric (another engine) is not waited for."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         try:
-            text = (await client.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10.0)).text
+            text = (await client.get(url.rstrip("/") + "/metrics", headers=headers,
+                                     timeout=10.0)).text
         except httpx.HTTPError:
             return time.monotonic() - t0
-        line = next((ln for ln in text.splitlines() if ln.startswith("strata_programs_building")), None)
+        line = next((ln for ln in text.splitlines()
+                     if ln.startswith("strata_programs_building")), None)
         if line is None or float(line.split()[-1]) == 0:
             break
         await asyncio.sleep(0.5)
@@ -238,7 +256,8 @@ def _health_reason(resp: httpx.Response) -> str:
         return resp.text[:200]
 
 
-async def get_faults(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None) -> dict[str, Any] | None:
+async def get_faults(client: httpx.AsyncClient, url: str,
+                     headers: dict[str, str] | None) -> dict[str, Any] | None:
     """GET /faults ({"total", "faults": [...], ...}); None where the server has no such route."""
     try:
         resp = await client.get(url.rstrip("/") + "/faults", headers=headers, timeout=10.0)
@@ -247,7 +266,8 @@ async def get_faults(client: httpx.AsyncClient, url: str, headers: dict[str, str
         return None
 
 
-def new_faults(before: dict[str, Any] | None, after: dict[str, Any] | None) -> tuple[int, list[dict[str, Any]]]:
+def new_faults(before: dict[str, Any] | None,
+               after: dict[str, Any] | None) -> tuple[int, list[dict[str, Any]]]:
     """Engine exits between two /faults readings -> (count, the entries the ledger still holds)."""
     if after is None:
         return 0, []
@@ -255,7 +275,8 @@ def new_faults(before: dict[str, Any] | None, after: dict[str, Any] | None) -> t
     return count, list(after.get("faults") or [])[-count:] if count > 0 else []
 
 
-async def get_metrics(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None) -> dict[str, float]:
+async def get_metrics(client: httpx.AsyncClient, url: str,
+                      headers: dict[str, str] | None) -> dict[str, float]:
     """GET /metrics (Prometheus text) as {"name{labels}": value}; {} where the server has none."""
     try:
         resp = await client.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10.0)
@@ -278,9 +299,10 @@ PROGRAM_KEYS = ("built", "live", "evicted", "oom_recoveries", "bytes")
 
 def program_figures(metrics: dict[str, float]) -> dict[str, float]:
     """The window-program counters and engine restarts of strata-jax's /metrics."""
-    out = {k: metrics[f"strata_programs_{k}"] for k in PROGRAM_KEYS if f"strata_programs_{k}" in metrics}
-    for key, name in (("engine_restarts", "strata_engine_restarts_total"), ("engine_generation",
-                                                                           "strata_engine_generation")):
+    out = {k: metrics[f"strata_programs_{k}"] for k in PROGRAM_KEYS
+           if f"strata_programs_{k}" in metrics}
+    for key, name in (("engine_restarts", "strata_engine_restarts_total"),
+                      ("engine_generation", "strata_engine_generation")):
         if name in metrics:
             out[key] = metrics[name]
     return out
@@ -289,7 +311,8 @@ def program_figures(metrics: dict[str, float]) -> dict[str, float]:
 def describe_programs(p: dict[str, float]) -> str:
     if not p:
         return "no strata program metrics at /metrics"
-    parts = [f"{k.replace('_', ' ')} {int(p[k])}" for k in ("built", "live", "evicted", "oom_recoveries") if k in p]
+    parts = [f"{k.replace('_', ' ')} {int(p[k])}"
+             for k in ("built", "live", "evicted", "oom_recoveries") if k in p]
     if "bytes" in p:
         parts.append(f"{p['bytes'] / 2**20:.1f} MiB live")
     if "engine_generation" in p:
@@ -297,16 +320,17 @@ def describe_programs(p: dict[str, float]) -> str:
     return "programs (this engine process): " + ", ".join(parts)
 
 
-# ---- prompts ----------------------------------------------------------------------------------------------
+# ---- prompts -------------------------------------------------------------------------------------
 
-_WORD_TEXT = ("the river market engine slot window program memory device kernel expert router token layer cache "
-              "harbor lantern orchard quarry signal meadow copper ledger canvas pilot summit glacier thunder "
-              "village archive compass beacon violet marble falcon timber crystal ember valley anchor quietly "
-              "slowly early later often never always briefly finally suddenly carefully openly builds carries "
-              "counts drifts finds gathers holds keeps lifts measures notes opens packs reads shapes tracks turns "
-              "waits writes answers follows crosses maps bends rests red green amber northern narrow ancient "
-              "hollow bright silent distant heavy gentle rapid of in on under over beside through across toward "
-              "within after before during and but while")
+_WORD_TEXT = ("the river market engine slot window program memory device kernel expert router "
+              "token layer cache harbor lantern orchard quarry signal meadow copper ledger canvas "
+              "pilot summit glacier thunder village archive compass beacon violet marble falcon "
+              "timber crystal ember valley anchor quietly slowly early later often never always "
+              "briefly finally suddenly carefully openly builds carries counts drifts finds "
+              "gathers holds keeps lifts measures notes opens packs reads shapes tracks turns "
+              "waits writes answers follows crosses maps bends rests red green amber northern "
+              "narrow ancient hollow bright silent distant heavy gentle rapid of in on under over "
+              "beside through across toward within after before during and but while")
 _WORDS = _WORD_TEXT.split()
 
 
@@ -327,22 +351,25 @@ def unique_id(rng: random.Random) -> str:
 
 
 def ladder_messages(uid: str, text: str) -> list[dict[str, str]]:
-    """A system message that starts with the request's own id (so no two prompts share more than the chat
-    template's first tokens), then the text and a question about it."""
+    """A system message that starts with the request's own id (so no two prompts share more than the
+    chat template's first tokens), then the text and a question about it."""
     return [{"role": "system", "content": f"Request {uid}."},
             {"role": "user", "content": f"{text}\n\nSummarize the text above."}]
 
 
 class TokenCounter:
-    """Counts a chat's prompt tokens the way the server will: exactly with the model's tokenizer (`--tokenizer
-    MODEL.gguf`), else by asking the server (a request it must refuse: max_tokens beyond any context, whose
-    400 exceed_context_size_error names n_prompt_tokens and n_ctx, costs no generation), else ~4 chars a token."""
+    """Counts a chat's prompt tokens the way the server will: exactly with the model's tokenizer
+    (`--tokenizer MODEL.gguf`), else by asking the server (a request it must refuse: max_tokens
+    beyond any context, whose 400 exceed_context_size_error names n_prompt_tokens and n_ctx, costs
+    no generation), else ~4 chars a token."""
 
     def __init__(self, tokenizer: Any = None, chars_per_token: float = 4.0):
         self.tokenizer = tokenizer
         self.chars_per_token = chars_per_token
-        self.overhead = 0                   # template tokens a chat adds beyond its messages (estimate only)
-        self.per_message = 6                # template tokens a message adds (ChatML: 5; estimate only)
+        # template tokens a chat adds beyond its messages (estimate only)
+        self.overhead = 0
+        # template tokens a message adds (ChatML: 5; estimate only)
+        self.per_message = 6
         self.n_ctx: int | None = None       # the server's context, when a refusal said it
         self.source = "tokenizer" if tokenizer is not None else "estimate (~4 chars a token)"
 
@@ -351,25 +378,29 @@ class TokenCounter:
         from strata_jax.gguf import load_tokenizer
         return cls(load_tokenizer(path))
 
-    def local(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> int:
+    def local(self, messages: list[dict[str, Any]],
+              template_kwargs: dict[str, Any] | None = None) -> int:
         """The exact count with the tokenizer, else the calibrated estimate."""
         if self.tokenizer is None:
-            return self.overhead + sum(math.ceil(len(str(m.get("content") or "")) / self.chars_per_token)
+            return self.overhead + sum(math.ceil(len(str(m.get("content") or ""))
+                                                 / self.chars_per_token)
                                        + self.per_message for m in messages)
         tok = self.tokenizer
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+        text = tok.apply_chat_template(messages, add_generation_prompt=True,
+                                       **(template_kwargs or {}))
         bos = getattr(tok, "bos_token", None)
         return len(tok.encode(text, add_special=not (bos and text.startswith(bos))))
 
     async def server(self, client: httpx.AsyncClient, url: str, messages: list[dict[str, Any]],
-                     template_kwargs: dict[str, Any] | None, headers: dict[str, str] | None) -> int | None:
+                     template_kwargs: dict[str, Any] | None,
+                     headers: dict[str, str] | None) -> int | None:
         """The server's own count of the chat's prompt tokens (None when it does not say)."""
         body = {"messages": messages, "max_tokens": 1 << 24, "stream": False}
         if template_kwargs:
             body["chat_template_kwargs"] = template_kwargs
         try:
-            resp = await client.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
-                                     timeout=60.0)
+            resp = await client.post(url.rstrip("/") + "/v1/chat/completions", json=body,
+                                     headers=headers, timeout=60.0)
             err = resp.json().get("error") or {}
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
@@ -378,7 +409,8 @@ class TokenCounter:
             return int(err["n_prompt_tokens"])
         return None
 
-    async def calibrate(self, client: httpx.AsyncClient, url: str, template_kwargs: dict[str, Any] | None,
+    async def calibrate(self, client: httpx.AsyncClient, url: str,
+                        template_kwargs: dict[str, Any] | None,
                         headers: dict[str, str] | None) -> None:
         """Learn chars a token and the template's overhead from two counts by the server."""
         if self.tokenizer is not None:
@@ -403,11 +435,12 @@ class TokenCounter:
         return self.local(messages, template_kwargs)
 
 
-async def prompt_of(counter: TokenCounter, client: httpx.AsyncClient, url: str, rng: random.Random, tokens: int,
+async def prompt_of(counter: TokenCounter, client: httpx.AsyncClient, url: str, rng: random.Random,
+                    tokens: int,
                     template_kwargs: dict[str, Any] | None, headers: dict[str, str] | None
                     ) -> tuple[list[dict[str, str]], int]:
-    """Ladder messages of about `tokens` prompt tokens -> (messages, their count); the filler is cut to size
-    in up to four rounds."""
+    """Ladder messages of about `tokens` prompt tokens -> (messages, their count); the filler is cut
+    to size in up to four rounds."""
     uid = unique_id(rng)
     base = await counter.count(client, url, ladder_messages(uid, ""), template_kwargs, headers)
     chars = max(0, round((tokens - base) * counter.chars_per_token))
@@ -424,7 +457,7 @@ async def prompt_of(counter: TokenCounter, client: httpx.AsyncClient, url: str, 
     return ladder_messages(uid, text[:chars]), n
 
 
-# ---- figures ----------------------------------------------------------------------------------------------
+# ---- figures -------------------------------------------------------------------------------------
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -446,7 +479,7 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-# ---- the command line and a server of our own -------------------------------------------------------------
+# ---- the command line and a server of our own ----------------------------------------------------
 
 
 def split_server_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -458,15 +491,17 @@ def split_server_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def parse_script_args(p: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The script's own flags, and the flags for `strata-jax serve`: with --start-server, every flag the
-    script does not know goes to the server (`--start-server MODEL --parallel 8 --levels 1,2`), as does all
-    after `--`. Without --start-server an unknown flag is an error. The parser must not take abbreviations
-    (allow_abbrev=False), or `--max` would pass for a flag of the script's."""
+def parse_script_args(p: argparse.ArgumentParser,
+                      argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The script's own flags, and the flags for `strata-jax serve`: with --start-server, every flag
+    the script does not know goes to the server (`--start-server MODEL --parallel 8 --levels 1,2`),
+    as does all after `--`. Without --start-server an unknown flag is an error. The parser must not
+    take abbreviations (allow_abbrev=False), or `--max` would pass for a flag of the script's."""
     own, after = split_server_args(argv)
     args, unknown = p.parse_known_args(own)
     if unknown and not args.start_server:
-        p.error(f"unrecognized arguments: {' '.join(unknown)} (server flags go with --start-server MODEL)")
+        p.error(f"unrecognized arguments: {' '.join(unknown)} (server flags go with --start-server "
+                "MODEL)")
     if after and not args.start_server:
         p.error(f"server flags after `--` ({' '.join(after)}) need --start-server MODEL")
     return args, unknown + after
@@ -476,22 +511,25 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     where = g.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="the server, e.g. http://127.0.0.1:8000")
-    where.add_argument("--start-server", metavar="MODEL", help="start `strata-jax serve MODEL` on a free port "
-                       "for the run (its flags after `--`) and stop it after")
+    where.add_argument("--start-server", metavar="MODEL", help="start `strata-jax serve MODEL` on "
+                       "a free port for the run (its flags after `--`) and stop it after")
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--model", help="the request's model field (default: none sent)")
     g.add_argument("--health-timeout", type=float, default=300.0, metavar="S",
-                   help="how long to wait for GET /health 200 (loading, or restarting after a fault) (default 300)")
-    g.add_argument("--server-log", metavar="FILE", help="with --start-server: keep the server's output in FILE")
+                   help="how long to wait for GET /health 200 (loading, or restarting after a "
+                        "fault) (default 300)")
+    g.add_argument("--server-log", metavar="FILE",
+                   help="with --start-server: keep the server's output in FILE")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="client timeout of each request, seconds (default 600)")
     p.add_argument("--tokenizer", metavar="MODEL.gguf",
-                   help="count prompt tokens with this model's tokenizer (default: ask the server, else ~4 chars "
-                   "a token)")
-    p.add_argument("--reasoning", choices=("on", "off"), help="chat_template_kwargs.enable_thinking (default: "
-                   "not sent)")
+                   help="count prompt tokens with this model's tokenizer (default: ask the server, "
+                   "else ~4 chars a token)")
+    p.add_argument("--reasoning", choices=("on", "off"),
+                   help="chat_template_kwargs.enable_thinking (default: not sent)")
     p.add_argument("--temperature", type=float, help="sampling temperature (default: the server's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the sampling (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts and of the sampling (default 0)")
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
 
 
@@ -526,19 +564,23 @@ class Server:
 
     def __init__(self, args: argparse.Namespace, server_flags: list[str]):
         self.args, self.flags, self.proc = args, server_flags, None
-        self.log_counts: dict[str, int] | None = None     # with --start-server: LOG_MARKS counted at the end
+        # with --start-server: LOG_MARKS counted at the end
+        self.log_counts: dict[str, int] | None = None
         self.url = args.url
 
     def __enter__(self) -> Self:
-        # SIGTERM (a job runner, `timeout`) ends the run as Ctrl-C does, so that the server we started stops too
+        # SIGTERM (a job runner, `timeout`) ends the run as Ctrl-C does, so that the server we
+        # started stops too
         self._sigterm = signal.signal(signal.SIGTERM, _interrupt)
         if self.args.start_server:
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, not installed
+            # run from a checkout, not installed
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
             from strata_jax.serve.launch import ServerProcess
-            self.proc = ServerProcess([self.args.start_server, *self.flags], api_key=self.args.api_key)
+            self.proc = ServerProcess([self.args.start_server, *self.flags],
+                                      api_key=self.args.api_key)
             self.url = self.proc.url
-            print(f"started strata-jax serve {' '.join([self.args.start_server, *self.flags])} on {self.url}",
-                  file=sys.stderr)
+            print(f"started strata-jax serve {' '.join([self.args.start_server, *self.flags])} on "
+                  f"{self.url}", file=sys.stderr)
             try:
                 self.proc.wait_up(timeout=self.args.health_timeout)
             except (RuntimeError, TimeoutError) as e:
@@ -573,8 +615,9 @@ def server_log_counts(text: str) -> dict[str, int]:
 def describe_log(counts: dict[str, int] | None) -> str:
     if counts is None:
         return "server log: not ours (--url)"
-    return (f"server log: {counts['program_frees']} 'no device memory for a window program: freed N older layouts' "
-            f"lines, {counts['split_windows']} windows split, {counts['engine_starts']} engine process starts")
+    return (f"server log: {counts['program_frees']} 'no device memory for a window program: freed "
+            f"N older layouts' lines, {counts['split_windows']} windows split, "
+            f"{counts['engine_starts']} engine process starts")
 
 
 def write_json(path: str | None, obj: Any) -> None:

@@ -1,35 +1,42 @@
-"""Issue 33 item 5: how far the int8 path's next-token distributions sit from the exact path's, beside llama.cpp's.
+"""Issue 33 item 5: how far the int8 path's next-token distributions sit from the exact path's,
+beside llama.cpp's.
 
-For each model (default: SmolLM2-135M-Instruct Q4_1 and its 8-expert top-2 twin, made as `strata-jax bench
---moe-twin 8:2` makes it), over --positions positions of real English text read in windows of --chunk tokens
-(each window is BOS and then chunk - 1 tokens of the text; every window's logits rows count, BOS's included):
+For each model (default: SmolLM2-135M-Instruct Q4_1 and its 8-expert top-2 twin, made as `strata-jax
+bench --moe-twin 8:2` makes it), over --positions positions of real English text read in windows of
+--chunk tokens (each window is BOS and then chunk - 1 tokens of the text; every window's logits rows
+count, BOS's included):
 
-- exact:     `Engine.logits` with EngineConfig(cpu_math="exact"): weights dequantized, float32 products (the oracle);
+- exact:     `Engine.logits` with EngineConfig(cpu_math="exact"): weights dequantized, float32
+  products (the oracle);
 - int8:      the same with cpu_math="int8": activations quantized per block, integer dot products;
 - llama.cpp: llama-cpp-python's logits for the same ids (logits_all, a fresh KV cache a window).
 
-Against the exact path, for int8 and for llama.cpp: the mean over positions of KL(exact || candidate) (natural
-log, softmaxes in float64), top-1 agreement (the two argmaxes equal), and each side's perplexity of the text's
-next tokens (the last row of a window has no next token and is left out of that one figure only).
+Against the exact path, for int8 and for llama.cpp: the mean over positions of KL(exact ||
+candidate) (natural log, softmaxes in float64), top-1 agreement (the two argmaxes equal), and each
+side's perplexity of the text's next tokens (the last row of a window has no next token and is left
+out of that one figure only).
 
-The text: Python's own `pydoc_data.topics` (the language reference's help topics: English prose with grammar
-and code), fixed for a Python version; the topics in sorted order joined by blank lines. Windows start at
-paragraph starts spread evenly over it. The JSON records the Python version and the text's sha256 (and the
-windows' token ids' sha256), so a rerun elsewhere can tell whether it read the same text. --text FILE reads
-another file instead.
+The text: Python's own `pydoc_data.topics` (the language reference's help topics: English prose with
+grammar and code), fixed for a Python version; the topics in sorted order joined by blank lines.
+Windows start at paragraph starts spread evenly over it. The JSON records the Python version and the
+text's sha256 (and the windows' token ids' sha256), so a rerun elsewhere can tell whether it read
+the same text. --text FILE reads another file instead.
 
-llama.cpp runs in a child process of its own (as in `strata-jax bench` and the tests: its OpenMP runtime
-beside another in one process can crash it). --llama-cpp-path DIR puts DIR first on that child's PYTHONPATH,
-to measure another build (e.g. one made with -DGGML_NATIVE=OFF -DGGML_AVX2=ON ... -DGGML_AVX512=OFF into
-`pip install --target DIR`); the JSON records its llama_print_system_info() line and where it was loaded from.
-Its KV cache is F32 by default, as ours is on a CPU, so the comparison is of the products alone; --llama-kv f16
-gives llama.cpp's default cache.
+llama.cpp runs in a child process of its own (as in `strata-jax bench` and the tests: its OpenMP
+runtime beside another in one process can crash it). --llama-cpp-path DIR puts DIR first on that
+child's PYTHONPATH, to measure another build (e.g. one made with -DGGML_NATIVE=OFF
+-DGGML_AVX2=ON ... -DGGML_AVX512=OFF into `pip install --target DIR`); the JSON records its
+llama_print_system_info() line and where it was loaded from. Its KV cache is F32 by default, as ours
+is on a CPU, so the comparison is of the products alone; --llama-kv f16 gives llama.cpp's default
+cache.
 
     python scripts/accuracy_int8.py --out docs/results/accuracy-int8.json
-    python scripts/accuracy_int8.py --model m.gguf --positions 256 --chunk 128 --llama-cpp-path /work/llama_avx2
+    python scripts/accuracy_int8.py --model m.gguf --positions 256 --chunk 128 --llama-cpp-path
+        /work/llama_avx2
 
-Memory: each window's logits go to a temporary folder as they come (a 512-token window of a 49,152-token vocab
-is 100 MB in float32), one engine is alive at a time, and the comparison reads a window at a time.
+Memory: each window's logits go to a temporary folder as they come (a 512-token window of a
+49,152-token vocab is 100 MB in float32), one engine is alive at a time, and the comparison reads a
+window at a time.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROWS_AT_ONCE = 128          # logits rows turned to float64 together (bounds the comparison's memory)
+# logits rows turned to float64 together (bounds the comparison's memory)
+ROWS_AT_ONCE = 128
 
 # The llama.cpp side, run as `python -c _CHILD ARGS_JSON`; prints one JSON line with what it was.
 _CHILD = r"""
@@ -73,25 +81,32 @@ info = llama_cpp.llama_print_system_info()
 print(json.dumps({"system_info": info.decode() if isinstance(info, bytes) else str(info),
                   "version": llama_cpp.__version__, "module": llama_cpp.__file__, "seconds": seconds}))
 llm.close()
-"""
+"""  # noqa: E501
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__)
     p.add_argument("--model", action="append", metavar="PATH",
-                   help="a GGUF file (repeatable); default: SmolLM2 (`strata-jax fetch-model smollm2`) and its "
-                        "8-expert top-2 twin (made once into the cache folder's twins/)")
-    p.add_argument("--positions", type=int, default=2048, help="logits rows compared a model (default 2048)")
-    p.add_argument("--chunk", type=int, default=512, help="tokens a window, BOS included (default 512)")
-    p.add_argument("--text", metavar="FILE", help="read this UTF-8 text instead of Python's pydoc_data.topics")
+                   help="a GGUF file (repeatable); default: SmolLM2 (`strata-jax fetch-model "
+                        "smollm2`) and its 8-expert top-2 twin (made once into the cache folder's "
+                        "twins/)")
+    p.add_argument("--positions", type=int, default=2048,
+                   help="logits rows compared a model (default 2048)")
+    p.add_argument("--chunk", type=int, default=512,
+                   help="tokens a window, BOS included (default 512)")
+    p.add_argument("--text", metavar="FILE",
+                   help="read this UTF-8 text instead of Python's pydoc_data.topics")
     p.add_argument("--llama-cpp-path", metavar="DIR",
-                   help="first on llama.cpp's child's PYTHONPATH (a `pip install --target DIR` build); "
-                        "default: the llama_cpp this Python imports")
+                   help="first on llama.cpp's child's PYTHONPATH (a `pip install --target DIR` "
+                        "build); default: the llama_cpp this Python imports")
     p.add_argument("--llama-kv", choices=("f32", "f16"), default="f32",
-                   help="llama.cpp's KV cache type (default f32, as ours on a CPU; f16 is llama.cpp's default)")
+                   help="llama.cpp's KV cache type (default f32, as ours on a CPU; f16 is "
+                        "llama.cpp's default)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (default 2)")
-    p.add_argument("--out", metavar="FILE", help="write the rows and the run's details as JSON here")
+    p.add_argument("--out", metavar="FILE",
+                   help="write the rows and the run's details as JSON here")
     a = p.parse_args(argv)
     if not 16 <= a.chunk <= 1 << 16:
         p.error(f"--chunk {a.chunk}: must be 16 to 65536 tokens")
@@ -100,8 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.threads < 1:
         p.error(f"--threads {a.threads}: must be at least 1")
     if a.llama_cpp_path and not Path(a.llama_cpp_path, "llama_cpp").is_dir():
-        p.error(f"--llama-cpp-path {a.llama_cpp_path}: has no llama_cpp package folder; give the folder that "
-                "`pip install --target DIR llama-cpp-python` filled")
+        p.error(f"--llama-cpp-path {a.llama_cpp_path}: has no llama_cpp package folder; give the "
+                "folder that `pip install --target DIR llama-cpp-python` filled")
     for m in a.model or []:
         if not Path(m).is_file():
             p.error(f"--model {m}: no such file")
@@ -117,7 +132,7 @@ def default_models() -> list[Path]:
     return [smol, twin]
 
 
-# ---- the text and its windows -----------------------------------------------------------------------------
+# ---- the text and its windows --------------------------------------------------------------------
 
 def load_text(path: str | None) -> tuple[str, dict]:
     if path:
@@ -127,27 +142,28 @@ def load_text(path: str | None) -> tuple[str, dict]:
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[k] for k in sorted(topics))
-        source = {"source": f"pydoc_data.topics of Python {platform.python_version()} (topics in sorted order, "
-                            "joined by blank lines)"}
+        source = {"source": f"pydoc_data.topics of Python {platform.python_version()} (topics in "
+                            "sorted order, joined by blank lines)"}
     return text, {**source, "chars": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 def make_windows(tokenizer, text: str, positions: int, chunk: int) -> list[list[int]]:
-    """ceil(positions / chunk) windows, the last one cut to make `positions` rows in all; each BOS and then
-    the text's tokens from a paragraph start, the starts spread evenly over the text."""
+    """ceil(positions / chunk) windows, the last one cut to make `positions` rows in all; each BOS
+    and then the text's tokens from a paragraph start, the starts spread evenly over the text."""
     if tokenizer.bos_id is None:
         raise SystemExit("the model's vocabulary has no BOS token; the windows start at BOS")
     sizes = [chunk] * (positions // chunk) + ([positions % chunk] if positions % chunk else [])
     windows = []
-    short = SystemExit(f"the text ({len(text):,} characters) is too short for {len(sizes)} windows of {chunk} "
-                       "tokens: give fewer --positions or a longer --text")
+    short = SystemExit(f"the text ({len(text):,} characters) is too short for {len(sizes)} windows "
+                       f"of {chunk} tokens: give fewer --positions or a longer --text")
     for i, size in enumerate(sizes):
         at = len(text) * i // len(sizes)
         if at:
             at = text.find("\n\n", at) + 2                     # the next paragraph's start
             if at == 1:
                 raise short
-        piece = text[at:at + 12 * size]                        # > 1 character a token, with room to spare
+        # > 1 character a token, with room to spare
+        piece = text[at:at + 12 * size]
         ids = tokenizer.encode(piece, add_special=False, parse_special=False)[:size - 1]
         if len(ids) < size - 1:
             raise short
@@ -155,16 +171,18 @@ def make_windows(tokenizer, text: str, positions: int, chunk: int) -> list[list[
     return windows
 
 
-# ---- the three sources of logits, each writing <folder>/<window>.npy --------------------------------------
+# ---- the three sources of logits, each writing <folder>/<window>.npy -----------------------------
 
 def our_logits(model: Path, windows: list[list[int]], math: str, folder: Path) -> dict:
     from strata_jax import Engine, EngineConfig
 
     if "cpu_math" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-        raise SystemExit("EngineConfig has no cpu_math field in this checkout (issue 33 item 4 is not in "
-                         "yet), so the exact and int8 paths cannot be told apart: update the checkout")
+        raise SystemExit("EngineConfig has no cpu_math field in this checkout (issue 33 item 4 is "
+                         "not in yet), so the exact and int8 paths cannot be told apart: update "
+                         "the checkout")
     folder.mkdir()
-    config = EngineConfig(cpu_math=math, max_context=max(len(w) for w in windows), parallel=1, warmup=False)
+    config = EngineConfig(cpu_math=math, max_context=max(len(w) for w in windows), parallel=1,
+                          warmup=False)
     t = time.perf_counter()
     with Engine.from_gguf(model, config) as eng:
         choices = {k: str(v) for k, v in eng.runner.choices.items()}
@@ -184,26 +202,29 @@ def llamacpp_logits(model: Path, windows: list[list[int]], folder: Path, args) -
     if args.llama_cpp_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(args.llama_cpp_path).resolve()),
                                                         env.get("PYTHONPATH")) if p)
-    child_args = {"model": str(model), "windows": str(ids_file), "out": str(folder), "threads": args.threads,
+    child_args = {"model": str(model), "windows": str(ids_file), "out": str(folder),
+                  "threads": args.threads,
                   "n_ctx": max(len(w) for w in windows), "kv": args.llama_kv}
-    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child_args)], env=env, capture_output=True,
-                          text=True, timeout=3600, check=False)
+    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child_args)], env=env,
+                          capture_output=True, text=True, timeout=3600, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"llama.cpp failed on {model} (exit code {done.returncode}; a negative code is the "
-                         f"signal, -4 an illegal instruction: a build for another CPU):\n{done.stderr[-3000:]}")
+        raise SystemExit(f"llama.cpp failed on {model} (exit code {done.returncode}; a negative "
+                         "code is the signal, -4 an illegal instruction: a build for another "
+                         f"CPU):\n{done.stderr[-3000:]}")
     info = json.loads(done.stdout.strip().splitlines()[-1])
-    return {**info, "seconds": round(info["seconds"], 1), "kv": args.llama_kv, "threads": args.threads,
-            "build": build_label(info["system_info"], args.llama_cpp_path)}
+    return {**info, "seconds": round(info["seconds"], 1), "kv": args.llama_kv,
+            "threads": args.threads, "build": build_label(info["system_info"], args.llama_cpp_path)}
 
 
 def build_label(system_info: str, path: str | None) -> str:
-    """'AVX2 = 1 | AVX512 = 0 | ...' -> 'AVX2, AVX512, AVX512_VNNI (site-packages)': the SIMD levels on."""
+    """'AVX2 = 1 | AVX512 = 0 | ...' -> 'AVX2, AVX512, AVX512_VNNI (site-packages)': the SIMD levels
+    on."""
     on = [k.strip() for k, _, v in (part.partition("=") for part in system_info.split("|"))
           if v.strip() == "1" and k.strip().startswith(("AVX", "AMX"))]
     return f"{', '.join(on) or 'no AVX'} ({path or 'site-packages'})"
 
 
-# ---- the figures ------------------------------------------------------------------------------------------
+# ---- the figures ---------------------------------------------------------------------------------
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
@@ -216,10 +237,12 @@ def compare(exact: Path, other: Path, windows: list[list[int]]) -> dict:
     kl_sum, agree, rows, nll = 0.0, 0, 0, {"exact": 0.0, "other": 0.0}
     targets = 0
     for i, ids in enumerate(windows):
-        a, b = np.load(exact / f"{i}.npy", mmap_mode="r"), np.load(other / f"{i}.npy", mmap_mode="r")
+        a, b = (np.load(exact / f"{i}.npy", mmap_mode="r"),
+                np.load(other / f"{i}.npy", mmap_mode="r"))
         if a.shape != b.shape or a.shape[0] != len(ids):
-            raise SystemExit(f"window {i}: logits of shape {a.shape} against {b.shape} for {len(ids)} tokens; "
-                             "the two sides must give a row of the same vocabulary for every token")
+            raise SystemExit(f"window {i}: logits of shape {a.shape} against {b.shape} for "
+                             f"{len(ids)} tokens; the two sides must give a row of the same "
+                             "vocabulary for every token")
         for s in range(0, len(ids), ROWS_AT_ONCE):
             la, lb = log_softmax(a[s:s + ROWS_AT_ONCE]), log_softmax(b[s:s + ROWS_AT_ONCE])
             if not (np.isfinite(la).all() and np.isfinite(lb).all()):
@@ -227,13 +250,15 @@ def compare(exact: Path, other: Path, windows: list[list[int]]) -> dict:
             kl_sum += float((np.exp(la) * (la - lb)).sum())
             agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
             rows += la.shape[0]
-            nxt = np.array(ids[s + 1:s + 1 + la.shape[0]])          # the text's next tokens, where there are
+            # the text's next tokens, where there are
+            nxt = np.array(ids[s + 1:s + 1 + la.shape[0]])
             n = len(nxt)
             nll["exact"] -= float(la[np.arange(n), nxt].sum())
             nll["other"] -= float(lb[np.arange(n), nxt].sum())
             targets += n
     return {"positions": rows, "mean_kl": kl_sum / rows, "top1_agreement": agree / rows,
-            "ppl_exact": float(np.exp(nll["exact"] / targets)), "ppl": float(np.exp(nll["other"] / targets))}
+            "ppl_exact": float(np.exp(nll["exact"] / targets)),
+            "ppl": float(np.exp(nll["other"] / targets))}
 
 
 def measure(model: Path, text: str, args) -> list[dict]:
@@ -245,30 +270,34 @@ def measure(model: Path, text: str, args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="accuracy-int8-") as tmp:
         tmp = Path(tmp)
-        print(f"{model.name}: {len(windows)} windows, {sum(map(len, windows))} positions", file=sys.stderr)
+        print(f"{model.name}: {len(windows)} windows, {sum(map(len, windows))} positions",
+              file=sys.stderr)
         ran = {"exact": our_logits(model, windows, "exact", tmp / "exact")}
         for name in ("int8", "llama.cpp"):
             ran[name] = (our_logits(model, windows, "int8", tmp / name) if name == "int8"
                          else llamacpp_logits(model, windows, tmp / name, args))
             figures = compare(tmp / "exact", tmp / name, windows)
-            rows.append({"model": model.name, "model_path": str(model), "candidate": name, **figures,
+            rows.append({"model": model.name, "model_path": str(model), "candidate": name,
+                         **figures,
                          "windows": len(windows), "chunk": args.chunk, "window_ids_sha256": ids_sha,
                          "exact_run": ran["exact"], "run": ran[name]})
             print(table_row(rows[-1]), flush=True)
     int8, llama = rows
-    print(f"{model.name}: int8's mean KL is {int8['mean_kl'] / llama['mean_kl']:.2f}x llama.cpp's; top-1 "
-          f"{100 * int8['top1_agreement']:.2f}% against {100 * llama['top1_agreement']:.2f}%", file=sys.stderr)
+    print(f"{model.name}: int8's mean KL is {int8['mean_kl'] / llama['mean_kl']:.2f}x llama.cpp's; "
+          f"top-1 {100 * int8['top1_agreement']:.2f}% against {100 * llama['top1_agreement']:.2f}%",
+          file=sys.stderr)
     return rows
 
 
-TABLE_HEAD = ("| model | candidate | positions | mean KL(exact ‖ candidate) | top-1 agreement | ppl exact | "
-              "ppl candidate |\n|---|---|---:|---:|---:|---:|---:|")
+TABLE_HEAD = ("| model | candidate | positions | mean KL(exact ‖ candidate) | top-1 agreement | "
+              "ppl exact | ppl candidate |\n|---|---|---:|---:|---:|---:|---:|")
 
 
 def table_row(r: dict) -> str:
-    who = r["candidate"] if r["candidate"] != "llama.cpp" else f"llama.cpp {r['run']['version']}, {r['run']['build']}"
-    return (f"| {r['model']} | {who} | {r['positions']:,} | {r['mean_kl']:.3e} | {100 * r['top1_agreement']:.2f}% | "
-            f"{r['ppl_exact']:.3f} | {r['ppl']:.3f} |")
+    who = (r["candidate"] if r["candidate"] != "llama.cpp"
+           else f"llama.cpp {r['run']['version']}, {r['run']['build']}")
+    return (f"| {r['model']} | {who} | {r['positions']:,} | {r['mean_kl']:.3e} | "
+            f"{100 * r['top1_agreement']:.2f}% | {r['ppl_exact']:.3f} | {r['ppl']:.3f} |")
 
 
 def main(argv=None) -> int:
@@ -277,15 +306,17 @@ def main(argv=None) -> int:
 
     models = [Path(m) for m in args.model] if args.model else default_models()
     text, text_info = load_text(args.text)
-    run = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu_model(),
+    run = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "cpu": cpu_model(),
            "cores": os.cpu_count(), "load_average_at_start": round(load_average() or 0, 2),
            "python": platform.python_version(),
            # a forced kernel level (issue 33 item 3) and the like change what "int8" measures
            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("STRATA")},
            "text": text_info, "positions": args.positions, "chunk": args.chunk,
-           "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
-    print(f"{run['date']}, {run['cpu']} ({run['cores']} cores), load {run['load_average_at_start']}; text: "
-          f"{text_info['source']}, sha256 {text_info['sha256'][:16]}", flush=True)
+           "command": " ".join([Path(sys.argv[0]).name,
+                                *(argv if argv is not None else sys.argv[1:])])}
+    print(f"{run['date']}, {run['cpu']} ({run['cores']} cores), load {run['load_average_at_start']}"
+          f"; text: {text_info['source']}, sha256 {text_info['sha256'][:16]}", flush=True)
     print(TABLE_HEAD, flush=True)
     rows = [r for m in models for r in measure(m, text, args)]
     if args.out:

@@ -1,15 +1,16 @@
-"""Decode speed of one `strata-jax serve` process against the same model over 2 processes on this host
-(--coordinator/--num-processes/--process-id: engine/distributed/hosts.py), issue 19 item 2.
+"""Decode speed of one `strata-jax serve` process against the same model over 2 processes on this
+host (--coordinator/--num-processes/--process-id: engine/distributed/hosts.py), issue 19 item 2.
 
-    python scripts/bench_hosts.py MODEL.gguf [--max-tokens 64] [--repeat 3] [--json FILE] [-- serve flags]
+    python scripts/bench_hosts.py MODEL.gguf [--max-tokens 64] [--repeat 3] [--json FILE]
+        [-- serve flags]
 
-Cases: `one` (a plain server), `two` (process 0 serving HTTP, process 1 following; each process one CPU
-device, the experts split in half between them). Each case: the server started, its warm-up and queued
-builds waited for (and --settle seconds more for the follower's own, which nothing reports), one
-unmeasured request, then --repeat times: one request alone (its decode rate: the server's
-`timings.predicted_per_second`, after its first token) and 4 at once (all their generated tokens over the
-wall time from sending them, prompts included). Greedy, ignore_eos, --max-tokens tokens each; the
-best run is kept, every run printed. Measure on a quiet machine: these are times.
+Cases: `one` (a plain server), `two` (process 0 serving HTTP, process 1 following; each process one
+CPU device, the experts split in half between them). Each case: the server started, its warm-up and
+queued builds waited for (and --settle seconds more for the follower's own, which nothing reports),
+one unmeasured request, then --repeat times: one request alone (its decode rate: the server's
+`timings.predicted_per_second`, after its first token) and 4 at once (all their generated tokens
+over the wall time from sending them, prompts included). Greedy, ignore_eos, --max-tokens tokens
+each; the best run is kept, every run printed. Measure on a quiet machine: these are times.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ SERVE = ["--parallel", "4", "--max-context", "128", "--prefill", "16"]
 
 def ask(url: str, k: int, max_tokens: int) -> dict:
     prompt = [(11 * i + 37 * k) % 400 + 5 for i in range(12)]
-    r = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": max_tokens, "temperature": 0,
-                                              "ignore_eos": True, "cache_prompt": False}, timeout=600)
+    r = httpx.post(url + "/completion",
+                   json={"prompt": prompt, "n_predict": max_tokens, "temperature": 0,
+                                              "ignore_eos": True, "cache_prompt": False},
+                   timeout=600)
     r.raise_for_status()
     return r.json()
 
@@ -49,7 +52,8 @@ def runs(url: str, max_tokens: int, repeat: int) -> dict:
         for t in threads:
             t.join()
         together.append(round(sum(got) / (time.monotonic() - t0), 1))
-    return {"alone": alone, "together": together, "best_alone": max(alone), "best_together": max(together)}
+    return {"alone": alone, "together": together, "best_alone": max(alone),
+            "best_together": max(together)}
 
 
 def main() -> int:
@@ -61,10 +65,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json")
-    p.add_argument("--settle", type=float, default=30.0, help="seconds to wait after process 0's builds, for "
-                   "the follower's own background builds (it compiles the same layouts; nothing reports them)")
-    p.add_argument("--pin", action="store_true", help="each process of the group (and the one process) on a core "
-                   "of its own (taskset -c I): as if each were a host of one core")
+    p.add_argument("--settle", type=float, default=30.0,
+                   help="seconds to wait after process 0's builds, for the follower's own "
+                        "background builds (it compiles the same layouts; nothing reports them)")
+    p.add_argument("--pin", action="store_true",
+                   help="each process of the group (and the one process) on a core of its own "
+                        "(taskset -c I): as if each were a host of one core")
     a = p.parse_args(argv)
     flags = [a.model, *SERVE, *extra]
     out = {}

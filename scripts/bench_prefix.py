@@ -1,12 +1,13 @@
-"""Time to first token of a conversation's second turn: read from scratch, reused from the slot (prefix
-cache), and restored from host RAM (conversation cache, after an unrelated request took the slot).
+"""Time to first token of a conversation's second turn: read from scratch, reused from the slot
+(prefix cache), and restored from host RAM (conversation cache, after an unrelated request took the
+slot).
 
     python scripts/bench_prefix.py [MODEL.gguf] [--first-tokens 1500] [--repeats 3] [--prefill auto]
 
 With no MODEL, SmolLM2-135M-Instruct (strata_jax.fetch). One engine, one slot: the first round
 builds every program (not timed); each repeat then starts two new conversations (other words), so no
-turn is ever reused from an earlier one. Prints a markdown table and the greedy-token check (turn 2 gives the
-same tokens in the three cases).
+turn is ever reused from an earlier one. Prints a markdown table and the greedy-token check (turn 2
+gives the same tokens in the three cases).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import numpy as np
 from strata_jax import Engine, EngineConfig
 
 WORDS = [
-    "river", "mountain", "lantern", "copper", "harbor", "meadow", "signal", "orchard", "thunder", "velvet",
-    "quarry", "marble", "compass", "ember", "falcon", "glacier", "hollow", "ivory", "jasper", "kettle",
-    "lagoon", "mosaic", "nectar", "oasis", "pebble"
+    "river", "mountain", "lantern", "copper", "harbor", "meadow", "signal", "orchard", "thunder",
+    "velvet", "quarry", "marble", "compass", "ember", "falcon", "glacier", "hollow", "ivory",
+    "jasper", "kettle", "lagoon", "mosaic", "nectar", "oasis", "pebble"
 ]
 
 
@@ -34,7 +35,8 @@ def first_turn(eng: Engine, n_tokens: int, seed: int) -> list[dict]:
     while True:
         words += [str(w) for w in rng.choice(WORDS, 50)] + ["."]
         msgs = [{"role": "system", "content": "You are a careful assistant."},
-                {"role": "user", "content": "Here are my notes: " + " ".join(words) + "\nSummarise them."}]
+                {"role": "user",
+                 "content": "Here are my notes: " + " ".join(words) + "\nSummarise them."}]
         if len(eng.prompt_ids(msgs)) >= n_tokens:
             return msgs
 
@@ -54,19 +56,21 @@ def ttft(eng: Engine, msgs: list[dict], max_tokens: int) -> tuple[float, list[in
 
 
 def check_logits(eng: Engine, a) -> None:
-    """Logits of the tokens a second turn reads through the prefix cache (eng.logits_reusing) against the
-    same positions read from scratch (eng.logits, on a scratch cache)."""
+    """Logits of the tokens a second turn reads through the prefix cache (eng.logits_reusing)
+    against the same positions read from scratch (eng.logits, on a scratch cache)."""
     msgs = first_turn(eng, a.first_tokens, seed=99)
     _, _, answer, _ = ttft(eng, msgs, a.answer_tokens)
     second = msgs + [{"role": "assistant", "content": answer},
-                     {"role": "user", "content": "Thanks. Now list the three words that come up most."}]
+                     {"role": "user",
+                      "content": "Thanks. Now list the three words that come up most."}]
     ids = eng.prompt_ids(second)
     n, got = eng.logits_reusing(ids)
     want = eng.logits(ids)[n:]
     diff = np.abs(got - want)
-    print(f"second turn {len(ids)} tokens = {n} reused + {len(ids) - n} read: max |logit difference| "
-          f"{diff.max():.3g} (largest |logit| {np.abs(want).max():.3g}), bits equal: {np.array_equal(got, want)}, "
-          f"argmax equal at {int((got.argmax(-1) == want.argmax(-1)).sum())} of {len(got)} positions")
+    print(f"second turn {len(ids)} tokens = {n} reused + {len(ids) - n} read: max |logit "
+          f"difference| {diff.max():.3g} (largest |logit| {np.abs(want).max():.3g}), bits equal: "
+          f"{np.array_equal(got, want)}, argmax equal at "
+          f"{int((got.argmax(-1) == want.argmax(-1)).sum())} of {len(got)} positions")
 
 
 def main() -> None:
@@ -78,13 +82,16 @@ def main() -> None:
     ap.add_argument("--prefill", default="auto")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--check-logits", action="store_true",
-                    help="instead: compare a second turn's logits through the prefix cache with reading it all")
+                    help="instead: compare a second turn's logits through the prefix cache with "
+                         "reading it all")
     a = ap.parse_args()
     if a.model is None:
         from strata_jax.fetch import smollm2_path
         a.model = str(smollm2_path())
-    eng = Engine.from_gguf(a.model, EngineConfig(parallel=1, max_context=a.max_context, prefill=a.prefill,
-                                                 conversation_cache_mib=1024, conversation_cache_slots=4))
+    eng = Engine.from_gguf(a.model,
+                           EngineConfig(parallel=1, max_context=a.max_context, prefill=a.prefill,
+                                                 conversation_cache_mib=1024,
+                                                 conversation_cache_slots=4))
     if a.check_logits:
         try:
             check_logits(eng, a)
@@ -101,8 +108,10 @@ def main() -> None:
                 msgs = first_turn(eng, a.first_tokens, seed=2 * r + (name == "host"))
                 _, _, answer, _ = ttft(eng, msgs, a.answer_tokens)
                 second = msgs + [{"role": "assistant", "content": answer},
-                                 {"role": "user", "content": "Thanks. Now list the three words that come up most."}]
-                if name == "host":                                      # an unrelated request takes the slot
+                                 {"role": "user",
+                                  "content": "Thanks. Now list the three words that come up most."}]
+                # an unrelated request takes the slot
+                if name == "host":
                     ttft(eng, first_turn(eng, 300, seed=1000 + r), 4)
                 t, toks, _, st = ttft(eng, second, 8)
                 turns[name] = (second, toks)
@@ -110,7 +119,8 @@ def main() -> None:
                     rows[name].append(t)
                     reused[name] = st["reused_tokens"]
                     reused["prompt"] = st["prompt_tokens"]
-            eng.prefix.enabled = False                                  # the same second turns from scratch
+            # the same second turns from scratch
+            eng.prefix.enabled = False
             for name, (second, toks) in turns.items():
                 t, want, _, _ = ttft(eng, second, 8)
                 same &= toks == want
@@ -119,8 +129,9 @@ def main() -> None:
             eng.prefix.enabled = True
     finally:
         eng.close()
-    print(f"# {a.model.split('/')[-1]}, {platform.machine()}, prefill {eng.runner.choices['prefill']}, "
-          f"median of {a.repeats}; second turn: {reused['prompt']} prompt tokens")
+    print(f"# {a.model.split('/')[-1]}, {platform.machine()}, prefill "
+          f"{eng.runner.choices['prefill']}, median of {a.repeats}; second turn: "
+          f"{reused['prompt']} prompt tokens")
     print("| second turn | reused tokens | time to first token (ms) | vs scratch |")
     print("| --- | ---: | ---: | ---: |")
     base = statistics.median(rows["scratch"])

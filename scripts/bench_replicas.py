@@ -1,19 +1,22 @@
-"""Throughput of `strata-jax serve` against `serve --replicas N` (Ray Serve, strata_jax/serve/replicas/ray_app.py).
+"""Throughput of `strata-jax serve` against `serve --replicas N` (Ray Serve,
+strata_jax/serve/replicas/ray_app.py).
 
-    python scripts/bench_replicas.py [MODEL.gguf | --tiny] [--replicas 1,2] [--clients 4] [--requests 4]
-        [--max-tokens 32] [--parallel 4] [--repeat 1] [--json FILE]
+    python scripts/bench_replicas.py [MODEL.gguf | --tiny] [--replicas 1,2] [--clients 4]
+        [--requests 4] [--max-tokens 32] [--parallel 4] [--repeat 1] [--json FILE]
 
-With no MODEL, the default model (SmolLM2-135M-Instruct, fetched once); `--tiny` makes a tiny qwen3 GGUF
-(a check that the script works: its figures are the proxy's overhead, not an engine's). Cases, in order:
+With no MODEL, the default model (SmolLM2-135M-Instruct, fetched once); `--tiny` makes a tiny qwen3
+GGUF (a check that the script works: its figures are the proxy's overhead, not an engine's). Cases,
+in order:
 
     server      one plain `strata-jax serve` (no Ray): the baseline
     ray N       N replicas behind Ray Serve's proxy and our ingress, for each N of --replicas
 
-Each case: --clients threads, each sending --requests chat requests of conversations of their own (so they
-hash over the replicas), max_tokens tokens each (ignore_eos), greedy. The whole load runs once unmeasured
-(programs built, prefix caches warm), then --repeat times measured; the best run is kept. Figures: requests/s,
-generated tokens/s, median and worst request latency, and how many requests each replica answered. Prints a
-Markdown table and writes every figure as JSON. Measure on a quiet machine: the figures are times.
+Each case: --clients threads, each sending --requests chat requests of conversations of their own
+(so they hash over the replicas), max_tokens tokens each (ignore_eos), greedy. The whole load runs
+once unmeasured (programs built, prefix caches warm), then --repeat times measured; the best run is
+kept. Figures: requests/s, generated tokens/s, median and worst request latency, and how many
+requests each replica answered. Prints a Markdown table and writes every figure as JSON. Measure on
+a quiet machine: the figures are times.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ def load(url: str, clients: int, requests: int, max_tokens: int, salt: str) -> d
     def client(c: int) -> None:
         with httpx.Client(base_url=url, timeout=600) as http:
             for i in range(requests):
-                body = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                        "messages": [{"role": "user", "content": f"[{salt} {c}.{i}] Write a story about a ship."}]}
+                body = {"model": "m", "max_tokens": max_tokens, "temperature": 0,
+                        "ignore_eos": True,
+                        "messages": [{"role": "user",
+                                      "content": f"[{salt} {c}.{i}] Write a story about a ship."}]}
                 t0 = time.monotonic()
                 r = http.post("/v1/chat/completions", json=body)
                 dt = time.monotonic() - t0
@@ -102,7 +107,8 @@ def main() -> int:
     if args.tiny:
         from strata_jax.makers.make_model import make_model
 
-        model = str(make_model(Path(tempfile.mkdtemp()) / "tiny.gguf", arch="qwen3", layers=2, hidden=64)[0])
+        model = str(make_model(Path(tempfile.mkdtemp()) / "tiny.gguf", arch="qwen3", layers=2,
+                               hidden=64)[0])
     elif args.model:
         model = args.model
     else:
@@ -134,16 +140,18 @@ def main() -> int:
             serve.shutdown()
             ray.shutdown()
 
-    print(f"\nmodel {Path(model).name}, --parallel {args.parallel}, {args.clients} clients x {args.requests} "
-          f"requests x {args.max_tokens} tokens, {os.cpu_count()} CPUs\n")
-    print("| case | requests/s | tokens/s | latency p50 s | latency max s | answered by | failures |")
+    print(f"\nmodel {Path(model).name}, --parallel {args.parallel}, {args.clients} clients x "
+          f"{args.requests} requests x {args.max_tokens} tokens, {os.cpu_count()} CPUs\n")
+    print("| case | requests/s | tokens/s | latency p50 s | latency max s | answered by | "
+          "failures |")
     print("|---|---:|---:|---:|---:|---|---:|")
     for r in rows:
         spread = ", ".join(f"{k} {v}" for k, v in r["by_replica"].items())
-        print(f"| {r['case']} | {r['requests_per_s']} | {r['tokens_per_s']} | {r['latency_p50_s']} | "
-              f"{r['latency_max_s']} | {spread} | {len(r['failures'])} |")
+        print(f"| {r['case']} | {r['requests_per_s']} | {r['tokens_per_s']} | {r['latency_p50_s']} "
+              f"| {r['latency_max_s']} | {spread} | {len(r['failures'])} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": model, "args": vars(args), "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"model": model, "args": vars(args), "rows": rows},
+                                              indent=2))
     return 0
 
 

@@ -1,12 +1,12 @@
-"""Speculative decoding from the first requests after /health turns 200 (issue 32, finding 6: with the default
-warm-up, `--spec N` used to draft nothing because the verify programs were never ready).
+"""Speculative decoding from the first requests after /health turns 200 (issue 32, finding 6: with
+the default warm-up, `--spec N` used to draft nothing because the verify programs were never ready).
 
     python scripts/bench_spec_first.py [MODEL.gguf] [--spec 0,4] [--requests 3] [--max-tokens 160]
 
-For each --spec value: a fresh `strata-jax serve` (default warm-up, compile cache as the user has it), wait
-for /health 200, then at once the code-edit requests of spec_bench.py one after another (greedy, chat),
-each timed from the client. Prints a line a request (tokens, seconds, tok/s, drafted, accepted) and a
-summary a configuration. Default model: SmolLM2.
+For each --spec value: a fresh `strata-jax serve` (default warm-up, compile cache as the user has
+it), wait for /health 200, then at once the code-edit requests of spec_bench.py one after another
+(greedy, chat), each timed from the client. Prints a line a request (tokens, seconds, tok/s,
+drafted, accepted) and a summary a configuration. Default model: SmolLM2.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def run(model: str, spec: int, requests: int, max_tokens: int) -> dict:
         rows = []
         for i in range(requests):
             code, (old, new) = SNIPPETS[i % len(SNIPPETS)], RENAMES[i % len(RENAMES)]
-            body = {"messages": [{"role": "user", "content": f"Rename `{old}` to `{new}` in this code and write "
-                                                             f"the whole code out again:\n\n{code}"}],
+            body = {"messages": [{"role": "user", "content": f"Rename `{old}` to `{new}` in this "
+                                                             "code and write the whole code out "
+                                                             f"again:\n\n{code}"}],
                     "max_tokens": max_tokens, "temperature": 0}
             t0 = time.monotonic()
             r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=600)
@@ -49,7 +50,8 @@ def run(model: str, spec: int, requests: int, max_tokens: int) -> dict:
                          "draft_n": t.get("draft_n", 0), "accepted": t.get("draft_n_accepted", 0)})
             print(f"spec {spec} request {i + 1}: {json.dumps(rows[-1])}", flush=True)
     tokens, seconds = sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows)
-    out = {"spec": spec, "ready_s": round(ready_s, 1), "tokens": tokens, "seconds": round(seconds, 2),
+    out = {"spec": spec, "ready_s": round(ready_s, 1), "tokens": tokens,
+           "seconds": round(seconds, 2),
            "tok_s": round(tokens / seconds, 1), "drafted": sum(r["draft_n"] for r in rows),
            "accepted": sum(r["accepted"] for r in rows), "requests": rows}
     print(json.dumps({k: v for k, v in out.items() if k != "requests"}), flush=True)
@@ -67,8 +69,8 @@ def main() -> None:
     results = [run(model, int(s), a.requests, a.max_tokens) for s in a.spec.split(",")]
     base = results[0]["tok_s"]
     for r in results:
-        print(f"--spec {r['spec']}: {r['tok_s']} tok/s ({r['tok_s'] / base:.2f}x), drafted {r['drafted']}, "
-              f"accepted {r['accepted']}, ready in {r['ready_s']} s")
+        print(f"--spec {r['spec']}: {r['tok_s']} tok/s ({r['tok_s'] / base:.2f}x), drafted "
+              f"{r['drafted']}, accepted {r['accepted']}, ready in {r['ready_s']} s")
 
 
 if __name__ == "__main__":

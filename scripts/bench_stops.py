@@ -1,6 +1,6 @@
-"""Stop-string matching cost a token (issue 13, item 6): 16 stop strings of 512 characters that never
-match, on answers of growing length, token by token (4 characters a token), with the engine's incremental
-StopMatcher and with the search over the whole text that it replaced.
+"""Stop-string matching cost a token (issue 13, item 6): 16 stop strings of 512 characters that
+never match, on answers of growing length, token by token (4 characters a token), with the engine's
+incremental StopMatcher and with the search over the whole text that it replaced.
 
     python scripts/bench_stops.py            # prints microseconds a token at each answer length
 """
@@ -25,7 +25,8 @@ def whole_text(text: str, stops: tuple[str, ...]) -> tuple[int | None, int]:
     return (min(hits) if hits else None), held
 
 
-def per_token_us(n_chars: int, stops: tuple[str, ...], incremental: bool, tokens: int = 200) -> float:
+def per_token_us(n_chars: int, stops: tuple[str, ...], incremental: bool,
+                 tokens: int = 200) -> float:
     rng = random.Random(0)
     text = "".join(rng.choice("abcdefgh ") for _ in range(n_chars))
     m = StopMatcher(stops)
@@ -47,7 +48,8 @@ def main() -> None:
     stops = tuple("".join(rng.choice("abcdefgh ") for _ in range(511)) + "z" for _ in range(16))
     print("answer chars | incremental us/token | whole-text us/token")
     for n in (1_000, 10_000, 100_000, 1_000_000):
-        print(f"{n:>12} | {per_token_us(n, stops, True):>20.1f} | {per_token_us(n, stops, False):>19.1f}")
+        print(f"{n:>12} | {per_token_us(n, stops, True):>20.1f} | "
+              f"{per_token_us(n, stops, False):>19.1f}")
 
 
 if __name__ == "__main__":

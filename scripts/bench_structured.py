@@ -1,13 +1,14 @@
-"""Decode tokens/s with 0, 1 and all of 8 rows constrained by a JSON schema (docs/BENCHMARKS.md, "Constrained
-decoding"), on the engine without HTTP.
+"""Decode tokens/s with 0, 1 and all of 8 rows constrained by a JSON schema (docs/BENCHMARKS.md,
+"Constrained decoding"), on the engine without HTTP.
 
     python scripts/bench_structured.py [MODEL.gguf]      # default: SmolLM2-135M-Instruct (49,152 tokens)
 
-8 requests at once (--parallel 8), greedy, 64 tokens each past a short prompt; k of them carry a schema whose
-one string must be 400 characters long, so no constrained row ends early. Each mix runs twice and the second
-is timed (the first builds the controlled programs). Decode tokens/s: the tokens generated after each
-request's first, over the time from the last first token to the last token.
-"""
+8 requests at once (--parallel 8), greedy, 64 tokens each past a short prompt; k of them carry a
+schema whose one string must be 400 characters long, so no constrained row ends early. Each mix runs
+twice and the second is timed (the first builds the controlled programs). Decode tokens/s: the
+tokens generated after each request's first, over the time from the last first token to the last
+token.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -17,15 +18,17 @@ import sys
 from strata_jax import Engine, EngineConfig
 from strata_jax.fetch import smollm2_path
 
-SCHEMA = json.dumps({"type": "object", "properties": {"story": {"type": "string", "minLength": 400}},
+SCHEMA = json.dumps({"type": "object",
+                     "properties": {"story": {"type": "string", "minLength": 400}},
                      "required": ["story"], "additionalProperties": False})
 N, TOKENS = 8, 64
 
 
 def run(eng: Engine, constrained: int) -> float:
-    handles = [eng.submit([{"role": "user", "content": f"Tell me story number {i}"}], max_tokens=TOKENS,
-                          temperature=0, ignore_eos=True,
-                          grammar=("json_schema", SCHEMA) if i < constrained else None) for i in range(N)]
+    handles = [eng.submit([{"role": "user", "content": f"Tell me story number {i}"}],
+                          max_tokens=TOKENS, temperature=0, ignore_eos=True,
+                          grammar=("json_schema", SCHEMA) if i < constrained else None)
+               for i in range(N)]
     firsts, ends, n = [], [], 0
     for h in handles:
         for ev in h:

@@ -1,11 +1,16 @@
 """The Python parts of scripts/device_check.sh (run from the repository root, PYTHONPATH set by it).
 
-    python3 scripts/device_check.py imports [--need-gpu]     every module the check needs imports; versions;
-                                                             with --need-gpu, JAX must see a GPU
-    python3 scripts/device_check.py expert-bytes MAKE_ARGS   bytes of the experts `make-model MAKE_ARGS` writes
+    python3 scripts/device_check.py imports [--need-gpu]     every module the check needs imports;
+                                                             versions; with --need-gpu, JAX must see
+                                                             a GPU
+    python3 scripts/device_check.py expert-bytes MAKE_ARGS   bytes of the experts `make-model
+                                                             MAKE_ARGS` writes
     python3 scripts/device_check.py table OUTDIR CACHE EXPERTS MODEL
-                                                             the two benches' JSON as one Markdown table,
-                                                             printed and written to OUTDIR/results.md
+                                                             the two
+                                                                 benches' JSON as one Markdown
+                                                                     table,
+                                                             printed and written to
+                                                                 OUTDIR/results.md
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-NEED = ["numpy", "jax", "jaxlib", "gguf", "yaml", "tokenizers", "jinja2", "pytest", "strata_jax", "pallas_kernels",
-        "strata_jax.cli", "strata_jax.bench.run", "strata_jax.engine", "pallas_kernels.gpu"]
-VERSIONS = ["jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "numpy", "gguf", "triton", "tokenizers"]
+NEED = ["numpy", "jax", "jaxlib", "gguf", "yaml", "tokenizers", "jinja2", "pytest", "strata_jax",
+        "pallas_kernels", "strata_jax.cli", "strata_jax.bench.run", "strata_jax.engine",
+        "pallas_kernels.gpu"]
+VERSIONS = ["jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "numpy", "gguf", "triton",
+            "tokenizers"]
 
 
 def _version(dist: str) -> str:
@@ -38,14 +45,16 @@ def imports(need_gpu: bool) -> int:
             missing.append(f"{name} ({type(e).__name__}: {e})")
     if missing:
         print("!!! cannot import: " + "; ".join(missing))
-        print("!!! carry the missing packages as wheels in .whl/ (see the head of scripts/device_check.sh)")
+        print("!!! carry the missing packages as wheels in .whl/ (see the head of "
+              "scripts/device_check.sh)")
         return 1
     import jax
 
     print("versions: " + ", ".join(f"{d} {_version(d)}" for d in VERSIONS))
     print(f"jax backend {jax.default_backend()}: {jax.devices()}")
     if need_gpu and jax.default_backend() != "gpu":
-        print(f"!!! JAX sees no GPU (backend {jax.default_backend()!r}): the Pallas tests and the GPU bench cannot run")
+        print(f"!!! JAX sees no GPU (backend {jax.default_backend()!r}): the Pallas tests and the "
+              "GPU bench cannot run")
         return 1
     return 0
 
@@ -55,7 +64,8 @@ def expert_bytes(args: list[str]) -> int:
 
     a = dict(zip(args[::2], args[1::2]))
     q = as_qtype(a.get("--expert-quant", a["--quant"]))
-    values = int(a["--layers"]) * int(a["--experts"]) * 3 * int(a["--hidden"]) * int(a["--expert-ffn"])
+    values = (int(a["--layers"]) * int(a["--experts"]) * 3 * int(a["--hidden"])
+              * int(a["--expert-ffn"]))
     print(values // block_size(q) * type_size(q))
     return 0
 
@@ -85,25 +95,30 @@ def table(outdir: str, cache: str, experts: str, model: str) -> int:
              lambda r: r["strata_jax"]["prefill"]["tokens_per_second"], 1)]
     for n in parallel:
         seqs = f"{n} sequence{'s' if n > 1 else ''}"
-        rows.append((f"decode, {seqs}: total (tok/s)", lambda r, n=n: _decode(r, n)["aggregate"], 1))
+        rows.append((f"decode, {seqs}: total (tok/s)",
+                     lambda r, n=n: _decode(r, n)["aggregate"], 1))
         if n > 1:
-            rows.append((f"decode, {seqs}: per sequence (tok/s)", lambda r, n=n: _decode(r, n)["per_sequence"], 1))
+            rows.append((f"decode, {seqs}: per sequence (tok/s)",
+                         lambda r, n=n: _decode(r, n)["per_sequence"], 1))
     rows += [("load (s)", lambda r: r["strata_jax"]["load_seconds"], 1),
              ("process RSS after load (MiB)", lambda r: r["strata_jax"]["rss_mib_after_load"], 0),
              ("expert bytes a token, 1 sequence (MB)",
               lambda r: r["bound"]["strata_jax"]["expert_bytes_per_token"] / 1e6, 1)]
     try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                              "--format=csv,noheader"],
                              check=False, capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         gpu = ""
     lines = [f"device check: {gpu or 'no GPU named by nvidia-smi'}; model {model}"]
     if first:
         m, e, md = first["machine"], first["strata_jax"]["engine"], first["model"]
-        lines.append(f"{md['architecture']}, {md['parameters'] / 1e6:,.0f}M parameters, {md['experts']}, {md['types']}; "
-                     f"jax {m['jax']} ({m['jax_backend']}); weights {e['weights']}, backend {e['backend']}, "
-                     f"kv {e['kv']}, prefill chunk {e['prefill']}; {m['date']}")
-    lines += ["", "| measurement | " + " | ".join(n for n, _ in res) + " |", "|---|" + "---:|" * len(res)]
+        lines.append(f"{md['architecture']}, {md['parameters'] / 1e6:,.0f}M parameters, "
+                     f"{md['experts']}, {md['types']}; jax {m['jax']} ({m['jax_backend']}); "
+                     f"weights {e['weights']}, backend {e['backend']}, kv {e['kv']}, prefill chunk "
+                     f"{e['prefill']}; {m['date']}")
+    lines += ["", "| measurement | " + " | ".join(n for n, _ in res) + " |",
+              "|---|" + "---:|" * len(res)]
     for name, f, digits in rows:
         lines.append(f"| {name} | " + " | ".join(_cell(r, f, digits) for _, r in res) + " |")
     text = "\n".join(lines)

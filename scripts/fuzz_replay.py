@@ -1,12 +1,16 @@
-"""Send a fuzz corpus again to this build of the server and compare each answer's status with the recorded one.
+"""Send a fuzz corpus again to this build of the server and compare each answer's status with the
+recorded one.
 
-    STRATA_FUZZ_CORPUS=/tmp/before.jsonl python3 -m pytest -q tests/test_fuzz.py    # on the old build: record
-    python3 scripts/fuzz_replay.py /tmp/before.jsonl                                  # on the new one: replay
+    STRATA_FUZZ_CORPUS=/tmp/before.jsonl python3 -m pytest -q tests/test_fuzz.py    # on the old
+        build: record
+    python3 scripts/fuzz_replay.py /tmp/before.jsonl                                  # on the new
+        one: replay
 
-The server is started as tests/test_fuzz.py's fixture starts it (the same tiny qwen3, made by make-model with
-the same options, --parallel 2, --max-context 256), so a body gets the same answer from the same code. Each
-body is sent as recorded (route, Content-Type, bytes) one after the other; a body that got a 200 must get a
-200, a 400 a 400, and so on. Prints the counts by status and every difference; exits 1 when there is one.
+The server is started as tests/test_fuzz.py's fixture starts it (the same tiny qwen3, made by
+make-model with the same options, --parallel 2, --max-context 256), so a body gets the same answer
+from the same code. Each body is sent as recorded (route, Content-Type, bytes) one after the other;
+a body that got a 200 must get a 200, a 400 a 400, and so on. Prints the counts by status and every
+difference; exits 1 when there is one.
 """
 
 from __future__ import annotations
@@ -45,14 +49,15 @@ def replay(corpus: Path, url: str) -> tuple[collections.Counter, list[str]]:
                 status = f"no answer ({type(e).__name__})"
             by_status[status] += 1
             if status != case["status"]:
-                differences.append(f"body {n} to {case['route']} ({len(data)} bytes: {data[:80]!r}): recorded "
-                                   f"{case['status']}, now {status}")
+                differences.append(f"body {n} to {case['route']} ({len(data)} bytes: "
+                                   f"{data[:80]!r}): recorded {case['status']}, now {status}")
     return by_status, differences
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("corpus", type=Path, help="JSON lines written with STRATA_FUZZ_CORPUS by tests/test_fuzz.py")
+    ap.add_argument("corpus", type=Path,
+                    help="JSON lines written with STRATA_FUZZ_CORPUS by tests/test_fuzz.py")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "model.gguf", **MODEL)[0]
@@ -62,7 +67,8 @@ def main() -> int:
             by_status, differences = replay(args.corpus, srv.url)
     total = sum(by_status.values())
     print(f"{total} bodies replayed in {time.monotonic() - t0:.0f} s; by status "
-          f"{dict(sorted(by_status.items(), key=str))}; {len(differences)} answers differ from the recorded ones")
+          f"{dict(sorted(by_status.items(), key=str))}; {len(differences)} answers differ from the "
+          "recorded ones")
     for d in differences[:50]:
         print("DIFFERS", d)
     return 1 if differences else 0

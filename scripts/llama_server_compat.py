@@ -1,30 +1,34 @@
 #!/usr/bin/env python3
-"""`llama-server`'s command line, run as `strata-jax serve` with the same meaning: for tools (editors' plugins,
-llama.cpp's own server tests) that launch llama-server.
+"""`llama-server`'s command line, run as `strata-jax serve` with the same meaning: for tools
+(editors' plugins, llama.cpp's own server tests) that launch llama-server.
 
-    python scripts/llama_server_compat.py -m model.gguf --port 8080 -c 4096 -np 4 -n 256 --temp 0.7 --api-key KEY
+    python scripts/llama_server_compat.py -m model.gguf --port 8080 -c 4096 -np 4 -n 256 --temp 0.7
+        --api-key KEY
 
-What maps (llama-server -> strata-jax serve): -m/--model -> MODEL, --host, --port, -c/--ctx-size N with
--np/--parallel P -> --max-context N/P (llama.cpp splits its context over the slots unless --kv-unified) and
---parallel P, -n/--n-predict, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n,
---presence-penalty, --frequency-penalty, -s/--seed, --api-key,
---chat-template (a built-in name or Jinja), --api-key-file, -a/--alias -> --model-name (a comma list: several names), --tags, --no-ui/--no-webui -> --no-webui,
---host (a comma list: several addresses), --ui-mcp-proxy, --tools / --mcp-servers-* (not run; CORS then defaults to localhost,
-as llama-server's), --slot-save-path, --cors-origins (llama.cpp's proxy list: here the
-allowed origins), --slots/--no-slots, --props, --chat-template-file, -md/--model-draft -> --drafter draft:PATH,
---draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s, --reasoning (default auto, as
-llama-server's: the chat template's enable_thinking is true), -v/--verbose -> --verbose-responses,
---prefill-assistant unless --no-prefill-assistant (llama-server's default: a final assistant message is continued),
---no-metrics unless --metrics (llama-server's default), -b/--batch-size N -> --batch-tokens N with prompt chunks
-of the largest power of two up to N (at most 256), and always --llama-conventions (llama-server's answers where
+What maps (llama-server -> strata-jax serve): -m/--model -> MODEL, --host, --port, -c/--ctx-size N
+with -np/--parallel P -> --max-context N/P (llama.cpp splits its context over the slots unless
+--kv-unified) and --parallel P, -n/--n-predict, --temp, --top-k, --top-p, --min-p, --repeat-penalty,
+--repeat-last-n, --presence-penalty, --frequency-penalty, -s/--seed, --api-key,
+--chat-template (a built-in name or Jinja), --api-key-file, -a/--alias -> --model-name (a comma
+list: several names), --tags, --no-ui/--no-webui -> --no-webui, --host (a comma list: several
+addresses), --ui-mcp-proxy, --tools / --mcp-servers-* (not run; CORS then defaults to localhost, as
+llama-server's), --slot-save-path, --cors-origins (llama.cpp's proxy list: here the allowed
+origins), --slots/--no-slots, --props, --chat-template-file, -md/--model-draft -> --drafter
+draft:PATH, --draft-max/--spec-draft-n-max -> --spec, -to/--timeout -> --request-timeout-s,
+--reasoning (default auto, as llama-server's: the chat template's enable_thinking is true),
+-v/--verbose -> --verbose-responses, --prefill-assistant unless --no-prefill-assistant
+(llama-server's default: a final assistant message is continued), --no-metrics unless --metrics
+(llama-server's default), -b/--batch-size N -> --batch-tokens N with prompt chunks of the largest
+power of two up to N (at most 256), and always --llama-conventions (llama-server's answers where
 they differ from OpenAI's and vLLM's: serve --help says which).
 
-No model hub is reachable from here: --hf-repo / --hf-file / --model-url serve the GGUF named by the environment
-variable STRATA_COMPAT_MODEL (default: strata-jax's default model), with a warning. Flags that change how
-llama.cpp runs but not what it answers (threads, micro-batch sizes, GPU layers, flash attention, mmap, logging, --jinja: strata-jax
-always renders templates with Jinja) are accepted with a warning; flags whose meaning strata-jax cannot keep
-(--lora, --mmproj, --embedding, ...) are accepted with a warning saying what will differ. The flags the
-strata-jax in use does not know (an older version) are left out, with a warning.
+No model hub is reachable from here: --hf-repo / --hf-file / --model-url serve the GGUF named by the
+environment variable STRATA_COMPAT_MODEL (default: strata-jax's default model), with a warning.
+Flags that change how llama.cpp runs but not what it answers (threads, micro-batch sizes, GPU
+layers, flash attention, mmap, logging, --jinja: strata-jax always renders templates with Jinja) are
+accepted with a warning; flags whose meaning strata-jax cannot keep (--lora, --mmproj, --embedding,
+...) are accepted with a warning saying what will differ. The flags the strata-jax in use does not
+know (an older version) are left out, with a warning.
 """
 
 from __future__ import annotations
@@ -40,21 +44,23 @@ from pathlib import Path
 
 # llama-server flag -> strata-jax serve flag, for flags that take a value and mean the same
 SAME = {
-    "--host": "--host", "--port": "--port", "--n-predict": "--n-predict", "--temp": "--temp", "--top-k": "--top-k",
-    "--top-p": "--top-p", "--min-p": "--min-p", "--repeat-penalty": "--repeat-penalty",
-    "--repeat-last-n": "--repeat-last-n", "--presence-penalty": "--presence-penalty",
-    "--frequency-penalty": "--frequency-penalty", "--seed": "--seed",
-    "--api-key": "--api-key", "--api-key-file": "--api-key-file", "--alias": "--model-name",
-    "--slot-save-path": "--slot-save-path", "--cors-origins": "--cors-origins",
-    "--chat-template-file": "--chat-template-file", "--timeout": "--request-timeout-s",
-    "--reasoning": "--reasoning", "--tags": "--tags", "--chat-template": "--chat-template", "--pooling": "--pooling",
+    "--host": "--host", "--port": "--port", "--n-predict": "--n-predict", "--temp": "--temp",
+    "--top-k": "--top-k", "--top-p": "--top-p", "--min-p": "--min-p",
+    "--repeat-penalty": "--repeat-penalty", "--repeat-last-n": "--repeat-last-n",
+    "--presence-penalty": "--presence-penalty", "--frequency-penalty": "--frequency-penalty",
+    "--seed": "--seed", "--api-key": "--api-key", "--api-key-file": "--api-key-file",
+    "--alias": "--model-name", "--slot-save-path": "--slot-save-path",
+    "--cors-origins": "--cors-origins", "--chat-template-file": "--chat-template-file",
+    "--timeout": "--request-timeout-s", "--reasoning": "--reasoning", "--tags": "--tags",
+    "--chat-template": "--chat-template", "--pooling": "--pooling",
 }
-SHORT = {"-m": "--model", "-c": "--ctx-size", "-np": "--parallel", "-n": "--n-predict", "-s": "--seed",
-         "-b": "--batch-size", "-a": "--alias", "-md": "--model-draft", "-to": "--timeout", "-hf": "--hf-repo",
-         "-hfr": "--hf-repo", "-hff": "--hf-file", "-mu": "--model-url", "--predict": "--n-predict",
-         "--draft": "--draft-max", "--draft-n": "--draft-max", "--spec-draft-n-max": "--draft-max",
-         "--threads-http": "--threads-http", "--ctx_size": "--ctx-size",
-         "-v": "--verbose", "--log-verbose": "--verbose", "-rea": "--reasoning"}
+SHORT = {"-m": "--model", "-c": "--ctx-size", "-np": "--parallel", "-n": "--n-predict",
+         "-s": "--seed", "-b": "--batch-size", "-a": "--alias", "-md": "--model-draft",
+         "-to": "--timeout", "-hf": "--hf-repo", "-hfr": "--hf-repo", "-hff": "--hf-file",
+         "-mu": "--model-url", "--predict": "--n-predict", "--draft": "--draft-max",
+         "--draft-n": "--draft-max", "--spec-draft-n-max": "--draft-max",
+         "--threads-http": "--threads-http", "--ctx_size": "--ctx-size", "-v": "--verbose",
+         "--log-verbose": "--verbose", "-rea": "--reasoning"}
 # accepted, and what differs: shown in the warning
 DIFFERS = {
     "--lora": "strata-jax loads no LoRA adapters: the base model answers",
@@ -67,8 +73,8 @@ DIFFERS = {
 }
 
 
-# llama-server's built-in tools and MCP servers: not served here, but with any of them llama-server limits its
-# default CORS origins to localhost (common/arg.cpp), and so does the wrapper
+# llama-server's built-in tools and MCP servers: not served here, but with any of them llama-server
+# limits its default CORS origins to localhost (common/arg.cpp), and so does the wrapper
 TOOLS = ("--tools", "--mcp-servers-config", "--mcp-servers-json")
 
 
@@ -100,10 +106,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str], list[str]]:
-    """llama-server's argv -> (strata-jax serve's argv, warnings). `known`: the flags that serve accepts (when
-    given, others are left out with a warning)."""
+    """llama-server's argv -> (strata-jax serve's argv, warnings). `known`: the flags that serve
+    accepts (when given, others are left out with a warning)."""
     warnings: list[str] = []
-    argv = [SHORT.get(a.split("=", 1)[0], a.split("=", 1)[0]) + ("=" + a.split("=", 1)[1] if "=" in a else "")
+    argv = [SHORT.get(a.split("=", 1)[0], a.split("=", 1)[0])
+            + ("=" + a.split("=", 1)[1] if "=" in a else "")
             if a.startswith("-") else a for a in argv]
     args, rest = parser().parse_known_args(_values_as_equals(argv))
     out: list[str] = []
@@ -135,16 +142,21 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
         out.append("--slots" if args.slots else "--no-slots")
     if args.props:
         out.append("--props")
-    if args.verbose:                      # llama-server's --verbose also puts "__verbose" in every answer
+    # llama-server's --verbose also puts "__verbose" in every answer
+    if args.verbose:
         out.append("--verbose-responses")
     if not args.metrics:                  # llama-server serves /metrics only with --metrics
         out.append("--no-metrics")
-    if not args.no_prefill_assistant:     # llama-server's default: a final assistant message is continued
+    # llama-server's default: a final assistant message is continued
+    if not args.no_prefill_assistant:
         out.append("--prefill-assistant")
-    if args.reasoning is None:            # llama-server's default: templates get enable_thinking = true
+    # llama-server's default: templates get enable_thinking = true
+    if args.reasoning is None:
         out += ["--reasoning", "auto"]
-    if args.batch_size and args.batch_size >= 16:     # the tokens a window holds, and a prompt's chunk within it
-        chunk = min(1 << (args.batch_size.bit_length() - 1), 256)     # (a power of two; 256 is the CPU's auto)
+    # the tokens a window holds, and a prompt's chunk within it (a power of two; 256 is the CPU's
+    # auto)
+    if args.batch_size and args.batch_size >= 16:
+        chunk = min(1 << (args.batch_size.bit_length() - 1), 256)
         out += ["--batch-tokens", str(args.batch_size), "--prefill", str(chunk)]
     if args.no_ui:
         out.append("--no-webui")
@@ -152,10 +164,13 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
         out.append("--ui-mcp-proxy")
     tools = [f for f in TOOLS if getattr(args, f[2:].replace("-", "_")) is not None]
     if tools:
-        warnings.append(f"{', '.join(tools)}: strata-jax runs no built-in tools or MCP servers (ignored)")
-        if args.cors_origins is None:       # llama-server's default with tools: pages on localhost only
+        warnings.append(f"{', '.join(tools)}: strata-jax runs no built-in tools or MCP servers "
+                        "(ignored)")
+        # llama-server's default with tools: pages on localhost only
+        if args.cors_origins is None:
             out += ["--cors-origins", "localhost"]
-    out.append("--llama-conventions")     # llama-server's answers where they differ from OpenAI's and vLLM's
+    # llama-server's answers where they differ from OpenAI's and vLLM's
+    out.append("--llama-conventions")
     i = 0
     while i < len(rest):
         flag, _, value = rest[i].partition("=")
@@ -173,8 +188,8 @@ def translate(argv: list[str], known: set[str] | None = None) -> tuple[list[str]
 def _values_as_equals(argv: list[str]) -> list[str]:
     """`--seed -1` -> `--seed=-1`: argparse would take a negative number for a flag."""
     out, i = [], 0
-    takes = set(SAME) | {"--model", "--ctx-size", "--parallel", "--hf-repo", "--hf-file", "--model-url",
-                         "--model-draft", "--draft-max", "--batch-size"}
+    takes = set(SAME) | {"--model", "--ctx-size", "--parallel", "--hf-repo", "--hf-file",
+                         "--model-url", "--model-draft", "--draft-max", "--batch-size"}
     while i < len(argv):
         if argv[i] in takes and i + 1 < len(argv):
             out.append(f"{argv[i]}={argv[i + 1]}")
@@ -207,16 +222,19 @@ def _only_known(out: list[str], known: set[str]) -> tuple[list[str], list[str]]:
 
 
 def serve_flags(command: list[str]) -> set[str]:
-    """The flags `strata-jax serve --help` lists (remembered in the temp folder for the code at hand)."""
+    """The flags `strata-jax serve --help` lists (remembered in the temp folder for the code at
+    hand)."""
     import strata_jax
 
     root = Path(strata_jax.__file__).parent
-    stamp = "|".join([sys.executable, str(root)] + [str((root / f).stat().st_mtime_ns) for f in ("cli.py",
-                                                                                                  "cli_flags.py")])
-    memo = Path(tempfile.gettempdir()) / f"strata-serve-flags-{hashlib.sha1(stamp.encode()).hexdigest()[:12]}"
+    stamp = "|".join([sys.executable, str(root)]
+                     + [str((root / f).stat().st_mtime_ns) for f in ("cli.py", "cli_flags.py")])
+    memo = (Path(tempfile.gettempdir())
+            / f"strata-serve-flags-{hashlib.sha1(stamp.encode()).hexdigest()[:12]}")
     if memo.exists():
         return set(memo.read_text().split())
-    text = subprocess.run([*command, "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run([*command, "serve", "--help"], capture_output=True, text=True,
+                          check=True).stdout
     flags = set(re.findall(r"--[a-z][a-z0-9-]*", text))
     memo.write_text(" ".join(sorted(flags)))
     return flags

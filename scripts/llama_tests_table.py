@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Passed / failed per file of llama.cpp's server tests, before and after, from pytest's JUnit XML files
-(docs/LLAMA_SERVER_TESTS.md has the command that makes them).
+"""Passed / failed per file of llama.cpp's server tests, before and after, from pytest's JUnit XML
+files (docs/LLAMA_SERVER_TESTS.md has the command that makes them).
 
     python scripts/llama_tests_table.py before.xml after.xml [--failures]
 
@@ -22,7 +22,8 @@ def outcomes(path: str) -> dict[str, dict[str, tuple[str, str]]]:
         status, why = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
-                status, why = "failed", (child.get("message") or child.text or "").strip().splitlines()[0][:160]
+                status, why = ("failed", (child.get("message") or child.text
+                                          or "").strip().splitlines()[0][:160])
             elif child.tag == "skipped":
                 status, why = "skipped", (child.get("message") or "")[:160]
         out[file][case.get("name", "")] = (status, why)

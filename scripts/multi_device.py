@@ -1,21 +1,25 @@
-"""--devices N checks and figures, in a process of its own: XLA_FLAGS must force the CPU devices before JAX
-starts, so tests/test_devices.py (whose JAX already has one device) runs this as a child.
+"""--devices N checks and figures, in a process of its own: XLA_FLAGS must force the CPU devices
+before JAX starts, so tests/test_devices.py (whose JAX already has one device) runs this as a child.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python scripts/multi_device.py check MODEL.gguf \\
         '[[1, "auto"], [2, "experts"], [4, "experts"], [2, "layers"], [4, "layers"]]'
-        -> one JSON line: per (devices, split) whether the logits are the same bits as the first entry's,
-           their largest difference, and whether greedy tokens (alone, and two requests at once) agree
-    XLA_FLAGS=... python scripts/multi_device.py bench MODEL.gguf '[[1, "auto"], [4, "experts"]]' [TOKENS]
-        -> one JSON line: decode tokens/s of one request and of four at once, per entry
+        -> one JSON line: per (devices, split) whether the logits are the same bits as the first
+           entry's, their largest difference, and whether greedy tokens (alone, and two requests at
+               once) agree
+    XLA_FLAGS=... python scripts/multi_device.py bench MODEL.gguf '[[1, "auto"], [4, "experts"]]'
+        [TOKENS] -> one JSON line: decode tokens/s of one request and of four at once, per entry
     XLA_FLAGS=... python scripts/multi_device.py overlap MODEL.gguf '[[2, 1], [2, 4]]' [WINDOWS]
-        -> one JSON line: per (devices, --micro-batches) of the layers split, the order the stage programs
-           were dispatched in and in how many windows a later stage finished a part before an earlier
+        -> one JSON line: per (devices, --micro-batches) of the layers split, the order the stage
+           programs were dispatched in and in how many windows a later stage finished a part before
+               an earlier
            stage finished its last part (the stages computed at once)
-    XLA_FLAGS=... python scripts/multi_device.py errors MODEL.gguf '[{"devices": 3, "split": "experts"}, ...]'
-        -> one JSON line: each config's ConfigError message (null: it started)
+    XLA_FLAGS=... python scripts/multi_device.py errors MODEL.gguf
+        '[{"devices": 3, "split": "experts"}, ...]' -> one JSON line: each
+            config's ConfigError message (null: it started)
     XLA_FLAGS=... python scripts/multi_device.py kernels - 200
-        -> one JSON line: the cpu kernels called from every device's thread at once give the bits of alone
-"""
+        -> one JSON line: the cpu kernels called from every device's thread at once give the bits of
+            alone
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ def engine(path: str, devices: int = 1, split: str = "auto", **extra) -> Engine:
 
 def run_check(path: str, entries: list) -> dict:
     out, base = [], None
-    for devices, split, *extra in entries:               # [devices, split(, {more EngineConfig settings})]
+    # [devices, split(, {more EngineConfig settings})]
+    for devices, split, *extra in entries:
         eng = engine(path, devices, split, **(extra[0] if extra else {}))
         try:
             logits = eng.logits(PROMPT)
@@ -56,10 +61,12 @@ def run_check(path: str, entries: list) -> dict:
             eng.close()
         res = {"logits": logits, "alone": alone, "together": together, "kv": kv, "cut": cut}
         base = base or res
-        out.append({"devices": devices, "split": split, "bits_equal": bool(np.array_equal(logits, base["logits"])),
+        out.append({"devices": devices, "split": split,
+                    "bits_equal": bool(np.array_equal(logits, base["logits"])),
                     "max_diff": float(np.max(np.abs(logits - base["logits"]))),
                     "cut_bits_equal": all(np.array_equal(a, b) for a, b in zip(cut, base["cut"])),
-                    "cut_max_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(cut, base["cut"])),
+                    "cut_max_diff": max(float(np.max(np.abs(a - b)))
+                                        for a, b in zip(cut, base["cut"])),
                     "parts": parts_of(eng, cut_window(eng)), **(extra[0] if extra else {}),
                     "tokens_equal": alone == base["alone"] and together == base["together"],
                     "kv_equal": all(np.array_equal(kv[k], base["kv"][k]) for k in kv),
@@ -71,9 +78,10 @@ def run_check(path: str, entries: list) -> dict:
 
 
 def cut_window(eng: Engine) -> list[GroupInput]:
-    """A window of two prompts read at once (PROMPT in slot 0, OTHER in slot 1), with the logits of every
-    token: packed (one group of 20 tokens in 32 rows, 32 picks: the real tokens', then padding) where the
-    backend packs, else a group each; so the layers split cuts it into micro-batches (a prompt across two)."""
+    """A window of two prompts read at once (PROMPT in slot 0, OTHER in slot 1), with the logits of
+    every token: packed (one group of 20 tokens in 32 rows, 32 picks: the real tokens', then
+    padding) where the backend packs, else a group each; so the layers split cuts it into
+    micro-batches (a prompt across two)."""
     if eng.runner.packed:
         toks, pos = np.zeros((32, 1), np.int32), np.full((32, 1), -1, np.int32)
         toks[:20, 0], pos[:20, 0] = PROMPT + OTHER, list(range(12)) + list(range(8))
@@ -84,12 +92,14 @@ def cut_window(eng: Engine) -> list[GroupInput]:
     for slot, ids in enumerate((PROMPT, OTHER)):
         toks, pos = np.zeros((1, 16), np.int32), np.full((1, 16), -1, np.int32)
         toks[0, :len(ids)], pos[0, :len(ids)] = ids, np.arange(len(ids))
-        out.append(GroupInput(toks, pos, np.array([slot], np.int32), SamplingRows.greedy(1), all_logits=True))
+        out.append(GroupInput(toks, pos, np.array([slot], np.int32), SamplingRows.greedy(1),
+                              all_logits=True))
     return out
 
 
 def cut_window_logits(eng: Engine) -> list[np.ndarray]:
-    """cut_window's logits per group, read on a scratch KV cache between windows (the engine is idle)."""
+    """cut_window's logits per group, read on a scratch KV cache between windows (the engine is
+    idle)."""
     with eng.runner.scratch_kv():
         return [np.asarray(x) for x in eng.runner.forward_logits(cut_window(eng), 16)]
 
@@ -101,8 +111,9 @@ def parts_of(eng: Engine, groups: list[GroupInput]) -> int:
 
 
 def kv_moves(eng: Engine) -> dict[str, np.ndarray]:
-    """The KV cache's moves the prefix cache makes (KVCache.read, write, copy: per stage with --split
-    layers), between windows on the engine thread's idle slots 2 and 3 -> what each left in slot 3."""
+    """The KV cache's moves the prefix cache makes (KVCache.read, write, copy: per stage with
+    --split layers), between windows on the engine thread's idle slots 2 and 3 -> what each left in
+    slot 3."""
     kv, out = eng.runner.kv, {}
     block = kv.read(0, 0, 16)                               # slot 0 holds PROMPT's KV
     kv.write(3, 0, block)
@@ -114,17 +125,18 @@ def kv_moves(eng: Engine) -> dict[str, np.ndarray]:
 
 
 def run_bench(path: str, entries: list, tokens: int) -> dict:
-    """Decode tokens/s of one request (the engine's own predicted_per_second: after the first token) and
-    of four at once (all generated tokens / wall time from submitting them, prompts included), with every
-    base layout built first (the warm-up, then wait_for_programs: no compile inside what is timed); each
-    workload three times, the best kept."""
+    """Decode tokens/s of one request (the engine's own predicted_per_second: after the first token)
+    and of four at once (all generated tokens / wall time from submitting them, prompts included),
+    with every base layout built first (the warm-up, then wait_for_programs: no compile inside what
+    is timed); each workload three times, the best kept."""
     out = []
     for devices, split, *extra in entries:
         eng = engine(path, devices, split, warmup=True, **(extra[0] if extra else {}))
         one, four = [], []
         try:
             eng.wait_for_programs()
-            for rep in range(4):                # the first pass: any layout the warm-up left out gets built
+            # the first pass: any layout the warm-up left out gets built
+            for rep in range(4):
                 done = eng.generate(PROMPT, max_tokens=tokens, temperature=0.0, ignore_eos=True)
                 t0 = time.perf_counter()
                 hs = [eng.submit([rep + 1, *OTHER, *PROMPT[i:]], max_tokens=tokens, temperature=0.0,
@@ -136,9 +148,11 @@ def run_bench(path: str, entries: list, tokens: int) -> dict:
                     one.append(done.stats["predicted_per_second"])
                     four.append(n / wall)
             read = []
-            for rep in range(3):                # prompt reading: four 96-token prompts at once, one token each
+            # prompt reading: four 96-token prompts at once, one token each
+            for rep in range(3):
                 t0 = time.perf_counter()
-                hs = [eng.submit([(rep * 4 + i) % 200 + 1, *(PROMPT * 8)[:95]], max_tokens=1, temperature=0.0)
+                hs = [eng.submit([(rep * 4 + i) % 200 + 1, *(PROMPT * 8)[:95]], max_tokens=1,
+                                 temperature=0.0)
                       for i in range(4)]
                 for h in hs:
                     list(h)
@@ -149,15 +163,16 @@ def run_bench(path: str, entries: list, tokens: int) -> dict:
         out.append({"devices": devices, "split": split, **(extra[0] if extra else {}),
                     "one_tok_s": round(max(one), 1), "four_tok_s": round(max(four), 1),
                     "read_tok_s": round(max(read[1:]), 1), "runs_read": [round(x, 1) for x in read],
-                    "runs_one": [round(x, 1) for x in one], "runs_four": [round(x, 1) for x in four]})
+                    "runs_one": [round(x, 1) for x in one],
+                    "runs_four": [round(x, 1) for x in four]})
     return {"results": out}
 
 
 def run_kernels(iters: int) -> dict:
-    """The cpu kernels called from every device's thread at once (their own spin pool: one caller holds
-    its helpers, the others run alone): each device multiplies its own rows (a product large enough to use
-    the helpers, and a small one) `iters` times in one program over all devices; every result must be the
-    bits of the same product run alone on one device."""
+    """The cpu kernels called from every device's thread at once (their own spin pool: one caller
+    holds its helpers, the others run alone): each device multiplies its own rows (a product large
+    enough to use the helpers, and a small one) `iters` times in one program over all devices; every
+    result must be the bits of the same product run alone on one device."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
@@ -168,18 +183,22 @@ def run_kernels(iters: int) -> dict:
 
     n = len(jax.devices())
     rng = np.random.default_rng(0)
-    w = jnp.asarray(random_blocks("Q8_0", (512, 256), rng))                      # [n_out, k] as blocks
-    x = jnp.asarray(rng.standard_normal((n, 64, 256), np.float32))              # each device its own rows
+    # [n_out, k] as blocks
+    w = jnp.asarray(random_blocks("Q8_0", (512, 256), rng))
+    # each device its own rows
+    x = jnp.asarray(rng.standard_normal((n, 64, 256), np.float32))
 
     def body(x):                                # x [1, 64, 256]: this device's rows
-        def step(i, acc):                       # inputs that change each time: nothing to hoist out of the loop
+        # inputs that change each time: nothing to hoist out of the loop
+        def step(i, acc):
             xi = x[0] + acc[:, :256] * 1e-3 + i.astype(jnp.float32)
             return acc + pk.qmatmul(xi, w, "Q8_0", backend="cpu") + pk.qmatmul(xi[:2], w, "Q8_0",
                                                                                backend="cpu").sum(0)
         return jax.lax.fori_loop(0, iters, step, jnp.zeros((64, 512), jnp.float32))[None]
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
-    spread = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))
+    spread = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                                   check_vma=False))
     xs, one = jax.device_put(x, NamedSharding(mesh, P("d"))), jax.jit(body)
     np.asarray(spread(xs)), np.asarray(one(x[:1]))                              # built
     t0 = time.perf_counter()
@@ -192,21 +211,23 @@ def run_kernels(iters: int) -> dict:
 
 
 def run_overlap(path: str, entries: list, windows: int) -> dict:
-    """Whether the stages compute at once: each window (four 16-token prompts read together, packed) is
-    dispatched whole, then the host sweeps over every (stage, part) program's outputs, later stages first,
-    and notes the sweep in which each is ready. A stage s + 1 part ready in an earlier sweep than stage s's
-    last part means device s + 1 finished a part while device s still computed: impossible with one part a
-    window (the old chain: stage s + 1 starts after all of stage s's work), and never a false sign from the
-    poller being descheduled, since within a sweep an earlier stage is checked after a later one."""
+    """Whether the stages compute at once: each window (four 16-token prompts read together, packed)
+    is dispatched whole, then the host sweeps over every (stage, part) program's outputs, later
+    stages first, and notes the sweep in which each is ready. A stage s + 1 part ready in an earlier
+    sweep than stage s's last part means device s + 1 finished a part while device s still computed:
+    impossible with one part a window (the old chain: stage s + 1 starts after all of stage s's
+    work), and never a false sign from the poller being descheduled, since within a sweep an earlier
+    stage is checked after a later one."""
     out = []
     for devices, micro in entries:
         eng = engine(path, devices, "layers", micro_batches=micro, batch_tokens=64)
         pipe, runner = eng.runner.pipeline, eng.runner
         toks, pos = np.zeros((64, 1), np.int32), np.full((64, 1), -1, np.int32)
         for i in range(4):
-            toks[16 * i:16 * i + 16, 0], pos[16 * i:16 * i + 16, 0] = OTHER + PROMPT[:8], np.arange(16)
-        group = GroupInput(toks, pos, np.repeat(np.arange(4, dtype=np.int32), 16), SamplingRows.greedy(4),
-                           picks=np.array([15, 31, 47, 63], np.int32))
+            toks[16 * i:16 * i + 16, 0], pos[16 * i:16 * i + 16, 0] = (OTHER + PROMPT[:8],
+                                                                       np.arange(16))
+        group = GroupInput(toks, pos, np.repeat(np.arange(4, dtype=np.int32), 16),
+                           SamplingRows.greedy(4), picks=np.array([15, 31, 47, 63], np.int32))
         overlapped, order, pending = 0, [], []
         try:
             with runner.scratch_kv():
@@ -219,18 +240,22 @@ def run_overlap(path: str, entries: list, windows: int) -> dict:
                     order = [(s, p) for s, p, _ in seen]
                     ready: dict = {}
                     pending.append(sum(not all(x.is_ready() for x in xs) for _, _, xs in seen))
-                    sweep = 0           # each sweep checks the later stages first: a part seen ready before
-                    while len(ready) < len(seen):       # an earlier stage's part in the same sweep was really so
+                    # each sweep checks the later stages first: a part seen ready before an earlier
+                    # stage's part in the same sweep was really so
+                    sweep = 0
+                    while len(ready) < len(seen):
                         sweep += 1
                         for s, p, xs in reversed(seen):
                             if (s, p) not in ready and all(x.is_ready() for x in xs):
                                 ready[s, p] = sweep
                     last = max(p for _, p in order)
-                    overlapped += any(ready[s + 1, p] < ready[s, last] for s, p in order if (s + 1, p) in ready)
+                    overlapped += any(ready[s + 1, p] < ready[s, last] for s, p in order
+                                      if (s + 1, p) in ready)
         finally:
             eng.close()
-        out.append({"devices": devices, "micro_batches": micro, "order": order, "overlapped": overlapped,
-                    "windows": windows, "pending_after_dispatch": pending})
+        out.append({"devices": devices, "micro_batches": micro, "order": order,
+                    "overlapped": overlapped, "windows": windows,
+                    "pending_after_dispatch": pending})
     return {"results": out}
 
 

@@ -1,11 +1,15 @@
-"""The cost of cross-process collectives on this machine, apart from the engine (issue 19, item 2): 8 layers of
-(a [4, 1024] x [1024, 1024] float32 product, then a psum over the mesh), as one program over 2 devices.
+"""The cost of cross-process collectives on this machine, apart from the engine (issue 19, item 2):
+8 layers of (a [4, 1024] x [1024, 1024] float32 product, then a psum over the mesh), as one program
+over 2 devices.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python scripts/probe_gloo.py 0 1     # one process, 2 devices
-    python scripts/probe_gloo.py 0 2 PORT & python scripts/probe_gloo.py 1 2 PORT           # 2 processes (gloo)
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python scripts/probe_gloo.py 0 1     # one
+        process, 2 devices
+    python scripts/probe_gloo.py 0 2 PORT & python scripts/probe_gloo.py 1 2 PORT           # 2
+        processes (gloo)
 
---mode=dot (the default) as above; --mode=psum: the psums alone (no product, the same [4, 1024] float32 sums);
---mode=dot-only: the products alone (no psum). Prints the mean time a call of 100 calls, after 5 unmeasured.
+--mode=dot (the default) as above; --mode=psum: the psums alone (no product, the same [4, 1024]
+float32 sums); --mode=dot-only: the products alone (no psum). Prints the mean time a call of 100
+calls, after 5 unmeasured.
 """
 
 import sys
@@ -24,7 +28,8 @@ if n > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{sys.argv[3]}", n, pid, initialization_timeout=60)
 mesh = Mesh(np.array(jax.devices()), ("x",))
-w = jax.device_put(np.random.RandomState(0).randn(8, 1024, 1024).astype(np.float32) / 32, NamedSharding(mesh, P()))
+w = jax.device_put(np.random.RandomState(0).randn(8, 1024, 1024).astype(np.float32) / 32,
+                   NamedSharding(mesh, P()))
 
 
 def layers(w, x):
@@ -34,12 +39,13 @@ def layers(w, x):
     return x
 
 
-program = jax.jit(jax.shard_map(layers, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+program = jax.jit(jax.shard_map(layers, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
+                                check_vma=False))
 x = np.ones((4, 1024), np.float32)
 for _ in range(5):
     np.asarray(program(w, x))
 t = time.perf_counter()
 for _ in range(100):
     np.asarray(program(w, x))
-print(f"process {pid} of {n}, {len(jax.devices())} devices, {mode}: {(time.perf_counter() - t) * 10:.1f} ms a call",
-      flush=True)
+print(f"process {pid} of {n}, {len(jax.devices())} devices, {mode}: "
+      f"{(time.perf_counter() - t) * 10:.1f} ms a call", flush=True)

@@ -1,4 +1,5 @@
-"""strata-jax: a JAX/XLA inference server for mixture-of-experts language models stored as GGUF files."""
+"""strata-jax: a JAX/XLA inference server for mixture-of-experts language models stored as GGUF
+files."""
 
 from ._version import __version__
 from .config import ConfigError, EngineConfig, ServerConfig

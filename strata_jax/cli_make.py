@@ -1,4 +1,5 @@
-"""`strata-jax make-model` and `strata-jax upcycle`: the commands that write GGUF models (strata_jax/makers/)."""
+"""`strata-jax make-model` and `strata-jax upcycle`: the commands that write GGUF models
+(strata_jax/makers/)."""
 
 from __future__ import annotations
 
@@ -7,32 +8,40 @@ from dataclasses import fields
 
 _MAKE_MODEL_HELP = {
     "arch": "model family", "layers": "transformer blocks", "hidden": "embedding width",
-    "heads": "attention heads", "kv_heads": "key/value heads", "head_dim": "head size (default hidden/heads)",
-    "ffn": "dense FFN width", "experts": "experts per layer (default 8 for the MoE families; with llama: "
-    "Mixtral-style MoE)", "experts_used": "experts per token (top-k)", "expert_ffn": "FFN width of one expert",
-    "shared_ffn": "qwen2moe's shared expert width", "vocab": "vocabulary size (default 512, or the tokenizer's)",
-    "context": "training context length", "rope_theta": "rope.freq_base", "rms_eps": "RMS norm epsilon",
-    "quant": "type of every weight matrix", "expert_quant": "type of the expert tensors (default --quant)",
+    "heads": "attention heads", "kv_heads": "key/value heads",
+    "head_dim": "head size (default hidden/heads)", "ffn": "dense FFN width",
+    "experts": "experts per layer (default 8 for the MoE families; with llama: Mixtral-style MoE)",
+    "experts_used": "experts per token (top-k)", "expert_ffn": "FFN width of one expert",
+    "shared_ffn": "qwen2moe's shared expert width",
+    "vocab": "vocabulary size (default 512, or the tokenizer's)",
+    "context": "training context length", "rope_theta": "rope.freq_base",
+    "rms_eps": "RMS norm epsilon", "quant": "type of every weight matrix",
+    "expert_quant": "type of the expert tensors (default --quant)",
     "attn_quant": "type of the attention weights (default --quant)",
     "embed_quant": "type of token_embd and output (default --quant)",
-    "more_bits_quant": "as llama.cpp's Q4_K_M: type of ffn_down (dense, shared, experts) and attn_v in the "
-    "layers it gives more bits (i < n/8, i >= 7n/8, (i - n/8) %% 3 == 2); e.g. --quant Q4_K --more-bits-quant Q6_K",
-    "seed": "random seed",
-    "split": "write N parts in llama.cpp's gguf-split layout", "tokenizer_from": "copy tokenizer.* keys "
-    "(and the vocabulary size) from this GGUF instead of the built-in byte-level BPE",
-    "name": "general.name",
+    "more_bits_quant": "as llama.cpp's Q4_K_M: type of ffn_down (dense, shared, experts) and "
+                       "attn_v in the layers it gives more bits (i < n/8, i >= 7n/8, (i - n/8) %% "
+                       "3 == 2); e.g. --quant Q4_K --more-bits-quant Q6_K", "seed": "random seed",
+    "split": "write N parts in llama.cpp's gguf-split layout",
+    "tokenizer_from": "copy tokenizer.* keys (and the vocabulary size) from this GGUF instead of "
+                      "the built-in byte-level BPE", "name": "general.name",
     "leading_dense": "glm4moe: leading dense-FFN layers before the MoE ones (default 1)",
-    "nextn": "glm4moe, qwen3next, qwen35moe: NextN (MTP) layers stored after the main ones (blk.N.nextn.*; "
-    "the hybrids: 0 or 1)",
-    "nextn_head": "glm4moe, qwen3next, qwen35moe: give the NextN layer its own embed_tokens and shared_head_head",
+    "nextn": "glm4moe, qwen3next, qwen35moe: NextN (MTP) layers stored after the main ones "
+    "(blk.N.nextn.*; the hybrids: 0 or 1)",
+    "nextn_head": "glm4moe, qwen3next, qwen35moe: give the NextN layer its own embed_tokens and "
+                  "shared_head_head",
     "qk_norm": "glm4moe: per-head q/k norms (as GLM-4.5 355B)",
-    "rope_dims": "rope.dimension_count (default: the head size; glm4moe: half of it; qwen3next/qwen35moe: a quarter)",
+    "rope_dims": "rope.dimension_count (default: the head size; glm4moe: half of it; "
+                 "qwen3next/qwen35moe: a quarter)",
     "expert_weights_scale": "scale of the routed experts' weights (default 1; glm4moe: 2.5)",
-    "ssm_conv": "qwen3next/qwen35moe: taps of the Gated DeltaNet layers' causal conv (ssm.conv_kernel)",
+    "ssm_conv": "qwen3next/qwen35moe: taps of the Gated DeltaNet layers' causal conv "
+                "(ssm.conv_kernel)",
     "ssm_k_heads": "qwen3next/qwen35moe: the DeltaNet layers' q/k heads (ssm.group_count)",
-    "ssm_v_heads": "qwen3next/qwen35moe: their v heads, a multiple of the k heads (ssm.time_step_rank)",
+    "ssm_v_heads": "qwen3next/qwen35moe: their v heads, a multiple of the k heads "
+                   "(ssm.time_step_rank)",
     "ssm_head_dim": "qwen3next/qwen35moe: their head size (ssm.state_size)",
-    "full_attention_interval": "qwen3next/qwen35moe: every N-th layer is (gated) attention, the others DeltaNet",
+    "full_attention_interval": "qwen3next/qwen35moe: every N-th layer is (gated) attention, the "
+                               "others DeltaNet",
 }
 
 
@@ -40,9 +49,10 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
     from strata_jax.makers.make_model import ARCHS, ModelOptions
 
     p = sub.add_parser("make-model", help="write a synthetic GGUF with random weights",
-                       description="Write a GGUF model with random weights (random quant blocks with sane "
-                                   "scales) in llama.cpp's layout. Norms stay F32; a weight whose rows are not "
-                                   "whole blocks of the chosen type is stored as F16 instead (and said so).")
+                       description="Write a GGUF model with random weights (random quant blocks "
+                                   "with sane scales) in llama.cpp's layout. Norms stay F32; a "
+                                   "weight whose rows are not whole blocks of the chosen type is "
+                                   "stored as F16 instead (and said so).")
     p.add_argument("out", help="output path (with --split N: OUT-0000i-of-0000N.gguf next to it)")
     defaults = ModelOptions()
     for f in fields(ModelOptions):
@@ -59,9 +69,12 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=_MAKE_MODEL_HELP.get(f.name, ""))
             continue
-        kind = {"rope_theta": float, "rms_eps": float, "expert_weights_scale": float}.get(f.name, str if f.name in (
-            "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "more_bits_quant", "tokenizer_from", "name") else int)
-        p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.split("_")[-1].upper(),
+        kind = {"rope_theta": float, "rms_eps": float,
+                "expert_weights_scale": float}.get(f.name, str if f.name in (
+            "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "more_bits_quant",
+            "tokenizer_from", "name") else int)
+        p.add_argument(flag, type=kind, default=argparse.SUPPRESS,
+                       metavar=f.name.split("_")[-1].upper(),
                        choices=ARCHS if f.name == "arch" else None,
                        help=_MAKE_MODEL_HELP.get(f.name, "") + shown)
     p.set_defaults(run=run_make_model)
@@ -77,15 +90,18 @@ def run_make_model(args: argparse.Namespace) -> int:
     model = GGUFModel.open(paths[0])
     for p in paths:
         print(f"wrote {p} ({fmt_bytes(p.stat().st_size)})")
-    print(f"{model.spec.architecture}: {sum(t.n_values for t in model.tensors.values()):,} parameters in "
-          f"{len(model.tensors)} tensors")
+    print(f"{model.spec.architecture}: {sum(t.n_values for t in model.tensors.values()):,} "
+          f"parameters in {len(model.tensors)} tensors")
     return 0
 
 
 def add_upcycle(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("upcycle", help="turn a dense llama GGUF into a MoE one that computes the same",
-                       description="Copy each FFN of a dense llama GGUF into E experts and add a random router "
-                                   "(top-k weights renormalized): the MoE model computes what the dense one does.")
+    p = sub.add_parser("upcycle",
+                       help="turn a dense llama GGUF into a MoE one that computes the same",
+                                   description="Copy each FFN of a dense llama GGUF into E experts "
+                                               "and add a random router (top-k weights "
+                                               "renormalized): the MoE model computes what the "
+                                               "dense one does.")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--experts", type=int, default=8)
@@ -100,5 +116,6 @@ def run_upcycle(args: argparse.Namespace) -> int:
 
     out = upcycle(args.src, args.dst, args.experts, args.top_k, args.seed)
     spec = GGUFModel.open(out).spec
-    print(f"wrote {out}: {spec.n_layers} layers of {spec.n_experts} experts, top-{spec.n_experts_used}")
+    print(f"wrote {out}: {spec.n_layers} layers of {spec.n_experts} experts, "
+          f"top-{spec.n_experts_used}")
     return 0

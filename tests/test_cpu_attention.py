@@ -1,6 +1,7 @@
-"""The cpu backend's attention kernel (pallas_kernels/cpu/attention.cc) against the xla path's attend(),
-for each cache dtype; its bits independent of the other rows and of the window's shape; and a lone decode
-row on the cpu backend (ModelRunner.min_rows = 1) giving the bits it gets among other rows."""
+"""The cpu backend's attention kernel (pallas_kernels/cpu/attention.cc) against the xla path's
+attend(), for each cache dtype; its bits independent of the other rows and of the window's shape;
+and a lone decode row on the cpu backend (ModelRunner.min_rows = 1) giving the bits it gets among
+other rows."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def test_attention_matches_the_xla_path(dtype, d):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
     assert np.all(np.asarray(out)[1, 2:] == 0)                     # padding queries give zeros
     # a traced layer index inside jit: the same bits
-    jitted = jax.jit(lambda q, lay: cpu.attention(q, k, v, lay, slots, pos, ks, vs))(q, jnp.int32(1))
+    jitted = jax.jit(lambda q, lay: cpu.attention(q, k, v, lay, slots, pos, ks, vs))(q,
+                                                                                     jnp.int32(1))
     assert np.array_equal(np.asarray(jitted), np.asarray(out))
 
 
@@ -65,7 +67,8 @@ def test_a_query_bits_depend_only_on_its_own_row_and_position():
     full = np.asarray(cpu.attention(q, k, v, 2, slots, pos))
     alone = np.asarray(cpu.attention(q[2:], k, v, 2, slots[2:], pos[2:]))
     assert np.array_equal(alone, full[2:])
-    for t in range(5):                                              # each token as a one-token decode query
+    # each token as a one-token decode query
+    for t in range(5):
         one = np.asarray(cpu.attention(q[2:, t:t + 1], k, v, 2, slots[2:], pos[2:, t:t + 1]))
         assert np.array_equal(one, full[2:, t:t + 1])
 
@@ -82,9 +85,11 @@ def test_out_of_range_layer_and_slot_are_errors_that_name_them():
     k, v, _, _ = _caches("f32", 64)
     q = jnp.ones((1, 1, H, 64), jnp.float32)
     with pytest.raises(Exception, match="layer 3 outside"):
-        jax.block_until_ready(cpu.attention(q, k, v, 3, jnp.asarray([0], jnp.int32), jnp.asarray([[1]], jnp.int32)))
+        jax.block_until_ready(cpu.attention(q, k, v, 3, jnp.asarray([0], jnp.int32),
+                                            jnp.asarray([[1]], jnp.int32)))
     with pytest.raises(Exception, match="slot 7 outside"):
-        jax.block_until_ready(cpu.attention(q, k, v, 0, jnp.asarray([7], jnp.int32), jnp.asarray([[1]], jnp.int32)))
+        jax.block_until_ready(cpu.attention(q, k, v, 0, jnp.asarray([7], jnp.int32),
+                                            jnp.asarray([[1]], jnp.int32)))
 
 
 MODELS = {
@@ -96,16 +101,19 @@ MODELS = {
 
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_a_lone_decode_row_runs_alone_with_the_bits_it_has_among_others(tiny_model, family):
-    runner = ModelRunner(GGUFModel.open(tiny_model(**MODELS[family])), EngineConfig(parallel=4, max_context=64))
+    runner = ModelRunner(GGUFModel.open(tiny_model(**MODELS[family])),
+                         EngineConfig(parallel=4, max_context=64))
     assert runner.choices["backend"] == "cpu" and runner.min_rows == 1
 
     def logits(tokens, positions, slots):
-        g = GroupInput(np.asarray(tokens, np.int32)[:, None], np.asarray(positions, np.int32)[:, None],
+        g = GroupInput(np.asarray(tokens, np.int32)[:, None],
+                       np.asarray(positions, np.int32)[:, None],
                        np.asarray(slots, np.int32), SamplingRows.greedy(len(slots)))
         return np.asarray(runner.forward_logits([g], max(positions) + 1)[0])
 
     rng = np.random.default_rng(3)
-    for slot in range(3):                                           # a few keys in each slot's cache
+    # a few keys in each slot's cache
+    for slot in range(3):
         for p in range(6):
             logits([int(rng.integers(3, 200))], [p], [slot])
     alone = logits([17], [6], [1])                                  # [1, V]: a window of one row
@@ -115,12 +123,14 @@ def test_a_lone_decode_row_runs_alone_with_the_bits_it_has_among_others(tiny_mod
 
 
 def test_greedy_rows_on_the_host_are_the_samplers_answer():
-    """sampler.greedy_on_host (all-greedy windows skip the sample program) against sampler.sample."""
+    """sampler.greedy_on_host (all-greedy windows skip the sample program) against
+    sampler.sample."""
     from strata_jax.engine.execute.sampler import greedy_on_host, sample
 
     rng = np.random.default_rng(4)
     lg = rng.normal(size=(5, 300)).astype(np.float32)
-    lg[1, 7] = lg[1, 9] = 50.0                                     # a tie: the first index, as argmax
+    # a tie: the first index, as argmax
+    lg[1, 7] = lg[1, 9] = 50.0
     lg[2, 3] = np.nan
     lg[3, 5] = np.inf
     s = SamplingRows.greedy(5)
@@ -132,20 +142,23 @@ def test_greedy_rows_on_the_host_are_the_samplers_answer():
 
 @pytest.mark.parametrize("dtype", ["f32", "int8"])
 def test_parts_in_position_order_give_the_bits_of_one_call(dtype):
-    """--kv-resident's way: the device part [0, 32), then host blocks of 48 positions handed over as their
-    own arrays, the softmax state carried: the same bits as one call over the whole cache."""
+    """--kv-resident's way: the device part [0, 32), then host blocks of 48 positions handed over as
+    their own arrays, the softmax state carried: the same bits as one call over the whole cache."""
     k, v, ks, vs = _caches(dtype, 64)
     q = jnp.asarray(np.random.default_rng(5).normal(size=(3, 5, H, 64)).astype(np.float32))
     slots, pos = jnp.asarray(ROW_SLOTS, jnp.int32), jnp.asarray(ROWS_POS, jnp.int32)
     whole = np.asarray(cpu.attention(q, k, v, 1, slots, pos, ks, vs))
     out, state = cpu.attention_part(q, k, v, 1, slots, pos, (0, 0, 32), None, ks, vs)
     rows = jnp.arange(3, dtype=jnp.int32)
-    def block(c, s, b0):                                            # a host block as a dequantized float array
+    # a host block as a dequantized float array
+    def block(c, s, b0):
         x = c[1, slots, b0:b0 + 48].astype(jnp.float32)
         return (x * s[1, slots, b0:b0 + 48][..., None] if s is not None else x)[None]
 
     for b0 in range(32, POSITIONS - 1, 48):
-        out, state = cpu.attention_part(q, block(k, ks, b0), block(v, vs, b0), 0, rows, pos, (b0, b0, b0 + 48), state)
+        out, state = cpu.attention_part(q, block(k, ks, b0), block(v, vs, b0), 0, rows, pos,
+                                        (b0, b0, b0 + 48), state)
     assert np.array_equal(np.asarray(out), whole)
     with pytest.raises(Exception, match="multiple of 16"):
-        jax.block_until_ready(cpu.attention_part(q, k, v, 1, slots, pos, (0, 8, 32), None, ks, vs)[0])
+        jax.block_until_ready(cpu.attention_part(q, k, v, 1, slots, pos, (0, 8, 32), None,
+                                                 ks, vs)[0])

@@ -1,13 +1,14 @@
-"""The cpu backend's int8 path (--cpu-math int8, pallas_kernels/cpu/q8.h, int8.cc): each x row quantized per
-block to 8 bits, exact integer sums, float scales a block.
+"""The cpu backend's int8 path (--cpu-math int8, pallas_kernels/cpu/q8.h, int8.cc): each x row
+quantized per block to 8 bits, exact integer sums, float scales a block.
 
-- against float64 of the SAME quantized activations: the integer sums are exact, so the only error left is a
-  few float32 roundings a block (bound: 8 eps * sum |terms|);
-- against the exact path: the difference is the activations' quantization error, at most half a step a
-  value: |y_int8 - y_exact| <= sum_i |w_i| * d_x(i) / 2 (plus float32 rounding);
-- a row's bits depend only on that row: alone, in a decode-sized call (M <= 8, registers) or a prefill-sized
-  one (M > 8, an interleaved buffer), and in the expert kernel;
-- every ISA level this CPU runs gives the same bits (scalar, AVX2, AVX-512 VNNI builds, as pip built them).
+- against float64 of the SAME quantized activations: the integer sums are exact, so the only error
+  left is a few float32 roundings a block (bound: 8 eps * sum |terms|);
+- against the exact path: the difference is the activations' quantization error, at most half a step
+  a value: |y_int8 - y_exact| <= sum_i |w_i| * d_x(i) / 2 (plus float32 rounding);
+- a row's bits depend only on that row: alone, in a decode-sized call (M <= 8, registers) or a
+  prefill-sized one (M > 8, an interleaved buffer), and in the expert kernel;
+- every ISA level this CPU runs gives the same bits (scalar, AVX2, AVX-512 VNNI builds, as pip built
+  them).
 """
 
 import hashlib
@@ -22,29 +23,34 @@ import pallas_kernels as pk
 from pallas_kernels import cpu
 from pallas_kernels.layout import layout_for
 
-INT8 = [t for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")]
+INT8 = [t for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K",
+                    "Q5_K", "Q6_K", "IQ4_XS")]
 EPS = float(np.finfo(np.float32).eps)
 
 
 def _unit(qtype: str) -> int:
-    """Values a block of x on the int8 path: 32 for the 32-value types, 256 for the super-blocks (Q8_K)."""
+    """Values a block of x on the int8 path: 32 for the 32-value types, 256 for the super-blocks
+    (Q8_K)."""
     return 256 if pk.block_size(pk.as_qtype(qtype)) == 256 else 32
 
 
 def quantize_like_the_kernel(x: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
-    """(q as float64 [m, k], d a value [m, k]): d = amax / 127, q = round-half-even(x * (1 / d)), in float32."""
+    """(q as float64 [m, k], d a value [m, k]): d = amax / 127, q = round-half-even(x * (1 / d)), in
+    float32."""
     m, k = x.shape
     xb = x.reshape(m, k // unit, unit).astype(np.float32)
     d = (np.abs(xb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     q = np.clip(np.rint((xb * inv).astype(np.float32)), -127, 127)
-    return q.reshape(m, k).astype(np.float64), np.broadcast_to(d, xb.shape).reshape(m, k).astype(np.float64)
+    return (q.reshape(m, k).astype(np.float64),
+            np.broadcast_to(d, xb.shape).reshape(m, k).astype(np.float64))
 
 
 def _weights(qtype, n, k, seed=2):
     b = pk.random_blocks(qtype, (n, k), np.random.default_rng(seed))
-    return b, gq.dequantize(b, pk.as_qtype(qtype)).astype(np.float64), layout_for(pk.as_qtype(qtype), b.shape[-1])
+    return (b, gq.dequantize(b, pk.as_qtype(qtype)).astype(np.float64),
+            layout_for(pk.as_qtype(qtype), b.shape[-1]))
 
 
 def _mm(x, b, lay, math):
@@ -57,13 +63,16 @@ def _bits(a):
 
 @pytest.mark.parametrize("qtype", INT8)
 def test_int8_products_are_exact_integer_sums_of_the_quantized_x(qtype):
-    """Against float64 of the same quantized x: within 8 float32 roundings of the terms' magnitude. A wrong
-    block layout, scale, offset or minimum misses by a quantization step, ~1e5 times this bound."""
-    ks = (576, 224) if _unit(qtype) == 32 else (512, 2048)      # 576: 18 blocks (SmolLM2's rows); 224: 7
+    """Against float64 of the same quantized x: within 8 float32 roundings of the terms' magnitude.
+    A wrong block layout, scale, offset or minimum misses by a quantization step, ~1e5 times this
+    bound."""
+    # 576: 18 blocks (SmolLM2's rows); 224: 7
+    ks = (576, 224) if _unit(qtype) == 32 else (512, 2048)
     rng = np.random.default_rng(3)
     for k in ks:
         b, w, lay = _weights(qtype, 37, k)                        # 37 rows: a tile of 8 cut short
-        for m in (1, 3, 9, 40):                                   # registers (M <= 8) and the buffered path
+        # registers (M <= 8) and the buffered path
+        for m in (1, 3, 9, 40):
             x = rng.standard_normal((m, k)).astype(np.float32) * 3
             q, d = quantize_like_the_kernel(x, _unit(qtype))
             ref = (q * d) @ w.T
@@ -80,11 +89,13 @@ def test_int8_is_within_half_a_step_a_value_of_the_exact_path(qtype):
     b, w, lay = _weights(qtype, 40, k, seed=5)
     x = np.random.default_rng(6).standard_normal((5, k)).astype(np.float32)
     _, d = quantize_like_the_kernel(x, _unit(qtype))
-    step = (d / 2) @ np.abs(w).T                                  # |x - q d| <= d / 2 for every value
+    # |x - q d| <= d / 2 for every value
+    step = (d / 2) @ np.abs(w).T
     rounding = 8 * EPS * (np.abs(x).astype(np.float64) @ np.abs(w).T)
     diff = np.abs(_mm(x, b, lay, "int8").astype(np.float64) - _mm(x, b, lay, "exact"))
     assert (diff <= step * (1 + 1e-3) + rounding).all(), float((diff / (step + rounding)).max())
-    assert diff.max() > 0                                         # the paths really differ: int8 ran
+    # the paths really differ: int8 ran
+    assert diff.max() > 0
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
@@ -103,7 +114,8 @@ def test_the_int8_expert_kernel_gives_each_row_the_bits_of_its_expert_alone():
     rng = np.random.default_rng(9)
     weights = []
     for qtype in ("Q4_K", "Q5_0"):
-        b = pk.random_blocks(qtype, (n_exp, n, k), np.random.default_rng(int(rng.integers(1 << 30))))
+        b = pk.random_blocks(qtype, (n_exp, n, k),
+                             np.random.default_rng(int(rng.integers(1 << 30))))
         weights.append((jnp.asarray(b), layout_for(pk.as_qtype(qtype), b.shape[-1])))
     for m in (3, 20):
         x = rng.standard_normal((m, k)).astype(np.float32)
@@ -116,7 +128,8 @@ def test_the_int8_expert_kernel_gives_each_row_the_bits_of_its_expert_alone():
                     assert not y[r].any()
                     continue
                 own = _mm(x[r:r + 1], np.asarray(w[ids[r]]), lay, "int8")[0]
-                np.testing.assert_array_equal(_bits(y[r]), _bits(own), err_msg=f"{lay.qtype.name} M={m} row {r}")
+                np.testing.assert_array_equal(_bits(y[r]), _bits(own),
+                                              err_msg=f"{lay.qtype.name} M={m} row {r}")
 
 
 def test_norm_and_many_weights_in_one_int8_call_give_the_bits_of_separate_calls():
@@ -155,7 +168,7 @@ for t in %r:
         ys = [np.asarray(cpu.qmatmul(jnp.asarray(x[a:z]), b, lay, math=math)) for a, z in ((0, 1), (1, 4), (4, 20))]
         out.append(hashlib.sha1(np.concatenate(ys).tobytes()).hexdigest())
 print(" ".join(out))
-"""
+"""  # noqa: E501
 
 
 def test_every_isa_level_this_cpu_runs_gives_the_same_bits():
@@ -165,19 +178,21 @@ def test_every_isa_level_this_cpu_runs_gives_the_same_bits():
     first, *others = hashes
     for level in others:
         assert hashes[level] == hashes[first], f"{level} differs from {first}"
-    assert len({h for h in hashes[first]}) == 2 * len(INT8)       # int8 and exact differ, every type
+    # int8 and exact differ, every type
+    assert len({h for h in hashes[first]}) == 2 * len(INT8)
     assert hashlib.sha1(b"").hexdigest() not in hashes[first]
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
 def test_a_nan_or_inf_activation_gives_nan_in_its_row_only(qtype):
-    """As on the exact path: the engine then ends that request with an error (test_server_limits), instead of
-    8-bit quantization turning the NaN into finite logits."""
+    """As on the exact path: the engine then ends that request with an error (test_server_limits),
+    instead of 8-bit quantization turning the NaN into finite logits."""
     k = 512
     b, _, lay = _weights(qtype, 16, k)
     x = np.random.default_rng(11).standard_normal((12, k)).astype(np.float32)
     x[3, 17], x[10, 300] = np.nan, np.inf
-    for m in (12, 4):                                             # the buffered path, and the direct one
+    # the buffered path, and the direct one
+    for m in (12, 4):
         y = np.concatenate([_mm(x[i:i + m], b, lay, "int8") for i in range(0, 12, m)])
         assert np.isnan(y[[3, 10]]).all()
         assert np.isfinite(np.delete(y, [3, 10], axis=0)).all()

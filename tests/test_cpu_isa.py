@@ -1,6 +1,7 @@
-"""The C++ kernels' instruction-set levels (setup.py builds one library a level; pallas_kernels/cpu/library.py
-loads the best one this CPU runs, or the one STRATA_CPU_ISA forces): the choice, its refusals, the cpuid check
-of the base build against /proc/cpuinfo, each level loaded in a process of its own, and `inspect --system`."""
+"""The C++ kernels' instruction-set levels (setup.py builds one library a level;
+pallas_kernels/cpu/library.py loads the best one this CPU runs, or the one STRATA_CPU_ISA forces):
+the choice, its refusals, the cpuid check of the base build against /proc/cpuinfo, each level loaded
+in a process of its own, and `inspect --system`."""
 
 import ctypes
 import json
@@ -25,7 +26,8 @@ from pallas_kernels.cpu.library import (
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = set(X86_LEVELS)
-x86_only = pytest.mark.skipif(LEVELS != X86_LEVELS, reason="the x86-64 levels exist only on an x86-64 machine")
+x86_only = pytest.mark.skipif(LEVELS != X86_LEVELS,
+                              reason="the x86-64 levels exist only on an x86-64 machine")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -34,7 +36,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _cpu_runs() -> set[str]:
-    """The levels this CPU runs, as the base build's cpuid check says (the base level must be built)."""
+    """The levels this CPU runs, as the base build's cpuid check says (the base level must be
+    built)."""
     base = library.level_path(LEVELS[0])
     assert base is not None, f"the base level {LEVELS[0]} is not built: run `pip install -e .`"
     return library.supported_levels(ctypes.CDLL(str(base)))
@@ -48,7 +51,7 @@ def fresh_load():
     library.load.cache_clear()
 
 
-# ---- choose_level: pure --------------------------------------------------------------------------------------
+# ---- choose_level: pure --------------------------------------------------------------------------
 
 def test_choose_level_picks_the_best_level_the_cpu_runs_and_that_was_built():
     assert choose_level(None, ALL, ALL, X86_LEVELS) == "avx512vnni"
@@ -74,7 +77,8 @@ def test_a_forced_level_above_the_cpu_is_refused_with_its_best_level():
     with pytest.raises(LevelError) as e:
         choose_level("avx512", {"scalar", "avx2"}, ALL, X86_LEVELS)
     msg = str(e.value)
-    assert msg.startswith(f"{ISA_ENV}=avx512: this CPU cannot run that level's instructions (its best level is avx2)")
+    assert msg.startswith(f"{ISA_ENV}=avx512: this CPU cannot run that level's instructions (its "
+                          "best level is avx2)")
     assert "one of scalar, avx2," in msg
     with pytest.raises(LevelError, match="its best level is avx512vnni"):
         choose_level("avxvnni", ALL - {"avxvnni"}, ALL, X86_LEVELS)
@@ -83,8 +87,8 @@ def test_a_forced_level_above_the_cpu_is_refused_with_its_best_level():
 def test_an_unknown_level_is_refused_with_the_levels():
     with pytest.raises(LevelError) as e:
         choose_level("avx3", ALL, ALL, X86_LEVELS)
-    assert str(e.value) == (f"{ISA_ENV}='avx3' is not a level of this machine's kernels: use one of "
-                            "scalar, avx2, avxvnni, avx512, avx512vnni (best last), or unset it")
+    assert str(e.value) == (f"{ISA_ENV}='avx3' is not a level of this machine's kernels: use one "
+                            "of scalar, avx2, avxvnni, avx512, avx512vnni (best last), or unset it")
     with pytest.raises(LevelError, match="'avx2' is not a level"):
         choose_level("avx2", {"generic"}, {"generic"}, ("generic",))
 
@@ -92,17 +96,20 @@ def test_an_unknown_level_is_refused_with_the_levels():
 def test_a_level_not_built_is_refused():
     with pytest.raises(LevelError) as e:
         choose_level("avxvnni", ALL, {"scalar", "avx2", "avx512"}, X86_LEVELS)
-    assert str(e.value).startswith(f"{ISA_ENV}=avxvnni: that level was not built (built: scalar, avx2, avx512)")
+    assert str(e.value).startswith(f"{ISA_ENV}=avxvnni: that level was not built (built: scalar, "
+                                   "avx2, avx512)")
     with pytest.raises(LevelError, match="no built level of the kernels runs on this CPU"):
         choose_level(None, {"scalar", "avx2"}, set(), X86_LEVELS)
 
 
-# ---- the builds and the cpuid check of this machine -------------------------------------------------------------
+# ---- the builds and the cpuid check of this machine ----------------------------------------------
 
 def test_every_level_is_built_here():
-    """setup.py builds every level (gcc 12 knows every -m flag they use); a level left out would fail here."""
+    """setup.py builds every level (gcc 12 knows every -m flag they use); a level left out would
+    fail here."""
     assert library.built_levels() == list(LEVELS)
-    for lv in sorted(_cpu_runs()):           # a level this CPU cannot run is never loaded (its initializers may not run)
+    # a level this CPU cannot run is never loaded (its initializers may not run)
+    for lv in sorted(_cpu_runs()):
         lib = ctypes.CDLL(str(library.level_path(lv)))
         lib.strata_cpu_level.restype = ctypes.c_char_p
         assert lib.strata_cpu_level().decode() == lv
@@ -110,12 +117,16 @@ def test_every_level_is_built_here():
 
 @x86_only
 def test_the_cpuid_check_agrees_with_proc_cpuinfo():
-    flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("flags"))
                 .partition(":")[2].split())
     v3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"} <= flags       # abm: LZCNT
     v4 = v3 and {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags
-    expected = {lv for lv, runs in (("scalar", True), ("avx2", v3), ("avxvnni", v3 and "avx_vnni" in flags),
-                                    ("avx512", v4), ("avx512vnni", v4 and {"avx512_vnni", "avx512vbmi"} <= flags)) if runs}
+    expected = {lv for lv, runs in (("scalar", True), ("avx2", v3),
+                                    ("avxvnni", v3 and "avx_vnni" in flags),
+                                    ("avx512", v4),
+                                    ("avx512vnni", v4 and {"avx512_vnni", "avx512vbmi"} <= flags))
+                if runs}
     assert _cpu_runs() == expected
     base = ctypes.CDLL(str(library.level_path("scalar")))
     assert base.strata_cpu_supports(b"generic") == -1 and base.strata_cpu_supports(b"avx3") == -1
@@ -124,7 +135,8 @@ def test_the_cpuid_check_agrees_with_proc_cpuinfo():
 @x86_only
 @pytest.mark.parametrize(("level", "flags", "compiles"), [
     ("avx2", ["-march=x86-64-v3"], True),
-    ("avx2", ["-march=x86-64-v4"], False),          # the label would pass cpuid on an AVX2 CPU, the code would not run
+    # the label would pass cpuid on an AVX2 CPU, the code would not run
+    ("avx2", ["-march=x86-64-v4"], False),
     ("avx512", ["-march=x86-64-v3"], False),
     ("avxvnni", ["-march=x86-64-v3"], False),
     ("avx512vnni", ["-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi"], True),
@@ -134,16 +146,18 @@ def test_a_level_whose_flags_do_not_match_its_name_does_not_compile(level, flags
     cxx = os.environ.get("CXX", "g++")
     assert shutil.which(cxx), f"no C++ compiler ({cxx})"
     done = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", *flags, f'-DSTRATA_LEVEL="{level}"',
-                           str(ROOT / "pallas_kernels/cpu/isa.cc")], capture_output=True, text=True, check=False)
+                           str(ROOT / "pallas_kernels/cpu/isa.cc")], capture_output=True, text=True,
+                          check=False)
     assert (done.returncode == 0) == compiles, done.stderr
     if not compiles:
         assert "static assertion failed" in done.stderr and level in done.stderr
 
 
-# ---- load(): in this process, the environment changed -------------------------------------------------------------
+# ---- load(): in this process, the environment changed --------------------------------------------
 
 def test_load_refuses_a_forced_level_above_the_cpu(fresh_load, monkeypatch):
-    """What a forced level above an AVX2-only CPU gives: no kernels, and the reason backend='cpu' raises with."""
+    """What a forced level above an AVX2-only CPU gives: no kernels, and the reason backend='cpu'
+    raises with."""
     monkeypatch.delenv(LIB_ENV, raising=False)
     monkeypatch.setenv(ISA_ENV, LEVELS[-1])
     monkeypatch.setattr(library, "supported_levels", lambda base: set(LEVELS[:2]))
@@ -173,7 +187,8 @@ def test_a_wider_level_that_does_not_load_gives_way_to_the_next(fresh_load, monk
     monkeypatch.setattr(library, "level_path", lambda lv: broken if lv == runs[-1] else real(lv))
     lib, why = fresh_load()
     assert why is None and lib.level == runs[-2], (lib and lib.level, why)
-    assert lib.how.startswith("chosen by cpuid") and f"passed over: the C++ kernels' level {runs[-1]}" in lib.how
+    assert (lib.how.startswith("chosen by cpuid")
+            and f"passed over: the C++ kernels' level {runs[-1]}" in lib.how)
 
 
 def test_the_kernels_lib_variable_loads_that_file_as_is(fresh_load, monkeypatch):
@@ -189,7 +204,7 @@ def test_the_kernels_lib_variable_loads_that_file_as_is(fresh_load, monkeypatch)
     assert fresh_load() == (None, f"{LIB_ENV}=/nonexistent/lib.so does not exist")
 
 
-# ---- each level in a process of its own -------------------------------------------------------------------------
+# ---- each level in a process of its own ----------------------------------------------------------
 
 _LEVEL_SCRIPT = """
 import ctypes, hashlib, json, re
@@ -216,16 +231,16 @@ if lib is not None:
         out[math + "_err"] = float((np.abs(y - ref) / scale).max())
 maps = sorted({Path(m).name for m in re.findall(r"\\S*_strata_cpu_\\S+", Path("/proc/self/maps").read_text())})
 print(json.dumps({**out, "mapped": maps}))
-"""
+"""  # noqa: E501
 
 # the SIMD path (simd.h's kIsa) each level's code takes: what the library's strata_cpu_isa says
-_SIMD = {"scalar": "scalar", "avx2": "avx2", "avxvnni": "avx2", "avx512": "avx512", "avx512vnni": "avx512",
-         "generic": "scalar"}
+_SIMD = {"scalar": "scalar", "avx2": "avx2", "avxvnni": "avx2", "avx512": "avx512",
+         "avx512vnni": "avx512", "generic": "scalar"}
 
 
 def _run_level(env: dict[str, str]) -> dict:
-    done = subprocess.run([sys.executable, "-c", _LEVEL_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
+    done = subprocess.run([sys.executable, "-c", _LEVEL_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -237,9 +252,9 @@ def unforced() -> dict:
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_forced_level_loads_that_build_or_is_refused(level, unforced):
-    """Every level on this machine: one the CPU runs is loaded (its code: strata_cpu_isa, and no wider library is in
-    the process) and gives the bits of the level cpuid chose, in both maths; one it cannot run is refused with the
-    CPU's best level."""
+    """Every level on this machine: one the CPU runs is loaded (its code: strata_cpu_isa, and no
+    wider library is in the process) and gives the bits of the level cpuid chose, in both maths; one
+    it cannot run is refused with the CPU's best level."""
     got = _run_level(_env(**{ISA_ENV: level}))
     runs = [lv for lv in LEVELS if lv in _cpu_runs()]
     if level in runs:
@@ -247,16 +262,18 @@ def test_a_forced_level_loads_that_build_or_is_refused(level, unforced):
         assert got["level"] == level and got["how"] == f"forced by {ISA_ENV}={level}"
         assert got["isa"] == _SIMD[level]
         # the base level answered cpuid; nothing wider than the forced level was ever loaded
-        assert {m.split(".")[0].removeprefix("_strata_cpu_") for m in got["mapped"]} == {LEVELS[0], level}
-        # error / (|x| @ |w|^T): exact, float32 summation (4 eps sqrt(k)); int8, x rounded to 1/254 of its block's
-        # largest |x| (here ~1e-3; 0.02 leaves room for blocks whose largest |x| is far above their mean)
+        assert ({m.split(".")[0].removeprefix("_strata_cpu_") for m in got["mapped"]}
+                == {LEVELS[0], level})
+        # error / (|x| @ |w|^T): exact, float32 summation (4 eps sqrt(k)); int8, x rounded to 1/254
+        # of its block's largest |x| (here ~1e-3; 0.02 leaves room for blocks whose largest |x| is
+        # far above their mean)
         assert got["exact_err"] < 4 * 2.0**-23 * 576**0.5 and got["int8_err"] < 0.02, got
         assert (got["exact"], got["int8"]) == (unforced["exact"], unforced["int8"]), \
             f"level {level} gives other bits than {unforced['level']}"
     else:
         assert got["level"] is None
-        assert got["why"].startswith(f"{ISA_ENV}={level}: this CPU cannot run that level's instructions "
-                                     f"(its best level is {runs[-1]})"), got
+        assert got["why"].startswith(f"{ISA_ENV}={level}: this CPU cannot run that level's "
+                                     f"instructions (its best level is {runs[-1]})"), got
 
 
 def test_a_bogus_level_is_a_clear_error():
@@ -274,11 +291,11 @@ def test_unforced_the_best_level_the_cpu_runs_is_loaded(unforced):
     assert got["isa"] == _SIMD[best]
 
 
-# ---- strata-jax inspect --system ------------------------------------------------------------------------------------
+# ---- strata-jax inspect --system -----------------------------------------------------------------
 
 def _inspect(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata_jax", "inspect", *args], capture_output=True, text=True,
-                          env=_env(**env), timeout=300, check=False)
+    return subprocess.run([sys.executable, "-m", "strata_jax", "inspect", *args],
+                          capture_output=True, text=True, env=_env(**env), timeout=300, check=False)
 
 
 def test_inspect_system_prints_the_level_in_use_and_why():
@@ -291,8 +308,9 @@ def test_inspect_system_prints_the_level_in_use_and_why():
     assert f"  this CPU runs: {', '.join(runs)}" in out
     assert re.search(rf"^  in use: {runs[-1]} \(chosen by cpuid", out, re.MULTILINE), out
     if LEVELS == X86_LEVELS:
-        assert re.search(r"^SIMD flags: avx2 (yes|no), fma (yes|no), f16c (yes|no), avxvnni (yes|no), "
-                         r"avx512f (yes|no), avx512bw (yes|no), avx512vnni (yes|no), avx512vbmi (yes|no)$", out, re.MULTILINE)
+        assert re.search(r"^SIMD flags: avx2 (yes|no), fma (yes|no), f16c (yes|no), avxvnni "
+                         r"(yes|no), avx512f (yes|no), avx512bw (yes|no), avx512vnni (yes|no), "
+                         r"avx512vbmi (yes|no)$", out, re.MULTILINE)
 
     forced = _inspect("--system", "--json", **{ISA_ENV: LEVELS[0]})
     assert forced.returncode == 0, forced.stderr

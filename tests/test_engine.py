@@ -1,5 +1,5 @@
-"""The engine: slots decoding together in windows, batch invariance, sampling, and a program cache that
-cannot fill the device (Strata #997), all on a tiny MoE model on the CPU."""
+"""The engine: slots decoding together in windows, batch invariance, sampling, and a program cache
+that cannot fill the device (Strata #997), all on a tiny MoE model on the CPU."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from strata_jax import Engine, EngineConfig
 from strata_jax.engine import ContextOverflowError, RequestError
 from strata_jax.engine.faults import Faults
 
-MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2, "expert_ffn": 32}
-# Prompt lengths: short ones, and ones longer than the 16-token prefill chunk, read in several windows.
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8,
+       "experts_used": 2, "expert_ffn": 32}
+# Prompt lengths: short ones, and ones longer than the 16-token prefill chunk, read in several
+# windows.
 LENGTHS = [3, 9, 17, 40, 5, 33, 12, 60]
 
 
@@ -57,12 +59,14 @@ def test_concurrent_greedy_equals_alone(engine8):
 
 
 def test_slot_ids_never_multiply_programs(engine8):
-    """The same shapes on other slots reuse the same programs (Strata keyed graphs on slot ids). Each round's
-    prompts have the lengths of the first's but other tokens: no prefix to reuse (that would read fewer
-    tokens: other shapes), and the prefix cache gives them the least recently used slots: other slots."""
+    """The same shapes on other slots reuse the same programs (Strata keyed graphs on slot ids).
+    Each round's prompts have the lengths of the first's but other tokens: no prefix to reuse (that
+    would read fewer tokens: other shapes), and the prefix cache gives them the least recently used
+    slots: other slots."""
     prompts = _prompts(4, seed=1)
     _run_all(engine8, prompts, max_tokens=4, ignore_eos=True)
-    assert engine8.wait_for_programs()        # the warm-up's background builds done: they are not counted below
+    # the warm-up's background builds done: they are not counted below
+    assert engine8.wait_for_programs()
     built = engine8.stats()["programs"]["built"]
     for shift in range(1, 4):                               # other slots, same layouts
         other = [[3 + (t + 97 * shift) % 400 for t in p] for p in prompts[shift:] + prompts[:shift]]
@@ -78,7 +82,8 @@ def test_seeded_sampling_is_reproducible(engine8):
     c = engine8.generate(p, **dict(kw, seed=99)).tokens
     assert a == b and a != c
     greedy = engine8.generate(p, max_tokens=16, ignore_eos=True).tokens
-    assert engine8.generate(p, max_tokens=16, temperature=0.8, top_k=1, seed=5, ignore_eos=True).tokens == greedy
+    assert (engine8.generate(p, max_tokens=16, temperature=0.8, top_k=1, seed=5,
+                             ignore_eos=True).tokens == greedy)
 
 
 def test_stop_strings_and_max_tokens(engine8):
@@ -128,21 +133,22 @@ def test_logits_while_requests_run(engine8):
 
 
 def _workload(eng):
-    """Many layouts: decode rows 2 and 4, prefill chunks of 16/32/64 alone and beside decode rows, two
-    KV buckets."""
+    """Many layouts: decode rows 2 and 4, prefill chunks of 16/32/64 alone and beside decode rows,
+    two KV buckets."""
     rng = np.random.default_rng(7)
     waves = [[3, 20, 45, 270], [5, 30], [9, 70, 2]]
     out = []
     for lengths in waves:
-        out += _run_all(eng, [[int(t) for t in rng.integers(3, 500, n)] for n in lengths], max_tokens=4,
-                        ignore_eos=True)
+        out += _run_all(eng, [[int(t) for t in rng.integers(3, 500, n)] for n in lengths],
+                        max_tokens=4, ignore_eos=True)
     return out
 
 
 @pytest.fixture(scope="module")
 def reference(moe_path):
     """The workload's tokens with room for every program, and the figures to size a small budget."""
-    eng = Engine.from_gguf(moe_path, EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False))
+    eng = Engine.from_gguf(moe_path,
+                           EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False))
     toks = _workload(eng)
     s = eng.stats()
     eng.close()
@@ -152,17 +158,19 @@ def reference(moe_path):
 def _budget(stats, programs: float) -> float:
     mem = stats["memory"]
     per = max(int(x) for x in stats["programs"]["program_bytes"])
-    return (mem["weights_bytes"] + mem["kv_bytes"] + mem.get("experts_bytes", 0) + programs * per) / 2**20
+    return ((mem["weights_bytes"] + mem["kv_bytes"] + mem.get("experts_bytes", 0) + programs * per)
+            / 2**20)
 
 
 @pytest.mark.parametrize("max_programs", [64, 0])
 def test_small_device_memory_frees_programs_and_finishes(moe_path, reference, caplog, max_programs):
     """Room for ~2 programs, a workload of 7+: with the LRU bound (64, the default) and without it
-    (--max-programs 0, or STRATA_BATCH_GRAPHS=0: test_layers.py), running out of device memory frees the
-    older half and every request ends."""
+    (--max-programs 0, or STRATA_BATCH_GRAPHS=0: test_layers.py), running out of device memory frees
+    the older half and every request ends."""
     toks, stats = reference
     built = stats["programs"]["built"]
-    assert built >= 5                                     # the workload makes 2x more layouts than fit
+    # the workload makes 2x more layouts than fit
+    assert built >= 5
     cfg = EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False, vram_reserve_mib=0,
                        device_memory_mib=_budget(stats, 2.3), max_programs=max_programs)
     eng = Engine.from_gguf(moe_path, cfg)
@@ -172,14 +180,16 @@ def test_small_device_memory_frees_programs_and_finishes(moe_path, reference, ca
     eng.close()
     assert got == toks                                    # no failed request, the same tokens
     assert s["failed"] == 0 and s["programs"]["oom_recoveries"] >= 1
-    assert s["programs"]["live"] < built and s["programs"]["evicted"] >= built - s["programs"]["live"]
+    assert (s["programs"]["live"] < built
+            and s["programs"]["evicted"] >= built - s["programs"]["live"])
     assert any("no device memory for a window program: freed" in r.message for r in caplog.records)
 
 
 def test_injected_build_oom_recovers(moe_path, reference, monkeypatch):
     toks, _ = reference
     monkeypatch.setenv("STRATA_FAULT", "build_oom:3")
-    eng = Engine.from_gguf(moe_path, EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False))
+    eng = Engine.from_gguf(moe_path,
+                           EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False))
     assert _workload(eng) == toks
     s = eng.stats()
     eng.close()
@@ -187,11 +197,12 @@ def test_injected_build_oom_recovers(moe_path, reference, monkeypatch):
 
 
 def test_a_layout_too_big_runs_as_smaller_windows(moe_path, reference, monkeypatch):
-    """oom_rows:2: any window over 2 rows cannot be built, whatever is freed: its rows run in smaller
-    windows, with the same tokens."""
+    """oom_rows:2: any window over 2 rows cannot be built, whatever is freed: its rows run in
+    smaller windows, with the same tokens."""
     toks, _ = reference
     monkeypatch.setenv("STRATA_FAULT", "oom_rows:2")
-    eng = Engine.from_gguf(moe_path, EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False))
+    eng = Engine.from_gguf(moe_path,
+                           EngineConfig(parallel=4, max_context=512, prefill=64, warmup=False))
     assert _workload(eng) == toks
     s = eng.stats()
     assert s["failed"] == 0 and s["split_windows"] > 0

@@ -1,16 +1,18 @@
-"""A fuzzer for the two completion routes (issue 13, item 9): hypothesis generates thousands of request bodies
-(valid ones, every field out of range or of the wrong type, huge numbers, edge floats, lone surrogates, deep
-nesting, duplicated keys, non-object JSON, bytes that are not UTF-8, truncated JSON, bodies near the size
-limit) and sends them to one real server process. Every answer must be a 200 (a streamed one ending in
-`data: [DONE]`, an error event inside it in OpenAI's shape and not a server error), a 4xx in OpenAI's error
-shape, or a 503 with Retry-After (load shedding); never another 5xx, a hang or a dropped connection. After
-them an ordinary request is served and the engine never restarted.
+"""A fuzzer for the two completion routes (issue 13, item 9): hypothesis generates thousands of
+request bodies (valid ones, every field out of range or of the wrong type, huge numbers, edge
+floats, lone surrogates, deep nesting, duplicated keys, non-object JSON, bytes that are not UTF-8,
+truncated JSON, bodies near the size limit) and sends them to one real server process. Every answer
+must be a 200 (a streamed one ending in `data: [DONE]`, an error event inside it in OpenAI's shape
+and not a server error), a 4xx in OpenAI's error shape, or a 503 with Retry-After (load shedding);
+never another 5xx, a hang or a dropped connection. After them an ordinary request is served and the
+engine never restarted.
 
 The summary (bodies tried, answers by status) is printed (`pytest -s`) and written to
-$TMPDIR/strata-jax-fuzz.json. STRATA_FUZZ_KEEP_GOING=1 records every failing body instead of stopping at
-the first (hypothesis then does not shrink): for hunting several bugs in one run. STRATA_FUZZ_CORPUS=FILE writes
-every body sent and the status it got (JSON lines), which scripts/fuzz_replay.py sends again to another build
-of the server and compares, status by status (a refactoring's check that the HTTP answers stay the same).
+$TMPDIR/strata-jax-fuzz.json. STRATA_FUZZ_KEEP_GOING=1 records every failing body instead of
+stopping at the first (hypothesis then does not shrink): for hunting several bugs in one run.
+STRATA_FUZZ_CORPUS=FILE writes every body sent and the status it got (JSON lines), which
+scripts/fuzz_replay.py sends again to another build of the server and compares, status by status (a
+refactoring's check that the HTTP answers stay the same).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ ROUTES = ("/v1/chat/completions", "/v1/completions")
 SUMMARY = Path(tempfile.gettempdir()) / "strata-jax-fuzz.json"
 KEEP_GOING = os.environ.get("STRATA_FUZZ_KEEP_GOING") == "1"
 CORPUS = os.environ.get("STRATA_FUZZ_CORPUS")
-HUGE_BODIES = 6                   # bodies near the 8 MiB limit: a few, each costs the server a full read
+# bodies near the 8 MiB limit: a few, each costs the server a full read
+HUGE_BODIES = 6
 
 
 @pytest.fixture(scope="module")
@@ -53,84 +56,111 @@ def server(tiny_model):
         yield srv
 
 
-# ---- values ----------------------------------------------------------------------------------------------
+# ---- values --------------------------------------------------------------------------------------
 
-SPECIAL_TEXT = ["\x00", "\u202e", "\u200f", "\ufeff", "😀", "👩‍👩‍👧", "\U0010ffff", "\r\n", "\\", '"', "<|im_start|>",
-                "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "{{ 7*7 }}", "{% raw %}", "%s%n", "\ud800",
-                "a\udc00"]   # lone surrogates: escaped ("\ud800") or as bytes that are not UTF-8, by the case
+SPECIAL_TEXT = ["\x00", "\u202e", "\u200f", "\ufeff", "😀", "👩‍👩‍👧", "\U0010ffff", "\r\n", "\\",
+                '"', "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>",
+                "{{ 7*7 }}", "{% raw %}", "%s%n", "\ud800",
+                # lone surrogates: escaped ("\ud800") or as bytes that are not UTF-8, by the case
+                "a\udc00"]
 text = st.one_of(st.text(max_size=40), st.sampled_from(SPECIAL_TEXT),
-                 st.lists(st.sampled_from(SPECIAL_TEXT) | st.text(max_size=5), max_size=6).map("".join))
-INT_EDGES = [0, -1, 1, 2, 5, 255, 256, 257, 511, 512, 513, 2**15, 2**16, 2**24, 2**24 + 1, 2**31 - 1, 2**31,
-             2**32 - 1, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**31) - 1, -(2**63), -(2**63) - 1,
-             -(2**64), 10**30, -(10**30), 10**400]
-FLOAT_EDGES = [0.0, -0.0, 1e-300, 5e-324, -5e-324, 1e-6, 1e-5, 0.5, 0.999999, 1.0, 1.0000001, 2.0, 99.9, 100.0,
+                 st.lists(st.sampled_from(SPECIAL_TEXT) | st.text(max_size=5),
+                          max_size=6).map("".join))
+INT_EDGES = [0, -1, 1, 2, 5, 255, 256, 257, 511, 512, 513, 2**15, 2**16, 2**24, 2**24 + 1,
+             2**31 - 1, 2**31,
+             2**32 - 1, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**31) - 1,
+             -(2**63), -(2**63) - 1, -(2**64), 10**30, -(10**30), 10**400]
+FLOAT_EDGES = [0.0, -0.0, 1e-300, 5e-324, -5e-324, 1e-6, 1e-5, 0.5, 0.999999, 1.0, 1.0000001, 2.0,
+               99.9, 100.0,
                100.0001, 1e10, 1e308, -1e308, -1.0, float("nan"), float("inf"), float("-inf")]
 scalar = st.one_of(st.none(), st.booleans(), st.integers(), st.sampled_from(INT_EDGES), st.floats(),
                    st.sampled_from(FLOAT_EDGES), text)
-wild = st.recursive(scalar, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
+wild = st.recursive(scalar, lambda inner: st.lists(inner, max_size=4)
+                            | st.dictionaries(text, inner, max_size=4),
                     max_leaves=8)
 
 # Raw JSON text put in place of a value: what json.dumps cannot write, or writes only one way.
 DEEP = 10_000
-RAW_VALUES = ["1e999", "-1e999", "1E400", "1e308", "-0.0", "-0", "5e-324", "2.4e-324", "4.9e-324", "1e-400",
-              "123456789012345678901234567890123", "-99999999999999999999999999", "18446744073709551616",
-              "9223372036854775808", "NaN", "Infinity", "-Infinity", "0x10", "01", "1.", ".5", "+1", "1e", "--1",
-              '"\\ud800"', '"\\udfff"', '"\\udfff\\ud800"', '"a\\ud800b"', '"\\u0000"', '"\\ud83d\\ude00"',
-              '"\\u202e\\u200f"', '"\\x41"', '"\\u12"', '"\t"', "true", "false", "null", '""', "[]", "{}",
+RAW_VALUES = ["1e999", "-1e999", "1E400", "1e308", "-0.0", "-0", "5e-324", "2.4e-324", "4.9e-324",
+              "1e-400", "123456789012345678901234567890123", "-99999999999999999999999999",
+              "18446744073709551616", "9223372036854775808", "NaN", "Infinity", "-Infinity", "0x10",
+              "01", "1.", ".5", "+1", "1e", "--1", '"\\ud800"', '"\\udfff"', '"\\udfff\\ud800"',
+              '"a\\ud800b"', '"\\u0000"', '"\\ud83d\\ude00"', '"\\u202e\\u200f"', '"\\x41"',
+              '"\\u12"', '"\t"', "true", "false", "null", '""', "[]", "{}",
               '[{"type": "text", "text": "\\ud800"}]', '[{"role": "user", "content": "\\udc00"}]',
-              "[" * DEEP + "]" * DEEP, '{"a":' * DEEP + "1" + "}" * DEEP, "[" * DEEP, '{"a":' * DEEP,
-              '[{"role": "user", "content": ' + "[" * DEEP + "]" * DEEP + "}]",
+              "[" * DEEP + "]" * DEEP, '{"a":' * DEEP + "1" + "}" * DEEP, "[" * DEEP,
+              '{"a":' * DEEP, '[{"role": "user", "content": ' + "[" * DEEP + "]" * DEEP + "}]",
               '{"include_usage": ' + "[" * DEEP + "]" * DEEP + "}"]
-NOT_OBJECTS = ["[]", "[1, 2]", '[{"role": "user", "content": "hi"}]', "0", "-1", "1e999", '"hello"', '"\\ud800"',
-               "null", "true", "false", " ", "\n", "", "{", "}", "{}", '{"": 1}', "[" * DEEP + "]" * DEEP,
-               '{"a":' * DEEP + "1" + "}" * DEEP, "\ufeff{}", '{"messages": [], }', "{'prompt': 'hi'}",
-               '{"prompt": "hi"} trailing', '{"prompt": "hi"}{"prompt": "hi"}']
-BAD_BYTES = [b"\xff", b"\xfe\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xf4\x90\x80\x80", b"\x80",
-             b"\xe2\x82", b"\xf0\x9f\x98", b"\x00"]
+NOT_OBJECTS = ["[]", "[1, 2]", '[{"role": "user", "content": "hi"}]', "0", "-1", "1e999", '"hello"',
+               '"\\ud800"', "null", "true", "false", " ", "\n", "", "{", "}", "{}", '{"": 1}',
+               "[" * DEEP + "]" * DEEP, '{"a":' * DEEP + "1" + "}" * DEEP, "\ufeff{}",
+               '{"messages": [], }', "{'prompt': 'hi'}", '{"prompt": "hi"} trailing',
+               '{"prompt": "hi"}{"prompt": "hi"}']
+BAD_BYTES = [b"\xff", b"\xfe\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xed\xbf\xbf",
+             b"\xf4\x90\x80\x80", b"\x80", b"\xe2\x82", b"\xf0\x9f\x98", b"\x00"]
 
-CONTROL_FIELDS = ["logit_bias", "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n"]
-STRUCTURED_FIELDS = ["response_format", "grammar", "json_schema"]       # structured output (issue 16)
-CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-               "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "chat_template_kwargs",
-               "reasoning_format", "model", "logprobs", "top_logprobs", "tools", "tool_choice",
-               "parallel_tool_calls"] + CONTROL_FIELDS + STRUCTURED_FIELDS
-TEXT_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
-               "stream_options", "ignore_eos", "echo", "model", "logprobs"] + CONTROL_FIELDS + STRUCTURED_FIELDS
+CONTROL_FIELDS = ["logit_bias", "presence_penalty", "frequency_penalty", "repeat_penalty",
+                  "repeat_last_n"]
+# structured output (issue 16)
+STRUCTURED_FIELDS = ["response_format", "grammar", "json_schema"]
+CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+               "min_p", "seed", "stop", "n", "stream", "stream_options", "ignore_eos",
+               "chat_template_kwargs", "reasoning_format", "model", "logprobs", "top_logprobs",
+               "tools", "tool_choice", "parallel_tool_calls"] + CONTROL_FIELDS + STRUCTURED_FIELDS
+TEXT_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+               "n", "stream", "stream_options", "ignore_eos", "echo", "model",
+               "logprobs"] + CONTROL_FIELDS + STRUCTURED_FIELDS
 IGNORED_FIELDS = ["user", "suffix", "best_of"]
 
-# A field's value at the edge of its shape: lists too long, strings too long, token ids outside the vocabulary.
+# A field's value at the edge of its shape: lists too long, strings too long, token ids outside the
+# vocabulary.
 SHAPE_EDGES = {
-    "stop": [["s"] * 16, ["s"] * 17, ["s"] * 1000, "x" * 512, "x" * 513, ["x" * 513], [""], "", [None], [["a"]],
-             ["é" * 512], ["😀" * 513]],
-    "prompt": [[-1], [VOCAB], [VOCAB - 1], [2**31], [-(2**31) - 1], [2**63], [2**64], [0] * 300, [0] * (N_CTX - 1),
-               [True], [1.5], ["a", 1], [1, "a"], ["a", "b"], [[1]], [], "", [""], " " * 2000, "a" * 100_000,
-               "😀" * 300, {"text": "a"}],
-    "messages": [[], [{}], [{"role": "user"}], [{"content": "hi"}], [{"role": "user", "content": None}],
+    "stop": [["s"] * 16, ["s"] * 17, ["s"] * 1000, "x" * 512, "x" * 513, ["x" * 513], [""], "",
+             [None], [["a"]], ["é" * 512], ["😀" * 513]],
+    "prompt": [[-1], [VOCAB], [VOCAB - 1], [2**31], [-(2**31) - 1], [2**63], [2**64], [0] * 300,
+               [0] * (N_CTX - 1),
+               [True], [1.5], ["a", 1], [1, "a"], ["a", "b"], [[1]], [], "", [""], " " * 2000,
+               "a" * 100_000, "😀" * 300, {"text": "a"}],
+    "messages": [[], [{}], [{"role": "user"}], [{"content": "hi"}],
+                 [{"role": "user", "content": None}],
                  [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
-                 [{"role": "user", "content": []}], [{"role": "user", "content": [{"type": "image_url"}]}],
-                 [{"role": "user", "content": [{"text": "hi"}]}], [{"role": "user", "content": "hi"}] * 500,
+                 [{"role": "user", "content": []}],
+                 [{"role": "user", "content": [{"type": "image_url"}]}],
+                 [{"role": "user", "content": [{"text": "hi"}]}],
+                 [{"role": "user", "content": "hi"}] * 500,
                  [{"role": "user", "content": "a" * 100_000}], [{"role": "USER", "content": "hi"}],
-                 [{"role": "user", "content": "hi", "tool_calls": "x"}], {"role": "user", "content": "hi"},
+                 [{"role": "user", "content": "hi", "tool_calls": "x"}],
+                 {"role": "user", "content": "hi"},
                  [{"role": "assistant", "content": "hi", "tool_calls": [{"id": 2**64}]}],
-                 [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": -(10**30)}}]}],
-                 [{"role": "tool", "content": "1", "tool_call_id": "x" * 10_000, "name": "\u202e"}]],
-    "chat_template_kwargs": [{"chat_template": "{{ 7*7 }}"}, {"messages": []}, {"add_generation_prompt": False},
+                 [{"role": "assistant", "content": None,
+                   "tool_calls": [{"function": {"arguments": -(10**30)}}]}],
+                 [{"role": "tool", "content": "1", "tool_call_id": "x" * 10_000,
+                   "name": "\u202e"}]],
+    "chat_template_kwargs": [{"chat_template": "{{ 7*7 }}"}, {"messages": []},
+                             {"add_generation_prompt": False},
                              {"tools": [1]}, {"bos_token": "x"}, {"enable_thinking": {"a": [1]}},
-                             {"x" * 10_000: 1}, {"": None}, [], "enable_thinking", {"x": 2**64}, {"x": -(2**63) - 1},
+                             {"x" * 10_000: 1}, {"": None}, [], "enable_thinking", {"x": 2**64},
+                             {"x": -(2**63) - 1},
                              {"x": [10**30]}, {"x": {"y": 2**64 - 1}}, {"x": 1e308}],
-    "stream_options": [{}, {"include_usage": None}, {"include_usage": 1}, {"continuous_usage_stats": True}, []],
+    "stream_options": [{}, {"include_usage": None}, {"include_usage": 1},
+                       {"continuous_usage_stats": True}, []],
     "logit_bias": [{"1": 1e308}, {"-1": 5}, {str(2**64): 1}, {"a": "b"}],
-    "response_format": [{"type": "json_object"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {
-                        "schema": {"type": "strange"}}}, {"type": "json_schema", "json_schema": {"schema": True}},
-                        {"type": "json_object", "schema": {"$ref": "#/nowhere"}}, {"type": "xml"}, {"type": None}],
+    "response_format": [{"type": "json_object"}, {"type": "json_schema"},
+                        {"type": "json_schema", "json_schema": {
+                        "schema": {"type": "strange"}}},
+                        {"type": "json_schema", "json_schema": {"schema": True}},
+                        {"type": "json_object", "schema": {"$ref": "#/nowhere"}}, {"type": "xml"},
+                        {"type": None}],
     "grammar": ["", 'root ::= "a"', "root ::= missing", "root ::= " + "(" * 200, "x" * 200_000],
-    "json_schema": [{}, True, False, {"type": "array", "items": {"type": "integer"}}, {"enum": []}, [1]],
+    "json_schema": [{}, True, False, {"type": "array", "items": {"type": "integer"}},
+                    {"enum": []}, [1]],
     "tools": [[], [{}], [1], [{"type": "function", "function": {"name": "f"}}],
               [{"type": "function", "function": {"name": "f", "parameters": {"type": "strange"}}}]],
-    "tool_choice": ["required", "none", "x", {"type": "function", "function": []}, {"function": {"name": "f"}}, 5],
+    "tool_choice": ["required", "none", "x", {"type": "function", "function": []},
+                    {"function": {"name": "f"}}, 5],
 }
 
-# ---- valid bodies ----------------------------------------------------------------------------------------
+# ---- valid bodies --------------------------------------------------------------------------------
 
 part = st.fixed_dictionaries({"type": st.just("text"), "text": text})
 message = st.fixed_dictionaries({
@@ -153,19 +183,22 @@ sampling = {
     "user": text,
     "logprobs": st.booleans(),
     "response_format": st.just({"type": "text"}),
-    "logit_bias": st.dictionaries(st.integers(0, VOCAB).map(str), st.integers(-100, 100), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB).map(str), st.integers(-100, 100),
+                                  max_size=3),
     "presence_penalty": st.floats(-2.0, 2.0),
     "frequency_penalty": st.floats(-2.0, 2.0),
     "repeat_penalty": st.floats(0.5, 2.0),
     "repeat_last_n": st.integers(-1, 64),
-    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    "tools": st.just([{"type": "function",
+                       "function": {"name": "f", "parameters": {"type": "object"}}}]),
 }
 chat_body = st.fixed_dictionaries(
     {"messages": st.lists(message, min_size=1, max_size=3)},
     optional={**sampling, "max_completion_tokens": st.integers(1, 4),
               "chat_template_kwargs": st.dictionaries(
                   st.sampled_from(["enable_thinking", "x", "date", "chat_template", "messages",
-                                   "add_generation_prompt", "tools", "eos_token"]), st.booleans() | text, max_size=2),
+                                   "add_generation_prompt", "tools", "eos_token"]),
+                  st.booleans() | text, max_size=2),
               "reasoning_format": st.sampled_from(["auto", "deepseek", "none"])})
 prompt = st.one_of(text.filter(bool), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24),
                    st.lists(text.filter(bool), min_size=1, max_size=1))
@@ -177,15 +210,17 @@ def _valid(route: str) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def _pairs_text(pairs: list[tuple[str, str]]) -> str:
-    """An object's JSON text from (key, raw value text) pairs: keys may repeat, values are written as given."""
+    """An object's JSON text from (key, raw value text) pairs: keys may repeat, values are written
+    as given."""
     return "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in pairs) + "}"
 
 
 def _dump(value: Any, ascii: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ascii)   # NaN/Infinity come out as such: not JSON, as clients send
+    # NaN/Infinity come out as such: not JSON, as clients send
+    return json.dumps(value, ensure_ascii=ascii)
 
 
-# ---- cases: (route, body bytes or a lazy huge body, content type) ------------------------------------------
+# ---- cases: (route, body bytes or a lazy huge body, content type) --------------------------------
 
 
 @st.composite
@@ -196,7 +231,8 @@ def cases(draw) -> tuple[str, str, Any, str]:
     body = draw(_valid(route))
     ascii = draw(st.booleans())                      # non-ASCII as \u escapes, or as UTF-8 bytes
     pairs = [(k, _dump(v, ascii)) for k, v in body.items()]
-    if kind == "mutate":                              # one or more fields (known or ignored) get a wild value
+    # one or more fields (known or ignored) get a wild value
+    if kind == "mutate":
         for _ in range(draw(st.integers(1, 3))):
             key = draw(st.sampled_from(fields + IGNORED_FIELDS))
             pairs = [p for p in pairs if p[0] != key] + [(key, _dump(draw(wild)))]
@@ -206,31 +242,40 @@ def cases(draw) -> tuple[str, str, Any, str]:
         pairs = [p for p in pairs if p[0] != key] + [(key, _dump(value))]
     elif kind == "shape":
         key = draw(st.sampled_from(sorted(set(SHAPE_EDGES) & set(fields + IGNORED_FIELDS))))
-        pairs = [p for p in pairs if p[0] != key] + [(key, _dump(draw(st.sampled_from(SHAPE_EDGES[key])), ascii))]
+        pairs = ([p for p in pairs if p[0] != key]
+                 + [(key, _dump(draw(st.sampled_from(SHAPE_EDGES[key])), ascii))])
     elif kind == "raw":                               # raw JSON text in place of a value
         key = draw(st.sampled_from(fields + IGNORED_FIELDS))
         pairs = [p for p in pairs if p[0] != key] + [(key, draw(st.sampled_from(RAW_VALUES)))]
-    elif kind == "nested":                            # inside messages / content parts / stream_options
+    # inside messages / content parts / stream_options
+    elif kind == "nested":
         raw = draw(st.sampled_from(RAW_VALUES) | wild.map(_dump))
-        key = draw(st.sampled_from(["role", "content", "type", "text", "name", "tool_calls", "include_usage"]))
+        key = draw(st.sampled_from(["role", "content", "type", "text", "name", "tool_calls",
+                                    "include_usage"]))
         if route == ROUTES[0] and key in ("type", "text"):
-            inner = f'[{{"role": "user", "content": [{_pairs_text([("type", _dump("text")), (key, raw)])}]}}]'
+            inner = ('[{"role": "user", "content": '
+                     f'[{_pairs_text([("type", _dump("text")), (key, raw)])}]}}]')
             pairs = [p for p in pairs if p[0] != "messages"] + [("messages", inner)]
         elif route == ROUTES[0] and key != "include_usage":
-            inner = f'[{_pairs_text([("role", _dump("user")), ("content", _dump("hi")), (key, raw)])}]'
+            inner = (
+                f'[{_pairs_text([("role", _dump("user")), ("content", _dump("hi")), (key, raw)])}]')
             pairs = [p for p in pairs if p[0] != "messages"] + [("messages", inner)]
         else:
-            pairs = [p for p in pairs if p[0] != "stream_options"] + [("stream_options", _pairs_text([(key, raw)]))]
-    elif kind == "duplicate":                         # the same key twice, the second a wild or raw value
+            pairs = ([p for p in pairs if p[0] != "stream_options"]
+                     + [("stream_options", _pairs_text([(key, raw)]))])
+    # the same key twice, the second a wild or raw value
+    elif kind == "duplicate":
         key = draw(st.sampled_from(fields))
         pairs = pairs + [(key, draw(st.sampled_from(RAW_VALUES) | wild.map(_dump)))]
     elif kind == "drop":
         if pairs:
             del pairs[draw(st.integers(0, len(pairs) - 1))]
     elif kind == "non_object":
-        return route, draw(st.sampled_from(NOT_OBJECTS)).encode("utf-8", "surrogatepass"), "application/json", kind
+        return (route, draw(st.sampled_from(NOT_OBJECTS)).encode("utf-8", "surrogatepass"),
+                "application/json", kind)
     data = _pairs_text(pairs).encode("utf-8", "surrogatepass")
-    if kind == "bad_utf8":                            # bytes that are not UTF-8, inside a string or anywhere
+    # bytes that are not UTF-8, inside a string or anywhere
+    if kind == "bad_utf8":
         at = draw(st.integers(0, len(data)))
         quote = data.rfind(b'"', 0, at)
         at = quote + 1 if quote >= 0 and draw(st.booleans()) else at
@@ -242,18 +287,22 @@ def cases(draw) -> tuple[str, str, Any, str]:
     content_type = "application/json"
     if kind == "content_type":
         content_type = draw(st.sampled_from(["text/plain", "", "application/x-www-form-urlencoded",
-                                             "application/json; charset=utf-8", "multipart/form-data",
+                                             "application/json; charset=utf-8",
+                                             "multipart/form-data",
                                              "application/json; charset=latin-1"]))
     return route, data, content_type, kind
 
 
-# Weights by repetition: valid bodies (an engine run each) are a modest share; parse-time rejections are cheap.
-# Hypothesis leans to the first entry (its simplest): a cheap one.
-KINDS = (["raw"] * 5 + ["mutate"] * 6 + ["edge"] * 5 + ["shape"] * 3 + ["nested"] * 3 + ["duplicate"] * 2 + ["drop"]
-         + ["non_object"] * 3 + ["bad_utf8"] * 3 + ["truncated"] * 3 + ["content_type"] + ["huge"] + ["valid"] * 3)
-# (where, size): a string value, or the body itself, of about the limit's size (the last one over it).
-HUGE_SHAPES = [("value", MAX_BODY - 200), ("value", MAX_BODY - 64), ("stop", MAX_BODY - 200), ("bytes", MAX_BODY),
-               ("value", MAX_BODY + 1), ("nested", MAX_BODY - 200)]
+# Weights by repetition: valid bodies (an engine run each) are a modest share; parse-time rejections
+# are cheap. Hypothesis leans to the first entry (its simplest): a cheap one.
+KINDS = (["raw"] * 5 + ["mutate"] * 6 + ["edge"] * 5 + ["shape"] * 3 + ["nested"] * 3
+         + ["duplicate"] * 2 + ["drop"]
+         + ["non_object"] * 3 + ["bad_utf8"] * 3 + ["truncated"] * 3 + ["content_type"] + ["huge"]
+         + ["valid"] * 3)
+# (where, size): a string value, or the body itself, of about the limit's size (the last one over
+# it).
+HUGE_SHAPES = [("value", MAX_BODY - 200), ("value", MAX_BODY - 64), ("stop", MAX_BODY - 200),
+               ("bytes", MAX_BODY), ("value", MAX_BODY + 1), ("nested", MAX_BODY - 200)]
 
 
 def _huge(route: str, shape: tuple[str, int]) -> bytes:
@@ -273,26 +322,31 @@ def _huge(route: str, shape: tuple[str, int]) -> bytes:
     room = size - len(head) - len(tail)
     filler = ("word é😀 " * (room // 8)).encode()[:room].decode("utf-8", "ignore")
     data = (head + filler + tail).encode()
-    return data + b" " * (size - len(data))          # exactly `size` bytes: JSON allows trailing whitespace
+    # exactly `size` bytes: JSON allows trailing whitespace
+    return data + b" " * (size - len(data))
 
 
 # Bodies that once gave a 500, sent first every run (kind "found").
 FOUND = [
-    (ROUTES[1], b'{"prompt": "a", "logit_bias": ' + b"[" * DEEP + b"]" * DEEP + b"}"),   # RecursionError in msgspec
-    (ROUTES[0], b'{"messages": [{"role": "user", "content": "hi"}], "user": ' + b'{"a":' * DEEP + b"1" + b"}" * DEEP
+    # RecursionError in msgspec
+    (ROUTES[1], b'{"prompt": "a", "logit_bias": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+    (ROUTES[0], b'{"messages": [{"role": "user", "content": "hi"}], "user": ' + b'{"a":' * DEEP
+                + b"1" + b"}" * DEEP
      + b"}"),
-    (ROUTES[1], b'{"model": "model.gguf", "prompt": [18446744073709551616]}'),        # beyond msgpack's integers
+    # beyond msgpack's integers
+    (ROUTES[1], b'{"model": "model.gguf", "prompt": [18446744073709551616]}'),
     (ROUTES[0], json.dumps({"messages": [{"role": "user", "content": "hi"}],
                             "chat_template_kwargs": {"x": 2**64}}).encode()),
     (ROUTES[0], json.dumps({"messages": [{"role": "assistant", "content": "hi",
                                           "tool_calls": [{"id": -(2**63) - 1}]}]}).encode()),
-    # a top_p that float32 rounds to 0 kept no candidate: token 0 was drawn, which the grammar forbids (a 500)
-    (ROUTES[0], json.dumps({"messages": [{"role": "system", "content": ""}], "max_tokens": 1, "top_p": 5e-324,
-                            "json_schema": {}}).encode()),
+    # a top_p that float32 rounds to 0 kept no candidate: token 0 was drawn, which the grammar
+    # forbids (a 500)
+    (ROUTES[0], json.dumps({"messages": [{"role": "system", "content": ""}], "max_tokens": 1,
+                            "top_p": 5e-324, "json_schema": {}}).encode()),
 ]
 
 
-# ---- checking an answer ----------------------------------------------------------------------------------
+# ---- checking an answer --------------------------------------------------------------------------
 
 
 def _error_shape(obj: Any) -> str | None:
@@ -356,7 +410,7 @@ def _shown(data: bytes) -> str:
     return repr(data[:300]) + (f" ... ({len(data)} bytes)" if len(data) > 300 else "")
 
 
-# ---- the test --------------------------------------------------------------------------------------------
+# ---- the test ------------------------------------------------------------------------------------
 
 
 def _found_examples(test):
@@ -375,7 +429,8 @@ def test_fuzz_completion_routes(server):
     huge_sent = [0]
     started = time.monotonic()
     client = httpx.Client(base_url=server.url, timeout=httpx.Timeout(60.0, connect=5.0))
-    corpus = open(CORPUS, "w") if CORPUS else None       # noqa: SIM115 - closed in the finally below
+    # closed in the finally below
+    corpus = open(CORPUS, "w") if CORPUS else None  # noqa: SIM115
 
     def send(route: str, data: bytes, content_type: str) -> None:
         headers = {"Content-Type": content_type} if content_type else {}
@@ -395,8 +450,8 @@ def test_fuzz_completion_routes(server):
             failures.append(f"{route} {_shown(data)} (Content-Type {content_type!r}) -> {problem}")
             assert KEEP_GOING, failures[-1]
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              print_blob=True, suppress_health_check=list(HealthCheck))
     @given(cases())
     @_found_examples
     def fuzz(case):
@@ -418,16 +473,17 @@ def test_fuzz_completion_routes(server):
             corpus.close()
         tried = sum(by_status.values())
         seconds = time.monotonic() - started
-        summary = {"bodies_tried": tried, "by_status": {str(k): v for k, v in sorted(by_status.items(), key=str)},
+        summary = {"bodies_tried": tried,
+                   "by_status": {str(k): v for k, v in sorted(by_status.items(), key=str)},
                    "by_route": dict(by_route), "by_kind": dict(by_kind),
                    "seconds_by_kind": {k: round(v, 1) for k, v in seconds_by_kind.items()},
                    "streams": dict(streams),
-                   "huge_bodies": huge_sent[0], "status_500": by_status.get(500, 0), "seconds": round(seconds, 1),
-                   "failures": failures[:50]}
+                   "huge_bodies": huge_sent[0], "status_500": by_status.get(500, 0),
+                   "seconds": round(seconds, 1), "failures": failures[:50]}
         SUMMARY.write_text(json.dumps(summary, indent=1))
         print(f"\nfuzz: {tried} bodies tried in {seconds:.0f} s, by status {summary['by_status']}, "
-              f"by route {dict(by_route)}, streams (and error events in them) {summary['streams']}, "
-              f"500s {summary['status_500']} (summary in {SUMMARY})")
+              f"by route {dict(by_route)}, streams (and error events in them) "
+              f"{summary['streams']}, 500s {summary['status_500']} (summary in {SUMMARY})")
         for f in failures[:50]:
             print("FAIL", f)
     assert not failures, "\n".join(failures[:20])
@@ -435,7 +491,8 @@ def test_fuzz_completion_routes(server):
     assert by_status[200] > 0 and any(400 <= s < 500 for s in by_status if isinstance(s, int))
 
     # After all that: an ordinary request is served, the engine is healthy and never restarted.
-    r = client.post(ROUTES[0], json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+    r = client.post(ROUTES[0],
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                      "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     answer = r.json()

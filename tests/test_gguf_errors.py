@@ -28,7 +28,8 @@ def _raises(cls, path, *words):
     with pytest.raises(cls) as info:
         GGUFModel.open(path)
     message = str(info.value)
-    assert str(path) in message and isinstance(info.value, GGUFError) and isinstance(info.value, ValueError)
+    assert (str(path) in message and isinstance(info.value, GGUFError)
+            and isinstance(info.value, ValueError))
     for word in words:
         assert word in message, message
     return message
@@ -48,8 +49,8 @@ def test_truncated_tensor_data(tiny_model, tmp_path):
     data = good.read_bytes()
     path = tmp_path / "cut.gguf"
     path.write_bytes(data[:-1000])
-    message = _raises(TruncatedGGUFError, path, "truncated", "output.weight", f"{len(data) - 1000:,} bytes",
-                      "fetch the file again")
+    message = _raises(TruncatedGGUFError, path, "truncated", "output.weight",
+                      f"{len(data) - 1000:,} bytes", "fetch the file again")
     assert "tensor" in message
 
 
@@ -70,7 +71,8 @@ def test_missing_split_part(tiny_model, tmp_path):
         with pytest.raises(MissingSplitPartError) as info:
             GGUFModel.open(given)
         message = str(info.value)
-        assert "model-00002-of-00003.gguf" in message and "part 2 of 3" in message and "missing" in message
+        assert ("model-00002-of-00003.gguf" in message and "part 2 of 3" in message
+                and "missing" in message)
         assert str(tmp_path) in message
 
 
@@ -84,14 +86,17 @@ def test_split_part_renamed_out_of_the_pattern(tiny_model, tmp_path):
 def test_unsupported_architecture(tiny_model, tmp_path):
     path = rewrite_gguf(tiny_model(arch="qwen3moe"), tmp_path / "neox.gguf",
                         set_metadata={"general.architecture": "gptneox"})
-    _raises(UnsupportedArchitectureError, path, "'gptneox'", "llama, qwen2, qwen3, qwen2moe, qwen3moe")
-    assert GGUFModel.open(path, strict=False).architecture == "gptneox"  # inspect can still describe it
+    _raises(UnsupportedArchitectureError, path, "'gptneox'",
+            "llama, qwen2, qwen3, qwen2moe, qwen3moe")
+    # inspect can still describe it
+    assert GGUFModel.open(path, strict=False).architecture == "gptneox"
 
 
 def test_unsupported_tensor_type(tmp_path):
     path = tmp_path / "iq1.gguf"
     writer = GGUFWriter(path, "llama")
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 50), np.uint8), raw_dtype=GGMLQuantizationType.IQ1_S)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 50), np.uint8),
+                      raw_dtype=GGMLQuantizationType.IQ1_S)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -107,8 +112,8 @@ def test_tensor_bytes_do_not_match_its_shape(tiny_model, tmp_path):
     # The declared shape needs twice the bytes that lie before the next tensor.
     path = rewrite_gguf(tiny_model(arch="qwen3moe"), tmp_path / "shape.gguf",
                         tensor_shapes={"blk.0.attn_q.weight": (128, 64)})
-    _raises(TensorSizeError, path, "'blk.0.attn_q.weight'", "[128, 64]", "8,704 bytes", "4,352 bytes",
-            "does not match its shape")
+    _raises(TensorSizeError, path, "'blk.0.attn_q.weight'", "[128, 64]", "8,704 bytes",
+            "4,352 bytes", "does not match its shape")
 
 
 def test_tensor_shape_disagrees_with_metadata(tiny_model, tmp_path):
@@ -118,12 +123,14 @@ def test_tensor_shape_disagrees_with_metadata(tiny_model, tmp_path):
 
 
 def test_missing_tensor(tiny_model, tmp_path):
-    path = rewrite_gguf(tiny_model(arch="qwen3moe"), tmp_path / "gone.gguf", drop_tensors=["blk.1.attn_k_norm.weight"])
+    path = rewrite_gguf(tiny_model(arch="qwen3moe"), tmp_path / "gone.gguf",
+                        drop_tensors=["blk.1.attn_k_norm.weight"])
     _raises(MissingTensorError, path, "'blk.1.attn_k_norm.weight'", "qwen3moe")
 
 
 def test_corrupt_headers_always_give_a_gguf_error(tiny_model, tmp_path):
-    """Random byte changes in the header: the file opens, or fails with a GGUFError, never anything else."""
+    """Random byte changes in the header: the file opens, or fails with a GGUFError, never anything
+    else."""
     from strata_jax.gguf.reader import _read_header
 
     good = tiny_model(arch="qwen2moe")
@@ -133,7 +140,8 @@ def test_corrupt_headers_always_give_a_gguf_error(tiny_model, tmp_path):
     path = tmp_path / "fuzz.gguf"
     for _ in range(300):
         bad = bytearray(data)
-        for _ in range(rng.integers(1, 4)):  # half anywhere in the header, half in its tensor directory
+        # half anywhere in the header, half in its tensor directory
+        for _ in range(rng.integers(1, 4)):
             lo = 0 if rng.random() < 0.5 else max(0, header_end - 3000)
             bad[int(rng.integers(lo, header_end))] = int(rng.integers(0, 256))
         path.write_bytes(bad)

@@ -1,7 +1,7 @@
-"""Hostile GGUF files (issue 13, item 7): arrays nested without end, counts and lengths no file can hold, huge
-strings and enormous tokens are refused with an error naming the key, at once and without building anything
-that big; no byte string makes the header parser raise anything but a GGUFError; and `strata-jax serve` on
-such a file exits at once with one error line."""
+"""Hostile GGUF files (issue 13, item 7): arrays nested without end, counts and lengths no file can
+hold, huge strings and enormous tokens are refused with an error naming the key, at once and without
+building anything that big; no byte string makes the header parser raise anything but a GGUFError;
+and `strata-jax serve` on such a file exits at once with one error line."""
 
 from __future__ import annotations
 
@@ -47,8 +47,10 @@ from strata_jax.serve.launch import ServerProcess
 from strata_jax.testing.edit_gguf import rewrite_gguf
 
 HUGE = 2**62
-FAST_S = 3.0  # every refusal is a cheap check: seconds here would mean something was built or looped over
-SMALL_PEAK = 8 << 20  # bytes of Python allocations a refusal may cost (the file itself is memory-mapped)
+# every refusal is a cheap check: seconds here would mean something was built or looped over bytes
+# of Python allocations a refusal may cost (the file itself is memory-mapped)
+FAST_S = 3.0
+SMALL_PEAK = 8 << 20
 
 
 # ---- raw GGUF bytes
@@ -72,7 +74,8 @@ def kv(key: str, vtype: T, payload: bytes) -> bytes:
 
 
 def gguf(*kvs: bytes, n_kv: int | None = None, n_tensors: int = 0, tail: bytes = b"") -> bytes:
-    return b"GGUF" + u32(3) + u64(n_tensors) + u64(len(kvs) if n_kv is None else n_kv) + b"".join(kvs) + tail
+    return (b"GGUF" + u32(3) + u64(n_tensors) + u64(len(kvs) if n_kv is None else n_kv)
+            + b"".join(kvs) + tail)
 
 
 def nested(depth: int) -> bytes:
@@ -89,10 +92,12 @@ HOSTILE = {
         gguf(ARCH, kv("hostile.nested", T.ARRAY, nested(1000))), HeaderLimitError,
         ["metadata key 'hostile.nested'", f"nested more than {MAX_ARRAY_DEPTH} deep"]),
     "2**62 strings": (
-        gguf(ARCH, kv("tokenizer.ggml.tokens", T.ARRAY, u32(T.STRING) + u64(HUGE) + PAD)), HeaderLimitError,
+        gguf(ARCH, kv("tokenizer.ggml.tokens", T.ARRAY, u32(T.STRING) + u64(HUGE) + PAD)),
+        HeaderLimitError,
         ["metadata key 'tokenizer.ggml.tokens'", f"an array of {HUGE:,} items cannot fit"]),
     "2**62 numbers": (
-        gguf(ARCH, kv("tokenizer.ggml.scores", T.ARRAY, u32(T.FLOAT32) + u64(HUGE) + PAD)), HeaderLimitError,
+        gguf(ARCH, kv("tokenizer.ggml.scores", T.ARRAY, u32(T.FLOAT32) + u64(HUGE) + PAD)),
+        HeaderLimitError,
         ["metadata key 'tokenizer.ggml.scores'", f"an array of {HUGE:,} items cannot fit"]),
     "2**62 arrays": (
         gguf(ARCH, kv("hostile.arrays", T.ARRAY, u32(T.ARRAY) + u64(HUGE) + PAD)), HeaderLimitError,
@@ -101,20 +106,27 @@ HOSTILE = {
         gguf(ARCH, kv("general.name", T.STRING, u64(HUGE) + PAD)), HeaderLimitError,
         ["metadata key 'general.name'", f"a string of {HUGE:,} bytes cannot fit"]),
     "a token of 2**62 bytes": (
-        gguf(ARCH, kv("tokenizer.ggml.tokens", T.ARRAY, u32(T.STRING) + u64(3) + gstr("a") + u64(HUGE) + PAD)),
-        HeaderLimitError, ["metadata key 'tokenizer.ggml.tokens'[1]", f"a string of {HUGE:,} bytes"]),
+        gguf(ARCH, kv("tokenizer.ggml.tokens", T.ARRAY,
+                      u32(T.STRING) + u64(3) + gstr("a") + u64(HUGE) + PAD)),
+        HeaderLimitError,
+        ["metadata key 'tokenizer.ggml.tokens'[1]", f"a string of {HUGE:,} bytes"]),
     "a key of 2**62 bytes": (
-        gguf(ARCH, u64(HUGE) + PAD), HeaderLimitError, ["metadata key number 2", f"a string of {HUGE:,} bytes"]),
-    "2**62 keys": (gguf(ARCH, PAD, n_kv=HUGE), HeaderLimitError, ["the metadata", f"{HUGE:,} keys"]),
-    "2**62 tensors": (gguf(ARCH, tail=PAD, n_tensors=HUGE), HeaderLimitError, ["tensor", f"{HUGE:,} tensors"]),
+        gguf(ARCH, u64(HUGE) + PAD), HeaderLimitError,
+        ["metadata key number 2", f"a string of {HUGE:,} bytes"]),
+    "2**62 keys": (gguf(ARCH, PAD, n_kv=HUGE), HeaderLimitError,
+                   ["the metadata", f"{HUGE:,} keys"]),
+    "2**62 tensors": (gguf(ARCH, tail=PAD, n_tensors=HUGE), HeaderLimitError,
+                      ["tensor", f"{HUGE:,} tensors"]),
     "an unknown value type": (
-        gguf(ARCH, kv("hostile.type", 99, PAD)), GGUFError, ["metadata key 'hostile.type'", "value type 99"]),
+        gguf(ARCH, kv("hostile.type", 99, PAD)), GGUFError,
+        ["metadata key 'hostile.type'", "value type 99"]),
 }  # fmt: skip
 
 
 def _refused(call, cls, words, *, seconds=FAST_S, peak: int | None = SMALL_PEAK):
-    """Run `call`, which must raise `cls` with `words` in its message, within `seconds` and `peak` bytes of
-    Python allocations (peak None: not measured, where tracing every allocation would slow it tenfold)."""
+    """Run `call`, which must raise `cls` with `words` in its message, within `seconds` and `peak`
+    bytes of Python allocations (peak None: not measured, where tracing every allocation would slow
+    it tenfold)."""
     if peak is not None:
         tracemalloc.start()
     start = time.perf_counter()
@@ -149,15 +161,18 @@ def test_hostile_header_is_refused_naming_the_key(name, hostile_files):
     _, cls, words = HOSTILE[name]
     message = _refused(lambda: GGUFModel.open(path), cls, [str(path), *words])
     assert "\n" not in message
-    for read in (read_metadata, load_tokenizer):  # the tokenizer reads the same header, the same way
+    # the tokenizer reads the same header, the same way
+    for read in (read_metadata, load_tokenizer):
         _refused(lambda read=read: read(path), cls, words)
 
 
 def test_a_cut_array_of_plausible_size_is_a_truncated_file(tmp_path):
     path = tmp_path / "cut.gguf"
-    path.write_bytes(gguf(ARCH, kv("tokenizer.ggml.tokens", T.ARRAY, u32(T.STRING) + u64(50_000) + gstr("a"))))
+    path.write_bytes(gguf(ARCH, kv("tokenizer.ggml.tokens", T.ARRAY,
+                                   u32(T.STRING) + u64(50_000) + gstr("a"))))
     _refused(lambda: GGUFModel.open(path), TruncatedGGUFError,
-             ["header is cut short", "'tokenizer.ggml.tokens'", "an array of 50,000 items", "fetch the file again"])
+             ["header is cut short", "'tokenizer.ggml.tokens'", "an array of 50,000 items",
+              "fetch the file again"])
 
 
 @pytest.mark.parametrize("key, value", [
@@ -174,7 +189,8 @@ def test_keys_the_reader_uses_with_the_wrong_type(tmp_path, key, value):
 def test_tokenizer_values_of_the_wrong_type_are_named():
     md = _gpt2(["x"])
     md["tokenizer.ggml.token_type"] = [*md["tokenizer.ggml.token_type"][:-1], "control"]
-    _refused(lambda: Tokenizer(md), TokenizerError, ["tokenizer.ggml.token_type[256] should be an integer", "control"])
+    _refused(lambda: Tokenizer(md), TokenizerError,
+             ["tokenizer.ggml.token_type[256] should be an integer", "control"])
 
 
 @pytest.fixture(scope="module")
@@ -185,22 +201,26 @@ def small_model(tiny_model) -> Path:
 @pytest.fixture(scope="module")
 def small_model_bytes(small_model) -> tuple[bytes, int]:
     """The small model's bytes, and its header's length (where its first tensor's data starts)."""
-    return small_model.read_bytes(), min(t.offset for t in GGUFModel.open(small_model).tensors.values())
+    return (small_model.read_bytes(),
+            min(t.offset for t in GGUFModel.open(small_model).tensors.values()))
 
 
 def test_a_50_mb_string_in_a_valid_model(small_model, tmp_path):
-    big = rewrite_gguf(small_model, tmp_path / "big.gguf", set_metadata={"general.description": "x" * (50 << 20)})
+    big = rewrite_gguf(small_model, tmp_path / "big.gguf",
+                       set_metadata={"general.description": "x" * (50 << 20)})
     _refused(lambda: GGUFModel.open(big), HeaderLimitError,
              ["metadata key 'general.description'", f"a string of {50 << 20:,} bytes",
               f"more than the {MAX_STRING_BYTES:,}"])
     # a long string within the bound still reads
-    ok = rewrite_gguf(small_model, tmp_path / "ok.gguf", set_metadata={"general.description": "x" * (1 << 20)})
+    ok = rewrite_gguf(small_model, tmp_path / "ok.gguf",
+                      set_metadata={"general.description": "x" * (1 << 20)})
     assert len(GGUFModel.open(ok).metadata["general.description"]) == 1 << 20
 
 
 @pytest.fixture(scope="module")
 def enormous_tokens(small_model, tmp_path_factory) -> tuple[Path, dict]:
-    """The small model with three of its tokens 1 MiB long, as a file, and its metadata as a dict."""
+    """The small model with three of its tokens 1 MiB long, as a file, and its metadata as a
+    dict."""
     metadata = dict(GGUFModel.open(small_model).metadata)
     tokens = list(metadata["tokenizer.ggml.tokens"])
     for i in (5, 6, 7):
@@ -219,34 +239,41 @@ def test_enormous_tokens_are_refused_naming_the_token(enormous_tokens):
     _refused(lambda: load_tokenizer(path), HeaderLimitError, words)
     # metadata given as a dict meets the same bound in the tokenizer
     _refused(lambda: Tokenizer(metadata), TokenizerError,
-             ["tokenizer.ggml.tokens[5]", f"a token of {1 << 20:,} bytes", f"at most {MAX_ARRAY_STRING_BYTES:,}"],
+             ["tokenizer.ggml.tokens[5]", f"a token of {1 << 20:,} bytes",
+              f"at most {MAX_ARRAY_STRING_BYTES:,}"],
              peak=64 << 20)
 
 
 def test_a_vocabulary_past_the_metadata_bound(tmp_path):
-    """70,000 tokens of 1 KB (a real vocabulary's tokens are a few bytes): refused where the metadata passes
-    MAX_METADATA_BYTES, having built no more than that."""
+    """70,000 tokens of 1 KB (a real vocabulary's tokens are a few bytes): refused where the
+    metadata passes MAX_METADATA_BYTES, having built no more than that."""
     n, size = 70_000, 1024
     tokens = b"".join(gstr(f"{i:08d}".encode() * (size // 8)) for i in range(n))
     path = tmp_path / "wide.gguf"
-    path.write_bytes(gguf(ARCH, kv("tokenizer.ggml.tokens", T.ARRAY, u32(T.STRING) + u64(n) + tokens)))
+    path.write_bytes(gguf(ARCH,
+                          kv("tokenizer.ggml.tokens", T.ARRAY, u32(T.STRING) + u64(n) + tokens)))
     _refused(lambda: load_tokenizer(path), HeaderLimitError,
              ["metadata key 'tokenizer.ggml.tokens'[", f"past {MAX_METADATA_BYTES:,} bytes"],
              peak=2 * MAX_METADATA_BYTES)
 
 
 def test_a_256k_vocabulary_still_reads_fast(tmp_path):
-    # the bounds are checked per array and in one tight loop per string array: real vocabularies pay little
+    # the bounds are checked per array and in one tight loop per string array: real vocabularies pay
+    # little
     n = 256 * 1024
     tokens = b"".join(gstr(f"\u0120tok{i}") for i in range(n))
     merges = b"".join(gstr(f"\u0120tok {i}") for i in range(n))
     path = tmp_path / "vocab.gguf"
-    path.write_bytes(gguf(ARCH, kv("tokenizer.ggml.tokens", T.ARRAY, u32(T.STRING) + u64(n) + tokens),
+    path.write_bytes(gguf(ARCH,
+                          kv("tokenizer.ggml.tokens", T.ARRAY, u32(T.STRING) + u64(n) + tokens),
                           kv("tokenizer.ggml.merges", T.ARRAY, u32(T.STRING) + u64(n) + merges),
-                          kv("tokenizer.ggml.token_type", T.ARRAY, u32(T.INT32) + u64(n) + u32(1) * n)))
+                          kv("tokenizer.ggml.token_type", T.ARRAY,
+                             u32(T.INT32) + u64(n) + u32(1) * n)))
     metadata, took = _timed(lambda: read_metadata(path))
-    assert len(metadata["tokenizer.ggml.tokens"]) == n and metadata["tokenizer.ggml.merges"][-1] == f"\u0120tok {n - 1}"
-    assert took < FAST_S, took  # 0.3-0.5 s here (0.75-0.9 s before the bounds: the loop is tighter now)
+    assert (len(metadata["tokenizer.ggml.tokens"]) == n
+            and metadata["tokenizer.ggml.merges"][-1] == f"\u0120tok {n - 1}")
+    # 0.3-0.5 s here (0.75-0.9 s before the bounds: the loop is tighter now)
+    assert took < FAST_S, took
 
 
 # ---- the tokenizer: long tokens build in linear time; what would not is refused
@@ -254,15 +281,18 @@ def test_a_256k_vocabulary_still_reads_fast(tmp_path):
 
 def _spm(extra: list[str], kind: int = NORMAL) -> dict:
     """SentencePiece metadata: unk, bos, eos, the 256 byte pieces, a few letters, then `extra`."""
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *"abcdefgh\u2581", *extra]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *"abcdefgh\u2581",
+              *extra]
     types = [2, CONTROL, CONTROL, *[BYTE] * 256, *[NORMAL] * 9, *[kind] * len(extra)]
-    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types,
             "tokenizer.ggml.scores": [-float(i) for i in range(len(tokens))]}
 
 
 def _gpt2(extra: list[str], kind: int = NORMAL) -> dict:
     alphabet = list(bytes_to_unicode().values())
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": alphabet + extra,
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+            "tokenizer.ggml.tokens": alphabet + extra,
             "tokenizer.ggml.token_type": [NORMAL] * 256 + [kind] * len(extra),
             "tokenizer.ggml.merges": ["a b"]}
 
@@ -274,8 +304,9 @@ def _timed(make):
 
 
 def test_long_sentencepiece_pieces_build_in_linear_time():
-    # Cutting each of these 60,000-character pieces at every place (the obvious way to find a SentencePiece
-    # vocabulary's merges) hashes 60,000 strings of 30,000 characters on average: 0.6 s a piece here, 15 s in all.
+    # Cutting each of these 60,000-character pieces at every place (the obvious way to find a
+    # SentencePiece vocabulary's merges) hashes 60,000 strings of 30,000 characters on average: 0.6
+    # s a piece here, 15 s in all.
     long = [chr(0x400 + i) + "a" * 59_999 for i in range(25)]
     tk, took = _timed(lambda: Tokenizer(_spm(long + ["a" * k for k in range(2, 200)])))
     assert took < FAST_S, took
@@ -290,12 +321,14 @@ def _reference_merges(tk: Tokenizer) -> list[tuple[str, str]]:
         for cut in range(1, len(piece)) if tk.token_types[i] != BYTE else ():
             left, right = piece[:cut], piece[cut:]
             if left in tk._ids and right in tk._ids:
-                merges.append((-tk.scores[i], -len(left), -len(right), tk._ids[left], tk._ids[right], left, right))
+                merges.append((-tk.scores[i], -len(left), -len(right), tk._ids[left],
+                               tk._ids[right], left, right))
     return [m[5:] for m in sorted(merges)]
 
 
 def test_sentencepiece_merges_are_every_cut_into_two_pieces():
-    # short pieces (found by slicing) and long ones (by chains of prefixes and suffixes), scores with ties
+    # short pieces (found by slicing) and long ones (by chains of prefixes and suffixes), scores
+    # with ties
     words = {"".join(w) for n in range(2, 6) for w in itertools.product("ab\u2581", repeat=n)}
     words |= {"a" * k for k in range(2, 150)} | {"ab" * k for k in range(2, 90)}
     words |= {"b" + "a" * k for k in range(60, 80)}
@@ -307,7 +340,8 @@ def test_sentencepiece_merges_are_every_cut_into_two_pieces():
 
 
 def test_tokens_within_the_bound_load(caplog):
-    caplog.set_level(logging.ERROR)  # the byte-level vocabulary lacks some merges: warnings not needed here
+    # the byte-level vocabulary lacks some merges: warnings not needed here
+    caplog.set_level(logging.ERROR)
     tokens = [f"{i:05d}" + "x" * (MAX_ARRAY_STRING_BYTES - 5) for i in range(4)]
     for make in (_gpt2, _spm):
         tk, took = _timed(lambda make=make: Tokenizer(make(tokens)))
@@ -318,14 +352,16 @@ def test_special_tokens_past_their_bound_are_refused():
     # the `tokenizers` library's matcher for tokens matched whole costs seconds a MB to build
     tokens = [f"<|{i:06d}|" + "z" * 1000 + ">" for i in range(MAX_SPECIAL_TOKEN_BYTES // 1000 + 1)]
     _refused(lambda: Tokenizer(_gpt2(tokens, kind=CONTROL)), TokenizerError,
-             ["tokenizer.ggml.tokens", "CONTROL, USER_DEFINED and UNKNOWN", f"at most {MAX_SPECIAL_TOKEN_BYTES:,}"],
+             ["tokenizer.ggml.tokens", "CONTROL, USER_DEFINED and UNKNOWN",
+              f"at most {MAX_SPECIAL_TOKEN_BYTES:,}"],
              seconds=1.0, peak=16 << 20)
 
 
 def test_sentencepiece_pieces_that_make_too_many_merges_are_refused():
     # "a" * k for every k: each piece splits k - 1 ways into two pieces, 2.2M merges in all
     _refused(lambda: Tokenizer(_spm(["a" * k for k in range(2, 2100)])), TokenizerError,
-             ["tokenizer.ggml.tokens", f"more than {MAX_SPM_MERGES:,} merges"], seconds=2 * FAST_S, peak=None)
+             ["tokenizer.ggml.tokens", f"more than {MAX_SPM_MERGES:,} merges"], seconds=2 * FAST_S,
+             peak=None)
 
 
 def test_too_many_tokens_are_refused():
@@ -336,11 +372,14 @@ def test_too_many_tokens_are_refused():
 
 # ---- no byte string makes the parser raise anything but a GGUFError
 
-# A header with every value type, a nested array, string arrays and a tensor entry: the seed mutations start from.
+# A header with every value type, a nested array, string arrays and a tensor entry: the seed
+# mutations start from.
 SEED = gguf(
     ARCH,
-    kv("a.u8", T.UINT8, b"\x01"), kv("a.i16", T.INT16, b"\xff\xff"), kv("a.f32", T.FLOAT32, struct.pack("<f", 1.5)),
-    kv("a.bool", T.BOOL, b"\x01"), kv("a.u64", T.UINT64, u64(7)), kv("a.f64", T.FLOAT64, struct.pack("<d", 2.5)),
+    kv("a.u8", T.UINT8, b"\x01"), kv("a.i16", T.INT16, b"\xff\xff"),
+    kv("a.f32", T.FLOAT32, struct.pack("<f", 1.5)),
+    kv("a.bool", T.BOOL, b"\x01"), kv("a.u64", T.UINT64, u64(7)),
+    kv("a.f64", T.FLOAT64, struct.pack("<d", 2.5)),
     kv("a.tokens", T.ARRAY, u32(T.STRING) + u64(3) + gstr("x") + gstr("yz") + gstr("\u00e9")),
     kv("a.ids", T.ARRAY, u32(T.INT32) + u64(2) + u32(1) + u32(2)),
     kv("a.nested", T.ARRAY, u32(T.ARRAY) + u64(2) + (u32(T.UINT8) + u64(1) + b"\x05") * 2),
@@ -348,7 +387,8 @@ SEED = gguf(
 )  # fmt: skip
 _NUMBERS = st.sampled_from([0, 1, 2, 8, 9, 12, 13, 99, 1 << 31, HUGE, 2**63, 2**64 - 1])
 _EDIT = st.tuples(st.integers(0, len(SEED) - 1), st.one_of(
-    _NUMBERS.map(lambda n: u64(n % 2**64)), _NUMBERS.map(lambda n: u32(n % 2**32)), st.binary(min_size=1, max_size=4)))
+    _NUMBERS.map(lambda n: u64(n % 2**64)), _NUMBERS.map(lambda n: u32(n % 2**32)),
+    st.binary(min_size=1, max_size=4)))
 
 
 def _mutate(data: bytes, edits, cut: int | None) -> bytes:
@@ -385,10 +425,13 @@ def test_random_headers_raise_only_gguf_errors(rest):
 
 @settings(max_examples=80, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(edits=st.lists(st.tuples(st.integers(0, 2**20), _EDIT.map(lambda e: e[1])), min_size=1, max_size=3),
+@given(edits=st.lists(st.tuples(st.integers(0, 2**20), _EDIT.map(lambda e: e[1])), min_size=1,
+                      max_size=3),
        cut=st.none() | st.integers(0, 2**20))
-def test_mutated_model_files_open_or_raise_gguf_errors(small_model_bytes, tmp_path_factory, edits, cut):
-    # the whole read (header, split checks, tensor directory, memory map), edits anywhere in the header
+def test_mutated_model_files_open_or_raise_gguf_errors(small_model_bytes, tmp_path_factory,
+                                                       edits, cut):
+    # the whole read (header, split checks, tensor directory, memory map), edits anywhere in the
+    # header
     data, header = small_model_bytes
     edits = [(4 + at % (header - 4), new) for at, new in edits]
     path = tmp_path_factory.getbasetemp() / "mutated.gguf"
@@ -419,16 +462,17 @@ def test_serve_exits_at_once_naming_the_key(name, hostile_files, enormous_tokens
 
 
 def test_serve_exits_at_once_on_a_vocabulary_the_tokenizer_refuses(tiny_model, tmp_path_factory):
-    """A header within its bounds whose vocabulary the tokenizer refuses (600 KB of control tokens): serve
-    checks the tokenizer before it starts an engine, so it exits with one line instead of restarting engines
-    that can never load."""
+    """A header within its bounds whose vocabulary the tokenizer refuses (600 KB of control tokens):
+    serve checks the tokenizer before it starts an engine, so it exits with one line instead of
+    restarting engines that can never load."""
     src = tiny_model(arch="qwen3", layers=2, hidden=64)
     md = GGUFModel.open(src).metadata
     tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
     for i in range(1, 301):
         tokens[i], types[i] = f"<|ctl{i}|" + "c" * 2000 + ">", 3          # CONTROL
     path = rewrite_gguf(src, tmp_path_factory.mktemp("ctl") / "ctl.gguf",
-                        set_metadata={"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types})
+                        set_metadata={"tokenizer.ggml.tokens": tokens,
+                                      "tokenizer.ggml.token_type": types})
     with ServerProcess([str(path), "--parallel", "1"]) as srv:
         code = srv.proc.wait(timeout=60)
         log = srv.log()

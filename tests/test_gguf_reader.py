@@ -36,13 +36,15 @@ def test_split_model_and_its_one_file_twin_hold_identical_tensors(tiny_model):
             s = split.tensors[name]
             assert (s.qtype, s.shape, s.n_bytes) == (t.qtype, t.shape, t.n_bytes)
             assert s.data.tobytes() == t.data.tobytes(), name
-        assert {k: v for k, v in split.metadata.items() if not k.startswith("split.")} == one.metadata
+        assert ({k: v for k, v in split.metadata.items() if not k.startswith("split.")}
+                == one.metadata)
         assert split.spec == one.spec
 
     assert split.metadata["split.count"] == 3 and split.metadata["split.no"] == 0
     by_part = [sum(t.path == p for t in split.tensors.values()) for p in parts]
     assert all(n > 0 for n in by_part) and sum(by_part) == split.metadata["split.tensors.count"]
-    # The gguf package's own reader reads every part, and llama.cpp's layout: metadata only in part 1.
+    # The gguf package's own reader reads every part, and llama.cpp's layout: metadata only in
+    # part 1.
     for i, p in enumerate(parts):
         reader = gguf.GGUFReader(p)
         assert len(reader.tensors) == by_part[i]
@@ -77,18 +79,22 @@ def test_metadata_is_plain_python(tiny_model):
     assert all(type(x) is int for x in md["tokenizer.ggml.token_type"])
 
 
-@pytest.mark.parametrize("arch", [a for a in SUPPORTED_ARCHITECTURES if a not in HYBRID_ARCHITECTURES])
+@pytest.mark.parametrize("arch",
+                         [a for a in SUPPORTED_ARCHITECTURES if a not in HYBRID_ARCHITECTURES])
 def test_spec_of_each_architecture(tiny_model, arch):
     """The attention families (the hybrid ones: tests/test_hybrid_read.py)."""
     moe = arch in ("qwen2moe", "qwen3moe", "glm4moe")
-    glm = arch == "glm4moe"  # GLM-4.5: a leading dense layer, half-head rope, shared expert = n x expert_ffn
-    options = {"arch": arch, "layers": 3, "hidden": 96, "heads": 6, "kv_heads": 2, "ffn": 160, "vocab": 300, "context": 4096,
-                   "rope_theta": 1e6, "tied": arch == "qwen3"}
+    # GLM-4.5: a leading dense layer, half-head rope, shared expert = n x expert_ffn
+    glm = arch == "glm4moe"
+    options = {"arch": arch, "layers": 3, "hidden": 96, "heads": 6, "kv_heads": 2, "ffn": 160,
+                   "vocab": 300, "context": 4096, "rope_theta": 1e6, "tied": arch == "qwen3"}
     if moe:
-        options |= {"experts": 4, "experts_used": 3, "expert_ffn": 64, "shared_ffn": 128 if glm else 96}
+        options |= {"experts": 4, "experts_used": 3, "expert_ffn": 64,
+                    "shared_ffn": 128 if glm else 96}
     spec = GGUFModel.open(tiny_model(**options)).spec
     assert (spec.architecture, spec.n_layers, spec.hidden, spec.ffn) == (arch, 3, 96, 160)
-    assert (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.rope_dims) == (6, 2, 16, 8 if glm else 16)
+    assert ((spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.rope_dims)
+            == (6, 2, 16, 8 if glm else 16))
     assert (spec.vocab_size, spec.context_length, spec.rope_theta) == (300, 4096, 1e6)
     assert spec.rms_eps == pytest.approx(1e-6) and spec.rope_scaling is None
     assert spec.tied_output == (arch == "qwen3")
@@ -100,9 +106,11 @@ def test_spec_of_each_architecture(tiny_model, arch):
         assert spec.moe_layers == ((1, 2) if glm else (0, 1, 2))
         assert spec.shared_ffn == {"qwen2moe": 96, "glm4moe": 128}.get(arch, 0)
         assert spec.shared_expert_gate == (arch == "qwen2moe")
-        assert spec.expert_weights_norm == (arch in ("qwen3moe", "glm4moe"))  # llama.cpp's norm_w for each family
+        # llama.cpp's norm_w for each family
+        assert spec.expert_weights_norm == (arch in ("qwen3moe", "glm4moe"))
         assert spec.expert_gating == ("sigmoid" if glm else "softmax") and spec.expert_bias == glm
-        assert spec.expert_tensors(1) == [f"blk.1.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
+        assert (spec.expert_tensors(1)
+                == [f"blk.1.ffn_{k}_exps.weight" for k in ("gate", "up", "down")])
         assert len(spec.expert_tensors()) == (6 if glm else 9)
     else:
         assert not spec.is_moe and spec.expert_tensors() == [] and spec.moe_layers == ()
@@ -119,7 +127,8 @@ def test_mixtral_style_llama(tiny_model):
 
 
 def test_opening_a_huge_file_reads_only_its_header(tmp_path):
-    """An 8 GiB model (a sparse file: its data was never written) opens at once and leaves the data unread."""
+    """An 8 GiB model (a sparse file: its data was never written) opens at once and leaves the data
+    unread."""
     import resource
     import time
 
@@ -128,8 +137,8 @@ def test_opening_a_huge_file_reads_only_its_header(tmp_path):
     path = tmp_path / "huge.gguf"
     writer = GGUFWriter(path, "llama")
     rows, cols = 1 << 20, 4096  # F16: 8 GiB
-    writer.add_tensor_info("token_embd.weight", (rows, cols * 2), np.dtype(np.uint8), rows * cols * 2,
-                           raw_dtype=GGMLQuantizationType.F16)
+    writer.add_tensor_info("token_embd.weight", (rows, cols * 2), np.dtype(np.uint8),
+                           rows * cols * 2, raw_dtype=GGMLQuantizationType.F16)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -145,4 +154,5 @@ def test_opening_a_huge_file_reads_only_its_header(tmp_path):
     t = model.tensors["token_embd.weight"]
     assert t.shape == (rows, cols) and t.n_bytes == 8 << 30 and t.data.shape == (rows, cols * 2)
     assert t.data[12345, :4].tolist() == [0, 0, 0, 0]  # one page read, on demand
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 64 << 10  # KiB: under 64 MiB
+    # KiB: under 64 MiB
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 64 << 10

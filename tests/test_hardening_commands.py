@@ -1,12 +1,13 @@
-"""Embeddings and the token commands hold no one up and grow nothing without bound (issue 32, items 3, 4, the
-commands' half of 16 and the embeddings' part of 15).
+"""Embeddings and the token commands hold no one up and grow nothing without bound (issue 32, items
+3, 4, the commands' half of 16 and the embeddings' part of 15).
 
-Against one real `strata-jax serve` process on a tiny llama (2,048-token slots, --engine-stall-s 5): a long
-embedding request beside a stream is read a piece a step, so the engine loop moves, /health stays 200, the
-stream finishes and the watchdog kills nothing; a text of megabytes is tokenized without stopping the engine's
-heartbeat, and /tokenize, /detokenize are refused beyond their bounds; the commands (tokenize, embed) count
-against --max-queue and the pipe's byte bound while the engine is stopped (SIGSTOP); an engine killed while
-embeddings wait is reported as its exit, at once. The test that kills the engine runs last.
+Against one real `strata-jax serve` process on a tiny llama (2,048-token slots, --engine-stall-s 5):
+a long embedding request beside a stream is read a piece a step, so the engine loop moves, /health
+stays 200, the stream finishes and the watchdog kills nothing; a text of megabytes is tokenized
+without stopping the engine's heartbeat, and /tokenize, /detokenize are refused beyond their bounds;
+the commands (tokenize, embed) count against --max-queue and the pipe's byte bound while the engine
+is stopped (SIGSTOP); an engine killed while embeddings wait is reported as its exit, at once. The
+test that kills the engine runs last.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ import pytest
 
 from strata_jax.serve.launch import ServerProcess
 
-SIZES = {"arch": "llama", "quant": "Q8_0", "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 256}
+SIZES = {"arch": "llama", "quant": "Q8_0", "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2,
+         "ffn": 256}
 TEXT_BOUND = 7 << 20                # --max-tokenize-bytes of this server (the default is 1 MiB)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    args = [str(tiny_model(**SIZES)), "--parallel", "2", "--max-context", "2048", "--max-queue", "12",
-            "--engine-stall-s", "5", "--no-warmup", "--max-tokenize-bytes", str(TEXT_BOUND)]
+    args = [str(tiny_model(**SIZES)), "--parallel", "2", "--max-context", "2048", "--max-queue",
+            "12", "--engine-stall-s", "5", "--no-warmup", "--max-tokenize-bytes", str(TEXT_BOUND)]
     with ServerProcess(args) as srv:
         srv.wait_ready()
         yield srv
@@ -44,15 +46,16 @@ def _error(r: httpx.Response, status: int) -> str:
 
 
 class Stream(threading.Thread):
-    """A streamed completion of `n` tokens (EOS ignored); .chunks its SSE data, .first set at its first token."""
+    """A streamed completion of `n` tokens (EOS ignored); .chunks its SSE data, .first set at its
+    first token."""
 
     def __init__(self, srv: ServerProcess, n: int):
         super().__init__(daemon=True)
         self.srv, self.n, self.chunks, self.first = srv, n, [], threading.Event()
 
     def run(self) -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": self.n, "ignore_eos": True, "temperature": 0,
-                "stream": True}
+        body = {"prompt": "Once upon a time", "max_tokens": self.n, "ignore_eos": True,
+                "temperature": 0, "stream": True}
         with httpx.stream("POST", self.srv.url + "/v1/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -68,7 +71,8 @@ class Stream(threading.Thread):
 
 
 def _while_polling_health(srv: ServerProcess, work) -> tuple[object, list[int]]:
-    """work() on a thread while /health is asked every 0.2 s -> (its result, the statuses /health gave)."""
+    """work() on a thread while /health is asked every 0.2 s -> (its result, the statuses /health
+    gave)."""
     out: dict[str, object] = {}
     t = threading.Thread(target=lambda: out.update(result=work()), daemon=True)
     t.start()
@@ -84,9 +88,10 @@ def _while_polling_health(srv: ServerProcess, work) -> tuple[object, list[int]]:
 
 
 def test_long_embedding_is_read_in_pieces_beside_a_stream(server):
-    """Item 3: 32 inputs of 2,000 ids (several seconds of work) while a stream runs: the engine loop reads them a
-    piece a step between the stream's windows, so /health stays 200, the stream ends normally and the engine
-    (--engine-stall-s 5) is not killed; the vectors are those of each input embedded alone."""
+    """Item 3: 32 inputs of 2,000 ids (several seconds of work) while a stream runs: the engine loop
+    reads them a piece a step between the stream's windows, so /health stays 200, the stream ends
+    normally and the engine (--engine-stall-s 5) is not killed; the vectors are those of each input
+    embedded alone."""
     pids = server.engine_pids()
     rng = np.random.default_rng(0)
     inputs = [[int(t) for t in rng.integers(256, 500, 2000)] for _ in range(32)]
@@ -101,18 +106,21 @@ def test_long_embedding_is_read_in_pieces_beside_a_stream(server):
     stream.join(300)
     assert r.status_code == 200, r.text[:500]
     data = r.json()["data"]
-    assert [d["index"] for d in data] == list(range(32)) and r.json()["usage"]["prompt_tokens"] == 64000
+    assert ([d["index"] for d in data] == list(range(32))
+            and r.json()["usage"]["prompt_tokens"] == 64000)
     assert set(health) == {200}, f"/health during the embedding: {health}"
     assert stream.finished(), stream.chunks[-3:]
     assert server.engine_pids() == pids, "the watchdog killed the engine"
-    alone = httpx.post(server.url + "/v1/embeddings", json={"input": inputs[5]}, timeout=120).json()["data"][0]
+    alone = httpx.post(server.url + "/v1/embeddings", json={"input": inputs[5]},
+                       timeout=120).json()["data"][0]
     np.testing.assert_allclose(data[5]["embedding"], alone["embedding"], rtol=0, atol=1e-6)
 
 
 def test_megabytes_of_text_keep_the_heartbeat_and_the_answer_is_bounded(server):
-    """Item 4: 6.5 MiB of text (allowed here by --max-tokenize-bytes) is tokenized while a stream runs: the
-    engine's heartbeat goes on (/health 200 throughout, the stream ends normally, no engine killed), and its
-    3 million ids are more than /tokenize answers (--max-tokenize-ids, 262,144 by default): a 413 naming it."""
+    """Item 4: 6.5 MiB of text (allowed here by --max-tokenize-bytes) is tokenized while a stream
+    runs: the engine's heartbeat goes on (/health 200 throughout, the stream ends normally, no
+    engine killed), and its 3 million ids are more than /tokenize answers (--max-tokenize-ids,
+    262,144 by default): a 413 naming it."""
     pids = server.engine_pids()
     text = "The quick brown fox jumps over the lazy dog. 12345 hello\n" * 120_000
     stream = Stream(server, 120)
@@ -120,7 +128,8 @@ def test_megabytes_of_text_keep_the_heartbeat_and_the_answer_is_bounded(server):
     assert stream.first.wait(120)
 
     def tokenize():
-        return httpx.post(server.url + "/tokenize", json={"content": text, "with_pieces": True}, timeout=300)
+        return httpx.post(server.url + "/tokenize", json={"content": text, "with_pieces": True},
+                          timeout=300)
 
     r, health = _while_polling_health(server, tokenize)
     stream.join(300)
@@ -132,19 +141,21 @@ def test_megabytes_of_text_keep_the_heartbeat_and_the_answer_is_bounded(server):
 
 
 def test_tokenize_and_detokenize_are_bounded(server):
-    """Item 4: a text beyond --max-tokenize-bytes, ids beyond --max-tokenize-ids (in /detokenize and in
-    /tokenize's mixed content) are refused before the engine reads them: 413s naming the bound, the size and
-    the field; what fits is answered."""
+    """Item 4: a text beyond --max-tokenize-bytes, ids beyond --max-tokenize-ids (in /detokenize and
+    in /tokenize's mixed content) are refused before the engine reads them: 413s naming the bound,
+    the size and the field; what fits is answered."""
     url = server.url
     big = "a" * (TEXT_BOUND + 1)
     r = httpx.post(url + "/tokenize", content=json.dumps({"content": big}), timeout=60,
                    headers={"Content-Type": "application/json"})
     message = _error(r, 413)
-    assert "--max-tokenize-bytes" in message and str(TEXT_BOUND + 1) in message and "content" in message, message
+    assert ("--max-tokenize-bytes" in message and str(TEXT_BOUND + 1) in message
+            and "content" in message), message
     ids = [15] * 300_000
     message = _error(httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=60), 413)
     assert "--max-tokenize-ids" in message and "300000" in message and "tokens" in message, message
-    message = _error(httpx.post(url + "/tokenize", json={"content": ["x", *ids], "with_pieces": True},
+    message = _error(httpx.post(url + "/tokenize",
+                                json={"content": ["x", *ids], "with_pieces": True},
                                 timeout=60), 413)
     assert "--max-tokenize-ids" in message and "content" in message, message
     ok = httpx.post(url + "/tokenize", json={"content": "hello world " * 1000}, timeout=60)
@@ -154,12 +165,14 @@ def test_tokenize_and_detokenize_are_bounded(server):
 
 
 def test_a_cancelled_embedding_ends_before_its_next_piece(tiny_model):
-    """What the server does when it gives up on an embedding (its deadline, the client gone): the engine drops
-    the job's next pieces (a RuntimeError to its caller), and the next job, on a fresh scratch cache, gets the
-    same vectors as before. With pooling none (every token's vector) a request embeds one context at most."""
+    """What the server does when it gives up on an embedding (its deadline, the client gone): the
+    engine drops the job's next pieces (a RuntimeError to its caller), and the next job, on a fresh
+    scratch cache, gets the same vectors as before. With pooling none (every token's vector) a
+    request embeds one context at most."""
     from strata_jax import Engine, EngineConfig
 
-    eng = Engine.from_gguf(tiny_model(**SIZES), EngineConfig(max_context=256, prefill=32, warmup=False))
+    eng = Engine.from_gguf(tiny_model(**SIZES),
+                           EngineConfig(max_context=256, prefill=32, warmup=False))
     try:
         texts = [[int(t) for t in np.random.default_rng(i).integers(3, 500, 200)] for i in range(3)]
         before = eng.embed(texts)
@@ -172,12 +185,14 @@ def test_a_cancelled_embedding_ends_before_its_next_piece(tiny_model):
             np.testing.assert_array_equal(a, b)
         assert len(eng.embed(texts[:1], "none")[0]) == 200
         with pytest.raises(ValueError, match=r"600 tokens in all.*256 tokens \(--max-context\)"):
-            eng.embed(texts, "none")        # every token's vector: a request's answer is one context's at most
+            # every token's vector: a request's answer is one context's at most
+            eng.embed(texts, "none")
     finally:
         eng.close()
 
 
-def _fire(srv: ServerProcess, path: str, body: bytes, n: int, results: list) -> list[threading.Thread]:
+def _fire(srv: ServerProcess, path: str, body: bytes, n: int,
+          results: list) -> list[threading.Thread]:
     def one():
         try:
             results.append(httpx.post(srv.url + path, content=body, timeout=120,
@@ -197,9 +212,9 @@ def _wait(cond, deadline_s: float) -> None:
 
 
 def test_commands_count_against_max_queue(server):
-    """Item 16 (its commands' half): with the engine stopped (SIGSTOP), /tokenize requests wait in it; beyond
-    --max-queue 12 (and the 2 free slots) one more is a 503 with Retry-After naming --max-queue, at once; the
-    waiting ones are answered once the engine goes on."""
+    """Item 16 (its commands' half): with the engine stopped (SIGSTOP), /tokenize requests wait in
+    it; beyond --max-queue 12 (and the 2 free slots) one more is a 503 with Retry-After naming
+    --max-queue, at once; the waiting ones are answered once the engine goes on."""
     pid = server.engine_pids()[-1]
     results: list = []
     os.kill(pid, signal.SIGSTOP)
@@ -217,18 +232,22 @@ def test_commands_count_against_max_queue(server):
 
 
 def test_pipe_bound_and_an_engine_killed_during_embeddings(server):
-    """Items 16 and 15: with the engine stopped, 10 embedding requests of 1.8 million ids each fill the pipe; past
-    its byte bound one more is a 503 saying the engine has not read what was sent (not queued in the server's
-    memory). Then the engine is killed: every embedding waiting on it is a 503 that names the engine's exit
-    (not "did not answer within 120 s"), and the next engine serves."""
+    """Items 16 and 15: with the engine stopped, 10 embedding requests of 1.8 million ids each fill
+    the pipe; past its byte bound one more is a 503 saying the engine has not read what was sent
+    (not queued in the server's memory). Then the engine is killed: every embedding waiting on it is
+    a 503 that names the engine's exit (not "did not answer within 120 s"), and the next engine
+    serves."""
     pid = server.engine_pids()[-1]
-    inputs = [[int(t) for t in np.random.default_rng(i).integers(256, 500, 2000)] for i in range(900)]
+    inputs = [[int(t) for t in np.random.default_rng(i).integers(256, 500, 2000)]
+              for i in range(900)]
     body = json.dumps({"input": inputs}, separators=(",", ":")).encode()
     results: list = []
     os.kill(pid, signal.SIGSTOP)
     try:
-        threads = _fire(server, "/v1/embeddings", body, 10, results)    # 5.4 MB frames: 7 fill 32 MiB
-        _wait(lambda: len(results) >= 3, 60)        # the 3 beyond the bound: all 10 have reached the engine
+        # 5.4 MB frames: 7 fill 32 MiB
+        threads = _fire(server, "/v1/embeddings", body, 10, results)
+        # the 3 beyond the bound: all 10 have reached the engine
+        _wait(lambda: len(results) >= 3, 60)
     finally:
         os.kill(pid, signal.SIGKILL)
         os.kill(pid, signal.SIGCONT)

@@ -1,12 +1,17 @@
-"""Issue 32, items 9, 10, 11, 13 and 15: what a browser page, a request or a planted file can do to the llama.cpp
-routes, against one real server (tiny qwen3, --props, --slot-save-path, --ui-mcp-proxy, no API key):
+"""Issue 32, items 9, 10, 11, 13 and 15: what a browser page, a request or a planted file can do to
+the llama.cpp routes, against one real server (tiny qwen3, --props, --slot-save-path,
+--ui-mcp-proxy, no API key):
 
-    9   /cors-proxy refuses cross-site callers (no CORS allowance either), streams a target's body under a byte cap
-        with memory flat, and never serves a target's active content (text/html) as such on the API's origin
-    10  POST /props refuses a default that a request would be refused for, naming the field and the value
-    11  /slots/N actions (erase included) and /props need Content-Type application/json: a 415 naming it
-    13  slot files: a planted symlink at the temporary name changes nothing, a shared --slot-save-path folder is
-        refused at start, an npz that inflates far beyond the model's KV is refused before it is inflated
+    9   /cors-proxy refuses cross-site callers (no CORS allowance either), streams a target's body
+        under a byte cap with memory flat, and never serves a target's active content (text/html) as
+        such on the API's origin
+    10  POST /props refuses a default that a request would be refused for, naming the field and the
+        value
+    11  /slots/N actions (erase included) and /props need Content-Type application/json: a 415
+        naming it
+    13  slot files: a planted symlink at the temporary name changes nothing, a shared
+        --slot-save-path folder is refused at start, an npz that inflates far beyond the model's KV
+        is refused before it is inflated
     15  a slot id beyond 64 bits or negative is a 400 naming id_slot
 """
 
@@ -65,11 +70,11 @@ def _error(r, status, *words):
     return err
 
 
-# ---- 9: /cors-proxy -------------------------------------------------------------------------------------------
+# ---- 9: /cors-proxy ------------------------------------------------------------------------------
 
 class _Target(BaseHTTPRequestHandler):
-    """The proxy's target: /page is HTML with a script, /json a small JSON, /big BIG bytes with no length (read to
-    the connection's end), /declared BIG bytes with a Content-Length."""
+    """The proxy's target: /page is HTML with a script, /json a small JSON, /big BIG bytes with no
+    length (read to the connection's end), /declared BIG bytes with a Content-Length."""
     protocol_version = "HTTP/1.0"
 
     def do_GET(self):
@@ -84,7 +89,8 @@ class _Target(BaseHTTPRequestHandler):
                 for _ in range(BIG // MiB):
                     self.wfile.write(chunk)
             return
-        body, kind = (b"<html><script>fetch('/v1/models')</script></html>", "text/html; charset=utf-8") \
+        body, kind = (b"<html><script>fetch('/v1/models')</script></html>",
+                      "text/html; charset=utf-8") \
             if self.path == "/page" else (b'{"ok": true}', "application/json")
         self.send_response(200)
         self.send_header("Content-Type", kind)
@@ -109,18 +115,19 @@ def _target():
 
 
 def _proxy(srv, url, headers=None, method="GET", **kw):
-    return httpx.request(method, srv.url + "/cors-proxy", params={"url": url}, headers=headers or {}, timeout=120,
-                         **kw)
+    return httpx.request(method, srv.url + "/cors-proxy", params={"url": url},
+                         headers=headers or {}, timeout=120, **kw)
 
 
 def test_cors_proxy_refuses_cross_site_callers(server):
-    """A page on another site cannot read the loopback (the server's own API here) through the proxy: a foreign
-    Origin, Origin null, or a browser's Sec-Fetch-Site cross-site / same-site is a 403 with no CORS allowance, and
-    the preflight allows it nothing. The server's own page (its Origin, Sec-Fetch-Site same-origin) and a
-    non-browser caller still get the target's answer."""
+    """A page on another site cannot read the loopback (the server's own API here) through the
+    proxy: a foreign Origin, Origin null, or a browser's Sec-Fetch-Site cross-site / same-site is a
+    403 with no CORS allowance, and the preflight allows it nothing. The server's own page (its
+    Origin, Sec-Fetch-Site same-origin) and a non-browser caller still get the target's answer."""
     own = f"{server.url}/v1/models"
     for headers in ({"Origin": EVIL}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
-                    {"Sec-Fetch-Site": "same-site"}, {"Origin": EVIL, "Sec-Fetch-Site": "same-origin"}):
+                    {"Sec-Fetch-Site": "same-site"},
+                    {"Origin": EVIL, "Sec-Fetch-Site": "same-origin"}):
         for method in ("GET", "POST"):
             r = _proxy(server, own, headers, method)
             err = _error(r, 403, "cross-site")
@@ -129,7 +136,8 @@ def test_cors_proxy_refuses_cross_site_callers(server):
     pre = httpx.options(server.url + "/cors-proxy", params={"url": own},
                         headers={"Origin": EVIL, "Access-Control-Request-Method": "GET"})
     assert "access-control-allow-origin" not in pre.headers, dict(pre.headers)
-    for headers in ({}, {"Origin": server.url, "Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}):
+    for headers in ({}, {"Origin": server.url, "Sec-Fetch-Site": "same-origin"},
+                    {"Sec-Fetch-Site": "none"}):
         r = _proxy(server, own, headers)
         assert r.status_code == 200 and r.json()["object"] == "list", (headers, r.text)
     # CORS still serves the API itself to any origin (llama.cpp's default --cors-origins *)
@@ -148,16 +156,18 @@ def _reset_peak(pid: int) -> None:
 
 
 def test_cors_proxy_streams_under_a_byte_cap(server):
-    """A target's body is passed on as it comes, up to --cors-proxy-max-bytes (16 MiB by default): a body that
-    declares more is a 502 naming the flag before any of it is read; one that turns out longer is cut at the cap.
-    Either way the server's memory stays flat (the 64 MiB bodies are never held whole)."""
+    """A target's body is passed on as it comes, up to --cors-proxy-max-bytes (16 MiB by default): a
+    body that declares more is a 502 naming the flag before any of it is read; one that turns out
+    longer is cut at the cap. Either way the server's memory stays flat (the 64 MiB bodies are never
+    held whole)."""
     pid = server.proc.pid
     _reset_peak(pid)
     before = _rss_kib(pid)
     r = _proxy(server, server.target + "/declared")
     _error(r, 502, "--cors-proxy-max-bytes", str(BIG))
     got = 0
-    with pytest.raises(httpx.HTTPError), httpx.stream("GET", server.url + "/cors-proxy", timeout=120,
+    with pytest.raises(httpx.HTTPError), httpx.stream("GET", server.url + "/cors-proxy",
+                                                      timeout=120,
                                                       params={"url": server.target + "/big"}) as r:
         assert r.status_code == 200
         for chunk in r.iter_bytes():
@@ -170,8 +180,9 @@ def test_cors_proxy_streams_under_a_byte_cap(server):
 
 
 def test_cors_proxy_never_serves_active_content(server):
-    """A target's HTML comes back as text/plain, with nosniff and a sandboxing CSP: it never runs as a page of the
-    API's origin (where the web UI keeps its key). JSON (an MCP server's answer) comes back as JSON."""
+    """A target's HTML comes back as text/plain, with nosniff and a sandboxing CSP: it never runs as
+    a page of the API's origin (where the web UI keeps its key). JSON (an MCP server's answer) comes
+    back as JSON."""
     r = _proxy(server, server.target + "/page")
     assert r.status_code == 200 and "<script>" in r.text
     assert r.headers["content-type"].startswith("text/plain"), dict(r.headers)
@@ -183,17 +194,20 @@ def test_cors_proxy_never_serves_active_content(server):
     assert r.headers["x-content-type-options"] == "nosniff"
 
 
-# ---- 10: POST /props ------------------------------------------------------------------------------------------
+# ---- 10: POST /props -----------------------------------------------------------------------------
 
-BAD_DEFAULTS = [({"top_p": 0}, "top_p"), ({"top_k": 2.5}, "top_k"), ({"repeat_penalty": 0}, "repeat_penalty"),
+BAD_DEFAULTS = [({"top_p": 0}, "top_p"), ({"top_k": 2.5}, "top_k"),
+                ({"repeat_penalty": 0}, "repeat_penalty"),
                 ({"top_k": 1_000_000_000}, "top_k"), ({"temperature": 1e9}, "temperature"),
-                ({"min_p": -0.5}, "min_p"), ({"n_predict": 2.5}, "n_predict"), ({"repeat_last_n": -2},
+                ({"min_p": -0.5}, "min_p"), ({"n_predict": 2.5}, "n_predict"),
+                ({"repeat_last_n": -2},
                                                                                 "repeat_last_n")]
 
 
 def test_props_refuses_what_a_request_would_refuse(server):
-    """A default a request that sets nothing would be refused for is refused by POST /props (400 naming the field
-    and the value), and the server's requests keep working; --top-p 0 on the command line is refused too."""
+    """A default a request that sets nothing would be refused for is refused by POST /props (400
+    naming the field and the value), and the server's requests keep working; --top-p 0 on the
+    command line is refused too."""
     try:
         for body, field in BAD_DEFAULTS:
             r = _post(server, "/props", body)
@@ -203,7 +217,8 @@ def test_props_refuses_what_a_request_would_refuse(server):
             assert plain.status_code == 200, (body, plain.text)
         ok = _post(server, "/props", {"top_k": -1, "top_p": 0.5, "n_predict": -1})
         assert ok.status_code == 200, ok.text
-        assert _post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        assert (_post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code
+                == 200)
     finally:
         _post(server, "/props", {"top_k": 40, "top_p": 0.95})
     for key, value in (("top_p", 0), ("repeat_penalty", 0), ("top_k", 2.5)):
@@ -212,61 +227,72 @@ def test_props_refuses_what_a_request_would_refuse(server):
 
 
 def test_a_top_k_beyond_the_vocabulary_stops_the_server_at_start(model):
-    """--top-k is judged as a request's top_k is, against the model's vocabulary (512 here), at start."""
+    """--top-k is judged as a request's top_k is, against the model's vocabulary (512 here), at
+    start."""
     args = [str(model), "--max-context", "64", "--no-warmup", "--top-k", "100000"]
-    with ServerProcess(args) as srv, pytest.raises(RuntimeError, match="exited with code 1") as refused:
+    with ServerProcess(args) as srv, pytest.raises(RuntimeError,
+                                                   match="exited with code 1") as refused:
         srv.wait_up()
         srv.stop()
-        raise AssertionError("the server started with --top-k 100000 (every request would be a 400)")
-    assert "--top-k 100000" in str(refused.value) and "512 (the vocabulary)" in str(refused.value), refused.value
+        raise AssertionError("the server started with --top-k 100000 (every request would be a "
+                             "400)")
+    assert ("--top-k 100000" in str(refused.value)
+            and "512 (the vocabulary)" in str(refused.value)), refused.value
 
 
-# ---- 11: state-changing routes need JSON ----------------------------------------------------------------------
+# ---- 11: state-changing routes need JSON ---------------------------------------------------------
 
 def test_state_changing_routes_need_json(server):
-    """A cross-site form or text/plain POST (no preflight) changes nothing: /slots/N's actions, erase included,
-    and /props are 415 naming Content-Type unless the body is application/json."""
+    """A cross-site form or text/plain POST (no preflight) changes nothing: /slots/N's actions,
+    erase included, and /props are 415 naming Content-Type unless the body is application/json."""
     body = json.dumps({"filename": "plain.bin"})
     for action in ("save", "restore", "erase"):
-        for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+        for headers in ({"Content-Type": "text/plain"},
+                        {"Content-Type": "application/x-www-form-urlencoded"}, {}):
             r = httpx.post(f"{server.url}/slots/0?action={action}", content=body, headers=headers)
             err = _error(r, 415, "Content-Type", "application/json")
             assert err["param"] == "Content-Type", err
     assert not (server.saves / "plain.bin").exists()
-    r = httpx.post(server.url + "/props", content='{"top_k": 3}', headers={"Content-Type": "text/plain"})
+    r = httpx.post(server.url + "/props", content='{"top_k": 3}',
+                   headers={"Content-Type": "text/plain"})
     _error(r, 415, "application/json")
     assert _post(server, "/slots/0?action=erase", {}).status_code == 200
 
 
-# ---- 15: slot ids ---------------------------------------------------------------------------------------------
+# ---- 15: slot ids --------------------------------------------------------------------------------
 
 def test_slot_ids_are_bounded_and_named(server):
-    """A slot id beyond 64 bits, negative, or past the server's slots is a 400 naming id_slot and the value."""
+    """A slot id beyond 64 bits, negative, or past the server's slots is a 400 naming id_slot and
+    the value."""
     wrong = {}
-    for slot in ("1180591620717411303424", "-1", "1", "99999999999999999999999999999999999999", "0x0", "\u0661"):
+    for slot in ("1180591620717411303424", "-1", "1", "99999999999999999999999999999999999999",
+                 "0x0", "\u0661"):
         for action in ("erase", "save"):
             r = _post(server, f"/slots/{slot}?action={action}", {"filename": "s.bin"})
             err = r.json().get("error") or {}
-            if not (r.status_code == 400 and f"id_slot = {slot}" in err["message"] and "0..0" in err["message"]
+            if not (r.status_code == 400 and f"id_slot = {slot}" in err["message"]
+                    and "0..0" in err["message"]
                     and err["param"] == "id_slot"):
                 wrong[f"{action} {slot}"] = (r.status_code, err.get("message"), err.get("param"))
     assert not wrong, wrong
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-# ---- 13: slot files -------------------------------------------------------------------------------------------
+# ---- 13: slot files ------------------------------------------------------------------------------
 
 def _fill_slot(srv):
     """Slot 0 keeps the KV of a prompt longer than a prefix-cache block."""
-    r = _post(srv, "/v1/completions", {"prompt": "one two three four five six seven eight nine ten " * 2,
+    r = _post(srv, "/v1/completions",
+              {"prompt": "one two three four five six seven eight nine ten " * 2,
                                        "max_tokens": 2})
     assert r.status_code == 200, r.text
 
 
 def test_slot_save_ignores_a_planted_symlink(server, tmp_path):
-    """A symlink planted at the name save used to write through (NAME.tmp-<engine pid>) changes nothing: the
-    temporary file is a fresh random one, made O_EXCL|O_NOFOLLOW, mode 0600, renamed into place. The folder the
-    server made is private; a slot file that is a symlink is not restored."""
+    """A symlink planted at the name save used to write through (NAME.tmp-<engine pid>) changes
+    nothing: the temporary file is a fresh random one, made O_EXCL|O_NOFOLLOW, mode 0600, renamed
+    into place. The folder the server made is private; a slot file that is a symlink is not
+    restored."""
     assert stat.S_IMODE(server.saves.stat().st_mode) == 0o700
     _fill_slot(server)
     victim = tmp_path / "victim.txt"
@@ -287,7 +313,8 @@ def test_slot_save_ignores_a_planted_symlink(server, tmp_path):
 
 
 def _bomb(good: Path, out: Path, inflated: int) -> None:
-    """good's slot file with its first KV member replaced by `inflated` zero bytes (deflated: a few hundred KiB)."""
+    """good's slot file with its first KV member replaced by `inflated` zero bytes (deflated: a few
+    hundred KiB)."""
     with zipfile.ZipFile(good) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
         names = src.namelist()
         first = next(n for n in names if n.startswith("kv."))
@@ -304,8 +331,9 @@ def _bomb(good: Path, out: Path, inflated: int) -> None:
 
 
 def test_slot_restore_refuses_a_bomb_before_inflating(server):
-    """An npz whose KV member inflates to 256 MiB (the model's KV is a few KiB) is a 400 read from the zip's
-    directory: the engine's memory does not grow by what it would inflate to. allow_pickle stays off."""
+    """An npz whose KV member inflates to 256 MiB (the model's KV is a few KiB) is a 400 read from
+    the zip's directory: the engine's memory does not grow by what it would inflate to. allow_pickle
+    stays off."""
     _fill_slot(server)
     r = _post(server, "/slots/0?action=save", {"filename": "good.bin"})
     assert r.status_code == 200, r.text
@@ -316,13 +344,15 @@ def test_slot_restore_refuses_a_bomb_before_inflating(server):
     before = _rss_kib(engine)
     r = _post(server, "/slots/0?action=restore", {"filename": "bomb.bin"})
     grew = _rss_kib(engine, "VmHWM") - before
-    assert grew < 64 * 1024, f"the engine grew {grew} KiB refusing the file ({r.status_code}: {r.text[:300]})"
+    assert grew < 64 * 1024, (f"the engine grew {grew} KiB refusing the file ({r.status_code}: "
+                              f"{r.text[:300]})")
     _error(r, 400, "bomb.bin", "kv.")
     # a pickled object array is refused too (numpy's allow_pickle=False)
     buf = io.BytesIO()
     np.savez(buf, tokens=np.asarray([1, 2], np.int32), evil=np.asarray([{"a": 1}], dtype=object))
     (server.saves / "pickled.bin").write_bytes(buf.getvalue())
-    _error(_post(server, "/slots/0?action=restore", {"filename": "pickled.bin"}), 400, "pickled.bin")
+    _error(_post(server, "/slots/0?action=restore", {"filename": "pickled.bin"}), 400,
+           "pickled.bin")
     assert _post(server, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200
 
 
@@ -344,31 +374,36 @@ def _refusal(mode) -> str:
 
 
 def test_a_world_writable_slot_save_path_stops_the_server_at_start(model, tmp_path):
-    """An existing --slot-save-path anyone may write to is refused at start (exit 1), naming the folder and its
-    mode: another user could plant files (or links) there for the server to read and overwrite."""
+    """An existing --slot-save-path anyone may write to is refused at start (exit 1), naming the
+    folder and its mode: another user could plant files (or links) there for the server to read and
+    overwrite."""
     shared = _shared_folder(tmp_path, 0o777)
     args = [str(model), "--max-context", "64", "--no-warmup", "--slot-save-path", str(shared)]
-    with ServerProcess(args) as srv, pytest.raises(RuntimeError, match="exited with code 1") as refused:
+    with ServerProcess(args) as srv, pytest.raises(RuntimeError,
+                                                   match="exited with code 1") as refused:
         srv.wait_up()
         srv.stop()
-        raise AssertionError(f"the server started with --slot-save-path mode {shared.stat().st_mode:o}")
+        raise AssertionError("the server started with --slot-save-path mode "
+                             f"{shared.stat().st_mode:o}")
     said = str(refused.value)
     assert "--slot-save-path" in said and str(shared) in said and _refusal(0o777) in said, said
 
 
-@pytest.mark.parametrize("mode", [0o770, 0o722, "owner"], ids=lambda m: m if isinstance(m, str) else oct(m))
+@pytest.mark.parametrize("mode", [0o770, 0o722, "owner"],
+                         ids=lambda m: m if isinstance(m, str) else oct(m))
 def test_a_shared_slot_save_path_is_refused(model, tmp_path, mode):
-    """The same check where the server is built (serve.build, as the command above does): a folder its group or
-    others may write to, or another user's, is refused; the server's own private folder is taken."""
+    """The same check where the server is built (serve.build, as the command above does): a folder
+    its group or others may write to, or another user's, is refused; the server's own private folder
+    is taken."""
     from strata_jax.config import EngineConfig
     from strata_jax.serve import build
 
     shared = _shared_folder(tmp_path, mode)
     with pytest.raises(ValueError, match="--slot-save-path") as refused:
-        build(ServerConfig(model=str(model), slot_save_path=str(shared)), EngineConfig(max_context=64),
-              progress=False)
+        build(ServerConfig(model=str(model), slot_save_path=str(shared)),
+              EngineConfig(max_context=64), progress=False)
     assert str(shared) in str(refused.value) and _refusal(mode) in str(refused.value), refused.value
     own = tmp_path / "own"
-    assert build(ServerConfig(model=str(model), slot_save_path=str(own)), EngineConfig(max_context=64),
-                 progress=False) is not None
+    assert build(ServerConfig(model=str(model), slot_save_path=str(own)),
+                 EngineConfig(max_context=64), progress=False) is not None
     assert stat.S_IMODE(own.stat().st_mode) == 0o700

@@ -1,7 +1,8 @@
-"""Experts computed where they live beside another device ("remote" host experts, experts/hybrid.py): a
-process with two forced CPU devices runs the engine on cpu:0 and computes each layer's missed experts on
-cpu:1 from the host tier's blocks, as it would beside a GPU. The same kernel on the same blocks: the same
-logits bits and greedy tokens as copying every miss into the device cache."""
+"""Experts computed where they live beside another device ("remote" host experts,
+experts/hybrid.py): a process with two forced CPU devices runs the engine on cpu:0 and computes each
+layer's missed experts on cpu:1 from the host tier's blocks, as it would beside a GPU. The same
+kernel on the same blocks: the same logits bits and greedy tokens as copying every miss into the
+device cache."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from strata_jax import EngineConfig
 from strata_jax.config import ConfigError
 from strata_jax.experts.hybrid import HostRule
 
-MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
-       "expert_ffn": 32}
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8,
+       "experts_used": 2, "expert_ffn": 32}
 
 CHILD = r"""
 import json, sys
@@ -45,7 +46,7 @@ for name, kw in (("arena", dict(host_experts="off")), ("remote", dict(host_exper
                      "host_device": str(st.host_device), "blocks_on": ran_on, "stages": stages,
                      "rule": None if st.rule is None else [st.rule.link_gbs, st.rule.host_gbs, st.rule.force]}
 json.dump(res, open(out, "w"))
-"""
+"""  # noqa: E501
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,8 @@ def runs(tiny_model, tmp_path_factory):
     path = tiny_model(**MOE)
     out = tmp_path_factory.mktemp("remote") / "out.json"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(path), str(out)], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(path), str(out)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -62,7 +63,8 @@ def runs(tiny_model, tmp_path_factory):
 def test_remote_host_experts_give_the_same_bits_as_copying_every_miss(runs):
     arena, remote = runs["arena"], runs["remote"]
     assert remote["host_device"] == "cpu:1", remote["host_device"]
-    assert remote["blocks_on"] == [remote["host_device"]]          # the host tier's blocks sit on cpu:1
+    # the host tier's blocks sit on cpu:1
+    assert remote["blocks_on"] == [remote["host_device"]]
     assert any(s.startswith("rexperts") for s in remote["stages"]), remote["stages"]
     assert np.array_equal(np.array(arena["logits"]), np.array(remote["logits"]))
     assert arena["tokens"] == remote["tokens"]
@@ -80,7 +82,8 @@ def test_auto_measures_its_rule_and_gives_the_same_tokens(runs):
 
 
 def test_the_cost_rule():
-    rule = HostRule(link_gbs=10.0, host_gbs=20.0)                  # the host computes 2 rows in one copy's time
+    # the host computes 2 rows in one copy's time
+    rule = HostRule(link_gbs=10.0, host_gbs=20.0)
     assert rule.host_wins(np.array([1, 1]))                        # decode: a row a missed expert
     assert not rule.host_wins(np.array([3, 2]))                    # 2.5 rows each: copying wins
     assert HostRule(10.0, 1.0, force=True).host_wins(np.array([64]))
@@ -90,17 +93,19 @@ def test_the_cost_rule():
 def test_host_device_names_a_cpu_device():
     with pytest.raises(ConfigError, match="host_device = 'gpu:0'"):
         EngineConfig(host_device="gpu:0")
-    EngineConfig(host_device="cpu:1")            # checked against the devices when the engine starts
+    # checked against the devices when the engine starts
+    EngineConfig(host_device="cpu:1")
 
 
-# ---- --pcie-frac: some misses read by the device from pinned host memory, never copied into the cache ----
+# ---- --pcie-frac: some misses read by the device from pinned host memory, never copied into the
+# cache ----
 
 def test_pcie_frac_reads_misses_over_the_link_with_the_same_bits(tiny_model):
     from strata_jax import Engine
 
     path = tiny_model(**MOE)
-    base = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False, "expert_cache": 3, "host_experts": "off",
-            "layer_step": "always"}
+    base = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False, "expert_cache": 3,
+            "host_experts": "off", "layer_step": "always"}
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (21, 6)]
     out = {}
@@ -108,7 +113,8 @@ def test_pcie_frac_reads_misses_over_the_link_with_the_same_bits(tiny_model):
         with Engine.from_gguf(path, EngineConfig(**base, **kw)) as eng:
             logits = eng.logits(prompts[0])
             hs = [eng.submit(p, max_tokens=8, ignore_eos=True) for p in prompts]
-            out[name] = (logits, [[e.token for e in h if e.kind == "token"] for h in hs], eng.stats()["experts"])
+            out[name] = (logits, [[e.token for e in h if e.kind == "token"] for h in hs],
+                         eng.stats()["experts"])
             if name == "pcie":
                 stages = {lay.stage for lay in eng.runner.programs.programs}
                 assert "sexperts" in stages, stages
@@ -116,7 +122,8 @@ def test_pcie_frac_reads_misses_over_the_link_with_the_same_bits(tiny_model):
     assert np.array_equal(la, lp) and ta == tp
     assert ep["streamed"] > 0 and ep["bytes_streamed"] > 0 and ea["streamed"] == 0
     assert ep["lookups"] == ep["hits"] + ep["misses_host"] + ep["misses_file"] + ep["streamed"]
-    assert ep["evictions"] < ea["evictions"]          # the streamed (coldest) misses never evict a cached expert
+    # the streamed (coldest) misses never evict a cached expert
+    assert ep["evictions"] < ea["evictions"]
 
 
 def test_pcie_frac_is_a_clear_error_where_the_device_has_no_pinned_host():

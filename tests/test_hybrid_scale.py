@@ -1,9 +1,11 @@
-"""The hybrid families at the seed's shape (issue 34 items 6 and 7): 512 experts a layer (Qwen3-Next's count,
-10 chosen a token), in a file split into 3 parts as the seed's was, made by `make-model`.
+"""The hybrid families at the seed's shape (issue 34 items 6 and 7): 512 experts a layer
+(Qwen3-Next's count, 10 chosen a token), in a file split into 3 parts as the seed's was, made by
+`make-model`.
 
-The model is small in every other way (hidden 64), so it runs in seconds; what the test holds is that nothing
-depends on the expert count: the logits match transformers', the expert tiers at a quarter of the experts give
-the all-on-device logits bit for bit, and the engine compiles no more programs for 512 experts than for 8.
+The model is small in every other way (hidden 64), so it runs in seconds; what the test holds is
+that nothing depends on the expert count: the logits match transformers', the expert tiers at a
+quarter of the experts give the all-on-device logits bit for bit, and the engine compiles no more
+programs for 512 experts than for 8.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def test_512_experts_in_3_parts_match_transformers(wide):
     model = GGUFModel.open(wide)
     assert len(model.paths) == 3 and wide.name.endswith("-00001-of-00003.gguf")
     assert model.spec.n_experts == 512 and model.spec.n_experts_used == 10
-    assert len({t.path for t in model.tensors.values()}) == 3          # the tensors spread over the parts
+    # the tensors spread over the parts
+    assert len({t.path for t in model.tensors.values()}) == 3
     ids = [int(t) for t in np.random.default_rng(8).integers(3, 500, 40)]
     with torch.no_grad():
         ref = load_hybrid(wide)(torch.tensor([ids])).logits[0].numpy()
@@ -47,8 +50,9 @@ def test_512_experts_in_3_parts_match_transformers(wide):
 
 
 def test_512_experts_on_the_tiers_and_no_program_per_expert_count(wide, tiny_model):
-    """--expert-cache 128 (a quarter) gives the all-on-device logits and greedy tokens bit for bit; the engine
-    compiles as many programs for 512 experts as for 8 (the same calls on a model that differs only there)."""
+    """--expert-cache 128 (a quarter) gives the all-on-device logits and greedy tokens bit for bit;
+    the engine compiles as many programs for 512 experts as for 8 (the same calls on a model that
+    differs only there)."""
     ids = [int(t) for t in np.random.default_rng(9).integers(3, 500, 40)]
     device = _run(wide, ids)
     tiers = _run(wide, ids, expert_cache="128")

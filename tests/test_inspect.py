@@ -1,5 +1,5 @@
-"""`strata-jax inspect`: its figures, checked against numbers computed here from the options and from the
-gguf package's own reader."""
+"""`strata-jax inspect`: its figures, checked against numbers computed here from the options and
+from the gguf package's own reader."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ Q4_0_BYTES, Q8_0_BYTES = 18 / 32, 34 / 32  # bytes per value
 
 @pytest.fixture(scope="module")
 def moe_path(tiny_model):
-    return tiny_model(arch="qwen2moe", layers=L, hidden=H, experts=E, experts_used=2, expert_ffn=EFF,
-                      shared_ffn=64, expert_quant="Q4_0", quant="Q8_0", embed_quant="F16", split=2)
+    return tiny_model(arch="qwen2moe", layers=L, hidden=H, experts=E, experts_used=2,
+                      expert_ffn=EFF, shared_ffn=64, expert_quant="Q4_0", quant="Q8_0",
+                      embed_quant="F16", split=2)
 
 
 def _inspect(capsys, *args) -> str:
@@ -42,7 +43,8 @@ def test_inspect_figures(moe_path, capsys):
     parts = sorted(moe_path.parent.glob("*.gguf"))
     ref = _reference(parts)
     params = sum(r[1] for r in ref.values())
-    one_expert = round(3 * EFF * H * Q4_0_BYTES)  # gate, up and down rows of one expert of one layer
+    # gate, up and down rows of one expert of one layer
+    one_expert = round(3 * EFF * H * Q4_0_BYTES)
     expert_params = L * E * 3 * EFF * H
 
     figures = json.loads(_inspect(capsys, parts[1], "--json"))
@@ -51,7 +53,8 @@ def test_inspect_figures(moe_path, capsys):
     assert figures["active_params"] == params - expert_params + expert_params * 2 // E
     assert {r["qtype"]: [r["tensors"], r["params"], r["bytes"]] for r in figures["types"]} == ref
     assert set(ref) == {"F32", "F16", "Q8_0", "Q4_0"}
-    assert figures["n_experts"] == E and figures["n_experts_used"] == 2 and figures["moe_layers"] == [0, 1, 2]
+    assert (figures["n_experts"] == E and figures["n_experts_used"] == 2
+            and figures["moe_layers"] == [0, 1, 2])
     assert figures["expert_bytes_per_layer"] == {str(i): one_expert for i in range(L)}
     assert figures["expert_bytes"] == L * E * one_expert == ref["Q4_0"][2]
     assert figures["dense_bytes"] == sum(r[2] for r in ref.values()) - L * E * one_expert
@@ -77,13 +80,15 @@ def test_inspect_device_budget(moe_path, capsys):
     fit = json.loads(_inspect(capsys, moe_path, "--json", "--device-budget-gib", budget))["budget"]
     assert fit["experts_after_dense"] == 10 and fit["n_experts_total"] == L * E
     assert fit["experts_fit"] and not fit["all_fit"]  # the experts alone (41 KiB) would fit
-    assert "it holds 10 of 24 experts (41.7%)" in _inspect(capsys, moe_path, "--device-budget-gib", budget)
+    assert ("it holds 10 of 24 experts (41.7%)" in _inspect(capsys, moe_path, "--device-budget-gib",
+                                                            budget))
 
     roomy = json.loads(_inspect(capsys, moe_path, "--json", "--device-budget-gib", 1))["budget"]
     assert roomy["all_fit"] and roomy["experts_after_dense"] == L * E
     assert "all weights fit" in _inspect(capsys, moe_path, "--device-budget-gib", 1)
 
-    tiny = json.loads(_inspect(capsys, moe_path, "--json", "--device-budget-gib", experts / 2 / 2**30))["budget"]
+    tiny = json.loads(_inspect(capsys, moe_path, "--json", "--device-budget-gib",
+                               experts / 2 / 2**30))["budget"]
     assert not tiny["experts_fit"] and tiny["experts_after_dense"] == 0
 
 
@@ -98,7 +103,8 @@ def test_inspect_dense_model(tiny_model, capsys):
 def test_inspect_unsupported_file_still_described(tiny_model, tmp_path, capsys):
     from strata_jax.testing.edit_gguf import rewrite_gguf
 
-    path = rewrite_gguf(tiny_model(arch="qwen3moe"), tmp_path / "x.gguf", set_metadata={"general.architecture": "grok"})
+    path = rewrite_gguf(tiny_model(arch="qwen3moe"), tmp_path / "x.gguf",
+                        set_metadata={"general.architecture": "grok"})
     text = _inspect(capsys, path)
     assert "not runnable: architecture 'grok' is not supported" in text
     assert json.loads(_inspect(capsys, path, "--json"))["n_experts"] == 8
@@ -109,4 +115,5 @@ def test_inspect_bad_file_is_one_clear_line(tmp_path, capsys):
     bad.write_bytes(b"nope")
     assert main(["inspect", str(bad)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("strata-jax inspect: error: ") and str(bad) in err and "not a GGUF file" in err
+    assert (err.startswith("strata-jax inspect: error: ") and str(bad) in err
+            and "not a GGUF file" in err)

@@ -1,9 +1,10 @@
 """pallas_kernels against the gguf package's reference dequantization, on every type and backend.
 
-On a CPU the kernels run on the xla backend and the Pallas kernels in interpret mode. On a machine with a
-GPU, `STRATA_TEST_BACKEND=pallas` runs them on the GPU's real Pallas (Triton) backend instead of interpret
-mode, beside xla (scripts/device_check.sh does); any other value is a comma list of backends taken as is
-(e.g. `STRATA_TEST_BACKEND=pallas,interpret`). Without a GPU the pallas cases are skipped, saying why.
+On a CPU the kernels run on the xla backend and the Pallas kernels in interpret mode. On a machine
+with a GPU, `STRATA_TEST_BACKEND=pallas` runs them on the GPU's real Pallas (Triton) backend instead
+of interpret mode, beside xla (scripts/device_check.sh does); any other value is a comma list of
+backends taken as is (e.g. `STRATA_TEST_BACKEND=pallas,interpret`). Without a GPU the pallas cases
+are skipped, saying why.
 """
 
 import os
@@ -25,8 +26,9 @@ elif _ENV_BACKEND == "pallas":
 else:
     BACKENDS = [b.strip() for b in _ENV_BACKEND.split(",") if b.strip()]
 ON_GPU = jax.default_backend() == "gpu"
-# A float32 product on a GPU may run in TF32 (10-bit mantissa): XLA's default precision there, and Triton's
-# dot. Its error is ~1e-3 of a product, so the matmul checks allow 3e-3 of the scale there, 1e-4 elsewhere.
+# A float32 product on a GPU may run in TF32 (10-bit mantissa): XLA's default precision there, and
+# Triton's dot. Its error is ~1e-3 of a product, so the matmul checks allow 3e-3 of the scale there,
+# 1e-4 elsewhere.
 MATMUL_ATOL = 3e-3 if ON_GPU else 1e-4
 
 
@@ -99,7 +101,8 @@ def test_expert_matmul(qtype, backend):
     # Poison the unchosen experts: if any kernel dequantized them, NaN would reach the output.
     poisoned = b.copy()
     poisoned[[2, 4]] = 0xFF
-    y = np.asarray(pk.expert_matmul(jnp.asarray(x), jnp.asarray(poisoned), jnp.asarray(ids), qtype, backend=backend))
+    y = np.asarray(pk.expert_matmul(jnp.asarray(x), jnp.asarray(poisoned), jnp.asarray(ids), qtype,
+                                    backend=backend))
     assert np.isfinite(y).all()
     np.testing.assert_allclose(y, ref, rtol=0, atol=MATMUL_ATOL * np.abs(ref).max())
 

@@ -1,7 +1,7 @@
-"""--kv-resident N: a slot's KV past its first N positions lives in host RAM, and attention brings it in
-block by block. Logits, greedy tokens and the KV itself are the same bits as with all KV on the device;
-the device holds parallel x N positions, so a context the device could not hold for every slot is served.
-Small N (32) and a small attention chunk (16) keep it cheap."""
+"""--kv-resident N: a slot's KV past its first N positions lives in host RAM, and attention brings
+it in block by block. Logits, greedy tokens and the KV itself are the same bits as with all KV on
+the device; the device holds parallel x N positions, so a context the device could not hold for
+every slot is served. Small N (32) and a small attention chunk (16) keep it cheap."""
 
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ def test_logits_equal_all_on_device(engines):
 
 
 def test_two_slots_generate_the_same_tokens_and_kv(engines):
-    """Two requests at once (one starts below N and crosses it while decoding, one's prompt is past N
-    already: windows mix rows on both sides of N); the same tokens, and each slot's KV (device part +
-    host part) equals the all-on-device cache bit for bit."""
+    """Two requests at once (one starts below N and crosses it while decoding, one's prompt is past
+    N already: windows mix rows on both sides of N); the same tokens, and each slot's KV (device
+    part + host part) equals the all-on-device cache bit for bit."""
     prompts = [_ids(20, 1), _ids(45, 2)]
     out = []
     for eng in engines:
@@ -81,7 +81,8 @@ def test_int8_logits_equal_all_on_device(path):
     ids = _ids(70, 4)
     res = []
     for n in (None, N):
-        with Engine.from_gguf(path, EngineConfig(**{**BASE, "parallel": 1}, kv="int8", kv_resident=n)) as eng:
+        with Engine.from_gguf(path, EngineConfig(**{**BASE, "parallel": 1}, kv="int8",
+                                                 kv_resident=n)) as eng:
             res.append(eng.logits(ids))
             if n:
                 assert eng.runner.kv_host.names == ("k", "v", "k_scale", "v_scale")
@@ -89,18 +90,20 @@ def test_int8_logits_equal_all_on_device(path):
 
 
 def test_a_context_the_device_cannot_hold(path, engines):
-    """--device-memory-mib below what parallel x max_context of KV needs: without --kv-resident the engine
-    cannot start; with it, it starts and serves past N with the all-on-device tokens."""
+    """--device-memory-mib below what parallel x max_context of KV needs: without --kv-resident the
+    engine cannot start; with it, it starts and serves past N with the all-on-device tokens."""
     on_device, _ = engines
     big = dict(BASE, max_context=8192, vram_reserve_mib=0)
     probe = Engine.from_gguf(path, EngineConfig(**big, kv_resident=N))
     mem = probe.stats()["memory"]
     probe.close()
-    full_kv = mem["kv_bytes"] // (N + 1) * (8192 + 1)          # the same slots with every position on the device
+    # the same slots with every position on the device
+    full_kv = mem["kv_bytes"] // (N + 1) * (8192 + 1)
     budget = (mem["weights_bytes"] + full_kv // 2) / 2**20
     with pytest.raises(Exception, match="RESOURCE_EXHAUSTED.*KV cache"):
         Engine.from_gguf(path, EngineConfig(**big, device_memory_mib=budget))
-    with Engine.from_gguf(path, EngineConfig(**big, kv_resident=N, device_memory_mib=budget)) as eng:
+    with Engine.from_gguf(path,
+                          EngineConfig(**big, kv_resident=N, device_memory_mib=budget)) as eng:
         ids = _ids(60, 5)
         got = eng.generate(ids, max_tokens=20, ignore_eos=True).tokens
         assert got == on_device.generate(ids, max_tokens=20, ignore_eos=True).tokens
@@ -110,7 +113,8 @@ def test_a_context_the_device_cannot_hold(path, engines):
 
 
 def test_bad_kv_resident_names_the_chunk():
-    with pytest.raises(ConfigError, match=r"kv_resident = 40: must be a multiple of the attention chunk, 16 keys"):
+    with pytest.raises(ConfigError, match=r"kv_resident = 40: must be a multiple of the attention "
+                                          r"chunk, 16 keys"):
         EngineConfig(max_context=128, attn_chunk=16, kv_resident=40)
     with pytest.raises(ConfigError, match=r"kv_resident = 1000: .* 256 keys .* try 768"):
         EngineConfig(max_context=4096, kv_resident=1000)
@@ -127,12 +131,14 @@ def test_cli_flags():
 
     p = argparse.ArgumentParser()
     add_engine_flags(p)
-    cfg = engine_config(p.parse_args(["--max-context", "131072", "--kv-resident", "32768", "--attn-chunk", "256"]))
+    cfg = engine_config(p.parse_args(["--max-context", "131072", "--kv-resident", "32768",
+                                      "--attn-chunk", "256"]))
     assert (cfg.max_context, cfg.kv_resident, cfg.attention_chunk()) == (131072, 32768, 256)
 
 
 def test_host_store_pages_and_ends():
-    """The numpy store alone: put/read across pages, fetch zeros past a row's end, int8 with scales."""
+    """The numpy store alone: put/read across pages, fetch zeros past a row's end, int8 with
+    scales."""
     from types import SimpleNamespace
 
     from strata_jax.engine.execute.kv_host import KVHostStore
@@ -144,27 +150,32 @@ def test_host_store_pages_and_ends():
     n = 300                                                     # positions 32..331: two pages
     entries = {"k": rng.integers(-127, 127, (2, n, 2, 4)).astype(np.int8),
                "v": rng.integers(-127, 127, (2, n, 2, 4)).astype(np.int8),
-               "k_scale": rng.random((2, n, 2), np.float32), "v_scale": rng.random((2, n, 2), np.float32)}
+               "k_scale": rng.random((2, n, 2), np.float32),
+               "v_scale": rng.random((2, n, 2), np.float32)}
     store.put(1, 32, entries)
     back = store.read(1, 32, 32 + n)
     assert all(np.array_equal(back[k], entries[k]) for k in entries)
-    nothing_new = [np.zeros((3, 1, *a.shape[2:]), a.dtype) for a in entries.values()]   # pos -1: not stored
+    # pos -1: not stored
+    nothing_new = [np.zeros((3, 1, *a.shape[2:]), a.dtype) for a in entries.values()]
     k, _, ks, _ = store.fetch(64, 1, np.array([1, 1, 0]), np.array([32 + n, 300, 0]), 272,
                               np.full((3, 1), -1, np.int32), *nothing_new)
-    assert np.array_equal(k[0, :60], entries["k"][1, 240:300])      # across two pages, to the last written
+    # across two pages, to the last written
+    assert np.array_equal(k[0, :60], entries["k"][1, 240:300])
     assert np.array_equal(ks[0, :60], entries["k_scale"][1, 240:300]) and not k[0, 60:].any()
-    assert np.array_equal(k[1, :28], entries["k"][1, 240:268]) and not k[1, 28:].any()   # stops at its end
-    assert not k[2].any()                                             # a padding row: nothing copied
+    # stops at its end
+    assert np.array_equal(k[1, :28], entries["k"][1, 240:268]) and not k[1, 28:].any()
+    # a padding row: nothing copied
+    assert not k[2].any()
     with pytest.raises(IndexError, match="past the slot's context"):
         store.put(0, 32 + 16 * 16 * 3, {name: a[:, :1] for name, a in entries.items()})
     assert store.block(rows=2, n_positions=96, chunk=16) in (16, 32, 48, 96)
 
 
 def test_expert_tiers_with_kv_resident(tiny_model):
-    """Layer-stepped windows (experts in a small device cache) take the host store too: the same logits
-    as one program with every expert and all KV on the device."""
-    path = tiny_model(arch="qwen3moe", layers=2, hidden=64, heads=4, kv_heads=2, experts=8, experts_used=2,
-                      expert_ffn=32)
+    """Layer-stepped windows (experts in a small device cache) take the host store too: the same
+    logits as one program with every expert and all KV on the device."""
+    path = tiny_model(arch="qwen3moe", layers=2, hidden=64, heads=4, kv_heads=2, experts=8,
+                      experts_used=2, expert_ffn=32)
     ids = _ids(70, 6)
     cfg = dict(BASE, parallel=1)
     with Engine.from_gguf(path, EngineConfig(**cfg)) as eng:
@@ -178,7 +189,8 @@ def test_expert_tiers_with_kv_resident(tiny_model):
 
 def test_prefix_reuse_across_the_host_part(path, engines):
     """A slot's kept KV includes its host part (a second turn reuses it), and the conversation cache
-    stores and restores blocks that straddle N (blocks of 32 tokens, N = 48): the all-on-device tokens."""
+    stores and restores blocks that straddle N (blocks of 32 tokens, N = 48): the all-on-device
+    tokens."""
     on_device, _ = engines
     cfg = EngineConfig(**dict(BASE, max_context=2048), kv_resident=48, conversation_cache_mib=1)
     rng = np.random.default_rng(7)
@@ -188,12 +200,15 @@ def test_prefix_reuse_across_the_host_part(path, engines):
         a1 = eng.generate(p1, max_tokens=6, ignore_eos=True)
         p2 = p1 + a1.tokens + _ids(10, 9)
         a2 = eng.generate(p2, max_tokens=6, ignore_eos=True)
-        assert a2.stats["reused_tokens"] == len(p1) + 6 - 1               # past N: from the host part
+        # past N: from the host part
+        assert a2.stats["reused_tokens"] == len(p1) + 6 - 1
         assert a2.tokens == on_device.generate(p2, max_tokens=6, ignore_eos=True).tokens
-        for _ in range(2):                                                # both slots taken: stored to host RAM
+        # both slots taken: stored to host RAM
+        for _ in range(2):
             eng.generate([int(t) for t in rng.integers(3, 500, 20)], max_tokens=2, ignore_eos=True)
         p3 = p2 + a2.tokens + _ids(5, 10)
         a3 = eng.generate(p3, max_tokens=6, ignore_eos=True)
-        assert a3.stats["reused_tokens"] == 64                            # blocks [0, 32) and [32, 64), across N
+        # blocks [0, 32) and [32, 64), across N
+        assert a3.stats["reused_tokens"] == 64
         assert eng.stats()["prefix_cache"]["conversation_cache"]["restored_tokens"] >= 64
         assert a3.tokens == on_device.generate(p3, max_tokens=6, ignore_eos=True).tokens

@@ -1,5 +1,6 @@
-"""The code's shape against docs/DESIGN.md: the layers and the direction of imports, every environment
-variable read in one module, EngineConfig()'s defaults the same in every shell, no file too long."""
+"""The code's shape against docs/DESIGN.md: the layers and the direction of imports, every
+environment variable read in one module, EngineConfig()'s defaults the same in every shell, no file
+too long."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ PKG = ROOT / "strata_jax"
 
 
 def layers(marker: str = "<!-- layers:", end: str = "<!-- /layers -->") -> dict[str, int]:
-    """docs/DESIGN.md's layer table -> {unit: layer}; a unit is a module or package right under strata_jax
-    (or, for a package's floor table, right under that package)."""
+    """docs/DESIGN.md's layer table -> {unit: layer}; a unit is a module or package right under
+    strata_jax (or, for a package's floor table, right under that package)."""
     text = (ROOT / "docs" / "DESIGN.md").read_text()
     table = text.split(marker, 1)[1].split(end, 1)[0]
     out: dict[str, int] = {}
@@ -47,7 +48,8 @@ def is_module(name: str) -> bool:
 
 
 def imports(path: Path) -> list[tuple[str, int]]:
-    """The strata_jax modules `path` imports (relative imports resolved), with their line numbers."""
+    """The strata_jax modules `path` imports (relative imports resolved), with their line
+    numbers."""
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rsplit(".", 1)[0]
     out = []
@@ -60,7 +62,8 @@ def imports(path: Path) -> list[tuple[str, int]]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            for a in node.names:               # `from strata_jax import envs` imports the module envs
+            # `from strata_jax import envs` imports the module envs
+            for a in node.names:
                 sub = f"{module}.{a.name}"
                 out.append((sub if is_module(sub) else module, node.lineno))
     return [(m, line) for m, line in out if m == "strata_jax" or m.startswith("strata_jax.")]
@@ -82,12 +85,13 @@ def test_no_import_runs_up_the_layers():
         for module, line in imports(path):
             theirs = unit_of(module)
             if theirs != mine and table[theirs] >= table[mine]:
-                wrong.append(f"{path.relative_to(ROOT)}:{line} ({mine}, layer {table[mine]}) imports "
-                             f"{module} ({theirs}, layer {table[theirs]})")
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({mine}, layer {table[mine]}) "
+                             f"imports {module} ({theirs}, layer {table[theirs]})")
     assert wrong == []
 
 
-FLOORED = ("engine", "serve")        # the packages whose folders are floors of their own (docs/DESIGN.md)
+# the packages whose folders are floors of their own (docs/DESIGN.md)
+FLOORED = ("engine", "serve")
 
 
 def floors(package: str) -> dict[str, int]:
@@ -100,7 +104,8 @@ def units_under(package: Path) -> set[str]:
 
 
 def floor_unit(module: str, package: str) -> str | None:
-    """strata_jax.engine.execute.kv_cache -> execute (for package engine); None outside the package."""
+    """strata_jax.engine.execute.kv_cache -> execute (for package engine); None outside the
+    package."""
     parts = module.split(".")
     if parts[:2] != ["strata_jax", package]:
         return None
@@ -120,8 +125,8 @@ def test_no_import_runs_up_or_across_the_floors_of_a_package(package):
         for module, line in imports(path):
             theirs = floor_unit(module, package)
             if theirs is not None and theirs != mine and table[theirs] >= table[mine]:
-                wrong.append(f"{path.relative_to(ROOT)}:{line} ({mine}, floor {table[mine]}) imports "
-                             f"{module} ({theirs}, floor {table[theirs]})")
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({mine}, floor {table[mine]}) "
+                             f"imports {module} ({theirs}, floor {table[theirs]})")
     assert wrong == []
 
 
@@ -139,7 +144,8 @@ def test_the_floor_checker_sees_an_import_across(tmp_path):
 
 
 def test_the_kernels_import_nothing_of_strata_jax():
-    wrong = [f"{p.relative_to(ROOT)}:{line} {m}" for p in sorted((ROOT / "pallas_kernels").rglob("*.py"))
+    wrong = [f"{p.relative_to(ROOT)}:{line} {m}"
+             for p in sorted((ROOT / "pallas_kernels").rglob("*.py"))
              for m, line in imports(p)]
     assert wrong == []
     above = [f"{p.relative_to(ROOT)}" for p in sorted((ROOT / "quant_types").rglob("*.py"))
@@ -148,13 +154,13 @@ def test_the_kernels_import_nothing_of_strata_jax():
 
 
 def test_quant_types_sit_beneath_the_kernels_and_gguf_reading_needs_no_jax():
-    wrong = [f"{p.relative_to(ROOT)}:{line} {m}" for p in sorted((ROOT / "quant_types").rglob("*.py"))
-             for m, line in imports(p)]
+    wrong = [f"{p.relative_to(ROOT)}:{line} "
+             f"{m}" for p in sorted((ROOT / "quant_types").rglob("*.py")) for m, line in imports(p)]
     assert wrong == []
     code = ("import sys, strata_jax.gguf, quant_types; "
             "print(sorted(m for m in ('jax', 'pallas_kernels') if m in sys.modules))")
-    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=False, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip() == "[]"
 
@@ -169,7 +175,8 @@ def test_the_checker_sees_an_upward_import(tmp_path):
         fake.unlink()
     assert ("strata_jax.serve.app", 1) in found and ("strata_jax.envs", 2) in found
     table = layers()
-    assert table[unit_of("strata_jax.serve.app")] > table["engine"] > table[unit_of("strata_jax.envs")]
+    assert (table[unit_of("strata_jax.serve.app")] > table["engine"]
+            > table[unit_of("strata_jax.envs")])
 
 
 def test_every_environment_variable_is_read_in_envs_py():
@@ -191,13 +198,13 @@ def test_engine_config_defaults_are_the_same_in_every_shell():
             "print(EngineConfig().max_programs, engine_config(p.parse_args([])).max_programs, "
             "engine_config(p.parse_args(['--max-programs', '3'])).max_programs)")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "STRATA_BATCH_GRAPHS": "7"}
-    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                         check=False)
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, check=False)
     assert got.returncode == 0, got.stderr
     assert got.stdout.split() == ["64", "7", "3"]
     env["STRATA_BATCH_GRAPHS"] = "many"
-    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                         check=False)
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, check=False)
     assert bad.returncode != 0 and "STRATA_BATCH_GRAPHS='many' is not a whole number" in bad.stderr
 
 
@@ -207,7 +214,10 @@ def test_flags_md_holds_the_engine_flag_table_made_from_the_fields():
     from strata_jax.cli_flags import FLAGS, flag_table
     from strata_jax.config import EngineConfig
 
-    assert set(FLAGS) == {f.name for f in fields(EngineConfig)}, "one FLAGS entry an EngineConfig field"
+    assert set(FLAGS) == {f.name for f in fields(EngineConfig)}, ("one FLAGS entry an EngineConfig "
+                                                                  "field")
     doc = (ROOT / "docs" / "FLAGS.md").read_text()
-    held = doc.split("(tests/test_layers.py checks) -->\n", 1)[1].split("<!-- /engine flags -->", 1)[0]
-    assert held == flag_table(), "docs/FLAGS.md's engine flags are stale: python -m strata_jax.cli_flags makes them"
+    held = doc.split("(tests/test_layers.py checks) -->\n",
+                     1)[1].split("<!-- /engine flags -->", 1)[0]
+    assert held == flag_table(), ("docs/FLAGS.md's engine flags are stale: python -m "
+                                  "strata_jax.cli_flags makes them")

@@ -29,16 +29,20 @@ def test_same_seed_same_file_other_seed_other_weights(tmp_path):
 def test_quant_flags_and_fallback(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="strata_jax.makers.make_model"):
         path = make_model(tmp_path / "m.gguf", arch="qwen3moe", hidden=256, heads=4, expert_ffn=128,
-                          quant="Q4_K", attn_quant="Q8_0", expert_quant="Q4_K", embed_quant="Q6_K")[0]
+                          quant="Q4_K", attn_quant="Q8_0", expert_quant="Q4_K",
+                          embed_quant="Q6_K")[0]
     t = GGUFModel.open(path).tensors
     assert t["token_embd.weight"].qtype.name == "Q6_K" and t["output.weight"].qtype.name == "Q6_K"
     assert t["blk.0.attn_q.weight"].qtype == Q8_0 and t["blk.0.attn_output.weight"].qtype == Q8_0
-    assert t["blk.0.ffn_gate_exps.weight"].qtype == Q4_K and t["blk.0.ffn_up_exps.weight"].qtype == Q4_K
-    # ffn_down_exps rows are expert_ffn = 128 values: not whole Q4_K blocks of 256, so F16, and said so.
+    assert (t["blk.0.ffn_gate_exps.weight"].qtype == Q4_K
+            and t["blk.0.ffn_up_exps.weight"].qtype == Q4_K)
+    # ffn_down_exps rows are expert_ffn = 128 values: not whole Q4_K blocks of 256, so F16, and said
+    # so.
     assert t["blk.0.ffn_down_exps.weight"].qtype == F16
     assert "2 tensor(s) stored as F16 instead of Q4_K: their rows of 128 values" in caplog.text
     assert "blk.0.ffn_down_exps.weight" in caplog.text
-    for name in ("blk.0.attn_norm.weight", "blk.0.attn_q_norm.weight", "output_norm.weight", "blk.1.ffn_gate_inp.weight"):
+    for name in ("blk.0.attn_norm.weight", "blk.0.attn_q_norm.weight", "output_norm.weight",
+                 "blk.1.ffn_gate_inp.weight"):
         assert t[name].qtype == F32, name  # norms and the router stay F32
 
 
@@ -59,17 +63,20 @@ def test_tied_output_and_tokenizer_from(tiny_model, tmp_path):
     assert model.spec.vocab_size == 700 and model.tensors["token_embd.weight"].shape == (700, 64)
     for key, value in source.metadata.items():
         if key.startswith("tokenizer."):
-            assert model.metadata[key] == value and model.metadata_types[key] == source.metadata_types[key]
+            assert (model.metadata[key] == value
+                    and model.metadata_types[key] == source.metadata_types[key])
     with pytest.raises(ValueError, match="--vocab 600 disagrees"):
         make_model(tmp_path / "u.gguf", vocab=600, tokenizer_from=donor)
 
 
 def test_builtin_tokenizer(tiny_model):
     md = GGUFModel.open(tiny_model(arch="qwen3", vocab=1000)).metadata
-    tokens, types, merges = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"], md["tokenizer.ggml.merges"]
+    tokens, types, merges = (md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"],
+                             md["tokenizer.ggml.merges"])
     assert len(tokens) == len(types) == 1000 and len(set(tokens)) == 1000
     assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "qwen2"
-    assert tokens[ord("A")] == "A" and tokens[ord(" ")] == "Ġ" and tokens[ord("\n")] == "Ċ"  # GPT-2's byte spelling
+    # GPT-2's byte spelling
+    assert tokens[ord("A")] == "A" and tokens[ord(" ")] == "Ġ" and tokens[ord("\n")] == "Ċ"
     index = {tok: i for i, tok in enumerate(tokens)}
     for merge in merges:  # each merge joins two earlier tokens into a later one
         left, right = merge.split(" ")
@@ -101,39 +108,45 @@ def test_bad_options_say_what_is_wrong(tmp_path, options, message):
 def test_make_model_command(tmp_path):
     out = tmp_path / "cli.gguf"
     run = subprocess.run(
-        [sys.executable, "-m", "strata_jax", "make-model", str(out), "--arch", "qwen3moe", "--layers", "3",
-         "--experts", "4", "--experts-used", "2", "--expert-ffn", "64", "--quant", "Q4_K", "--attn-quant", "Q8_0",
-         "--split", "2", "--tied", "--seed", "5"],
+        [sys.executable, "-m", "strata_jax", "make-model", str(out), "--arch", "qwen3moe",
+         "--layers", "3", "--experts", "4", "--experts-used", "2", "--expert-ffn", "64", "--quant",
+         "Q4_K", "--attn-quant", "Q8_0", "--split", "2", "--tied", "--seed", "5"],
         check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert run.returncode == 0, run.stderr
     parts = [tmp_path / "cli-00001-of-00002.gguf", tmp_path / "cli-00002-of-00002.gguf"]
     assert sorted(tmp_path.iterdir()) == parts
     assert f"wrote {parts[0]}" in run.stdout and f"wrote {parts[1]}" in run.stdout
-    assert "stored as F16 instead of Q4_K" in run.stderr  # rows of 64 values are not whole Q4_K blocks
+    # rows of 64 values are not whole Q4_K blocks
+    assert "stored as F16 instead of Q4_K" in run.stderr
     model = GGUFModel.open(parts[1])
     spec = model.spec
-    assert (spec.architecture, spec.n_layers, spec.n_experts, spec.expert_ffn, spec.tied_output) == (
+    assert (spec.architecture, spec.n_layers, spec.n_experts, spec.expert_ffn,
+            spec.tied_output) == (
         "qwen3moe", 3, 4, 64, True)
     assert model.tensors["blk.0.attn_q.weight"].qtype == Q8_0
-    same = make_model(tmp_path / "py" / "cli.gguf", arch="qwen3moe", layers=3, experts=4, experts_used=2,
-                      expert_ffn=64, quant="Q4_K", attn_quant="Q8_0", split=2, tied=True, seed=5)
+    same = make_model(tmp_path / "py" / "cli.gguf", arch="qwen3moe", layers=3, experts=4,
+                      experts_used=2, expert_ffn=64, quant="Q4_K", attn_quant="Q8_0", split=2,
+                      tied=True, seed=5)
     assert [p.read_bytes() for p in same] == [p.read_bytes() for p in parts]
 
 
 def test_more_bits_quant_flag(tmp_path, capsys):
-    """--more-bits-quant: attn_v and ffn_down (experts too) of llama.cpp's Q4_K_M "more bits" layers take
-    that type, every other matrix keeps --quant; the flag is in make-model's help."""
+    """--more-bits-quant: attn_v and ffn_down (experts too) of llama.cpp's Q4_K_M "more bits" layers
+    take that type, every other matrix keeps --quant; the flag is in make-model's help."""
     from strata_jax.cli import main
 
     with pytest.raises(SystemExit) as done:
         main(["make-model", "--help"])
     assert done.value.code == 0 and "--more-bits-quant" in capsys.readouterr().out
     out = tmp_path / "mix.gguf"
-    assert main(["make-model", str(out), "--arch", "qwen2moe", "--layers", "3", "--hidden", "256", "--ffn", "256",
-                 "--expert-ffn", "256", "--shared-ffn", "256", "--experts", "2", "--experts-used", "1",
-                 "--quant", "Q4_K", "--more-bits-quant", "Q6_K"]) == 0
+    assert main(["make-model", str(out), "--arch", "qwen2moe", "--layers", "3", "--hidden", "256",
+                 "--ffn", "256", "--expert-ffn", "256", "--shared-ffn", "256", "--experts", "2",
+                 "--experts-used", "1", "--quant", "Q4_K", "--more-bits-quant", "Q6_K"]) == 0
     t = GGUFModel.open(out).tensors
-    for name in ("attn_v", "ffn_down_exps", "ffn_down_shexp"):     # use_more_bits(i, 3): layer 2 (i >= 7*3//8)
-        assert [t[f"blk.{i}.{name}.weight"].qtype.name for i in range(3)] == ["Q4_K", "Q4_K", "Q6_K"], name
-    others = {t[f"blk.{i}.{n}.weight"].qtype.name for i in range(3) for n in ("attn_q", "ffn_gate_exps", "ffn_up_shexp")}
+    # use_more_bits(i, 3): layer 2 (i >= 7*3//8)
+    for name in ("attn_v", "ffn_down_exps", "ffn_down_shexp"):
+        assert ([t[f"blk.{i}.{name}.weight"].qtype.name for i in range(3)]
+                == ["Q4_K", "Q4_K", "Q6_K"]), name
+    others = {t[f"blk.{i}.{n}.weight"].qtype.name for i in range(3)
+              for n in ("attn_q", "ffn_gate_exps", "ffn_up_shexp")}
     assert others == {"Q4_K"}

@@ -1,12 +1,14 @@
-"""One writer for each piece of state (docs/DESIGN.md, "Owners"): the code read for writes outside the owner.
+"""One writer for each piece of state (docs/DESIGN.md, "Owners"): the code read for writes outside
+the owner.
 
 Three rules over strata_jax/engine and strata_jax/serve, read from the code's syntax (ast):
-- no module touches another object's private attribute (`x._y` where x is not self, a class or a module);
-- an object writes its own attributes only: never `self.a.b = ...`, `self.a[k] += ...` or `self.a.b.append(...)`
-  (the state of the object held in `self.a`: call a method of it instead), except the counters records an
-  object keeps of itself (`self.counts.x += 1`);
-- a slot's sequence, position and text change only in engine/schedule/slots.py (Slot's methods), and the KV
-  cache's arrays only in engine/execute/kv_cache.py (KVCache's methods).
+- no module touches another object's private attribute (`x._y` where x is not self, a class or a
+  module);
+- an object writes its own attributes only: never `self.a.b = ...`, `self.a[k] += ...` or
+  `self.a.b.append(...)` (the state of the object held in `self.a`: call a method of it instead),
+  except the counters records an object keeps of itself (`self.counts.x += 1`);
+- a slot's sequence, position and text change only in engine/schedule/slots.py (Slot's methods), and
+  the KV cache's arrays only in engine/execute/kv_cache.py (KVCache's methods).
 Each rule is shown to fail on a probe written the wrong way.
 """
 
@@ -19,9 +21,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = [ROOT / "strata_jax" / "engine", ROOT / "strata_jax" / "serve"]
-OWN_RECORDS = {"counts", "counters", "stats"}     # records of an object's own counts, written only by it
-MUTATORS = {"append", "extend", "insert", "pop", "popleft", "appendleft", "remove", "clear", "update", "add",
-            "discard", "setdefault"}
+# records of an object's own counts, written only by it
+OWN_RECORDS = {"counts", "counters", "stats"}
+MUTATORS = {"append", "extend", "insert", "pop", "popleft", "appendleft", "remove", "clear",
+            "update", "add", "discard", "setdefault"}
 SLOT_STATE = {"n_past", "tokens", "text", "emitted", "stopping_word", "salt"}
 SLOT_OWNER = "strata_jax/engine/schedule/slots.py"
 KV_STATE = {"arrays"}
@@ -50,7 +53,8 @@ def written(tree: ast.AST):
             for one in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
                 if isinstance(one, (ast.Attribute, ast.Subscript)):
                     yield n.lineno, one
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS:
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr in MUTATORS):
             yield n.lineno, n.func.value
 
 
@@ -61,7 +65,8 @@ def is_self(node: ast.AST) -> bool:
 def problems(path: Path, text: str) -> list[str]:
     tree = ast.parse(text)
     rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
-    modules = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+    modules = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+               if isinstance(n, ast.Import)
                for a in n.names}
     out = []
     for n in ast.walk(tree):
@@ -69,7 +74,8 @@ def problems(path: Path, text: str) -> list[str]:
             base = n.value
             if not (isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in modules
                                                     or base.id[:1].isupper())):
-                out.append(f"{rel}:{n.lineno}: {ast.unparse(n)}: another object's private attribute")
+                out.append(f"{rel}:{n.lineno}: {ast.unparse(n)}: another object's private "
+                           "attribute")
     for line, target in written(tree):
         root, attrs = chain(target)
         shown = ast.unparse(target)
@@ -85,7 +91,8 @@ def problems(path: Path, text: str) -> list[str]:
 
 
 def test_every_piece_of_state_is_written_by_its_owner_alone():
-    found = [p for pkg in PACKAGES for path in sorted(pkg.rglob("*.py")) for p in problems(path, path.read_text())]
+    found = [p for pkg in PACKAGES for path in sorted(pkg.rglob("*.py"))
+             for p in problems(path, path.read_text())]
     assert found == []
 
 
@@ -105,6 +112,6 @@ def test_the_owner_check_sees_a_write_outside_the_owner(code, says):
 
 
 def test_the_owner_check_lets_an_object_write_itself():
-    code = ("class A:\n    def f(self, t):\n        self.n_past += 1\n        self.counts.windows += 1\n"
-            "        self.queue.append(t)\n        self._x = 1\n")
+    code = ("class A:\n    def f(self, t):\n        self.n_past += 1\n        self.counts.windows "
+            "+= 1\n        self.queue.append(t)\n        self._x = 1\n")
     assert problems(ROOT / "strata_jax" / "engine" / "schedule" / "_owner_probe.py", code) == []

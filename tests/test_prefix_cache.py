@@ -1,11 +1,11 @@
 """The prefix cache (a slot keeps its KV after its request) and the conversation cache (evicted
 conversations' KV in host RAM, in blocks keyed by their exact token prefix), issue 8.
 
-What would catch llama.cpp's issue 27148 (an unrelated conversation's KV restored): the block lookup is
-checked alone with a hash under which every block collides, and 16 concurrent conversations on 3 slots
-with a small host cache (so slots are overwritten, stored, evicted and restored all the time) must each
-get, turn after turn, exactly the answer an engine without any cache gives, with every restore checked
-against the request's prompt as it happens."""
+What would catch llama.cpp's issue 27148 (an unrelated conversation's KV restored): the block lookup
+is checked alone with a hash under which every block collides, and 16 concurrent conversations on 3
+slots with a small host cache (so slots are overwritten, stored, evicted and restored all the time)
+must each get, turn after turn, exactly the answer an engine without any cache gives, with every
+restore checked against the request's prompt as it happens."""
 
 from __future__ import annotations
 
@@ -18,15 +18,17 @@ from strata_jax import Engine, EngineConfig
 from strata_jax.engine.schedule.conversation_cache import ConversationCache
 from strata_jax.serve.launch import ServerProcess
 
-MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2, "expert_ffn": 32}
-CTX = 256                                  # conversation-cache blocks of 16 tokens (prefix_cache.block_tokens)
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8,
+       "experts_used": 2, "expert_ffn": 32}
+# conversation-cache blocks of 16 tokens (prefix_cache.block_tokens)
+CTX = 256
 
 
 def _rand(rng, n):
     return [int(t) for t in rng.integers(3, 500, n)]
 
 
-# ---- the block store alone (no model) -----------------------------------------------------------------
+# ---- the block store alone (no model) ------------------------------------------------------------
 
 def _fake_kv(tokens, B):
     """A block's 'KV' that names its tokens, so a wrong restore shows in the values."""
@@ -34,7 +36,8 @@ def _fake_kv(tokens, B):
 
 
 def test_blocks_match_only_the_exact_prefix_even_when_every_hash_collides():
-    cc = ConversationCache(block=4, max_bytes=1 << 20, max_conversations=0, key_fn=lambda parent, toks: b"same")
+    cc = ConversationCache(block=4, max_bytes=1 << 20, max_conversations=0,
+                           key_fn=lambda parent, toks: b"same")
     rng = np.random.default_rng(1)
     system = _rand(rng, 8)
     a = system + _rand(rng, 8)
@@ -48,16 +51,19 @@ def test_blocks_match_only_the_exact_prefix_even_when_every_hash_collides():
         want = {id(x) for x in got}
         assert len(want) == len(got)
         flat = np.concatenate([blk.tokens for blk in got]) if got else np.zeros(0, np.int32)
-        assert flat.tolist() == toks[:len(flat)]                      # never another conversation's tokens
+        # never another conversation's tokens
+        assert flat.tolist() == toks[:len(flat)]
         for blk in got:
             assert blk.kv["k"][0, :, 0].tolist() == blk.tokens.tolist()
     assert len(cc.match(a, 16)) == 4 and len(cc.match(b, 16)) == 4 and len(cc.match(c, 16)) == 4
     assert len(cc.match(system + _rand(rng, 8), 16)) == 2
-    assert len(cc.match(a, 15)) == 3                  # never past the limit (the last prompt token is read)
+    # never past the limit (the last prompt token is read)
+    assert len(cc.match(a, 15)) == 3
 
 
 def test_bounds_evict_least_recent_conversations_and_keep_shared_blocks():
-    nbytes = 4 * 4 + 4 * 4                           # a block: 4 float32 values + its 4 int32 tokens
+    # a block: 4 float32 values + its 4 int32 tokens
+    nbytes = 4 * 4 + 4 * 4
     cc = ConversationCache(block=4, max_bytes=10 * nbytes, max_conversations=3)
     rng = np.random.default_rng(2)
     system = _rand(rng, 8)
@@ -65,25 +71,29 @@ def test_bounds_evict_least_recent_conversations_and_keep_shared_blocks():
     cc.store(convs[0], _fake_kv(convs[0], 4))
     cc.store(convs[1], _fake_kv(convs[1], 4))
     assert cc.bytes == 6 * nbytes and cc.stats()["conversations"] == 2
-    longer = convs[0] + _rand(rng, 4)                 # a later turn of conversation 0 replaces its entry
+    # a later turn of conversation 0 replaces its entry
+    longer = convs[0] + _rand(rng, 4)
     cc.store(longer, _fake_kv(longer, 4))
     assert cc.stats()["conversations"] == 2 and cc.bytes == 7 * nbytes
     cc.store(convs[2], _fake_kv(convs[2], 4))         # 9 blocks
-    cc.store(convs[3], _fake_kv(convs[3], 4))         # over both bounds: conversation 1 (least recent) goes
+    # over both bounds: conversation 1 (least recent) goes
+    cc.store(convs[3], _fake_kv(convs[3], 4))
     assert cc.stats()["conversations"] == 3 and cc.bytes <= 10 * nbytes
-    assert len(cc.match(convs[1], 16)) == 2           # its own blocks are gone, the shared system prompt stays
+    # its own blocks are gone, the shared system prompt stays
+    assert len(cc.match(convs[1], 16)) == 2
     assert len(cc.match(longer, 20)) == 5 and len(cc.match(convs[3], 16)) == 4
     cc.touch(cc.match(longer, 20))                    # a restore makes it the most recent
     cc.store(convs[4], _fake_kv(convs[4], 4))
     assert len(cc.match(longer, 20)) == 5 and len(cc.match(convs[2], 16)) == 2
     st = cc.stats()
     assert st["evicted_blocks"] >= 4 and st["bytes"] <= 10 * nbytes and st["conversations"] <= 3
-    huge = _rand(rng, 80)                             # larger than the whole cache: its prefix that fits
+    # larger than the whole cache: its prefix that fits
+    huge = _rand(rng, 80)
     cc.store(huge, _fake_kv(huge, 4))
     assert cc.bytes <= 10 * nbytes and len(cc.match(huge, 80)) == 10
 
 
-# ---- the engine ---------------------------------------------------------------------------------------
+# ---- the engine ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def moe_path(tiny_model):
@@ -93,7 +103,8 @@ def moe_path(tiny_model):
 @pytest.fixture(scope="module")
 def scratch(moe_path):
     """An engine with no prefix cache: every prompt read from its first token."""
-    eng = Engine.from_gguf(moe_path, EngineConfig(parallel=2, max_context=CTX, prefill=16, prefix_cache=False))
+    eng = Engine.from_gguf(moe_path, EngineConfig(parallel=2, max_context=CTX, prefill=16,
+                                                  prefix_cache=False))
     yield eng
     eng.close()
 
@@ -139,14 +150,15 @@ def test_second_turn_reads_only_its_new_tokens(moe_path, scratch):
         assert c2.tokens == scratch.generate(r2, max_tokens=6, ignore_eos=True).tokens
         st = eng.stats()["prefix_cache"]
         assert st["slot_hits"] >= 2 and st["conversation_cache"]["hits"] >= 1
-        assert st["conversation_cache"]["restored_tokens"] >= 32 and st["conversation_cache"]["stored_blocks"] >= 3
+        assert (st["conversation_cache"]["restored_tokens"] >= 32
+                and st["conversation_cache"]["stored_blocks"] >= 3)
     finally:
         eng.close()
 
 
 def _conversations(rng, n=16):
-    """First-turn prompts: one shared system prompt (2 blocks), then pairs that share a long part (3 more
-    blocks) and differ after it, so the hash chains of their shorter prefixes agree."""
+    """First-turn prompts: one shared system prompt (2 blocks), then pairs that share a long part (3
+    more blocks) and differ after it, so the hash chains of their shorter prefixes agree."""
     system = _rand(rng, 32)
     out = []
     for i in range(0, n, 2):
@@ -156,18 +168,21 @@ def _conversations(rng, n=16):
 
 
 def test_sixteen_conversations_never_get_another_ones_prefix(moe_path):
-    """16 conversations x 3 turns, 6 of them going on at any time, on 3 slots, int8 KV (its scales travel
-    too), a host cache of 8 conversations and 0.1 MiB (about 5 conversations' worth: it evicts), and a hash
-    under which every block collides: every answer equals the answer without any cache."""
+    """16 conversations x 3 turns, 6 of them going on at any time, on 3 slots, int8 KV (its scales
+    travel too), a host cache of 8 conversations and 0.1 MiB (about 5 conversations' worth: it
+    evicts), and a hash under which every block collides: every answer equals the answer without any
+    cache."""
     cfg = {"parallel": 3, "max_context": CTX, "prefill": 16, "kv": "int8"}
-    eng = Engine.from_gguf(moe_path, EngineConfig(**cfg, conversation_cache_mib=0.1, conversation_cache_slots=8))
+    eng = Engine.from_gguf(moe_path, EngineConfig(**cfg, conversation_cache_mib=0.1,
+                                                  conversation_cache_slots=8))
     eng.prefix.host.key_fn = lambda parent, toks: b"collide"
     restores, lock = [], threading.Lock()
 
     def check(prompt, restored):
         with lock:
             restores.append((len(prompt), len(restored)))
-        assert restored.tolist() == prompt[:len(restored)]      # (the engine checks it too, and raises)
+        # (the engine checks it too, and raises)
+        assert restored.tolist() == prompt[:len(restored)]
     eng.prefix.on_restore = check
     rng = np.random.default_rng(4)
     firsts = _conversations(rng)
@@ -196,7 +211,8 @@ def test_sixteen_conversations_never_get_another_ones_prefix(moe_path):
     assert all(len(r) == 3 for r in record)
     cc = st["conversation_cache"]
     assert restores and cc["hits"] == len(restores) and cc["evicted_blocks"] > 0
-    assert cc["bytes"] <= 0.1 * 2**20 and cc["conversations"] <= 8 and cc["evicted_conversations"] > 0
+    assert (cc["bytes"] <= 0.1 * 2**20 and cc["conversations"] <= 8
+            and cc["evicted_conversations"] > 0)
     assert st["slot_hits"] > 0
     scratch = Engine.from_gguf(moe_path, EngineConfig(**cfg, prefix_cache=False))
     try:
@@ -217,7 +233,8 @@ def test_server_reports_cache_n_for_a_second_turn(tiny_model):
         msgs = [{"role": "user", "content": "Tell me about the sea and the mountains."}]
 
         def chat(messages):
-            r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 6,
+            r = httpx.post(srv.url + "/v1/chat/completions",
+                           json={"messages": messages, "max_tokens": 6,
                                                                     "temperature": 0}, timeout=60)
             assert r.status_code == 200, r.text
             return r.json()

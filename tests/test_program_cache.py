@@ -1,10 +1,12 @@
-"""The program cache's memory path without XLA: a fake `build` whose executables report the bytes we choose.
+"""The program cache's memory path without XLA: a fake `build` whose executables report the bytes we
+choose.
 
-What the load ladder found (SmolLM2, --device-memory-mib 2000, a loaded 2-core CPU): a window program that the
-ledger refused was compiled a second time after the older half was freed, and a layout bigger than all the
-memory programs can have was compiled twice at every window that needed it (a minute each), before the engine
-split the window anyway. Now the executable the ledger refused is kept for the retry, and a layout that can
-never fit is refused at once until the room for programs grows.
+What the load ladder found (SmolLM2, --device-memory-mib 2000, a loaded 2-core CPU): a window
+program that the ledger refused was compiled a second time after the older half was freed, and a
+layout bigger than all the memory programs can have was compiled twice at every window that needed
+it (a minute each), before the engine split the window anyway. Now the executable the ledger refused
+is kept for the retry, and a layout that can never fit is refused at once until the room for
+programs grows.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ class FakeCompiled:
 
 
 def cache_of(sizes_mib: dict[int, float], budget_mib: float, fixed_mib: float = 0.0):
-    """A cache over layouts keyed by rows (1 x rows decode windows), each of the given MiB; `fixed_mib` of the
-    budget taken by weights. Returns (cache, list of the rows compiled, in order)."""
+    """A cache over layouts keyed by rows (1 x rows decode windows), each of the given MiB;
+    `fixed_mib` of the budget taken by weights. Returns (cache, list of the rows compiled, in
+    order)."""
     ledger = MemoryLedger(budget_mib, 0)
     ledger.reserve_bytes("weights", int(fixed_mib * MiB), "weights")
     compiled: list[int] = []
@@ -50,26 +53,30 @@ def test_a_refused_program_is_not_compiled_again_after_freeing():
     for r in (1, 2, 3):
         cache.get(lay(r))
     assert cache.ledger.used["programs"] == 12 * MiB
-    cache.get(lay(4))                  # 6 MiB: refused, the older half (1, 2) freed, the same executable kept
+    # 6 MiB: refused, the older half (1, 2) freed, the same executable kept
+    cache.get(lay(4))
     assert compiled == [1, 2, 3, 4] and cache.stats.compiles == 4 and cache.stats.built == 4
     assert list(cache.programs) == [lay(3), lay(4)] and cache.stats.oom_recoveries == 1
     assert cache.ledger.used["programs"] == 10 * MiB and not cache.too_big
 
 
 def test_a_layout_that_can_never_fit_is_refused_without_compiling():
-    cache, compiled = cache_of({1: 2, 2: 2, 8: 20}, budget_mib=30, fixed_mib=15)     # 15 MiB for programs
+    # 15 MiB for programs
+    cache, compiled = cache_of({1: 2, 2: 2, 8: 20}, budget_mib=30, fixed_mib=15)
     cache.get(lay(1))
     cache.get(lay(2))
     with pytest.raises(jax.errors.JaxRuntimeError) as first:
         cache.get(lay(8))
     assert is_resource_exhausted(first.value) and compiled == [1, 2, 8]
     assert cache.too_big == {lay(8): 20 * MiB}
-    for _ in range(3):                 # every later window of that layout: refused at once, nothing compiled
+    # every later window of that layout: refused at once, nothing compiled
+    for _ in range(3):
         with pytest.raises(jax.errors.JaxRuntimeError) as again:
             cache.get(lay(8))
         assert is_resource_exhausted(again.value) and "not compiled again" in str(again.value)
     assert compiled == [1, 2, 8] and cache.stats.compiles == 3
-    assert lay(1) in cache.programs and lay(2) in cache.programs      # nothing freed for a hopeless layout
+    # nothing freed for a hopeless layout
+    assert lay(1) in cache.programs and lay(2) in cache.programs
     # with more room (the weights gone) the layout is compiled again and fits
     cache.ledger.release("weights", 15 * MiB)
     cache.get(lay(8))
@@ -77,7 +84,8 @@ def test_a_layout_that_can_never_fit_is_refused_without_compiling():
 
 
 def test_a_refused_program_with_nothing_to_free_goes_up_and_is_compiled_next_time():
-    cache, compiled = cache_of({1: 8}, budget_mib=10, fixed_mib=4)   # 6 MiB free, nothing else to free
+    # 6 MiB free, nothing else to free
+    cache, compiled = cache_of({1: 8}, budget_mib=10, fixed_mib=4)
     with pytest.raises(jax.errors.JaxRuntimeError):
         cache.get(lay(1))
     assert cache._pending is None and compiled == [1] and cache.too_big == {lay(1): 8 * MiB}
@@ -87,14 +95,15 @@ def test_a_refused_program_with_nothing_to_free_goes_up_and_is_compiled_next_tim
 
 
 def test_a_mixed_window_does_not_copy_the_kv_cache(tiny_model):
-    """A window of decode rows and a prompt chunk updates the donated KV cache in place: its temporary
-    memory is its own work, not a copy of the cache (the load ladder found 452 MiB for a 450 MiB cache:
-    every mixed window split on a small device; transformer.attention now writes every group's keys and
-    values before one read)."""
+    """A window of decode rows and a prompt chunk updates the donated KV cache in place: its
+    temporary memory is its own work, not a copy of the cache (the load ladder found 452 MiB for a
+    450 MiB cache: every mixed window split on a small device; transformer.attention now writes
+    every group's keys and values before one read)."""
     from strata_jax import Engine, EngineConfig
 
     path = tiny_model(arch="llama", layers=4, hidden=64, heads=4, kv_heads=2)
-    with Engine.from_gguf(path, EngineConfig(parallel=8, max_context=4096, prefill=64, warmup=False)) as eng:
+    with Engine.from_gguf(path, EngineConfig(parallel=8, max_context=4096, prefill=64,
+                                             warmup=False)) as eng:
         r = eng.runner
         kv = sum(a.nbytes for a in r.cache.values())                       # 32 MiB
         temp = {lay: r.executor.build(lay).memory_analysis().temp_size_in_bytes
@@ -110,9 +119,10 @@ def built_off_thread(cache: ProgramCache, layout: Layout) -> None:
 
 
 def test_a_program_built_off_the_engine_thread_gets_room_as_one_built_on_it():
-    """The load ladder with the warm-up on and --device-memory-mib too small for every program: a program the
-    builder thread finished was dropped when the ledger refused it, its windows stayed narrowed all run, and
-    each of them queued it again to be compiled and dropped again. Now the older half is freed for it."""
+    """The load ladder with the warm-up on and --device-memory-mib too small for every program: a
+    program the builder thread finished was dropped when the ledger refused it, its windows stayed
+    narrowed all run, and each of them queued it again to be compiled and dropped again. Now the
+    older half is freed for it."""
     cache, compiled = cache_of({1: 4, 2: 4, 3: 4, 4: 6}, budget_mib=13)
     for r in (1, 2, 3):
         cache.get(lay(r))
@@ -126,7 +136,8 @@ def test_a_program_built_off_the_engine_thread_gets_room_as_one_built_on_it():
 
 
 def test_a_program_built_off_the_engine_thread_that_can_never_fit_is_not_built_again():
-    cache, compiled = cache_of({1: 2, 8: 20}, budget_mib=30, fixed_mib=15)          # 15 MiB for programs
+    # 15 MiB for programs
+    cache, compiled = cache_of({1: 2, 8: 20}, budget_mib=30, fixed_mib=15)
     cache.get(lay(1))
     built_off_thread(cache, lay(8))
     assert not cache.ready(lay(8)) and cache.refused(lay(8)) and lay(1) in cache.programs

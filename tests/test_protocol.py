@@ -1,6 +1,7 @@
-"""The frames between the server and its engine process (serve/protocol.py): every frame type round trips
-through the wire, and a malformed frame is a FrameError naming the frame and the field where it is read,
-in a decoder, in a stream, and from an engine process (which the supervisor then stops and records)."""
+"""The frames between the server and its engine process (serve/protocol.py): every frame type round
+trips through the wire, and a malformed frame is a FrameError naming the frame and the field where
+it is read, in a decoder, in a stream, and from an engine process (which the supervisor then stops
+and records)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ from strata_jax.serve.supervisor.answers import expect
 from strata_jax.serve.supervisor.supervisor import Supervisor
 
 CHAT = [{"role": "user", "content": "é \x00 \U0001f600"}]
-PARAMS = RequestParams(max_tokens=7, temperature=0.5, stop=["\n"], logit_bias=[(3, -1.5)], tools=[[], "auto", True])
+PARAMS = RequestParams(max_tokens=7, temperature=0.5, stop=["\n"], logit_bias=[(3, -1.5)],
+                       tools=[[], "auto", True])
 
 COMMANDS = [
     Prepare("a", CHAT, PARAMS, {"enable_thinking": False}, True, {"enable_thinking": True}, True),
@@ -79,7 +81,8 @@ COMMANDS = [
 EVENTS = [
     Event("token", text="w0 ", token=5, request=3),
     Event("token", text="", token=6, logprob=-0.25, top_logprobs=[(6, -0.25), (9, -2.0)], request=3,
-          logprobs=[b"\xe2\x82", -0.25, [[b"\xe2\x82", -0.25], [b"x", -2.0]]], logprob_ids=[6, [6, 9]]),
+          logprobs=[b"\xe2\x82", -0.25, [[b"\xe2\x82", -0.25], [b"x", -2.0]]],
+          logprob_ids=[6, [6, 9]]),
     Event("progress", stats={"total": 12, "cache": 0, "processed": 8, "time_ms": 1.5}),
     Event("final", finish_reason="stop", stats={"prompt_tokens": 3, "log_line": "prompt 3 tokens"}),
     Event("error", error="the engine did not answer"),
@@ -87,7 +90,8 @@ EVENTS = [
 
 REPLIES = [
     Progress("loading weights", 3, 10),
-    Ready({"architecture": "qwen3moe", "n_ctx": 4096, "eos_ids": [2], "chat_template_source": None}),
+    Ready({"architecture": "qwen3moe", "n_ctx": 4096, "eos_ids": [2],
+           "chat_template_source": None}),
     Beat(0.125, False, "alive"),
     Beat(0.0, True, "ended"),
     Prepared([1, 2, 3], 7, False, id="a"),
@@ -139,9 +143,10 @@ def test_the_start_frame_round_trips():
 
 
 def test_an_event_frame_carries_the_engines_own_event():
-    """One type from the engine's queue to the server's: an Event, numpy values in its stats made plain."""
-    ev = Event("final", finish_reason="length", stats={"generated_tokens": np.int64(4), "ms": np.float32(1.5),
-                                                       "ids": np.arange(2)})
+    """One type from the engine's queue to the server's: an Event, numpy values in its stats made
+    plain."""
+    ev = Event("final", finish_reason="length", stats={"generated_tokens": np.int64(4),
+                                                       "ms": np.float32(1.5), "ids": np.arange(2)})
     got = decode_reply(_body(EventFrame("r", ev)))
     assert type(got.event) is Event
     assert got.event.stats == {"generated_tokens": 4, "ms": 1.5, "ids": [0, 1]}
@@ -154,27 +159,33 @@ def test_the_wire_is_a_map_tagged_by_its_kind():
         {"t": "prepared", "ids": [1], "max_tokens": 2, "think": False, "id": "x"}
 
 
-# ---- malformed frames ----------------------------------------------------------------------------------------
+# ---- malformed frames ----------------------------------------------------------------------------
 
 MALFORMED = [  # (frame as sent, decoder, what the error says)
     ({"op": "submit", "id": "a", "ids": "1 2 3", "params": {}}, decode_command,
      ["malformed 'submit' frame from the server", "Expected `array`, got `str`", "$.ids"]),
-    ({"op": "submit", "id": "a", "ids": [1, "2"], "params": {}}, decode_command, ["'submit'", "$.ids[1]"]),
-    ({"op": "prepare", "id": 7, "prompt": "x", "params": {}}, decode_command, ["'prepare'", "$.id"]),
-    ({"op": "slot", "id": "s", "action": "burn", "slot": 0}, decode_command, ["'slot'", "$.action"]),
+    ({"op": "submit", "id": "a", "ids": [1, "2"], "params": {}}, decode_command,
+     ["'submit'", "$.ids[1]"]),
+    ({"op": "prepare", "id": 7, "prompt": "x", "params": {}}, decode_command,
+     ["'prepare'", "$.id"]),
+    ({"op": "slot", "id": "s", "action": "burn", "slot": 0}, decode_command,
+     ["'slot'", "$.action"]),
     ({"op": "cancel"}, decode_command, ["'cancel'", "missing required field `id`"]),
     ({"op": "cancel", "id": "a", "rid": "b"}, decode_command, ["'cancel'", "unknown field `rid`"]),
-    ({"op": "launch", "id": "a"}, decode_command, ["unknown frame from the server", "op = 'launch'", "prepare"]),
+    ({"op": "launch", "id": "a"}, decode_command,
+     ["unknown frame from the server", "op = 'launch'", "prepare"]),
     ({"id": "a"}, decode_command, ["unknown frame", "op = None"]),
     ([1, 2], decode_command, ["not a map"]),
     ({"t": "ev", "id": "a", "event": {"kind": "token", "token": "five"}}, decode_reply,
      ["malformed 'ev' frame from the engine", "$.event.token"]),
     ({"t": "ev", "id": "a", "event": {"text": "x"}}, decode_reply, ["'ev'", "`kind`"]),
-    ({"t": "beat", "stuck_s": 0.5, "compiling": False, "loop": "gone"}, decode_reply, ["'beat'", "$.loop"]),
+    ({"t": "beat", "stuck_s": 0.5, "compiling": False, "loop": "gone"}, decode_reply,
+     ["'beat'", "$.loop"]),
     ({"t": "rejected", "id": "a", "kind": "context", "message": "m"}, decode_reply,
      ["'rejected'", "n_prompt_tokens, max_tokens and n_ctx"]),
     ({"t": "ready", "info": 3}, decode_reply, ["'ready'", "$.info"]),
-    ({"t": "hello"}, decode_reply, ["unknown frame from the engine", "t = 'hello'", "answer, beat"]),
+    ({"t": "hello"}, decode_reply,
+     ["unknown frame from the engine", "t = 'hello'", "answer, beat"]),
     ({"model": 1, "engine": {}}, decode_start, ["start-up frame", "$.model"]),
 ]
 
@@ -198,7 +209,8 @@ def test_a_frame_error_keeps_the_frame_and_its_id():
 
 
 def test_a_malformed_frame_in_a_stream_is_read_whole():
-    """The length header keeps the stream in step: the frame after a malformed one reads as it was sent."""
+    """The length header keeps the stream in step: the frame after a malformed one reads as it was
+    sent."""
     bad = _raw({"op": "cancel", "id": 3})
     f = io.BytesIO(struct.pack(">I", len(bad)) + bad + pack(Cancel("b")))
     with pytest.raises(FrameError, match="'cancel'"):
@@ -243,5 +255,6 @@ def test_an_engine_that_sends_a_malformed_frame_is_stopped_and_says_which():
             await sup.stop(timeout=2.0)
 
     fault = asyncio.run(go())
-    assert fault.error_line.startswith("ERR the engine's answers could not be read: a malformed 'ready' frame")
+    assert fault.error_line.startswith("ERR the engine's answers could not be read: a malformed "
+                                       "'ready' frame")
     assert "$.info" in fault.error_line and fault.exit_code == -9

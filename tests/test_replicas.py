@@ -1,7 +1,8 @@
-"""`strata-jax serve --replicas N` (strata_jax/serve/replicas/ray_app.py): 2 replicas of a tiny model as a Ray Serve
-application on a local Ray started once for the module, spoken to over real HTTP. Requests spread over both
-replicas, a conversation keeps its replica, and when one replica's server is killed mid-request that request
-fails clearly (naming the replica), the others are served, and Ray brings the replica back."""
+"""`strata-jax serve --replicas N` (strata_jax/serve/replicas/ray_app.py): 2 replicas of a tiny
+model as a Ray Serve application on a local Ray started once for the module, spoken to over real
+HTTP. Requests spread over both replicas, a conversation keeps its replica, and when one replica's
+server is killed mid-request that request fails clearly (naming the replica), the others are served,
+and Ray brings the replica back."""
 
 from __future__ import annotations
 
@@ -20,31 +21,36 @@ from strata_jax.serve.replicas import replica_routing as routing
 
 NAMES = ["strata-0", "strata-1"]
 N_CTX = 1024
-LONG = 400          # tokens of the requests in flight at the kill: 4 s and more at 10 ms a window (below)
+# tokens of the requests in flight at the kill: 4 s and more at 10 ms a window (below)
+LONG = 400
 
 
 def chat(text: str, max_tokens: int = 4, **extra) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}
+    return {"model": "tiny", "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "temperature": 0, **extra}
 
 
 def replica_of(body: dict) -> str:
-    """Where the ingress sends `body` while both replicas are up (the test checks the answers say the same)."""
+    """Where the ingress sends `body` while both replicas are up (the test checks the answers say
+    the same)."""
     return routing.rank(routing.conversation_key(json.dumps(body).encode()), NAMES)[0]
 
 
-# -- routing alone (no Ray) --------------------------------------------------------------------------------
+# -- routing alone (no Ray) ------------------------------------------------------------------------
 def test_a_conversation_keeps_its_key_as_it_grows_and_ranks_the_same():
     first = chat("plan my trip")
-    later = {**first, "messages": [*first["messages"], {"role": "assistant", "content": "where to?"},
+    later = {**first,
+             "messages": [*first["messages"], {"role": "assistant", "content": "where to?"},
                                    {"role": "user", "content": "Rome"}], "max_tokens": 9}
     k1, k2 = (routing.conversation_key(json.dumps(b).encode()) for b in (first, later))
     assert k1 == k2 and k1 != routing.conversation_key(json.dumps(chat("other")).encode())
     assert routing.rank(k1, NAMES) == routing.rank(k2, NAMES)
     assert routing.conversation_key(b"", {"x-strata-conversation": "c1"}) == "h:c1"
     assert routing.conversation_key(b"not json") is None
-    assert routing.rank(None, NAMES, 1) == ["strata-1", "strata-0"]          # no conversation: round robin
-    assert routing.healthy_first(["strata-1", "strata-0"], {"strata-1": False}) == ["strata-0", "strata-1"]
+    # no conversation: round robin
+    assert routing.rank(None, NAMES, 1) == ["strata-1", "strata-0"]
+    assert (routing.healthy_first(["strata-1", "strata-0"], {"strata-1": False})
+            == ["strata-0", "strata-1"])
     # 20 conversations over 3 replicas: one replica down moves only its own conversations
     keys = [f"m:{i}" for i in range(20)]
     three = ["a", "b", "c"]
@@ -74,12 +80,13 @@ def test_replica_servers_get_the_arguments_less_host_port_and_replicas(tiny_mode
     monkeypatch.setattr(ray_app, "run_replicas", lambda rest, n, host, port, **kw: seen.update(
         rest=rest, n=n, host=host, port=port, **kw) or 0)
     model = str(tiny_model(arch="qwen3", layers=2, hidden=64))
-    assert cli.main(["serve", model, "--replicas=3", "--host", "0.0.0.0", "--por", "9000", "--parallel", "2"]) == 0
-    assert seen == {"rest": [model, "--parallel", "2"], "n": 3, "host": "0.0.0.0", "port": 9000, "api_key": None,
-                    "max_body_bytes": 8 << 20}
+    assert (cli.main(["serve", model, "--replicas=3", "--host", "0.0.0.0", "--por", "9000",
+                      "--parallel", "2"]) == 0)
+    assert seen == {"rest": [model, "--parallel", "2"], "n": 3, "host": "0.0.0.0", "port": 9000,
+                    "api_key": None, "max_body_bytes": 8 << 20}
 
 
-# -- a real local Ray ------------------------------------------------------------------------------------------
+# -- a real local Ray ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def endpoint(tiny_model):
     ray = pytest.importorskip("ray")
@@ -87,15 +94,18 @@ def endpoint(tiny_model):
     from strata_jax.serve.replicas import ray_app
 
     model = tiny_model(arch="qwen3", layers=2, hidden=64)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
-    # Every window 10 ms longer (engine/faults.py): a tiny model decodes ~1,500 tokens/s here, which would
-    # end a request before the test can kill its replica. The replicas' servers get STRATA_* from the
-    # environment at build time (ray_app.build_app), the replacement replica too.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=100 * 2**20)
+    # Every window 10 ms longer (engine/faults.py): a tiny model decodes ~1,500 tokens/s here, which
+    # would end a request before the test can kill its replica. The replicas' servers get STRATA_*
+    # from the environment at build time (ray_app.build_app), the replacement replica too.
     old = os.environ.get("STRATA_FAULT")
     os.environ["STRATA_FAULT"] = "slow:10"
     try:
-        url = ray_app.start([str(model), "--parallel", "2", "--max-context", str(N_CTX), "--model-name", "tiny"],
-                            2, port=free_port(), health_period_s=1.0, health_grace_s=30.0, accept_timeout_s=5.0)
+        url = ray_app.start([str(model), "--parallel", "2", "--max-context", str(N_CTX),
+                             "--model-name", "tiny"],
+                            2, port=free_port(), health_period_s=1.0, health_grace_s=30.0,
+                            accept_timeout_s=5.0)
     except BaseException:
         serve.shutdown()
         ray.shutdown()
@@ -121,12 +131,14 @@ def test_health_shows_both_replicas(endpoint):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["status"] == "ok" and body["replicas_ok"] == 2
-    assert [x["name"] for x in body["replicas"]] == NAMES and all(x["pid"] > 0 for x in body["replicas"])
+    assert ([x["name"] for x in body["replicas"]] == NAMES
+            and all(x["pid"] > 0 for x in body["replicas"]))
 
 
 def test_requests_spread_and_a_conversation_keeps_its_replica(endpoint):
     bodies = [chat(f"conversation {i}: tell me about topic {i}") for i in range(8)]
-    assert {replica_of(b) for b in bodies} == set(NAMES), "the 8 conversations hash onto both replicas"
+    assert {replica_of(b) for b in bodies} == set(NAMES), ("the 8 conversations hash onto both "
+                                                           "replicas")
     with httpx.Client(base_url=endpoint, timeout=60) as c:
         for b in bodies:
             r = c.post("/v1/chat/completions", json=b)
@@ -136,7 +148,8 @@ def test_requests_spread_and_a_conversation_keeps_its_replica(endpoint):
             follow = {**b, "messages": [*b["messages"], r.json()["choices"][0]["message"],
                                         {"role": "user", "content": "and then?"}]}
             again = c.post("/v1/chat/completions", json=follow)
-            assert again.status_code == 200 and again.headers[routing.REPLICA_HEADER] == replica_of(b)
+            assert (again.status_code == 200
+                    and again.headers[routing.REPLICA_HEADER] == replica_of(b))
         seen = {c.get("/v1/models").headers[routing.REPLICA_HEADER] for _ in range(4)}
     assert seen == set(NAMES), "requests without a conversation go round"
 
@@ -152,7 +165,8 @@ def test_a_stream_passes_through_chunk_by_chunk(endpoint):
 
 def test_a_killed_replica_fails_its_requests_clearly_and_comes_back(endpoint):
     # Two long requests on one replica (the victim), then its server is killed while both run.
-    victim_bodies = [b for b in (chat(f"long {i}", max_tokens=LONG, ignore_eos=True) for i in range(40))
+    victim_bodies = [b for b in (chat(f"long {i}", max_tokens=LONG, ignore_eos=True)
+                                 for i in range(40))
                      if replica_of(b) == "strata-0"][:2]
     other = next(b for b in (chat(f"short {i}") for i in range(40)) if replica_of(b) == "strata-1")
     replicas = health(endpoint)["replicas"]
@@ -170,14 +184,15 @@ def test_a_killed_replica_fails_its_requests_clearly_and_comes_back(endpoint):
     whole: dict = {}
 
     def send_whole():
-        whole["r"] = httpx.post(endpoint + "/v1/chat/completions", json=victim_bodies[0], timeout=120)
+        whole["r"] = httpx.post(endpoint + "/v1/chat/completions", json=victim_bodies[0],
+                                timeout=120)
 
     t = threading.Thread(target=send_whole)
     t.start()
     events = []
     start = time.monotonic()
-    with httpx.stream("POST", endpoint + "/v1/chat/completions", json={**victim_bodies[1], "stream": True},
-                      timeout=120) as r:
+    with httpx.stream("POST", endpoint + "/v1/chat/completions",
+                      json={**victim_bodies[1], "stream": True}, timeout=120) as r:
         assert r.status_code == 200 and r.headers[routing.REPLICA_HEADER] == "strata-0"
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -203,7 +218,8 @@ def test_a_killed_replica_fails_its_requests_clearly_and_comes_back(endpoint):
             r = c.post("/v1/chat/completions", json=b)
             assert r.status_code == 200 and r.headers[routing.REPLICA_HEADER] == "strata-1", r.text
 
-    # Ray replaces the replica (its health check saw the server gone): both healthy again, a new server
+    # Ray replaces the replica (its health check saw the server gone): both healthy again, a new
+    # server
     end = time.monotonic() + 150
     now = health(endpoint)
     while time.monotonic() < end and now["replicas_ok"] < 2:
@@ -212,5 +228,7 @@ def test_a_killed_replica_fails_its_requests_clearly_and_comes_back(endpoint):
     assert now["replicas_ok"] == 2, now
     after = {x["name"]: x["pid"] for x in now["replicas"]}
     assert after["strata-0"] != before["strata-0"] and after["strata-1"] == before["strata-1"]
-    r = httpx.post(endpoint + "/v1/chat/completions", json=victim_bodies[0] | {"max_tokens": 4}, timeout=60)
-    assert r.status_code == 200 and r.headers[routing.REPLICA_HEADER] == "strata-0", "its conversations came back"
+    r = httpx.post(endpoint + "/v1/chat/completions", json=victim_bodies[0] | {"max_tokens": 4},
+                   timeout=60)
+    assert (r.status_code == 200
+            and r.headers[routing.REPLICA_HEADER] == "strata-0"), "its conversations came back"

@@ -1,7 +1,8 @@
-"""The HTTP server, run as a real process (`python -m strata_jax serve`) on a tiny qwen3 model whose chat
-template opens <think> in the generation prompt (as Qwen3's does), spoken to with the official openai
-client, httpx and raw bytes. One server for the module; its weights are random, so outputs are checked
-for their plumbing (reasoning vs content, stream vs whole, usage, timings), not their sense."""
+"""The HTTP server, run as a real process (`python -m strata_jax serve`) on a tiny qwen3 model whose
+chat template opens <think> in the generation prompt (as Qwen3's does), spoken to with the official
+openai client, httpx and raw bytes. One server for the module; its weights are random, so outputs
+are checked for their plumbing (reasoning vs content, stream vs whole, usage, timings), not their
+sense."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ def think_model(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(think_model):
-    args = [str(think_model), "--parallel", "2", "--max-context", str(N_CTX), "--model-name", "tiny",
-            "--max-body-bytes", str(MAX_BODY), "--strict-model-name"]   # the 404 for an unknown model
+    args = [str(think_model), "--parallel", "2", "--max-context", str(N_CTX), "--model-name",
+            "tiny",
+            # the 404 for an unknown model
+            "--max-body-bytes", str(MAX_BODY), "--strict-model-name"]
     with ServerProcess(args) as srv:
         srv.first_health = srv.wait_up().health()
         srv.wait_ready()
@@ -72,23 +75,28 @@ def test_chat_whole_carries_reasoning_usage_and_timings(server, client):
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 5
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8
     timings = r.model_extra["timings"]
-    assert timings["predicted_n"] == 8 and timings["prompt_n"] + timings["cache_n"] == r.usage.prompt_tokens
+    assert (timings["predicted_n"] == 8
+            and timings["prompt_n"] + timings["cache_n"] == r.usage.prompt_tokens)
     assert {"prompt_ms", "prompt_per_second", "predicted_ms", "predicted_per_second", "draft_n",
             "draft_n_accepted"} <= set(timings)
 
-    # The same tokens as raw text: the template's prompt sent to /v1/completions gives the same greedy
-    # output, and splitting it (starting inside <think>) gives exactly the chat's two fields.
+    # The same tokens as raw text: the template's prompt sent to /v1/completions gives the same
+    # greedy output, and splitting it (starting inside <think>) gives exactly the chat's two fields.
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
-    raw = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    raw = client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                    temperature=0).choices[0].text
     assert split_reasoning(raw, in_reasoning=True) == (reasoning, msg.content)
 
 
 def test_chat_stream_matches_whole_and_reports_usage(client):
     whole = client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0)
-    chunks = list(client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(client.chat.completions.create(model="tiny", messages=HI, max_tokens=8,
+                                                 temperature=0,
+                                                 stream=True,
+                                                 stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
-    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
+                        for c in chunks if c.choices)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert reasoning == whole.choices[0].message.model_extra["reasoning_content"]
     assert content == whole.choices[0].message.content
@@ -101,10 +109,13 @@ def test_chat_stream_matches_whole_and_reports_usage(client):
 
 def test_thinking_off_gives_content_only(client):
     r = client.chat.completions.create(model="tiny", messages=HI, max_tokens=6, temperature=0,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+                                       extra_body={
+                                           "chat_template_kwargs": {"enable_thinking": False}})
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    raw = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0).choices[0].text
-    assert (r.choices[0].message.model_extra.get("reasoning_content"), r.choices[0].message.content) == \
+    raw = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                    temperature=0).choices[0].text
+    assert (r.choices[0].message.model_extra.get("reasoning_content"),
+            r.choices[0].message.content) == \
         split_reasoning(raw, in_reasoning=False)
 
 
@@ -112,19 +123,23 @@ def test_completions_stream_equals_whole(client):
     kw = {"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 0,
           "extra_body": {"top_k": 1, "min_p": 0.0}}
     whole = client.completions.create(**kw)
-    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 6
     assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
 
 
 def test_stop_strings_cut_the_answer(client):
-    text = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, temperature=0).choices[0].text
+    text = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12,
+                                     temperature=0).choices[0].text
     stop = text[3:5]
     assert len(stop) == 2 and text.find(stop) >= 0
-    cut = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, temperature=0, stop=stop)
+    cut = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, temperature=0,
+                                    stop=stop)
     assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
-    cut2 = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, temperature=0, stop=["zzzq", stop])
+    cut2 = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, temperature=0,
+                                     stop=["zzzq", stop])
     assert cut2.choices[0].text == cut.choices[0].text
 
 
@@ -132,14 +147,16 @@ def test_more_requests_than_slots_all_finish(client):
     out: list = [None] * 5
 
     def ask(i):
-        out[i] = client.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0).choices[0].text
+        out[i] = client.completions.create(model="tiny", prompt="Hello", max_tokens=10,
+                                           temperature=0).choices[0].text
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(5)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert all(o is not None for o in out) and len(set(out)) == 1, out   # greedy: the same alone or together
+    # greedy: the same alone or together
+    assert all(o is not None for o in out) and len(set(out)) == 1, out
 
 
 BIG = "word " * 400     # ~400 tokens: more than a 256-token context
@@ -152,14 +169,16 @@ BIG = "word " * 400     # ~400 tokens: more than a 256-token context
     ("/v1/chat/completions", b"[1, 2]", 400, "object"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "messages[0].content[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages[0].content[0]"),
     ("/v1/chat/completions", {"messages": HI, "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": HI, "max_tokens": -5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": HI, "max_tokens": 10**12}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": HI, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": HI, "top_p": 0}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": HI, "seed": "x"}, 400, "seed"),
@@ -208,9 +227,11 @@ def test_server_keeps_serving_after_bad_input(server, client):
 
 
 def test_client_disconnect_cancels_and_frees_the_slot(server):
-    # ~90 prompt tokens: a prompt program (128 tokens a row) to build first, so the request is surely still
-    # running when the client leaves right after the first chunk (the role, sent at once)
-    body = {"messages": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 4}],
+    # ~90 prompt tokens: a prompt program (128 tokens a row) to build first, so the request is
+    # surely still running when the client leaves right after the first chunk (the role, sent at
+    # once)
+    body = {"messages": [{"role": "user",
+                          "content": "The quick brown fox jumps over the lazy dog. " * 4}],
             "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         first = next(r.iter_lines())
@@ -222,26 +243,31 @@ def test_client_disconnect_cancels_and_frees_the_slot(server):
         time.sleep(0.05)
     else:
         pytest.fail("the slot stayed busy after the client went away")
-    assert "(cancelled: the client went away)" in _wait_for_log(server, "cancelled: the client went away")
+    assert ("(cancelled: the client went away)" in _wait_for_log(server,
+                                                                 "cancelled: the client went away"))
     metrics = httpx.get(server.url + "/metrics").text
     assert 'strata_requests_total{endpoint="chat",outcome="cancelled"}' in metrics
 
 
 def test_client_that_leaves_a_whole_answer_cancels_it(server):
-    """Not streamed: the server watches the connection, and stops the request when the client goes."""
+    """Not streamed: the server watches the connection, and stops the request when the client
+    goes."""
     body = {"prompt": list(range(3, 43)), "max_tokens": 210, "temperature": 0,
             "ignore_eos": True}     # 210 decode windows
     times = []
-    for _ in range(2):              # the second with its programs built and its prompt in the prefix cache
+    # the second with its programs built and its prompt in the prefix cache
+    for _ in range(2):
         t = time.monotonic()
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
         times.append(time.monotonic() - t)
     whole = min(times)              # the client below leaves after a quarter of the answer's time
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=body, timeout=whole / 4)
-    assert "the client went away; cancelling" in _wait_for_log(server, "the client went away; cancelling")
+    assert ("the client went away; cancelling" in _wait_for_log(server,
+                                                                "the client went away; cancelling"))
     end = time.monotonic() + 10
-    while any(s["is_processing"] for s in httpx.get(server.url + "/slots").json()) and time.monotonic() < end:
+    while (any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
+           and time.monotonic() < end):
         time.sleep(0.05)
     assert not any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
     assert "(cancelled: the client went away)" in _wait_for_log(server, "tokens in", 5)

@@ -1,6 +1,7 @@
-"""No request can stop, hang or take over the server (issue 13): out-of-range values, an engine loop that
-raises, dies or blocks, an engine that is stopped (SIGSTOP), NaN logits, a burst of 50x --parallel
-requests, and prompts too long to tokenize. Real server processes on tiny models, spoken to over HTTP."""
+"""No request can stop, hang or take over the server (issue 13): out-of-range values, an engine loop
+that raises, dies or blocks, an engine that is stopped (SIGSTOP), NaN logits, a burst of 50x
+--parallel requests, and prompts too long to tokenize. Real server processes on tiny models, spoken
+to over HTTP."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 
 def _post(srv, path, body, timeout=60.0):
     data = body if isinstance(body, bytes) else json.dumps(body)
-    return httpx.post(srv.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=timeout)
+    return httpx.post(srv.url + path, content=data, headers={"Content-Type": "application/json"},
+                      timeout=timeout)
 
 
 def _wait(cond, timeout: float, what: str):
@@ -54,10 +56,11 @@ def server(model):
         yield srv
 
 
-# ---- 1. every value a request sets is checked ---------------------------------------------------------
+# ---- 1. every value a request sets is checked ----------------------------------------------------
 
 BIG = 2**70
-# (field, value, the words the error names): each a 400 naming the field (param) and showing the value
+# (field, value, the words the error names): each a 400 naming the field (param) and showing the
+# value
 OUT_OF_RANGE = [
     ("top_k", 2**40, "1099511627776"), ("top_k", BIG, str(BIG)), ("top_k", -2, "-2"),
     ("top_k", 10**6, "1000000"),                       # within int32, beyond the vocabulary
@@ -72,22 +75,26 @@ OUT_OF_RANGE = [
 
 
 def _raw(body: dict, field: str, value) -> bytes:
-    """The body as JSON text, with `value` written raw when it is a string standing for a number (1e999)."""
+    """The body as JSON text, with `value` written raw when it is a string standing for a number
+    (1e999)."""
     if isinstance(value, str) and value[:1].isdigit():
         return json.dumps({**body, field: "@@"}).replace('"@@"', value).encode()
     return json.dumps({**body, field: value}).encode()
 
 
-@pytest.mark.parametrize(("field", "value", "shown"), OUT_OF_RANGE, ids=[f"{f}={str(v)[:12]}" for f, v, _ in OUT_OF_RANGE])
+@pytest.mark.parametrize(("field", "value", "shown"), OUT_OF_RANGE,
+                         ids=[f"{f}={str(v)[:12]}" for f, v, _ in OUT_OF_RANGE])
 def test_out_of_range_values_are_400_naming_field_and_value(server, field, value, shown):
-    for path, body in ((CHAT, {"messages": HI, "max_tokens": 2}), (TEXT, {"prompt": "Hi", "max_tokens": 2})):
+    for path, body in ((CHAT, {"messages": HI, "max_tokens": 2}),
+                       (TEXT, {"prompt": "Hi", "max_tokens": 2})):
         if field == "max_tokens":
             body = {k: v for k, v in body.items() if k != "max_tokens"}
         r = _post(server, path, _raw(body, field, value))
         assert r.status_code == 400, (path, field, value, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["code"] == 400
-        assert (err.get("param") or "").split("[")[0] == field or err["message"].startswith(field), err
+        assert ((err.get("param") or "").split("[")[0] == field
+                or err["message"].startswith(field)), err
         if shown is not None:
             assert shown in err["message"], err["message"]
 
@@ -104,26 +111,31 @@ def test_a_tiny_temperature_is_greedy(server):
 
 def test_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(server):
     t0 = time.monotonic()
-    r = _post(server, TEXT, {"prompt": "word " * 400_000, "max_tokens": 2})    # 2 MB: seconds to tokenize
+    # 2 MB: seconds to tokenize
+    r = _post(server, TEXT, {"prompt": "word " * 400_000, "max_tokens": 2})
     assert time.monotonic() - t0 < 2.0
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["type"] == "exceed_context_size_error" and err["n_ctx"] == LONG_CTX
     assert err["n_prompt_tokens"] >= LONG_CTX
     assert "before tokenizing" in err["message"]
-    r = _post(server, CHAT, {"messages": [{"role": "user", "content": "x" * 300_000}], "max_tokens": 2})
+    r = _post(server, CHAT,
+              {"messages": [{"role": "user", "content": "x" * 300_000}], "max_tokens": 2})
     assert r.status_code == 400 and "before tokenizing" in r.json()["error"]["message"]
 
 
-# ---- 3. load shedding --------------------------------------------------------------------------------
+# ---- 3. load shedding ----------------------------------------------------------------------------
 
 
 def test_a_burst_of_50x_parallel_is_answered_quickly_and_memory_stays_bounded(server):
-    """100 requests at once on 2 slots with --max-queue 4: each gets a 200, or a 503 with Retry-After at
-    once; nobody waits out a deadline; the server's memory grows by little; the next request is served."""
+    """100 requests at once on 2 slots with --max-queue 4: each gets a 200, or a 503 with
+    Retry-After at once; nobody waits out a deadline; the server's memory grows by little; the next
+    request is served."""
     rss0 = rss_mib(server.proc.pid)
-    # 96 tokens each: the 6 requests the slots and the queue hold outlast the burst's arrival on a fast engine
-    body = {"prompt": "Count: one two three " * 8, "max_tokens": 96, "temperature": 0, "ignore_eos": True}
+    # 96 tokens each: the 6 requests the slots and the queue hold outlast the burst's arrival on a
+    # fast engine
+    body = {"prompt": "Count: one two three " * 8, "max_tokens": 96, "temperature": 0,
+            "ignore_eos": True}
 
     def one(i):
         t0 = time.monotonic()
@@ -138,7 +150,8 @@ def test_a_burst_of_50x_parallel_is_answered_quickly_and_memory_stays_bounded(se
     for code, retry, body_, seconds in results:
         if code == 503:
             assert retry is not None and int(retry) >= 1
-            assert body_["error"]["type"] == "unavailable_error" and "--max-queue" in body_["error"]["message"]
+            assert (body_["error"]["type"] == "unavailable_error"
+                    and "--max-queue" in body_["error"]["message"])
             assert seconds < 15, seconds
         else:
             assert body_["usage"]["completion_tokens"] == 96
@@ -148,16 +161,18 @@ def test_a_burst_of_50x_parallel_is_answered_quickly_and_memory_stays_bounded(se
     assert r.status_code == 200
     health = server.health().json()
     assert health["restarts"] == 0 and health["queued"] == 0
-    print(f"burst: {codes.count(200)} x 200, {codes.count(503)} x 503; server RSS {rss0:.1f} -> {rss1:.1f} MiB")
+    print(f"burst: {codes.count(200)} x 200, {codes.count(503)} x 503; server RSS {rss0:.1f} -> "
+          f"{rss1:.1f} MiB")
 
 
-# ---- 2. the watchdog: an engine stopped with SIGSTOP ----------------------------------------------------
+# ---- 2. the watchdog: an engine stopped with SIGSTOP ---------------------------------------------
 
 
 def test_watchdog_kills_a_stopped_engine_and_serves_the_queue(server):
     """Last in this module: it restarts the engine."""
     pid = server.engine_pids()[-1]
-    long = {"prompt": "Once upon a time", "max_tokens": LONG_CTX - 100, "temperature": 0, "ignore_eos": True}
+    long = {"prompt": "Once upon a time", "max_tokens": LONG_CTX - 100, "temperature": 0,
+            "ignore_eos": True}
     with cf.ThreadPoolExecutor(3) as pool:
         running = [pool.submit(_post, server, TEXT, long, 120) for _ in range(2)]
         _wait(lambda: server.health().json()["slots_processing"] == 2, 30, "both slots busy")
@@ -166,7 +181,8 @@ def test_watchdog_kills_a_stopped_engine_and_serves_the_queue(server):
         t0 = time.monotonic()
         h = _wait(lambda: (r := server.health()).status_code == 503 and r.json(), 15, "/health 503")
         assert h["status"] in ("stalled", "restarting", "loading")
-        faults = _wait(lambda: (f := httpx.get(server.url + "/faults").json())["total"] >= 1 and f, 30, "a fault")
+        faults = _wait(lambda: (f := httpx.get(server.url + "/faults").json())["total"] >= 1 and f,
+                       30, "a fault")
         noticed = time.monotonic() - t0
         stall = faults["faults"][-1]
         assert stall["kind"] == "stall" and "not even its heartbeat" in stall["stall"], stall
@@ -181,7 +197,7 @@ def test_watchdog_kills_a_stopped_engine_and_serves_the_queue(server):
     assert _post(server, CHAT, {"messages": HI, "max_tokens": 3}).status_code == 200
 
 
-# ---- 1 and 2 with injected faults: a loop that raises, dies, blocks ------------------------------------
+# ---- 1 and 2 with injected faults: a loop that raises, dies, blocks ------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -190,13 +206,15 @@ def faulty(model):
     # engine 2: its 4th window blocks the loop for good; engine 3 is healthy
     args = [str(model), "--parallel", "2", "--max-context", str(N_CTX), "--engine-stall-s", "8",
             "--request-timeout-s", "120"]
-    with ServerProcess(args, env={"STRATA_FAULT": "plan_error:3@1,loop_death:12@1,block:4@2"}) as srv:
+    with ServerProcess(args,
+                       env={"STRATA_FAULT": "plan_error:3@1,loop_death:12@1,block:4@2"}) as srv:
         srv.wait_ready()
         yield srv
 
 
 def _text(srv, n, prompt="Hello"):
-    return _post(srv, TEXT, {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}, 120)
+    return _post(srv, TEXT,
+                 {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}, 120)
 
 
 def test_a_failing_window_ends_its_requests_and_the_loop_goes_on(faulty):
@@ -213,7 +231,8 @@ def test_a_failing_window_ends_its_requests_and_the_loop_goes_on(faulty):
 def test_when_the_loop_thread_ends_the_engine_exits_with_an_err_line(faulty):
     r = _text(faulty, 20)                         # reaches window 12: the loop's thread ends
     assert r.status_code == 500
-    faults = _wait(lambda: (f := httpx.get(faulty.url + "/faults").json())["total"] >= 1 and f, 30, "a fault")
+    faults = _wait(lambda: (f := httpx.get(faulty.url + "/faults").json())["total"] >= 1 and f, 30,
+                   "a fault")
     fault = faults["faults"][-1]
     assert fault["kind"] == "exit" and fault["exit_code"] == 1
     assert fault["error_line"].startswith("ERR the engine loop stopped: InjectedLoopDeath"), fault
@@ -223,12 +242,14 @@ def test_when_the_loop_thread_ends_the_engine_exits_with_an_err_line(faulty):
 
 def test_watchdog_kills_an_engine_whose_loop_blocks(faulty):
     with cf.ThreadPoolExecutor(3) as pool:
-        stuck = [pool.submit(_text, faulty, 30, p) for p in ("One", "Two")]   # block at engine 2's 4th window
+        # block at engine 2's 4th window
+        stuck = [pool.submit(_text, faulty, 30, p) for p in ("One", "Two")]
         _wait(lambda: "blocks the engine loop" in faulty.log(), 30, "the blocking fault")
         _wait(lambda: faulty.health().json()["slots_processing"] == 2, 30, "both slots busy")
         queued = pool.submit(_text, faulty, 3, "Queued")
         t0 = time.monotonic()
-        faults = _wait(lambda: (f := httpx.get(faulty.url + "/faults").json())["total"] >= 2 and f, 40, "the stall")
+        faults = _wait(lambda: (f := httpx.get(faulty.url + "/faults").json())["total"] >= 2 and f,
+                       40, "the stall")
         noticed = time.monotonic() - t0
         fault = faults["faults"][-1]
         assert fault["kind"] == "stall" and "loop has not moved" in fault["stall"], fault
@@ -237,7 +258,7 @@ def test_watchdog_kills_an_engine_whose_loop_blocks(faulty):
     assert 4 <= noticed <= 20, noticed
 
 
-# ---- NaN logits ----------------------------------------------------------------------------------------
+# ---- NaN logits ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +280,8 @@ def test_nan_logits_end_the_request_with_an_error_not_token_0_forever(nan_model)
                      {"prompt": "Hi", "max_tokens": 50, "temperature": 0.9, "seed": 1}):
             r = _post(srv, TEXT, body)
             assert r.status_code == 500 and "NaN or inf" in r.json()["error"]["message"], r.text
-        with httpx.stream("POST", srv.url + TEXT, json={"prompt": "Hi", "max_tokens": 50, "stream": True},
-                          timeout=60) as r:
+        with httpx.stream("POST", srv.url + TEXT,
+                          json={"prompt": "Hi", "max_tokens": 50, "stream": True}, timeout=60) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert "NaN or inf" in events[-2] and events[-1] == "data: [DONE]"
         assert srv.health().json()["restarts"] == 0

@@ -1,12 +1,12 @@
-"""No request names a file, reads the server's secrets or its internals (issue 13, item 5), and the compile
-cache that makes a restart quick (item 8).
+"""No request names a file, reads the server's secrets or its internals (issue 13, item 5), and the
+compile cache that makes a restart quick (item 8).
 
 Against one real `strata-jax serve` process on a tiny MoE model, started with --api-key-file and
---expert-profile-dir in a temporary folder (and STRATA_API_KEY set in its environment, to show the engine
-child does not get it): profile names good and bad, the file's mode, nothing written elsewhere; POST
-bodies that are not application/json; /v1/models without paths. Then, without a model: the 500 handler
-hides the exception's text; and two engine processes in one compile cache folder, the second loading its
-programs instead of compiling them.
+--expert-profile-dir in a temporary folder (and STRATA_API_KEY set in its environment, to show the
+engine child does not get it): profile names good and bad, the file's mode, nothing written
+elsewhere; POST bodies that are not application/json; /v1/models without paths. Then, without a
+model: the 500 handler hides the exception's text; and two engine processes in one compile cache
+folder, the second loading its programs instead of compiling them.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import pytest
 
 from strata_jax.serve.launch import ServerProcess
 
-MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
-       "expert_ffn": 32}
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8,
+       "experts_used": 2, "expert_ffn": 32}
 FILE_KEY = "key-from-the-file"
 ENV_KEY = "key-from-the-environment"
 
@@ -49,7 +49,8 @@ def server(tiny_model, tmp_path_factory):
 
 
 def _post(srv, path, body, headers=None, **kw):
-    return httpx.post(srv.url + path, json=body, headers={**srv.headers, **(headers or {})}, timeout=120, **kw)
+    return httpx.post(srv.url + path, json=body, headers={**srv.headers, **(headers or {})},
+                      timeout=120, **kw)
 
 
 def _error(r, status):
@@ -59,8 +60,8 @@ def _error(r, status):
     return err
 
 
-BAD_NAMES = ["../x", "../../etc/passwd", "/etc/passwd", "a/b", "a\\b", "", ".hidden", "..", "a..b", "x" * 300,
-             "name with spaces", "nul\x00byte", "ü"]
+BAD_NAMES = ["../x", "../../etc/passwd", "/etc/passwd", "a/b", "a\\b", "", ".hidden", "..", "a..b",
+             "x" * 300, "name with spaces", "nul\x00byte", "ü"]
 
 
 def test_expert_profile_takes_a_name_and_writes_privately_into_its_directory(server):
@@ -70,41 +71,51 @@ def test_expert_profile_takes_a_name_and_writes_privately_into_its_directory(ser
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["name"] == "hot-2026" and body["path"] == "hot-2026.json" and body["routed"] > 0
-    assert "/" not in json.dumps(body)                                  # no path of the server's machine
+    # no path of the server's machine
+    assert "/" not in json.dumps(body)
     written = server.profiles / "hot-2026.json"
     assert json.loads(written.read_text())["routed"] == body["routed"]
     assert stat.S_IMODE(written.stat().st_mode) == 0o600
     assert stat.S_IMODE(server.profiles.stat().st_mode) == 0o700
-    assert _post(server, "/expert-profile", {"name": "hot-2026.json"}).json()["path"] == "hot-2026.json"
+    assert (_post(server, "/expert-profile", {"name": "hot-2026.json"}).json()["path"]
+            == "hot-2026.json")
 
     for name in BAD_NAMES:
         err = _error(_post(server, "/expert-profile", {"name": name}), 400)
         assert err["param"] == "name", name
-        assert repr(name[:120]) in err["message"], (name, err["message"])        # the 400 names the value
+        # the 400 names the value
+        assert repr(name[:120]) in err["message"], (name, err["message"])
     for body in ({"name": 7}, {"name": None}, {}, [], "hot", {"name": ["a"]}):
         assert _error(_post(server, "/expert-profile", body), 400)["param"] == "name", body
     for body in ({"path": str(server.root / "x.json")}, {"name": "ok", "path": "/tmp/ok.json"}):
         err = _error(_post(server, "/expert-profile", body), 400)
-        assert err["param"] == "path" and "name" in err["message"] and "--expert-profile-dir" in err["message"]
-    assert _error(_post(server, "/expert-profile", {"name": "ok", "dir": "/tmp"}), 400)["param"] == "dir"
+        assert (err["param"] == "path" and "name" in err["message"]
+                and "--expert-profile-dir" in err["message"])
+    assert (_error(_post(server, "/expert-profile", {"name": "ok", "dir": "/tmp"}), 400)["param"]
+            == "dir")
 
-    # nothing but the one profile, nowhere else: no temporary files left, nothing beside the directory
+    # nothing but the one profile, nowhere else: no temporary files left, nothing beside the
+    # directory
     assert sorted(os.listdir(server.profiles)) == ["hot-2026.json"]
     assert sorted(os.listdir(server.root / "a")) == ["profiles"]
     assert sorted(os.listdir(server.root)) == ["a", "key.txt"]
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
-                                   "/expert-profile"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/chat/completions", "/v1/completions",
+                                   "/completions", "/expert-profile"])
 def test_post_routes_need_application_json(server, route):
-    body = json.dumps({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    for given in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
-        r = httpx.post(server.url + route, content=body, headers={**server.headers, "Content-Type": given}, timeout=60)
+    body = json.dumps({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 2})
+    for given in ("text/plain", "application/x-www-form-urlencoded",
+                  "multipart/form-data; boundary=x"):
+        r = httpx.post(server.url + route, content=body,
+                       headers={**server.headers, "Content-Type": given}, timeout=60)
         err = _error(r, 415)
         assert given in err["message"] and "application/json" in err["message"]
     r = httpx.post(server.url + route, content=body.encode(), headers=server.headers, timeout=60)
     assert "no Content-Type" in _error(r, 415)["message"]
-    r = httpx.post(server.url + route, content=body, timeout=120,       # with a charset it is JSON all the same
+    # with a charset it is JSON all the same
+    r = httpx.post(server.url + route, content=body, timeout=120,
                    headers={**server.headers, "Content-Type": "application/json; charset=utf-8"})
     assert r.status_code != 415, r.text
     if route.endswith("/completions") and "chat" not in route:
@@ -127,20 +138,22 @@ def _environ(pid: int) -> dict[str, str]:
 def test_the_key_comes_from_the_file_and_the_engine_does_not_inherit_it(server):
     url = server.url + "/v1/models"
     assert httpx.get(url).status_code == 401
-    assert httpx.get(url, headers={"Authorization": f"Bearer {ENV_KEY}"}).status_code == 401   # the file wins
+    # the file wins
+    assert httpx.get(url, headers={"Authorization": f"Bearer {ENV_KEY}"}).status_code == 401
     assert httpx.get(url, headers=server.headers).status_code == 200
     assert _environ(server.proc.pid).get("STRATA_API_KEY") == ENV_KEY       # the server has it ...
     assert server.engine_pids(), server.log()
     engine = server.engine_pids()[-1]
     assert engine != server.proc.pid
     env = _environ(engine)
-    assert "STRATA_ENGINE_GENERATION" in env                               # ... this is the engine child ...
+    # ... this is the engine child ...
+    assert "STRATA_ENGINE_GENERATION" in env
     assert "STRATA_API_KEY" not in env                                      # ... and it does not
     for pid in (engine, server.proc.pid):
         assert FILE_KEY not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
 
 
-# ---- without a model --------------------------------------------------------------------------------------
+# ---- without a model -----------------------------------------------------------------------------
 
 def test_a_500_says_where_the_log_is_not_what_failed(caplog):
     from litestar.testing import TestClient
@@ -164,7 +177,8 @@ def test_a_500_says_where_the_log_is_not_what_failed(caplog):
     assert "secret" not in r.text and "RuntimeError" not in r.text
     ref = re.search(r"err-[0-9a-f]{8}", err["message"]).group(0)
     logged = [rec for rec in caplog.records if ref in rec.getMessage()]
-    assert logged and "sk-secret-123" in str(logged[0].exc_info[1])          # the operator finds it in the log
+    # the operator finds it in the log
+    assert logged and "sk-secret-123" in str(logged[0].exc_info[1])
     assert "/very/secret" not in models and "mock.gguf" in models
 
 
@@ -190,18 +204,19 @@ with Engine.from_gguf(sys.argv[1], EngineConfig(parallel=1, max_context=64, pref
     out = eng.generate("hello", max_tokens=2, ignore_eos=True)
     print(json.dumps({**compile_cache.counters(), "build_s": eng.stats()["programs"]["build_seconds"],
                       "tokens": out.tokens}))
-"""
+"""  # noqa: E501
 
 
 def test_a_second_start_loads_its_programs_from_the_compile_cache(tiny_model, tmp_path):
-    """Two engine processes on one model in one (fresh) cache folder: the first compiles and stores every
-    program, the second finds them (JAX's cache-hit events) and builds in less time, with the same tokens."""
+    """Two engine processes on one model in one (fresh) cache folder: the first compiles and stores
+    every program, the second finds them (JAX's cache-hit events) and builds in less time, with the
+    same tokens."""
     model = tiny_model(**MOE)
     env = {**os.environ, "STRATA_JAX_COMPILE_CACHE": str(tmp_path / "jc")}
 
     def start() -> dict:
-        p = subprocess.run([sys.executable, "-c", START, str(model)], env=env, capture_output=True, text=True,
-                           timeout=300, check=False)
+        p = subprocess.run([sys.executable, "-c", START, str(model)], env=env, capture_output=True,
+                           text=True, timeout=300, check=False)
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -1,6 +1,7 @@
-"""Server pieces on their own, fast: the reasoning parser on token streams, request parsing, the frame
-protocol, the fault ledger, and the supervisor driving a mock engine process (mock_worker.py: no model, no
-JAX) through queueing, cancels, deadlines, an engine exit and a start that keeps failing."""
+"""Server pieces on their own, fast: the reasoning parser on token streams, request parsing, the
+frame protocol, the fault ledger, and the supervisor driving a mock engine process (mock_worker.py:
+no model, no JAX) through queueing, cancels, deadlines, an engine exit and a start that keeps
+failing."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from strata_jax.serve.supervisor.supervisor import (
     Supervisor,
 )
 
-# ---- reasoning -------------------------------------------------------------------------------------------
+# ---- reasoning -----------------------------------------------------------------------------------
 
 CASES = [  # (text, starts inside reasoning) -> (reasoning or None, content)
     ("Let me think.\n</think>\n\nParis.", True, ("Let me think.", "Paris.")),
@@ -59,7 +60,8 @@ def test_reasoning_split_whole(text, inside, expected):
 def test_reasoning_split_any_way_into_tokens(text, inside, expected):
     """Tags cut anywhere, in two or three pieces: the streamed parts add up to the whole split."""
     n = len(text)
-    cuts = [(i,) for i in range(n + 1)] + list(itertools.combinations(range(0, n + 1, max(1, n // 12)), 2))
+    cuts = ([(i,) for i in range(n + 1)]
+            + list(itertools.combinations(range(0, n + 1, max(1, n // 12)), 2)))
     for cut in cuts:
         bounds = [0, *cut, n]
         pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
@@ -74,7 +76,8 @@ def test_reasoning_split_any_way_into_tokens(text, inside, expected):
 def test_reasoning_streams_as_it_comes():
     p = ReasoningParser(in_reasoning=True)
     assert p.feed("Let me th") == [(REASONING, "Let me th")]
-    assert p.feed("ink</th") == [(REASONING, "ink")]             # "</th" held back: it may be the tag
+    # "</th" held back: it may be the tag
+    assert p.feed("ink</th") == [(REASONING, "ink")]
     assert p.feed("ink>\n\nPar") == [(CONTENT, "Par")]
     assert p.feed("is") == [(CONTENT, "is")]
     assert p.flush() == []
@@ -83,16 +86,19 @@ def test_reasoning_streams_as_it_comes():
 @pytest.mark.parametrize("text, expected", [
     ("Let me look.\n<tool_call>\n<function=f>", ("Let me look.", "<tool_call>\n<function=f>")),
     ("<tool_call>\n{}", ("", "<tool_call>\n{}")),
-    ("Hm.</think>\n\nSure.<tool_call>x", ("Hm.", "Sure.<tool_call>x")),   # after </think> it is content anyway
+    # after </think> it is content anyway
+    ("Hm.</think>\n\nSure.<tool_call>x", ("Hm.", "Sure.<tool_call>x")),
 ])
 def test_a_call_mark_ends_the_reasoning_and_is_the_answer(text, expected):
-    """With tools (the format's call mark given), a call written inside the reasoning the template opened ends
-    it, as llama.cpp's Qwen3-Coder / Qwen3.5 parser ends it at <tool_call>: whole, and cut at every character."""
+    """With tools (the format's call mark given), a call written inside the reasoning the template
+    opened ends it, as llama.cpp's Qwen3-Coder / Qwen3.5 parser ends it at <tool_call>: whole, and
+    cut at every character."""
     assert split_reasoning(text, True, call_mark="<tool_call>") == expected
     for cut in range(len(text) + 1):
         p = ReasoningParser(True, call_mark="<tool_call>")
         parts = p.feed(text[:cut]) + p.feed(text[cut:]) + p.flush()
-        got = ("".join(t for k, t in parts if k == REASONING), "".join(t for k, t in parts if k == CONTENT))
+        got = ("".join(t for k, t in parts if k == REASONING),
+               "".join(t for k, t in parts if k == CONTENT))
         assert got == expected, cut
 
 
@@ -106,7 +112,8 @@ def test_reasoning_off_passes_tags_through():
 
 
 def test_reasoning_on_real_token_stream(tiny_model):
-    """Token by token through the tiny tokenizer, where <think> and </think> are tokens of their own."""
+    """Token by token through the tiny tokenizer, where <think> and </think> are tokens of their
+    own."""
     from strata_jax.gguf import load_tokenizer
 
     tok = load_tokenizer(tiny_model(arch="qwen3", layers=2, hidden=64))
@@ -118,27 +125,33 @@ def test_reasoning_on_real_token_stream(tiny_model):
     assert "".join(t for k, t in parts if k == CONTENT) == "is Paris"
 
 
-# ---- request parsing -------------------------------------------------------------------------------------
+# ---- request parsing -----------------------------------------------------------------------------
 
 NAMES = ModelNames("tiny", "tiny.gguf")
-STRICT = ModelNames("tiny", "tiny.gguf", strict=True)      # --strict-model-name: an unknown name is a 404
+# --strict-model-name: an unknown name is a 404
+STRICT = ModelNames("tiny", "tiny.gguf", strict=True)
 
 
 def test_an_unknown_model_name_is_served_unless_strict():
     body = b'{"messages": [{"role": "user", "content": "x"}], "model": "other"}'
-    assert parse_chat(body, NAMES) is not None                # llama.cpp's way: the one model serves it
+    # llama.cpp's way: the one model serves it
+    assert parse_chat(body, NAMES) is not None
 
 
 def test_chat_parsing_maps_openai_fields():
-    job = parse_chat(b'{"model": "tiny.gguf", "messages": [{"role": "developer", "content": "Be brief."}, '
-                     b'{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], '
-                     b'"max_completion_tokens": 7, "max_tokens": 99, "seed": -1, "stop": "END", "top_k": 5, '
-                     b'"stream": true, "stream_options": {"include_usage": true}, "user": "ignored"}', NAMES)
+    job = parse_chat(b'{"model": "tiny.gguf", "messages": [{"role": "developer", "content": "Be '
+                     b'brief."}, {"role": "user", "content": [{"type": "text", "text": "a"}, '
+                     b'{"type": "text", "text": "b"}]}], "max_completion_tokens": 7, "max_tokens": '
+                     b'99, "seed": -1, "stop": "END", "top_k": 5, "stream": true, '
+                     b'"stream_options": {"include_usage": true}, "user": "ignored"}', NAMES)
     assert job.model == "tiny" and job.stream and job.include_usage
-    assert job.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"}]
-    assert job.params == RequestParams(max_tokens=7, temperature=0.8, top_k=5, top_p=0.95, min_p=0.05, seed=None,
-                                       stop=["END"], ignore_eos=False, logit_bias=[], presence_penalty=0.0,
-                                       frequency_penalty=0.0, repeat_penalty=1.0, repeat_last_n=64, logprobs=None,
+    assert (job.prompt
+            == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"}])
+    assert job.params == RequestParams(max_tokens=7, temperature=0.8, top_k=5, top_p=0.95,
+                                       min_p=0.05, seed=None,
+                                       stop=["END"], ignore_eos=False, logit_bias=[],
+                                       presence_penalty=0.0, frequency_penalty=0.0,
+                                       repeat_penalty=1.0, repeat_last_n=64, logprobs=None,
                                        grammar=None)
     assert parse_completion(b'{"prompt": ["hi"], "seed": 8589934593}', NAMES).params.seed == 1
 
@@ -157,32 +170,35 @@ def test_chat_parsing_names_the_field(body, param):
     assert param.split("[")[0] in e.value.message
 
 
-# ---- protocol, ledger, stderr ----------------------------------------------------------------------------
+# ---- protocol, ledger, stderr --------------------------------------------------------------------
 
 def test_frames_round_trip_and_stop_at_a_cut():
     """(every frame type round trips, and malformed ones are refused: tests/test_protocol.py)"""
     msgs = [Prepare("a", [{"role": "user", "content": "é"}], RequestParams()), Cancel("\x00")]
     data = b"".join(pack(m) for m in msgs)
     f = io.BytesIO(data)
-    assert [read_frame(f, decode_command), read_frame(f, decode_command), read_frame(f, decode_command)] == \
+    assert [read_frame(f, decode_command), read_frame(f, decode_command),
+            read_frame(f, decode_command)] == \
         [*msgs, None]
     assert read_frame(io.BytesIO(data[:-1]), decode_command) == msgs[0]
 
 
 def test_fault_messages_say_why():
     f = Fault(1, 1, "ERR window 7: boom", "ERR window 7: boom", 2, ["a", "b"], 3.0, True)
-    assert f.message == "the engine stopped unexpectedly (exit code 1). Its last error: ERR window 7: boom"
+    assert (f.message
+            == "the engine stopped unexpectedly (exit code 1). Its last error: ERR window 7: boom")
     g = Fault(2, -9, "loading weights", None, 0, [], 1.0, False)
-    assert g.message == "the engine stopped unexpectedly (killed by SIGKILL, exit code -9). Its last log line: " \
-                        "loading weights"
+    assert (g.message == "the engine stopped unexpectedly (killed by SIGKILL, exit code -9). Its "
+                         "last log line: loading weights")
     assert describe_exit(None) == "it did not start"
     tail = StderrTail()
-    for line in ("INFO strata_jax.engine: prompt 3 tokens", "ERR window 2: x", "WARNING later line", ""):
+    for line in ("INFO strata_jax.engine: prompt 3 tokens", "ERR window 2: x",
+                 "WARNING later line", ""):
         tail.add(line)
     assert tail.error_line == "ERR window 2: x" and tail.last_line == "later line"
 
 
-# ---- the supervisor over a mock engine -------------------------------------------------------------------
+# ---- the supervisor over a mock engine -----------------------------------------------------------
 
 MOCK = [sys.executable, "-m", "strata_jax.serve.worker.mock_worker"]
 PARAMS = RequestParams()                  # the engine's defaults: greedy, to the end of the context
@@ -190,7 +206,8 @@ PARAMS = RequestParams()                  # the engine's defaults: greedy, to th
 
 def _run(coro_fn, parallel=2, timeout_s=10.0, **kw):
     async def main():
-        sup = Supervisor("mock.gguf", EngineConfig(parallel=parallel, max_context=512, request_timeout_s=timeout_s),
+        sup = Supervisor("mock.gguf", EngineConfig(parallel=parallel, max_context=512,
+                                                   request_timeout_s=timeout_s),
                          command=MOCK, backoff_s=0.05, max_backoff_s=0.3, **kw)
         await sup.start()
         try:
@@ -227,8 +244,10 @@ def test_mock_queue_never_runs_more_than_parallel():
 
     most, ends, tickets = _run(go)
     assert most == 2
-    assert [e.finish_reason for e in ends] == ["length"] * 5 and all(e.stats["generated_tokens"] == 20 for e in ends)
-    assert sorted(t.started for t in tickets) == [t.started for t in tickets]     # first come, first served
+    assert ([e.finish_reason for e in ends] == ["length"] * 5
+            and all(e.stats["generated_tokens"] == 20 for e in ends))
+    # first come, first served
+    assert sorted(t.started for t in tickets) == [t.started for t in tickets]
 
 
 def test_mock_engine_exit_fails_running_and_serves_queued():
@@ -240,7 +259,8 @@ def test_mock_engine_exit_fails_running_and_serves_queued():
         return sup, ends, queued
 
     sup, (crash, other, queued_end), queued = _run(go)
-    want = "the engine stopped unexpectedly (exit code 3). This request was in flight"     # no log text
+    # no log text
+    want = "the engine stopped unexpectedly (exit code 3). This request was in flight"
     assert crash.kind == other.kind == "error" and crash.error.startswith(want)
     assert "exit asked by the prompt" in sup.ledger.last.message
     assert queued_end.finish_reason == "length" and queued.generation == 2
@@ -304,8 +324,8 @@ def test_prepared_is_plain_data():
 def test_serve_refuses_bad_settings_before_starting(args, says):
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "strata_jax", "serve", *args, "--port", "0"], capture_output=True,
-                         text=True, timeout=60, check=False)
+    out = subprocess.run([sys.executable, "-m", "strata_jax", "serve", *args, "--port", "0"],
+                         capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 1 and says in out.stderr and "strata-jax serve: error:" in out.stderr
 
 
@@ -316,14 +336,16 @@ def test_pipe_to_a_deaf_engine_is_bounded():
     from strata_jax.serve.supervisor.supervisor import MAX_UNREAD_BYTES
 
     async def go():
-        sup = Supervisor("mock.gguf", EngineConfig(parallel=2, max_context=1 << 20, request_timeout_s=20),
+        sup = Supervisor("mock.gguf",
+                         EngineConfig(parallel=2, max_context=1 << 20, request_timeout_s=20),
                          command=MOCK)
         await sup.start()
         await sup.wait_ready(time.monotonic() + 20)
         deaf = asyncio.create_task(sup.prepare("deaf", "DEAF", PARAMS, None, time.monotonic() + 20))
         await asyncio.sleep(0.3)
         big = "x" * (1 << 20)
-        tasks = [asyncio.create_task(sup.prepare(f"big{i}", big, PARAMS, None, time.monotonic() + 20))
+        tasks = [asyncio.create_task(sup.prepare(f"big{i}", big, PARAMS, None,
+                                                 time.monotonic() + 20))
                  for i in range(60)]
         await asyncio.sleep(1.0)
         refused = [t.exception() for t in tasks if t.done()]
@@ -335,6 +357,7 @@ def test_pipe_to_a_deaf_engine_is_bounded():
 
     refused, unread = asyncio.run(go())
     assert len(refused) >= 20, len(refused)
-    assert all(isinstance(e, ApiError) and e.status == 503 and e.headers["Retry-After"] for e in refused)
+    assert all(isinstance(e, ApiError) and e.status == 503 and e.headers["Retry-After"]
+               for e in refused)
     assert "has not read" in refused[0].message
     assert unread <= MAX_UNREAD_BYTES + (2 << 20), unread

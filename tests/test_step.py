@@ -1,9 +1,10 @@
-"""Engine.step() driven window by window, without the engine thread: the exact events of each window.
+"""Engine.step() driven window by window, without the engine thread: the exact events of each
+window.
 
-Two slots, a 16-token prompt chunk, three requests: A (5 prompt tokens, 3 to generate), B (20 prompt tokens,
-read in two chunks, 2 to generate) and C (3 prompt tokens, 1 to generate), which waits for a slot. Each token
-is checked against the argmax of the all-logits path (engine/research.py) over the same sequence, a program
-of its own: the sampling window and the logits agree on every greedy token.
+Two slots, a 16-token prompt chunk, three requests: A (5 prompt tokens, 3 to generate), B (20 prompt
+tokens, read in two chunks, 2 to generate) and C (3 prompt tokens, 1 to generate), which waits for a
+slot. Each token is checked against the argmax of the all-logits path (engine/research.py) over the
+same sequence, a program of its own: the sampling window and the logits agree on every greedy token.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from strata_jax.gguf import GGUFModel
 @pytest.fixture(scope="module")
 def core(tiny_model):
     path = tiny_model(arch="qwen3", layers=2, hidden=64)
-    core = EngineCore(GGUFModel.open(path), EngineConfig(parallel=2, max_context=64, prefill=16, warmup=False))
+    core = EngineCore(GGUFModel.open(path),
+                      EngineConfig(parallel=2, max_context=64, prefill=16, warmup=False))
     yield core
     core.runner.close()
 
@@ -42,7 +44,8 @@ def test_step_by_step_events(core):
     before = dict(core.counters)
     A, B, C = a.id, b.id, c.id
 
-    # 1: A and B take the two slots (C waits); one window reads A's prompt and B's first chunk: A's first token
+    # 1: A and B take the two slots (C waits); one window reads A's prompt and B's first chunk: A's
+    # first token
     s1 = core.step()
     assert core.stepped and _shown(s1) == [(A, "token", None)]
     assert [s.request for s in core.slots] == [a, b] and list(core.admission.waiting) == [c]
@@ -53,7 +56,8 @@ def test_step_by_step_events(core):
     assert _shown(s2) == [(A, "token", None), (B, "token", None)]
     # 3: both decode to their max_tokens and finish, A first (its row comes first)
     s3 = core.step()
-    assert _shown(s3) == [(A, "token", None), (A, "final", "length"), (B, "token", None), (B, "final", "length")]
+    assert (_shown(s3) == [(A, "token", None), (A, "final", "length"), (B, "token", None),
+                           (B, "final", "length")])
     assert all(s.free for s in core.slots) and list(core.admission.waiting) == [c]
     # 4: C gets a freed slot, reads its prompt, and its one token ends it
     s4 = core.step()

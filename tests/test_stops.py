@@ -1,5 +1,5 @@
-"""Stop strings matched incrementally (engine/schedule/stops.py): the same answers as searching the whole text at
-every token, and a cost a token that does not grow with the answer."""
+"""Stop strings matched incrementally (engine/schedule/stops.py): the same answers as searching the
+whole text at every token, and a cost a token that does not grow with the answer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from strata_jax.engine.schedule.stops import StopMatcher
 
 
 def _whole_text(text: str, stops: tuple[str, ...]) -> tuple[int | None, int]:
-    """The plain way: the earliest stop anywhere in the text, and the longest stop beginning at its end."""
+    """The plain way: the earliest stop anywhere in the text, and the longest stop beginning at its
+    end."""
     hits = [text.find(s) for s in stops if s in text]
     held = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
     return (min(hits) if hits else None), held
@@ -19,7 +20,8 @@ def _whole_text(text: str, stops: tuple[str, ...]) -> tuple[int | None, int]:
 def test_same_matches_and_held_characters_as_searching_the_whole_text():
     rng = random.Random(0)
     for _ in range(4000):
-        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4)))
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+                      for _ in range(rng.randint(1, 4)))
         m, text = StopMatcher(stops), ""
         for _ in range(30):
             text += "".join(rng.choice("abc") for _ in range(rng.randint(0, 4)))
@@ -39,7 +41,8 @@ def test_unicode_and_overlapping_stops():
 
 
 def test_cost_a_token_does_not_grow_with_the_answer():
-    """16 stops of 512 characters: reading 4 more characters costs the same after 1K and after 400K."""
+    """16 stops of 512 characters: reading 4 more characters costs the same after 1K and after
+    400K."""
     rng = random.Random(1)
     alphabet = "abcdefgh "
     stops = tuple("".join(rng.choice(alphabet) for _ in range(511)) + "z" for _ in range(16))
@@ -57,4 +60,5 @@ def test_cost_a_token_does_not_grow_with_the_answer():
         return (time.perf_counter() - t0) / len(chunks)
 
     short, long = min(per_token(1000) for _ in range(3)), min(per_token(400_000) for _ in range(3))
-    assert long < 4 * short + 20e-6, (short, long)      # the old whole-text search: ~10x slower at 400K
+    # the old whole-text search: ~10x slower at 400K
+    assert long < 4 * short + 20e-6, (short, long)

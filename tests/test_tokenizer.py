@@ -1,11 +1,12 @@
 """The GGUF tokenizer against its oracles.
 
-- SmolLM2's real GGUF (pre `smollm`) and made byte-level BPE vocabularies (`qwen2`, `llama-bpe`, `gpt2`):
-  the same ids as transformers' GGUF tokenizer.
-- Pre-tokenizers transformers does not know (`deepseek-v3`, `default`, ...): the split equals llama.cpp's
-  regexes applied one after another with Python's `regex` module, and the ids are BPE of those pieces.
-- A SentencePiece vocabulary: the same ids as llama.cpp's algorithm (re-written below), as sentencepiece
-  itself, and as transformers where transformers agrees with llama.cpp.
+- SmolLM2's real GGUF (pre `smollm`) and made byte-level BPE vocabularies (`qwen2`, `llama-bpe`,
+  `gpt2`): the same ids as transformers' GGUF tokenizer.
+- Pre-tokenizers transformers does not know (`deepseek-v3`, `default`, ...): the split equals
+  llama.cpp's regexes applied one after another with Python's `regex` module, and the ids are BPE of
+  those pieces.
+- A SentencePiece vocabulary: the same ids as llama.cpp's algorithm (re-written below), as
+  sentencepiece itself, and as transformers where transformers agrees with llama.cpp.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ PLAIN_TEXTS = [t for t in TEXTS if not any(m in t for m in SPECIAL_MARKERS)]
 def _mismatches(tok, hf, texts):
     out = []
     for text in texts:
-        ours, theirs = tok.encode(text, add_special=False), hf.encode(text, add_special_tokens=False)
+        ours, theirs = (tok.encode(text, add_special=False),
+                        hf.encode(text, add_special_tokens=False))
         if ours != theirs:
             out.append((text, [tok.id_to_token(i) for i in ours], hf.convert_ids_to_tokens(theirs)))
     return out
@@ -54,7 +56,8 @@ def test_smollm2_ids_match_transformers():
     tok, hf = smollm2_tokenizer(), smollm2_transformers()
     assert _mismatches(tok, hf, TEXTS) == []
     # add_bos_token is false in this file: nothing is added
-    assert tok.encode("Hello", add_special=True) == hf.encode("Hello") == tok.encode("Hello", add_special=False)
+    assert (tok.encode("Hello", add_special=True) == hf.encode("Hello")
+            == tok.encode("Hello", add_special=False))
 
 
 def test_smollm2_metadata():
@@ -63,7 +66,8 @@ def test_smollm2_metadata():
     assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (1, 2, False, False)
     assert tok.token_to_id("<|im_start|>") == 1 and tok.id_to_token(2) == "<|im_end|>"
     assert tok.token_to_id("no such token") is None
-    assert tok.eos_ids == {0, 2}  # <|endoftext|> and <|im_end|>, as llama.cpp's end-of-generation set
+    # <|endoftext|> and <|im_end|>, as llama.cpp's end-of-generation set
+    assert tok.eos_ids == {0, 2}
     assert tok.is_special(1) and not tok.is_special(tok.encode("Hi")[0])
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -88,7 +92,8 @@ def test_made_bpe_ids_match_transformers(pre):
 
 
 def _regex_split(text, regexes):
-    # llama.cpp's unicode_regex_split: each regex cuts every piece into its matches and the text between.
+    # llama.cpp's unicode_regex_split: each regex cuts every piece into its matches and the text
+    # between.
     pieces = [text]
     for pattern in regexes:
         rx = regex.compile(pattern)
@@ -108,7 +113,8 @@ def _regex_split(text, regexes):
 
 
 # one name for each distinct pre-tokenizer
-DISTINCT_PRES = sorted({next(n for n, s in PRE_TOKENIZERS.items() if s is spec) for spec in PRE_TOKENIZERS.values()})
+DISTINCT_PRES = sorted({next(n for n, s in PRE_TOKENIZERS.items() if s is spec)
+                        for spec in PRE_TOKENIZERS.values()})
 
 
 @pytest.mark.parametrize("pre", DISTINCT_PRES)
@@ -116,24 +122,28 @@ def test_pre_tokenizer_regexes_split_like_reference(pre):
     from tokenizers import Regex, pre_tokenizers
 
     regexes = PRE_TOKENIZERS[pre].regexes
-    splitter = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes])
+    splitter = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
+                                        for r in regexes])
     for text in TEXTS:
         assert [p for p, _ in splitter.pre_tokenize_str(text)] == _regex_split(text, regexes), text
 
 
 @pytest.mark.parametrize("pre", ["deepseek-v3", "default", "qwen2"])
 def test_bpe_ids_are_merges_of_llama_cpp_split(pre):
-    # transformers does not know deepseek-v3's or default's split; the reference is llama.cpp's regexes.
+    # transformers does not know deepseek-v3's or default's split; the reference is llama.cpp's
+    # regexes.
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers
 
     tok = made_tokenizer(pre)
     _, md = made_vocab(pre)
     vocab = {t: i for i, t in enumerate(md["tokenizer.ggml.tokens"])}
-    bpe = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]))
+    bpe = HFTokenizer(models.BPE(vocab=vocab,
+                                 merges=[tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     for text in PLAIN_TEXTS:
-        expected = [i for piece in _regex_split(text, PRE_TOKENIZERS[pre].regexes) for i in bpe.encode(piece).ids]
+        expected = [i for piece in _regex_split(text, PRE_TOKENIZERS[pre].regexes)
+                    for i in bpe.encode(piece).ids]
         assert tok.encode(text, add_special=False) == expected, text
 
 
@@ -163,10 +173,13 @@ def test_qwen2_style_vocab():
 
 
 def _llama_cpp_spm(md, text, add_special=True):
-    """llama.cpp's SentencePiece tokenizer (llm_tokenizer_spm + tokenizer_st_partition), re-written plainly."""
-    tokens, scores, types = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"], md["tokenizer.ggml.token_type"]
+    """llama.cpp's SentencePiece tokenizer (llm_tokenizer_spm + tokenizer_st_partition), re-written
+    plainly."""
+    tokens, scores, types = (md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"],
+                             md["tokenizer.ggml.token_type"])
     ids = {t: i for i, t in enumerate(tokens)}
-    specials = sorted((i for i, k in enumerate(types) if k in (2, 3, 4)), key=lambda i: -len(tokens[i]))
+    specials = sorted((i for i, k in enumerate(types) if k in (2, 3, 4)),
+                      key=lambda i: -len(tokens[i]))
     fragments = [text] if text else []
     for sid in specials:
         cut = []
@@ -214,7 +227,8 @@ def _llama_cpp_spm(md, text, add_special=True):
             i = nxt[i]
         return out
 
-    out = [md["tokenizer.ggml.bos_token_id"]] if add_special and md["tokenizer.ggml.add_bos_token"] else []
+    out = ([md["tokenizer.ggml.bos_token_id"]] if add_special and md["tokenizer.ggml.add_bos_token"]
+           else [])
     prev_special = True
     for frag in fragments:
         if isinstance(frag, int):
@@ -246,8 +260,8 @@ def test_sentencepiece_ids_match_sentencepiece():
 
 
 def test_sentencepiece_ids_match_transformers_where_it_agrees_with_llama_cpp():
-    # transformers' Metaspace puts no space before text that starts with one, nor after a special token;
-    # llama.cpp (and sentencepiece) do. On other text the two agree.
+    # transformers' Metaspace puts no space before text that starts with one, nor after a special
+    # token; llama.cpp (and sentencepiece) do. On other text the two agree.
     texts = [t for t in PLAIN_TEXTS if not t.startswith(" ")]
     assert len(texts) > 20
     assert _mismatches(made_tokenizer("spm"), made_transformers("spm"), texts) == []
@@ -260,10 +274,12 @@ def test_sentencepiece_vocab_details():
     assert (tok.model, tok.bos_id, tok.eos_id, tok.unk_id) == ("llama", 1, 2, 0)
     assert tok.add_bos and tok.add_space_prefix and not tok.add_eos
     ids = tok.encode("x🫠", add_special=False)
-    assert [tok.id_to_token(i) for i in ids][-4:] == ["<0xF0>", "<0x9F>", "<0xAB>", "<0xA0>"]  # byte fallback
+    # byte fallback
+    assert [tok.id_to_token(i) for i in ids][-4:] == ["<0xF0>", "<0x9F>", "<0xAB>", "<0xA0>"]
     assert tok.decode(tok.encode("  two spaces")) == "<s>  two spaces"
     assert tok.decode(tok.encode("  two spaces"), skip_special=True) == "  two spaces"
-    # llama.cpp puts a space before the text after every special token; decoding takes off only the first
+    # llama.cpp puts a space before the text after every special token; decoding takes off only the
+    # first
     assert tok.decode(tok.encode("<|im_start|>user", add_special=False)) == "<|im_start|>user"
     assert tok.decode(tok.encode("a<|im_end|>b", add_special=False)) == "a<|im_end|> b"
 
@@ -281,7 +297,8 @@ def _tok(name):
 @pytest.mark.parametrize("name", ALL)
 def test_decode_inverts_encode(name):
     tok = _tok(name)
-    texts = PLAIN_TEXTS if name == "spm" else TEXTS  # (see test_sentencepiece_vocab_details for specials)
+    # (see test_sentencepiece_vocab_details for specials)
+    texts = PLAIN_TEXTS if name == "spm" else TEXTS
     for text in texts:
         assert tok.decode(tok.encode(text, add_special=False)) == text
     for text in PLAIN_TEXTS:
@@ -300,7 +317,8 @@ def test_stream_decoder_yields_whole_characters(name):
         assert not any("\ufffd" in o for o in outputs)
     # the emoji and CJK text really has characters that span tokens
     ids = tok.encode(EMOJI_CJK, add_special=False)
-    assert any(len(tok.token_bytes(i).decode("utf-8", errors="ignore")) == 0 and tok.token_bytes(i) for i in ids)
+    assert any(len(tok.token_bytes(i).decode("utf-8", errors="ignore")) == 0 and tok.token_bytes(i)
+               for i in ids)
     stream = tok.stream_decoder()
     assert "" in [stream.add(i) for i in ids]
 
@@ -325,15 +343,19 @@ def _smollm2_like_metadata(**changes):
 
 
 def test_add_bos_and_eos_follow_metadata():
-    md = _smollm2_like_metadata(**{"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True})
+    md = _smollm2_like_metadata(**{"tokenizer.ggml.add_bos_token": True,
+                                   "tokenizer.ggml.add_eos_token": True})
     tok = load_tokenizer(md)
     ids = tok.encode("hi")
-    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and tok.encode("hi", add_special=False) == ids[1:-1]
+    assert (ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+            and tok.encode("hi", add_special=False) == ids[1:-1])
     assert tok.encode("", add_special=True) == [tok.bos_id, tok.eos_id]
     # llama-bpe (Llama 3) adds BOS when the file does not say
-    llama3 = _smollm2_like_metadata(**{"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": None})
+    llama3 = _smollm2_like_metadata(**{"tokenizer.ggml.pre": "llama-bpe",
+                                       "tokenizer.ggml.add_bos_token": None})
     assert load_tokenizer(llama3).add_bos
-    no_bos = _smollm2_like_metadata(**{"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": None})
+    no_bos = _smollm2_like_metadata(**{"tokenizer.ggml.add_bos_token": True,
+                                       "tokenizer.ggml.bos_token_id": None})
     with pytest.raises(TokenizerError, match="add_bos_token is true"):
         load_tokenizer(no_bos)
 
@@ -345,10 +367,13 @@ def test_unknown_pre_tokenizer_is_named(tmp_path):
         load_tokenizer(_smollm2_like_metadata(**{"tokenizer.ggml.pre": "mystery-bpe-9"}))
     message = str(err.value)
     assert "'mystery-bpe-9'" in message and "tokenizer.ggml.pre" in message
-    assert all(name in message for name in ("default", "gpt2", "llama-bpe", "qwen2", "smollm", "deepseek-v3"))
+    assert all(name in message
+               for name in ("default", "gpt2", "llama-bpe", "qwen2", "smollm", "deepseek-v3"))
     # from a file, the error also names the file
-    path = write_vocab_gguf(tmp_path / "odd.gguf", _smollm2_like_metadata(**{"tokenizer.ggml.pre": "mystery-bpe-9"}))
-    with pytest.raises(UnknownPreTokenizerError, match=f"^{path}: unknown pre-tokenizer 'mystery-bpe-9'"):
+    path = write_vocab_gguf(tmp_path / "odd.gguf",
+                            _smollm2_like_metadata(**{"tokenizer.ggml.pre": "mystery-bpe-9"}))
+    with pytest.raises(UnknownPreTokenizerError,
+                       match=f"^{path}: unknown pre-tokenizer 'mystery-bpe-9'"):
         load_tokenizer(path)
 
 
@@ -361,7 +386,8 @@ def test_bad_vocabularies_say_what_is_wrong():
         load_tokenizer(_smollm2_like_metadata(**{"tokenizer.ggml.merges": None}))
     tokens = _smollm2_like_metadata()["tokenizer.ggml.tokens"]
     with pytest.raises(TokenizerError, match="duplicate token"):
-        load_tokenizer(_smollm2_like_metadata(**{"tokenizer.ggml.tokens": tokens[:-1] + [tokens[0]]}))
+        load_tokenizer(_smollm2_like_metadata(**{"tokenizer.ggml.tokens": tokens[:-1]
+                                                                          + [tokens[0]]}))
     with pytest.raises(ValueError, match="no such file"):
         load_tokenizer("/nonexistent/model.gguf")
 
@@ -369,7 +395,8 @@ def test_bad_vocabularies_say_what_is_wrong():
 def test_metadata_from_numpy_and_types_default_to_normal():
     import numpy as np
 
-    md = _smollm2_like_metadata(**{"tokenizer.ggml.token_type": None, "tokenizer.ggml.eos_token_id": np.uint32(5)})
+    md = _smollm2_like_metadata(**{"tokenizer.ggml.token_type": None,
+                                   "tokenizer.ggml.eos_token_id": np.uint32(5)})
     tok = load_tokenizer(md)
     assert tok.eos_id == 5 and tok.token_types[0] == NORMAL
     # <|im_end|> ends generation by its text, and becomes a control token, as in llama.cpp
@@ -389,7 +416,8 @@ def test_vocab_only_gguf_roundtrip_through_file():
 
 
 def test_malformed_vocabulary_degrades_with_warnings(caplog):
-    # merges whose parts or result are not tokens make the `tokenizers` library panic: they are left out
+    # merges whose parts or result are not tokens make the `tokenizers` library panic: they are left
+    # out
     md = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.tokens": ["a", "b", "ab", ""],
@@ -400,4 +428,5 @@ def test_malformed_vocabulary_degrades_with_warnings(caplog):
     assert tok.pre == "default" and tok.tokens[3] == "[EMPTY_3]"
     assert tok.encode("abba") == [2, 1, 0]
     messages = " ".join(r.getMessage() for r in caplog.records)
-    assert "tokenizer.ggml.pre is missing" in messages and "2 merges" in messages and "256 bytes" in messages
+    assert ("tokenizer.ggml.pre is missing" in messages and "2 merges" in messages
+            and "256 bytes" in messages)

@@ -1,13 +1,13 @@
-"""Tool-call formats of the families we serve (issue 16, item 1): Llama 3, Mistral's two, GLM-4.5, Qwen3.5's
-Qwen3-Coder XML (issue 34), beside Hermes and generic (serve/tool_formats/).
+"""Tool-call formats of the families we serve (issue 16, item 1): Llama 3, Mistral's two, GLM-4.5,
+Qwen3.5's Qwen3-Coder XML (issue 34), beside Hermes and generic (serve/tool_formats/).
 
-Parsers on literal model texts, fed whole and split at every character boundary (a streamed answer is the
-same calls as a whole one); the forced-call grammars walked at random over a vocabulary where the marks are
-special tokens; and, against the real server with the official openai client, a made model whose chat
-template is each family's own (written into its metadata, with the marks as control tokens): forced calls
-validate, stream as OpenAI streams them (a first piece with id, type, name and arguments "", then argument
-pieces), several calls have their own indexes, `parallel_tool_calls: false` gives one, and a round trip
-(call, result, answer) renders in the family's template."""
+Parsers on literal model texts, fed whole and split at every character boundary (a streamed answer
+is the same calls as a whole one); the forced-call grammars walked at random over a vocabulary where
+the marks are special tokens; and, against the real server with the official openai client, a made
+model whose chat template is each family's own (written into its metadata, with the marks as control
+tokens): forced calls validate, stream as OpenAI streams them (a first piece with id, type, name and
+arguments "", then argument pieces), several calls have their own indexes, `parallel_tool_calls:
+false` gives one, and a round trip (call, result, answer) renders in the family's template."""
 
 from __future__ import annotations
 
@@ -34,41 +34,52 @@ ZONE = '{"zone": -3}'
 TWO = [("get_weather", PARIS), ("get_time", ZONE)]
 # (format, the model's text, content left, calls)
 TEXTS = [
-    ("hermes", (f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>\n'
-               f'<tool_call>\n{{"name": "get_time", "arguments": {ZONE}}}\n</tool_call>'), "Let me look.", TWO),
+    ("hermes",
+     (f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>\n'
+               f'<tool_call>\n{{"name": "get_time", "arguments": {ZONE}}}\n</tool_call>'),
+     "Let me look.", TWO),
     ("llama3", f'{{"name": "get_weather", "parameters": {PARIS}}}', None, TWO[:1]),
     ("llama3", (f'<|python_tag|>{{"name": "get_weather", "parameters": {PARIS}}}; '
                f'{{"name": "get_time", "parameters": {ZONE}}}'), None, TWO),
     ("llama3", f'{{"type": "function", "name": "get_time", "parameters": {ZONE}}}', None, TWO[1:]),
-    ("mistral", (f'Sure.[TOOL_CALLS][{{"name": "get_weather", "arguments": {PARIS}, "id": "a1b2c3d4e"}}, '
+    ("mistral",
+     (f'Sure.[TOOL_CALLS][{{"name": "get_weather", "arguments": {PARIS}, "id": "a1b2c3d4e"}}, '
                 f'{{"name": "get_time", "arguments": {ZONE}, "id": "Zz9Yy8Xx7"}}]'), "Sure.", TWO),
     ("mistral", f'[TOOL_CALLS] [{{"name": "get_time", "arguments": {ZONE}}}]', None, TWO[1:]),
-    ("mistral_args", f'[TOOL_CALLS]get_weather[ARGS]{PARIS}[TOOL_CALLS]get_time[ARGS]{ZONE}', None, TWO),
-    ("mistral_args", f'Checking.[TOOL_CALLS]get_time[CALL_ID]abcDEF123[ARGS]{ZONE}', "Checking.", TWO[1:]),
+    ("mistral_args", f'[TOOL_CALLS]get_weather[ARGS]{PARIS}[TOOL_CALLS]get_time[ARGS]{ZONE}',
+     None, TWO),
+    ("mistral_args", f'Checking.[TOOL_CALLS]get_time[CALL_ID]abcDEF123[ARGS]{ZONE}',
+     "Checking.", TWO[1:]),
     ("glm45", ('\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Zürich</arg_value>\n'
-              '<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>\n<tool_call>get_time\n'
-              '<arg_key>zone</arg_key>\n<arg_value>-3</arg_value>\n</tool_call>'), None, TWO),
-    ("glm45", 'I will check.\n<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>-3</arg_value>\n</tool_call>',
+              '<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>\n'
+              '<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>-3</arg_value>\n'
+              '</tool_call>'), None, TWO),
+    ("glm45", ('I will check.\n<tool_call>get_time\n<arg_key>zone</arg_key>\n'
+               '<arg_value>-3</arg_value>\n</tool_call>'),
      "I will check.", TWO[1:]),
-    ("qwen3_coder", ('<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n<parameter=unit>\n'
-                    'c\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\n-3\n'
-                    '</parameter>\n</function>\n</tool_call>'), None, TWO),
-    ("qwen3_coder", ('I will check.\n\n<tool_call>\n<function=get_time>\n<parameter=zone>\n-3\n</parameter>\n'
-                    '</function>\n</tool_call>'), "I will check.", TWO[1:]),
+    ("qwen3_coder", ('<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n'
+                    '<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
+                    '<function=get_time>\n<parameter=zone>\n-3\n</parameter>\n</function>\n'
+                    '</tool_call>'), None, TWO),
+    ("qwen3_coder", ('I will check.\n\n<tool_call>\n<function=get_time>\n<parameter=zone>\n-3\n'
+                    '</parameter>\n</function>\n</tool_call>'), "I will check.", TWO[1:]),
     ("generic", f'{{"name": "get_weather", "arguments": {PARIS}}}', None, TWO[:1]),
-    ("generic", f'[{{"name": "get_weather", "arguments": {PARIS}}}, {{"name": "get_time", "arguments": {ZONE}}}]',
+    ("generic", (f'[{{"name": "get_weather", "arguments": {PARIS}}}, {{"name": "get_time", '
+                 f'"arguments": {ZONE}}}]'),
      None, TWO),
 ]
 
 
-def streamed(fmt: str, pieces: list[str], parallel: bool = True) -> tuple[str, list[dict], list[tuple]]:
+def streamed(fmt: str, pieces: list[str],
+             parallel: bool = True) -> tuple[str, list[dict], list[tuple]]:
     s = CallStream(fmt, TOOLS, parallel)
     events = [e for p in pieces for e in s.feed(p)] + s.end()
     return "".join(e[1] for e in events if e[0] == "content"), s.calls, events
 
 
 def names_args(calls: list[dict]) -> list[tuple[str, str]]:
-    return [(c["function"]["name"], c["function"]["arguments"]) if "function" in c else (c["name"], c["arguments"])
+    return [(c["function"]["name"], c["function"]["arguments"]) if "function" in c
+            else (c["name"], c["arguments"])
             for c in calls]
 
 
@@ -93,22 +104,28 @@ def test_split_at_every_boundary_the_same_calls(fmt, text, content, calls):
         assert (got_content.strip() or None) == content, cut
     got_content, got, events = streamed(fmt, list(text))          # a character a piece
     assert names_args(got) == calls and (got_content.strip() or None) == content
-    # OpenAI's pieces: the first of a call with index, id, type, name and arguments ""; then arguments
+    # OpenAI's pieces: the first of a call with index, id, type, name and arguments ""; then
+    # arguments
     pieces = [d["tool_calls"][0] for d in deltas(events) if "tool_calls" in d]
     for i, (name, args) in enumerate(calls):
         mine = [p for p in pieces if p["index"] == i]
         assert mine[0] == {"index": i, "id": got[i]["id"], "type": "function",
                            "function": {"name": name, "arguments": ""}}
-        assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in mine[1:])
+        assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"}
+                   for p in mine[1:])
         assert "".join(p["function"]["arguments"] for p in mine[1:]) == args
-        if fmt not in ("glm45", "qwen3_coder"):     # arguments made a pair at a time there: the others as written
+        # arguments made a pair at a time there: the others as written
+        if fmt not in ("glm45", "qwen3_coder"):
             assert len(mine) > 3
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "mistral_args", "glm45", "qwen3_coder", "generic"])
-@pytest.mark.parametrize("text", ["Paris is sunny.", '{"answer": 42}', "<tool_call>\nnot json\n</tool_call> ok",
-                                  '{"name": "nope", "arguments": {}}', "[TOOL_CALLS]nope[ARGS]{} ok",
-                                  "<tool_call>nope\n</tool_call>", "[1, 2]", "<|python_tag|>print(1)",
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "mistral_args", "glm45",
+                                 "qwen3_coder", "generic"])
+@pytest.mark.parametrize("text", ["Paris is sunny.", '{"answer": 42}',
+                                  "<tool_call>\nnot json\n</tool_call> ok",
+                                  '{"name": "nope", "arguments": {}}',
+                                  "[TOOL_CALLS]nope[ARGS]{} ok", "<tool_call>nope\n</tool_call>",
+                                  "[1, 2]", "<|python_tag|>print(1)",
                                   "<tool_call>\n<function=nope>\n</function>\n</tool_call>"])
 def test_text_that_is_no_call_is_content(fmt, text):
     content, calls = parse_calls(text, fmt, TOOLS)
@@ -126,16 +143,18 @@ def test_a_call_cut_short_is_no_call_whole_and_a_started_one_streamed():
 
 
 @pytest.mark.parametrize("fmt, source", [
-    ("llama3", "{{- '<|start_header_id|>ipython<|end_header_id|>' }}"), ("mistral", "[TOOL_CALLS]["),
+    ("llama3", "{{- '<|start_header_id|>ipython<|end_header_id|>' }}"),
+    ("mistral", "[TOOL_CALLS]["),
     ("mistral_args", "[TOOL_CALLS]{{ name }}[ARGS]"), ("glm45", "<tool_call>{{ n }}<arg_key>"),
     ("hermes", "<tool_call>\n{{ c | tojson }}"), ("hermes", "anything else"),
-    ("qwen3_coder", "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + args_name }}"),
+    ("qwen3_coder",
+     "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + args_name }}"),
 ])
 def test_formats_are_told_by_the_template_marks(fmt, source):
     assert detect(source) == fmt
 
 
-# ---- the families' templates (their real shapes, as the models' GGUFs carry them) --------------------------
+# ---- the families' templates (their real shapes, as the models' GGUFs carry them) ----------------
 
 LLAMA31 = """{{- bos_token }}
 {%- if custom_tools is defined %}{%- set tools = custom_tools %}{%- endif %}
@@ -201,7 +220,7 @@ LLAMA31 = """{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501
 
 MISTRAL_NEMO = """{%- if messages[0]["role"] == "system" %}
     {%- set system_message = messages[0]["content"] %}
@@ -287,7 +306,7 @@ MISTRAL_NEMO = """{%- if messages[0]["role"] == "system" %}
         {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
     {%- endif %}
 {%- endfor %}
-"""
+"""  # noqa: E501
 
 MISTRAL_SMALL_32 = """{%- set default_system_message = "You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI." %}
 {{- bos_token }}
@@ -327,7 +346,7 @@ MISTRAL_SMALL_32 = """{%- set default_system_message = "You are Mistral Small 3,
         {{- raise_exception('Only user, system, assistant and tool roles are supported!') }}
     {%- endif %}
 {%- endfor %}
-"""
+"""  # noqa: E501
 
 GLM45 = """[gMASK]<sop>
 {%- if tools -%}
@@ -432,23 +451,29 @@ For each function call, output the function name and arguments within the follow
 {%- if add_generation_prompt -%}
     <|assistant|>{{- '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}
 {%- endif -%}
-"""
+"""  # noqa: E501
 
 # family: (template, its marks that are control tokens in the family's vocabulary)
 FAMILIES = {
-    "llama3": (LLAMA31, ["<|python_tag|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]),
-    "mistral": (MISTRAL_NEMO, ["[TOOL_CALLS]", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"]),
-    "mistral_args": (MISTRAL_SMALL_32, ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[INST]", "[/INST]"]),
-    "glm45": (GLM45, ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
-                      "<|user|>", "<|assistant|>", "<|observation|>"]),
-    "qwen3_coder": (QWEN35_TEMPLATE, ["<tool_call>", "</tool_call>"]),     # (<think> is in the vocabulary)
+    "llama3": (LLAMA31,
+               ["<|python_tag|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]),
+    "mistral": (MISTRAL_NEMO,
+                ["[TOOL_CALLS]", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"]),
+    "mistral_args": (MISTRAL_SMALL_32,
+                     ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[INST]", "[/INST]"]),
+    "glm45": (GLM45, ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                      "</arg_value>", "<|user|>", "<|assistant|>", "<|observation|>"]),
+    # (<think> is in the vocabulary)
+    "qwen3_coder": (QWEN35_TEMPLATE, ["<tool_call>", "</tool_call>"]),
     "generic": (None, []),          # the made model's own ChatML, which knows no tools
 }
 
 
 def with_marks(metadata: dict, marks: list[str]) -> dict:
-    """The vocabulary with its last merged tokens (and their merges) given to the marks, as control tokens."""
-    tokens, types = list(metadata["tokenizer.ggml.tokens"]), list(metadata["tokenizer.ggml.token_type"])
+    """The vocabulary with its last merged tokens (and their merges) given to the marks, as control
+    tokens."""
+    tokens, types = (list(metadata["tokenizer.ggml.tokens"]),
+                     list(metadata["tokenizer.ggml.token_type"]))
     first_special = tokens.index("<|endoftext|>")
     for j, mark in enumerate(marks):
         tokens[first_special - 1 - j], types[first_special - 1 - j] = mark, 3       # CONTROL
@@ -467,10 +492,11 @@ def family_tokenizer(family: str):
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "mistral_args", "glm45", "qwen3_coder", "generic"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "mistral_args", "glm45",
+                                 "qwen3_coder", "generic"])
 def test_forced_grammars_walked_at_random_give_valid_calls(fmt, parallel):
-    """Random tokens among those each grammar allows: every walk that ends is calls that validate, written
-    with the marks' special tokens; parallel false: one call."""
+    """Random tokens among those each grammar allows: every walk that ends is calls that validate,
+    written with the marks' special tokens; parallel false: one call."""
     from strata_jax.engine.grammar.constrain import Grammars, fill_masks
 
     tk = family_tokenizer(fmt if FAMILIES.get(fmt, (None,))[0] else "glm45")
@@ -483,7 +509,8 @@ def test_forced_grammars_walked_at_random_give_valid_calls(fmt, parallel):
         out = []
         for _ in range(400):
             mask = fill_masks([c], 1, tk.vocab_size)[0]
-            allowed = np.flatnonzero((mask[np.arange(tk.vocab_size) // 32] >> (np.arange(tk.vocab_size) % 32)) & 1)
+            allowed = np.flatnonzero((mask[np.arange(tk.vocab_size)
+                                           // 32] >> (np.arange(tk.vocab_size) % 32)) & 1)
             t = int(rng.choice(allowed))
             if t in tk.eos_ids or c.done:
                 break
@@ -497,7 +524,8 @@ def test_forced_grammars_walked_at_random_give_valid_calls(fmt, parallel):
         assert calls and not (content or "").replace("<think></think>", "").strip(), text
         assert len(calls) == 1 or parallel
         for call in calls:
-            jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                SCHEMAS[call["function"]["name"]])
         for mark in ("[TOOL_CALLS]", "<tool_call>", "[ARGS]"):
             if mark in marks and mark in text and fmt != "hermes":
                 assert marks[mark] in out, (mark, text)
@@ -506,12 +534,12 @@ def test_forced_grammars_walked_at_random_give_valid_calls(fmt, parallel):
 
 def test_forced_grammar_of_a_named_function():
     tk = family_tokenizer("mistral_args")
-    grammar = call_grammar(TOOLS, {"type": "function", "function": {"name": "get_time"}}, "mistral_args", True,
-                           special_marks(tk))
+    grammar = call_grammar(TOOLS, {"type": "function", "function": {"name": "get_time"}},
+                           "mistral_args", True, special_marks(tk))
     assert "get_time" in grammar[1] and "get_weather" not in grammar[1]
 
 
-# ---- against the real server ------------------------------------------------------------------------------
+# ---- against the real server ---------------------------------------------------------------------
 
 N_CTX = 2048
 
@@ -531,15 +559,19 @@ def family(request, model, tmp_path_factory):
     if template is not None:
         metadata = GGUFModel.open(model).metadata
         path = rewrite_gguf(model, tmp_path_factory.mktemp(request.param) / "model.gguf",
-                            set_metadata={"tokenizer.chat_template": template, **with_marks(metadata, marks)})
-    with ServerProcess([str(path), "--parallel", "4", "--max-context", str(N_CTX), "--model-name", "tiny"]) as srv:
+                            set_metadata={"tokenizer.chat_template": template,
+                                          **with_marks(metadata, marks)})
+    with ServerProcess([str(path), "--parallel", "4", "--max-context", str(N_CTX), "--model-name",
+                        "tiny"]) as srv:
         srv.wait_up().wait_ready()
-        yield request.param, openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        yield request.param, openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                                           timeout=300)
 
 
 def ask(client, seed: int, **kw):
-    return client.chat.completions.create(**{"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 120,
-                                             "tool_choice": "required", "temperature": 1.0, "seed": seed, **kw})
+    return client.chat.completions.create(**{"model": "tiny", "messages": ASK, "tools": TOOLS,
+                                             "max_tokens": 120, "tool_choice": "required",
+                                             "temperature": 1.0, "seed": seed, **kw})
 
 
 def stream_calls(client, seed: int, **kw) -> tuple[list, str | None, str]:
@@ -576,7 +608,8 @@ def test_several_calls_each_with_its_index(family):
     fmt, client = family
     seen = 0
     for seed in range(6):
-        r = ask(client, seed, max_tokens=300, tool_choice={"type": "function", "function": {"name": "get_time"}})
+        r = ask(client, seed, max_tokens=300,
+                tool_choice={"type": "function", "function": {"name": "get_time"}})
         choice = r.choices[0]
         if choice.finish_reason == "length":
             continue
@@ -588,12 +621,15 @@ def test_several_calls_each_with_its_index(family):
         assert len({c.id for c in calls}) == len(calls)
         seen = max(seen, len(calls))
         pieces, _, _ = stream_calls(client, seed, max_tokens=300,
-                                    tool_choice={"type": "function", "function": {"name": "get_time"}})
+                                    tool_choice={"type": "function",
+                                                 "function": {"name": "get_time"}})
         heads = [p for p in pieces if p.id is not None]
         assert [p.index for p in heads] == list(range(len(calls)))
-        assert ["".join(p.function.arguments for p in pieces if p.index == i) for i in range(len(calls))] == \
+        assert ["".join(p.function.arguments for p in pieces if p.index == i)
+                for i in range(len(calls))] == \
                [c.function.arguments for c in calls]
-    if fmt != "llama3":                     # Llama 3.1's template renders one call a message: its grammar writes one
+    # Llama 3.1's template renders one call a message: its grammar writes one
+    if fmt != "llama3":
         assert seen >= 2, "no answer made several calls"
 
 
@@ -603,14 +639,17 @@ def test_a_round_trip_renders_in_the_family_template(family):
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                       {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
     for stream in (False, True):
-        r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none",
-                                           max_tokens=12, temperature=0, stream=stream)
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                           tool_choice="none", max_tokens=12, temperature=0,
+                                           stream=stream)
         if stream:
             chunks = list(r)
-            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+            assert ([c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop",
+                                                                                      "length"))
             assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
         else:
-            assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+            assert (r.choices[0].finish_reason in ("stop", "length")
+                    and not r.choices[0].message.tool_calls)
     # auto: the model may or may not call; whatever it writes is an answer (no error)
     r = ask(client, 1, tool_choice="auto", max_tokens=24)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -1,4 +1,5 @@
-"""Hugging Face transformers (the oracle for logits) loads the synthetic models of every family it knows."""
+"""Hugging Face transformers (the oracle for logits) loads the synthetic models of every family it
+knows."""
 
 from __future__ import annotations
 
@@ -46,10 +47,12 @@ def test_transformers_builds_the_builtin_tokenizer(tiny_model):
     assert len(tok) == len(tokens)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    assert (text == "<|im_start|>user\nWhat is the capital of "
+                    "France?<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[0] == tokens.index("<|im_start|>") and tokens.index("<|im_end|>") in ids
     assert tok.decode(ids) == text
     assert tok.eos_token == "<|im_end|>"
-    assert tok.convert_ids_to_tokens(tok.encode(" capital of France", add_special_tokens=False)) == [
+    assert tok.convert_ids_to_tokens(tok.encode(" capital of France",
+                                                add_special_tokens=False)) == [
         "Ġcapital", "Ġof", "ĠFrance"]  # merges learned from the built-in text

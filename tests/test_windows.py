@@ -1,6 +1,6 @@
-"""Windows that read several prompts within --batch-tokens (packed on the cpu backend), the layouts they
-make, and no compile while serving: programs met for the first time are built off the engine thread while
-smaller windows whose programs exist run."""
+"""Windows that read several prompts within --batch-tokens (packed on the cpu backend), the layouts
+they make, and no compile while serving: programs met for the first time are built off the engine
+thread while smaller windows whose programs exist run."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from strata_jax.engine import SamplingParams
 from strata_jax.engine.schedule.scheduler import Scheduler, bucket
 from strata_jax.engine.schedule.slots import Slot
 
-MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "experts_used": 2,
-       "expert_ffn": 32}
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8,
+       "experts_used": 2, "expert_ffn": 32}
 BASE = {"max_context": 128, "prefill": 32, "batch_tokens": 128}
 
 
@@ -40,7 +40,8 @@ def moe(tiny_model):
 def alone(moe):
     """Each prompt alone: its greedy tokens."""
     with Engine.from_gguf(moe, EngineConfig(parallel=1, warmup=False, **BASE)) as eng:
-        return [eng.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True).tokens for p in _prompts(16)]
+        return [eng.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True).tokens
+                for p in _prompts(16)]
 
 
 def test_sixteen_prompts_at_once_give_what_each_gives_alone(moe, alone):
@@ -84,7 +85,8 @@ def test_the_budget_bounds_a_window_and_chunks_keep_their_boundaries():
         assert g.tokens.shape[0] <= 64                   # padded tokens within --batch-tokens
         assert g.tokens.shape[0] == bucket(sum(w.chunks), 1)
         for s, c in zip(w.prefills, w.chunks):
-            assert c == min(32 - s.n_past % 32, len(s.tokens) - s.n_past)     # cut at multiples of --prefill
+            # cut at multiples of --prefill
+            assert c == min(32 - s.n_past % 32, len(s.tokens) - s.n_past)
             seen.append((s.index, s.n_past, c))
             s.n_past += c
             if s.n_past == len(s.tokens):
@@ -104,8 +106,9 @@ class _Req:
 
 
 def test_no_compile_while_serving_the_same_burst_twice(moe):
-    """With the warm-up (decode programs now, the rest on the builder thread), once the builds are done
-    no burst compiles anything, fresh prompts or prefix hits; the programs stay within base_layouts()."""
+    """With the warm-up (decode programs now, the rest on the builder thread), once the builds are
+    done no burst compiles anything, fresh prompts or prefix hits; the programs stay within
+    base_layouts()."""
     with Engine.from_gguf(moe, EngineConfig(parallel=8, **BASE)) as eng:
         assert eng.wait_for_programs(timeout=300)
         base = {str(lay) for lay in eng.runner.base_layouts()}
@@ -120,8 +123,9 @@ def test_no_compile_while_serving_the_same_burst_twice(moe):
 
 
 def test_a_layout_being_built_runs_smaller_windows_meanwhile(moe, alone):
-    """A window whose program is still being built (slowed down here) runs as smaller windows whose programs
-    exist, without waiting: decode rows go on, and every request gets the tokens it gets alone."""
+    """A window whose program is still being built (slowed down here) runs as smaller windows whose
+    programs exist, without waiting: decode rows go on, and every request gets the tokens it gets
+    alone."""
     with Engine.from_gguf(moe, EngineConfig(parallel=16, **BASE)) as eng:
         eng.wait_for_programs(timeout=300)
         progs = eng.runner.programs
@@ -133,14 +137,17 @@ def test_a_layout_being_built_runs_smaller_windows_meanwhile(moe, alone):
         gate = threading.Event()
 
         def slow(layout):
-            gate.wait(timeout=60)                        # held until the first requests are decoding
+            # held until the first requests are decoding
+            gate.wait(timeout=60)
             return build(layout)
 
         progs._build = slow
         prompts = _prompts(16)
-        handles = [eng.submit(p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts[:2]]
+        handles = [eng.submit(p, max_tokens=6, temperature=0.0, ignore_eos=True)
+                   for p in prompts[:2]]
         time.sleep(0.5)
-        handles += [eng.submit(p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts[2:]]
+        handles += [eng.submit(p, max_tokens=6, temperature=0.0, ignore_eos=True)
+                    for p in prompts[2:]]
         time.sleep(0.5)
         gate.set()
         got = [[ev.token for ev in h if ev.kind == "token"] for h in handles]

@@ -21,8 +21,8 @@ from strata_jax.testing.vocab_files import (
     write_vocab_gguf,
 )
 
-# Text the tokenizers must agree on: unicode (CJK, emoji with joiners and modifiers), digits and long
-# numbers, code, whitespace runs, newlines, contractions, and special-token text.
+# Text the tokenizers must agree on: unicode (CJK, emoji with joiners and modifiers), digits and
+# long numbers, code, whitespace runs, newlines, contractions, and special-token text.
 TEXTS = [
     *CORPUS.splitlines(keepends=True),
     CORPUS,
@@ -35,7 +35,8 @@ TEXTS = [
     "I'm you're they'll WE'VE she'd it's ISN'T",
     'def f(x):\n    """doc"""\n    return {"a": [x ** 2, x // 3]}  # ok\n',
     "\u00a0no-break\u3000ideographic space\u2028line separator\u200bzero width",
-    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
+    ("<|im_start|>system\nYou are "
+     "helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"),
     "text<|endoftext|>more text<|im_end|>",
     "a",
     " ",
@@ -72,7 +73,8 @@ def smollm2_transformers():
 
 @functools.cache
 def made_vocab(name: str) -> tuple[Path, dict]:
-    """(GGUF path, metadata) of a made vocabulary: a byte-level BPE for pre-tokenizer `name`, or "spm"."""
+    """(GGUF path, metadata) of a made vocabulary: a byte-level BPE for pre-tokenizer `name`, or
+    "spm"."""
     metadata = sentencepiece_vocab_metadata() if name == "spm" else bpe_vocab_metadata(name)
     path = write_vocab_gguf(workdir() / f"vocab-{name}.gguf", metadata)
     return path, metadata

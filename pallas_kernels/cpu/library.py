@@ -7,13 +7,15 @@
 load() first loads the base level (scalar on x86-64, generic elsewhere: safe on any CPU of the
 architecture, and it runs nothing but cpuid when asked), asks it which levels this CPU and OS run
 (isa.cc: strata_cpu_supports), and loads the best of those that was built. A library built on an
-AVX-512 machine thus runs on an AVX2 one, at its AVX2 level, instead of dying on an illegal instruction.
+AVX-512 machine thus runs on an AVX2 one, at its AVX2 level, instead of dying on an illegal
+instruction.
 
 Environment (read here, not in strata_jax/envs.py: this package is below strata_jax):
 - STRATA_CPU_ISA=<level>: use that level (to test or benchmark a lower level on a wider CPU). A name
   that is not a level, a level this CPU cannot run, or one that was not built is an error: load()
   gives it as the reason the kernels are unavailable.
-- STRATA_CPU_KERNELS_LIB=<path>: load that file as is (a build with other flags); no level is chosen.
+- STRATA_CPU_KERNELS_LIB=<path>: load that file as is (a build with other flags); no level is
+  chosen.
 """
 
 from __future__ import annotations
@@ -38,13 +40,15 @@ LEVELS = X86_LEVELS if platform.machine().lower() in ("x86_64", "amd64") else OT
 STEM = "_strata_cpu_"
 HERE = Path(__file__).parent
 
-# The CPU features the levels are made of: the name `inspect --system` shows -> /proc/cpuinfo's name.
+# The CPU features the levels are made of: the name `inspect --system` shows -> /proc/cpuinfo's
+# name.
 FLAGS = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avxvnni": "avx_vnni", "avx512f": "avx512f",
          "avx512bw": "avx512bw", "avx512vnni": "avx512_vnni", "avx512vbmi": "avx512vbmi"}
 
 
 class LevelError(ValueError):
-    """STRATA_CPU_ISA names a level that cannot be used here; the message says why and what to set."""
+    """STRATA_CPU_ISA names a level that cannot be used here; the message says why and what to
+    set."""
 
 
 class Kernels(ctypes.CDLL):
@@ -57,8 +61,9 @@ class Kernels(ctypes.CDLL):
 
 def choose_level(forced: str | None, supported: set[str], built: set[str],
                  levels: Sequence[str] = LEVELS) -> str:
-    """The level to load: `forced` (STRATA_CPU_ISA) if it can be used, else the best of `levels` that this CPU
-    runs (`supported`) and that was built. Raises LevelError saying what is wrong and what to do."""
+    """The level to load: `forced` (STRATA_CPU_ISA) if it can be used, else the best of `levels`
+    that this CPU runs (`supported`) and that was built. Raises LevelError saying what is wrong and
+    what to do."""
     runs = [lv for lv in levels if lv in supported]
     best = runs[-1] if runs else None
     if forced:
@@ -66,17 +71,20 @@ def choose_level(forced: str | None, supported: set[str], built: set[str],
             raise LevelError(f"{ISA_ENV}={forced!r} is not a level of this machine's kernels: "
                              f"use one of {', '.join(levels)} (best last), or unset it")
         if forced not in supported:
-            raise LevelError(f"{ISA_ENV}={forced}: this CPU cannot run that level's instructions (its best level "
-                             f"is {best}); set {ISA_ENV} to one of {', '.join(runs)}, or unset it")
+            raise LevelError(f"{ISA_ENV}={forced}: this CPU cannot run that level's instructions "
+                             f"(its best level is {best}); set {ISA_ENV} to one of "
+                             f"{', '.join(runs)}, or unset it")
         if forced not in built:
-            raise LevelError(f"{ISA_ENV}={forced}: that level was not built (built: {', '.join(_ordered(built, levels))}); "
-                             f"the build leaves out a level its compiler cannot make (pip's output says why): "
-                             f"build with a newer compiler (`pip install -e .`), or choose a built level")
+            raise LevelError(f"{ISA_ENV}={forced}: that level was not built (built: "
+                             f"{', '.join(_ordered(built, levels))}); the build leaves out a level "
+                             "its compiler cannot make (pip's output says why): build with a newer "
+                             "compiler (`pip install -e .`), or choose a built level")
         return forced
     usable = [lv for lv in runs if lv in built]
     if not usable:
-        raise LevelError(f"no built level of the kernels runs on this CPU (built: {', '.join(_ordered(built, levels))}; "
-                         f"this CPU runs: {', '.join(runs)}): run `pip install -e .` again")
+        raise LevelError("no built level of the kernels runs on this CPU (built: "
+                         f"{', '.join(_ordered(built, levels))}; this CPU runs: "
+                         f"{', '.join(runs)}): run `pip install -e .` again")
     return usable[-1]
 
 
@@ -115,7 +123,8 @@ def _library_level(lib: ctypes.CDLL) -> str | None:
 
 @cache
 def load() -> tuple[Kernels | None, str | None]:
-    """(the library, None), or (None, why the kernels are unavailable). Reads the environment once."""
+    """(the library, None), or (None, why the kernels are unavailable). Reads the environment
+    once."""
     if os.environ.get(LIB_ENV):
         path = Path(os.environ[LIB_ENV])
         if not path.exists():
@@ -135,7 +144,8 @@ def load() -> tuple[Kernels | None, str | None]:
         probe = ctypes.CDLL(str(base_path))
         supported = supported_levels(probe)
     except (OSError, AttributeError) as e:
-        return None, f"the C++ kernels at {base_path} do not load ({e}): run `pip install -e .` again"
+        return (None,
+                f"the C++ kernels at {base_path} do not load ({e}): run `pip install -e .` again")
     forced = os.environ.get(ISA_ENV, "").strip() or None
     built = set(built_levels())
     try:
@@ -144,10 +154,12 @@ def load() -> tuple[Kernels | None, str | None]:
         return None, str(e)
     if forced:
         return _open(chosen, f"forced by {ISA_ENV}={forced}")
-    how = (f"chosen by cpuid: the best level this CPU runs ({', '.join(_ordered(supported, LEVELS))}) "
-           f"of those built ({', '.join(_ordered(built, LEVELS))})")
+    how = ("chosen by cpuid: the best level this CPU runs "
+           f"({', '.join(_ordered(supported, LEVELS))}) of those built "
+           f"({', '.join(_ordered(built, LEVELS))})")
     failures = []
-    # A wider level that does not load (a broken or stale file) costs speed, not the kernels: the next one down.
+    # A wider level that does not load (a broken or stale file) costs speed, not the kernels: the
+    # next one down.
     for lv in reversed(LEVELS[: LEVELS.index(chosen) + 1]):
         if lv not in supported or lv not in built:
             continue
@@ -165,14 +177,18 @@ def _open(lv: str, how: str) -> tuple[Kernels | None, str | None]:
     try:
         lib = Kernels(path, lv, how)
     except OSError as e:
-        return None, f"the C++ kernels' level {lv} ({path}) does not load: {e}; run `pip install -e .` again"
-    if _library_level(lib) != lv:             # a file left from another build: its code is not that level's
-        return None, f"{path} says it is level {_library_level(lib)!r}, not {lv!r}: a stale build; run `pip install -e .` again"
+        return (None, (f"the C++ kernels' level {lv} ({path}) does not load: {e}; run `pip install "
+                       "-e .` again"))
+    # a file left from another build: its code is not that level's
+    if _library_level(lib) != lv:
+        return (None, (f"{path} says it is level {_library_level(lib)!r}, not {lv!r}: a stale "
+                       "build; run `pip install -e .` again"))
     return lib, None
 
 
 def level() -> str | None:
-    """The level in use ("unknown" for a STRATA_CPU_KERNELS_LIB build without one), or None when unavailable."""
+    """The level in use ("unknown" for a STRATA_CPU_KERNELS_LIB build without one), or None when
+    unavailable."""
     lib = load()[0]
     return lib.level if lib is not None else None
 
@@ -207,5 +223,7 @@ def describe() -> dict:
         except (OSError, AttributeError):
             pass
     return {"levels": list(LEVELS), "built": built_levels(), "cpu_runs": supported,
-            "level": lib.level if lib is not None else None, "path": str(lib.path) if lib is not None else None,
-            "how": lib.how if lib is not None else None, "unavailable": why, "cpu_flags": cpu_flags()}
+            "level": lib.level if lib is not None else None,
+            "path": str(lib.path) if lib is not None else None,
+            "how": lib.how if lib is not None else None, "unavailable": why,
+            "cpu_flags": cpu_flags()}

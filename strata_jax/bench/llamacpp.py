@@ -1,19 +1,19 @@
-"""llama.cpp's figures on the same GGUF, through llama-cpp-python's low-level API (the `llama_cpp` module's
-C functions), measured the way `ours` measures ours:
+"""llama.cpp's figures on the same GGUF, through llama-cpp-python's low-level API (the `llama_cpp`
+module's C functions), measured the way `ours` measures ours:
 
 - prefill: one llama_decode of the whole prompt (one sequence), logits of the last token only;
-- decode with N sequences: a context with n_seq_max=N and N * (prompt + generated) tokens (rounded up to
-  a multiple of 256 a sequence); the N prompts go in through one llama_decode, then every step is one
-  llama_batch holding one token for each sequence (seq_id 0..N-1), greedy, as llama.cpp's own server and
-  `llama-batched-bench` decode.
+- decode with N sequences: a context with n_seq_max=N and N * (prompt + generated) tokens (rounded
+  up to a multiple of 256 a sequence); the N prompts go in through one llama_decode, then every step
+  is one llama_batch holding one token for each sequence (seq_id 0..N-1), greedy, as llama.cpp's own
+  server and `llama-batched-bench` decode.
 
-Each measurement runs once short (or whole, for the prefill) before it is timed: llama.cpp allocates its
-compute buffers and touches the memory-mapped weights on first use.
+Each measurement runs once short (or whole, for the prefill) before it is timed: llama.cpp allocates
+its compute buffers and touches the memory-mapped weights on first use.
 
-It runs in a child process of its own (`measure_llamacpp`): llama.cpp is native code loaded beside JAX's,
-and a crash there (a build for another CPU dies with an illegal instruction; one CI run died with a
-segmentation fault in the bench's llama.cpp test) must end the bench with an error that says so, not the
-process that asked for it. Our engine's threads are gone from the measurement too.
+It runs in a child process of its own (`measure_llamacpp`): llama.cpp is native code loaded beside
+JAX's, and a crash there (a build for another CPU dies with an illegal instruction; one CI run died
+with a segmentation fault in the bench's llama.cpp test) must end the bench with an error that says
+so, not the process that asked for it. Our engine's threads are gone from the measurement too.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class LlamaCpp:
         cp.n_threads = cp.n_threads_batch = self.threads
         ctx = L.llama_init_from_model(self.model, cp)
         if not ctx:
-            raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} tokens for {n_seq} sequences")
+            raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} tokens for {n_seq} "
+                               "sequences")
         batch = L.llama_batch_init(n_batch, 0, n_seq)
         try:
             yield ctx, batch
@@ -78,7 +79,7 @@ class LlamaCpp:
             self.L.llama_model_free(self.model)
             self.model = None
 
-    # ---- primitives -----------------------------------------------------------------------------------
+    # ---- primitives ------------------------------------------------------------------------------
 
     def decode(self, ctx, batch, items: list[tuple[int, int, int, bool]]) -> None:
         """items: (token, position, sequence, wants logits)."""
@@ -92,12 +93,13 @@ class LlamaCpp:
 
     def argmax(self, ctx, i: int) -> int:
         ptr = self.L.llama_get_logits_ith(ctx, i)
-        return int(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.n_vocab,)).argmax())
+        return int(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                         (self.n_vocab,)).argmax())
 
     def clear(self, ctx) -> None:
         self.L.llama_memory_clear(self.L.llama_get_memory(ctx), True)
 
-    # ---- measurements ---------------------------------------------------------------------------------
+    # ---- measurements ----------------------------------------------------------------------------
 
     def prefill(self, ids: list[int], repeat: int) -> dict:
         runs = []
@@ -116,16 +118,19 @@ class LlamaCpp:
         n, plen = len(prompts), len(prompts[0])
         warm = min(tokens, 8)
         best = None
-        # N * (prompt + generated) tokens, each sequence's share rounded up to llama.cpp's 256-token padding
-        # (it pads n_ctx to 256 and then splits it evenly: a multiple of 256 a sequence divides exactly).
+        # N * (prompt + generated) tokens, each sequence's share rounded up to llama.cpp's 256-token
+        # padding (it pads n_ctx to 256 and then splits it evenly: a multiple of 256 a sequence
+        # divides exactly).
         per_seq = -(-(plen + tokens) // 256) * 256
         with self.context(n * per_seq, n, max(n * plen, n)) as (ctx, batch):
             for run in range(repeat + 1):
                 self.clear(ctx)
-                items = [(t, p, s, p == plen - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)]
+                items = [(t, p, s, p == plen - 1) for s, ids in enumerate(prompts)
+                         for p, t in enumerate(ids)]
                 self.decode(ctx, batch, items)
                 last = [self.argmax(ctx, s * plen + plen - 1) for s in range(n)]
-                steps = (warm if run == 0 else tokens) - 1    # the prompt's logits gave each sequence its first
+                # the prompt's logits gave each sequence its first
+                steps = (warm if run == 0 else tokens) - 1
                 t = time.perf_counter()
                 for k in range(steps):
                     self.decode(ctx, batch, [(last[s], plen + k, s, True) for s in range(n)])
@@ -133,8 +138,9 @@ class LlamaCpp:
                 seconds = time.perf_counter() - t
                 if run == 0:
                     continue
-                fig = {"parallel": n, "aggregate": n * steps / seconds, "per_sequence": steps / seconds,
-                       "per_sequence_min": steps / seconds, "steady_seconds": seconds, "tokens": tokens}
+                fig = {"parallel": n, "aggregate": n * steps / seconds,
+                       "per_sequence": steps / seconds, "per_sequence_min": steps / seconds,
+                       "steady_seconds": seconds, "tokens": tokens}
                 if best is None or fig["aggregate"] > best["aggregate"]:
                     best = fig
         return best
@@ -146,7 +152,8 @@ CHILD = [sys.executable, "-m", "strata_jax.bench.llamacpp"]
 
 def measure_llamacpp(opts: BenchOptions, vocab: int, progress=print) -> dict:
     """llama.cpp's figures, measured in a child process (`python -m strata_jax.bench.llamacpp`): its
-    progress lines pass through, its figures come back as JSON; a child that dies raises RuntimeError."""
+    progress lines pass through, its figures come back as JSON; a child that dies raises
+    RuntimeError."""
     job = {"options": {k: v for k, v in asdict(opts).items() if k != "engine"}, "vocab": vocab}
     child = subprocess.Popen(CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     out, _ = child.communicate(json.dumps(job))
@@ -160,8 +167,8 @@ def measure_llamacpp(opts: BenchOptions, vocab: int, progress=print) -> dict:
     if child.returncode != 0 or result is None:
         rc = child.returncode
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
-        raise RuntimeError(f"llama.cpp's measurement of {opts.model} died ({how}) in its child process: "
-                           "see the lines above; our figures are not affected")
+        raise RuntimeError(f"llama.cpp's measurement of {opts.model} died ({how}) in its child "
+                           "process: see the lines above; our figures are not affected")
     return result
 
 
@@ -170,12 +177,14 @@ def _measure_here(opts: BenchOptions, vocab: int, progress=print) -> dict:
     lc = LlamaCpp(opts.model, opts.threads)
     try:
         load_s = time.perf_counter() - t
-        progress(f"llama.cpp: loaded in {load_s:.1f} s ({opts.threads} threads); prefill of {opts.prompt_tokens} tokens")
+        progress(f"llama.cpp: loaded in {load_s:.1f} s ({opts.threads} threads); prefill of "
+                 f"{opts.prompt_tokens} tokens")
         prefill = lc.prefill(prompt_ids(vocab, opts.prompt_tokens, opts.seed), opts.repeat)
         decode = []
         for n in opts.parallel_list:
             progress(f"llama.cpp: decode, {n} sequence{'s' if n > 1 else ''}")
-            prompts = [prompt_ids(vocab, opts.decode_prompt_tokens, opts.seed + 1 + i) for i in range(n)]
+            prompts = [prompt_ids(vocab, opts.decode_prompt_tokens, opts.seed + 1 + i)
+                       for i in range(n)]
             decode.append(lc.batched_decode(prompts, opts.decode_tokens, opts.repeat))
     finally:
         lc.close()

@@ -1,5 +1,5 @@
-"""The machine a bench ran on (CPU, cores, versions, date, load), its memory bandwidth, and the cores the
-run may use."""
+"""The machine a bench ran on (CPU, cores, versions, date, load), its memory bandwidth, and the
+cores the run may use."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def load_average() -> float | None:
 
 
 def cpu_kernels() -> tuple[str | None, str]:
-    """The C++ kernels' instruction-set level in use (pallas_kernels/cpu/library.py: chosen by cpuid, or forced by
-    STRATA_CPU_ISA) and how it was chosen; or None and why they are unavailable."""
+    """The C++ kernels' instruction-set level in use (pallas_kernels/cpu/library.py: chosen by
+    cpuid, or forced by STRATA_CPU_ISA) and how it was chosen; or None and why they are
+    unavailable."""
     from pallas_kernels.cpu import library
 
     lib, why = library.load()
@@ -55,20 +56,23 @@ def machine_info(threads: int) -> dict:
         "threads": threads,
         "jax": jax.__version__,
         "jax_backend": jax.default_backend(),
-        # AVX2 and AVX-512 figures differ by more than runs do: a figure is only comparable with its level.
+        # AVX2 and AVX-512 figures differ by more than runs do: a figure is only comparable with its
+        # level.
         "cpu_kernels_level": level,
         "cpu_kernels_how": how,
         "llama_cpp_python": _version("llama_cpp_python"),
         "python": platform.python_version(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        # Other work on the machine slows every figure: the 1-minute load average says whether there was some.
+        # Other work on the machine slows every figure: the 1-minute load average says whether there
+        # was some.
         "load_average_at_start": load_average(),
     }
 
 
 def limit_threads(threads: int) -> bool:
-    """Pin every thread of this process (and those it starts later) to the first `threads` cores, so that
-    XLA's thread pool uses as many cores as llama.cpp's --threads. Returns whether anything was pinned."""
+    """Pin every thread of this process (and those it starts later) to the first `threads` cores, so
+    that XLA's thread pool uses as many cores as llama.cpp's --threads. Returns whether anything was
+    pinned."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     cores = sorted(os.sched_getaffinity(0))
@@ -85,9 +89,10 @@ def limit_threads(threads: int) -> bool:
 
 
 def memory_bandwidth(gib: float = 1.0, threads: int = 1, tries: int = 5) -> dict:
-    """Bytes a second this machine reads from memory: numpy sums a `gib` GiB float64 array (far larger than
-    any cache), on 1 and on `threads` threads (numpy releases the GIL in a sum), best of `tries`. A decode
-    step reads its weights once, so read bandwidth (not copy bandwidth) is what bounds it."""
+    """Bytes a second this machine reads from memory: numpy sums a `gib` GiB float64 array (far
+    larger than any cache), on 1 and on `threads` threads (numpy releases the GIL in a sum), best of
+    `tries`. A decode step reads its weights once, so read bandwidth (not copy bandwidth) is what
+    bounds it."""
     import numpy as np
 
     n = int(gib * (1 << 30)) // 8
@@ -106,8 +111,10 @@ def memory_bandwidth(gib: float = 1.0, threads: int = 1, tries: int = 5) -> dict
                 times.append(time.perf_counter() - t)
             best[k] = a.nbytes / min(times)
     k_best = max(best, key=best.get)
-    return {"bytes_per_second": best[k_best], "threads": k_best, "by_threads": {str(k): v for k, v in best.items()},
-            "method": f"numpy sum of a {gib:g} GiB float64 array, best of {tries}, on {' and '.join(map(str, best))} thread(s)"}
+    return {"bytes_per_second": best[k_best], "threads": k_best,
+            "by_threads": {str(k): v for k, v in best.items()},
+            "method": f"numpy sum of a {gib:g} GiB float64 array, best of {tries}, on "
+                      f"{' and '.join(map(str, best))} thread(s)"}
 
 
 def rss_mib(pid: int | str = "self") -> float:

@@ -1,5 +1,5 @@
-"""What a bench run measures: the sizes are small on purpose, so that a full run on a 2-core CPU (both
-engines, three parallel settings) takes minutes, not hours."""
+"""What a bench run measures: the sizes are small on purpose, so that a full run on a 2-core CPU
+(both engines, three parallel settings) takes minutes, not hours."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ class BenchOptions:
     model: str
     prompt_tokens: int = 512            # the prompt the prefill figure reads (one request)
     decode_tokens: int = 64             # tokens each sequence generates in a decode measurement
-    decode_prompt_tokens: int = 32      # each decoding sequence's prompt (short: decode starts near position 0)
+    # each decoding sequence's prompt (short: decode starts near position 0)
+    decode_prompt_tokens: int = 32
     parallel_list: tuple[int, ...] = (1, 4, 8)
     vs: str | None = None               # "llama.cpp": the same measurements with llama-cpp-python
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
-    repeat: int = 1                     # measured runs a figure (the best is kept), after one warm-up run
+    # measured runs a figure (the best is kept), after one warm-up run
+    repeat: int = 1
     engine: EngineConfig | None = None  # our engine's settings (its parallel is max(parallel_list))
-    max_context: int | None = None      # None: the smallest power of two (>= 256) the measurements fit
+    # None: the smallest power of two (>= 256) the measurements fit
+    max_context: int | None = None
     bandwidth_gib: float = 1.0          # size of the array the memory bandwidth is measured on
     seed: int = 0
     # (E, K): bench a MoE twin of the dense `model` (E experts, top-K; bench/twin.py) instead of it
@@ -35,10 +38,13 @@ class BenchOptions:
         need(self.prompt_tokens >= 1, "--prompt-tokens", self.prompt_tokens, "must be at least 1")
         need(self.decode_tokens >= 2, "--decode-tokens", self.decode_tokens,
              "must be at least 2 (a decode rate needs two tokens)")
-        need(self.decode_prompt_tokens >= 1, "--decode-prompt-tokens", self.decode_prompt_tokens, "must be at least 1")
-        need(bool(self.parallel_list) and all(1 <= n <= 256 for n in self.parallel_list), "--parallel-list",
+        need(self.decode_prompt_tokens >= 1, "--decode-prompt-tokens", self.decode_prompt_tokens,
+             "must be at least 1")
+        need(bool(self.parallel_list) and all(1 <= n <= 256 for n in self.parallel_list),
+             "--parallel-list",
              ",".join(map(str, self.parallel_list)), "must be sequence counts from 1 to 256")
-        need(self.vs in (None, "llama.cpp"), "--vs", self.vs, "the only engine to compare with is llama.cpp")
+        need(self.vs in (None, "llama.cpp"), "--vs", self.vs,
+             "the only engine to compare with is llama.cpp")
         need(1 <= self.threads <= (os.cpu_count() or 1), "--threads", self.threads,
              f"must be 1 to this machine's {os.cpu_count()} cores")
         need(self.repeat >= 1, "--repeat", self.repeat, "must be at least 1")
@@ -53,5 +59,6 @@ class BenchOptions:
         return max(self.parallel_list)
 
     def context_needed(self) -> int:
-        """Tokens one slot must hold: the prefill prompt plus its one token, or a decode sequence."""
+        """Tokens one slot must hold: the prefill prompt plus its one token, or a decode
+        sequence."""
         return max(self.prompt_tokens + 1, self.decode_prompt_tokens + self.decode_tokens)

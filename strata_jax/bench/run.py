@@ -1,4 +1,5 @@
-"""A whole bench run: machine, model, our engine, llama.cpp (with --vs llama.cpp), the bandwidth bound."""
+"""A whole bench run: machine, model, our engine, llama.cpp (with --vs llama.cpp), the bandwidth
+bound."""
 
 from __future__ import annotations
 
@@ -24,16 +25,20 @@ def describe_model(model: GGUFModel, path: str) -> dict:
     types = Counter(t.qtype.name for t in model.tensors.values() if len(t.shape) > 1)
     return {"path": str(path), "file": Path(path).name, "architecture": spec.architecture,
             "parameters": sum(t.n_values for t in model.tensors.values()),
-            "experts": f"{spec.n_experts} experts, top-{spec.n_experts_used}" if spec.n_experts else None,
-            "types": ", ".join(f"{n} {k}" for k, n in types.most_common()), "vocab": spec.vocab_size}
+            "experts": f"{spec.n_experts} experts, top-{spec.n_experts_used}" if spec.n_experts
+                       else None,
+            "types": ", ".join(f"{n} {k}" for k, n in types.most_common()),
+            "vocab": spec.vocab_size}
 
 
 def run_bench(opts: BenchOptions, progress=print) -> dict:
-    """Measure, and return every figure as a JSON-ready dict (see report.render for the printed form)."""
+    """Measure, and return every figure as a JSON-ready dict (see report.render for the printed
+    form)."""
     from strata_jax.bench.ours import engine_config, measure_ours
 
     opts.validate()
-    cfg = engine_config(opts)                    # a setting that cannot work is an error before anything runs
+    # a setting that cannot work is an error before anything runs
+    cfg = engine_config(opts)
     twin = None
     if opts.moe_twin is not None:                # both engines then read the twin's file
         from strata_jax.bench.twin import make_twin
@@ -49,7 +54,8 @@ def run_bench(opts: BenchOptions, progress=print) -> dict:
     machine["pinned_to_threads"] = limit_threads(opts.threads)
     model = GGUFModel.open(opts.model)
     result: dict = {"machine": machine, "model": describe_model(model, opts.model), "twin": twin,
-                    "settings": {"prompt_tokens": opts.prompt_tokens, "decode_tokens": opts.decode_tokens,
+                    "settings": {"prompt_tokens": opts.prompt_tokens,
+                                 "decode_tokens": opts.decode_tokens,
                                  "decode_prompt_tokens": opts.decode_prompt_tokens,
                                  "parallel_list": list(opts.parallel_list), "threads": opts.threads,
                                  "repeat": opts.repeat, "vs": opts.vs,
@@ -67,11 +73,14 @@ def run_bench(opts: BenchOptions, progress=print) -> dict:
     bw = result["bandwidth"]["bytes_per_second"]
     eng = result["strata_jax"]["engine"]
     one = _one_sequence(result["strata_jax"])
-    result["bound"] = {"strata_jax": bound(bw, bytes_per_token(model, eng["weights"], eng["dtype"]), one)}
+    result["bound"] = {"strata_jax": bound(bw, bytes_per_token(model, eng["weights"],
+                                                               eng["dtype"]), one)}
     if result["llama_cpp"]:
-        result["bound"]["llama_cpp"] = bound(bw, bytes_per_token(model, "blocks"), _one_sequence(result["llama_cpp"]))
+        result["bound"]["llama_cpp"] = bound(bw, bytes_per_token(model, "blocks"),
+                                             _one_sequence(result["llama_cpp"]))
     result["seconds"] = time.perf_counter() - started
-    machine["load_average_at_end"] = load_average()    # includes our own load: about `threads` when alone
+    # includes our own load: about `threads` when alone
+    machine["load_average_at_end"] = load_average()
     return result
 
 

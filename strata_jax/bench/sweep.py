@@ -1,21 +1,23 @@
-"""Decode speed and device-cache hit rate against the cache's size, for both eviction policies, with and
-without prefetch.
+"""Decode speed and device-cache hit rate against the cache's size, for both eviction policies, with
+and without prefetch.
 
     python -m strata_jax.bench.sweep [MODEL.gguf] [--experts 16] [--sizes 0.1,0.25,0.5,1]
-        [--policies freq,lru] [--prefetch off,on] [--tokens 32] [--weights blocks] [--what hits,speed]
+        [--policies freq,lru] [--prefetch off,on] [--tokens 32] [--weights blocks]
+            [--what hits,speed]
 
-With no model it upcycles SmolLM2-135M (`--experts` experts, top-2) into the cache folder. The workload:
-a warm-up request, then the real-text chat prompts of PROMPTS one after another, `--tokens` decoded
-tokens each (greedy, no early stop), on one slot.
+With no model it upcycles SmolLM2-135M (`--experts` experts, top-2) into the cache folder. The
+workload: a warm-up request, then the real-text chat prompts of PROMPTS one after another,
+`--tokens` decoded tokens each (greedy, no early stop), on one slot.
 
-`hits`: one engine with every expert in the device cache records the routing (each layer's lookups and
-prefetch guesses; routing does not depend on the cache: same bits), and experts/replay.py replays that
-trace through the cache's own bookkeeping for every size x policy x prefetch: the decode hit rate those
-engines would report, over the prompts after the warm-up (tests/test_experts.py checks a replay against
-a real run). `speed`: each row is a real engine with `--expert-cache N` (N = the fraction of a layer's
-experts, at least the top-k), measuring decode tokens/s (decode time only) and the hit rate; a last row
-runs `--expert-cache auto` (every expert on the device, one program a window). Prints Markdown tables, a
-row as soon as it is measured. JAX's persistent compilation cache (the engine's, in the cache folder) spares most builds.
+`hits`: one engine with every expert in the device cache records the routing (each layer's lookups
+and prefetch guesses; routing does not depend on the cache: same bits), and experts/replay.py
+replays that trace through the cache's own bookkeeping for every size x policy x prefetch: the
+decode hit rate those engines would report, over the prompts after the warm-up
+(tests/test_experts.py checks a replay against a real run). `speed`: each row is a real engine with
+`--expert-cache N` (N = the fraction of a layer's experts, at least the top-k), measuring decode
+tokens/s (decode time only) and the hit rate; a last row runs `--expert-cache auto` (every expert on
+the device, one program a window). Prints Markdown tables, a row as soon as it is measured. JAX's
+persistent compilation cache (the engine's, in the cache folder) spares most builds.
 """
 
 from __future__ import annotations
@@ -39,17 +41,20 @@ PROMPTS = [
 
 
 def _measure(path, cache, policy: str, prefetch: bool, tokens: int, weights: str) -> dict:
-    cfg = EngineConfig(parallel=1, max_context=256, weights=weights, expert_cache=cache, expert_policy=policy,
-                       expert_prefetch=prefetch)
+    cfg = EngineConfig(parallel=1, max_context=256, weights=weights, expert_cache=cache,
+                       expert_policy=policy, expert_prefetch=prefetch)
     t0 = time.perf_counter()
     with Engine.from_gguf(path, cfg) as eng:
         load_s = time.perf_counter() - t0
         chat = [{"role": "user", "content": WARMUP}]
-        eng.generate(chat, max_tokens=8, ignore_eos=True)                       # build programs, warm the cache
+        # build programs, warm the cache
+        eng.generate(chat, max_tokens=8, ignore_eos=True)
         n_tok = gen_s = lookups = hits = moved = pre = pre_hits = 0
         for prompt in PROMPTS:
-            out = eng.generate([{"role": "user", "content": prompt}], max_tokens=tokens, ignore_eos=True)
-            n_tok += out.stats["generated_tokens"] - 1                          # the first one came with the prompt
+            out = eng.generate([{"role": "user", "content": prompt}], max_tokens=tokens,
+                               ignore_eos=True)
+            # the first one came with the prompt
+            n_tok += out.stats["generated_tokens"] - 1
             gen_s += out.stats["generate_ms"] / 1000
             ex = out.stats.get("experts") or {}
             lookups += ex.get("decode_lookups", 0)
@@ -58,8 +63,8 @@ def _measure(path, cache, policy: str, prefetch: bool, tokens: int, weights: str
             pre += ex.get("prefetched", 0)
             pre_hits += ex.get("prefetch_hits", 0)
         return {"slots": eng.stats()["experts"].get("device_slots"), "tok_s": n_tok / gen_s,
-                "hit": 100.0 * hits / lookups if lookups else 100.0, "moved": moved, "load_s": load_s,
-                "prefetched": pre, "prefetch_hits": pre_hits}
+                "hit": 100.0 * hits / lookups if lookups else 100.0, "moved": moved,
+                "load_s": load_s, "prefetched": pre, "prefetch_hits": pre_hits}
 
 
 def _trace(path, tokens: int, weights: str, n_experts: int) -> tuple[list, int]:
@@ -87,35 +92,41 @@ def _hit_table(path, spec, runs, tokens: int, weights: str) -> None:
     else:
         trace, start = _trace(path, tokens, weights, spec.n_experts)
         saved.write_bytes(pickle.dumps((trace, start)))
-    print(f"\nhit rates by replaying the routing of the workload ({sum(e[0] == 'lookup' for e in trace[start:])} "
-          f"layer lookups after the warm-up; trace {saved})")
-    print("| device cache (slots a layer) | policy | prefetch | decode hit rate | all lookups hit rate | "
-          "experts copied a decode token | prefetched (used) |")
+    print("\nhit rates by replaying the routing of the workload "
+          f"({sum(e[0] == 'lookup' for e in trace[start:])} layer lookups after the warm-up; trace "
+          f"{saved})")
+    print("| device cache (slots a layer) | policy | prefetch | decode hit rate | all lookups hit "
+          "rate | experts copied a decode token | prefetched (used) |")
     print("|---|---|---|---|---|---|---|", flush=True)
     layers = list(spec.moe_layers)
     for size, n, policy, prefetch in runs:
         if n == "auto":
             continue
         c = replay(trace, layers, spec.n_experts, n, policy, prefetch, count_from=start)
-        tokens_decoded = sum(1 for e in trace[start:] if e[0] == "lookup" and e[3]) / len(layers)   # one slot
+        # one slot
+        tokens_decoded = sum(1 for e in trace[start:] if e[0] == "lookup" and e[3]) / len(layers)
         copied = c.decode_misses + (c.prefetched if prefetch else 0)
         print(f"| {size} | {policy} | {'on' if prefetch else 'off'} | "
-              f"{100.0 * c.decode_hits / max(c.decode_lookups, 1):.1f}% | {100.0 * c.hits / max(c.lookups, 1):.1f}% | "
-              f"{copied / max(tokens_decoded, 1):.1f} | {c.prefetched} ({c.prefetch_hits}) |", flush=True)
+              f"{100.0 * c.decode_hits / max(c.decode_lookups, 1):.1f}% | "
+              f"{100.0 * c.hits / max(c.lookups, 1):.1f}% | {copied / max(tokens_decoded, 1):.1f} "
+              f"| {c.prefetched} ({c.prefetch_hits}) |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?")
-    ap.add_argument("--experts", type=int, default=16, help="experts a layer when upcycling SmolLM2 (top-2)")
+    ap.add_argument("--experts", type=int, default=16,
+                    help="experts a layer when upcycling SmolLM2 (top-2)")
     ap.add_argument("--sizes", default="0.1,0.25,0.5,1")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--weights", default="blocks", choices=["blocks", "dequantized", "auto"])
     ap.add_argument("--policies", default="freq,lru")
     ap.add_argument("--prefetch", default="off", help="off, on, or off,on")
     ap.add_argument("--no-auto", action="store_true", help="skip the all-on-device row")
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N prompts of the workload")
-    ap.add_argument("--what", default="hits,speed", help="hits (by trace replay), speed (real runs), or both")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS),
+                    help="the first N prompts of the workload")
+    ap.add_argument("--what", default="hits,speed",
+                    help="hits (by trace replay), speed (real runs), or both")
     a = ap.parse_args(argv)
     del PROMPTS[a.prompts:]
     path = a.model
@@ -130,8 +141,8 @@ def main(argv: list[str] | None = None) -> None:
 
     spec = GGUFModel.open(path).spec
     n_experts = spec.n_experts
-    print(f"model {path}: {n_experts} experts a layer, top-{spec.n_experts_used}, {spec.n_layers} layers; "
-          f"{len(PROMPTS)} requests of {a.tokens} decoded tokens after a warm-up one")
+    print(f"model {path}: {n_experts} experts a layer, top-{spec.n_experts_used}, {spec.n_layers} "
+          f"layers; {len(PROMPTS)} requests of {a.tokens} decoded tokens after a warm-up one")
     runs = []
     for f in (float(x) for x in a.sizes.split(",")):
         n = max(spec.n_experts_used, round(f * n_experts))
@@ -145,14 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     if "speed" not in a.what:
         return
     print("\nreal runs")
-    print("| device cache (slots a layer) | policy | prefetch | decode tok/s | decode hit rate | MiB moved | "
-          "prefetched (used) | load s |")
+    print("| device cache (slots a layer) | policy | prefetch | decode tok/s | decode hit rate | "
+          "MiB moved | prefetched (used) | load s |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for size, n, policy, prefetch in runs:
-        r = _measure(path, n, policy, prefetch, a.tokens, a.weights)       # a row as soon as it is measured
-        print(f"| {size} | {policy if n != 'auto' else '-'} | {'on' if prefetch else 'off'} | {r['tok_s']:.2f} | "
-              f"{r['hit']:.1f}% | {r['moved'] / 2**20:.1f} | {r['prefetched']} ({r['prefetch_hits']}) | "
-              f"{r['load_s']:.1f} |", flush=True)
+        # a row as soon as it is measured
+        r = _measure(path, n, policy, prefetch, a.tokens, a.weights)
+        print(f"| {size} | {policy if n != 'auto' else '-'} | {'on' if prefetch else 'off'} | "
+              f"{r['tok_s']:.2f} | {r['hit']:.1f}% | {r['moved'] / 2**20:.1f} | {r['prefetched']} "
+              f"({r['prefetch_hits']}) | {r['load_s']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

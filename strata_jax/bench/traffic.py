@@ -1,11 +1,13 @@
-"""Weight bytes one decode step reads for one sequence, and the tokens/s bound that memory bandwidth sets.
+"""Weight bytes one decode step reads for one sequence, and the tokens/s bound that memory bandwidth
+sets.
 
-A decode step of one sequence reads every weight once (dense) or the top-k experts' share of the expert
-weights (MoE), plus one row of the embedding table. The bytes depend on how the weights are kept: GGUF
-blocks (what llama.cpp reads, and our engine in `weights="blocks"` mode), or float copies made at load
-(`weights="dequantized"`: 4 bytes a weight in float32). Norms, biases and routers are float32 in both
-(model/load.py). KV cache reads are left out: at the short contexts the bench decodes at they are small
-next to the weights (SmolLM2 at position 100: 2.3 MB of KV against 81 MB of Q4_1 weights).
+A decode step of one sequence reads every weight once (dense) or the top-k experts' share of the
+expert weights (MoE), plus one row of the embedding table. The bytes depend on how the weights are
+kept: GGUF blocks (what llama.cpp reads, and our engine in `weights="blocks"` mode), or float copies
+made at load (`weights="dequantized"`: 4 bytes a weight in float32). Norms, biases and routers are
+float32 in both (model/load.py). KV cache reads are left out: at the short contexts the bench
+decodes at they are small next to the weights (SmolLM2 at position 100: 2.3 MB of KV against 81 MB
+of Q4_1 weights).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ def _always_float(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def bytes_per_token(model: GGUFModel, weights: str = "blocks", dtype: str = "float32") -> dict:
-    """`weights`: "blocks" (GGUF block bytes) or "dequantized" (float `dtype` copies). Returns the bytes a
-    decode step of one sequence reads, the part of them that is expert weights, and the model's total."""
+    """`weights`: "blocks" (GGUF block bytes) or "dequantized" (float `dtype` copies). Returns the
+    bytes a decode step of one sequence reads, the part of them that is expert weights, and the
+    model's total."""
     spec = model.spec
     used = spec.n_experts_used / spec.n_experts if spec.n_experts else 1.0
     read = experts = total = 0.0
@@ -36,7 +39,8 @@ def bytes_per_token(model: GGUFModel, weights: str = "blocks", dtype: str = "flo
         if name == "token_embd.weight":
             step = size / t.shape[0]                     # one row is gathered
             if spec.tied_output:
-                step += size                             # and the output projection reads the whole table
+                # and the output projection reads the whole table
+                step += size
         elif "_exps." in name:
             step = size * used
             experts += step
@@ -45,9 +49,11 @@ def bytes_per_token(model: GGUFModel, weights: str = "blocks", dtype: str = "flo
         read += step
     return {"bytes_per_token": read, "expert_bytes_per_token": experts, "weight_bytes": total,
             "weights": weights, "dtype": dtype if weights == "dequantized" else None,
-            "experts_used": f"{spec.n_experts_used} of {spec.n_experts}" if spec.n_experts else None}
+            "experts_used": f"{spec.n_experts_used} of {spec.n_experts}" if spec.n_experts
+                            else None}
 
 
 def bound(bandwidth: float, traffic: dict, reached: float | None) -> dict:
     tps = bandwidth / traffic["bytes_per_token"]
-    return {**traffic, "tokens_per_second": tps, "reached": reached, "fraction": reached / tps if reached else None}
+    return {**traffic, "tokens_per_second": tps, "reached": reached,
+            "fraction": reached / tps if reached else None}

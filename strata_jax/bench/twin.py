@@ -1,11 +1,13 @@
 """`strata-jax bench --moe-twin E:K`: bench a MoE twin of a dense model instead of the model itself.
 
-The twin is `strata-jax upcycle`'s output (makers/upcycle.py): each FFN copied into E experts with a random
-top-K router, so it computes what the dense model does and reads the same quant blocks, through the expert
-paths. It is made once and kept in the cache folder:
+The twin is `strata-jax upcycle`'s output (makers/upcycle.py): each FFN copied into E experts with a
+random top-K router, so it computes what the dense model does and reads the same quant blocks,
+through the expert paths. It is made once and kept in the cache folder:
 
-    <cache folder>/twins/<model stem>-<E>x<K>.gguf          ($STRATA_JAX_CACHE, else ~/.cache/strata-jax)
-    <cache folder>/twins/<model stem>-<E>x<K>.gguf.json     the source it was made from: path, size, mtime
+    <cache folder>/twins/<model stem>-<E>x<K>.gguf          ($STRATA_JAX_CACHE, else
+                                                            ~/.cache/strata-jax)
+    <cache folder>/twins/<model stem>-<E>x<K>.gguf.json     the source it was made from: path, size,
+                                                            mtime
 
 and made again when the source's path, size or modification time differ from the ones recorded.
 """
@@ -36,7 +38,8 @@ def check_moe_twin(twin: tuple[int, int], shown: str | None = None) -> tuple[int
     if experts < 2:
         raise ValueError(f"--moe-twin {shown!r}: a twin needs at least 2 experts")
     if not 1 <= top_k <= experts:
-        raise ValueError(f"--moe-twin {shown!r}: top-k must be 1 to the number of experts ({experts})")
+        raise ValueError(f"--moe-twin {shown!r}: top-k must be 1 to the number of experts "
+                         f"({experts})")
     return experts, top_k
 
 
@@ -53,11 +56,13 @@ def _source_key(src: Path) -> dict:
     return {"source": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def make_twin(src: str | Path, experts: int, top_k: int, cache: str | Path | None = None, seed: int = 0,
-              progress=print) -> tuple[Path, bool]:
-    """The twin of dense model `src` (E experts, top-K): (its path, whether it was reused from the cache).
+def make_twin(src: str | Path, experts: int, top_k: int, cache: str | Path | None = None,
+              seed: int = 0, progress=print) -> tuple[Path, bool]:
+    """The twin of dense model `src` (E experts, top-K): (its path, whether it was reused from the
+    cache).
 
-    ValueError (naming the --moe-twin value) if `src` already has experts or is not a model upcycle takes."""
+    ValueError (naming the --moe-twin value) if `src` already has experts or is not a model upcycle
+    takes."""
     from strata_jax.makers.upcycle import upcycle
 
     shown = f"{experts}:{top_k}"
@@ -65,16 +70,19 @@ def make_twin(src: str | Path, experts: int, top_k: int, cache: str | Path | Non
     src = Path(src)
     spec = GGUFModel.open(src).spec
     if spec.is_moe:
-        raise ValueError(f"--moe-twin {shown}: {src} is already a MoE model ({spec.n_experts} experts, "
-                         f"top-{spec.n_experts_used}); bench it as it is, without --moe-twin")
+        raise ValueError(f"--moe-twin {shown}: {src} is already a MoE model ({spec.n_experts} "
+                         f"experts, top-{spec.n_experts_used}); bench it as it is, without "
+                         "--moe-twin")
     if spec.architecture != "llama":
-        raise ValueError(f"--moe-twin {shown}: {src} is a dense {spec.architecture} model; the twin is made by "
-                         "`strata-jax upcycle`, which takes dense llama-architecture models only")
+        raise ValueError(f"--moe-twin {shown}: {src} is a dense {spec.architecture} model; the "
+                         "twin is made by `strata-jax upcycle`, which takes dense "
+                         "llama-architecture models only")
     dst = twin_path(src, experts, top_k, cache)
     meta = dst.with_name(dst.name + ".json")
     key = {**_source_key(src), "experts": experts, "top_k": top_k, "seed": seed}
     try:
-        if dst.is_file() and json.loads(meta.read_text()) == {**key, "size_written": dst.stat().st_size}:
+        if (dst.is_file()
+                and json.loads(meta.read_text()) == {**key, "size_written": dst.stat().st_size}):
             progress(f"moe twin: reusing {dst} ({experts} experts, top-{top_k}, made from {src})")
             return dst, True
     except (OSError, ValueError):

@@ -3,4 +3,5 @@
 from .engine import Completion, Engine
 from .request import ContextOverflowError, Event, Handle, RequestError, SamplingParams
 
-__all__ = ["Completion", "ContextOverflowError", "Engine", "Event", "Handle", "RequestError", "SamplingParams"]
+__all__ = ["Completion", "ContextOverflowError", "Engine", "Event", "Handle", "RequestError",
+           "SamplingParams"]

@@ -1,18 +1,18 @@
 """Every thread the engine starts ends before the interpreter finalizes (issue 32, finding 7).
 
-The engine thread and the builder threads are daemon threads (a program that forgets close() must still
-exit), but a daemon thread still running at finalization is ended by glibc's forced unwind when it next
-takes the GIL. A builder thread is then inside jaxlib's C++ (compiling, or loading a program from the
-compile cache: PyClient::DeserializeExecutable), whose noexcept frames turn that unwind into
-std::terminate: "terminate called after throwing an instance of '' / FATAL: exception not rethrown",
-SIGABRT, exit 134, after the program had its answers. jax's own exit hook (clearing the backends) must not
-run under them either.
+The engine thread and the builder threads are daemon threads (a program that forgets close() must
+still exit), but a daemon thread still running at finalization is ended by glibc's forced unwind
+when it next takes the GIL. A builder thread is then inside jaxlib's C++ (compiling, or loading a
+program from the compile cache: PyClient::DeserializeExecutable), whose noexcept frames turn that
+unwind into std::terminate: "terminate called after throwing an instance of '' / FATAL: exception
+not rethrown", SIGABRT, exit 134, after the program had its answers. jax's own exit hook (clearing
+the backends) must not run under them either.
 
-So at exit, before jax's hooks: every Engine not closed is closed (its loop stops after the window it is
-in, then its runner: builder threads, expert readers, drafter), then every builder thread still alive
-(EngineCores stepped by hand, runners of their own) stops after the compile it is in. Registered once,
-after jax is imported, so that it runs first (atexit runs hooks last registered first). A builder
-thread is not started again once the hook ran (`exiting`).
+So at exit, before jax's hooks: every Engine not closed is closed (its loop stops after the window
+it is in, then its runner: builder threads, expert readers, drafter), then every builder thread
+still alive (EngineCores stepped by hand, runners of their own) stops after the compile it is in.
+Registered once, after jax is imported, so that it runs first (atexit runs hooks last registered
+first). A builder thread is not started again once the hook ran (`exiting`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import atexit
 import logging
 import weakref
 
-import jax  # noqa: F401 - its exit hooks must be registered before ours, so that ours run before them
+# its exit hooks must be registered before ours, so that ours run before them
+import jax  # noqa: F401
 
 log = logging.getLogger("strata_jax.engine")
 
-_engines: weakref.WeakSet = weakref.WeakSet()      # Engines whose thread started, until closed or collected
+# Engines whose thread started, until closed or collected
+_engines: weakref.WeakSet = weakref.WeakSet()
 _builders: weakref.WeakSet = weakref.WeakSet()     # BuilderThreads whose thread started
 _exiting = False
 
@@ -52,12 +54,14 @@ def exiting() -> bool:
 def _stop_all() -> None:
     global _exiting
     _exiting = True
-    for group in (_engines, _builders):          # engines first: a running window may still queue a build
+    # engines first: a running window may still queue a build
+    for group in (_engines, _builders):
         for obj in list(group):
             try:
                 obj.close()
             except Exception as e:  # noqa: BLE001 - one failure must not leave the others running
-                log.warning("closing %s at exit failed: %s: %s", type(obj).__name__, type(e).__name__, e)
+                log.warning("closing %s at exit failed: %s: %s", type(obj).__name__,
+                            type(e).__name__, e)
 
 
 atexit.register(_stop_all)

@@ -1,14 +1,16 @@
 """The engine's core: `step()`, one window from plan to events.
 
     step():  admit        requests from the inbox onto free slots (admission.py), the ended ones out
-             plan         a window over the slots with work (scheduler.py), with drafts (spec/), narrowed
-                          to one whose programs are built while its own are built off this thread
-             run          its program (runner.py, programs.py); out of device memory: its rows in halves
+             plan         a window over the slots with work (scheduler.py), with drafts (spec/),
+                          narrowed to one whose programs are built while its own are built off this
+                          thread
+             run          its program (runner.py, programs.py); out of device memory: its rows in
+                          halves
              postprocess  the sampled tokens into each request's events (output.py)
 
-Everything here runs on one thread, the engine thread (Engine's loop calls step(), and nothing else does
-while it runs), so the device, the slots and the KV cache have one owner. A test may call step() itself,
-without the thread, to drive the engine window by window.
+Everything here runs on one thread, the engine thread (Engine's loop calls step(), and nothing else
+does while it runs), so the device, the slots and the KV cache have one owner. A test may call
+step() itself, without the thread, to drive the engine window by window.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ _JOBS = {
 
 @dataclass
 class WindowCounts:
-    """Requests taken in and windows run, since the start (the core's own; Output counts how requests end)."""
+    """Requests taken in and windows run, since the start (the core's own; Output counts how
+    requests end)."""
     requests: int = 0
     windows: int = 0
     window_rows: int = 0
@@ -80,59 +83,70 @@ class WindowCounts:
 class EngineCore:
     def __init__(self, model: GGUFModel, config: EngineConfig | None = None, progress: bool = False,
                  expert_policy: str | None = None):
-        """expert_policy: overrides config.expert_policy ("freq" or "lru"), the device expert cache's
-        eviction policy; it matters only when the experts do not all sit on the device."""
+        """expert_policy: overrides config.expert_policy ("freq" or "lru"), the device expert
+        cache's eviction policy; it matters only when the experts do not all sit on the device."""
         self.config = config or EngineConfig()
         if expert_policy is not None:
             self.config = replace(self.config, expert_policy=expert_policy)     # validated again
         self.model = model
         self.spec = model.spec
         self.spec.check_runnable(model.paths[0])
-        self.config = family_config(self.config, self.spec)      # what the family needs (families.py)
+        # what the family needs (families.py)
+        self.config = family_config(self.config, self.spec)
         self.tokenizer = load_tokenizer(model.metadata)
-        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size,     # structured output (constrain.py)
+        # structured output (constrain.py)
+        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size,
                                  self.config.max_grammar_rules, self.config.max_grammar_depth)
-        compile_cache.enable(self.config.compile_cache)     # before the first program: serve, generate, bench, Python
+        # before the first program: serve, generate, bench, Python
+        compile_cache.enable(self.config.compile_cache)
         self.runner = ModelRunner(model, self.config, progress)
         if self.config.warmup:
             self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
         states = None
-        if is_hybrid(self.spec):        # a recurrent state resumes only where one was kept (state_checkpoints.py)
-            states = StateCheckpoints(self.runner.kv, self.config.parallel, self.config.ctx_checkpoints,
-                                      self.config.checkpoint_every)
-        self.prefix = PrefixCache(self.runner.kv, self.config, states=states)   # which slot a request takes, what it reuses
+        # a recurrent state resumes only where one was kept (state_checkpoints.py)
+        if is_hybrid(self.spec):
+            states = StateCheckpoints(self.runner.kv, self.config.parallel,
+                                      self.config.ctx_checkpoints, self.config.checkpoint_every)
+        # which slot a request takes, what it reuses
+        self.prefix = PrefixCache(self.runner.kv, self.config, states=states)
         self.scheduler = Scheduler(self.runner.choices["prefill"], self.runner.min_rows,
                                    self.runner.choices["batch_tokens"], self.runner.packed)
-        self.speculator = make_speculator(self.config, model, self.runner)      # None without --spec
-        self.counts = WindowCounts()                      # requests taken in and windows run (Output counts the ends)
+        # None without --spec
+        self.speculator = make_speculator(self.config, model, self.runner)
+        # requests taken in and windows run (Output counts the ends)
+        self.counts = WindowCounts()
         self.output = Output(self.tokenizer, self.runner, self.speculator)
         self.admission = Admission(self.prefix, self.tokenizer, self.speculator, self.output,
-                                   self.runner.cache_lost, self.lose_cache, self.config.request_timeout_s)
+                                   self.runner.cache_lost, self.lose_cache,
+                                   self.config.request_timeout_s)
         self.inbox: queue.Queue = queue.Queue()          # requests and jobs, from any thread
-        self.embeds = embeddings.Embeddings(self.runner, self.config.max_context)   # a piece a step (embeddings.py)
+        # a piece a step (embeddings.py)
+        self.embeds = embeddings.Embeddings(self.runner, self.config.max_context)
         self.stepped = False                             # whether the last step() ran a window
-        self.waiting_for_programs = False                # it ran none: its window's programs are being built
+        # it ran none: its window's programs are being built
+        self.waiting_for_programs = False
 
     @property
     def counters(self) -> dict[str, int]:
-        """Every count as one flat dict (stats, /metrics): the core's, Output's, and each embeddings piece as a
-        window of one row (llama.cpp counts it as a decode)."""
+        """Every count as one flat dict (stats, /metrics): the core's, Output's, and each embeddings
+        piece as a window of one row (llama.cpp counts it as a decode)."""
         out = {**asdict(self.counts), **asdict(self.output.counts)}
         out["window_rows"] += self.embeds.pieces
         return out
 
     def step(self) -> list[Event]:
-        """Take in new requests, plan one window, run it and apply its tokens -> the events it produced, in
-        order (each also put on its request's queue); `stepped` says whether a window ran. A failure
-        anywhere here ends the requests it concerns with an error (all busy slots when it cannot tell
-        which), and the engine goes on: no request can stop it."""
+        """Take in new requests, plan one window, run it and apply its tokens -> the events it
+        produced, in order (each also put on its request's queue); `stepped` says whether a window
+        ran. A failure anywhere here ends the requests it concerns with an error (all busy slots
+        when it cannot tell which), and the engine goes on: no request can stop it."""
         stage, self.stepped = "admitting requests", False
         try:
             self.runner.programs.collect()             # programs the builder thread finished
             self._take_inbox()
             self.admission.expire(self.slots)
-            self.stepped = self.embeds.step()          # a piece of an embed job (its failures are its own)
+            # a piece of an embed job (its failures are its own)
+            self.stepped = self.embeds.step()
             stage = "planning a window"
             window = self._plan()
             if window is not None:
@@ -144,45 +158,54 @@ class EngineCore:
             log.exception("the engine failed while %s", stage)
             for s in self.slots:
                 if not s.free:
-                    self.output.fail(s, f"the engine failed while {stage}: {type(e).__name__}: {first_line(e)}")
+                    self.output.fail(s, f"the engine failed while {stage}: {type(e).__name__}: "
+                                        f"{first_line(e)}")
             if self.runner.cache_lost():
                 self.lose_cache(e)
             self.stepped = True
         return self.output.take_events()
 
-    # ---- requests -----------------------------------------------------------------------------------------
+    # ---- requests --------------------------------------------------------------------------------
 
-    def make_request(self, prompt: str | list[dict] | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+    def make_request(self, prompt: str | list[dict] | list[int], *, max_tokens: int = 256,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+               seed: int | None = None,
                stop: list[str] | tuple[str, ...] | str | None = None, ignore_eos: bool = False,
                chat_template_kwargs: dict | None = None, logit_bias: dict | None = None,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
-               repeat_last_n: int = 64, logprobs: int | None = None, grammar: tuple | None = None,
-               progress: bool = False, cache_salt: str | None = None, checkpoint_at: int | None = None) -> Request:
-        """A checked request, for add(): text (a plain completion), a list of chat messages, or token ids. The sampling
-        controls and logprobs are controls.py's (token events then carry `logprob` and `top_logprobs`);
-        grammar: (kind, text) constrains the output (constrain.py: a JSON schema's text, "json_object", a GBNF,
-        Lark or regex grammar); RequestError when it cannot be compiled. progress: "progress" events as the
-        prompt is read (one when it gets a slot, one a prompt chunk). cache_salt: the request shares prefix-cache
-        KV only with requests of the same salt (prefix_cache.py). checkpoint_at: a hybrid family keeps its state
-        after this many prompt tokens (turn_end; a chat's is found here)."""
-        params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, logit_bias,
-                             presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n, logprobs, grammar)
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
+               grammar: tuple | None = None, progress: bool = False, cache_salt: str | None = None,
+               checkpoint_at: int | None = None) -> Request:
+        """A checked request, for add(): text (a plain completion), a list of chat messages, or
+        token ids. The sampling controls and logprobs are controls.py's (token events then carry
+        `logprob` and `top_logprobs`); grammar: (kind, text) constrains the output (constrain.py: a
+        JSON schema's text, "json_object", a GBNF, Lark or regex grammar); RequestError when it
+        cannot be compiled. progress: "progress" events as the prompt is read (one when it gets a
+        slot, one a prompt chunk). cache_salt: the request shares prefix-cache KV only with requests
+        of the same salt (prefix_cache.py). checkpoint_at: a hybrid family keeps its state after
+        this many prompt tokens (turn_end; a chat's is found here)."""
+        params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos,
+                             logit_bias, presence_penalty, frequency_penalty, repeat_penalty,
+                             repeat_last_n, logprobs, grammar)
         params.validate(self.spec.vocab_size)
         check_cache_salt(cache_salt)
         ids = self.prompt_ids(prompt, chat_template_kwargs)
         n_ctx = self.config.max_context
         if len(ids) + max_tokens > n_ctx:
             raise ContextOverflowError(len(ids), max_tokens, n_ctx)
-        if checkpoint_at is None and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        if (checkpoint_at is None and isinstance(prompt, list) and prompt
+                and isinstance(prompt[0], dict)):
             checkpoint_at = self.turn_end(prompt, chat_template_kwargs or {}, ids)
         if checkpoint_at is None and self.prefix.states is not None and len(ids) > 1:
-            checkpoint_at = len(ids) - 1        # the same prompt again resumes there (its last token is read again)
+            # the same prompt again resumes there (its last token is read again)
+            checkpoint_at = len(ids) - 1
         if checkpoint_at is not None and not 0 < checkpoint_at < len(ids):
-            raise RequestError(f"checkpoint_at = {checkpoint_at}: must be a position inside the prompt (1.."
-                               f"{len(ids) - 1})")
-        req = Request(ids, params, progress=progress, cache_salt=cache_salt, checkpoint_at=checkpoint_at)
-        if params.grammar is not None:        # compiled here, in the caller's thread, not on the engine's
+            raise RequestError(f"checkpoint_at = {checkpoint_at}: must be a position inside the "
+                               f"prompt (1..{len(ids) - 1})")
+        req = Request(ids, params, progress=progress, cache_salt=cache_salt,
+                      checkpoint_at=checkpoint_at)
+        # compiled here, in the caller's thread, not on the engine's
+        if params.grammar is not None:
             req.constraint = self.grammars.constraint(params.grammar)
         req.deadline = req.arrived + self.config.request_timeout_s
         return req
@@ -194,47 +217,52 @@ class EngineCore:
     def prompt_ids(self, prompt, chat_template_kwargs: dict | None = None) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special=True)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+        elif (isinstance(prompt, list) and prompt
+              and all(isinstance(t, (int, np.integer)) for t in prompt)):
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
             if bad:
-                raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.spec.vocab_size - 1})")
+                raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                   f"(0..{self.spec.vocab_size - 1})")
         elif isinstance(prompt, list) and prompt:
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **(chat_template_kwargs or {}))
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                      **(chat_template_kwargs or {}))
             bos = self.tokenizer.bos_token
             ids = self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
         else:
-            raise RequestError("prompt must be a non-empty string, list of chat messages, or list of token ids")
+            raise RequestError("prompt must be a non-empty string, list of chat messages, or list "
+                               "of token ids")
         if not ids:
             raise RequestError("the prompt is empty after tokenization")
         return ids
 
     def turn_end(self, messages: list[dict], kwargs: dict, ids: list[int]) -> int | None:
-        """A hybrid family's chat: the tokens of its messages without the generation prompt, where they are the
-        prompt's first tokens, else None (and None for the other families). The next turn of the conversation
-        starts with exactly these (its template renders the history the same way, but this turn's answer
-        after them may be written otherwise: without its reasoning, say), so a state kept here is the one it
-        can resume from (state_checkpoints.py; llama.cpp takes its checkpoints near a turn's start too)."""
+        """A hybrid family's chat: the tokens of its messages without the generation prompt, where
+        they are the prompt's first tokens, else None (and None for the other families). The next
+        turn of the conversation starts with exactly these (its template renders the history the
+        same way, but this turn's answer after them may be written otherwise: without its reasoning,
+        say), so a state kept here is the one it can resume from (state_checkpoints.py; llama.cpp
+        takes its checkpoints near a turn's start too)."""
         if self.prefix.states is None:
             return None
         try:
-            head = self.chat_text_ids(self.tokenizer.apply_chat_template(messages=messages,
-                                                                         add_generation_prompt=False, **kwargs))
+            head = self.chat_text_ids(self.tokenizer.apply_chat_template(
+                messages=messages, add_generation_prompt=False, **kwargs))
         except (ValueError, RequestError):
             return None
         n = len(head)
         return n if 0 < n < len(ids) and ids[:n] == head else None
 
     def chat_text_ids(self, text: str) -> list[int]:
-        """The ids of a chat already rendered to `text` (the server renders once, and reads the text too):
-        as prompt_ids does for a chat, BOS is added unless the template wrote it."""
+        """The ids of a chat already rendered to `text` (the server renders once, and reads the text
+        too): as prompt_ids does for a chat, BOS is added unless the template wrote it."""
         bos = self.tokenizer.bos_token
         ids = self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
         if not ids:
             raise RequestError("the prompt is empty after tokenization")
         return ids
 
-    # ---- admit --------------------------------------------------------------------------------------------
+    # ---- admit -----------------------------------------------------------------------------------
 
     def _take_inbox(self) -> None:
         while True:
@@ -247,7 +275,8 @@ class EngineCore:
                 self.counts.requests += 1
                 continue
             kind, *args, done = item
-            if kind == "embed":                         # not all at once: a piece a step (embeddings.py)
+            # not all at once: a piece a step (embeddings.py)
+            if kind == "embed":
                 self.embeds.add(*args, done)
                 continue
             try:
@@ -256,7 +285,7 @@ class EngineCore:
                 done.put(e)
         self.admission.admit(self.slots)
 
-    # ---- plan ---------------------------------------------------------------------------------------------
+    # ---- plan ------------------------------------------------------------------------------------
 
     def _plan(self) -> Window | None:
         self.waiting_for_programs = False
@@ -264,31 +293,39 @@ class EngineCore:
         return None if w is None else self._ready_window(w)
 
     def _ready_window(self, w: Window) -> Window | None:
-        """A window whose programs are built: w, or while w's are built off this thread (so that a layout met
-        for the first time stalls no one), the largest smaller one that is: w's decode rows with its first
-        prompt chunk (as it is, then padded to a whole chunk), then its decode rows alone. With none of them
-        built, no window (None) while the builder thread builds w's first, so that the engine thread still
-        takes in cancels; w itself when its build failed there (the engine thread meets the error). Without
-        the warm-up (--no-warmup: tests, quick starts) every layout is built when first met, on this thread, as the window waits: the same windows run whatever the timing."""
+        """A window whose programs are built: w, or while w's are built off this thread (so that a
+        layout met for the first time stalls no one), the largest smaller one that is: w's decode
+        rows with its first prompt chunk (as it is, then padded to a whole chunk), then its decode
+        rows alone. With none of them built, no window (None) while the builder thread builds w's
+        first, so that the engine thread still takes in cancels; w itself when its build failed
+        there (the engine thread meets the error). Without the warm-up (--no-warmup: tests, quick
+        starts) every layout is built when first met, on this thread, as the window waits: the same
+        windows run whatever the timing."""
         layout = self.runner.layout_of(w.groups, w.kv_needed)
         if not self.config.warmup or self.runner.ready(layout) or self.runner.refused(layout):
-            return w                      # refused: its run is refused at once, and the window split
+            # refused: its run is refused at once, and the window split
+            return w
         self.runner.build_later(layout)
-        self.runner.building(layout)     # a window wants it: ahead of the warm-up's queued guesses (finding 6)
-        tries = [(1, False, True), (1, True, True), (0, False, True), (1, True, False), (0, False, False)]
+        # a window wants it: ahead of the warm-up's queued guesses (finding 6)
+        self.runner.building(layout)
+        tries = [(1, False, True), (1, True, True), (0, False, True), (1, True, False),
+                 (0, False, False)]
         for prompts, pad, drafts in tries:
             if (prompts and not w.prefills) or (not drafts and w.drafts is None):
                 continue
             small = self.scheduler.narrow(w, prompts, pad, drafts)
-            if small is not None and self.runner.ready(self.runner.layout_of(small.groups, small.kv_needed)):
+            if (small is not None
+                    and self.runner.ready(self.runner.layout_of(small.groups, small.kv_needed))):
                 self.scheduler.took(w, small)
                 if w.drafts is not None and small.drafts is None:
                     for s in w.decode:                    # their drafts were not verified
                         self.speculator.reset(s)
                 self.counts.narrowed_windows += 1
                 return small
-        if self.runner.building(layout):      # nothing smaller is built: no window until the builder thread
-            self.scheduler.skipped(w)        # has built w's (the loop takes in cancels and requests meanwhile)
+        # nothing smaller is built: no window until the builder thread has built w's (the loop takes
+        # in cancels and requests meanwhile)
+        if self.runner.building(layout):
+            self.scheduler.skipped(w)
             if w.drafts is not None:
                 for s in w.decode:
                     self.speculator.reset(s)
@@ -301,28 +338,33 @@ class EngineCore:
             return self.scheduler.plan(self.slots)
         decoding = [s for s in self.slots if s.decoding]
         limit = self.config.spec_max_rows
-        # a verify window of many rows costs more than it saves; a row with sampling controls or logprobs
-        # (controls.py) is sampled by the controlled program, which verify windows do not run
-        if (limit and len(decoding) > limit) or any(wants_controls(s.request.params) for s in decoding):
+        # a verify window of many rows costs more than it saves; a row with sampling controls or
+        # logprobs (controls.py) is sampled by the controlled program, which verify windows do not
+        # run
+        if ((limit and len(decoding) > limit)
+                or any(wants_controls(s.request.params) for s in decoding)):
             return self.scheduler.plan(self.slots)
         try:
             drafts = self.speculator.propose(decoding)
-        except Exception as e:  # noqa: BLE001 - a drafter's failure costs drafts, never the requests
+        # a drafter's failure costs drafts, never the requests
+        except Exception as e:  # noqa: BLE001
             log.warning("the drafter failed (%s): this window runs without drafts", first_line(e))
             if self._drafter_failed(decoding, e):
                 return None
             drafts = {}
         return self.scheduler.plan(self.slots, drafts, self.speculator.verify_len)
 
-    # ---- run ----------------------------------------------------------------------------------------------
+    # ---- run -------------------------------------------------------------------------------------
 
     def _run(self, w: Window) -> None:
         """Run a window; if it runs out of device memory even after the program cache freed half its
-        programs, run its rows in smaller windows. Only a row that fails alone ends with an error."""
+        programs, run its rows in smaller windows. Only a row that fails alone ends with an
+        error."""
         try:
             outs = self.runner.run(w.groups, w.kv_needed)
             hiddens = self.runner.take_hiddens()          # the mtp drafter's input, None without it
-        except Exception as e:  # noqa: BLE001 - every failure is reported to the requests, never lost
+        # every failure is reported to the requests, never lost
+        except Exception as e:  # noqa: BLE001
             self._recover(w, e)
             return
         self.counts.add_window(w.rows, w.prefills, sum(int((g.pos >= 0).sum()) for g in w.groups))
@@ -332,7 +374,8 @@ class EngineCore:
                     if s.request.experts is None:
                         s.request.experts = ExpertCounters()
                     s.request.experts.add(self.runner.stepper.last)
-        starts = [int(p) for p in w.groups[0].pos[:len(w.decode), 0]] if w.drafts is not None else None
+        starts = ([int(p) for p in w.groups[0].pos[:len(w.decode), 0]] if w.drafts is not None
+                  else None)
         self.output.apply(w, outs)
         self.prefix.after_window(w)
         if starts is not None and self.prefix.states is not None:
@@ -341,26 +384,30 @@ class EngineCore:
             self._after_window(w, hiddens)
 
     def _keep_accepted_states(self, w: Window, starts: list[int]) -> None:
-        """A hybrid family's verify window read every draft into its slots' DeltaNet state: each slot keeps the
-        state after the tokens it accepted (s.n_past - start of them: its drafts up to the first rejected,
-        the last token emitted excluded, as every window leaves it), chosen from the window's steps."""
-        rows = [(s.index, s.n_past - start - 1) for s, start in zip(w.decode, starts) if s.n_past > start]
+        """A hybrid family's verify window read every draft into its slots' DeltaNet state: each
+        slot keeps the state after the tokens it accepted (s.n_past - start of them: its drafts up
+        to the first rejected, the last token emitted excluded, as every window leaves it), chosen
+        from the window's steps."""
+        rows = [(s.index, s.n_past - start - 1) for s, start in zip(w.decode, starts)
+                if s.n_past > start]
         if rows:
             slots, steps = zip(*rows)
             self.runner.kv.keep_steps(np.asarray(slots), np.asarray(steps))
 
     def _after_window(self, w: Window, hiddens) -> None:
-        """Hand the window's hidden states to the drafter (mtp). A failure there costs drafts, not requests."""
+        """Hand the window's hidden states to the drafter (mtp). A failure there costs drafts, not
+        requests."""
         try:
             self.speculator.after_window(w, hiddens)
-        except Exception as e:  # noqa: BLE001 - the window's tokens are out; only drafting is affected
-            log.warning("the drafter failed after window %s (%s): no drafts for its slots until their next window",
-                        self._describe(w), first_line(e))
+        # the window's tokens are out; only drafting is affected
+        except Exception as e:  # noqa: BLE001
+            log.warning("the drafter failed after window %s (%s): no drafts for its slots until "
+                        "their next window", self._describe(w), first_line(e))
             self._drafter_failed(w.rows, e)
 
     def _drafter_failed(self, slots: list[Slot], e: Exception) -> bool:
-        """Forget the slots' pending drafts; if the failure took the KV cache, end the requests in flight
-        (-> True)."""
+        """Forget the slots' pending drafts; if the failure took the KV cache, end the requests in
+        flight (-> True)."""
         for s in slots:
             self.speculator.reset(s)
         if self.runner.cache_lost():
@@ -370,7 +417,8 @@ class EngineCore:
 
     def _recover(self, w: Window, e: Exception) -> None:
         if self.runner.cache_lost():
-            log.error("a window failed and took the KV cache with it (%s); ending the requests in flight", e)
+            log.error("a window failed and took the KV cache with it (%s); ending the requests in "
+                      "flight", e)
             self.lose_cache(e)
             return
         rows = w.rows
@@ -379,8 +427,10 @@ class EngineCore:
                 self.output.fail(s, f"window {self._describe(w)} failed: {e}")
             return
         self.counts.split_windows += 1
-        log.warning("window %s failed (%s): running its rows in smaller windows", self._describe(w), first_line(e))
-        parts = [w.decode[: len(w.decode) // 2], w.decode[len(w.decode) // 2:]] if len(w.decode) > 1 else [w.decode]
+        log.warning("window %s failed (%s): running its rows in smaller windows", self._describe(w),
+                    first_line(e))
+        parts = ([w.decode[: len(w.decode) // 2], w.decode[len(w.decode) // 2:]]
+                 if len(w.decode) > 1 else [w.decode])
         for part in parts:
             if part:
                 self._run(self.scheduler.window_of(part, [], []))
@@ -389,7 +439,8 @@ class EngineCore:
                 self._run(self.scheduler.window_of([], [p], [c]))
 
     def lose_cache(self, e: Exception) -> None:
-        """The KV cache is gone (a failed window consumed it): a new one, and every request in flight ended."""
+        """The KV cache is gone (a failed window consumed it): a new one, and every request in
+        flight ended."""
         self.runner.kv.reset()
         for s in self.slots:
             if not s.free:

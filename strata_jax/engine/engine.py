@@ -1,9 +1,9 @@
 """The Engine: requests in, tokens out, slots decoding together in batch windows.
 
 Threads and queues: callers (any thread) `submit` requests into `inbox` and read events from their
-request's own queue. One engine thread owns everything else (slots, runner, programs): its loop calls
-`step()` (core.py: admit, plan a window, run it, turn its tokens into events) until the engine is closed.
-So the device is only ever touched from one thread.
+request's own queue. One engine thread owns everything else (slots, runner, programs): its loop
+calls `step()` (core.py: admit, plan a window, run it, turn its tokens into events) until the engine
+is closed. So the device is only ever touched from one thread.
 """
 
 from __future__ import annotations
@@ -50,17 +50,20 @@ class Engine(EngineCore):
         self._lock = threading.Lock()
         self.progress_at = time.monotonic()     # last sign of life of the loop (heartbeat)
         self.loop_error: str | None = None       # why the loop thread ended, if it did
-        self.on_loop_death = None                # called with that reason (the worker exits the process)
+        # called with that reason (the worker exits the process)
+        self.on_loop_death = None
 
     @property
     def loop_thread(self) -> threading.Thread | None:
-        """The thread that steps the engine (None before the first request): the heartbeat watches it."""
+        """The thread that steps the engine (None before the first request): the heartbeat watches
+        it."""
         return self._thread
 
     def when_lost(self, on_loop_death: Callable[[str], None],
                   on_group_lost: Callable[[str], None] | None = None) -> None:
-        """What the engine process does when the engine cannot go on: its loop thread died (with the reason),
-        or, for one model over processes, a process of the group is gone (called at once if it is already)."""
+        """What the engine process does when the engine cannot go on: its loop thread died (with the
+        reason), or, for one model over processes, a process of the group is gone (called at once if
+        it is already)."""
         self.on_loop_death = on_loop_death
         if self.runner.group is not None and on_group_lost is not None:
             self.runner.group.when_lost(on_group_lost)
@@ -70,12 +73,12 @@ class Engine(EngineCore):
                   expert_policy: str | None = None) -> Engine:
         return cls(GGUFModel.open(path), config, progress, expert_policy)
 
-    # ---- the caller's side ----------------------------------------------------------------------------
+    # ---- the caller's side -----------------------------------------------------------------------
 
     def submit(self, prompt: str | list[dict] | list[int], **kwargs) -> Handle:
-        """Queue a request (make_request's arguments: the prompt as text, chat messages or token ids, and
-        its sampling fields) for the engine thread -> the handle its events are read from. RequestError
-        names a bad field and its value."""
+        """Queue a request (make_request's arguments: the prompt as text, chat messages or token
+        ids, and its sampling fields) for the engine thread -> the handle its events are read from.
+        RequestError names a bad field and its value."""
         req = self.make_request(prompt, **kwargs)
         self._ensure_thread()
         self.add(req)
@@ -91,11 +94,12 @@ class Engine(EngineCore):
                 handle.cancel()
 
     def wait_for_programs(self, timeout: float = 600.0) -> bool:
-        """Wait until the builder thread has built every queued program (benchmarks: no compile beside
-        what they time) -> whether it did within the timeout."""
+        """Wait until the builder thread has built every queued program (benchmarks: no compile
+        beside what they time) -> whether it did within the timeout."""
         self._ensure_thread()
         end = time.monotonic() + timeout
-        while self.runner.programs.pending:           # queued, or compiled and not yet taken in by the loop
+        # queued, or compiled and not yet taken in by the loop
+        while self.runner.programs.pending:
             if time.monotonic() > end:
                 return False
             self._wake.set()
@@ -116,21 +120,23 @@ class Engine(EngineCore):
         raise RuntimeError("generation ended without a final event")
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
-        """float32 [T, vocab] for the given tokens, no sampling (research and checks). Runs on a slot of
-        its own between windows, so it never disturbs requests in flight."""
+        """float32 [T, vocab] for the given tokens, no sampling (research and checks). Runs on a
+        slot of its own between windows, so it never disturbs requests in flight."""
         return self._ask_engine_thread("logits", token_ids)
 
     def logits_reusing(self, token_ids: list[int]) -> tuple[int, np.ndarray]:
-        """Like logits, but on a free slot through the prefix cache, as a request would read the prompt:
-        -> (tokens reused, float32 [T - reused, vocab] for the tokens read). The slot keeps the KV."""
+        """Like logits, but on a free slot through the prefix cache, as a request would read the
+        prompt: -> (tokens reused, float32 [T - reused, vocab] for the tokens read). The slot keeps
+        the KV."""
         return self._ask_engine_thread("logits_reusing", token_ids)
 
     def embed(self, inputs: list[list[int]], pooling: str = "last", normalize: int = 2,
               cancel: threading.Event | None = None) -> list[np.ndarray]:
-        """Each token list's embedding (engine/execute/embeddings.py): its final hidden states pooled (last, mean,
-        cls: float32 [hidden]; none: every token's, [T, hidden]) and normalized as llama.cpp's embd_normalize
-        (2: Euclidean; -1: none). Read a piece a step between windows on a scratch KV cache: requests in
-        flight go on. cancel: set, the job ends (RuntimeError) before its next piece."""
+        """Each token list's embedding (engine/execute/embeddings.py): its final hidden states
+        pooled (last, mean, cls: float32 [hidden]; none: every token's, [T, hidden]) and normalized
+        as llama.cpp's embd_normalize (2: Euclidean; -1: none). Read a piece a step between windows
+        on a scratch KV cache: requests in flight go on. cancel: set, the job ends (RuntimeError)
+        before its next piece."""
         if pooling not in POOLINGS:
             raise ValueError(f"pooling = {pooling!r}: must be one of {', '.join(POOLINGS)}")
         checked = []
@@ -142,7 +148,8 @@ class Engine(EngineCore):
         return self._ask("embed", checked, pooling, int(normalize), cancel)
 
     def _ask_engine_thread(self, kind: str, token_ids: list[int]):
-        """Run a logits job on the engine thread (which alone touches the device) and wait for its answer."""
+        """Run a logits job on the engine thread (which alone touches the device) and wait for its
+        answer."""
         ids = self.prompt_ids([int(t) for t in token_ids])
         if len(ids) > self.config.max_context:
             raise ContextOverflowError(len(ids), 0, self.config.max_context)
@@ -160,19 +167,21 @@ class Engine(EngineCore):
         return out
 
     def save_expert_profile(self, path: str | Path, private_dir: bool = False) -> dict[str, Any]:
-        """Write the expert profile (how often live traffic routed to each (MoE layer, expert) since start;
-        see experts/profile.py) to `path`, for `--expert-profile` to preload and pin at a later start.
-        Returns {"path", "routed"}. The file is written in the caller's thread (atomically, mode 0o600),
-        never on the engine thread; private_dir: create its directory 0o700 if missing."""
+        """Write the expert profile (how often live traffic routed to each (MoE layer, expert) since
+        start; see experts/profile.py) to `path`, for `--expert-profile` to preload and pin at a
+        later start. Returns {"path", "routed"}. The file is written in the caller's thread
+        (atomically, mode 0o600), never on the engine thread; private_dir: create its directory
+        0o700 if missing."""
         prof = self.expert_profile()
         prof.save(path, private_dir=private_dir)
         routed = int(prof.counts.sum())
-        log.info("expert profile: %d routed token-expert pairs since start written to %s", routed, path)
+        log.info("expert profile: %d routed token-expert pairs since start written to %s",
+                 routed, path)
         return {"path": str(path), "routed": routed}
 
     def expert_profile(self):
-        """A copy of the expert profile's counts (an ExpertProfile), taken on the engine thread between
-        windows; ValueError for a model without experts."""
+        """A copy of the expert profile's counts (an ExpertProfile), taken on the engine thread
+        between windows; ValueError for a model without experts."""
         done: queue.Queue = queue.Queue()
         self._ensure_thread()
         self.inbox.put(("profile", done))       # type: ignore[arg-type]
@@ -183,14 +192,15 @@ class Engine(EngineCore):
         return out
 
     def slot_action(self, action: str, slot: int, path: str | None = None) -> dict[str, Any]:
-        """llama.cpp's slot files (POST /slots/N?action=save|restore|erase, engine/slot_files.py): slot `slot`'s
-        kept KV and tokens written to the file at `path`, read back from it, or forgotten -> the action's
-        llama.cpp answer. Raises slot_files.SlotFileError for what a client must mend (a busy slot, a file
-        of another model)."""
+        """llama.cpp's slot files (POST /slots/N?action=save|restore|erase, engine/slot_files.py):
+        slot `slot`'s kept KV and tokens written to the file at `path`, read back from it, or
+        forgotten -> the action's llama.cpp answer. Raises slot_files.SlotFileError for what a
+        client must mend (a busy slot, a file of another model)."""
         return slot_files.run(self, action, slot, path)
 
     def between_windows(self, fn):
-        """fn() run on the engine thread between windows (slots and the KV cache hold still) -> its result."""
+        """fn() run on the engine thread between windows (slots and the KV cache hold still) -> its
+        result."""
         done: queue.Queue = queue.Queue()
         self._ensure_thread()
         self.inbox.put(("call", fn, done))      # type: ignore[arg-type]
@@ -202,10 +212,14 @@ class Engine(EngineCore):
 
     def stats(self) -> dict[str, Any]:
         busy = sum(not s.free for s in self.slots)
-        out = {**self.counters, **self.runner.stats(), "slots": self.config.parallel, "busy_slots": busy,
-               "queued": self.inbox.qsize() + len(self.admission.waiting), "prefix_cache": self.prefix.stats(),
-               "kv_used_positions": sum(s.n_past for s in self.slots if not s.free)}     # KV usage (/metrics)
-        out["windows"] += self.embeds.pieces             # the runner's windows and the embeddings' pieces
+        out = {**self.counters, **self.runner.stats(), "slots": self.config.parallel,
+               "busy_slots": busy,
+               "queued": self.inbox.qsize() + len(self.admission.waiting),
+               "prefix_cache": self.prefix.stats(),
+               # KV usage (/metrics)
+               "kv_used_positions": sum(s.n_past for s in self.slots if not s.free)}
+        # the runner's windows and the embeddings' pieces
+        out["windows"] += self.embeds.pieces
         if self.speculator is not None:
             out["spec"] = self.speculator.stats()
         return out
@@ -226,12 +240,13 @@ class Engine(EngineCore):
     def __exit__(self, *exc):
         self.close()
 
-    # ---- the engine thread ----------------------------------------------------------------------------
+    # ---- the engine thread -----------------------------------------------------------------------
 
     def _ensure_thread(self) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
+                self._thread = threading.Thread(target=self._loop, name="strata-engine",
+                                                daemon=True)
                 self._thread.start()
                 at_exit.engine_started(self)      # closed at interpreter exit if the caller did not
 
@@ -241,10 +256,12 @@ class Engine(EngineCore):
                 self.beat()
                 self.step()
                 if not self.stepped:
-                    self._wake.wait(timeout=0.02 if self.waiting_for_programs else 0.5)   # a build ends unannounced
+                    # a build ends unannounced
+                    self._wake.wait(timeout=0.02 if self.waiting_for_programs else 0.5)
                     self._wake.clear()
         except BaseException as e:
-            log.critical("the engine loop ended: %s: %s", type(e).__name__, first_line(e), exc_info=True)
+            log.critical("the engine loop ended: %s: %s", type(e).__name__, first_line(e),
+                         exc_info=True)
             self.loop_error = f"{type(e).__name__}: {first_line(e)}"
             if self.on_loop_death is not None:
                 self.on_loop_death(self.loop_error)

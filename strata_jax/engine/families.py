@@ -1,17 +1,20 @@
 """What the engine does differently for a model family: one place that says it.
 
-The hybrid families (qwen3next, qwen35moe) keep a fixed-size Gated DeltaNet state a slot (model/hybrid.py)
-that, unlike KV, cannot be cut back to an earlier token. So the engine runs them:
-- with prefix reuse only where a state exists (state_checkpoints.py: the slot's live state, or a checkpoint
-  kept in host RAM), no KV forks between slots and no conversation cache (KV without its state);
-- without packed windows (a packed window gives each prompt token a row of its own: a recurrence needs a row a slot);
-- speculative decoding keeps each verify window's state after every token and takes the one after the
-  accepted drafts (model/hybrid.py, KVCache.keep_steps; a hybrid draft model is refused: its own state could
-  not drop rejected drafts);
-and refuses, with a ConfigError that names the setting, what is not built for them yet: --kv-resident,
-several devices or processes. The MTP drafter runs as for glm4moe: its block is gated attention with KV of its
-own (KV layer spec.kv_layer(n_layers)), no recurrent state. The expert tiers run them as any MoE family (model/stages.py's attention stage is a
-DeltaNet layer's mixing for those layers).
+The hybrid families (qwen3next, qwen35moe) keep a fixed-size Gated DeltaNet state a slot
+(model/hybrid.py) that, unlike KV, cannot be cut back to an earlier token. So the engine runs them:
+- with prefix reuse only where a state exists (state_checkpoints.py: the slot's live state, or a
+  checkpoint kept in host RAM), no KV forks between slots and no conversation cache (KV without its
+  state);
+- without packed windows (a packed window gives each prompt token a row of its own: a recurrence
+  needs a row a slot);
+- speculative decoding keeps each verify window's state after every token and takes the one after
+  the accepted drafts (model/hybrid.py, KVCache.keep_steps; a hybrid draft model is refused: its own
+  state could not drop rejected drafts);
+and refuses, with a ConfigError that names the setting, what is not built for them yet:
+--kv-resident, several devices or processes. The MTP drafter runs as for glm4moe: its block is gated
+attention with KV of its own (KV layer spec.kv_layer(n_layers)), no recurrent state. The expert
+tiers run them as any MoE family (model/stages.py's attention stage is a DeltaNet layer's mixing for
+those layers).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ def is_hybrid(spec) -> bool:
 
 
 def family_config(cfg: EngineConfig, spec) -> EngineConfig:
-    """cfg as the engine runs spec's family: unchanged for the attention families; for a hybrid one, prefix
-    reuse off, and a ConfigError for a setting the family cannot run with yet."""
+    """cfg as the engine runs spec's family: unchanged for the attention families; for a hybrid one,
+    prefix reuse off, and a ConfigError for a setting the family cannot run with yet."""
     if not is_hybrid(spec):
         return cfg
     arch = spec.architecture
@@ -39,9 +42,10 @@ def family_config(cfg: EngineConfig, spec) -> EngineConfig:
                (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]
     for on, what in refused:
         if on:
-            raise ConfigError(f"{what}: not supported yet for {arch!r} (its Gated DeltaNet state cannot be cut "
-                              "back or split; issue 34)")
+            raise ConfigError(f"{what}: not supported yet for {arch!r} (its Gated DeltaNet state "
+                              "cannot be cut back or split; issue 34)")
     if cfg.conversation_cache_mib:
-        log.info("%s: --conversation-cache-mib is off (it keeps KV without the recurrent state it goes with); "
-                 "prefix reuse resumes from state checkpoints (--ctx-checkpoints)", arch)
+        log.info("%s: --conversation-cache-mib is off (it keeps KV without the recurrent state it "
+                 "goes with); prefix reuse resumes from state checkpoints "
+                 "(--ctx-checkpoints)", arch)
     return replace(cfg, conversation_cache_mib=0)

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import MAX_TEMPERATURE, sampling_problem  # noqa: F401  (MAX_TEMPERATURE: schemas.py reads it here)
+# (MAX_TEMPERATURE: schemas.py reads it here)
+from ..config import MAX_TEMPERATURE, sampling_problem  # noqa: F401
 
 
 class RequestError(ValueError):
@@ -19,23 +20,27 @@ class RequestError(ValueError):
 
 
 class ContextOverflowError(RequestError):
-    """Prompt plus max_tokens beyond a slot's context (the server answers 400 exceed_context_size_error)."""
+    """Prompt plus max_tokens beyond a slot's context (the server answers 400
+    exceed_context_size_error)."""
 
     def __init__(self, prompt_tokens: int, max_tokens: int, n_ctx: int):
         self.prompt_tokens, self.max_tokens, self.n_ctx = prompt_tokens, max_tokens, n_ctx
-        super().__init__(f"the request needs {prompt_tokens} prompt tokens + {max_tokens} to generate = "
-                         f"{prompt_tokens + max_tokens} tokens, but a slot holds {n_ctx} (--max-context)")
+        super().__init__(f"the request needs {prompt_tokens} prompt tokens + {max_tokens} to "
+                         f"generate = {prompt_tokens + max_tokens} tokens, but a slot holds "
+                         f"{n_ctx} (--max-context)")
 
 
-# Bounds a request's values must keep, so that no value can break the arrays it goes into (int32 top_k,
-# uint32 seeds) or make stop-string matching expensive. The server checks them before the engine sees a
-# request; Engine.submit checks them again for Python callers.
+# Bounds a request's values must keep, so that no value can break the arrays it goes into (int32
+# top_k, uint32 seeds) or make stop-string matching expensive. The server checks them before the
+# engine sees a request; Engine.submit checks them again for Python callers.
 MAX_STOPS = 16                  # stop strings a request (OpenAI allows 4; llama.cpp any)
 MAX_STOP_CHARS = 512            # characters of one stop string
-GREEDY_BELOW = 1e-5             # a temperature below this is greedy (dividing logits by it overflows float32)
+# a temperature below this is greedy (dividing logits by it overflows float32)
+GREEDY_BELOW = 1e-5
 MAX_LOGIT_BIAS = 1024           # logit_bias entries a request
 MAX_LOGPROBS = 20               # top_logprobs / completions' logprobs (OpenAI's limit)
-MAX_GRAMMAR_CHARS = 1 << 17     # a JSON schema's or grammar's text (compiling is bounded by llguidance's limits too)
+# a JSON schema's or grammar's text (compiling is bounded by llguidance's limits too)
+MAX_GRAMMAR_CHARS = 1 << 17
 MAX_CACHE_SALT_CHARS = 256      # a request's cache_salt (prefix_cache.py)
 
 
@@ -51,20 +56,27 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias -100..100): OpenAI's meaning
     presence_penalty: float = 0.0      # -2..2, subtracted once from each token generated so far
-    frequency_penalty: float = 0.0     # -2..2, subtracted per occurrence among the tokens generated so far
+    # -2..2, subtracted per occurrence among the tokens generated so far
+    frequency_penalty: float = 0.0
     repeat_penalty: float = 1.0        # llama.cpp's: 1 is off
-    repeat_last_n: int = 64            # llama.cpp's: the tokens of prompt + output it looks at (-1: all, 0: off)
-    logprobs: int | None = None        # None: no logprobs; N: the chosen token's and the top N alternatives'
-    grammar: tuple[str, ...] | None = None   # structured output: (kind, text, request field): engine/grammar/constrain.py
+    # llama.cpp's: the tokens of prompt + output it looks at (-1: all, 0: off)
+    repeat_last_n: int = 64
+    # None: no logprobs; N: the chosen token's and the top N alternatives'
+    logprobs: int | None = None
+    # structured output: (kind, text, request field): engine/grammar/constrain.py
+    grammar: tuple[str, ...] | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """RequestError naming the field and the value, for anything the engine cannot hold or use."""
+        """RequestError naming the field and the value, for anything the engine cannot hold or
+        use."""
         def need(cond, name, what):
             if not cond:
                 raise RequestError(f"{name} = {_shown(getattr(self, name))}: {what}")
 
-        need(_whole(self.max_tokens) and 1 <= self.max_tokens < 2**31, "max_tokens", "must be a whole number >= 1")
-        for name in ("temperature", "top_k", "top_p", "min_p"):     # the rule server defaults meet too (config.py)
+        need(_whole(self.max_tokens) and 1 <= self.max_tokens < 2**31, "max_tokens",
+             "must be a whole number >= 1")
+        # the rule server defaults meet too (config.py)
+        for name in ("temperature", "top_k", "top_p", "min_p"):
             what = sampling_problem(name, getattr(self, name), vocab_size)
             need(what is None, name, what)
         need(self.seed is None or (_whole(self.seed) and 0 <= self.seed < 2**32), "seed",
@@ -77,19 +89,22 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n"):
             what = sampling_problem(name, getattr(self, name), vocab_size)
             need(what is None, name, what)
-        need(self.logprobs is None or (_whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+        need(self.logprobs is None or (_whole(self.logprobs)
+                                       and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"must be a whole number from 0 to {MAX_LOGPROBS} (the alternatives shown a token)")
-        need(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
-             f"must hold at most {MAX_LOGIT_BIAS} tokens")
+        need(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             "logit_bias", f"must hold at most {MAX_LOGIT_BIAS} tokens")
         vocab = vocab_size or 2**31
         for tok, bias in self.logit_bias:
             if not (_whole(tok) and 0 <= tok < vocab):
-                raise RequestError(f"logit_bias = {_shown(dict(self.logit_bias))}: token id {_shown(tok)} is outside "
-                                   f"the vocabulary (0..{vocab - 1})")
-            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+                raise RequestError(f"logit_bias = {_shown(dict(self.logit_bias))}: token id "
+                                   f"{_shown(tok)} is outside the vocabulary (0..{vocab - 1})")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool)
+                    and math.isfinite(bias)
                     and -100 <= bias <= 100):
-                raise RequestError(f"logit_bias = {_shown(dict(self.logit_bias))}: the bias of token {tok} is "
-                                   f"{_shown(bias)}; a bias is a number from -100 to 100")
+                raise RequestError(f"logit_bias = {_shown(dict(self.logit_bias))}: the bias of "
+                                   f"token {tok} is {_shown(bias)}; a bias is a number from -100 "
+                                   "to 100")
 
     @property
     def sampled_temperature(self) -> float:
@@ -98,32 +113,37 @@ class SamplingParams:
 
 
 def make_params(max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                min_p: float = 0.0, seed: int | None = None, stop: Any = None, ignore_eos: bool = False,
-                logit_bias: Any = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
+                min_p: float = 0.0, seed: int | None = None, stop: Any = None,
+                ignore_eos: bool = False, logit_bias: Any = None, presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                repeat_last_n: int = 64, logprobs: int | None = None,
                 grammar: Any = None) -> SamplingParams:
-    """SamplingParams from Engine.submit's keywords (stop: a string or a list; logit_bias: {token id: bias};
-    grammar: (kind, text[, request field]), constrain.py), not yet validated."""
+    """SamplingParams from Engine.submit's keywords (stop: a string or a list; logit_bias: {token
+    id: bias}; grammar: (kind, text[, request field]), constrain.py), not yet validated."""
     stop = [stop] if isinstance(stop, str) else stop
-    return SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()), ignore_eos,
-                          logit_bias_pairs(logit_bias), presence_penalty, frequency_penalty, repeat_penalty,
-                          repeat_last_n, logprobs, tuple(grammar) if isinstance(grammar, list) else grammar)
+    return SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()),
+                          ignore_eos,
+                          logit_bias_pairs(logit_bias), presence_penalty, frequency_penalty,
+                          repeat_penalty,
+                          repeat_last_n, logprobs,
+                          tuple(grammar) if isinstance(grammar, list) else grammar)
 
 
 def logit_bias_pairs(bias: Any) -> tuple:
-    """A logit_bias mapping ({token id: bias}; JSON's keys are strings of digits) -> sorted (id, bias) pairs;
-    RequestError naming the key that is not a token id."""
+    """A logit_bias mapping ({token id: bias}; JSON's keys are strings of digits) -> sorted (id,
+    bias) pairs; RequestError naming the key that is not a token id."""
     if not bias:
         return ()
     if not isinstance(bias, dict):
-        raise RequestError(f"logit_bias = {_shown(bias)}: must map token ids to biases, e.g. {{\"50256\": -100}}")
+        raise RequestError(f"logit_bias = {_shown(bias)}: must map token ids to biases, e.g. "
+                           "{\"50256\": -100}")
     pairs = []
     for key, value in bias.items():
         if isinstance(key, str) and key.strip().isdigit() and len(key) <= 10:
             key = int(key)
         if not _whole(key):
-            raise RequestError(f"logit_bias = {_shown(bias)}: the key {_shown(key)} is not a token id (a whole "
-                               "number, as a string in JSON)")
+            raise RequestError(f"logit_bias = {_shown(bias)}: the key {_shown(key)} is not a token "
+                               "id (a whole number, as a string in JSON)")
         pairs.append((key, value))
     return tuple(sorted(pairs, key=lambda kv: kv[0]))
 
@@ -131,7 +151,8 @@ def logit_bias_pairs(bias: Any) -> tuple:
 def check_cache_salt(salt: Any) -> None:
     """RequestError unless salt is None or a string of 1 to MAX_CACHE_SALT_CHARS characters."""
     if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
-        raise RequestError(f"cache_salt = {_shown(salt)}: must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+        raise RequestError(f"cache_salt = {_shown(salt)}: must be a string of 1 to "
+                           f"{MAX_CACHE_SALT_CHARS} characters")
 
 
 def _whole(v: Any) -> bool:
@@ -146,21 +167,27 @@ def _shown(v: Any) -> str:
 
 @dataclass
 class Event:
-    """What a handle yields: "token" events (text may be empty while a character or a possible stop string
-    is incomplete), then one "final" (with stats) or one "error"; before them, for a request that asks,
-    "progress" events (stats: llama.cpp's prompt_progress) as its prompt is read."""
+    """What a handle yields: "token" events (text may be empty while a character or a possible stop
+    string is incomplete), then one "final" (with stats) or one "error"; before them, for a request
+    that asks, "progress" events (stats: llama.cpp's prompt_progress) as its prompt is read."""
     kind: str                         # "token" | "final" | "error" | "progress" (Request.progress)
     text: str = ""
     token: int | None = None
     stats: dict[str, Any] | None = None
     finish_reason: str | None = None  # final: "stop" | "length" | "cancelled"
     error: str | None = None
-    logprob: float | None = None      # token events of a request with logprobs: the token's (raw model) logprob
-    top_logprobs: list[tuple[int, float]] | None = None   # and its top alternatives (token id, logprob)
-    request: int | None = None        # the id of the request it belongs to (set by the engine: Engine.step())
-    # The server's side of the same event (serve/supervisor/supervisor.py: _on_frame), made by the worker off the engine thread:
-    logprobs: list | None = None      # [token bytes, logprob, [[bytes, logprob], ...]] (serve/http/logprobs.py)
-    logprob_ids: list | None = None   # [token id, [alternatives' ids]] (llama.cpp's n_probs: serve/llama/native.py)
+    # token events of a request with logprobs: the token's (raw model) logprob and its top
+    # alternatives (token id, logprob)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    # the id of the request it belongs to (set by the engine: Engine.step())
+    request: int | None = None
+    # The server's side of the same event (serve/supervisor/supervisor.py: _on_frame), made by the
+    # worker off the engine thread:
+    # [token bytes, logprob, [[bytes, logprob], ...]] (serve/http/logprobs.py)
+    logprobs: list | None = None
+    # [token id, [alternatives' ids]] (llama.cpp's n_probs: serve/llama/native.py)
+    logprob_ids: list | None = None
 
 
 _ids = itertools.count(1)
@@ -173,9 +200,12 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     arrived: float = field(default_factory=time.monotonic)
     deadline: float = 0.0
-    progress: bool = False             # a "progress" event as each prompt chunk is read (llama.cpp's return_progress)
-    cache_salt: str | None = None      # vLLM's: only requests of the same salt share prefix-cache KV (prefix_cache.py)
-    checkpoint_at: int | None = None   # a hybrid family: a prompt position to keep the state at (state_checkpoints.py)
+    # a "progress" event as each prompt chunk is read (llama.cpp's return_progress)
+    progress: bool = False
+    # vLLM's: only requests of the same salt share prefix-cache KV (prefix_cache.py)
+    cache_salt: str | None = None
+    # a hybrid family: a prompt position to keep the state at (state_checkpoints.py)
+    checkpoint_at: int | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # filled in by the engine
@@ -183,8 +213,10 @@ class Request:
     reused: int = 0
     draft_n: int = 0                   # speculative decoding: draft tokens verified for it
     draft_n_accepted: int = 0          # and accepted
-    experts: Any = None                # ExpertCounters of the windows it took part in (expert tiers)
-    constraint: Any = None             # its grammar's matcher (constrain.Constraint), made at submit
+    # ExpertCounters of the windows it took part in (expert tiers)
+    experts: Any = None
+    # its grammar's matcher (constrain.Constraint), made at submit
+    constraint: Any = None
     t_start: float = 0.0               # got a slot
     t_first: float = 0.0               # prompt read, first token out
     t_end: float = 0.0
@@ -209,12 +241,14 @@ class Handle:
 
     def __iter__(self) -> Iterator[Event]:
         while not self.done:
-            timeout = max(0.1, self.request.deadline - time.monotonic() + 5.0) if self.request.deadline else None
+            timeout = (max(0.1, self.request.deadline - time.monotonic() + 5.0)
+                       if self.request.deadline else None)
             try:
                 ev = self.request.events.get(timeout=timeout)
             except queue.Empty:
                 self.done = True
-                yield Event("error", error="the engine did not answer before the request's deadline")
+                yield Event("error",
+                            error="the engine did not answer before the request's deadline")
                 return
             if ev.kind in ("final", "error"):
                 self.done = True

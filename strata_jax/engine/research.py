@@ -1,6 +1,6 @@
-"""All-token logits for research and checks (Engine.logits, Engine.logits_reusing), run on the engine
-thread between windows: one on a scratch copy of the KV cache, so the slots' KV is untouched; one on a free
-slot through the prefix cache, as a request would read its prompt."""
+"""All-token logits for research and checks (Engine.logits, Engine.logits_reusing), run on the
+engine thread between windows: one on a scratch copy of the KV cache, so the slots' KV is untouched;
+one on a free slot through the prefix cache, as a request would read its prompt."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def logits_on_scratch(core, ids: list[int]) -> np.ndarray:
 
 
 def logits_reusing(core, ids: list[int]) -> tuple[int, np.ndarray]:
-    """(tokens reused, float32 [T - reused, vocab]) for the tokens a request with prompt `ids` would read, on
-    the slot the prefix cache picks, cut at the scheduler's chunk boundaries. The slot keeps the KV."""
+    """(tokens reused, float32 [T - reused, vocab]) for the tokens a request with prompt `ids` would
+    read, on the slot the prefix cache picks, cut at the scheduler's chunk boundaries. The slot
+    keeps the KV."""
     free = [s for s in core.slots if s.free]
     if not free:
         raise RuntimeError("logits_reusing needs a free slot; every slot is busy")
@@ -38,14 +39,16 @@ def logits_reusing(core, ids: list[int]) -> tuple[int, np.ndarray]:
         while slot.n_past < len(ids):
             start = slot.n_past
             part = min(chunk - start % chunk, len(ids) - start)     # the scheduler's boundaries
-            out.append(_read(core.runner, ids, start, part, min(bucket(part, 16), chunk), slot=slot.index))
+            out.append(_read(core.runner, ids, start, part, min(bucket(part, 16), chunk),
+                             slot=slot.index))
             slot.advance(part)
     except Exception:
         slot.forget()
         if core.runner.cache_lost():
             core.lose_cache(RuntimeError("logits_reusing failed"))
         raise
-    slot.release()                  # free, keeping the KV it read (the prefix cache's, as a request's)
+    # free, keeping the KV it read (the prefix cache's, as a request's)
+    slot.release()
     return n, np.concatenate(out, axis=0)
 
 

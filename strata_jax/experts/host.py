@@ -1,10 +1,11 @@
-"""The host tier and the file tier: where an expert's GGUF blocks come from when the device needs them.
+"""The host tier and the file tier: where an expert's GGUF blocks come from when the device needs
+them.
 
-Host tier: experts copied into host RAM (numpy) up to `--resident-budget-gib` (default: all of them),
-layer by layer. File tier: the rest, read from the GGUF memory map in place when needed, by a pool of
-`--pool-workers` reader threads (a read is a page-in of a few MiB: the threads overlap the disk's latency).
-Experts stay in their GGUF quant blocks in both tiers. Layers may differ in quant types (a Q4_K_M file
-gives some layers' ffn_down_exps Q6_K), so an expert's size is per layer.
+Host tier: experts copied into host RAM (numpy) up to `--resident-budget-gib` (default: all of
+them), layer by layer. File tier: the rest, read from the GGUF memory map in place when needed, by a
+pool of `--pool-workers` reader threads (a read is a page-in of a few MiB: the threads overlap the
+disk's latency). Experts stay in their GGUF quant blocks in both tiers. Layers may differ in quant
+types (a Q4_K_M file gives some layers' ffn_down_exps Q6_K), so an expert's size is per layer.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ _GGUF_NAMES = {"exp_gate": "ffn_gate_exps", "exp_up": "ffn_up_exps", "exp_down":
 
 
 def expert_tensors(model, layer: int) -> dict:
-    """A MoE layer's three expert tensors: name -> GGUF TensorInfo ([E, rows, row_bytes] blocks, its qtype)."""
+    """A MoE layer's three expert tensors: name -> GGUF TensorInfo ([E, rows, row_bytes] blocks, its
+    qtype)."""
     return {n: model.tensors[f"blk.{layer}.{_GGUF_NAMES[n]}.weight"] for n in EXPERT_TENSORS}
 
 
 def aligned_copy(a: np.ndarray) -> np.ndarray:
-    """A copy of `a` starting on a 64-byte boundary: on a CPU jax.device_put then uses it in place (XLA's
-    alignment), so copying an expert into the device cache is one copy, not two."""
+    """A copy of `a` starting on a 64-byte boundary: on a CPU jax.device_put then uses it in place
+    (XLA's alignment), so copying an expert into the device cache is one copy, not two."""
     buf = np.empty(a.nbytes + 64, np.uint8)
     off = -buf.ctypes.data % 64
     out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
@@ -38,19 +40,22 @@ class HostTier:
     def __init__(self, model, layers: list[int], budget_bytes: int | None, workers: int,
                  in_ram: dict[int, dict[str, np.ndarray]] | None = None):
         """in_ram: every expert already in RAM ([E, n, row_bytes] a tensor: the packed host experts,
-        engine/execute/placement.py): the tier hands out views of them instead of copying the file's blocks."""
+        engine/execute/placement.py): the tier hands out views of them instead of copying the file's
+        blocks."""
         self.layers = layers
         self.tensors = {i: expert_tensors(model, i) for i in layers}
         self.n_experts = self.tensors[layers[0]]["exp_gate"].shape[0]
-        for i, ts in self.tensors.items():        # quant types and widths may differ by layer; the count may not
+        # quant types and widths may differ by layer; the count may not
+        for i, ts in self.tensors.items():
             for n, t in ts.items():
                 if t.shape[0] != self.n_experts:
-                    raise ValueError(f"blk.{i}.{_GGUF_NAMES[n]}.weight holds {t.shape[0]} experts, but layer "
-                                     f"{layers[0]}'s hold {self.n_experts}: the expert tiers need the same number of "
-                                     "experts in every MoE layer")
+                    raise ValueError(f"blk.{i}.{_GGUF_NAMES[n]}.weight holds {t.shape[0]} experts, "
+                                     f"but layer {layers[0]}'s hold {self.n_experts}: the expert "
+                                     "tiers need the same number of experts in every MoE layer")
         self.qtypes = {i: {n: t.qtype for n, t in ts.items()} for i, ts in self.tensors.items()}
         # layer -> bytes of one expert (its gate, up and down blocks)
-        self.expert_bytes = {i: sum(int(t.data[0].nbytes) for t in ts.values()) for i, ts in self.tensors.items()}
+        self.expert_bytes = {i: sum(int(t.data[0].nbytes) for t in ts.values())
+                             for i, ts in self.tensors.items()}
         self.total_bytes = sum(self.expert_bytes.values()) * self.n_experts
         self.resident: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         budget = self.total_bytes if budget_bytes is None else budget_bytes
@@ -59,20 +64,26 @@ class HostTier:
             for e in range(self.n_experts):
                 if self.resident_bytes + self.expert_bytes[i] > budget:
                     break
-                self.resident[(i, e)] = ({n: a[e] for n, a in in_ram[i].items()} if in_ram is not None else
-                                         {n: aligned_copy(t.data[e]) for n, t in self.tensors[i].items()})
+                self.resident[(i, e)] = ({n: a[e] for n, a in in_ram[i].items()}
+                                         if in_ram is not None else
+                                         {n: aligned_copy(t.data[e])
+                                          for n, t in self.tensors[i].items()})
                 self.resident_bytes += self.expert_bytes[i]
         self.file_reads = 0
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="strata-expert-read")
+        self._pool = ThreadPoolExecutor(max_workers=workers,
+                                        thread_name_prefix="strata-expert-read")
 
     def tier_of(self, layer: int, expert: int) -> str:
         return "host" if (layer, expert) in self.resident else "file"
 
     def get(self, layer: int, experts: list[int]) -> list[dict[str, np.ndarray]]:
-        """The blocks of `experts` of `layer`: from RAM, or read from the file by the pool's threads."""
-        futures = {e: self._pool.submit(self._read, layer, e) for e in experts if (layer, e) not in self.resident}
-        return [self.resident[(layer, e)] if e not in futures else futures[e].result() for e in experts]
+        """The blocks of `experts` of `layer`: from RAM, or read from the file by the pool's
+        threads."""
+        futures = {e: self._pool.submit(self._read, layer, e) for e in experts
+                   if (layer, e) not in self.resident}
+        return [self.resident[(layer, e)] if e not in futures else futures[e].result()
+                for e in experts]
 
     def _read(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         out = {n: aligned_copy(t.data[expert]) for n, t in self.tensors[layer].items()}

@@ -3,11 +3,11 @@
 Two policies, one interface (per MoE layer; `now` is a clock that ticks once a lookup):
 
 - "lru": plain least recently used.
-- "freq" (the default): a frequency-aware LRU. Each expert keeps a use count that decays by half every
-  `half_life` ticks (LFU with aging), remembered even while the expert is not on the device; the victim
-  is the resident expert with the lowest decayed count, the least recently used among equals. An expert
-  that many tokens route to survives a burst of one-off experts, which plain LRU lets flush it, and the
-  aging lets yesterday's favourites go when routing shifts.
+- "freq" (the default): a frequency-aware LRU. Each expert keeps a use count that decays by half
+  every `half_life` ticks (LFU with aging), remembered even while the expert is not on the device;
+  the victim is the resident expert with the lowest decayed count, the least recently used among
+  equals. An expert that many tokens route to survives a burst of one-off experts, which plain LRU
+  lets flush it, and the aging lets yesterday's favourites go when routing shifts.
 """
 
 from __future__ import annotations

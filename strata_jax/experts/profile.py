@@ -1,16 +1,17 @@
-"""Expert hotness: how often live traffic routed to each (MoE layer, expert), saved to a file on request
-and read back at start (`--expert-profile FILE`) to preload and pin the hottest experts in the device arena.
+"""Expert hotness: how often live traffic routed to each (MoE layer, expert), saved to a file on
+request and read back at start (`--expert-profile FILE`) to preload and pin the hottest experts in
+the device arena.
 
-The file is JSON (small: layers x experts counts), written by `Engine.save_expert_profile(path)` or the
-server's `POST /expert-profile {"name": NAME}` (NAME.json in the server's --expert-profile-dir):
+The file is JSON (small: layers x experts counts), written by `Engine.save_expert_profile(path)` or
+the server's `POST /expert-profile {"name": NAME}` (NAME.json in the server's --expert-profile-dir):
 
     {"format": "strata-jax expert profile", "version": 1, "model": "<general.name>",
      "architecture": "qwen3moe", "n_layers": 48, "n_experts": 128, "n_experts_used": 8,
      "routed": 123456, "counts": {"0": [c_0, ..., c_127], "1": [...], ...}}
 
-`counts[layer][e]` is the number of token-to-expert assignments (real tokens only, prompt and decode) that
-layer routed to expert e since the engine started. A file made on another model (other expert count or
-MoE layers) is refused with an error that names the file and what differs.
+`counts[layer][e]` is the number of token-to-expert assignments (real tokens only, prompt and
+decode) that layer routed to expert e since the engine started. A file made on another model (other
+expert count or MoE layers) is refused with an error that names the file and what differs.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import numpy as np
 
 FORMAT = "strata-jax expert profile"
 VERSION = 1
-# Of a layer's device slots, pin at most this fraction to the profile's hottest experts: the rest stay
-# free for the experts the live traffic needs beyond the profile (at least one slot always stays free).
+# Of a layer's device slots, pin at most this fraction to the profile's hottest experts: the rest
+# stay free for the experts the live traffic needs beyond the profile (at least one slot always
+# stays free).
 PIN_FRACTION = 0.75
 
 
@@ -39,12 +41,14 @@ class ExpertProfile:
     def __init__(self, spec, layers: list[int] | None = None):
         self.spec = spec
         self.layers = list(layers if layers is not None else spec.moe_layers)
-        self.counts = np.zeros((len(self.layers), spec.n_experts), np.int64)      # [MoE layers, experts]
+        # [MoE layers, experts]
+        self.counts = np.zeros((len(self.layers), spec.n_experts), np.int64)
         self._row = {layer: r for r, layer in enumerate(self.layers)}
 
     def add(self, layer: int, ids: np.ndarray) -> None:
         """Count the expert ids (any shape, real tokens only) that `layer` routed to."""
-        self.counts[self._row[layer]] += np.bincount(np.asarray(ids).reshape(-1), minlength=self.spec.n_experts)
+        self.counts[self._row[layer]] += np.bincount(np.asarray(ids).reshape(-1),
+                                                     minlength=self.spec.n_experts)
 
     def add_moe(self, counts: np.ndarray) -> None:
         """counts [MoE layers, E], in self.layers' order (the one-program expert-tier window)."""
@@ -62,10 +66,11 @@ class ExpertProfile:
 
     def to_json(self) -> dict:
         s = self.spec
-        return {"format": FORMAT, "version": VERSION, "model": s.name, "architecture": s.architecture,
-                "n_layers": s.n_layers, "n_experts": s.n_experts, "n_experts_used": s.n_experts_used,
-                "routed": int(self.counts.sum()),
-                "counts": {str(layer): [int(x) for x in self.counts[r]] for r, layer in enumerate(self.layers)}}
+        return {"format": FORMAT, "version": VERSION, "model": s.name,
+                "architecture": s.architecture, "n_layers": s.n_layers, "n_experts": s.n_experts,
+                "n_experts_used": s.n_experts_used, "routed": int(self.counts.sum()),
+                "counts": {str(layer): [int(x) for x in self.counts[r]]
+                           for r, layer in enumerate(self.layers)}}
 
     def copy(self) -> ExpertProfile:
         """A snapshot of the counts, for another thread to write while the engine counts on."""
@@ -74,9 +79,10 @@ class ExpertProfile:
         return out
 
     def save(self, path: str | os.PathLike, private_dir: bool = False) -> Path:
-        """Write the profile atomically (a reader never sees half a file) and privately: through a temporary
-        file made in the same directory with mode 0o600, then renamed over `path`. private_dir: create the
-        directory (0o700) if it is missing, as the server does for its --expert-profile-dir. -> the path."""
+        """Write the profile atomically (a reader never sees half a file) and privately: through a
+        temporary file made in the same directory with mode 0o600, then renamed over `path`.
+        private_dir: create the directory (0o700) if it is missing, as the server does for its
+        --expert-profile-dir. -> the path."""
         path = Path(path)
         if private_dir:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -95,7 +101,8 @@ class ExpertProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike, spec, layers: list[int] | None = None) -> ExpertProfile:
-        """Read a profile made on this model's shape; any problem is an ExpertProfileError naming the file."""
+        """Read a profile made on this model's shape; any problem is an ExpertProfileError naming
+        the file."""
         prof = cls(spec, layers)
 
         def bad(what: str) -> ExpertProfileError:
@@ -112,14 +119,15 @@ class ExpertProfile:
         if data.get("version") != VERSION:
             raise bad(f"has version {data.get('version')!r}; this engine reads version {VERSION}")
         if data.get("n_experts") != spec.n_experts:
-            raise bad(f"was made on a model with {data.get('n_experts')} experts a layer; this model "
-                      f"({spec.architecture}, {spec.name or 'unnamed'}) has {spec.n_experts}")
+            raise bad(f"was made on a model with {data.get('n_experts')} experts a layer; this "
+                      f"model ({spec.architecture}, {spec.name or 'unnamed'}) has {spec.n_experts}")
         counts = data.get("counts")
         if not isinstance(counts, dict):
             raise bad("has no \"counts\" map of layer -> expert counts")
         want = {str(layer) for layer in prof.layers}
         if set(counts) != want:
-            raise bad(f"counts MoE layers {_span(counts)}; this model's MoE layers are {_span(want)}")
+            raise bad(f"counts MoE layers {_span(counts)}; this model's MoE layers are "
+                      f"{_span(want)}")
         for r, layer in enumerate(prof.layers):
             row = counts[str(layer)]
             if (not isinstance(row, list) or len(row) != spec.n_experts

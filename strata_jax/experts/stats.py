@@ -9,7 +9,8 @@ GiB = 1 << 30
 
 @dataclass
 class ExpertCounters:
-    lookups: int = 0           # (layer, expert) pairs a window needed (each once a window and layer)
+    # (layer, expert) pairs a window needed (each once a window and layer)
+    lookups: int = 0
     hits: int = 0              # ... found in the device arena
     misses_host: int = 0       # ... copied to the device from host RAM
     misses_file: int = 0       # ... read from the GGUF file first
@@ -19,14 +20,20 @@ class ExpertCounters:
     routed: int = 0            # token-to-expert assignments (tokens x top-k)
     bytes_moved: int = 0       # bytes copied into the arena
     evictions: int = 0
-    passes: int = 0            # extra passes: a layer that needed more experts than the arena has slots
+    # extra passes: a layer that needed more experts than the arena has slots
+    passes: int = 0
     prefetched: int = 0        # experts copied in ahead of their layer by prefetch (not in lookups)
-    prefetch_hits: int = 0     # lookups that found an expert prefetch had brought (counted in hits too)
-    host_computed: int = 0     # lookups computed from the host tier's blocks (--host-experts), not copied in
-    host_layers: int = 0       # (window, layer) pairs whose experts were computed there
+    # lookups that found an expert prefetch had brought (counted in hits too)
+    prefetch_hits: int = 0
+    # lookups computed from the host tier's blocks (--host-experts), not copied in (window, layer)
+    # pairs whose experts were computed there
+    host_computed: int = 0
+    host_layers: int = 0
     one_program: int = 0       # windows run as one program (--layer-step auto), not layer by layer
-    redone: int = 0            # ... tried as one program, met an expert not in the arena, run again stepped
-    streamed: int = 0          # lookups read by the device from host memory over the link (--pcie-frac), not copied in
+    # ... tried as one program, met an expert not in the arena, run again stepped
+    redone: int = 0
+    # lookups read by the device from host memory over the link (--pcie-frac), not copied in
+    streamed: int = 0
     bytes_streamed: int = 0
 
     def add(self, other: ExpertCounters) -> None:
@@ -37,15 +44,16 @@ class ExpertCounters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def hit_line(self) -> str:
-        """Strata's line: `decode expert cache hit rate: 57.9% (271 hits / 468 lookups); 12 more read from
-        host (2.5% of all 480 routed)`. Here the misses are what came from the host and file tiers."""
+        """Strata's line: `decode expert cache hit rate: 57.9% (271 hits / 468 lookups); 12 more
+        read from host (2.5% of all 480 routed)`. Here the misses are what came from the host and
+        file tiers."""
         n, h = self.decode_lookups, self.decode_hits
         rate = 100.0 * h / n if n else 0.0
         miss = self.decode_misses
-        return (f"decode expert cache hit rate: {rate:.1f}% ({h} hits / {n} lookups); {miss} more read from "
-                f"host ({100.0 * miss / n if n else 0.0:.1f}% of all {n} routed)")
+        return (f"decode expert cache hit rate: {rate:.1f}% ({h} hits / {n} lookups); {miss} more "
+                f"read from host ({100.0 * miss / n if n else 0.0:.1f}% of all {n} routed)")
 
 
 def resident_line(resident_bytes: int, exchanged: int, file_reads: int) -> str:
-    return (f"resident RAM: {resident_bytes / GiB:.2f} GiB of experts in RAM, {exchanged} exchanged with the "
-            f"device tier, {file_reads} blob reads from the file")
+    return (f"resident RAM: {resident_bytes / GiB:.2f} GiB of experts in RAM, {exchanged} "
+            f"exchanged with the device tier, {file_reads} blob reads from the file")

@@ -41,7 +41,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # The tokenizer module is imported on first use: it pulls in `tokenizers`, which reading weights never needs.
+    # The tokenizer module is imported on first use: it pulls in `tokenizers`, which reading weights
+    # never needs.
     if name == "load_tokenizer":
         from .tokenizer import load_tokenizer
 

@@ -1,16 +1,17 @@
 """Chat templates: the model's Jinja template (`tokenizer.chat_template`) turned into prompt text.
 
-Rendered the way Hugging Face transformers renders them, since that is what the templates are written
-for: jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, the loop-controls
-extension (`{% break %}`, `{% continue %}`), and the helpers templates call: `raise_exception(msg)`,
-`strftime_now(fmt)`, and a `tojson` filter that keeps non-ASCII text and takes `indent`, `separators`
-and `sort_keys`. The variables are `messages`, `add_generation_prompt`, `tools`, `documents`, the special
-token strings (`bos_token`, `eos_token`, ...) and whatever else the caller passes (`enable_thinking`, ...).
+Rendered the way Hugging Face transformers renders them, since that is what the templates are
+written for: jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, the
+loop-controls extension (`{% break %}`, `{% continue %}`), and the helpers templates call:
+`raise_exception(msg)`, `strftime_now(fmt)`, and a `tojson` filter that keeps non-ASCII text and
+takes `indent`, `separators` and `sort_keys`. The variables are `messages`, `add_generation_prompt`,
+`tools`, `documents`, the special token strings (`bos_token`, `eos_token`, ...) and whatever else
+the caller passes (`enable_thinking`, ...).
 
-A template is a program, and the model file's template (or, with --trust-request-chat-template, a request's)
-may be hostile or broken: the sandbox keeps it from Python's internals, and the bounds keep one render
-from taking the process's memory or time. Templates are compiled and rendered in `template_sandbox.py`, under
-the bounds of `template_bounds.py`.
+A template is a program, and the model file's template (or, with --trust-request-chat-template, a
+request's) may be hostile or broken: the sandbox keeps it from Python's internals, and the bounds
+keep one render from taking the process's memory or time. Templates are compiled and rendered in
+`template_sandbox.py`, under the bounds of `template_bounds.py`.
 """
 
 from __future__ import annotations
@@ -26,18 +27,21 @@ from strata_jax.gguf.template_sandbox import compile_template, render_bounded
 
 ROLES = ("system", "user", "assistant", "tool")
 
-# The names this module, its sandbox and Tokenizer.apply_chat_template fill in: the template itself, its inputs,
-# the special tokens and the helpers. A request's chat_template_kwargs that named one would replace the template
-# or what it is given, not set one of its variables, so the server refuses them unless it was started with
-# --trust-request-chat-template (vLLM's flag, made for GHSA-6fvq-23cw-5628: a template is code the server runs).
+# The names this module, its sandbox and Tokenizer.apply_chat_template fill in: the template itself,
+# its inputs, the special tokens and the helpers. A request's chat_template_kwargs that named one
+# would replace the template or what it is given, not set one of its variables, so the server
+# refuses them unless it was started with --trust-request-chat-template (vLLM's flag, made for
+# GHSA-6fvq-23cw-5628: a template is code the server runs).
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "chat_template", "messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
-    "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception", "strftime_now",
+    "chat_template", "messages", "add_generation_prompt", "continue_final_message", "tools",
+    "documents", "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception",
+    "strftime_now",
 })
 
 
 def reserved_kwargs(kwargs: Mapping[str, Any]) -> list[str]:
-    """The keys of `kwargs` (a request's chat_template_kwargs) that are RESERVED_TEMPLATE_KWARGS, sorted."""
+    """The keys of `kwargs` (a request's chat_template_kwargs) that are RESERVED_TEMPLATE_KWARGS,
+    sorted."""
     return sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS)
 
 
@@ -47,41 +51,47 @@ class NoChatTemplateError(ValueError):
     def __init__(self, message: str | None = None):
         super().__init__(
             message
-            or "this model has no chat template (tokenizer.chat_template is not in its GGUF), so it cannot format "
-            "chat messages: send plain text to a completions endpoint (/v1/completions, Engine.generate(\"text\")), "
-            "or pass a Jinja chat template (chat_template=... / --chat-template-file)"
+            or "this model has no chat template (tokenizer.chat_template is not in its GGUF), so "
+            "it cannot format chat messages: send plain text to a completions endpoint "
+            "(/v1/completions, Engine.generate(\"text\")), or pass a Jinja chat template "
+            "(chat_template=... / --chat-template-file)"
         )
 
 
 class ChatMessageError(ValueError):
-    """The messages of a chat request are not well formed: says which message and field, and what it holds."""
+    """The messages of a chat request are not well formed: says which message and field, and what it
+    holds."""
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check a chat's messages and return them as plain dicts, ready for a template.
 
-    Each message is a mapping with `role` in system/user/assistant/tool and `content` a string or a list
-    of text parts (`{"type": "text", "text": "..."}`), which are joined with newlines, as llama.cpp does for
-    templates. An assistant message may leave content out (or null) when it has `tool_calls`. Keys whose
-    value is None are dropped, as transformers does, so templates see them as undefined; reasoning text
-    (`reasoning_content`, `thinking` or `reasoning`) is offered as both `reasoning_content` and `thinking`.
+    Each message is a mapping with `role` in system/user/assistant/tool and `content` a string or a
+    list of text parts (`{"type": "text", "text": "..."}`), which are joined with newlines, as
+    llama.cpp does for templates. An assistant message may leave content out (or null) when it has
+    `tool_calls`. Keys whose value is None are dropped, as transformers does, so templates see them
+    as undefined; reasoning text (`reasoning_content`, `thinking` or `reasoning`) is offered as both
+    `reasoning_content` and `thinking`.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ChatMessageError(f"messages must be a list of messages, got {type(messages).__name__}")
+        raise ChatMessageError("messages must be a list of messages, got "
+                               f"{type(messages).__name__}")
     if not messages:
         raise ChatMessageError("messages is empty: a chat needs at least one message")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ChatMessageError(
-                f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}"
+                f"messages[{i}] must be an object with 'role' and 'content', got "
+                f"{type(message).__name__}"
             )
         message = {k: v for k, v in message.items() if v is not None}
         role = message.get("role")
         if role is None:
             raise ChatMessageError(f"messages[{i}] has no 'role' (one of {', '.join(ROLES)})")
         if role not in ROLES:
-            raise ChatMessageError(f"messages[{i}].role is {role!r}; it must be one of {', '.join(ROLES)}")
+            raise ChatMessageError(f"messages[{i}].role is {role!r}; it must be one of "
+                                   f"{', '.join(ROLES)}")
         if "content" not in message:
             if role == "assistant" and message.get("tool_calls"):
                 out.append(_alias_reasoning(message))
@@ -92,8 +102,8 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-# Names a message's reasoning (thinking) text goes by; templates read `reasoning_content` (Qwen3, DeepSeek)
-# or `thinking` (gpt-oss). As transformers does, whichever is given is offered under both.
+# Names a message's reasoning (thinking) text goes by; templates read `reasoning_content` (Qwen3,
+# DeepSeek) or `thinking` (gpt-oss). As transformers does, whichever is given is offered under both.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -111,20 +121,25 @@ def _content_text(content: Any, where: str) -> str:
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, Mapping):
-                raise ChatMessageError(f"{where}[{j}] must be a content part object, got {type(part).__name__}")
+                raise ChatMessageError(f"{where}[{j}] must be a content part object, got "
+                                       f"{type(part).__name__}")
             kind = part.get("type", "text")
             if kind != "text":
-                raise ChatMessageError(f"{where}[{j}].type is {kind!r}; only 'text' parts are supported")
+                raise ChatMessageError(f"{where}[{j}].type is {kind!r}; only 'text' parts are "
+                                       "supported")
             text = part.get("text")
             if not isinstance(text, str):
-                raise ChatMessageError(f"{where}[{j}].text must be a string, got {type(text).__name__}")
+                raise ChatMessageError(f"{where}[{j}].text must be a string, got "
+                                       f"{type(text).__name__}")
             texts.append(text)
         return "\n".join(texts)
-    raise ChatMessageError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
+    raise ChatMessageError(f"{where} must be a string or a list of text parts, got "
+                           f"{type(content).__name__}")
 
 
 class ChatTemplate:
-    """A compiled chat template. `render(messages, add_generation_prompt=True, **variables) -> str`."""
+    """A compiled chat template. `render(messages, add_generation_prompt=True, **variables) ->
+    str`."""
 
     def __init__(self, source: str):
         if not isinstance(source, str) or not source.strip():
@@ -170,14 +185,18 @@ def _is_list_of_objects(value: Any) -> bool:
 
 def llama_cpp_dates() -> dict[str, str]:
     """Today's date as llama.cpp's server passes it to every chat template (common/chat.cpp,
-    common_chat_extra_context): Llama 3.x's `date_string` and firefunction v2's `datetime`, local time.
-    transformers and vLLM pass neither (Llama 3.3's template then writes its own default date)."""
+    common_chat_extra_context): Llama 3.x's `date_string` and firefunction v2's `datetime`, local
+    time. transformers and vLLM pass neither (Llama 3.3's template then writes its own default
+    date)."""
     now = time.localtime()
-    return {"date_string": time.strftime("%d %b %Y", now), "datetime": time.strftime("%b %d %Y", now)}
+    return {"date_string": time.strftime("%d %b %Y", now),
+            "datetime": time.strftime("%b %d %Y", now)}
 
 
 def render_chat_template(
-    source: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **variables: Any
+    source: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+    **variables: Any
 ) -> str:
     """Render `source` (a Jinja chat template) for `messages`; see `ChatTemplate.render`."""
-    return ChatTemplate(source).render(messages, add_generation_prompt=add_generation_prompt, **variables)
+    return ChatTemplate(source).render(messages, add_generation_prompt=add_generation_prompt,
+                                       **variables)

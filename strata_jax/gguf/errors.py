@@ -24,7 +24,8 @@ class GGUFError(ValueError):
 
 
 class NotGGUFError(GGUFError):
-    """The file does not start with the GGUF magic, or is a GGUF version or byte order we do not read."""
+    """The file does not start with the GGUF magic, or is a GGUF version or byte order we do not
+    read."""
 
 
 class TruncatedGGUFError(GGUFError):
@@ -32,9 +33,9 @@ class TruncatedGGUFError(GGUFError):
 
 
 class HeaderLimitError(GGUFError):
-    """The header claims more than any real GGUF holds: arrays nested too deep, an array, a string, the metadata
-    or the tensor count beyond strata-jax's bounds (`header.py` says each one and why), or a size that cannot
-    fit in the file at all. Raised before anything that size is built."""
+    """The header claims more than any real GGUF holds: arrays nested too deep, an array, a string,
+    the metadata or the tensor count beyond strata-jax's bounds (`header.py` says each one and why),
+    or a size that cannot fit in the file at all. Raised before anything that size is built."""
 
 
 class MissingSplitPartError(GGUFError):
@@ -42,7 +43,8 @@ class MissingSplitPartError(GGUFError):
 
 
 class SplitMismatchError(GGUFError):
-    """The parts of a split model disagree with each other (counts, numbering, duplicate tensors)."""
+    """The parts of a split model disagree with each other (counts, numbering, duplicate
+    tensors)."""
 
 
 class UnsupportedArchitectureError(GGUFError):
@@ -50,12 +52,13 @@ class UnsupportedArchitectureError(GGUFError):
 
 
 class UnsupportedTensorTypeError(GGUFError, UnsupportedQuantType):
-    """A tensor is stored in a quant type the kernels do not handle (or one unknown to the gguf package)."""
+    """A tensor is stored in a quant type the kernels do not handle (or one unknown to the gguf
+    package)."""
 
 
 class TensorSizeError(GGUFError):
-    """A tensor's bytes do not match its shape: its rows are not whole blocks, its data overlaps the next
-    tensor's, or its shape disagrees with the model's metadata."""
+    """A tensor's bytes do not match its shape: its rows are not whole blocks, its data overlaps the
+    next tensor's, or its shape disagrees with the model's metadata."""
 
 
 class MissingTensorError(GGUFError):

@@ -17,30 +17,39 @@ from .errors import (
     UnsupportedArchitectureError,
 )
 
-# The hybrid Gated DeltaNet + MoE families (model/hybrid.py; engine/families.py says what the engine does for them).
+# The hybrid Gated DeltaNet + MoE families (model/hybrid.py; engine/families.py says what the engine
+# does for them).
 HYBRID_ARCHITECTURES: tuple[str, ...] = ("qwen3next", "qwen35moe")
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe",
-                                            *HYBRID_ARCHITECTURES)
-# Read and checked (ModelSpec, `strata-jax inspect`), not yet run: none today (a family on its way in goes here).
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe",
+                                            "glm4moe", *HYBRID_ARCHITECTURES)
+# Read and checked (ModelSpec, `strata-jax inspect`), not yet run: none today (a family on its way
+# in goes here).
 READ_ONLY_ARCHITECTURES: tuple[str, ...] = ()
 
-# The three stacked expert tensors of a MoE layer, as llama.cpp names them: [experts, rows, cols] each.
+# The three stacked expert tensors of a MoE layer, as llama.cpp names them: [experts, rows, cols]
+# each.
 EXPERT_TENSOR_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
-# llama.cpp rotates pairs of adjacent values for llama ("norm") and the two halves of a head for Qwen ("neox").
+# llama.cpp rotates pairs of adjacent values for llama ("norm") and the two halves of a head for
+# Qwen ("neox").
 _NEOX = frozenset({"qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe", "qwen3next", "qwen35moe"})
 _ATTN_BIAS = frozenset({"qwen2", "qwen2moe", "glm4moe"})
 _QK_NORM = frozenset({"qwen3", "qwen3moe", "qwen3next", "qwen35moe"})
 _HYBRID = frozenset(HYBRID_ARCHITECTURES)
-# Whether llama.cpp renormalizes the top-k router weights when the file has no expert_weights_norm key
-# (its build_moe_ffn `norm_w` argument): Mixtral-style llama and Qwen3-MoE do, Qwen2-MoE does not.
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3next": True, "qwen35moe": True}
+# Whether llama.cpp renormalizes the top-k router weights when the file has no expert_weights_norm
+# key (its build_moe_ffn `norm_w` argument): Mixtral-style llama and Qwen3-MoE do, Qwen2-MoE does
+# not.
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3next": True,
+                        "qwen35moe": True}
 _GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # llama_expert_gating_func_type
 # llama.cpp's default gating when the file has no expert_gating_func key (GLM-4.5: sigmoid).
 _DEFAULT_GATING = {"glm4moe": 2}
-# The norm before the FFN: GLM-4.5's converter names it post_attention_norm (HF's post_attention_layernorm).
-_FFN_NORM = {"glm4moe": "post_attention_norm", "qwen3next": "post_attention_norm", "qwen35moe": "post_attention_norm"}
-# GLM-4.5's optional per-head q/k norms (the 355B model has them): taken from the tensors, not the family.
+# The norm before the FFN: GLM-4.5's converter names it post_attention_norm (HF's
+# post_attention_layernorm).
+_FFN_NORM = {"glm4moe": "post_attention_norm", "qwen3next": "post_attention_norm",
+             "qwen35moe": "post_attention_norm"}
+# GLM-4.5's optional per-head q/k norms (the 355B model has them): taken from the tensors, not the
+# family.
 _OPTIONAL_QK_NORM = frozenset({"glm4moe"})
 
 _MISSING = object()
@@ -51,7 +60,8 @@ class RopeScaling:
     type: str  # "linear", "yarn", "longrope", ... as the file says
     factor: float
     original_context: int | None = None
-    extra: tuple[tuple[str, Any], ...] = ()  # the other rope.scaling.* keys (yarn_beta_fast, ...), as stored
+    # the other rope.scaling.* keys (yarn_beta_fast, ...), as stored
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,14 +70,17 @@ class DeltaNetSpec:
 
     conv_kernel: int  # ssm.conv_kernel: taps of the causal depthwise conv over q, k and v
     k_heads: int  # ssm.group_count: q/k heads
-    v_heads: int  # ssm.time_step_rank: v heads (each reads q/k head v % k_heads or v // (v_heads / k_heads))
+    # ssm.time_step_rank: v heads (each reads q/k head v % k_heads or v // (v_heads / k_heads))
+    v_heads: int
     head_dim: int  # ssm.state_size: the q/k head size (d_k)
     v_head_dim: int  # ssm.inner_size / v_heads (d_v)
-    fused_ba: bool  # qwen3next: beta and alpha in one matrix (ssm_ba); qwen35moe: ssm_beta and ssm_alpha
+    # qwen3next: beta and alpha in one matrix (ssm_ba); qwen35moe: ssm_beta and ssm_alpha
+    fused_ba: bool
 
     @property
     def qkv_dim(self) -> int:
-        """The rows of attn_qkv (and the conv's channels): q and k of every k-head, v of every v-head."""
+        """The rows of attn_qkv (and the conv's channels): q and k of every k-head, v of every
+        v-head."""
         return 2 * self.k_heads * self.head_dim + self.v_heads * self.v_head_dim
 
     @property
@@ -99,17 +112,21 @@ class ModelSpec:
     n_experts_used: int = 0  # expert_used_count (top-k)
     expert_ffn: int = 0  # expert_feed_forward_length
     shared_ffn: int = 0  # expert_shared_feed_forward_length (0: no shared expert)
-    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert (qwen2moe's ffn_gate_inp_shexp)
+    # a sigmoid gate on the shared expert (qwen2moe's ffn_gate_inp_shexp)
+    shared_expert_gate: bool = False
     expert_weights_norm: bool = False  # renormalize the top-k router weights to sum to 1
     expert_weights_scale: float = 1.0
     expert_gating: str = "softmax"  # router scores: "softmax" or "sigmoid"
     moe_layers: tuple[int, ...] = ()  # layers whose FFN is experts
-    expert_bias: bool = False  # a per-expert bias added to the router scores for choosing only (exp_probs_b)
-    n_nextn: int = 0  # nextn_predict_layers: MTP blocks stored after the main ones, blk.{n_layers}...
+    # a per-expert bias added to the router scores for choosing only (exp_probs_b)
+    expert_bias: bool = False
+    # nextn_predict_layers: MTP blocks stored after the main ones, blk.{n_layers}...
+    n_nextn: int = 0
     name: str = ""  # general.name
-    # The hybrid families: each main layer's kind ("attention" or "deltanet"; () = every layer attention),
-    # the DeltaNet layers' sizes, attention with an output gate (q's rows per head: [q | gate]), and the
-    # multimodal rope sections (qwen35moe: text positions rotate as neox over rope_dims).
+    # The hybrid families: each main layer's kind ("attention" or "deltanet"; () = every layer
+    # attention), the DeltaNet layers' sizes, attention with an output gate (q's rows per head: [q |
+    # gate]), and the multimodal rope sections (qwen35moe: text positions rotate as neox over
+    # rope_dims).
     layer_kinds: tuple[str, ...] = ()
     deltanet: DeltaNetSpec | None = None
     attn_output_gate: bool = False
@@ -134,12 +151,13 @@ class ModelSpec:
 
     @property
     def n_kv_layers(self) -> int:
-        """Layers with keys and values in the KV cache: the attention ones, then the NextN (MTP) ones."""
+        """Layers with keys and values in the KV cache: the attention ones, then the NextN (MTP)
+        ones."""
         return self.n_layers - len(self.deltanet_layers) + self.n_nextn
 
     def kv_layer(self, layer: int) -> int:
-        """Layer `layer`'s index in the KV cache (an attention layer: the attention layers before it), or in the
-        DeltaNet state arrays (a DeltaNet layer: the DeltaNet layers before it)."""
+        """Layer `layer`'s index in the KV cache (an attention layer: the attention layers before
+        it), or in the DeltaNet state arrays (a DeltaNet layer: the DeltaNet layers before it)."""
         return sum(self.kind(i) == self.kind(layer) for i in range(layer))
 
     @property
@@ -148,14 +166,15 @@ class ModelSpec:
         return self.architecture in SUPPORTED_ARCHITECTURES
 
     def check_runnable(self, path: str | Path) -> None:
-        """Raise UnsupportedArchitectureError, saying what the file holds, for a family that is read but not run."""
+        """Raise UnsupportedArchitectureError, saying what the file holds, for a family that is read
+        but not run."""
         if not self.runnable:
-            kinds = f"{self.layer_kinds.count('deltanet')} Gated DeltaNet and {self.layer_kinds.count('attention')} " \
-                    "attention layers, MoE"
+            kinds = (f"{self.layer_kinds.count('deltanet')} Gated DeltaNet and "
+                     f"{self.layer_kinds.count('attention')} attention layers, MoE")
             raise UnsupportedArchitectureError(
-                path, f"architecture {self.architecture!r} ({kinds}) is read and checked, but strata-jax does not run "
-                      "it yet: its forward pass is to come (issue 34); runnable families: "
-                      f"{', '.join(SUPPORTED_ARCHITECTURES)}",
+                path, f"architecture {self.architecture!r} ({kinds}) is read and checked, but "
+                      "strata-jax does not run it yet: its forward pass is to come (issue 34); "
+                      f"runnable families: {', '.join(SUPPORTED_ARCHITECTURES)}",
                 "`strata-jax inspect` describes it; serve a model of a runnable family")
 
     @property
@@ -164,7 +183,8 @@ class ModelSpec:
         return _FFN_NORM.get(self.architecture, "ffn_norm") + ".weight"
 
     def expert_tensors(self, layer: int | None = None) -> list[str]:
-        """Names of the stacked expert tensors ([experts, rows, cols]) of `layer`, or of every MoE layer."""
+        """Names of the stacked expert tensors ([experts, rows, cols]) of `layer`, or of every MoE
+        layer."""
         layers = self.moe_layers if layer is None else (layer,) if layer in self.moe_layers else ()
         return [f"blk.{i}.{kind}.weight" for i in layers for kind in EXPERT_TENSOR_KINDS]
 
@@ -173,11 +193,14 @@ class ModelSpec:
         return dict(self._iter_tensor_shapes())
 
     def _iter_tensor_shapes(self) -> Iterator[tuple[str, tuple[tuple[int, ...], bool]]]:
-        h, q, kv, v = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.value_dim
+        h, q, kv, v = (self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
+                       self.value_dim)
         moe = frozenset(self.moe_layers)
-        yield from {"token_embd.weight": ((self.vocab_size, h), True), "output_norm.weight": ((h,), True),
+        yield from {"token_embd.weight": ((self.vocab_size, h), True),
+                    "output_norm.weight": ((h,), True),
                     "output.weight": ((self.vocab_size, h), not self.tied_output)}.items()
-        for i in range(self.n_layers + self.n_nextn):  # one layer at a time: a corrupt block_count must not fill memory
+        # one layer at a time: a corrupt block_count must not fill memory
+        for i in range(self.n_layers + self.n_nextn):
             b = f"blk.{i}."
             nextn = i >= self.n_layers  # an MTP block: a MoE decoder layer and its own few tensors
             if self.kind(i) == "deltanet":
@@ -195,9 +218,11 @@ class ModelSpec:
             if self.qk_norm and self.kind(i) == "attention":
                 out |= {b + "attn_q_norm.weight": ((self.head_dim,), True),
                         b + "attn_k_norm.weight": ((self.head_dim,), True)}
-            if nextn:  # a file may leave out its embedding and shared head: the main model's are used then
+            # a file may leave out its embedding and shared head: the main model's are used then
+            if nextn:
                 out |= {b + "nextn.eh_proj.weight": ((h, 2 * h), True),
-                        b + "nextn.enorm.weight": ((h,), True), b + "nextn.hnorm.weight": ((h,), True),
+                        b + "nextn.enorm.weight": ((h,), True),
+                        b + "nextn.hnorm.weight": ((h,), True),
                         b + "nextn.embed_tokens.weight": ((self.vocab_size, h), False),
                         b + "nextn.shared_head_head.weight": ((self.vocab_size, h), False),
                         b + "nextn.shared_head_norm.weight": ((h,), False)}
@@ -227,7 +252,8 @@ class ModelSpec:
             yield from out.items()
 
     def _deltanet_tensors(self, b: str) -> Iterator[tuple[str, tuple[tuple[int, ...], bool]]]:
-        """A Gated DeltaNet layer's mixing tensors (llama.cpp's names; ssm_a has no .weight suffix)."""
+        """A Gated DeltaNet layer's mixing tensors (llama.cpp's names; ssm_a has no .weight
+        suffix)."""
         d, h = self.deltanet, self.hidden
         yield from {b + "attn_qkv.weight": ((d.qkv_dim, h), True),
                     b + "attn_gate.weight": ((d.inner, h), True),
@@ -242,42 +268,49 @@ class ModelSpec:
             yield from {b + "ssm_beta.weight": ((d.v_heads, h), True),
                         b + "ssm_alpha.weight": ((d.v_heads, h), True)}.items()
 
-    def check_tensors(self, tensors: Mapping[str, tuple[tuple[int, ...], Path]], path: str | Path) -> None:
-        """Raise MissingTensorError / TensorSizeError unless every tensor this family needs is in `tensors`
-        (name -> (shape, the file it is in)) with the shape the metadata implies."""
+    def check_tensors(self, tensors: Mapping[str, tuple[tuple[int, ...], Path]],
+                      path: str | Path) -> None:
+        """Raise MissingTensorError / TensorSizeError unless every tensor this family needs is in
+        `tensors` (name -> (shape, the file it is in)) with the shape the metadata implies."""
         for name, (shape, required) in self._iter_tensor_shapes():
             if name not in tensors:
                 if required:
-                    raise MissingTensorError(path, f"tensor {name!r}, which a {self.architecture} model needs, "
-                                                   "is not in the file", "The file is incomplete: re-convert it")
+                    raise MissingTensorError(path, f"tensor {name!r}, which a {self.architecture} "
+                                                   "model needs, is not in the file",
+                                                   "The file is incomplete: re-convert it")
                 continue
             got, where = tensors[name]
             if tuple(got) != shape:
                 raise TensorSizeError(
-                    where, f"tensor {name!r} has shape {list(got)}, but the metadata ({self._dims()}) implies "
-                           f"{list(shape)}", "The metadata and the tensors disagree: re-convert the model")
+                    where, f"tensor {name!r} has shape {list(got)}, but the metadata "
+                           f"({self._dims()}) implies {list(shape)}",
+                           "The metadata and the tensors disagree: re-convert the model")
 
     def _dims(self) -> str:
-        dims = (f"vocab {self.vocab_size}, hidden {self.hidden}, heads {self.n_heads}/{self.n_kv_heads}, "
-                f"head_dim {self.head_dim}, ffn {self.ffn}")
+        dims = (f"vocab {self.vocab_size}, hidden {self.hidden}, heads "
+                f"{self.n_heads}/{self.n_kv_heads}, head_dim {self.head_dim}, ffn {self.ffn}")
         if self.is_moe:
             dims += f", experts {self.n_experts}, expert_ffn {self.expert_ffn}"
         return dims
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    def from_metadata(cls, metadata: Mapping[str, Any],
+                      tensor_shapes: Mapping[str, tuple[int, ...]] | None = None,
                       path: str | Path = "<metadata>") -> ModelSpec:
         """Build the spec from GGUF metadata. `tensor_shapes` (name -> numpy-order shape) fills what
-        metadata may leave out (tied output, shared expert, MoE layers, vocab size); without it the output
-        is taken as untied and every layer from leading_dense_block_count on as MoE when there are experts."""
+        metadata may leave out (tied output, shared expert, MoE layers, vocab size); without it the
+        output is taken as untied and every layer from leading_dense_block_count on as MoE when
+        there are experts."""
         arch = metadata.get("general.architecture")
         if arch is None:
-            raise MetadataError(path, "no general.architecture key: this GGUF does not say what model it holds",
+            raise MetadataError(path, "no general.architecture key: this GGUF does not say what "
+                                      "model it holds",
                                 "Re-convert it with llama.cpp's convert_hf_to_gguf.py")
         if arch not in SUPPORTED_ARCHITECTURES and arch not in READ_ONLY_ARCHITECTURES:
             raise UnsupportedArchitectureError(
-                path, f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)}; "
-                      f"read and described, not yet run: {', '.join(READ_ONLY_ARCHITECTURES) or 'none'})",
+                path, f"architecture {arch!r} is not supported (supported: "
+                      f"{', '.join(SUPPORTED_ARCHITECTURES)}; read and described, not yet run: "
+                      f"{', '.join(READ_ONLY_ARCHITECTURES) or 'none'})",
                 "Use a model of one of the supported families")
         shapes = tensor_shapes or {}
         get = _Getter(metadata, arch, path)
@@ -285,13 +318,15 @@ class ModelSpec:
         n_blocks = get.int("block_count")
         n_nextn = get.int("nextn_predict_layers", 0)
         if not 0 <= n_nextn < n_blocks:
-            raise MetadataError(path, f"{arch}.nextn_predict_layers is {n_nextn}, but block_count is {n_blocks}",
+            raise MetadataError(path, f"{arch}.nextn_predict_layers is {n_nextn}, but block_count "
+                                      f"is {n_blocks}",
                                 "The metadata cannot be right: re-convert the model")
         n_layers = n_blocks - n_nextn  # llama.cpp stores the NextN (MTP) blocks after the main ones
         blocks = {n.split(".")[1] for n in shapes if n.startswith("blk.")}
         if shapes and n_blocks > len(blocks):
-            raise MetadataError(path, f"{arch}.block_count is {n_blocks}, but the file has tensors for {len(blocks)} "
-                                      "blocks", "The metadata and the tensors disagree: re-convert the model")
+            raise MetadataError(path, f"{arch}.block_count is {n_blocks}, but the file has tensors "
+                                      f"for {len(blocks)} blocks",
+                                      "The metadata and the tensors disagree: re-convert the model")
         hidden = get.int("embedding_length")
         n_heads = get.int("attention.head_count")
         n_kv_heads = get.int("attention.head_count_kv", n_heads)
@@ -304,13 +339,16 @@ class ModelSpec:
         up_shexp = next((s for n, s in shapes.items() if n.endswith(".ffn_up_shexp.weight")), None)
 
         if n_experts:
-            found = sorted(i for n in shapes if n.endswith(".ffn_gate_inp.weight") and (i := int(n.split(".")[1])) < n_layers)
-            moe_layers = tuple(found) or tuple(range(get.int("leading_dense_block_count", 0), n_layers))
+            found = sorted(i for n in shapes if n.endswith(".ffn_gate_inp.weight")
+                           and (i := int(n.split(".")[1])) < n_layers)
+            moe_layers = (tuple(found)
+                          or tuple(range(get.int("leading_dense_block_count", 0), n_layers)))
         else:
             moe_layers = ()
         vocab = metadata.get("tokenizer.ggml.tokens")
         if vocab is not None and not isinstance(vocab, list):
-            raise MetadataError(path, f"tokenizer.ggml.tokens is a {type(vocab).__name__}, not an array of strings",
+            raise MetadataError(path, f"tokenizer.ggml.tokens is a {type(vocab).__name__}, not an "
+                                      "array of strings",
                                 "Re-convert the model with llama.cpp's convert_hf_to_gguf.py")
         if vocab is not None:
             vocab_size = len(vocab)
@@ -337,13 +375,16 @@ class ModelSpec:
             context_length=get.int("context_length"),
             tied_output=bool(shapes) and "output.weight" not in shapes,
             attn_bias="blk.0.attn_q.bias" in shapes if shapes else arch in _ATTN_BIAS,
-            qk_norm=("blk.0.attn_q_norm.weight" in shapes) if arch in _OPTIONAL_QK_NORM else arch in _QK_NORM,
+            qk_norm=("blk.0.attn_q_norm.weight" in shapes) if arch in _OPTIONAL_QK_NORM
+                    else arch in _QK_NORM,
             n_experts=n_experts,
             n_experts_used=n_experts_used,
-            expert_ffn=get.int("expert_feed_forward_length", up_exps[1] if up_exps else ffn) if n_experts else 0,
+            expert_ffn=get.int("expert_feed_forward_length", up_exps[1] if up_exps else ffn)
+                       if n_experts else 0,
             shared_ffn=_shared_ffn(get, up_shexp) if n_experts else 0,
             shared_expert_gate=any(n.endswith(".ffn_gate_inp_shexp.weight") for n in shapes),
-            expert_weights_norm=bool(get.value("expert_weights_norm", _EXPERT_WEIGHTS_NORM.get(arch, False))),
+            expert_weights_norm=bool(get.value("expert_weights_norm",
+                                               _EXPERT_WEIGHTS_NORM.get(arch, False))),
             expert_weights_scale=get.float("expert_weights_scale", 1.0),
             expert_gating=_gating(get.int("expert_gating_func", _DEFAULT_GATING.get(arch, 1)) or
                                   _DEFAULT_GATING.get(arch, 1)),
@@ -359,17 +400,22 @@ class ModelSpec:
 
     def _validate(self, path: str | Path) -> None:
         def bad(problem: str) -> MetadataError:
-            return MetadataError(path, problem, "The metadata cannot be right: re-convert the model")
+            return MetadataError(path, problem,
+                                 "The metadata cannot be right: re-convert the model")
 
-        for field in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "context_length"):
+        for field in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
+                      "context_length"):
             if getattr(self, field) <= 0:
                 raise bad(f"{field} is {getattr(self, field)}")
         if self.n_heads % self.n_kv_heads:
-            raise bad(f"attention.head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}")
+            raise bad(f"attention.head_count {self.n_heads} is not a multiple of head_count_kv "
+                      f"{self.n_kv_heads}")
         if self.rope_dims > self.head_dim or self.rope_dims % 2:
-            raise bad(f"rope.dimension_count {self.rope_dims} must be even and at most the head size {self.head_dim}")
+            raise bad(f"rope.dimension_count {self.rope_dims} must be even and at most the head "
+                      f"size {self.head_dim}")
         if self.is_moe and not 0 < self.n_experts_used <= self.n_experts:
-            raise bad(f"expert_used_count {self.n_experts_used} must be 1..expert_count ({self.n_experts})")
+            raise bad(f"expert_used_count {self.n_experts_used} must be 1..expert_count "
+                      f"({self.n_experts})")
         if self.is_moe and self.expert_ffn <= 0:
             raise bad("a MoE model without expert_feed_forward_length or expert tensors")
         if self.dense_layers and self.ffn <= 0:
@@ -382,14 +428,16 @@ class ModelSpec:
                 if value <= 0:
                     raise bad(f"{a}.{key} is {value}")
             if d.v_heads % d.k_heads:
-                raise bad(f"{a}.ssm.time_step_rank {d.v_heads} (v heads) is not a multiple of {a}.ssm.group_count "
-                          f"{d.k_heads} (k heads)")
+                raise bad(f"{a}.ssm.time_step_rank {d.v_heads} (v heads) is not a multiple of "
+                          f"{a}.ssm.group_count {d.k_heads} (k heads)")
             if d.inner % d.v_heads:
-                raise bad(f"{a}.ssm.inner_size {d.inner} is not a multiple of {a}.ssm.time_step_rank {d.v_heads}")
+                raise bad(f"{a}.ssm.inner_size {d.inner} is not a multiple of "
+                          f"{a}.ssm.time_step_rank {d.v_heads}")
 
 
 class _Getter:
-    """Reads `{arch}.key` with llama.cpp's leniency: a per-layer array whose entries agree counts as one value."""
+    """Reads `{arch}.key` with llama.cpp's leniency: a per-layer array whose entries agree counts as
+    one value."""
 
     def __init__(self, metadata: Mapping[str, Any], arch: str, path: str | Path):
         self.metadata, self.arch, self.path = metadata, arch, path
@@ -402,50 +450,59 @@ class _Getter:
                                 "Re-convert the model with a recent llama.cpp")
         if isinstance(value, list):
             if not value or any(x != value[0] for x in value):
-                raise MetadataError(self.path, f"{full} has per-layer values {value[:8]}..., which strata-jax "
-                                               "does not support", "Use a model with the same value in every layer")
+                raise MetadataError(self.path, f"{full} has per-layer values {value[:8]}..., which "
+                                               "strata-jax does not support",
+                                               "Use a model with the same value in every layer")
             value = value[0]
         return value
 
     def int(self, key: str, default: Any = _MISSING) -> int:
         value = self.value(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise MetadataError(self.path, f"{self.arch}.{key} is {value!r}, not an integer", "Re-convert the model")
+            raise MetadataError(self.path, f"{self.arch}.{key} is {value!r}, not an integer",
+                                "Re-convert the model")
         return value
 
     def float(self, key: str, default: Any = _MISSING) -> float:
         value = self.value(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise MetadataError(self.path, f"{self.arch}.{key} is {value!r}, not a number", "Re-convert the model")
+            raise MetadataError(self.path, f"{self.arch}.{key} is {value!r}, not a number",
+                                "Re-convert the model")
         return float(value)
 
 
-def _hybrid_fields(metadata: Mapping[str, Any], get: _Getter, arch: str, n_layers: int, path) -> dict[str, Any]:
+def _hybrid_fields(metadata: Mapping[str, Any], get: _Getter, arch: str, n_layers: int,
+                   path) -> dict[str, Any]:
     """qwen3next / qwen35moe: the layer pattern (attention.recurrent_layers, else every
-    full_attention_interval-th layer is attention, default 4, as llama.cpp reads them), the DeltaNet sizes
-    (ssm.*), the output-gated attention and qwen35moe's rope sections."""
+    full_attention_interval-th layer is attention, default 4, as llama.cpp reads them), the DeltaNet
+    sizes (ssm.*), the output-gated attention and qwen35moe's rope sections."""
     key = f"{arch}.attention.recurrent_layers"
     recurrent = metadata.get(key)
     if recurrent is not None:
         if not isinstance(recurrent, list) or len(recurrent) < n_layers:
-            raise MetadataError(path, f"{key} must be an array of a bool for each of the {n_layers} layers (got "
-                                      f"{recurrent!r:.80})", "Re-convert the model")
+            raise MetadataError(path, f"{key} must be an array of a bool for each of the {n_layers}"
+                                      f" layers (got {recurrent!r:.80})", "Re-convert the model")
         kinds = tuple("deltanet" if r else "attention" for r in recurrent[:n_layers])
     else:
         interval = get.int("full_attention_interval", 4)
         if interval < 1:
-            raise MetadataError(path, f"{arch}.full_attention_interval is {interval}: it must be at least 1",
+            raise MetadataError(path, f"{arch}.full_attention_interval is {interval}: it must be "
+                                      "at least 1",
                                 "Re-convert the model")
-        kinds = tuple("attention" if (i + 1) % interval == 0 else "deltanet" for i in range(n_layers))
+        kinds = tuple("attention" if (i + 1) % interval == 0 else "deltanet"
+                      for i in range(n_layers))
     v_heads = get.int("ssm.time_step_rank")
     inner = get.int("ssm.inner_size")
-    d = DeltaNetSpec(conv_kernel=get.int("ssm.conv_kernel"), k_heads=get.int("ssm.group_count"), v_heads=v_heads,
-                     head_dim=get.int("ssm.state_size"), v_head_dim=inner // v_heads if v_heads > 0 else 0,
+    d = DeltaNetSpec(conv_kernel=get.int("ssm.conv_kernel"), k_heads=get.int("ssm.group_count"),
+                     v_heads=v_heads,
+                     head_dim=get.int("ssm.state_size"),
+                     v_head_dim=inner // v_heads if v_heads > 0 else 0,
                      fused_ba=arch == "qwen3next")
     sections = metadata.get(f"{arch}.rope.dimension_sections")
     if arch == "qwen35moe" and sections is None:
-        raise MetadataError(path, f"metadata key '{arch}.rope.dimension_sections' is missing (llama.cpp requires it "
-                                  "for qwen35moe)", "Re-convert the model with a recent llama.cpp")
+        raise MetadataError(path, f"metadata key '{arch}.rope.dimension_sections' is missing "
+                                  "(llama.cpp requires it for qwen35moe)",
+                                  "Re-convert the model with a recent llama.cpp")
     return {"layer_kinds": kinds, "deltanet": d, "attn_output_gate": True,
             "rope_sections": tuple(int(x) for x in sections or ())}
 
@@ -454,7 +511,8 @@ def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> RopeScaling | None:
     prefix = f"{arch}.rope.scaling."
     kind = metadata.get(prefix + "type")
     factor = metadata.get(prefix + "factor")
-    if kind is None and (linear := metadata.get(f"{arch}.rope.scale_linear")) is not None:  # older files
+    # older files
+    if kind is None and (linear := metadata.get(f"{arch}.rope.scale_linear")) is not None:
         kind, factor = "linear", linear
     if kind in (None, "none") or factor in (None, 0, 1.0) and kind == "linear":
         return None
@@ -462,12 +520,13 @@ def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> RopeScaling | None:
     extra = tuple(sorted((k[len(prefix):], v) for k, v in metadata.items() if k.startswith(prefix)
                          and k[len(prefix):] not in skip))
     return RopeScaling(type=str(kind), factor=float(factor if factor is not None else 1.0),
-                       original_context=metadata.get(prefix + "original_context_length"), extra=extra)
+                       original_context=metadata.get(prefix + "original_context_length"),
+                       extra=extra)
 
 
 def _shared_ffn(get: _Getter, up_shexp: tuple[int, ...] | None) -> int:
-    """The shared expert's width: expert_shared_feed_forward_length, else (GLM-4.5, as llama.cpp reads it)
-    expert_shared_count x expert_feed_forward_length, else the tensor's shape."""
+    """The shared expert's width: expert_shared_feed_forward_length, else (GLM-4.5, as llama.cpp
+    reads it) expert_shared_count x expert_feed_forward_length, else the tensor's shape."""
     width = get.int("expert_shared_feed_forward_length", 0)
     if not width and (count := get.int("expert_shared_count", 0)):
         width = count * get.int("expert_feed_forward_length", 0)

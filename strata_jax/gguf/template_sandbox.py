@@ -1,4 +1,5 @@
-"""The jinja environment chat templates compile and render in: transformers' helpers, sized operations, a clock."""
+"""The jinja environment chat templates compile and render in: transformers' helpers, sized
+operations, a clock."""
 
 from __future__ import annotations
 
@@ -37,12 +38,15 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | str | None = None, separators=None, sort_keys: bool = False
+    value: Any, ensure_ascii: bool = False, indent: int | str | None = None, separators=None,
+    sort_keys: bool = False
 ) -> str:
     # Jinja's own tojson escapes HTML characters and cannot indent; templates expect json.dumps.
-    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                               sort_keys=sort_keys)
     if indent is None:
-        return encoder.encode(value)   # no longer than a few times the value's text, sized before the filter ran
+        # no longer than a few times the value's text, sized before the filter ran
+        return encoder.encode(value)
     # Indenting repeats `indent` once a level on every line: count the text as it is made.
     chunks, n = [], 0
     for chunk in encoder.iterencode(value):
@@ -58,8 +62,9 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _bounded_filter(name: str, f: Any) -> Any:
-    # Filters are called straight from the compiled template, not through the environment: wrap each one.
-    # jinja passes the context or environment first to filters marked so (kept on the wrapper by `wraps`).
+    # Filters are called straight from the compiled template, not through the environment: wrap each
+    # one. jinja passes the context or environment first to filters marked so (kept on the wrapper
+    # by `wraps`).
     skip = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0
 
     @functools.wraps(f)
@@ -78,14 +83,16 @@ def _finalize(value: Any) -> Any:
 
 
 class _ClockedContext(jinja2.runtime.Context):
-    deadline = float("inf")   # time.monotonic() past which the render stops; render_bounded sets both
+    # time.monotonic() past which the render stops; render_bounded sets both
+    deadline = float("inf")
     timeout_s = RENDER_TIMEOUT_S
 
 
 def _check_clock(context: Any) -> None:
     if time.monotonic() > context.deadline:
-        raise ChatTemplateError(f"the chat template ran for more than {context.timeout_s:g} s (RENDER_TIMEOUT_S "
-                                "in strata_jax/gguf/template_bounds.py): it loops too long; fix the template")
+        raise ChatTemplateError(f"the chat template ran for more than {context.timeout_s:g} s "
+                                "(RENDER_TIMEOUT_S in strata_jax/gguf/template_bounds.py): it "
+                                "loops too long; fix the template")
 
 
 @jinja2.pass_context
@@ -96,16 +103,17 @@ def _clocked(context: Any, iterable: Any) -> Any:
 
 
 class _BoundedCodeGenerator(CodeGenerator):
-    # A template spends time only in loops and calls (jinja has no while; recursion is a macro calling
-    # itself): every call goes through the environment's `call`, which reads the clock, and here every loop
-    # iterates through `environment.clocked`, which reads it at each pass. Cheaper than tracing each line.
+    # A template spends time only in loops and calls (jinja has no while; recursion is a macro
+    # calling itself): every call goes through the environment's `call`, which reads the clock, and
+    # here every loop iterates through `environment.clocked`, which reads it at each pass. Cheaper
+    # than tracing each line.
     def visit_For(self, node: jinja2.nodes.For, frame: Any) -> None:
-        node.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("clocked"), [node.iter], [], None, None,
-                                      lineno=node.lineno)
+        node.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("clocked"), [node.iter], [],
+                                      None, None, lineno=node.lineno)
         super().visit_For(node, frame)
 
-    # `a ~ b` joins its operands' text inside the compiled code: route it through the environment, which
-    # sizes them first. (Constant folding is lost for `~`; it saved nothing measurable.)
+    # `a ~ b` joins its operands' text inside the compiled code: route it through the environment,
+    # which sizes them first. (Constant folding is lost for `~`; it saved nothing measurable.)
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: Any) -> None:
         self.write("environment.concat((")
         for arg in node.nodes:
@@ -119,8 +127,8 @@ def _nothing(value: Any) -> int:
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """jinja's immutable sandbox, with every operation that can make a large value sized, and a clock (see
-    template_bounds.py)."""
+    """jinja's immutable sandbox, with every operation that can make a large value sized, and a
+    clock (see template_bounds.py)."""
 
     code_generator_class = _BoundedCodeGenerator
     context_class = _ClockedContext
@@ -128,24 +136,29 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     clocked = staticmethod(_clocked)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "+" and type(left) is str and type(right) is str:   # most of a chat template's work
+        # most of a chat template's work
+        if operator == "+" and type(left) is str and type(right) is str:
             check_size("a + of strings", len(left) + len(right))
             return left + right
-        if operator == "+" and _nothing(left) + _nothing(right) == 1 and str in (type(left), type(right)):
-            # None or an undefined name + a string: the string, as llama.cpp's jinja does (its runtime.cpp,
-            # "treating null/undefined as empty string"): firefunction v2's template adds `functions`,
-            # which only llama.cpp's own code defines. Python's jinja (transformers') raises instead.
+        if (operator == "+" and _nothing(left) + _nothing(right) == 1
+                and str in (type(left), type(right))):
+            # None or an undefined name + a string: the string, as llama.cpp's jinja does (its
+            # runtime.cpp, "treating null/undefined as empty string"): firefunction v2's template
+            # adds `functions`, which only llama.cpp's own code defines. Python's jinja
+            # (transformers') raises instead.
             return left if type(left) is str else right
         check_binop(operator, left, right)
         return checked(super().call_binop(context, operator, left, right))
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         _check_clock(context)
-        method = getattr(obj, "__wrapped__", obj)   # the sandbox wraps str.format; its method is inside
+        # the sandbox wraps str.format; its method is inside
+        method = getattr(obj, "__wrapped__", obj)
         if isinstance(method, types.BuiltinMethodType) and isinstance(method.__self__, str):
             if method.__name__ in ("format", "format_map"):
                 check_str_format(method.__self__, args if method.__name__ == "format" else (),
-                                 kwargs if method.__name__ == "format" else dict(args[0]) if args else {})
+                                 kwargs if method.__name__ == "format" else dict(args[0]) if args
+                                 else {})
             else:
                 args = sized_str_call(method.__self__, method.__name__, args, kwargs)
         return checked(super().call(context, obj, *args, **kwargs))
@@ -155,10 +168,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return "".join(map(str, parts))
 
 
-def render_bounded(template: jinja2.Template, variables: Mapping[str, Any], max_chars: int = MAX_RENDER_CHARS,
-                   timeout_s: float = RENDER_TIMEOUT_S) -> str:
-    """`template.render(**variables)` in at most max_chars characters of output and, for a template compiled
-    here, timeout_s seconds and the value bounds (template_bounds.py); raises ChatTemplateError past any of them."""
+def render_bounded(template: jinja2.Template, variables: Mapping[str, Any],
+                   max_chars: int = MAX_RENDER_CHARS, timeout_s: float = RENDER_TIMEOUT_S) -> str:
+    """`template.render(**variables)` in at most max_chars characters of output and, for a template
+    compiled here, timeout_s seconds and the value bounds (template_bounds.py); raises
+    ChatTemplateError past any of them."""
     context = template.new_context(dict(variables))
     context.deadline, context.timeout_s = time.monotonic() + timeout_s, timeout_s
     chunks, n = [], 0
@@ -168,7 +182,8 @@ def render_bounded(template: jinja2.Template, variables: Mapping[str, Any], max_
             n += len(chunk)
             if n > max_chars:
                 raise over_bound(f"{n:,} characters of output", max_chars,
-                                 "MAX_RENDER_CHARS" if max_chars == MAX_RENDER_CHARS else "max_chars")
+                                 "MAX_RENDER_CHARS" if max_chars == MAX_RENDER_CHARS
+                                 else "max_chars")
             chunks.append(chunk)
     finally:
         parts.close()
@@ -178,8 +193,8 @@ def render_bounded(template: jinja2.Template, variables: Mapping[str, Any], max_
 @functools.lru_cache(maxsize=32)
 def compile_template(source: str) -> jinja2.Template:
     """`source` compiled in the bounded sandbox, with the helpers transformers gives templates."""
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
-                          finalize=_finalize)
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                          extensions=[jinja2.ext.loopcontrols], finalize=_finalize)
     env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
@@ -188,4 +203,5 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"the chat template does not compile: {e.message} (template line {e.lineno})") from e
+        raise ChatTemplateError(f"the chat template does not compile: {e.message} (template line "
+                                f"{e.lineno})") from e

@@ -1,5 +1,5 @@
-"""One tensor of a GGUF file, its bytes left in place (reader.py makes them; legacy.py rewrites old layouts'
-tensors as views of them)."""
+"""One tensor of a GGUF file, its bytes left in place (reader.py makes them; legacy.py rewrites old
+layouts' tensors as views of them)."""
 
 from __future__ import annotations
 
@@ -38,5 +38,7 @@ class TensorInfo:
         return self.data.shape[-1]
 
     def dequantize(self) -> np.ndarray:
-        """The values as float32 [*shape] (with the gguf package's reference code: for checks, not speed)."""
-        return np.asarray(gq.dequantize(self.data, self.qtype), dtype=np.float32).reshape(self.shape)
+        """The values as float32 [*shape] (with the gguf package's reference code: for checks, not
+        speed)."""
+        return np.asarray(gq.dequantize(self.data, self.qtype),
+                          dtype=np.float32).reshape(self.shape)

@@ -1,22 +1,23 @@
 """The tokenizer a GGUF file describes, built with the `tokenizers` library.
 
-A GGUF stores no `tokenizer.json`: it stores llama.cpp's description of the vocabulary (`tokenizer.ggml.*`),
-and llama.cpp's behaviour is the definition of what those keys mean. Two kinds are supported:
+A GGUF stores no `tokenizer.json`: it stores llama.cpp's description of the vocabulary
+(`tokenizer.ggml.*`), and llama.cpp's behaviour is the definition of what those keys mean. Two kinds
+are supported:
 
-- `tokenizer.ggml.model = gpt2`: byte-level BPE. The vocabulary and merges are in the file; how text is
-  split before merging is named by `tokenizer.ggml.pre` (see `pretokenizers.py`).
-- `tokenizer.ggml.model = llama`: SentencePiece BPE. The file has pieces and scores but no merges; a pair
-  merges when the piece it makes is in the vocabulary, best score first (llama.cpp's `llm_tokenizer_spm`),
-  which is BPE with merges ranked by the merged piece's score. Spaces are written as U+2581, a space is
-  put before the text and after every special token (`add_space_prefix`), and characters with no piece
-  fall back to the `<0xXX>` byte pieces.
+- `tokenizer.ggml.model = gpt2`: byte-level BPE. The vocabulary and merges are in the file; how text
+  is split before merging is named by `tokenizer.ggml.pre` (see `pretokenizers.py`).
+- `tokenizer.ggml.model = llama`: SentencePiece BPE. The file has pieces and scores but no merges; a
+  pair merges when the piece it makes is in the vocabulary, best score first (llama.cpp's
+  `llm_tokenizer_spm`), which is BPE with merges ranked by the merged piece's score. Spaces are
+  written as U+2581, a space is put before the text and after every special token
+  (`add_space_prefix`), and characters with no piece fall back to the `<0xXX>` byte pieces.
 
-Tokens typed CONTROL, USER_DEFINED or UNKNOWN are matched whole in the text before anything else, like
-llama.cpp does (`parse_special`). Decoding is done here, token by token, from each token's bytes, so that
-streaming can hold back the bytes of a character that is not complete yet.
+Tokens typed CONTROL, USER_DEFINED or UNKNOWN are matched whole in the text before anything else,
+like llama.cpp does (`parse_special`). Decoding is done here, token by token, from each token's
+bytes, so that streaming can hold back the bytes of a character that is not complete yet.
 
-The file's keys are read and bounded in `vocab.py` (`Vocabulary`, which `Tokenizer` extends), and the
-`tokenizers` models built in `bpe_models.py`.
+The file's keys are read and bounded in `vocab.py` (`Vocabulary`, which `Tokenizer` extends), and
+the `tokenizers` models built in `bpe_models.py`.
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ from strata_jax.gguf.vocab import (
 )
 
 
-def load_tokenizer(path_or_metadata: str | os.PathLike | Mapping[str, Any], **kwargs: Any) -> Tokenizer:
-    """A `Tokenizer` from a GGUF file (full model, first part of a split model, or vocabulary-only file like
-    llama.cpp's ggml-vocab-*.gguf) or from its metadata as a dict of plain values.
+def load_tokenizer(path_or_metadata: str | os.PathLike | Mapping[str, Any],
+                   **kwargs: Any) -> Tokenizer:
+    """A `Tokenizer` from a GGUF file (full model, first part of a split model, or vocabulary-only
+    file like llama.cpp's ggml-vocab-*.gguf) or from its metadata as a dict of plain values.
 
-    Keyword arguments go to `Tokenizer` (e.g. `chat_template=` to use a template the file does not have).
+    Keyword arguments go to `Tokenizer` (e.g. `chat_template=` to use a template the file does not
+    have).
     """
     if isinstance(path_or_metadata, Mapping):
         return Tokenizer(path_or_metadata, **kwargs)
@@ -69,12 +72,13 @@ def load_tokenizer(path_or_metadata: str | os.PathLike | Mapping[str, Any], **kw
         raise
 
 
-# str.translate table from the byte alphabet back to bytes (as latin-1 characters). Characters below 256
-# that are not in the alphabet map to U+FFFF, so encoding the result as latin-1 fails for any text that
-# is not written in the alphabet.
+# str.translate table from the byte alphabet back to bytes (as latin-1 characters). Characters below
+# 256 that are not in the alphabet map to U+FFFF, so encoding the result as latin-1 fails for any
+# text that is not written in the alphabet.
 _UNBYTE = {ord(ch): b for b, ch in bytes_to_unicode().items()}
-# A text longer than this is encoded by encode_batch, which lets go of the GIL while it works: a text of
-# megabytes takes seconds, which must not stop the engine loop and its heartbeat (issue 32, item 4)
+# A text longer than this is encoded by encode_batch, which lets go of the GIL while it works: a
+# text of megabytes takes seconds, which must not stop the engine loop and its heartbeat (issue 32,
+# item 4)
 _HOLDS_GIL = 1 << 16
 _UNBYTE.update({c: 0xFFFF for c in range(256) if c not in _UNBYTE})
 
@@ -90,29 +94,33 @@ class Tokenizer(Vocabulary):
     """Encode, decode and chat-format text the way the GGUF's vocabulary says.
 
     Attributes: `model` ("gpt2" or "llama"), `pre` (pre-tokenizer name, gpt2 only), `vocab_size`,
-    `bos_id`, `eos_id`, `eot_id`, `eom_id`, `unk_id`, `pad_id` (int or None), `eos_ids` (every id that ends
-    generation), `add_bos`, `add_eos`, `add_space_prefix`, `chat_template` (str or None).
+    `bos_id`, `eos_id`, `eot_id`, `eom_id`, `unk_id`, `pad_id` (int or None), `eos_ids` (every id
+    that ends generation), `add_bos`, `add_eos`, `add_space_prefix`, `chat_template` (str or None).
     """
 
     def __init__(self, metadata: Mapping[str, Any], *, chat_template: str | None = None):
         super().__init__(metadata)
-        self.chat_template: str | None = chat_template or get_str(metadata, "tokenizer.chat_template")
+        self.chat_template: str | None = (chat_template
+                                          or get_str(metadata, "tokenizer.chat_template"))
         self._template = None  # compiled lazily
 
         if self.model == "llama":
-            self._tk = sentencepiece_model(self.tokens, self.scores, self.token_types, self._ids, self.unk_id,
-                                           self.add_space_prefix)
+            self._tk = sentencepiece_model(self.tokens, self.scores, self.token_types, self._ids,
+                                           self.unk_id, self.add_space_prefix)
         else:
             merges = get_list(metadata, "tokenizer.ggml.merges", str)
             if not merges:
-                raise TokenizerError("tokenizer.ggml.merges is missing: a gpt2 (byte-level BPE) vocabulary needs them")
+                raise TokenizerError("tokenizer.ggml.merges is missing: a gpt2 (byte-level BPE) "
+                                     "vocabulary needs them")
             self._tk = byte_level_model(self._ids, merges, PRE_TOKENIZERS[self.pre])
         add_special_tokens(self._tk, self.tokens, self.token_types)
-        self._tk_no_special = None  # a copy that leaves special-token text as text, made when first needed
+        # a copy that leaves special-token text as text, made when first needed
+        self._tk_no_special = None
         self._pieces, self._skippable = self._decoding_tables()
 
     def use_chat_template(self, source: str) -> None:
-        """Render chats with this template instead of the model's (--chat-template / --chat-template-file)."""
+        """Render chats with this template instead of the model's (--chat-template /
+        --chat-template-file)."""
         self.chat_template, self._template = source, None
 
     # ---- construction
@@ -147,13 +155,14 @@ class Tokenizer(Vocabulary):
         """Token ids for `text`.
 
         add_special: add BOS (and EOS) where the file says to (`tokenizer.ggml.add_bos_token`, ...).
-        parse_special: text of control tokens (e.g. "<|im_start|>") becomes that token; with False it is
-        encoded as ordinary text (user-defined tokens are still matched, as in llama.cpp).
+        parse_special: text of control tokens (e.g. "<|im_start|>") becomes that token; with False
+        it is encoded as ordinary text (user-defined tokens are still matched, as in llama.cpp).
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
         tk = self._tk if parse_special else self._no_special_tokenizer()
-        if len(text) > _HOLDS_GIL:      # encode_batch lets go of the GIL (encode does not): other threads run
+        # encode_batch lets go of the GIL (encode does not): other threads run
+        if len(text) > _HOLDS_GIL:
             ids = tk.encode_batch([text], add_special_tokens=False)[0].ids
         else:
             ids = tk.encode(text, add_special_tokens=False).ids if text else []
@@ -169,8 +178,8 @@ class Tokenizer(Vocabulary):
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """The text of `ids`. Bytes that are not valid UTF-8 become U+FFFD.
 
-        skip_special: leave out control tokens (BOS, EOS, <|im_start|>, ...). For SentencePiece vocabularies
-        the space that encoding puts before the text is taken off again.
+        skip_special: leave out control tokens (BOS, EOS, <|im_start|>, ...). For SentencePiece
+        vocabularies the space that encoding puts before the text is taken off again.
         """
         return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
 
@@ -190,11 +199,13 @@ class Tokenizer(Vocabulary):
             out += piece
         return bytes(out)
 
-    def stream_decoder(self, skip_special: bool = False, start_of_text: bool = False) -> StreamDecoder:
-        """An incremental decoder: `.add(token_id)` returns only complete characters, `.flush()` the rest.
+    def stream_decoder(self, skip_special: bool = False,
+                       start_of_text: bool = False) -> StreamDecoder:
+        """An incremental decoder: `.add(token_id)` returns only complete characters, `.flush()` the
+        rest.
 
-        start_of_text: the tokens start the text (not a continuation of a prompt), so the SentencePiece
-        prefix space is taken off like `decode` does.
+        start_of_text: the tokens start the text (not a continuation of a prompt), so the
+        SentencePiece prefix space is taken off like `decode` does.
         """
         return StreamDecoder(self, skip_special, start_of_text)
 
@@ -209,7 +220,8 @@ class Tokenizer(Vocabulary):
         return self._pieces[self._check_id(token_id)]
 
     def is_special(self, token_id: int) -> bool:
-        """A control token (BOS, EOS, <|im_start|>, ...), left out by `decode(skip_special=True)`."""
+        """A control token (BOS, EOS, <|im_start|>, ...), left out by
+        `decode(skip_special=True)`."""
         return self._skippable[self._check_id(token_id)]
 
     def is_eos(self, token_id: int) -> bool:
@@ -233,12 +245,13 @@ class Tokenizer(Vocabulary):
         chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """The prompt text for a chat, rendered with the model's template (`tokenizer.chat_template`).
+        """The prompt text for a chat, rendered with the model's template
+        (`tokenizer.chat_template`).
 
-        Extra keyword arguments reach the template as variables (e.g. `enable_thinking=False`; any name, even
-        `self`), and override the special tokens. Raises NoChatTemplateError when the model has none and
-        `chat_template` is not given, ChatTemplateError when rendering fails or passes its bounds (output
-        size, time: see template_bounds.py).
+        Extra keyword arguments reach the template as variables (e.g. `enable_thinking=False`; any
+        name, even `self`), and override the special tokens. Raises NoChatTemplateError when the
+        model has none and `chat_template` is not given, ChatTemplateError when rendering fails or
+        passes its bounds (output size, time: see template_bounds.py).
         """
         from strata_jax.gguf.chat_template import ChatTemplate, NoChatTemplateError
 
@@ -258,20 +271,22 @@ class Tokenizer(Vocabulary):
         }
         variables = {k: v for k, v in special.items() if v is not None}
         variables.update(kwargs)
-        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                               **variables)
 
     def __repr__(self) -> str:
         pre = f", pre={self.pre!r}" if self.pre else ""
         return (
-            f"Tokenizer(model={self.model!r}{pre}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
-            f"eos_ids={sorted(self.eos_ids)})"
+            f"Tokenizer(model={self.model!r}{pre}, vocab_size={self.vocab_size}, "
+            f"bos_id={self.bos_id}, eos_ids={sorted(self.eos_ids)})"
         )
 
     # ---- helpers
 
     def _check_id(self, token_id: int) -> int:
         if not 0 <= token_id < len(self.tokens):
-            raise ValueError(f"token id {token_id} is outside the vocabulary (0..{len(self.tokens) - 1})")
+            raise ValueError(f"token id {token_id} is outside the vocabulary "
+                             f"(0..{len(self.tokens) - 1})")
         return int(token_id)
 
     def _no_special_tokenizer(self) -> _HFTokenizer:
@@ -285,11 +300,13 @@ class Tokenizer(Vocabulary):
 class StreamDecoder:
     """Turns token ids into text as they arrive, never splitting a character across two outputs.
 
-    A character can span several tokens (byte-level BPE pieces, `<0xXX>` byte tokens): its bytes are held
-    until it is complete. The outputs joined, plus `flush()`, equal `Tokenizer.decode` of all the ids.
+    A character can span several tokens (byte-level BPE pieces, `<0xXX>` byte tokens): its bytes are
+    held until it is complete. The outputs joined, plus `flush()`, equal `Tokenizer.decode` of all
+    the ids.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, start_of_text: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False,
+                 start_of_text: bool = False):
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._strip_space = start_of_text and tokenizer.add_space_prefix

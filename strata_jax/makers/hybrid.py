@@ -1,7 +1,9 @@
-"""The hybrid Gated DeltaNet + MoE families (qwen3next, qwen35moe) for make_model: their layers' tensors and
-metadata keys, with llama.cpp's names and shapes (src/models/qwen3next.cpp / qwen35moe.cpp; gguf-py's
-MODEL_TENSORS). Layer i is full (gated) attention when (i + 1) % full_attention_interval == 0, else a Gated
-DeltaNet ("recurrent") layer; the NextN (MTP) block after the main layers is gated attention; every layer's FFN is routed experts plus a sigmoid-gated shared expert.
+"""The hybrid Gated DeltaNet + MoE families (qwen3next, qwen35moe) for make_model: their layers'
+tensors and metadata keys, with llama.cpp's names and shapes (src/models/qwen3next.cpp /
+qwen35moe.cpp; gguf-py's MODEL_TENSORS). Layer i is full (gated) attention when (i + 1) %
+full_attention_interval == 0, else a Gated DeltaNet ("recurrent") layer; the NextN (MTP) block after
+the main layers is gated attention; every layer's FFN is routed experts plus a sigmoid-gated shared
+expert.
 
 Shapes here are numpy order ([rows, cols]): GGUF's {cols, rows} reversed.
 """
@@ -17,14 +19,16 @@ HYBRID_ARCHS = ("qwen3next", "qwen35moe")
 
 
 def is_recurrent(layer: int, interval: int, n_layers: int) -> bool:
-    """llama.cpp's default layer pattern: every `interval`-th layer is full attention, and so is the NextN (MTP)
-    block after the `n_layers` main ones."""
+    """llama.cpp's default layer pattern: every `interval`-th layer is full attention, and so is the
+    NextN (MTP) block after the `n_layers` main ones."""
     return layer < n_layers and (layer + 1) % interval != 0
 
 
-def hybrid_layer_tensors(b: str, layer: int, o: Any, weight, f32, norm, quant, attn_q, expert_q) -> list:
-    """Block `b` (= "blk.N.") of a hybrid model: its mixing tensors (gated attention or Gated DeltaNet), then
-    the MoE FFN with its gated shared expert. `weight`, `f32`, `norm`: make_model's planners."""
+def hybrid_layer_tensors(b: str, layer: int, o: Any, weight, f32, norm, quant, attn_q,
+                         expert_q) -> list:
+    """Block `b` (= "blk.N.") of a hybrid model: its mixing tensors (gated attention or Gated
+    DeltaNet), then the MoE FFN with its gated shared expert. `weight`, `f32`, `norm`: make_model's
+    planners."""
     h, hd, residual = o.hidden, o.head_dim, 1.0 / math.sqrt(2 * o.layers)
     plan = [norm(b + "attn_norm.weight", (h,))]
     if is_recurrent(layer, o.full_attention_interval, o.layers):
@@ -34,17 +38,20 @@ def hybrid_layer_tensors(b: str, layer: int, o: Any, weight, f32, norm, quant, a
                  weight(b + "attn_gate.weight", (inner, h), attn_q, 1 / math.sqrt(h)),
                  f32(b + "ssm_conv1d.weight", (qkv, o.ssm_conv), 0.0, 1 / math.sqrt(o.ssm_conv)),
                  f32(b + "ssm_dt.bias", (hv,), 0.0, 0.5),
-                 f32(b + "ssm_a", (hv,), -1.0, 0.2),               # -exp(A_log): the converter's sign
+                 # -exp(A_log): the converter's sign
+                 f32(b + "ssm_a", (hv,), -1.0, 0.2),
                  norm(b + "ssm_norm.weight", (dk,)),
                  weight(b + "ssm_out.weight", (h, inner), attn_q, residual / math.sqrt(inner))]
-        if o.arch == "qwen3next":                                 # beta and alpha in one matrix, per k-head groups
+        # beta and alpha in one matrix, per k-head groups
+        if o.arch == "qwen3next":
             plan.append(weight(b + "ssm_ba.weight", (2 * hv, h), attn_q, 1 / math.sqrt(h)))
         else:
             plan += [weight(b + "ssm_beta.weight", (hv, h), attn_q, 1 / math.sqrt(h)),
                      weight(b + "ssm_alpha.weight", (hv, h), attn_q, 1 / math.sqrt(h))]
     else:
         q, kv = o.heads * hd, o.kv_heads * hd
-        plan += [weight(b + "attn_q.weight", (2 * q, h), attn_q, 1 / math.sqrt(h)),    # each head: [q | gate]
+        # each head: [q | gate]
+        plan += [weight(b + "attn_q.weight", (2 * q, h), attn_q, 1 / math.sqrt(h)),
                  weight(b + "attn_k.weight", (kv, h), attn_q, 1 / math.sqrt(h)),
                  weight(b + "attn_v.weight", (kv, h), attn_q, 1 / math.sqrt(h)),
                  norm(b + "attn_q_norm.weight", (hd,)), norm(b + "attn_k_norm.weight", (hd,)),
@@ -63,7 +70,8 @@ def hybrid_layer_tensors(b: str, layer: int, o: Any, weight, f32, norm, quant, a
 
 
 def hybrid_keys(o: Any) -> dict[str, tuple[Any, tuple]]:
-    """The family's own metadata keys (beside make_model's common ones), as convert_hf_to_gguf.py writes them."""
+    """The family's own metadata keys (beside make_model's common ones), as convert_hf_to_gguf.py
+    writes them."""
     u32 = (GGUFValueType.UINT32, None)
     a = o.arch
     keys = {f"{a}.ssm.conv_kernel": (o.ssm_conv, u32),
@@ -73,9 +81,11 @@ def hybrid_keys(o: Any) -> dict[str, tuple[Any, tuple]]:
             f"{a}.ssm.inner_size": (o.ssm_v_heads * o.ssm_head_dim, u32),
             f"{a}.full_attention_interval": (o.full_attention_interval, u32),
             f"{a}.expert_shared_feed_forward_length": (o.shared_ffn, u32)}
-    if a == "qwen35moe":     # multimodal rope sections (text positions use the first rope_dims / 2 pairs)
+    # multimodal rope sections (text positions use the first rope_dims / 2 pairs)
+    if a == "qwen35moe":
         half = o.rope_dims // 2
         first = math.ceil(half * 11 / 32)
         sections = [first, first, half - 2 * first, 0] if half >= 2 * first else [half, 0, 0, 0]
-        keys[f"{a}.rope.dimension_sections"] = (sections, (GGUFValueType.ARRAY, GGUFValueType.INT32))
+        keys[f"{a}.rope.dimension_sections"] = (sections,
+                                                (GGUFValueType.ARRAY, GGUFValueType.INT32))
     return keys

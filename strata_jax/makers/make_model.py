@@ -2,12 +2,13 @@
 
     paths = make_model(tmp / "tiny.gguf", arch="qwen3moe", experts=8, quant="Q4_K", split=3)
 
-Tensor names, shapes and metadata keys are llama.cpp's (gguf-py's MODEL_TENSORS / TENSOR_NAMES / Keys), so
-llama.cpp and Hugging Face transformers read the files too. Weights are random quant blocks with sane
-scales (`pallas_kernels.random_blocks`), std 1/sqrt(fan_in) so activations and logits stay O(1); norms are
-F32 ones plus a little noise, and routers F32 as llama.cpp's quantizer leaves them. Tensors are written one
-at a time, so a model larger than RAM can be made. `split=N` writes N parts in llama.cpp's gguf-split
-layout (OUT-00001-of-0000N.gguf ..., metadata in part 1, split.no/count/tensors.count in each).
+Tensor names, shapes and metadata keys are llama.cpp's (gguf-py's MODEL_TENSORS / TENSOR_NAMES /
+Keys), so llama.cpp and Hugging Face transformers read the files too. Weights are random quant
+blocks with sane scales (`pallas_kernels.random_blocks`), std 1/sqrt(fan_in) so activations and
+logits stay O(1); norms are F32 ones plus a little noise, and routers F32 as llama.cpp's quantizer
+leaves them. Tensors are written one at a time, so a model larger than RAM can be made. `split=N`
+writes N parts in llama.cpp's gguf-split layout (OUT-00001-of-0000N.gguf ..., metadata in part 1,
+split.no/count/tensors.count in each).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe", *HYBRID_ARCHS)
 ARCHS = (*SUPPORTED_ARCHITECTURES, *READ_ONLY_ARCHITECTURES)
 GLM_ONLY = ("leading_dense", "nextn", "nextn_head", "qk_norm", "rope_dims", "expert_weights_scale")
-HYBRID_TOO = ("rope_dims", "nextn", "nextn_head")  # of GLM_ONLY, the flags the hybrid families take as well
+# of GLM_ONLY, the flags the hybrid families take as well
+HYBRID_TOO = ("rope_dims", "nextn", "nextn_head")
 DENSE_ONLY_ARCHS = ("qwen2", "qwen3")
 _PRE_TOKENIZER = {"llama": "llama-bpe"}  # the qwen families: "qwen2"
 
@@ -52,10 +54,12 @@ class ModelOptions:
     kv_heads: int = 2
     head_dim: int | None = None  # default hidden // heads
     ffn: int = 128  # dense FFN width (qwen3moe and qwen2moe write it too, as their files do)
-    experts: int | None = None  # default 8 for qwen2moe/qwen3moe, 0 for llama (>0: Mixtral-style MoE)
+    # default 8 for qwen2moe/qwen3moe, 0 for llama (>0: Mixtral-style MoE)
+    experts: int | None = None
     experts_used: int = 2
     expert_ffn: int = 32
-    shared_ffn: int = 64  # qwen2moe's shared expert; glm4moe's: a multiple of expert_ffn (expert_shared_count)
+    # qwen2moe's shared expert; glm4moe's: a multiple of expert_ffn (expert_shared_count)
+    shared_ffn: int = 64
     vocab: int | None = None  # default 512, or the size of --tokenizer-from's vocabulary
     context: int = 2048
     rope_theta: float = 10000.0
@@ -64,9 +68,10 @@ class ModelOptions:
     expert_quant: str | None = None
     attn_quant: str | None = None
     embed_quant: str | None = None  # token_embd and output
-    # As llama.cpp's Q4_K_M mix: the ffn_down (dense, shared and experts) and attn_v tensors of the layers it
-    # gives more bits (llama.cpp's use_more_bits(i, n): i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2, over the
-    # file's blocks) use this type instead (e.g. quant Q4_K, more_bits_quant Q6_K); None: no such layers.
+    # As llama.cpp's Q4_K_M mix: the ffn_down (dense, shared and experts) and attn_v tensors of the
+    # layers it gives more bits (llama.cpp's use_more_bits(i, n): i < n/8, i >= 7n/8, or (i - n/8) %
+    # 3 == 2, over the file's blocks) use this type instead (e.g. quant Q4_K, more_bits_quant Q6_K);
+    # None: no such layers.
     more_bits_quant: str | None = None
     tied: bool = False  # no output.weight: the output projection is token_embd
     seed: int = 0
@@ -76,11 +81,14 @@ class ModelOptions:
     # GLM-4.5 (glm4moe) only:
     leading_dense: int | None = None  # dense-FFN layers before the MoE ones (default 1)
     nextn: int = 0  # NextN (MTP) layers after the main ones: blk.{layers}.* with blk.N.nextn.*
-    nextn_head: bool = False  # the NextN layer's own embed_tokens and shared_head_head (else it shares the main ones)
+    # the NextN layer's own embed_tokens and shared_head_head (else it shares the main ones)
+    nextn_head: bool = False
     qk_norm: bool = False  # per-head q/k norms (GLM-4.5 355B has them)
-    rope_dims: int | None = None  # rotated dims a head (default half the head, as GLM-4.5's partial_rotary_factor)
+    # rotated dims a head (default half the head, as GLM-4.5's partial_rotary_factor)
+    rope_dims: int | None = None
     expert_weights_scale: float | None = None  # routed_scaling_factor (default 2.5, as GLM-4.5)
-    # qwen3next / qwen35moe only (makers/hybrid.py): the Gated DeltaNet layers' sizes and the layer pattern
+    # qwen3next / qwen35moe only (makers/hybrid.py): the Gated DeltaNet layers' sizes and the layer
+    # pattern
     ssm_conv: int = 4  # ssm.conv_kernel: the causal conv's taps
     ssm_k_heads: int = 2  # ssm.group_count: q/k heads
     ssm_v_heads: int = 4  # ssm.time_step_rank: v heads (a multiple of the k heads)
@@ -93,24 +101,30 @@ class ModelOptions:
             raise ValueError(f"--arch {self.arch!r} is not one of {', '.join(ARCHS)}")
         experts = self.experts if self.experts is not None else (8 if self.arch in MOE_ARCHS else 0)
         if self.arch in DENSE_ONLY_ARCHS and experts:
-            raise ValueError(f"{self.arch} is a dense family; for experts use --arch {self.arch}moe")
+            raise ValueError(f"{self.arch} is a dense family; for experts use --arch "
+                             f"{self.arch}moe")
         if self.arch in MOE_ARCHS and experts < 2:
             raise ValueError(f"{self.arch} needs --experts of at least 2 (got {experts})")
         if experts and not 1 <= self.experts_used <= experts:
             raise ValueError(f"--experts-used must be 1..{experts} (got {self.experts_used})")
-        for flag in ("layers", "hidden", "heads", "kv_heads", "ffn", "expert_ffn", "shared_ffn", "context", "split"):
+        for flag in ("layers", "hidden", "heads", "kv_heads", "ffn", "expert_ffn", "shared_ffn",
+                     "context", "split"):
             if getattr(self, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(self, flag)})")
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 (got "
+                                 f"{getattr(self, flag)})")
         if self.heads % self.kv_heads:
-            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
+            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads "
+                             f"{self.kv_heads}")
         head_dim = self.head_dim
         if head_dim is None:
             if self.hidden % self.heads:
-                raise ValueError(f"--hidden {self.hidden} is not a multiple of --heads {self.heads}: give --head-dim")
+                raise ValueError(f"--hidden {self.hidden} is not a multiple of --heads "
+                                 f"{self.heads}: give --head-dim")
             head_dim = self.hidden // self.heads
         if head_dim % 2:
             raise ValueError(f"the head size must be even for rotary embeddings (got {head_dim})")
-        for q in (self.quant, self.expert_quant, self.attn_quant, self.embed_quant, self.more_bits_quant):
+        for q in (self.quant, self.expert_quant, self.attn_quant, self.embed_quant,
+                  self.more_bits_quant):
             if q is not None:
                 as_qtype(q)  # raises UnsupportedQuantType listing the supported ones
         if self.arch in HYBRID_ARCHS:
@@ -118,45 +132,56 @@ class ModelOptions:
         if self.arch != "glm4moe":
             for flag in GLM_ONLY:
                 if getattr(self, flag) not in (None, 0, False):
-                    raise ValueError(f"--{flag.replace('_', '-')} is for --arch glm4moe (got --arch {self.arch})")
-            return replace(self, experts=experts, head_dim=head_dim, leading_dense=0, rope_dims=head_dim,
-                           expert_weights_scale=1.0)
+                    raise ValueError(f"--{flag.replace('_', '-')} is for --arch glm4moe (got "
+                                     f"--arch {self.arch})")
+            return replace(self, experts=experts, head_dim=head_dim, leading_dense=0,
+                           rope_dims=head_dim, expert_weights_scale=1.0)
         leading = 1 if self.leading_dense is None else self.leading_dense
         if not 0 <= leading < self.layers:
-            raise ValueError(f"--leading-dense must be 0..{self.layers - 1} (--layers {self.layers}; got {leading})")
+            raise ValueError(f"--leading-dense must be 0..{self.layers - 1} (--layers "
+                             f"{self.layers}; got {leading})")
         if self.nextn < 0:
             raise ValueError(f"--nextn must be 0 or more (got {self.nextn})")
         if self.nextn_head and not self.nextn:
             raise ValueError("--nextn-head needs --nextn 1 or more")
         if self.shared_ffn % self.expert_ffn:
-            raise ValueError(f"glm4moe's shared expert is expert_shared_count experts wide: --shared-ffn "
-                             f"{self.shared_ffn} must be a multiple of --expert-ffn {self.expert_ffn}")
+            raise ValueError("glm4moe's shared expert is expert_shared_count experts wide: "
+                             f"--shared-ffn {self.shared_ffn} must be a multiple of --expert-ffn "
+                             f"{self.expert_ffn}")
         rope_dims = head_dim // 2 if self.rope_dims is None else self.rope_dims
         if not 0 < rope_dims <= head_dim or rope_dims % 2:
-            raise ValueError(f"--rope-dims must be even and 2..{head_dim} (the head size; got {rope_dims})")
+            raise ValueError(f"--rope-dims must be even and 2..{head_dim} (the head size; got "
+                             f"{rope_dims})")
         scale = 2.5 if self.expert_weights_scale is None else self.expert_weights_scale
-        return replace(self, experts=experts, head_dim=head_dim, leading_dense=leading, rope_dims=rope_dims,
-                       expert_weights_scale=scale)
+        return replace(self, experts=experts, head_dim=head_dim, leading_dense=leading,
+                       rope_dims=rope_dims, expert_weights_scale=scale)
 
 
     def _hybrid(self, experts: int, head_dim: int) -> ModelOptions:
         for flag in GLM_ONLY:
             if flag not in HYBRID_TOO and getattr(self, flag) not in (None, 0, False):
-                raise ValueError(f"--{flag.replace('_', '-')} is for --arch glm4moe (got --arch {self.arch})")
-        if self.nextn not in (0, 1):     # llama.cpp's qwen3next / qwen35moe graphs run one MTP block
+                raise ValueError(f"--{flag.replace('_', '-')} is for --arch glm4moe (got --arch "
+                                 f"{self.arch})")
+        # llama.cpp's qwen3next / qwen35moe graphs run one MTP block
+        if self.nextn not in (0, 1):
             raise ValueError(f"--nextn must be 0 or 1 for {self.arch} (got {self.nextn})")
         if self.nextn_head and not self.nextn:
             raise ValueError("--nextn-head needs --nextn 1")
-        for flag in ("ssm_conv", "ssm_k_heads", "ssm_v_heads", "ssm_head_dim", "full_attention_interval"):
+        for flag in ("ssm_conv", "ssm_k_heads", "ssm_v_heads", "ssm_head_dim",
+                     "full_attention_interval"):
             if getattr(self, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(self, flag)})")
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 (got "
+                                 f"{getattr(self, flag)})")
         if self.ssm_v_heads % self.ssm_k_heads:
-            raise ValueError(f"--ssm-v-heads {self.ssm_v_heads} must be a multiple of --ssm-k-heads {self.ssm_k_heads}")
-        rope_dims = max(2, head_dim // 4) if self.rope_dims is None else self.rope_dims    # partial_rotary_factor 0.25
+            raise ValueError(f"--ssm-v-heads {self.ssm_v_heads} must be a multiple of "
+                             f"--ssm-k-heads {self.ssm_k_heads}")
+        # partial_rotary_factor 0.25
+        rope_dims = max(2, head_dim // 4) if self.rope_dims is None else self.rope_dims
         if not 0 < rope_dims <= head_dim or rope_dims % 2:
-            raise ValueError(f"--rope-dims must be even and 2..{head_dim} (the head size; got {rope_dims})")
-        return replace(self, experts=experts, head_dim=head_dim, leading_dense=0, rope_dims=rope_dims,
-                       expert_weights_scale=1.0)
+            raise ValueError(f"--rope-dims must be even and 2..{head_dim} (the head size; got "
+                             f"{rope_dims})")
+        return replace(self, experts=experts, head_dim=head_dim, leading_dense=0,
+                       rope_dims=rope_dims, expert_weights_scale=1.0)
 
 
 def make_model(out_path: str | Path, **options: Any) -> list[Path]:
@@ -167,25 +192,29 @@ def make_model(out_path: str | Path, **options: Any) -> list[Path]:
     vocab = len(tokenizer_keys["tokenizer.ggml.tokens"][0])
     plan = _plan_tensors(o, vocab)
     if not 1 <= o.split <= len(plan):
-        raise ValueError(f"--split {o.split}: the model has {len(plan)} tensors, so 1..{len(plan)} parts")
+        raise ValueError(f"--split {o.split}: the model has {len(plan)} tensors, so 1..{len(plan)} "
+                         "parts")
     _report_fallbacks(plan)
 
     out_path = Path(out_path)
     writer = GGUFWriter(out_path, o.arch)
     for key, (value, (vtype, sub)) in (_model_keys(o, vocab) | tokenizer_keys).items():
         writer.add_key_value(key, value, vtype, sub)
-    starts = {round(i * len(plan) / o.split) for i in range(1, o.split)}  # first tensor of parts 2..N
+    # first tensor of parts 2..N
+    starts = {round(i * len(plan) / o.split) for i in range(1, o.split)}
     for i, t in enumerate(plan):
         # GGUFWriter starts a new part when the current one holds split_max_tensors tensors.
         writer.split_max_tensors = 1 if i in starts else (len(plan) if o.split > 1 else 0)
-        writer.add_tensor_info(t.name, t.byte_shape, np.dtype(np.uint8), t.n_bytes, raw_dtype=t.qtype)
+        writer.add_tensor_info(t.name, t.byte_shape, np.dtype(np.uint8), t.n_bytes,
+                               raw_dtype=t.qtype)
     paths = writer.format_shard_names(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file(out_path)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for t in plan:
-        rng = np.random.default_rng([o.seed, zlib.crc32(t.name.encode())])  # independent of the other tensors
+        # independent of the other tensors
+        rng = np.random.default_rng([o.seed, zlib.crc32(t.name.encode())])
         writer.write_tensor_data(t.make(rng))
     writer.close()
     return paths
@@ -215,12 +244,14 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
     embed_q = as_qtype(o.embed_quant or quant)
     attn_q = as_qtype(o.attn_quant or quant)
     expert_q = as_qtype(o.expert_quant or quant)
-    residual = 1.0 / math.sqrt(2 * o.layers)  # keeps the residual stream O(1) however deep the model
+    # keeps the residual stream O(1) however deep the model
+    residual = 1.0 / math.sqrt(2 * o.layers)
     n_blocks = o.layers + o.nextn
 
     def weight(name: str, shape: tuple[int, ...], qtype: QType, std: float) -> _Planned:
         fitted = qtype if shape[-1] % block_size(qtype) == 0 else _fallback(qtype)
-        return _Planned(name, shape, fitted, lambda rng: random_blocks(fitted, shape, rng, std=std), qtype)
+        return _Planned(name, shape, fitted,
+                        lambda rng: random_blocks(fitted, shape, rng, std=std), qtype)
 
     def f32(name: str, shape: tuple[int, ...], mean: float, std: float) -> _Planned:
         def make(rng: np.random.Generator) -> np.ndarray:
@@ -239,13 +270,15 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
             if i >= o.layers:   # the MTP block: a gated-attention MoE block and the NextN tensors
                 plan += _nextn_tensors(b, o, vocab, quant, embed_q, weight, norm)
             continue
-        more = as_qtype(o.more_bits_quant) if o.more_bits_quant and use_more_bits(i, n_blocks) else None
+        more = (as_qtype(o.more_bits_quant) if o.more_bits_quant and use_more_bits(i, n_blocks)
+                else None)
         plan += [norm(b + "attn_norm.weight", (h,)),
                  weight(b + "attn_q.weight", (q, h), attn_q, 1 / math.sqrt(h)),
                  weight(b + "attn_k.weight", (kv, h), attn_q, 1 / math.sqrt(h)),
                  weight(b + "attn_v.weight", (kv, h), more or attn_q, 1 / math.sqrt(h))]
         if o.arch in ("qwen2", "qwen2moe", "glm4moe"):
-            plan += [f32(b + "attn_q.bias", (q,), 0.0, 0.1), f32(b + "attn_k.bias", (kv,), 0.0, 0.1),
+            plan += [f32(b + "attn_q.bias", (q,), 0.0, 0.1),
+                     f32(b + "attn_k.bias", (kv,), 0.0, 0.1),
                      f32(b + "attn_v.bias", (kv,), 0.0, 0.1)]
         if o.arch in ("qwen3", "qwen3moe") or o.qk_norm:
             plan += [norm(b + "attn_q_norm.weight", (hd,)), norm(b + "attn_k_norm.weight", (hd,))]
@@ -258,8 +291,11 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
             plan += [f32(b + "ffn_gate_inp.weight", (e, h), 0.0, 1 / math.sqrt(h)),
                      weight(b + "ffn_gate_exps.weight", (e, f, h), expert_q, 1 / math.sqrt(h)),
                      weight(b + "ffn_up_exps.weight", (e, f, h), expert_q, 1 / math.sqrt(h)),
-                     weight(b + "ffn_down_exps.weight", (e, h, f), more or expert_q, residual / math.sqrt(f))]
-            if glm:  # the choosing bias: large enough against the sigmoid scores' gaps to change some choices
+                     weight(b + "ffn_down_exps.weight", (e, h, f), more or expert_q,
+                            residual / math.sqrt(f))]
+            # the choosing bias: large enough against the sigmoid scores' gaps to change some
+            # choices
+            if glm:
                 plan.append(f32(b + "exp_probs_b.bias", (e,), 0.0, 0.05))
             if o.arch in ("qwen2moe", "glm4moe"):
                 s = o.shared_ffn
@@ -267,11 +303,13 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
                     plan.append(f32(b + "ffn_gate_inp_shexp.weight", (h,), 0.0, 1 / math.sqrt(h)))
                 plan += [weight(b + "ffn_gate_shexp.weight", (s, h), quant, 1 / math.sqrt(h)),
                          weight(b + "ffn_up_shexp.weight", (s, h), quant, 1 / math.sqrt(h)),
-                         weight(b + "ffn_down_shexp.weight", (h, s), more or quant, residual / math.sqrt(s))]
+                         weight(b + "ffn_down_shexp.weight", (h, s), more or quant,
+                                residual / math.sqrt(s))]
         else:
             plan += [weight(b + "ffn_gate.weight", (o.ffn, h), quant, 1 / math.sqrt(h)),
                      weight(b + "ffn_up.weight", (o.ffn, h), quant, 1 / math.sqrt(h)),
-                     weight(b + "ffn_down.weight", (h, o.ffn), more or quant, residual / math.sqrt(o.ffn))]
+                     weight(b + "ffn_down.weight", (h, o.ffn), more or quant,
+                            residual / math.sqrt(o.ffn))]
     plan.append(norm("output_norm.weight", (h,)))
     if not o.tied:
         plan.append(weight("output.weight", (vocab, h), embed_q, 1 / math.sqrt(h)))
@@ -279,12 +317,14 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
-    """llama.cpp's rule (src/llama-quant.cpp) for the layers whose attn_v and ffn_down Q4_K_M makes Q6_K:
-    the first and last eighth of the layers, and every third one between."""
-    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+    """llama.cpp's rule (src/llama-quant.cpp) for the layers whose attn_v and ffn_down Q4_K_M makes
+    Q6_K: the first and last eighth of the layers, and every third one between."""
+    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
+            or (i_layer - n_layers // 8) % 3 == 2)
 
 
-def _nextn_tensors(b: str, o: ModelOptions, vocab: int, quant: QType, embed_q: QType, weight, norm) -> list[_Planned]:
+def _nextn_tensors(b: str, o: ModelOptions, vocab: int, quant: QType, embed_q: QType, weight,
+                   norm) -> list[_Planned]:
     """A NextN (MTP) block's own tensors, llama.cpp's names and shapes (eh_proj: GGUF {2h, h})."""
     h = o.hidden
     plan = [weight(b + "nextn.eh_proj.weight", (h, 2 * h), quant, 1 / math.sqrt(2 * h)),
@@ -307,13 +347,14 @@ def _report_fallbacks(plan: list[_Planned]) -> None:
             groups.setdefault((t.wanted, t.qtype, t.shape[-1]), []).append(t.name)
     for (wanted, used, row), names in groups.items():
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        log.warning("%d tensor(s) stored as %s instead of %s: their rows of %d values are not a whole number of "
-                    "%s blocks of %d (%s)", len(names), used.name, wanted.name, row, wanted.name,
-                    block_size(wanted), shown)
+        log.warning("%d tensor(s) stored as %s instead of %s: their rows of %d values are not a "
+                    "whole number of %s blocks of %d (%s)", len(names), used.name, wanted.name, row,
+                    wanted.name, block_size(wanted), shown)
 
 
 def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]:
-    u32, f32, s = (GGUFValueType.UINT32, None), (GGUFValueType.FLOAT32, None), (GGUFValueType.STRING, None)
+    u32, f32, s = ((GGUFValueType.UINT32, None), (GGUFValueType.FLOAT32, None),
+                   (GGUFValueType.STRING, None))
     a = o.arch
     mixtral = a == "llama" and o.experts > 0
     keys: dict[str, tuple[Any, ValueType]] = {
@@ -334,7 +375,8 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
         f"{a}.rope.freq_base": (o.rope_theta, f32),
         f"{a}.rope.dimension_count": (o.rope_dims, u32),
     }
-    file_type = {QType.F32: "ALL_F32", QType.F16: "MOSTLY_F16"}.get(as_qtype(o.quant), f"MOSTLY_{as_qtype(o.quant).name}")
+    file_type = {QType.F32: "ALL_F32",
+                 QType.F16: "MOSTLY_F16"}.get(as_qtype(o.quant), f"MOSTLY_{as_qtype(o.quant).name}")
     if file_type in LlamaFileType.__members__:
         keys["general.file_type"] = (int(LlamaFileType[file_type]), u32)
     if o.experts:
@@ -365,12 +407,14 @@ def _tokenizer_keys(o: ModelOptions) -> dict[str, tuple[Any, ValueType]]:
     from strata_jax.gguf import GGUFModel
 
     src = GGUFModel.open(o.tokenizer_from, strict=False)
-    keys = {k: (v, src.metadata_types[k]) for k, v in src.metadata.items() if k.startswith("tokenizer.")}
+    keys = {k: (v, src.metadata_types[k]) for k, v in src.metadata.items()
+               if k.startswith("tokenizer.")}
     if "tokenizer.ggml.tokens" not in keys:
-        raise ValueError(f"--tokenizer-from {o.tokenizer_from}: that GGUF has no tokenizer.ggml.tokens")
+        raise ValueError(f"--tokenizer-from {o.tokenizer_from}: that GGUF has no "
+                         "tokenizer.ggml.tokens")
     n = len(keys["tokenizer.ggml.tokens"][0])
     if o.vocab is not None and o.vocab != n:
-        raise ValueError(f"--vocab {o.vocab} disagrees with --tokenizer-from {o.tokenizer_from}, whose vocabulary "
-                         f"has {n} tokens: leave --vocab out")
+        raise ValueError(f"--vocab {o.vocab} disagrees with --tokenizer-from {o.tokenizer_from}, "
+                         f"whose vocabulary has {n} tokens: leave --vocab out")
     return keys
 

@@ -1,10 +1,10 @@
 """A small built-in byte-level BPE tokenizer for synthetic models, as GGUF `tokenizer.*` metadata.
 
-Layout (GPT-2 style, as llama.cpp's "gpt2" tokenizer model and transformers' GGUF converter read it):
-ids 0..255 are the 256 bytes in GPT-2's byte-to-unicode spelling (id == byte value), then merges learned
-by `tokenizers`' BPE trainer on a fixed text below (so the same every time), then the special tokens
-(<|endoftext|>, <|im_start|>, <|im_end|>, and <think>/</think> as user-defined tokens, as Qwen3 has
-them), then [PAD<id>] tokens up to the vocabulary size asked for.
+Layout (GPT-2 style, as llama.cpp's "gpt2" tokenizer model and transformers' GGUF converter read
+it): ids 0..255 are the 256 bytes in GPT-2's byte-to-unicode spelling (id == byte value), then
+merges learned by `tokenizers`' BPE trainer on a fixed text below (so the same every time), then the
+special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, and <think>/</think> as user-defined
+tokens, as Qwen3 has them), then [PAD<id>] tokens up to the vocabulary size asked for.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ if __name__ == "__main__":
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2024 3.14159 42.
 The user asked a question and the assistant answered it. The assistant thinks before it answers.
 Water boils at 100 degrees Celsius at sea level. The sun rises in the east and sets in the west.
-"""
+"""  # noqa: E501
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ class TinyTokenizer:
 
 def tiny_tokenizer(vocab_size: int) -> TinyTokenizer:
     if vocab_size < MIN_VOCAB:
-        raise ValueError(f"the built-in tokenizer needs a vocabulary of at least {MIN_VOCAB} tokens "
-                         f"(256 bytes + {MIN_VOCAB - 256} special tokens); got {vocab_size}")
+        raise ValueError(f"the built-in tokenizer needs a vocabulary of at least {MIN_VOCAB} "
+                         f"tokens (256 bytes + {MIN_VOCAB - 256} special tokens); got {vocab_size}")
     n_merges = vocab_size - MIN_VOCAB
     byte_tokens = _byte_tokens()
     merges = list(_learned_merges())[:n_merges]
@@ -100,8 +100,10 @@ def tiny_tokenizer(vocab_size: int) -> TinyTokenizer:
 
 @lru_cache(maxsize=1)
 def _byte_tokens() -> list[str]:
-    """GPT-2's byte-to-unicode map, in byte order: printable bytes spell themselves, the rest map to 256+."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    """GPT-2's byte-to-unicode map, in byte order: printable bytes spell themselves, the rest map to
+    256+."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
@@ -112,7 +114,8 @@ def _learned_merges() -> tuple[str, ...]:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    trainer = trainers.BpeTrainer(vocab_size=4096,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False, special_tokens=[])
     tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
     merges = json.loads(tok.to_str())["model"]["merges"]

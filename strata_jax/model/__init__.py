@@ -8,10 +8,11 @@ from .transformer import ForwardOut, Group, RunOptions, new_kv_cache
 from .weights import QTensor, linear
 
 
-def forward(params: dict, spec, opts: RunOptions, groups: tuple[Group, ...], cache: dict, kv_len: int,
-            with_hidden: bool = False, host=None, counts=None) -> ForwardOut:
-    """One window of the model's family: transformer.forward, or hybrid.forward for the Gated DeltaNet
-    hybrids (qwen3next, qwen35moe). The family is the spec's, static: a program holds one of them."""
+def forward(params: dict, spec, opts: RunOptions, groups: tuple[Group, ...], cache: dict,
+            kv_len: int, with_hidden: bool = False, host=None, counts=None) -> ForwardOut:
+    """One window of the model's family: transformer.forward, or hybrid.forward for the Gated
+    DeltaNet hybrids (qwen3next, qwen35moe). The family is the spec's, static: a program holds one
+    of them."""
     family = hybrid if spec.deltanet is not None else transformer
     return family.forward(params, spec, opts, groups, cache, kv_len, with_hidden, host, counts)
 

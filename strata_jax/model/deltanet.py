@@ -1,20 +1,20 @@
 """The Gated DeltaNet layer of the hybrid families (qwen3next, qwen35moe), as pure functions.
 
-A DeltaNet layer mixes tokens through a fixed-size state a slot instead of a KV cache: a causal depthwise
-conv over q, k and v (its state: the last conv_kernel - 1 inputs) and, per v-head, a d_k x d_v matrix S
-updated by the gated delta rule (llama.cpp src/models/qwen3next.cpp and delta-net-base.cpp; transformers'
-modeling_qwen3_next.py):
+A DeltaNet layer mixes tokens through a fixed-size state a slot instead of a KV cache: a causal
+depthwise conv over q, k and v (its state: the last conv_kernel - 1 inputs) and, per v-head, a d_k x
+d_v matrix S updated by the gated delta rule (llama.cpp src/models/qwen3next.cpp and
+delta-net-base.cpp; transformers' modeling_qwen3_next.py):
 
     S <- exp(g) S;   u = beta (v - S^T k);   S <- S + k u^T;   o = S^T q
 
-Two forms compute it: `recurrent` (a token at a time: decode) and `chunked` (64 tokens at a time with a
-triangular solve inside each chunk: prompt reading), the same function of the inputs to float32 rounding
-(tests/test_deltanet.py checks one against the other).
+Two forms compute it: `recurrent` (a token at a time: decode) and `chunked` (64 tokens at a time
+with a triangular solve inside each chunk: prompt reading), the same function of the inputs to
+float32 rounding (tests/test_deltanet.py checks one against the other).
 
-Windows hold padding (pos -1, after a row's real tokens): a padding token has g = 0 and beta = 0, so it
-leaves S as it was, and the conv state is taken after the row's last real token. A row whose first token
-is at position 0 starts from a zero state: a slot's state is reset by the sequence that begins in it, as its
-KV is overwritten, with nothing for the engine to clear.
+Windows hold padding (pos -1, after a row's real tokens): a padding token has g = 0 and beta = 0, so
+it leaves S as it was, and the conv state is taken after the row's last real token. A row whose
+first token is at position 0 starts from a zero state: a slot's state is reset by the sequence that
+begins in it, as its KV is overwritten, with nothing for the engine to clear.
 """
 
 from __future__ import annotations
@@ -28,20 +28,22 @@ from .layers import norm_linear_many, rms_norm
 from .weights import linear
 
 CHUNK = 64               # the chunked form's chunk (llama.cpp's and transformers')
-CHUNKED_FROM = 32        # rows of this many tokens or more use the chunked form (static: L is a program's shape)
+# rows of this many tokens or more use the chunked form (static: L is a program's shape)
+CHUNKED_FROM = 32
 
 
 def l2_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """x / sqrt(sum x^2 + eps) over the last axis (llama.cpp's ggml_l2_norm; transformers' l2norm)."""
+    """x / sqrt(sum x^2 + eps) over the last axis (llama.cpp's ggml_l2_norm; transformers'
+    l2norm)."""
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, n_real: jax.Array,
                 steps: bool = False) -> tuple[jax.Array, ...]:
-    """The depthwise causal conv, then SiLU: x [R, L, C] after state [R, K-1, C] (the K-1 inputs before x's
-    first), w [K, C] (tap K-1 is the current token) -> (silu(conv) [R, L, C], the new state: the K-1 inputs
-    before position n_real [R] of each row, its real tokens' end), and with `steps` the state after each
-    token [R, L, K-1, C] third."""
+    """The depthwise causal conv, then SiLU: x [R, L, C] after state [R, K-1, C] (the K-1 inputs
+    before x's first), w [K, C] (tap K-1 is the current token) -> (silu(conv) [R, L, C], the new
+    state: the K-1 inputs before position n_real [R] of each row, its real tokens' end), and with
+    `steps` the state after each token [R, L, K-1, C] third."""
     K, L = w.shape[0], x.shape[1]
     xs = jnp.concatenate([state.astype(x.dtype), x], axis=1)                  # [R, K-1+L, C]
     out = xs[:, 0:L] * w[0]
@@ -54,14 +56,15 @@ def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, n_real: jax.Array,
 
 
 def recurrent(q, k, v, g, beta, S, steps: bool = False):
-    """The gated delta rule a token at a time. q, k [R, L, H, dk] (q already scaled), v [R, L, H, dv],
-    g, beta [R, L, H], S [R, H, dk, dv] float32 -> (o [R, L, H, dv], S after the L tokens), and with `steps`
-    S after each token [R, L, H, dk, dv] third. The products are element-wise sums over dk, in a fixed order
-    whatever the window's size (transformers' form)."""
+    """The gated delta rule a token at a time. q, k [R, L, H, dk] (q already scaled), v [R, L, H,
+    dv], g, beta [R, L, H], S [R, H, dk, dv] float32 -> (o [R, L, H, dv], S after the L tokens), and
+    with `steps` S after each token [R, L, H, dk, dv] third. The products are element-wise sums over
+    dk, in a fixed order whatever the window's size (transformers' form)."""
     def step(S, t):
         qt, kt, vt, gt, bt = t
         S = S * jnp.exp(gt)[..., None, None]
-        mem = jnp.sum(S * kt[..., None], axis=-2)                                  # S^T k [R, H, dv]
+        # S^T k [R, H, dv]
+        mem = jnp.sum(S * kt[..., None], axis=-2)
         S = S + kt[..., None] * ((vt - mem) * bt[..., None])[..., None, :]
         o = jnp.sum(S * qt[..., None], axis=-2)
         return S, ((o, S) if steps else o)
@@ -74,11 +77,12 @@ def recurrent(q, k, v, g, beta, S, steps: bool = False):
 
 
 def chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
-    """The gated delta rule `chunk` tokens at a time (recurrent's arguments and result). Within a chunk, with
-    G the cumulative sum of g: A = strictly lower (beta_i k_i . k_j e^(G_i - G_j)), T = (I + A)^-1 (a
-    triangular solve), W = T (beta K e^G), U = T (beta V); then per chunk, in order:
-    v' = U - W S;  o = (Q e^G) S + tril(Q K^T e^(G_i - G_j)) v';  S <- e^(G_last) S + (K e^(G_last - G))^T v'.
-    The decays are masked before exp (exp of the upper triangle's positive sums overflows)."""
+    """The gated delta rule `chunk` tokens at a time (recurrent's arguments and result). Within a
+    chunk, with G the cumulative sum of g: A = strictly lower (beta_i k_i . k_j e^(G_i - G_j)), T =
+    (I + A)^-1 (a triangular solve), W = T (beta K e^G), U = T (beta V); then per chunk, in order:
+    v' = U - W S;  o = (Q e^G) S + tril(Q K^T e^(G_i - G_j)) v';  S <- e^(G_last) S + (K e^(G_last -
+    G))^T v'. The decays are masked before exp (exp of the upper triangle's positive sums
+    overflows)."""
     R, L, H, _ = q.shape
     pad = -L % chunk
     if pad:
@@ -94,13 +98,16 @@ def chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
     G = jnp.cumsum(g, axis=-1)                                                  # [R, H, N, chunk]
     lower = jnp.tril(jnp.ones((chunk, chunk), bool))
     diff = G[..., :, None] - G[..., None, :]
-    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)       # e^(G_i - G_j), i >= j
+    # e^(G_i - G_j), i >= j
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
     kb, vb = k * beta[..., None], v * beta[..., None]
     A = jnp.einsum("...id,...jd->...ij", kb, k) * decay
     A = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), A, 0.0)
     T = _unit_lower_inverse(A)
-    U = jnp.einsum("...ij,...jd->...id", T, vb)                                   # [R, H, N, chunk, dv]
-    W = jnp.einsum("...ij,...jd->...id", T, kb * jnp.exp(G)[..., None])           # [R, H, N, chunk, dk]
+    # [R, H, N, chunk, dv]
+    U = jnp.einsum("...ij,...jd->...id", T, vb)
+    # [R, H, N, chunk, dk]
+    W = jnp.einsum("...ij,...jd->...id", T, kb * jnp.exp(G)[..., None])
     intra = jnp.einsum("...id,...jd->...ij", q, k) * decay
     qg = q * jnp.exp(G)[..., None]
     kd = k * jnp.exp(G[..., -1:] - G)[..., None]
@@ -114,16 +121,17 @@ def chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
         return S, o
 
     seq = tuple(jnp.moveaxis(a, 2, 0) for a in (U, W, intra, qg, kd, last))
-    S, o = lax.scan(step, S, seq)                                                # o [N, R, H, chunk, dv]
+    # o [N, R, H, chunk, dv]
+    S, o = lax.scan(step, S, seq)
     o = jnp.moveaxis(o, 0, 2).reshape(R, H, N * chunk, -1)[:, :, :L]
     return jnp.moveaxis(o, 1, 2), S
 
 
 def _unit_lower_inverse(A: jax.Array) -> jax.Array:
-    """(I + A)^-1 for A strictly lower triangular [..., C, C], by forward substitution a row at a time (row i
-    = e_i - A[i, :i] T[:i]): plain XLA operations. XLA:CPU's triangular_solve is a runtime call that, beside
-    the C++ kernels' own threads, hung a 256-token prompt chunk now and then (the engine waited on the
-    window's result with every thread idle)."""
+    """(I + A)^-1 for A strictly lower triangular [..., C, C], by forward substitution a row at a
+    time (row i = e_i - A[i, :i] T[:i]): plain XLA operations. XLA:CPU's triangular_solve is a
+    runtime call that, beside the C++ kernels' own threads, hung a 256-token prompt chunk now and
+    then (the engine waited on the window's result with every thread idle)."""
     C = A.shape[-1]
     eye = jnp.eye(C, dtype=A.dtype)
 
@@ -139,18 +147,20 @@ def delta_rule(q, k, v, g, beta, S):
 
 
 def _heads(x: jax.Array, spec: ModelSpec) -> jax.Array:
-    """q or k [R, L, Hk, dk] -> [R, L, Hv, dk]: each v-head's q/k head. qwen3next keeps transformers' grouped
-    order (v-head h reads k-head h // (Hv / Hk)); qwen35moe's converter tiled the v-heads (h reads h % Hk)."""
+    """q or k [R, L, Hk, dk] -> [R, L, Hv, dk]: each v-head's q/k head. qwen3next keeps
+    transformers' grouped order (v-head h reads k-head h // (Hv / Hk)); qwen35moe's converter tiled
+    the v-heads (h reads h % Hk)."""
     d = spec.deltanet
     r = d.v_heads // d.k_heads
     if r == 1:
         return x
-    return jnp.tile(x, (1, 1, r, 1)) if spec.architecture == "qwen35moe" else jnp.repeat(x, r, axis=2)
+    return (jnp.tile(x, (1, 1, r, 1)) if spec.architecture == "qwen35moe"
+            else jnp.repeat(x, r, axis=2))
 
 
 def _beta_alpha(lp, spec: ModelSpec, ys: list) -> tuple[jax.Array, jax.Array]:
-    """The beta and alpha projections [R, L, Hv]: qwen3next's one ssm_ba matrix holds them grouped per k-head
-    ([beta x r, alpha x r] a group), qwen35moe has two matrices."""
+    """The beta and alpha projections [R, L, Hv]: qwen3next's one ssm_ba matrix holds them grouped
+    per k-head ([beta x r, alpha x r] a group), qwen35moe has two matrices."""
     if lp.ssm_ba is None:
         return ys[0], ys[1]
     d = spec.deltanet
@@ -161,21 +171,23 @@ def _beta_alpha(lp, spec: ModelSpec, ys: list) -> tuple[jax.Array, jax.Array]:
 
 def mix(lp, spec: ModelSpec, backend: str, x: jax.Array, pos: jax.Array, conv_state: jax.Array,
         S: jax.Array, steps: bool = False) -> tuple[jax.Array, ...]:
-    """A DeltaNet layer's token mixing for one group: x [R, L, h] at positions pos [R, L] (-1: padding), the
-    rows' conv states [R, K-1, C] and delta-rule states S [R, Hv, dk, dv] -> (x + mixing, new conv state,
-    new S), and with `steps` (a verify window: the recurrent form) both states after each token
-    ([R, L, K-1, C], [R, L, Hv, dk, dv]) after them. lp: params.DeltaNetWeights."""
+    """A DeltaNet layer's token mixing for one group: x [R, L, h] at positions pos [R, L] (-1:
+    padding), the rows' conv states [R, K-1, C] and delta-rule states S [R, Hv, dk, dv] -> (x +
+    mixing, new conv state, new S), and with `steps` (a verify window: the recurrent form) both
+    states after each token ([R, L, K-1, C], [R, L, Hv, dk, dv]) after them. lp:
+    params.DeltaNetWeights."""
     d = spec.deltanet
     R, L, _ = x.shape
     ba = [lp.ssm_ba] if lp.ssm_ba is not None else [lp.ssm_beta, lp.ssm_alpha]
     _, (qkv, z, *ys) = norm_linear_many(x, lp.attn_norm, spec.rms_eps, [lp.qkv, lp.z, *ba], backend)
     b, a = _beta_alpha(lp, spec, ys)
     real = pos >= 0
-    fresh = (pos[:, 0] == 0)[:, None, None]                                    # a sequence starts: zero state
+    # a sequence starts: zero state
+    fresh = (pos[:, 0] == 0)[:, None, None]
     conv_state = jnp.where(fresh, 0.0, conv_state)
     S = jnp.where(fresh[..., None], 0.0, S)
-    c, conv_state, *conv_steps = causal_conv(qkv.astype(jnp.float32), conv_state, lp.conv, jnp.sum(real, axis=1),
-                                             steps)
+    c, conv_state, *conv_steps = causal_conv(qkv.astype(jnp.float32), conv_state, lp.conv,
+                                             jnp.sum(real, axis=1), steps)
     nk = d.k_heads * d.head_dim
     q = c[..., :nk].reshape(R, L, d.k_heads, d.head_dim)
     k = c[..., nk:2 * nk].reshape(R, L, d.k_heads, d.head_dim)
@@ -183,8 +195,10 @@ def mix(lp, spec: ModelSpec, backend: str, x: jax.Array, pos: jax.Array, conv_st
     q = _heads(l2_normalize(q, spec.rms_eps), spec) * (d.head_dim ** -0.5)
     k = _heads(l2_normalize(k, spec.rms_eps), spec)
     beta = jnp.where(real[..., None], jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
-    g = jnp.where(real[..., None], lp.ssm_a * jax.nn.softplus(a.astype(jnp.float32) + lp.dt_bias), 0.0)
-    o, S, *S_steps = recurrent(q, k, v, g, beta, S, True) if steps else delta_rule(q, k, v, g, beta, S)
+    g = jnp.where(real[..., None],
+                  lp.ssm_a * jax.nn.softplus(a.astype(jnp.float32) + lp.dt_bias), 0.0)
+    o, S, *S_steps = (recurrent(q, k, v, g, beta, S, True) if steps
+                      else delta_rule(q, k, v, g, beta, S))
     o = rms_norm(o, lp.ssm_norm, spec.rms_eps) * jax.nn.silu(z.astype(jnp.float32).reshape(o.shape))
     return (x + linear(o.reshape(R, L, -1).astype(x.dtype), lp.ssm_out, backend), conv_state, S,
             *conv_steps, *S_steps)

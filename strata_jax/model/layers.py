@@ -1,5 +1,5 @@
-"""The pieces of a decoder layer, as pure functions. Shapes: R rows (sequences in a window), L tokens a
-row, H query heads, K kv heads, D head dim, C cached positions, E experts."""
+"""The pieces of a decoder layer, as pure functions. Shapes: R rows (sequences in a window), L
+tokens a row, H query heads, K kv heads, D head dim, C cached positions, E experts."""
 
 from __future__ import annotations
 
@@ -21,30 +21,33 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def norm_linear_many(x: jax.Array, w: jax.Array, eps: float, ws: list[Weight],
                      backend: str) -> tuple[jax.Array, list[jax.Array]]:
-    """rms_norm(x, w, eps) and linear_many of it by `ws` (none: the norm alone) -> (hx, [hx @ W^T ...]).
-    The cpu backend, for float32 x and weights in blocks, computes the norm in the products' kernel call
-    (pallas_kernels.cpu.norm_qmatmul_many): one call instead of XLA's four small operations a norm (~2.4%
-    of a SmolLM2 decode token). Its norm is not XLA's bit for bit (its own fixed order a row), so every program that
-    computes a given norm (the whole-window one, the layer-stepped stages, the router's prediction) comes
-    here, and all get the same bits."""
-    if not pk.is_cpu(backend) or x.dtype != jnp.float32 or not all(isinstance(v, QTensor) for v in ws):
+    """rms_norm(x, w, eps) and linear_many of it by `ws` (none: the norm alone) -> (hx, [hx @ W^T
+    ...]). The cpu backend, for float32 x and weights in blocks, computes the norm in the products'
+    kernel call (pallas_kernels.cpu.norm_qmatmul_many): one call instead of XLA's four small
+    operations a norm (~2.4% of a SmolLM2 decode token). Its norm is not XLA's bit for bit (its own
+    fixed order a row), so every program that computes a given norm (the whole-window one, the
+    layer-stepped stages, the router's prediction) comes here, and all get the same bits."""
+    if (not pk.is_cpu(backend) or x.dtype != jnp.float32
+            or not all(isinstance(v, QTensor) for v in ws)):
         hx = rms_norm(x, w, eps)
         return hx, linear_many(hx, ws, backend) if ws else []
     lead = x.shape[:-1]
-    hx, ys = pk.norm_qmatmul_many(x.reshape(-1, x.shape[-1]), w, eps, [(v.data, v.qtype) for v in ws], backend)
+    hx, ys = pk.norm_qmatmul_many(x.reshape(-1, x.shape[-1]), w, eps,
+                                  [(v.data, v.qtype) for v in ws], backend)
     return hx.reshape(x.shape), [y.reshape(*lead, -1) for y in ys]
 
 
 def rope(x: jax.Array, pos: jax.Array, spec: ModelSpec) -> jax.Array:
     """Rotary embedding of x [R, L, heads, D] at positions pos [R, L].
 
-    llama.cpp's two layouts: "norm" rotates adjacent pairs (llama; its converter permuted q/k for it),
-    "neox" rotates the two halves of the rotated dims (Qwen)."""
+    llama.cpp's two layouts: "norm" rotates adjacent pairs (llama; its converter permuted q/k for
+    it), "neox" rotates the two halves of the rotated dims (Qwen)."""
     d = spec.rope_dims
     inv = 1.0 / (spec.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))          # [d/2]
     if spec.rope_scaling is not None and spec.rope_scaling.type == "linear":
         inv = inv / spec.rope_scaling.factor
-    ang = pos.astype(jnp.float32)[..., None, None] * inv                                    # [R, L, 1, d/2]
+    # [R, L, 1, d/2]
+    ang = pos.astype(jnp.float32)[..., None, None] * inv
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     xr, rest = x[..., :d].astype(jnp.float32), x[..., d:]
     if spec.rope_type == "neox":
@@ -53,36 +56,44 @@ def rope(x: jax.Array, pos: jax.Array, spec: ModelSpec) -> jax.Array:
     else:
         a, b = xr[..., 0::2], xr[..., 1::2]
         out = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(xr.shape)
-    return jnp.concatenate([out.astype(x.dtype), rest], axis=-1) if d < x.shape[-1] else out.astype(x.dtype)
+    return (jnp.concatenate([out.astype(x.dtype), rest], axis=-1) if d < x.shape[-1]
+            else out.astype(x.dtype))
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: int, more=None) -> jax.Array:
-    """q [R, L, H, D] over the cached k, v [R, C, K, D] (key c sits at position c); a query at position p
-    sees keys 0..p (none when p < 0: padding). -> [R, L, H, Dv].
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: int,
+           more=None) -> jax.Array:
+    """q [R, L, H, D] over the cached k, v [R, C, K, D] (key c sits at position c); a query at
+    position p sees keys 0..p (none when p < 0: padding). -> [R, L, H, Dv].
 
-    Keys are taken in chunks of `chunk` with an online softmax, always the same chunks in the same order.
-    A chunk that is wholly in a row's future changes nothing, bit for bit (its max is -inf: the running
-    max, the rescale factor 1.0 and the sums stay exactly as they were), so a row's result does not depend
-    on how long the window's longest row made C: the same request gives the same bits alone or batched.
+    Keys are taken in chunks of `chunk` with an online softmax, always the same chunks in the same
+    order. A chunk that is wholly in a row's future changes nothing, bit for bit (its max is -inf:
+    the running max, the rescale factor 1.0 and the sums stay exactly as they were), so a row's
+    result does not depend on how long the window's longest row made C: the same request gives the
+    same bits alone or batched.
 
     `more` (--kv-resident): keys past C that live in host RAM, as (fetch, block starts [n], block):
-    fetch(start) -> (k [R, block, K, D], v [R, block, K, Dv]) at positions start.. . They go through the
-    same step after the first C keys, chunk by chunk in position order: the same bits as one longer k, v.
+    fetch(start) -> (k [R, block, K, D], v [R, block, K, Dv]) at positions start.. . They go through
+    the same step after the first C keys, chunk by chunk in position order: the same bits as one
+    longer k, v.
     """
     R, L, H, D = q.shape
     C, K, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = H // K
     n = C // chunk
     qg = (q.astype(jnp.float32) / jnp.sqrt(jnp.float32(D))).reshape(R, L, K, G, D)
-    kc = k.reshape(R, n, chunk, K, D).swapaxes(0, 1)                                   # [n, R, chunk, K, D]
+    # [n, R, chunk, K, D]
+    kc = k.reshape(R, n, chunk, K, D).swapaxes(0, 1)
     vc = v.reshape(R, n, chunk, K, Dv).swapaxes(0, 1)
 
     def step(carry, xs):
-        m, s, acc = carry                                                               # [R, K, G, L] ...
+        # [R, K, G, L] ...
+        m, s, acc = carry
         kb, vb, c0 = xs
-        sc = jnp.einsum("rlkgd,rckd->rkglc", qg, kb.astype(jnp.float32))               # [R, K, G, L, chunk]
+        # [R, K, G, L, chunk]
+        sc = jnp.einsum("rlkgd,rckd->rkglc", qg, kb.astype(jnp.float32))
         kpos = c0 + jnp.arange(chunk, dtype=jnp.int32)
-        visible = kpos[None, None, :] <= q_pos[:, :, None]                              # [R, L, chunk]
+        # [R, L, chunk]
+        visible = kpos[None, None, :] <= q_pos[:, :, None]
         sc = jnp.where(visible[:, None, None], sc, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -101,15 +112,19 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
         nb = block // chunk
 
         def host_block(carry, b0):
-            kb, vb = fetch(b0)                                                          # [R, block, K, D]
-            kb = kb.reshape(R, nb, chunk, K, D).swapaxes(0, 1)                          # [nb, R, chunk, K, D]
+            # [R, block, K, D]
+            kb, vb = fetch(b0)
+            # [nb, R, chunk, K, D]
+            kb = kb.reshape(R, nb, chunk, K, D).swapaxes(0, 1)
             vb = vb.reshape(R, nb, chunk, K, Dv).swapaxes(0, 1)
-            carry, _ = jax.lax.scan(step, carry, (kb, vb, b0 + jnp.arange(nb, dtype=jnp.int32) * chunk))
+            carry, _ = jax.lax.scan(step, carry,
+                                    (kb, vb, b0 + jnp.arange(nb, dtype=jnp.int32) * chunk))
             return carry, None
 
         carry, _ = jax.lax.scan(host_block, carry, block_starts)
     _m, s, acc = carry
-    o = acc / jnp.where(s > 0, s, 1.0)[..., None]                                       # padding rows: 0
+    # padding rows: 0
+    o = acc / jnp.where(s > 0, s, 1.0)[..., None]
     return o.transpose(0, 3, 1, 2, 4).reshape(R, L, H, Dv).astype(q.dtype)
 
 
@@ -126,31 +141,37 @@ def swiglu_down(g: jax.Array, u: jax.Array, down: Weight, backend: str) -> jax.A
 
 def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
           bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Router: x [N, h] -> (weights [N, k] float32, expert ids [N, k] int32), as llama.cpp's build_moe_ffn.
+    """Router: x [N, h] -> (weights [N, k] float32, expert ids [N, k] int32), as llama.cpp's
+    build_moe_ffn.
 
-    `bias` [E] (GLM-4.5's exp_probs_b): added to the scores to choose the experts only; the weights are the
-    unbiased scores of the chosen ones."""
+    `bias` [E] (GLM-4.5's exp_probs_b): added to the scores to choose the experts only; the weights
+    are the unbiased scores of the chosen ones."""
     if pk.is_cpu(backend) and not isinstance(router, QTensor):
-        # the cpu kernel's fixed-order rows (ModelRunner.min_rows): the router's logits do not depend on
-        # how many rows the window has, so neither does the choice of experts
+        # the cpu kernel's fixed-order rows (ModelRunner.min_rows): the router's logits do not
+        # depend on how many rows the window has, so neither does the choice of experts
         logits = pk.cpu.f32_matmul(x, router)
     else:
         logits = linear(x.astype(jnp.float32), router, backend, transposed=False)           # [N, E]
-    probs = jax.nn.sigmoid(logits) if spec.expert_gating == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    probs = (jax.nn.sigmoid(logits) if spec.expert_gating == "sigmoid"
+             else jax.nn.softmax(logits, axis=-1))
     if bias is None:
         w, ids = jax.lax.top_k(probs, spec.n_experts_used)
     else:
         _, ids = jax.lax.top_k(probs + bias.astype(jnp.float32), spec.n_experts_used)
-        w = jnp.take_along_axis(probs, ids, axis=-1)                                         # [N, k]
+        # [N, k]
+        w = jnp.take_along_axis(probs, ids, axis=-1)
     if spec.expert_weights_norm:
-        # llama.cpp floors the sum at the smallest normal F16 so that near-zero sigmoid scores cannot divide to inf.
+        # llama.cpp floors the sum at the smallest normal F16 so that near-zero sigmoid scores
+        # cannot divide to inf.
         w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 6.103515625e-5)
     return w * spec.expert_weights_scale, ids.astype(jnp.int32)
 
 
-def moe(x: jax.Array, lp: LayerWeights, spec: ModelSpec, backend: str, axis: str | None = None) -> jax.Array:
-    """Mixture of experts over x [N, h]: each token's top-k experts, weighted; plus the shared expert.
-    axis: the mesh axis the experts are sharded over (--split experts; inside shard_map), else None."""
+def moe(x: jax.Array, lp: LayerWeights, spec: ModelSpec, backend: str,
+        axis: str | None = None) -> jax.Array:
+    """Mixture of experts over x [N, h]: each token's top-k experts, weighted; plus the shared
+    expert. axis: the mesh axis the experts are sharded over (--split experts; inside shard_map),
+    else None."""
     w, ids = route(x, lp.router.weight, spec, backend, lp.router.bias)
     if axis is None:
         y = expert_rows(x, ids, ids, lp.experts, spec.n_experts, backend)
@@ -159,20 +180,23 @@ def moe(x: jax.Array, lp: LayerWeights, spec: ModelSpec, backend: str, axis: str
     return combine_experts(x, y, w, lp.shared, backend)
 
 
-def sharded_expert_rows(x: jax.Array, ids: jax.Array, p: dict[str, Weight], n_experts: int, backend: str,
-                        axis: str) -> jax.Array:
-    """expert_rows when each device of mesh axis `axis` holds a contiguous E/N of the experts (p's leading
-    axis is the local one): each device computes only the rows whose expert it holds (local id = id -
-    axis_index * E/N; the others get id -1, which the cpu kernel skips and gives zeros for, or are masked),
-    then one psum adds the [N, k, h] rows over the axis. Exactly one device gives each row and the others
-    add exact zeros, so the sum is the row itself: the same bits as one device (tests/test_devices.py)."""
+def sharded_expert_rows(x: jax.Array, ids: jax.Array, p: dict[str, Weight], n_experts: int,
+                        backend: str, axis: str) -> jax.Array:
+    """expert_rows when each device of mesh axis `axis` holds a contiguous E/N of the experts (p's
+    leading axis is the local one): each device computes only the rows whose expert it holds (local
+    id = id - axis_index * E/N; the others get id -1, which the cpu kernel skips and gives zeros
+    for, or are masked), then one psum adds the [N, k, h] rows over the axis. Exactly one device
+    gives each row and the others add exact zeros, so the sum is the row itself: the same bits as
+    one device (tests/test_devices.py)."""
     held = _leading(p["exp_gate"])                                                          # E/N
     local = ids - jax.lax.axis_index(axis) * held
     mine = (local >= 0) & (local < held)                                                    # [N, k]
     if pk.is_cpu(backend) and isinstance(p["exp_gate"], QTensor):
-        where = jnp.where(mine, local, -1)          # the kernel reads no weights for -1 and gives zeros
+        # the kernel reads no weights for -1 and gives zeros
+        where = jnp.where(mine, local, -1)
     else:
-        where = jnp.where(mine, local, 0)           # XLA's tiles need a real expert: computed, then masked
+        # XLA's tiles need a real expert: computed, then masked
+        where = jnp.where(mine, local, 0)
     # n_experts (all of them, not E/N) fixes the tile count: the same shapes as on one device
     y = expert_rows(x, ids, where, p, n_experts, backend)
     y = jnp.where(mine[..., None], y, 0.0)
@@ -188,19 +212,23 @@ def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict[str, Wei
                 backend: str) -> jax.Array:
     """Each token's k expert outputs, not yet weighted: x [N, h], ids [N, k] -> float32 [N, k, h].
 
-    `where` [N, k] says where each chosen expert's weights are in p's tensors (EXPERT_TENSORS): the expert id itself
-    when they hold every expert, an arena slot when they hold a device cache (expert tiers). `n_groups`
-    fixes the tile count, so the same rows give the same shapes (and bits) either way. A row's result
-    depends only on its own input and expert (tiles multiply rows independently)."""
+    `where` [N, k] says where each chosen expert's weights are in p's tensors (EXPERT_TENSORS): the
+    expert id itself when they hold every expert, an arena slot when they hold a device cache
+    (expert tiers). `n_groups` fixes the tile count, so the same rows give the same shapes (and
+    bits) either way. A row's result depends only on its own input and expert (tiles multiply rows
+    independently)."""
     N, h = x.shape
     k = ids.shape[1]
-    rows = jnp.repeat(x, k, axis=0)                                                         # [N*k, h]
+    # [N*k, h]
+    rows = jnp.repeat(x, k, axis=0)
     if pk.is_cpu(backend) and isinstance(p["exp_gate"], QTensor):
         # The cpu kernel groups rows by expert itself and multiplies each row once: no tiles to fill
         # (a tile of 8 rows for one decode token's expert is 7 rows of padding multiplied).
         e = where.reshape(-1)                                                               # [N*k]
-        gate, up = pk.expert_matmul_many(rows, e, [(p[n].data, p[n].qtype) for n in ("exp_gate", "exp_up")], backend)
-        y = pk.expert_matmul(jax.nn.silu(gate) * up, p["exp_down"].data, e, p["exp_down"].qtype, backend)
+        gate, up = pk.expert_matmul_many(rows, e, [(p[n].data, p[n].qtype)
+                                                   for n in ("exp_gate", "exp_up")], backend)
+        y = pk.expert_matmul(jax.nn.silu(gate) * up, p["exp_down"].data, e, p["exp_down"].qtype,
+                             backend)
         return y.reshape(N, k, h).astype(jnp.float32)
     g = pk.group_rows(where.reshape(-1), n_groups, pk.expert_tile(backend))
     xt = pk.scatter_rows(rows, g)
@@ -210,26 +238,32 @@ def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict[str, Wei
     return pk.gather_rows(y, g).reshape(N, k, h).astype(jnp.float32)
 
 
-def expert_rows_sources(x: jax.Array, ids: jax.Array, where: jax.Array, trees: list[dict[str, QTensor]],
-                        backend: str) -> jax.Array:
-    """expert_rows with each chosen expert in one of several places (cpu backends, block weights): `trees`
-    the places' expert tensors in order (an expert tier's arena slots, then every expert's host blocks),
-    `where` [N, k] the expert's index over them in order (pk.expert_matmul_sources), -1 none (zeros).
-    One kernel call a product; a row's bits are those expert_rows gives from the tree that holds it."""
+def expert_rows_sources(x: jax.Array, ids: jax.Array, where: jax.Array,
+                        trees: list[dict[str, QTensor]], backend: str) -> jax.Array:
+    """expert_rows with each chosen expert in one of several places (cpu backends, block weights):
+    `trees` the places' expert tensors in order (an expert tier's arena slots, then every expert's
+    host blocks), `where` [N, k] the expert's index over them in order (pk.expert_matmul_sources),
+    -1 none (zeros). One kernel call a product; a row's bits are those expert_rows gives from the
+    tree that holds it."""
     N, h = x.shape
     k = ids.shape[1]
-    rows = jnp.repeat(x, k, axis=0)                                                         # [N*k, h]
+    # [N*k, h]
+    rows = jnp.repeat(x, k, axis=0)
     e = where.reshape(-1)
     gate, up = pk.expert_matmul_sources(rows, e, [[(t[n].data, t[n].qtype) for t in trees]
                                                   for n in ("exp_gate", "exp_up")], backend)
-    y, = pk.expert_matmul_sources(jax.nn.silu(gate) * up, e, [[(t["exp_down"].data, t["exp_down"].qtype)
+    y, = pk.expert_matmul_sources(jax.nn.silu(gate) * up, e,
+                                  [[(t["exp_down"].data, t["exp_down"].qtype)
                                                                for t in trees]], backend)
     return y.reshape(N, k, h).astype(jnp.float32)
 
 
-def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, shared: Mlp | None, backend: str) -> jax.Array:
-    """The weighted sum of the experts' outputs y [N, k, h] (weights w [N, k]), plus the shared expert."""
-    if pk.is_cpu(backend):      # element-wise, in expert order: no dot whose path depends on the row count
+def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, shared: Mlp | None,
+                    backend: str) -> jax.Array:
+    """The weighted sum of the experts' outputs y [N, k, h] (weights w [N, k]), plus the shared
+    expert."""
+    # element-wise, in expert order: no dot whose path depends on the row count
+    if pk.is_cpu(backend):
         out = y[:, 0] * w[:, 0, None]
         for j in range(1, y.shape[1]):
             out = out + y[:, j] * w[:, j, None]
@@ -238,7 +272,8 @@ def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, shared: Mlp | None
     if shared is not None:
         s = mlp(x, shared.gate, shared.up, shared.down, backend).astype(jnp.float32)
         if shared.gate_inp is not None:
-            x32, g = x.astype(jnp.float32), shared.gate_inp.astype(jnp.float32).reshape(-1)   # g [h]
+            # g [h]
+            x32, g = x.astype(jnp.float32), shared.gate_inp.astype(jnp.float32).reshape(-1)
             score = pk.cpu.f32_matmul(x32, g[None, :])[:, 0] if pk.is_cpu(backend) else x32 @ g
             s = s * jax.nn.sigmoid(score)[:, None]
         out = out + s

@@ -1,10 +1,11 @@
-"""A decoder layer's weights as typed pytrees: which parts a layer has is a field that is set or None, not
-a string key to look for, so a family's differences (q/k/v biases, q/k norms, experts in place of the FFN, a
-shared expert, an expert-choosing bias) read as `lp.router is not None`.
+"""A decoder layer's weights as typed pytrees: which parts a layer has is a field that is set or
+None, not a string key to look for, so a family's differences (q/k/v biases, q/k norms, experts in
+place of the FFN, a shared expert, an expert-choosing bias) read as `lp.router is not None`.
 
-Every class is a dataclass pytree (flattened in C++, see weights.QTensor) whose fields are all data: a None
-field is an empty subtree, so a program's inputs hold only the parts a layer has, and two layers with the
-same parts and shapes share one program (engine/execute/stepped.py groups them by tree structure).
+Every class is a dataclass pytree (flattened in C++, see weights.QTensor) whose fields are all data:
+a None field is an empty subtree, so a program's inputs hold only the parts a layer has, and two
+layers with the same parts and shapes share one program (engine/execute/stepped.py groups them by
+tree structure).
 """
 
 from __future__ import annotations
@@ -15,18 +16,21 @@ import jax
 
 from .weights import Weight
 
-EXPERT_TENSORS = ("exp_gate", "exp_up", "exp_down")   # the routed experts' names in `LayerWeights.experts`
+# the routed experts' names in `LayerWeights.experts`
+EXPERT_TENSORS = ("exp_gate", "exp_up", "exp_down")
 
 
 def _pytree(cls):
-    return jax.tree_util.register_dataclass(cls, data_fields=[f.name for f in fields(cls)], meta_fields=[])
+    return jax.tree_util.register_dataclass(cls, data_fields=[f.name for f in fields(cls)],
+                                            meta_fields=[])
 
 
 @_pytree
 @dataclass(frozen=True)
 class Mlp:
-    """SwiGLU, down(silu(gate x) * up x): a dense layer's FFN, or a MoE layer's shared expert. gate_inp [h]:
-    qwen2moe's sigmoid gate on the shared expert's output (ffn_gate_inp_shexp), else None."""
+    """SwiGLU, down(silu(gate x) * up x): a dense layer's FFN, or a MoE layer's shared expert.
+    gate_inp [h]: qwen2moe's sigmoid gate on the shared expert's output (ffn_gate_inp_shexp), else
+    None."""
     gate: Weight
     up: Weight
     down: Weight
@@ -36,8 +40,8 @@ class Mlp:
 @_pytree
 @dataclass(frozen=True)
 class Router:
-    """A MoE layer's expert choice: weight [E, h] float32 (not transposed: see load.py); bias [E]: GLM-4.5's
-    exp_probs_b, added to the scores to choose only, else None."""
+    """A MoE layer's expert choice: weight [E, h] float32 (not transposed: see load.py); bias [E]:
+    GLM-4.5's exp_probs_b, added to the scores to choose only, else None."""
     weight: jax.Array
     bias: jax.Array | None = None
 
@@ -45,10 +49,10 @@ class Router:
 @_pytree
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer. Attention: attn_norm, wq, wk, wv, wo, and where the family has them the q/k/v
-    biases (qwen2*, glm4moe) and per-head q/k norms (qwen3*). Then ffn_norm and either `mlp` (a dense layer)
-    or `router` with `experts` (EXPERT_TENSORS -> [E, n, k] each; None while the expert tiers hold them) and
-    an optional `shared` expert."""
+    """One decoder layer. Attention: attn_norm, wq, wk, wv, wo, and where the family has them the
+    q/k/v biases (qwen2*, glm4moe) and per-head q/k norms (qwen3*). Then ffn_norm and either `mlp`
+    (a dense layer) or `router` with `experts` (EXPERT_TENSORS -> [E, n, k] each; None while the
+    expert tiers hold them) and an optional `shared` expert."""
     attn_norm: jax.Array
     wq: Weight
     wk: Weight
@@ -74,28 +78,33 @@ class LayerWeights:
 
     @classmethod
     def from_named(cls, t: dict) -> LayerWeights:
-        """From load.py's short names (wq, w_gate, router, exp_gate, sh_up, ...) -> the typed layer. A dense
-        FFN or a router that is only partly there is a broken file: GGUFModel's checks name it first."""
+        """From load.py's short names (wq, w_gate, router, exp_gate, sh_up, ...) -> the typed layer.
+        A dense FFN or a router that is only partly there is a broken file: GGUFModel's checks name
+        it first."""
         def mlp(prefix: str, gate_inp: str | None = None) -> Mlp | None:
             if prefix + "gate" not in t:
                 return None
-            return Mlp(t[prefix + "gate"], t[prefix + "up"], t[prefix + "down"], t.get(gate_inp) if gate_inp else None)
+            return Mlp(t[prefix + "gate"], t[prefix + "up"], t[prefix + "down"],
+                       t.get(gate_inp) if gate_inp else None)
 
         experts = {n: t[n] for n in EXPERT_TENSORS if n in t} or None
         return cls(t["attn_norm"], t["wq"], t["wk"], t["wv"], t["wo"], t["ffn_norm"],
-                   bq=t.get("bq"), bk=t.get("bk"), bv=t.get("bv"), q_norm=t.get("q_norm"), k_norm=t.get("k_norm"),
-                   mlp=mlp("w_"), router=Router(t["router"], t.get("exp_bias")) if "router" in t else None,
+                   bq=t.get("bq"), bk=t.get("bk"), bv=t.get("bv"), q_norm=t.get("q_norm"),
+                   k_norm=t.get("k_norm"),
+                   mlp=mlp("w_"),
+                   router=Router(t["router"], t.get("exp_bias")) if "router" in t else None,
                    experts=experts, shared=mlp("sh_", "sh_router"))
 
 
 @_pytree
 @dataclass(frozen=True)
 class DeltaNetWeights:
-    """A Gated DeltaNet layer of the hybrid families (deltanet.py): attn_norm, qkv (attn_qkv: q and k of every
-    k-head, v of every v-head), z (attn_gate: the output gate), conv [K, C] (ssm_conv1d, float32), dt_bias and
-    ssm_a [Hv] (ssm_a = -exp(A_log), the converter's), ssm_norm [dv], ssm_out; beta and alpha as qwen3next's one
-    ssm_ba or qwen35moe's ssm_beta and ssm_alpha. The FFN is a MoE layer's, as LayerWeights' (router, experts,
-    shared), so layers.moe and the expert tiers read it the same way."""
+    """A Gated DeltaNet layer of the hybrid families (deltanet.py): attn_norm, qkv (attn_qkv: q and
+    k of every k-head, v of every v-head), z (attn_gate: the output gate), conv [K, C] (ssm_conv1d,
+    float32), dt_bias and ssm_a [Hv] (ssm_a = -exp(A_log), the converter's), ssm_norm [dv], ssm_out;
+    beta and alpha as qwen3next's one ssm_ba or qwen35moe's ssm_beta and ssm_alpha. The FFN is a MoE
+    layer's, as LayerWeights' (router, experts, shared), so layers.moe and the expert tiers read it
+    the same way."""
     attn_norm: jax.Array
     qkv: Weight
     z: Weight
@@ -124,8 +133,9 @@ class DeltaNetWeights:
     def from_named(cls, t: dict) -> DeltaNetWeights:
         """From load.py's short names (qkv, z, conv, ..., router, exp_gate, sh_up, ...)."""
         common = LayerWeights.from_named(t | {n: None for n in ("wq", "wk", "wv", "wo")})
-        return cls(t["attn_norm"], t["qkv"], t["z"], t["conv"], t["dt_bias"], t["ssm_a"], t["ssm_norm"],
+        return cls(t["attn_norm"], t["qkv"], t["z"], t["conv"], t["dt_bias"], t["ssm_a"],
+                   t["ssm_norm"],
                    t["ssm_out"], t["ffn_norm"], ssm_ba=t.get("ssm_ba"), ssm_beta=t.get("ssm_beta"),
-                   ssm_alpha=t.get("ssm_alpha"), router=common.router, experts=common.experts, shared=common.shared,
-                   mlp=common.mlp)
+                   ssm_alpha=t.get("ssm_alpha"), router=common.router, experts=common.experts,
+                   shared=common.shared, mlp=common.mlp)
 

@@ -1,10 +1,11 @@
-"""The layer-stepped window's own stages (engine/execute/stepped.py runs them, for the expert tiers).
+"""The layer-stepped window's own stages (engine/execute/stepped.py runs them, for the expert
+tiers).
 
-When the experts do not all sit on the device, a window runs as a chain of small programs: embed, then per
-layer "attention + router" (the router's choices go to the host, which brings the experts into the device
-arena) and "experts from the arena", then "head". Each is forward()'s arithmetic (transformer.py's attention,
-layers.py's route / expert_rows / combine_experts), in the same order, so the logits are the same bits;
-embed_stage and head_stage are forward()'s own start and end.
+When the experts do not all sit on the device, a window runs as a chain of small programs: embed,
+then per layer "attention + router" (the router's choices go to the host, which brings the experts
+into the device arena) and "experts from the arena", then "head". Each is forward()'s arithmetic
+(transformer.py's attention, layers.py's route / expert_rows / combine_experts), in the same order,
+so the logits are the same bits; embed_stage and head_stage are forward()'s own start and end.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from .params import DeltaNetWeights, LayerWeights, Mlp
 from .transformer import RunOptions, attention, decoder_layer
 
 
-def attn_router_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int,
-                      host=None):
-    """Attention of layer i (its index in the cache: spec.kv_layer; a hybrid family's DeltaNet layer mixes its
-    tokens through its state instead), then the FFN norm and the router, per group -> (x [R, L, h], hx [R*L, h],
-    router weights [R*L, k] float32, expert ids [R*L, k] int32) per group, and the cache."""
+def attn_router_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache,
+                      kv_len: int, host=None):
+    """Attention of layer i (its index in the cache: spec.kv_layer; a hybrid family's DeltaNet layer
+    mixes its tokens through its state instead), then the FFN norm and the router, per group -> (x
+    [R, L, h], hx [R*L, h], router weights [R*L, k] float32, expert ids [R*L, k] int32) per group,
+    and the cache."""
     outs = []
     if isinstance(lp, DeltaNetWeights):
         xs, cache = deltanet_mix(lp, i, spec, opts, groups, xs, cache)
@@ -44,12 +46,13 @@ def attn_router_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, gr
     return outs, cache
 
 
-def experts_stage(shared: Mlp | None, arena: dict, table, spec: ModelSpec, opts: RunOptions, parts, y_acc):
-    """The experts of one layer from the device arena (and its shared expert, `shared`, from the device's
-    weights: LayerWeights.shared): per group (x, hx, w, ids) and the expert outputs
-    found so far y_acc [N, k, h] -> (x + experts, y_acc). table [E] int32: each expert's arena slot, -1
-    when absent; rows whose expert is absent keep y_acc's value (the host runs a layer in several passes
-    when it needs more experts than the arena has slots)."""
+def experts_stage(shared: Mlp | None, arena: dict, table, spec: ModelSpec, opts: RunOptions,
+                  parts, y_acc):
+    """The experts of one layer from the device arena (and its shared expert, `shared`, from the
+    device's weights: LayerWeights.shared): per group (x, hx, w, ids) and the expert outputs
+    found so far y_acc [N, k, h] -> (x + experts, y_acc). table [E] int32: each expert's arena slot,
+    -1 when absent; rows whose expert is absent keep y_acc's value (the host runs a layer in several
+    passes when it needs more experts than the arena has slots)."""
     xs, ys = [], []
     for (x, hx, w, ids), acc in zip(parts, y_acc):
         slot = table[ids]                                                             # [N, k]
@@ -62,12 +65,12 @@ def experts_stage(shared: Mlp | None, arena: dict, table, spec: ModelSpec, opts:
     return xs, ys
 
 
-def tiered_experts_stage(shared: Mlp | None, arena: dict, host: dict, table, spec: ModelSpec, opts: RunOptions,
-                         groups, parts) -> list:
-    """experts_stage with the host tier's blocks beside the arena (--host-experts on a CPU, one program): each
-    routed expert read from the arena slot that holds it, else from host (every expert's blocks, the GGUF
-    file's pages), in one kernel call -> x + experts per group. The same kernel rows as from either alone,
-    so the same bits; padding rows (pos -1) read no expert."""
+def tiered_experts_stage(shared: Mlp | None, arena: dict, host: dict, table, spec: ModelSpec,
+                         opts: RunOptions, groups, parts) -> list:
+    """experts_stage with the host tier's blocks beside the arena (--host-experts on a CPU, one
+    program): each routed expert read from the arena slot that holds it, else from host (every
+    expert's blocks, the GGUF file's pages), in one kernel call -> x + experts per group. The same
+    kernel rows as from either alone, so the same bits; padding rows (pos -1) read no expert."""
     n_slots = arena["exp_gate"].data.shape[0]
     xs = []
     for g, (x, hx, w, ids) in zip(groups, parts):
@@ -80,18 +83,21 @@ def tiered_experts_stage(shared: Mlp | None, arena: dict, host: dict, table, spe
 
 
 def host_experts_stage(tree: dict, absent, spec: ModelSpec, parts, backend: str = "cpu") -> list:
-    """The experts of one layer that the device cache lacks, on the host device (experts/hybrid.py, "remote"):
-    per group (hx [N, h], ids [N, k]) and absent [E] int32 (the expert itself where the device cache lacks
-    it, -1 where it holds it) -> float32 [N, k, h] from the host tier's blocks with the cpu kernel; rows of
-    held experts are zeros and read no weights (the kernel skips id -1). The device's experts_stage
-    computes those and keeps these rows (its y_acc): expert_rows either way, so on CPUs the same bits.
-    backend: the engine's RunOptions.host_backend, "cpu" or "cpu-exact" (--cpu-math)."""
+    """The experts of one layer that the device cache lacks, on the host device (experts/hybrid.py,
+    "remote"): per group (hx [N, h], ids [N, k]) and absent [E] int32 (the expert itself where the
+    device cache lacks it, -1 where it holds it) -> float32 [N, k, h] from the host tier's blocks
+    with the cpu kernel; rows of held experts are zeros and read no weights (the kernel skips id
+    -1). The device's experts_stage computes those and keeps these rows (its y_acc): expert_rows
+    either way, so on CPUs the same bits. backend: the engine's RunOptions.host_backend, "cpu" or
+    "cpu-exact" (--cpu-math)."""
     if not pk.is_cpu(backend):
-        raise ValueError(f"host experts run the C++ CPU kernels: backend {backend!r} is not cpu or cpu-exact")
+        raise ValueError(f"host experts run the C++ CPU kernels: backend {backend!r} is not cpu or "
+                         "cpu-exact")
     return [expert_rows(hx, ids, absent[ids], tree, spec.n_experts, backend) for hx, ids in parts]
 
 
-def dense_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int):
-    """A dense layer (attention and FFN) among MoE ones (e.g. GLM-4.5's leading layers): forward()'s own
-    layer code, so the same bits."""
+def dense_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache,
+                kv_len: int):
+    """A dense layer (attention and FFN) among MoE ones (e.g. GLM-4.5's leading layers): forward()'s
+    own layer code, so the same bits."""
     return decoder_layer(lp, i, spec, opts, groups, xs, cache, kv_len)

@@ -1,14 +1,15 @@
-"""The decoder forward pass shared by the supported families (llama, qwen2, qwen3, qwen2moe, qwen3moe, glm4moe).
+"""The decoder forward pass shared by the supported families (llama, qwen2, qwen3, qwen2moe,
+qwen3moe, glm4moe).
 
-They differ only where ModelSpec says so: rope layout and partial rope (glm4moe rotates half of each head),
-q/k/v biases (qwen2*, glm4moe), per-head q/k norms (qwen3*, optional in glm4moe), experts in place of the
-dense FFN (with a gated shared expert for qwen2moe, an ungated one for glm4moe, whose sigmoid router adds a
-per-expert bias when choosing). GLM-4.5's NextN (MTP) layer is in mtp.py.
+They differ only where ModelSpec says so: rope layout and partial rope (glm4moe rotates half of each
+head), q/k/v biases (qwen2*, glm4moe), per-head q/k norms (qwen3*, optional in glm4moe), experts in
+place of the dense FFN (with a gated shared expert for qwen2moe, an ungated one for glm4moe, whose
+sigmoid router adds a per-expert bias when choosing). GLM-4.5's NextN (MTP) layer is in mtp.py.
 
-One call runs one window: R rows (one per slot), each with L tokens at positions `pos` (-1: padding).
-New keys and values are written into the slot's cache rows first, then every query attends to its
-slot's cached positions up to `kv_len` (a static bucket, so a handful of programs cover all lengths).
-Slot ids and positions are dynamic inputs: they never multiply compiled programs.
+One call runs one window: R rows (one per slot), each with L tokens at positions `pos` (-1:
+padding). New keys and values are written into the slot's cache rows first, then every query attends
+to its slot's cached positions up to `kv_len` (a static bucket, so a handful of programs cover all
+lengths). Slot ids and positions are dynamic inputs: they never multiply compiled programs.
 """
 
 from __future__ import annotations
@@ -40,44 +41,52 @@ class RunOptions:
     dtype: str = "float32"          # activations: float32 on a CPU, bfloat16 on a GPU
     backend: str = "xla"            # pallas_kernels backend for weights kept in blocks
     attn_chunk: int = 256           # keys an attention step reads; kv lengths are multiples of it
-    expert_axis: str | None = None  # --split experts: the mesh axis the routed experts are sharded over
-    host_backend: str = "cpu"       # host experts beside the device (model/stages.py): cpu | cpu-exact, by --cpu-math
+    # --split experts: the mesh axis the routed experts are sharded over host experts beside the
+    # device (model/stages.py): cpu | cpu-exact, by --cpu-math
+    expert_axis: str | None = None
+    host_backend: str = "cpu"
 
 
-def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype, steps: int = 0) -> dict[str, jax.Array]:
-    """Keys and values [layers, slots, max_context + 1, kv_heads, head_dim]; the extra position is where
-    padding tokens write, and no query ever reads it. int8: with a float32 scale per token and head
-    ([layers, slots, max_context + 1, kv_heads]). layers = spec.n_kv_layers: the attention layers (all of
-    them but a hybrid family's DeltaNet ones), then the NextN (MTP) layers' (mtp.py writes layer n_layers).
-    The hybrid families' DeltaNet state beside them: state_shapes (`steps`: its verify windows' tokens)."""
+def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype,
+                 steps: int = 0) -> dict[str, jax.Array]:
+    """Keys and values [layers, slots, max_context + 1, kv_heads, head_dim]; the extra position is
+    where padding tokens write, and no query ever reads it. int8: with a float32 scale per token and
+    head ([layers, slots, max_context + 1, kv_heads]). layers = spec.n_kv_layers: the attention
+    layers (all of them but a hybrid family's DeltaNet ones), then the NextN (MTP) layers' (mtp.py
+    writes layer n_layers). The hybrid families' DeltaNet state beside them: state_shapes (`steps`:
+    its verify windows' tokens)."""
     shape = (spec.n_kv_layers, n_slots, max_context + 1, spec.n_kv_heads, spec.head_dim)
     vshape = shape[:-1] + (spec.value_dim,)
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(vshape, dtype)}
     if jnp.dtype(dtype) == jnp.int8:
-        cache |= {"k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
-    return cache | {name: jnp.zeros(s, jnp.float32) for name, s in state_shapes(spec, n_slots, steps).items()}
+        cache |= {"k_scale": jnp.zeros(shape[:-1], jnp.float32),
+                  "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
+    return (cache | {name: jnp.zeros(s, jnp.float32)
+                     for name, s in state_shapes(spec, n_slots, steps).items()})
 
 
-# The cache's arrays with a positions axis (axis 2); a hybrid family's slot state (one a slot, no positions);
-# the rest ("conv_steps", "ssm_steps": state_shapes) live only through a verify window.
+# The cache's arrays with a positions axis (axis 2); a hybrid family's slot state (one a slot, no
+# positions); the rest ("conv_steps", "ssm_steps": state_shapes) live only through a verify window.
 POSITIONAL = ("k", "v", "k_scale", "v_scale")
 STATE = ("conv", "ssm")
 
 
 def state_shapes(spec: ModelSpec, n_slots: int, steps: int = 0) -> dict[str, tuple[int, ...]]:
-    """The hybrid families' per-slot DeltaNet state (deltanet.py), float32: "conv" [layers, slots + 1, K-1, C]
-    and "ssm" [layers, slots + 1, Hv, dk, dv] over the DeltaNet layers; slot n_slots is a scratch one that
-    window rows without a real token write (model/hybrid.py). With steps (speculative decoding: 1 + --spec,
-    a verify window's tokens a row), "conv_steps" and "ssm_steps" [layers, slots + 1, steps, ...] hold the
-    state after each token of a slot's last verify window, so the engine keeps the one after its accepted
-    tokens (KVCache.keep_steps). {} for every other family."""
+    """The hybrid families' per-slot DeltaNet state (deltanet.py), float32: "conv" [layers, slots +
+    1, K-1, C] and "ssm" [layers, slots + 1, Hv, dk, dv] over the DeltaNet layers; slot n_slots is a
+    scratch one that window rows without a real token write (model/hybrid.py). With steps
+    (speculative decoding: 1 + --spec, a verify window's tokens a row), "conv_steps" and "ssm_steps"
+    [layers, slots + 1, steps, ...] hold the state after each token of a slot's last verify window,
+    so the engine keeps the one after its accepted tokens (KVCache.keep_steps). {} for every other
+    family."""
     d, n = spec.deltanet, len(spec.deltanet_layers)
     if d is None or not n:
         return {}
     conv, ssm = (d.conv_kernel - 1, d.qkv_dim), (d.v_heads, d.head_dim, d.v_head_dim)
     out = {"conv": (n, n_slots + 1, *conv), "ssm": (n, n_slots + 1, *ssm)}
     if steps:
-        out |= {"conv_steps": (n, n_slots + 1, steps, *conv), "ssm_steps": (n, n_slots + 1, steps, *ssm)}
+        out |= {"conv_steps": (n, n_slots + 1, steps, *conv),
+                "ssm_steps": (n, n_slots + 1, steps, *ssm)}
     return out
 
 
@@ -91,15 +100,17 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 @dataclass(frozen=True)
 class Group:
-    """Rows of a window that share a shape: R rows of L tokens. A window is a few groups (decode rows,
-    a prefill chunk, draft-verify rows); each group gets its own matmuls, so a row's arithmetic (and so
-    its bits) depends only on its group's shape, never on what else the window holds."""
+    """Rows of a window that share a shape: R rows of L tokens. A window is a few groups (decode
+    rows, a prefill chunk, draft-verify rows); each group gets its own matmuls, so a row's
+    arithmetic (and so its bits) depends only on its group's shape, never on what else the window
+    holds."""
     tokens: jax.Array        # [R, L] int32
     pos: jax.Array           # [R, L] int32, -1: padding (real tokens first)
     slots: jax.Array         # [R] int32
     all_logits: bool = False  # static: logits of every token, else of each row's last real token
-    # [E] int32, or None: logits of these of the R * L tokens only (a packed window: the cpu backend's tokens
-    # one a row, decode rows and prompt chunks together; engine/schedule/scheduler.py)
+    # [E] int32, or None: logits of these of the R * L tokens only (a packed window: the cpu
+    # backend's tokens one a row, decode rows and prompt chunks together;
+    # engine/schedule/scheduler.py)
     picks: jax.Array | None = None
 
     def tree_flatten(self):
@@ -120,10 +131,11 @@ class ForwardOut:
 
     logits: float32 per group, [R, V] (or [R, L, V] with all_logits, [E, V] with picks).
     cache: the KV cache with the window's keys and values written.
-    hiddens: with_hidden only, per group [R, L, h] in opts.dtype: every token's last hidden state AFTER the
-        final norm (output_norm), the input of the MTP layer (mtp.py), as vLLM, SGLang and transformers feed
-        it; padding tokens' rows are garbage. Else None.
-    counts: with counts given, the expert profile (int32 [n_layers, E]) with the window's routing added.
+    hiddens: with_hidden only, per group [R, L, h] in opts.dtype: every token's last hidden state
+        AFTER the final norm (output_norm), the input of the MTP layer (mtp.py), as vLLM, SGLang and
+        transformers feed it; padding tokens' rows are garbage. Else None.
+    counts: with counts given, the expert profile (int32 [n_layers, E]) with the window's routing
+    added.
     """
     logits: list
     cache: dict
@@ -131,27 +143,30 @@ class ForwardOut:
     counts: jax.Array | None = None
 
 
-jax.tree_util.register_dataclass(ForwardOut, data_fields=["logits", "cache", "hiddens", "counts"], meta_fields=[])
+jax.tree_util.register_dataclass(ForwardOut, data_fields=["logits", "cache", "hiddens", "counts"],
+                                 meta_fields=[])
 
 
 def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group, ...],
-            cache: dict[str, jax.Array], kv_len: int, with_hidden: bool = False, host: HostKV | None = None,
-            counts: jax.Array | None = None) -> ForwardOut:
-    """One window -> ForwardOut (logits per group, the updated cache; hiddens with with_hidden, static;
-    the updated counts with counts). host: where positions >= host.resident live (--kv-resident; see
-    kv_offload.py), else None. With counts (int32 [n_layers, E], the expert profile): each MoE layer adds
-    the experts its real tokens routed to. The embedding and the head are the layer-stepped stages' own
-    (embed_stage, head_stage), so the two paths cannot drift.
+            cache: dict[str, jax.Array], kv_len: int, with_hidden: bool = False,
+            host: HostKV | None = None, counts: jax.Array | None = None) -> ForwardOut:
+    """One window -> ForwardOut (logits per group, the updated cache; hiddens with with_hidden,
+    static; the updated counts with counts). host: where positions >= host.resident live
+    (--kv-resident; see kv_offload.py), else None. With counts (int32 [n_layers, E], the expert
+    profile): each MoE layer adds the experts its real tokens routed to. The embedding and the head
+    are the layer-stepped stages' own (embed_stage, head_stage), so the two paths cannot drift.
 
-    The layers are unrolled: under lax.scan programs build 3x faster, but each step copies every layer's
-    weights out of the stacked array (XLA:CPU does not fuse the slice into the dot): 8.6 against 10.4
-    tok/s on SmolLM2."""
-    xs = embed_stage(params, opts, tuple(g.tokens for g in groups))                  # [R, L, h] each
+    The layers are unrolled: under lax.scan programs build 3x faster, but each step copies every
+    layer's weights out of the stacked array (XLA:CPU does not fuse the slice into the dot): 8.6
+    against 10.4 tok/s on SmolLM2."""
+    # [R, L, h] each
+    xs = embed_stage(params, opts, tuple(g.tokens for g in groups))
     for i, lp in enumerate(params["layers"]):
         if counts is None:
             xs, cache = decoder_layer(lp, i, spec, opts, groups, xs, cache, kv_len, host)
         else:
-            xs, cache, counts = decoder_layer(lp, i, spec, opts, groups, xs, cache, kv_len, host, counts)
+            xs, cache, counts = decoder_layer(lp, i, spec, opts, groups, xs, cache, kv_len, host,
+                                              counts)
     logits, hiddens = head_stage(params, spec, opts, groups, xs, with_hidden=True)
     return ForwardOut(logits, cache, hiddens if with_hidden else None, counts)
 
@@ -170,51 +185,60 @@ def _write(cache: dict, i: int, slots, at, stored: dict[str, jax.Array]) -> dict
 
 
 def _read(cache: dict, name: str, i: int, slots, kv_len: int, dtype) -> jax.Array:
-    """The first kv_len cached keys or values of layer i for the slots -> [R, kv_len, K, D] in dtype."""
+    """The first kv_len cached keys or values of layer i for the slots -> [R, kv_len, K, D] in
+    dtype."""
     x = cache[name][i, slots, :kv_len]
     if x.dtype == jnp.int8:
-        return (x.astype(jnp.float32) * cache[name + "_scale"][i, slots, :kv_len][..., None]).astype(dtype)
+        return (x.astype(jnp.float32)
+                * cache[name + "_scale"][i, slots, :kv_len][..., None]).astype(dtype)
     return x.astype(dtype)
 
 
-def decoder_layer(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int,
-                  host=None, counts=None):
-    """Decoder layer i over every group of the window: attention (writing the new keys and values into
-    the cache first) and the FFN or experts -> (xs, cache), and the updated counts third when `counts` (the
-    expert profile, int32 [n_layers, E]) is given."""
+def decoder_layer(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache,
+                  kv_len: int, host=None, counts=None):
+    """Decoder layer i over every group of the window: attention (writing the new keys and values
+    into the cache first) and the FFN or experts -> (xs, cache), and the updated counts third when
+    `counts` (the expert profile, int32 [n_layers, E]) is given."""
     xs, cache = attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
     xs, counts = ffn_half(lp, i, spec, opts, groups, xs, counts)
     return (xs, cache) if counts is None else (xs, cache, counts)
 
 
 def ffn_half(lp, i, spec: ModelSpec, opts: RunOptions, groups, xs, counts=None):
-    """The FFN half of layer i (its experts, or its dense FFN) for every group -> (xs, counts): the expert
-    profile's counts with the routing of the groups' real tokens added (when given, else None)."""
+    """The FFN half of layer i (its experts, or its dense FFN) for every group -> (xs, counts): the
+    expert profile's counts with the routing of the groups' real tokens added (when given, else
+    None)."""
     xs = list(xs)
     for n, g in enumerate(groups):
         x = xs[n]
         R, L = g.tokens.shape
         if lp.is_moe:
             hx = norm_linear_many(x, lp.ffn_norm, spec.rms_eps, [], opts.backend)[0]
-            ffn = moe(hx.reshape(R * L, -1), lp, spec, opts.backend, opts.expert_axis).reshape(R, L, -1)
+            ffn = moe(hx.reshape(R * L, -1), lp, spec, opts.backend,
+                      opts.expert_axis).reshape(R, L, -1)
             if counts is not None:      # the same router math as moe()'s: XLA computes it once
-                _, ids = route(hx.reshape(R * L, -1), lp.router.weight, spec, opts.backend, lp.router.bias)  # [R*L, k]
+                # [R*L, k]
+                _, ids = route(hx.reshape(R * L, -1), lp.router.weight, spec, opts.backend,
+                               lp.router.bias)
                 real = jnp.repeat((g.pos.reshape(-1) >= 0).astype(jnp.int32), ids.shape[1])
                 counts = counts.at[i, ids.reshape(-1)].add(real)
         else:
-            _, (gx, ux) = norm_linear_many(x, lp.ffn_norm, spec.rms_eps, [lp.mlp.gate, lp.mlp.up], opts.backend)
+            _, (gx, ux) = norm_linear_many(x, lp.ffn_norm, spec.rms_eps, [lp.mlp.gate, lp.mlp.up],
+                                           opts.backend)
             ffn = swiglu_down(gx, ux, lp.mlp.down, opts.backend)
         xs[n] = x + ffn
     return xs, counts
 
 
-def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache, kv_len: int, host=None):
-    """The attention half of decoder layer i for every group of the window: xs [R, L, h] per group ->
-    (x + attention per group, the cache with the groups' new keys and values). `i` may be a traced layer
-    index (layer-stepped programs). Every group's keys and values are written before any group reads: with
-    a read between two writes XLA copied the whole donated cache (a window of decode rows and a prompt
-    chunk showed the cache's size as temporary memory); written first, it is updated in place. The groups'
-    rows are distinct slots, so no group reads another's new entries either way: the same bits."""
+def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, cache,
+              kv_len: int, host=None):
+    """The attention half of decoder layer i for every group of the window: xs [R, L, h] per group
+    -> (x + attention per group, the cache with the groups' new keys and values). `i` may be a
+    traced layer index (layer-stepped programs). Every group's keys and values are written before
+    any group reads: with a read between two writes XLA copied the whole donated cache (a window of
+    decode rows and a prompt chunk showed the cache's size as temporary memory); written first, it
+    is updated in place. The groups' rows are distinct slots, so no group reads another's new
+    entries either way: the same bits."""
     new = [_project_qkv(lp, i, spec, opts, g, x, cache) for g, x in zip(groups, xs)]
     gates = [gate for _, _, gate in new]
     new = [(q, stored) for q, stored, _ in new]
@@ -222,7 +246,8 @@ def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs
         cache = _write(cache, i, g.slots, _write_at(cache, g), stored)
     if pk.is_cpu(opts.backend):
         if host is None or kv_len <= host.resident:
-            return _attend_in_place(lp, i, opts, groups, xs, [q for q, _ in new], cache, gates), cache
+            return (_attend_in_place(lp, i, opts, groups, xs, [q for q, _ in new], cache,
+                                     gates), cache)
         return [_attend_in_place_and_host(lp, i, opts, g, x, q, stored, cache, kv_len, host, gate)
                 for g, x, (q, stored), gate in zip(groups, xs, new, gates)], cache
     on_device = kv_len if host is None or kv_len <= host.resident else host.resident
@@ -233,26 +258,28 @@ def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs
     out, at = [], 0
     for g, x, (q, stored), gate in zip(groups, xs, new, gates):
         R = g.tokens.shape[0]
-        out.append(_attend(lp, i, spec, opts, g, x, q, stored, keys[at:at + R], vals[at:at + R], kv_len, host, gate))
+        out.append(_attend(lp, i, spec, opts, g, x, q, stored, keys[at:at + R], vals[at:at + R],
+                           kv_len, host, gate))
         at += R
     return out, cache
 
 
 def _write_at(cache: dict, g: Group) -> jax.Array:
-    """Where a group's new entries go [R, L]: their positions; padding (and any position past the cache,
-    --kv-resident's host part) to the scratch position, which no query reads."""
+    """Where a group's new entries go [R, L]: their positions; padding (and any position past the
+    cache, --kv-resident's host part) to the scratch position, which no query reads."""
     scratch = cache["k"].shape[2] - 1
     return jnp.where((g.pos >= 0) & (g.pos < scratch), g.pos, scratch)
 
 
 def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache):
-    """Queries [R, L, H, D], the new keys and values as the cache stores them (_stored) and the output gate
-    [R, L, H * Dv] (the hybrid families' gated attention: attn_q holds [q | gate] a head), else None, for one
-    group."""
+    """Queries [R, L, H, D], the new keys and values as the cache stores them (_stored) and the
+    output gate [R, L, H * Dv] (the hybrid families' gated attention: attn_q holds [q | gate] a
+    head), else None, for one group."""
     dtype = jnp.dtype(opts.dtype)
     H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
     R, L = g.tokens.shape
-    _, (q, k, v) = norm_linear_many(x, lp.attn_norm, spec.rms_eps, [lp.wq, lp.wk, lp.wv], opts.backend)
+    _, (q, k, v) = norm_linear_many(x, lp.attn_norm, spec.rms_eps, [lp.wq, lp.wk, lp.wv],
+                                    opts.backend)
     if lp.bq is not None:
         q, k, v = q + lp.bq.astype(dtype), k + lp.bk.astype(dtype), v + lp.bv.astype(dtype)
     gate = None
@@ -261,9 +288,10 @@ def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Grou
         gate = gate.reshape(R, L, H * D)
     q, k, v = q.reshape(R, L, H, D), k.reshape(R, L, K, D), v.reshape(R, L, K, Dv)
     if lp.q_norm is not None:
-        # through norm_linear_many (the cpu backend's fixed-order norm a row): XLA's mean over the head dim is
-        # not batch-invariant, a token's bits changing once a window holds 64 or more (found by
-        # tests/test_structured.py's mixed windows, issue 33: 1 ulp on exact, whole tokens on int8)
+        # through norm_linear_many (the cpu backend's fixed-order norm a row): XLA's mean over the
+        # head dim is not batch-invariant, a token's bits changing once a window holds 64 or more
+        # (found by tests/test_structured.py's mixed windows, issue 33: 1 ulp on exact, whole tokens
+        # on int8)
         q = norm_linear_many(q, lp.q_norm, spec.rms_eps, [], opts.backend)[0]
         k = norm_linear_many(k, lp.k_norm, spec.rms_eps, [], opts.backend)[0]
     q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
@@ -271,29 +299,32 @@ def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Grou
 
 
 def _output(lp: LayerWeights, opts: RunOptions, x, y, gate):
-    """x + the attention output y [R, L, H * Dv] projected by wo, gated first by sigmoid(gate) where the family
-    gates it (qwen3next, qwen35moe)."""
+    """x + the attention output y [R, L, H * Dv] projected by wo, gated first by sigmoid(gate) where
+    the family gates it (qwen3next, qwen35moe)."""
     if gate is not None:
         y = (y.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
     return x + linear(y, lp.wo, opts.backend)
 
 
 def _attend_in_place(lp: LayerWeights, i, opts: RunOptions, groups, xs, qs, cache, gates) -> list:
-    """The cpu backend's attention for every group of the window: its C++ kernel reads the slots' keys and
-    values from the cache where they lie, only the positions each query sees (no gather, no transposed copy:
-    XLA's cost more than the layer's products at one decode row), in a fixed order a query
-    (cpu/attention.cc), so a query's bits do not depend on how it is grouped. Several groups (decode rows and
-    a prompt chunk) go in ONE call, each token a row of its own: with one call a group XLA copied a cache
-    tensor for the window (test_a_mixed_window_does_not_copy_the_kv_cache)."""
+    """The cpu backend's attention for every group of the window: its C++ kernel reads the slots'
+    keys and values from the cache where they lie, only the positions each query sees (no gather, no
+    transposed copy: XLA's cost more than the layer's products at one decode row), in a fixed order
+    a query (cpu/attention.cc), so a query's bits do not depend on how it is grouped. Several groups
+    (decode rows and a prompt chunk) go in ONE call, each token a row of its own: with one call a
+    group XLA copied a cache tensor for the window
+    (test_a_mixed_window_does_not_copy_the_kv_cache)."""
     kc, vc, ks, vs = cache["k"], cache["v"], cache.get("k_scale"), cache.get("v_scale")
     if len(groups) == 1:
         o = [pk.cpu.attention(qs[0], kc, vc, i, groups[0].slots, groups[0].pos, ks, vs)]
     else:
         H, D = qs[0].shape[2:]
-        q = jnp.concatenate([q.reshape(-1, 1, H, D) for q in qs])                      # [tokens, 1, H, D]
+        # [tokens, 1, H, D]
+        q = jnp.concatenate([q.reshape(-1, 1, H, D) for q in qs])
         slots = jnp.concatenate([jnp.repeat(g.slots, g.tokens.shape[1]) for g in groups])
         pos = jnp.concatenate([g.pos.reshape(-1, 1) for g in groups])
-        flat = pk.cpu.attention(q, kc, vc, i, slots, pos, ks, vs)                      # [tokens, 1, H, Dv]
+        # [tokens, 1, H, Dv]
+        flat = pk.cpu.attention(q, kc, vc, i, slots, pos, ks, vs)
         o, at = [], 0
         for g in groups:
             n = g.tokens.shape[0] * g.tokens.shape[1]
@@ -303,33 +334,36 @@ def _attend_in_place(lp: LayerWeights, i, opts: RunOptions, groups, xs, qs, cach
             for g, x, y, gate in zip(groups, xs, o, gates)]
 
 
-def _attend_in_place_and_host(lp: LayerWeights, i, opts: RunOptions, g: Group, x, q, stored, cache, kv_len: int, host,
-                              gate=None):
-    """The cpu backend's attention with --kv-resident past the device part: the kernel over the device
-    cache's positions [0, resident), then over each host block as kv_offload brings it, the softmax state
-    carried from part to part in the kernel's tile order: the bits of one call over all the keys."""
+def _attend_in_place_and_host(lp: LayerWeights, i, opts: RunOptions, g: Group, x, q, stored, cache,
+                              kv_len: int, host, gate=None):
+    """The cpu backend's attention with --kv-resident past the device part: the kernel over the
+    device cache's positions [0, resident), then over each host block as kv_offload brings it, the
+    softmax state carried from part to part in the kernel's tile order: the bits of one call over
+    all the keys."""
     R, L = g.tokens.shape
-    fetch, starts, block = host_source(host, i, g.slots, g.pos, stored, kv_len, min(opts.attn_chunk, kv_len),
-                                       jnp.float32)
+    fetch, starts, block = host_source(host, i, g.slots, g.pos, stored, kv_len,
+                                       min(opts.attn_chunk, kv_len), jnp.float32)
     part = pk.cpu.attention_part
     out, state = part(q, cache["k"], cache["v"], i, g.slots, g.pos, (0, 0, host.resident), None,
                       cache.get("k_scale"), cache.get("v_scale"))
     rows = jnp.arange(R, dtype=jnp.int32)
 
     def host_block(carry, b0):
-        kb, vb = fetch(b0)                                                         # [R, block, K, D] float32
-        return part(q, kb[None], vb[None], 0, rows, g.pos, jnp.stack([b0, b0, b0 + block]), carry[1]), None
+        # [R, block, K, D] float32
+        kb, vb = fetch(b0)
+        return (part(q, kb[None], vb[None], 0, rows, g.pos, jnp.stack([b0, b0, b0 + block]),
+                     carry[1]), None)
 
     (out, _), _ = jax.lax.scan(host_block, (out, state), starts)
     return _output(lp, opts, x, out.astype(x.dtype).reshape(R, L, -1), gate)
 
 
-def _attend(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x, q, stored, keys, vals, kv_len: int,
-            host=None, gate=None):
-    """One group's queries over its slots' keys and values read from the device cache (keys [R, on_device,
-    K, D], vals) -> x + attention. With a host store and kv_len past its resident positions, positions >=
-    host.resident are written to and read from host RAM (kv_offload.py); the device cache holds the first
-    ones and a scratch position."""
+def _attend(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x, q, stored, keys,
+            vals, kv_len: int, host=None, gate=None):
+    """One group's queries over its slots' keys and values read from the device cache (keys [R,
+    on_device, K, D], vals) -> x + attention. With a host store and kv_len past its resident
+    positions, positions >= host.resident are written to and read from host RAM (kv_offload.py); the
+    device cache holds the first ones and a scratch position."""
     dtype = jnp.dtype(opts.dtype)
     H, Dv = spec.n_heads, spec.value_dim
     R, L = g.tokens.shape
@@ -341,15 +375,17 @@ def _attend(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x,
     return _output(lp, opts, x, o.reshape(R, L, H * Dv), gate)
 
 
-# ---- the stages forward() shares with the layer-stepped windows (stages.py) ------------------------------
+# ---- the stages forward() shares with the layer-stepped windows (stages.py) ----------------------
 
 def embed_stage(params: dict, opts: RunOptions, tokens: tuple) -> list:
     dtype = jnp.dtype(opts.dtype)
     return [embed_rows(params["embed"], t, dtype) for t in tokens]                  # [R, L, h] each
 
 
-def head_stage(params: dict, spec: ModelSpec, opts: RunOptions, groups, xs, with_hidden: bool = False):
-    """The final norm and the logits per group; with_hidden: -> (logits, hiddens) as forward() gives them."""
+def head_stage(params: dict, spec: ModelSpec, opts: RunOptions, groups, xs,
+               with_hidden: bool = False):
+    """The final norm and the logits per group; with_hidden: -> (logits, hiddens) as forward() gives
+    them."""
     out, hiddens = [], []
     for x, g in zip(xs, groups):
         x = norm_linear_many(x, params["norm"], spec.rms_eps, [], opts.backend)[0]

@@ -9,11 +9,13 @@ from typing import Any
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
-         500: "server_error", 501: "not_supported_error", 503: "unavailable_error", 504: "timeout_error"}
+         500: "server_error", 501: "not_supported_error", 503: "unavailable_error",
+         504: "timeout_error"}
 
 
 class ApiError(Exception):
-    """An answer that is an error: raised anywhere in a request, turned into a response by the app."""
+    """An answer that is an error: raised anywhere in a request, turned into a response by the
+    app."""
 
     def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None, **extra: Any):
@@ -21,7 +23,8 @@ class ApiError(Exception):
         self.headers = headers                  # e.g. Retry-After on a 503
         self.status = status
         self.message = message
-        self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.type = (type or TYPES.get(status, "server_error" if status >= 500
+                                               else "invalid_request_error"))
         self.param = param
         self.extra = extra
 
@@ -31,7 +34,8 @@ class ApiError(Exception):
 
 def error_body(status: int, message: str, type: str | None = None, param: str | None = None,
                **extra: Any) -> dict[str, Any]:
-    err: dict[str, Any] = {"message": message, "type": type or TYPES.get(status, "server_error"), "code": status}
+    err: dict[str, Any] = {"message": message, "type": type or TYPES.get(status, "server_error"),
+                           "code": status}
     if param is not None:
         err["param"] = param
     err.update(extra)
@@ -43,7 +47,9 @@ def invalid(message: str, param: str | None = None) -> ApiError:
 
 
 def context_overflow(n_prompt_tokens: int, max_tokens: int, n_ctx: int) -> ApiError:
-    return ApiError(400, f"the request exceeds the available context size: {n_prompt_tokens} prompt tokens + "
-                         f"{max_tokens} to generate (max_tokens) = {n_prompt_tokens + max_tokens} tokens, but a slot "
-                         f"holds {n_ctx} (--max-context); shorten the prompt, lower max_tokens or raise --max-context",
+    return ApiError(400, f"the request exceeds the available context size: {n_prompt_tokens} "
+                         f"prompt tokens + {max_tokens} to generate (max_tokens) = "
+                         f"{n_prompt_tokens + max_tokens} tokens, but a slot holds {n_ctx} "
+                         "(--max-context); shorten the prompt, lower max_tokens or raise "
+                         "--max-context",
                     "exceed_context_size_error", None, n_prompt_tokens=n_prompt_tokens, n_ctx=n_ctx)

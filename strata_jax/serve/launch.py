@@ -30,13 +30,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, command: Sequence[str] | None = None,
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None,
+                 command: Sequence[str] | None = None,
                  port: int | None = None, api_key: str | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self._logfile = Path(tempfile.mkstemp(prefix="strata-serve-", suffix=".log")[1])
-        cmd = list(command or [sys.executable, "-m", "strata_jax"]) + ["serve", *args, "--port", str(self.port)]
+        cmd = (list(command or [sys.executable, "-m", "strata_jax"])
+               + ["serve", *args, "--port", str(self.port)])
         if api_key:
             cmd += ["--api-key", api_key]
         with open(self._logfile, "wb") as log:
@@ -51,7 +53,8 @@ class ServerProcess:
         return self._logfile.read_text(errors="replace")
 
     def engine_pids(self) -> list[int]:
-        """The engine processes the server started so far, oldest first (from its `started (pid N)` lines)."""
+        """The engine processes the server started so far, oldest first (from its `started (pid N)`
+        lines)."""
         return [int(p) for p in re.findall(r"engine process \d+ started \(pid (\d+)\)", self.log())]
 
     def health(self) -> httpx.Response:
@@ -62,7 +65,8 @@ class ServerProcess:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError("the server exited with code "
+                                   f"{self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return self
@@ -73,22 +77,26 @@ class ServerProcess:
 
     def wait_built(self, timeout: float = 180.0) -> ServerProcess:
         """Until the engine's builder thread has compiled the programs the warm-up queued
-        (strata_programs_building 0 in /metrics): tests whose timing the background compiles would disturb."""
+        (strata_programs_building 0 in /metrics): tests whose timing the background compiles would
+        disturb."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
-            line = next((ln for ln in text.splitlines() if ln.startswith("strata_programs_building")), None)
+            line = next((ln for ln in text.splitlines()
+                         if ln.startswith("strata_programs_building")), None)
             if line is not None and float(line.split()[-1]) == 0:
                 return self
             time.sleep(0.2)
-        raise TimeoutError(f"the engine's background builds did not finish in {timeout:.0f} s:\n{self.log()}")
+        raise TimeoutError(f"the engine's background builds did not finish in {timeout:.0f} "
+                           f"s:\n{self.log()}")
 
     def wait_up(self, timeout: float = 60.0) -> ServerProcess:
         """Until the server answers HTTP at all (ready or not)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError("the server exited with code "
+                                   f"{self.proc.returncode}:\n{self.log()}")
             try:
                 httpx.get(self.url + "/health", timeout=2.0)
                 return self
@@ -108,8 +116,8 @@ class ServerProcess:
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> int:
-    """A server process stopped as Ctrl-C stops it (SIGINT: it ends its engine and requests), killed after
-    `timeout` seconds; -> its exit code."""
+    """A server process stopped as Ctrl-C stops it (SIGINT: it ends its engine and requests), killed
+    after `timeout` seconds; -> its exit code."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:

@@ -1,12 +1,14 @@
-"""The server's OpenAPI document with the request bodies its routes read: GET /openapi.json (vLLM's path).
+"""The server's OpenAPI document with the request bodies its routes read: GET /openapi.json (vLLM's
+path).
 
-Litestar describes each route from its handler's signature, but ours read the raw body themselves (msgspec
-decodes it and names the field at fault, serve/http/parse.py), so Litestar's own document (/schema/openapi.json)
-has no request bodies. This one adds them: the msgspec structs' own JSON schemas where a route decodes one,
-a small hand-written schema where it reads a JSON object field by field. A client generator or a fuzzer
-(schemathesis, tests/test_openapi_fuzz.py and scripts/fuzz_openapi.py) then sees what every route takes.
-The schemas say what a route accepts; the routes still decide (a schema can't say "a token id within the
-vocabulary"), so anything the schemas allow and a route refuses is a 4xx naming the field, never a 500.
+Litestar describes each route from its handler's signature, but ours read the raw body themselves
+(msgspec decodes it and names the field at fault, serve/http/parse.py), so Litestar's own document
+(/schema/openapi.json) has no request bodies. This one adds them: the msgspec structs' own JSON
+schemas where a route decodes one, a small hand-written schema where it reads a JSON object field by
+field. A client generator or a fuzzer (schemathesis, tests/test_openapi_fuzz.py and
+scripts/fuzz_openapi.py) then sees what every route takes. The schemas say what a route accepts; the
+routes still decide (a schema can't say "a token id within the vocabulary"), so anything the schemas
+allow and a route refuses is a 4xx naming the field, never a 500.
 """
 
 from __future__ import annotations
@@ -30,24 +32,28 @@ def _object(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[
     return out
 
 
-# Routes that read a JSON object field by field (llama_routes.py, embeddings.py, app.py): what they read.
+# Routes that read a JSON object field by field (llama_routes.py, embeddings.py, app.py): what they
+# read.
 _PROMPT_PIECES = {"type": "array", "items": {"anyOf": [TOKEN_ID, {"type": "string"}]}}
 _EMBED_INPUT = {"anyOf": [{"type": "string"}, _PROMPT_PIECES,
-                          {"type": "array", "items": {"anyOf": [{"type": "string"}, _PROMPT_PIECES]}}]}
+                          {"type": "array",
+                           "items": {"anyOf": [{"type": "string"}, _PROMPT_PIECES]}}]}
 _SAMPLING_DEFAULTS = _object({k: {"type": "number"} for k in (
-    "temperature", "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-    "frequency_penalty", "n_predict", "max_tokens")})
+    "temperature", "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+    "presence_penalty", "frequency_penalty", "n_predict", "max_tokens")})
 HAND_WRITTEN: dict[str, dict[str, Any]] = {
-    "/tokenize": _object({"content": {"anyOf": [{"type": "string"}, _PROMPT_PIECES]}, "add_special": BOOL,
-                          "parse_special": BOOL, "with_pieces": BOOL}),
+    "/tokenize": _object({"content": {"anyOf": [{"type": "string"}, _PROMPT_PIECES]},
+                          "add_special": BOOL, "parse_special": BOOL, "with_pieces": BOOL}),
     "/detokenize": _object({"tokens": {"type": "array", "items": TOKEN_ID}}),
     "/props": _SAMPLING_DEFAULTS,
     "/expert-profile": _object({"name": {"type": "string"}}, ("name",)),
     "/v1/embeddings": _object({"input": _EMBED_INPUT, "model": {"type": "string"},
                                "encoding_format": {"enum": ["float", "base64"]},
-                               "dimensions": {"type": "integer"}, "embd_normalize": {"type": "integer"}},
+                               "dimensions": {"type": "integer"},
+                               "embd_normalize": {"type": "integer"}},
                               ("input",)),
-    "/embeddings": _object({"content": _EMBED_INPUT, "input": _EMBED_INPUT, "embd_normalize": {"type": "integer"}}),
+    "/embeddings": _object({"content": _EMBED_INPUT, "input": _EMBED_INPUT,
+                            "embd_normalize": {"type": "integer"}}),
     "/slots/{slot_id}": _object({"filename": {"type": "string"}}),
     "/cors-proxy": {},
 }
@@ -56,20 +62,23 @@ HAND_WRITTEN["/embedding"] = HAND_WRITTEN["/embeddings"]
 # Routes that decode a msgspec struct (parse.py, native.py): the struct's own schema.
 STRUCTS: dict[str, type[msgspec.Struct]] = {
     "/v1/chat/completions": ChatCompletionRequest, "/chat/completions": ChatCompletionRequest,
-    "/apply-template": ChatCompletionRequest, "/chat/completions/input_tokens": ChatCompletionRequest,
+    "/apply-template": ChatCompletionRequest,
+    "/chat/completions/input_tokens": ChatCompletionRequest,
     "/v1/chat/completions/input_tokens": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest, "/completion": NativeRequest, "/completions": NativeRequest,
+    "/v1/completions": CompletionRequest, "/completion": NativeRequest,
+    "/completions": NativeRequest,
 }
 
 
-# What the structs' defaults allow but the routes refuse (an empty chat, no prompt), so generated bodies that
-# follow the document reach the engine instead of stopping at the first check.
-NEEDED = {"ChatCompletionRequest": ("messages", {"minItems": 1}), "CompletionRequest": ("prompt", {}),
-          "NativeRequest": ("prompt", {})}
+# What the structs' defaults allow but the routes refuse (an empty chat, no prompt), so generated
+# bodies that follow the document reach the engine instead of stopping at the first check.
+NEEDED = {"ChatCompletionRequest": ("messages", {"minItems": 1}),
+          "CompletionRequest": ("prompt", {}), "NativeRequest": ("prompt", {})}
 
 
 def document(litestar_schema: dict[str, Any]) -> dict[str, Any]:
-    """Litestar's document (`app.openapi_schema.to_schema()`) with every POST route's request body added."""
+    """Litestar's document (`app.openapi_schema.to_schema()`) with every POST route's request body
+    added."""
     structs = sorted(set(STRUCTS.values()) | {Message}, key=lambda s: s.__name__)
     refs, components = msgspec.json.schema_components(structs, ref_template=REF + "{name}")
     by_struct = dict(zip(structs, refs))
@@ -89,7 +98,8 @@ def document(litestar_schema: dict[str, Any]) -> dict[str, Any]:
                                             "content": {"application/json": {"schema": schema}}}
             if path == "/slots/{slot_id}":
                 operation.setdefault("parameters", [])
-                operation["parameters"] = [p for p in operation["parameters"] if p.get("name") != "action"] + [
+                operation["parameters"] = [p for p in operation["parameters"]
+                                           if p.get("name") != "action"] + [
                     {"name": "action", "in": "query", "required": False,
                      "schema": {"enum": ["save", "restore", "erase"]}}]
     return doc

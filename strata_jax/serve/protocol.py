@@ -1,24 +1,31 @@
-"""Frames between the server and its engine process: msgspec structs sent as msgpack maps, each behind a
-4-byte big-endian length.
+"""Frames between the server and its engine process: msgspec structs sent as msgpack maps, each
+behind a 4-byte big-endian length.
 
 The first frame the server writes is the engine's start-up, `Start` (untagged). After it:
 
 Server -> engine, `Command`s, tagged by "op":
-    prepare {id, prompt, params, chat_template_kwargs, text, template_vars, prefill}  (worker_prompts.py)
+    prepare {id, prompt, params, chat_template_kwargs, text, template_vars, prefill}
+        (worker_prompts.py)
     submit {id, ids, params} | cancel {id} | stats {id} | expert_profile {id, path} | shutdown
-    tokenize {id, content, add_special, parse_special, with_pieces} | detokenize {id, tokens}  (tokens.py)
-    apply_template {id, prompt, params, chat_template_kwargs, template_vars, prefill} | slot {id, action, slot, path}
+    tokenize {id, content, add_special, parse_special, with_pieces} | detokenize {id, tokens}
+        (tokens.py)
+    apply_template {id, prompt, params, chat_template_kwargs, template_vars, prefill} | slot
+        {id, action, slot, path}
     embed {id, inputs, pooling, normalize}
 Engine -> server, `Reply`s, tagged by "t":
     progress {stage, n, total} | ready {info} | beat {stuck_s, compiling, loop}
-    prepared {id, ids, max_tokens, think, tool_format, grammar, logit_bias, text} | rejected {id, kind, message, ...}
-    ev {id, event}: the engine's own Event (engine/request.py), so the engine's events and the server's are one type
-    stats {id, stats} | saved {id, path, routed} | answer {id, tokens | content | prompt | slot | embeddings}
+    prepared {id, ids, max_tokens, think, tool_format, grammar, logit_bias, text} | rejected
+        {id, kind, message, ...}
+    ev {id, event}: the engine's own Event (engine/request.py), so the engine's events and the
+        server's are one type
+    stats {id, stats} | saved {id, path, routed} | answer {id, tokens | content | prompt | slot |
+        embeddings}
 
-Each side decodes with a decoder typed by the union it reads, so a frame that is not one of these (an unknown
-tag, a field of the wrong type, a field too many) is a FrameError naming the frame and the field, raised where
-the frame is read, never a KeyError later. A request's parameters are a `RequestParams`, made once by the
-server's parse.py and turned into Engine.submit's keywords by worker_prompts.sampling.
+Each side decodes with a decoder typed by the union it reads, so a frame that is not one of these
+(an unknown tag, a field of the wrong type, a field too many) is a FrameError naming the frame and
+the field, raised where the frame is read, never a KeyError later. A request's parameters are a
+`RequestParams`, made once by the server's parse.py and turned into Engine.submit's keywords by
+worker_prompts.sampling.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Union
 
 import msgspec
 
-if TYPE_CHECKING:                               # imported where replies are decoded: see decode_reply
+# imported where replies are decoded: see decode_reply
+if TYPE_CHECKING:
     from ..engine.request import Event
 
 MAX_FRAME = 1 << 30
@@ -37,19 +45,21 @@ _HEADER = struct.Struct(">I")
 
 
 class Start(msgspec.Struct, forbid_unknown_fields=True):
-    """The engine process's start-up: the model file, EngineConfig as a dict, --chat-template(-file)'s text."""
+    """The engine process's start-up: the model file, EngineConfig as a dict,
+    --chat-template(-file)'s text."""
     model: str
     engine: dict[str, Any]
     chat_template: str | None = None
 
 
-# ---- server -> engine ----------------------------------------------------------------------------------------
+# ---- server -> engine ----------------------------------------------------------------------------
 
 
 class RequestParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A generation request's parameters as the HTTP edge decoded and checked them (serve/http/parse.py), carried
-    as they are by Prepare and Submit. The defaults are the engine's (engine/request.py make_params); the routes
-    set every sampling field from the request and the server's defaults."""
+    """A generation request's parameters as the HTTP edge decoded and checked them
+    (serve/http/parse.py), carried as they are by Prepare and Submit. The defaults are the engine's
+    (engine/request.py make_params); the routes set every sampling field from the request and the
+    server's defaults."""
     max_tokens: int | None = None               # None: to the end of the context (prepare sets it)
     temperature: float = 0.0
     top_k: int = 0
@@ -63,24 +73,32 @@ class RequestParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     logprobs: int | None = None
-    logit_bias: list[tuple[int | str, float]] | None = None    # (token id, or a text: llama.cpp's; bias)
-    grammar: list[str] | None = None            # [kind, text, the request's field] (engine/grammar/constrain.py)
-    tools: list[Any] | None = None              # [tools, tool_choice, parallel_tool_calls] (parse.py, tools.py)
-    render: list[bool] | None = None            # [add_generation_prompt, continue_final_message] (render_chat)
+    # (token id, or a text: llama.cpp's; bias)
+    logit_bias: list[tuple[int | str, float]] | None = None
+    # [kind, text, the request's field] (engine/grammar/constrain.py)
+    grammar: list[str] | None = None
+    # [tools, tool_choice, parallel_tool_calls] (parse.py, tools.py)
+    tools: list[Any] | None = None
+    # [add_generation_prompt, continue_final_message] (render_chat)
+    render: list[bool] | None = None
     progress: bool = False                      # prompt progress events (return_progress)
     cache_salt: str | None = None
-    checkpoint_at: int | None = None            # a hybrid family's turn end: the prepared one (enqueue)
+    # a hybrid family's turn end: the prepared one (enqueue)
+    checkpoint_at: int | None = None
 
 
 class Command(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
-    """What the server asks of the engine process; every command but shutdown has the id its answer names."""
+    """What the server asks of the engine process; every command but shutdown has the id its answer
+    names."""
 
 
 class Prepare(Command, tag="prepare"):
-    """Tokenize and check a request (the engine answers prepared or rejected); text: send the prompt's text
-    back too. template_vars and prefill are the server's flags (Supervisor.render_options)."""
+    """Tokenize and check a request (the engine answers prepared or rejected); text: send the
+    prompt's text back too. template_vars and prefill are the server's flags
+    (Supervisor.render_options)."""
     id: str
-    prompt: str | list[Any]                     # a text, token ids, chat messages, or llama.cpp's mix of texts and ids
+    # a text, token ids, chat messages, or llama.cpp's mix of texts and ids
+    prompt: str | list[Any]
     params: RequestParams
     chat_template_kwargs: dict[str, Any] | None = None
     text: bool = False
@@ -104,7 +122,8 @@ class GetStats(Command, tag="stats"):
 
 class SaveExpertProfile(Command, tag="expert_profile"):
     id: str
-    path: str                                   # in the server's --expert-profile-dir, never a request's path
+    # in the server's --expert-profile-dir, never a request's path
+    path: str
 
 
 class Shutdown(Command, tag="shutdown"):
@@ -117,13 +136,15 @@ class Tokenize(Command, tag="tokenize"):
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
-    max_ids: int = 0                            # the most ids it may answer (--max-tokenize-ids; 0: any)
+    # the most ids it may answer (--max-tokenize-ids; 0: any)
+    max_ids: int = 0
 
 
 class Detokenize(Command, tag="detokenize"):
     id: str
     tokens: list[int]
-    max_bytes: int = 0                          # the most bytes of text it may answer (--max-tokenize-bytes)
+    # the most bytes of text it may answer (--max-tokenize-bytes)
+    max_bytes: int = 0
 
 
 class ApplyTemplate(Command, tag="apply_template"):
@@ -137,27 +158,30 @@ class ApplyTemplate(Command, tag="apply_template"):
 
 
 class Embed(Command, tag="embed"):
-    """Embeddings (engine/execute/embeddings.py) of texts (tokenized with special tokens) or token lists."""
+    """Embeddings (engine/execute/embeddings.py) of texts (tokenized with special tokens) or token
+    lists."""
     id: str
-    inputs: list[str | list[int | str]]         # a text, token ids, or llama.cpp's mix of texts and ids
+    # a text, token ids, or llama.cpp's mix of texts and ids
+    inputs: list[str | list[int | str]]
     pooling: str                                # the server's --pooling
     normalize: int = 2                          # llama.cpp's embd_normalize
 
 
 class SlotAction(Command, tag="slot"):
-    """llama.cpp's /slots/N?action=...; path: a file in the server's --slot-save-path (None to erase)."""
+    """llama.cpp's /slots/N?action=...; path: a file in the server's --slot-save-path (None to
+    erase)."""
     id: str
     action: Literal["save", "restore", "erase"]
     slot: int
     path: str | None = None
 
 
-# ---- engine -> server ----------------------------------------------------------------------------------------
+# ---- engine -> server ----------------------------------------------------------------------------
 
 
 class Reply(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defaults=True):
-    """What the engine process sends: its start (progress, ready), its heartbeat, answers to commands by id,
-    and each request's events."""
+    """What the engine process sends: its start (progress, ready), its heartbeat, answers to
+    commands by id, and each request's events."""
 
 
 class Progress(Reply, tag="progress"):
@@ -168,34 +192,42 @@ class Progress(Reply, tag="progress"):
 
 
 class Ready(Reply, tag="ready"):
-    info: dict[str, Any]                        # what /props, /v1/models and the console show (worker.py: ready_info)
+    # what /props, /v1/models and the console show (worker.py: ready_info)
+    info: dict[str, Any]
 
 
 class Beat(Reply, tag="beat"):
-    """The heartbeat (worker.py: Worker.heartbeat): seconds since the engine loop last began a turn."""
+    """The heartbeat (worker.py: Worker.heartbeat): seconds since the engine loop last began a
+    turn."""
     stuck_s: float
     compiling: bool
     loop: Literal["none", "alive", "ended"]
 
 
 class Prepared(Reply, tag="prepared"):
-    """A request tokenized and checked. The supervisor keeps it as the request's prepared prompt (one type from
-    the engine to the routes), so its fields come first and its id last: Prepared(ids, max_tokens, think)."""
+    """A request tokenized and checked. The supervisor keeps it as the request's prepared prompt
+    (one type from the engine to the routes), so its fields come first and its id last:
+    Prepared(ids, max_tokens, think)."""
     ids: list[int]
     max_tokens: int
     think: bool                                 # the prompt opened a reasoning part (<think>)
     tool_format: str | None = None              # tools in play: one of tool_formats.FORMATS
-    grammar: list | None = None                 # the grammar that forces a tool call (tool_choice required, named)
-    logit_bias: list | None = None              # [[id, bias]] when the request biased texts (llama.cpp's logit_bias)
-    text: str | None = None                     # the prompt as text, when asked (llama.cpp's "__verbose")
-    checkpoint_at: int | None = None            # a hybrid family's chat: its turn's end (EngineCore.turn_end)
+    # the grammar that forces a tool call (tool_choice required, named)
+    grammar: list | None = None
+    # [[id, bias]] when the request biased texts (llama.cpp's logit_bias)
+    logit_bias: list | None = None
+    # the prompt as text, when asked (llama.cpp's "__verbose")
+    text: str | None = None
+    # a hybrid family's chat: its turn's end (EngineCore.turn_end)
+    checkpoint_at: int | None = None
     id: str = ""
 
 
 class Rejected(Reply, tag="rejected"):
-    """A command the engine refuses; tickets.rejection makes it the API's error. kind "context" fills in the
-    three counts, "invalid" (a 400) and "too_large" (a 413: an answer beyond a bound) may name the request's
-    field (param); "server" messages are made to be shown, "internal" ones are logged, never echoed."""
+    """A command the engine refuses; tickets.rejection makes it the API's error. kind "context"
+    fills in the three counts, "invalid" (a 400) and "too_large" (a 413: an answer beyond a bound)
+    may name the request's field (param); "server" messages are made to be shown, "internal" ones
+    are logged, never echoed."""
     id: str
     kind: Literal["context", "template", "invalid", "too_large", "server", "internal"]
     message: str
@@ -204,13 +236,15 @@ class Rejected(Reply, tag="rejected"):
     max_tokens: int | None = None
     n_ctx: int | None = None
 
-    def __post_init__(self) -> None:            # (decoding too: a frame without them is a FrameError)
+    # (decoding too: a frame without them is a FrameError)
+    def __post_init__(self) -> None:
         if self.kind == "context" and None in (self.n_prompt_tokens, self.max_tokens, self.n_ctx):
             raise ValueError("a context rejection names n_prompt_tokens, max_tokens and n_ctx")
 
 
 class EventFrame(Reply, tag="ev"):
-    """One of a request's events, as the engine made it (with its server-side logprobs filled in)."""
+    """One of a request's events, as the engine made it (with its server-side logprobs filled
+    in)."""
     id: str
     event: Event
 
@@ -228,28 +262,30 @@ class Saved(Reply, tag="saved"):
 
 
 class Answer(Reply, tag="answer"):
-    """A quick question's answer: tokenize's tokens, detokenize's content, apply_template's prompt, or a slot
-    action's result (engine/slot_files.py)."""
+    """A quick question's answer: tokenize's tokens, detokenize's content, apply_template's prompt,
+    or a slot action's result (engine/slot_files.py)."""
     id: str
     tokens: list[Any] | None = None             # [id, ...] or [{"id", "piece"}, ...] (with_pieces)
     content: str | None = None
     prompt: str | None = None
     slot: dict[str, Any] | None = None
-    embeddings: list[Any] | None = None         # embed's: a vector an input ([T][h] each with pooling none)
+    # embed's: a vector an input ([T][h] each with pooling none)
+    embeddings: list[Any] | None = None
     n_tokens: list[int] | None = None           # embed's: the tokens each input read
 
 
-AnyCommand = Union[Prepare, Submit, Cancel, GetStats, SaveExpertProfile, Shutdown, Tokenize, Detokenize,  # noqa: UP007
-                   ApplyTemplate, SlotAction, Embed]
+AnyCommand = Union[Prepare, Submit, Cancel, GetStats, SaveExpertProfile, Shutdown, Tokenize,  # noqa: UP007
+                   Detokenize, ApplyTemplate, SlotAction, Embed]
 AnyReply = Union[Progress, Ready, Beat, Prepared, Rejected, EventFrame, Stats, Saved, Answer]  # noqa: UP007
 
 
-# ---- the wire ------------------------------------------------------------------------------------------------
+# ---- the wire ------------------------------------------------------------------------------------
 
 
 class FrameError(ValueError):
-    """A frame that is none of the protocol's: says which frame (its tag, and its id when it has one) and what
-    is wrong with it (msgspec's words, which name the field: "Expected `int`, got `str` - at `$.ids[0]`")."""
+    """A frame that is none of the protocol's: says which frame (its tag, and its id when it has
+    one) and what is wrong with it (msgspec's words, which name the field: "Expected `int`, got
+    `str` - at `$.ids[0]`")."""
 
     def __init__(self, message: str, tag: str | None = None, rid: str | None = None):
         super().__init__(message)
@@ -289,9 +325,11 @@ class _Frames:
             raise FrameError(f"a frame {self.what} that is not msgpack: {e}") from None
 
     def _error(self, body: bytes, why: str) -> FrameError:
-        raw = _untyped.decode(body)             # it decoded as msgpack, only not as one of our frames
+        # it decoded as msgpack, only not as one of our frames
+        raw = _untyped.decode(body)
         if not isinstance(raw, dict):
-            return FrameError(f"a frame {self.what} that is a {type(raw).__name__}, not a map: {why}")
+            return FrameError(f"a frame {self.what} that is a {type(raw).__name__}, not a map: "
+                              f"{why}")
         rid = raw.get("id") if isinstance(raw.get("id"), str) else None
         if self.tag_field is None:
             return FrameError(f"the start-up frame {self.what} is malformed: {why}", None, rid)
@@ -308,9 +346,10 @@ _replies: _Frames | None = None
 
 
 def decode_reply(body: bytes) -> AnyReply:
-    """A frame from the engine. Its decoder is made at the first one: resolving EventFrame's `Event` imports the
-    engine package (JAX: seconds), which the server has imported anyway, while an engine process only encodes
-    replies, and the mock engine (mock_worker.py) starts in a fraction of a second without it."""
+    """A frame from the engine. Its decoder is made at the first one: resolving EventFrame's `Event`
+    imports the engine package (JAX: seconds), which the server has imported anyway, while an engine
+    process only encodes replies, and the mock engine (mock_worker.py) starts in a fraction of a
+    second without it."""
     global _replies, Event
     if _replies is None:
         # the global name msgspec resolves EventFrame.event by
@@ -328,13 +367,15 @@ def pack(frame: Start | Command | Reply) -> bytes:
 def length(header: bytes) -> int:
     (n,) = _HEADER.unpack(header)
     if n > MAX_FRAME:
-        raise ValueError(f"a frame of {n} bytes is beyond the limit of {MAX_FRAME}: the stream is corrupt")
+        raise ValueError(f"a frame of {n} bytes is beyond the limit of {MAX_FRAME}: the stream is "
+                         "corrupt")
     return n
 
 
 def read_frame(f: BinaryIO, decode: Callable[[bytes], Any]) -> Any | None:
-    """One frame from a blocking file, decoded by `decode` (decode_start, decode_command); None at end of file.
-    A malformed frame raises FrameError after its bytes are read, so the stream stays in step."""
+    """One frame from a blocking file, decoded by `decode` (decode_start, decode_command); None at
+    end of file. A malformed frame raises FrameError after its bytes are read, so the stream stays
+    in step."""
     header = _read_exact(f, _HEADER.size)
     if header is None:
         return None

@@ -1,14 +1,16 @@
-"""Tool calling: OpenAI's `tools` / `tool_choice` / `parallel_tool_calls` to the chat template and a grammar,
-and the model's text back to `message.tool_calls` (whole) or `delta.tool_calls` pieces (streamed).
+"""Tool calling: OpenAI's `tools` / `tool_choice` / `parallel_tool_calls` to the chat template and a
+grammar, and the model's text back to `message.tool_calls` (whole) or `delta.tool_calls` pieces
+(streamed).
 
-The format is chosen in the engine process by what the model's template does with `tools` (worker.prepare ->
-tool_prompt): a template that renders them speaks its family's format, told by its marks (tool_formats/:
-Hermes / Qwen, Llama 3, Mistral's two, GLM-4.5); one that knows no tools (SmolLM2's) gets llama.cpp's
-generic way: the tools are described in a system message and a call is the JSON object
-`{"name": ..., "arguments": {...}}` alone (or an array of them). `tool_choice: "required"` or a named function
-constrains the output to a call in that format (call_grammar: llguidance's Lark with the call's JSON schema),
-so even a weak model emits a valid one; "auto" lets the model choose; "none" renders no tools.
-`parallel_tool_calls: false` allows one call: the grammar writes one, and the parser reads only the first.
+The format is chosen in the engine process by what the model's template does with `tools`
+(worker.prepare -> tool_prompt): a template that renders them speaks its family's format, told by
+its marks (tool_formats/: Hermes / Qwen, Llama 3, Mistral's two, GLM-4.5); one that knows no tools
+(SmolLM2's) gets llama.cpp's generic way: the tools are described in a system message and a call is
+the JSON object `{"name": ..., "arguments": {...}}` alone (or an array of them). `tool_choice:
+"required"` or a named function constrains the output to a call in that format (call_grammar:
+llguidance's Lark with the call's JSON schema), so even a weak model emits a valid one; "auto" lets
+the model choose; "none" renders no tools. `parallel_tool_calls: false` allows one call: the grammar
+writes one, and the parser reads only the first.
 """
 
 from __future__ import annotations
@@ -22,28 +24,32 @@ from .tool_formats import CallStream
 
 
 def tool_request(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict], Any] | None:
-    """The request's (tools, choice) after OpenAI's rules, or None when no tool is in play; 400 naming the field."""
+    """The request's (tools, choice) after OpenAI's rules, or None when no tool is in play; 400
+    naming the field."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
-            raise invalid(f"tool_choice = {json.dumps(tool_choice)[:80]}: the request has no tools", "tool_choice")
+            raise invalid(f"tool_choice = {json.dumps(tool_choice)[:80]}: the request has no tools",
+                          "tool_choice")
         return None
     names = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not (isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(fn, dict)
+        if not (isinstance(t, dict) and t.get("type", "function") == "function"
+                and isinstance(fn, dict)
                 and isinstance(fn.get("name"), str) and fn["name"]):
-            raise invalid(f"tools[{i}]: a tool is {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                          "\"parameters\": {...}}}", f"tools[{i}]")
+            raise invalid(f"tools[{i}]: a tool is {{\"type\": \"function\", \"function\": "
+                          "{\"name\": ..., \"parameters\": {...}}}", f"tools[{i}]")
         if not isinstance(fn.get("parameters", {}), dict):
-            raise invalid(f"tools[{i}].function.parameters must be a JSON schema (an object)", f"tools[{i}]")
+            raise invalid(f"tools[{i}].function.parameters must be a JSON schema (an object)",
+                          f"tools[{i}]")
         names.append(fn["name"])
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) and choice.get("type") == "function" else None
         if name not in names:
-            raise invalid(f"tool_choice = {json.dumps(choice)[:80]}: names no tool of the request ({', '.join(names)})",
-                          "tool_choice")
+            raise invalid(f"tool_choice = {json.dumps(choice)[:80]}: names no tool of the request "
+                          f"({', '.join(names)})", "tool_choice")
     elif choice not in ("auto", "none", "required"):
         raise invalid(f"tool_choice = {json.dumps(choice)[:80]}: one of auto, none, required, or "
                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
@@ -56,8 +62,9 @@ def forced(choice: Any) -> bool:
 
 def call_grammar(tools: list[dict], choice: Any, fmt: str, parallel: bool = True,
                  specials: dict[str, int] | None = None) -> list[str]:
-    """The engine's grammar ([kind, text, field]) that makes the output a call (to the named function, or any)
-    in the template's format; several calls when `parallel` and the format has a way to write them."""
+    """The engine's grammar ([kind, text, field]) that makes the output a call (to the named
+    function, or any) in the template's format; several calls when `parallel` and the format has a
+    way to write them."""
     fns = [t["function"] for t in tools]
     if isinstance(choice, dict):
         fns = [f for f in fns if f["name"] == choice["function"]["name"]]
@@ -66,14 +73,15 @@ def call_grammar(tools: list[dict], choice: Any, fmt: str, parallel: bool = True
 
 def generic_messages(messages: list[dict], tools: list[dict], describe: bool = True,
                      parallel: bool = True) -> list[dict]:
-    """llama.cpp's generic way for a template that knows no tools: a system message says what the tools are
-    and how to call one (unless not `describe`: tool_choice none); earlier calls become their JSON text, tool
-    results a `tool` message's content."""
+    """llama.cpp's generic way for a template that knows no tools: a system message says what the
+    tools are and how to call one (unless not `describe`: tool_choice none); earlier calls become
+    their JSON text, tool results a `tool` message's content."""
     desc = "\n".join(json.dumps(t["function"]) for t in tools)
-    system = ("You can call these tools (JSON schemas of their arguments):\n" + desc + "\nTo call one, answer "
+    system = ("You can call these tools (JSON schemas of their arguments):\n" + desc
+              + "\nTo call one, answer "
               "with only a JSON object: {\"name\": <tool name>, \"arguments\": {<its arguments>}}"
-              + (" (to call several, a JSON array of them)" if parallel else "") + ". Otherwise answer in plain "
-              "text.")
+              + (" (to call several, a JSON array of them)" if parallel else "") + ". Otherwise "
+              "answer in plain text.")
     out = [dict(m) for m in messages]
     if not describe:
         pass
@@ -83,21 +91,25 @@ def generic_messages(messages: list[dict], tools: list[dict], describe: bool = T
         out.insert(0, {"role": "system", "content": system})
     for m in out:
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            calls = [{"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}
+            calls = [{"name": c["function"]["name"],
+                      "arguments": _arguments(c["function"].get("arguments"))}
                      for c in m.pop("tool_calls")]
-            m["content"] = ((m.get("content") or "") + json.dumps(calls[0] if len(calls) == 1 else calls)).strip()
+            m["content"] = ((m.get("content") or "")
+                            + json.dumps(calls[0] if len(calls) == 1 else calls)).strip()
     return out
 
 
 def template_messages(messages: list[dict], fmt: str = "hermes") -> list[dict]:
-    """Messages for a template that renders tools (HF's convention): a call's arguments as an object; for
-    Mistral's templates, call ids they accept (formats.mistral_id)."""
+    """Messages for a template that renders tools (HF's convention): a call's arguments as an
+    object; for Mistral's templates, call ids they accept (formats.mistral_id)."""
     ids = formats.mistral_id if fmt.startswith("mistral") else (lambda cid: cid)
     out = []
     for m in messages:
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "id": ids(c.get("id")), "function": {**c["function"], "arguments":
-                                      _arguments(c["function"].get("arguments"))}} for c in m["tool_calls"]]}
+            m = {**m, "tool_calls": [{**c, "id": ids(c.get("id")),
+                                      "function": {**c["function"], "arguments":
+                                      _arguments(c["function"].get("arguments"))}}
+                                     for c in m["tool_calls"]]}
         elif m.get("role") == "tool" and "tool_call_id" in m:
             m = {**m, "tool_call_id": ids(m["tool_call_id"])}
         out.append(m)
@@ -113,10 +125,11 @@ def _arguments(args: Any) -> Any:
     return args
 
 
-def parse_calls(text: str, fmt: str, tools: list[dict], parallel: bool = True) -> tuple[str | None, list[dict]]:
+def parse_calls(text: str, fmt: str, tools: list[dict],
+                parallel: bool = True) -> tuple[str | None, list[dict]]:
     """The model's whole answer -> (content left, OpenAI tool_calls), read as the stream reads it
-    (formats.CallStream); a call cut short or whose arguments are not a JSON object is left out, and with no
-    call left the answer is the text it was."""
+    (formats.CallStream); a call cut short or whose arguments are not a JSON object is left out, and
+    with no call left the answer is the text it was."""
     stream = CallStream(fmt, tools, parallel)
     events = stream.feed(text) + stream.end()
     calls = [_openai(c) for c in stream.calls if c["complete"]]
@@ -127,12 +140,13 @@ def parse_calls(text: str, fmt: str, tools: list[dict], parallel: bool = True) -
 
 
 def _openai(call: dict) -> dict:
-    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+    return {"id": call["id"], "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
 def deltas(events: list[tuple]) -> list[dict]:
-    """CallStream's events as OpenAI's streamed deltas: a call's first piece has its index, id, type, name and
-    arguments "", then its arguments come in pieces as the model writes them."""
+    """CallStream's events as OpenAI's streamed deltas: a call's first piece has its index, id,
+    type, name and arguments "", then its arguments come in pieces as the model writes them."""
     out = []
     for ev in events:
         if ev[0] == "content":
@@ -146,8 +160,8 @@ def deltas(events: list[tuple]) -> list[dict]:
 
 
 class HeldCalls:
-    """A streamed chat choice's content deltas through the format's CallStream: text that may be a call is
-    held back, calls go out as delta.tool_calls pieces, the rest as the content it was."""
+    """A streamed chat choice's content deltas through the format's CallStream: text that may be a
+    call is held back, calls go out as delta.tool_calls pieces, the rest as the content it was."""
 
     def __init__(self, tools: list[dict] | None, fmt: str | None, parallel: bool = True):
         self.stream = CallStream(fmt or "generic", tools, parallel) if tools else None
@@ -179,29 +193,33 @@ def finish_reason(calls: list, engine_reason: str) -> str:
 
 def tool_prompt(tk, messages: list, kwargs: dict, tools: list, choice, parallel: bool = True
                 ) -> tuple[list, dict, dict]:
-    """The messages and template variables for a chat with tools, and {"tool_format", "grammar"}: the
-    template's own rendering when it shows the tools (their first name appears in the text; its format told
-    by its marks, formats.detect), else llama.cpp's generic way."""
+    """The messages and template variables for a chat with tools, and {"tool_format", "grammar"}:
+    the template's own rendering when it shows the tools (their first name appears in the text; its
+    format told by its marks, formats.detect), else llama.cpp's generic way."""
     fmt = formats.detect(tk.chat_template)
     own = template_messages(messages, fmt)
     name = tools[0]["function"]["name"]
     try:
-        text = tk.apply_chat_template(**{"messages": own, "add_generation_prompt": True, **kwargs, "tools": tools})
+        text = tk.apply_chat_template(**{"messages": own, "add_generation_prompt": True, **kwargs,
+                                         "tools": tools})
         if name not in text or name in tk.apply_chat_template(
                 **{"messages": own, "add_generation_prompt": True, **kwargs}):
             fmt = "generic"
-    except ValueError:          # a template that cannot render these messages (tool_calls, tool roles)
+    # a template that cannot render these messages (tool_calls, tool roles)
+    except ValueError:
         fmt = "generic"
     if fmt != "generic":        # tool_choice none: the template without the tools (vLLM's default)
         messages, kwargs = own, {**kwargs, "tools": tools} if choice != "none" else kwargs
     else:
         messages = generic_messages(messages, tools, describe=choice != "none", parallel=parallel)
-    grammar = call_grammar(tools, choice, fmt, parallel, special_marks(tk)) if forced(choice) else None
+    grammar = (call_grammar(tools, choice, fmt, parallel, special_marks(tk)) if forced(choice)
+               else None)
     return messages, kwargs, {"tool_format": fmt, "grammar": grammar}
 
 
-MARKS = (formats.TOOL_CALLS, formats.ARGS, formats.HERMES_OPEN, formats.HERMES_CLOSE, formats.ARG_KEY,
-         formats.ARG_KEY_END, formats.ARG_VALUE, formats.ARG_VALUE_END, "<think>", "</think>")
+MARKS = (formats.TOOL_CALLS, formats.ARGS, formats.HERMES_OPEN, formats.HERMES_CLOSE,
+         formats.ARG_KEY, formats.ARG_KEY_END, formats.ARG_VALUE, formats.ARG_VALUE_END, "<think>",
+         "</think>")
 
 
 def special_marks(tk) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """Copy a GGUF with changes, to make the broken or unusual files that error paths are tested with.
 
     rewrite_gguf(good, bad, set_metadata={"general.architecture": "gptneox"})
-    rewrite_gguf(good, bad, tensor_shapes={"blk.0.attn_q.weight": (128, 64)})   # declared shape only
+    rewrite_gguf(good, bad, tensor_shapes={"blk.0.attn_q.weight": (128, 64)})   # declared shape
+        only
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str,
                  tensor_shapes: Mapping[str, tuple[int, ...]] | None = None,
                  tensor_values: Mapping[str, np.ndarray] | None = None,
                  add_tensors: Mapping[str, np.ndarray] | None = None) -> Path:
-    """Write `src` (one file, any types) to `dst` with metadata keys set or dropped, tensors dropped,
-    tensors' declared shapes changed (numpy order; their bytes stay as they were), or F32 tensors' values
-    replaced (tensor_values: name -> float32 array of the tensor's shape), or new F32 tensors added after the
-    others (add_tensors: name -> float32 array). A new key's type is
+    """Write `src` (one file, any types) to `dst` with metadata keys set or dropped, tensors
+    dropped, tensors' declared shapes changed (numpy order; their bytes stay as they were), or F32
+    tensors' values replaced (tensor_values: name -> float32 array of the tensor's shape), or new
+    F32 tensors added after the others (add_tensors: name -> float32 array). A new key's type is
     inferred (str, bool, int as UINT32, float as FLOAT32, a non-empty list as an array of its first
     item's type); an existing key keeps its type."""
     model = GGUFModel.open(src, strict=False)
@@ -34,7 +35,8 @@ def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str,
     for key, value in (set_metadata or {}).items():
         metadata[key] = value
         if key not in types:
-            types[key] = (GGUFValueType.ARRAY, _infer(value[0])) if isinstance(value, list) and value else \
+            types[key] = (GGUFValueType.ARRAY,
+                          _infer(value[0])) if isinstance(value, list) and value else \
                 (_infer(value), None)
     writer = GGUFWriter(dst, metadata["general.architecture"])
     for key, value in metadata.items():
@@ -45,13 +47,15 @@ def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str,
     for name, t in model.tensors.items():
         if name in values:
             if t.qtype != GGMLQuantizationType.F32 or tuple(values[name].shape) != tuple(t.shape):
-                raise ValueError(f"{name}: only an F32 tensor's values are replaced, by an array of shape {t.shape}")
+                raise ValueError(f"{name}: only an F32 tensor's values are replaced, by an array "
+                                 f"of shape {t.shape}")
             writer.add_tensor(name, np.ascontiguousarray(values.pop(name), np.float32))
             continue
         if name not in dropped:
             shape = shapes.get(name, t.shape)  # the writer takes uint8 data's shape in bytes
             byte_shape = (*shape[:-1], shape[-1] // block_size(t.qtype) * type_size(t.qtype))
-            writer.add_tensor(name, np.ascontiguousarray(t.data), raw_shape=byte_shape, raw_dtype=t.qtype)
+            writer.add_tensor(name, np.ascontiguousarray(t.data), raw_shape=byte_shape,
+                              raw_dtype=t.qtype)
     for name, value in (add_tensors or {}).items():
         writer.add_tensor(name, np.ascontiguousarray(value, np.float32))
     writer.write_header_to_file()

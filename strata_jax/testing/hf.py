@@ -1,8 +1,8 @@
 """Load a GGUF model into Hugging Face transformers (torch, CPU): the oracle for our model families.
 
-transformers' GGUF loader maps only some metadata keys to its configs; the rest fall back to the config
-class's defaults, which for our small synthetic models are wrong. So we load its config, set what it
-missed from our ModelSpec, and load the weights with that config.
+transformers' GGUF loader maps only some metadata keys to its configs; the rest fall back to the
+config class's defaults, which for our small synthetic models are wrong. So we load its config, set
+what it missed from our ModelSpec, and load the weights with that config.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ HF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe
 
 
 def hf_config_overrides(spec: ModelSpec) -> dict[str, Any]:
-    """Config fields transformers' GGUF loader leaves at its defaults (or gets wrong) for these files."""
+    """Config fields transformers' GGUF loader leaves at its defaults (or gets wrong) for these
+    files."""
     out: dict[str, Any] = {"head_dim": spec.head_dim, "tie_word_embeddings": spec.tied_output}
     if spec.is_moe:
-        out["moe_intermediate_size"] = spec.expert_ffn  # the loaders ignore expert_feed_forward_length
+        # the loaders ignore expert_feed_forward_length
+        out["moe_intermediate_size"] = spec.expert_ffn
         out["norm_topk_prob"] = spec.expert_weights_norm
     if spec.shared_ffn:
         out["shared_expert_intermediate_size"] = spec.shared_ffn
@@ -29,8 +31,8 @@ def hf_config_overrides(spec: ModelSpec) -> dict[str, Any]:
 
 
 def load_hf_model(path: str | Path, dtype: Any = None):
-    """`AutoModelForCausalLM` for the (one-file) GGUF at `path`, in eval mode, float32 unless `dtype`.
-    Raises if transformers left any parameter unloaded (it would otherwise be random)."""
+    """`AutoModelForCausalLM` for the (one-file) GGUF at `path`, in eval mode, float32 unless
+    `dtype`. Raises if transformers left any parameter unloaded (it would otherwise be random)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -42,25 +44,30 @@ def load_hf_model(path: str | Path, dtype: Any = None):
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     for key, value in hf_config_overrides(spec).items():
         setattr(config, key, value)
-    model, info = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
-                                                       dtype=dtype or torch.float32, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                       config=config, dtype=dtype or torch.float32,
+                                                       output_loading_info=True)
     unloaded = sorted(set(info["missing_keys"]) | {str(k) for k in info["mismatched_keys"]})
     if unloaded:
-        raise ValueError(f"{path}: transformers did not load {len(unloaded)} parameters from it: {unloaded[:5]}")
+        raise ValueError(f"{path}: transformers did not load {len(unloaded)} parameters from it: "
+                         f"{unloaded[:5]}")
     return model.eval()
 
 
 def load_state(module, state: dict, path: str | Path, shared: tuple[str, ...] = ()) -> None:
-    """`state` (name -> numpy array) into a torch module; raises if a parameter is left unloaded (it would be
-    random) or a name is not the module's. `shared`: prefixes of parameters tied to another module's."""
+    """`state` (name -> numpy array) into a torch module; raises if a parameter is left unloaded (it
+    would be random) or a name is not the module's. `shared`: prefixes of parameters tied to another
+    module's."""
     import numpy as np
     import torch
 
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+               for k, v in state.items()}
     missing, unexpected = module.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not k.startswith(shared)]
     if missing or unexpected:
-        raise ValueError(f"{path}: transformers' model left {missing[:5]} unloaded, has no {unexpected[:5]}")
+        raise ValueError(f"{path}: transformers' model left {missing[:5]} unloaded, has no "
+                         f"{unexpected[:5]}")
 
 
 def use_own_nextn_head(mtp, t: dict, layer: int, spec: ModelSpec) -> None:
@@ -70,7 +77,8 @@ def use_own_nextn_head(mtp, t: dict, layer: int, spec: ModelSpec) -> None:
 
     b = f"blk.{layer}.nextn."
     if b + "embed_tokens.weight" in t:
-        mtp.embed_tokens = torch.nn.Embedding.from_pretrained(torch.from_numpy(t[b + "embed_tokens.weight"]))
+        mtp.embed_tokens = torch.nn.Embedding.from_pretrained(
+            torch.from_numpy(t[b + "embed_tokens.weight"]))
     if b + "shared_head_head.weight" in t:
         head = torch.nn.Linear(spec.hidden, spec.vocab_size, bias=False)
         head.weight.data = torch.from_numpy(t[b + "shared_head_head.weight"])

@@ -1,4 +1,5 @@
-"""Free ports for tests that start a process group (tests/test_hosts.py, tests/test_hardening_peers.py)."""
+"""Free ports for tests that start a process group (tests/test_hosts.py,
+tests/test_hardening_peers.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Submitting a batch of requests to an engine at once and collecting each one's result (tests, benches)."""
+"""Submitting a batch of requests to an engine at once and collecting each one's result (tests,
+benches)."""
 
 from __future__ import annotations
 

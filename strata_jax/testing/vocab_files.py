@@ -1,10 +1,12 @@
 """Small vocabulary-only GGUF files for tokenizer tests, made on the spot (no model hub needed).
 
-- `bpe_vocab_metadata(pre)`: a byte-level BPE trained with the `tokenizers` library on `CORPUS`, splitting
-  text the way `tokenizer.ggml.pre = pre` says, with Qwen-style special tokens added at the end of the
-  vocabulary (control tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`; user-defined `<think>` ...).
-- `sentencepiece_vocab_metadata()`: a SentencePiece BPE model (byte fallback, like Llama's) trained with the
-  `sentencepiece` library, described the way llama.cpp's convert_hf_to_gguf.py describes one.
+- `bpe_vocab_metadata(pre)`: a byte-level BPE trained with the `tokenizers` library on `CORPUS`,
+  splitting text the way `tokenizer.ggml.pre = pre` says, with Qwen-style special tokens added at
+  the end of the vocabulary (control tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`;
+  user-defined `<think>` ...).
+- `sentencepiece_vocab_metadata()`: a SentencePiece BPE model (byte fallback, like Llama's) trained
+  with the `sentencepiece` library, described the way llama.cpp's convert_hf_to_gguf.py describes
+  one.
 - `write_vocab_gguf(path, metadata)`: those keys written to a GGUF with no tensors, like llama.cpp's
   models/ggml-vocab-*.gguf files.
 """
@@ -44,7 +46,7 @@ if __name__ == "__main__":
 مرحبا بالعالم. هذه جملة باللغة العربية.
 Emoji: 😀 😂 👍 👍🏽 🎉 🚀 ❤️ 🇫🇷 👨‍👩‍👧 ✨ — and symbols: → ← ↑ ↓ ∑ ∫ √ ∞ ≠ ≤ ≥ ± × ÷ € £ ¥ © ® ™.
 Whitespace   runs    and\t\ttabs\n\nand newlines\r\nwindows line ends.
-"""
+"""  # noqa: E501
 
 QWEN_SPECIALS = (
     ("<|endoftext|>", CONTROL),
@@ -79,7 +81,8 @@ def bpe_vocab_metadata(pre: str, vocab_size: int = 1200, corpus: str = CORPUS) -
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False
     )
     # Each line several times, so that merges across common words are learned.
     tk.train_from_iterator(corpus.splitlines(keepends=True) * 3, trainer=trainer)
@@ -109,7 +112,8 @@ def bpe_vocab_metadata(pre: str, vocab_size: int = 1200, corpus: str = CORPUS) -
 
 
 def sentencepiece_vocab_metadata(vocab_size: int = 1000, corpus: str = CORPUS) -> dict[str, Any]:
-    """GGUF tokenizer metadata of a SentencePiece BPE (byte fallback, identity normalization, like Llama's)."""
+    """GGUF tokenizer metadata of a SentencePiece BPE (byte fallback, identity normalization, like
+    Llama's)."""
     import sentencepiece as spm
 
     buffer = io.BytesIO()
@@ -164,12 +168,14 @@ def sentencepiece_vocab_metadata(vocab_size: int = 1000, corpus: str = CORPUS) -
         "tokenizer.ggml.add_bos_token": True,
         "tokenizer.ggml.add_eos_token": False,
         "tokenizer.ggml.add_space_prefix": True,
-        "_sentencepiece_model": buffer.getvalue(),  # not written to the GGUF: for tests that ask sentencepiece
+        # not written to the GGUF: for tests that ask sentencepiece
+        "_sentencepiece_model": buffer.getvalue(),
     }
 
 
 def write_vocab_gguf(path: str | os.PathLike, metadata: dict[str, Any]) -> Path:
-    """Write `metadata` (GGUF keys -> Python values) as a GGUF file with no tensors. Keys starting "_" are skipped."""
+    """Write `metadata` (GGUF keys -> Python values) as a GGUF file with no tensors. Keys starting
+    "_" are skipped."""
     import gguf
 
     path = Path(path)

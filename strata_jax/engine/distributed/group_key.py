@@ -1,7 +1,8 @@
-"""The group's key (group_channel.py's handshake proves it): --group-key-file FILE's first line (16 characters
-or more, the same on every host), else, for a group whose coordinator is a loopback address, <cache
-folder>/group-key, made once with mode 0600 (one user's processes on one machine share it; other users cannot
-read it). hosts.py checks it at start; group_channel.py signs and checks the handshake with it."""
+"""The group's key (group_channel.py's handshake proves it): --group-key-file FILE's first line (16
+characters or more, the same on every host), else, for a group whose coordinator is a loopback
+address, <cache folder>/group-key, made once with mode 0600 (one user's processes on one machine
+share it; other users cannot read it). hosts.py checks it at start; group_channel.py signs and
+checks the handshake with it."""
 
 from __future__ import annotations
 
@@ -17,25 +18,30 @@ AUTO_KEY = "group-key"          # in the cache folder: a loopback group's key wh
 
 
 def group_key(cfg: EngineConfig) -> bytes:
-    """The group's key: --group-key-file's first line, else (a loopback coordinator) the cache folder's."""
+    """The group's key: --group-key-file's first line, else (a loopback coordinator) the cache
+    folder's."""
     if cfg.group_key_file is None:
         return _auto_key()
     name = f"group_key_file = {cfg.group_key_file!r}"
     try:
-        lines = Path(cfg.group_key_file).expanduser().read_text(encoding="utf-8").strip().splitlines()
+        lines = (
+            Path(cfg.group_key_file).expanduser().read_text(encoding="utf-8").strip().splitlines()
+        )
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{name}: cannot read it ({e})") from None
     key = lines[0].strip() if lines else ""
     if len(key) < KEY_MIN_CHARS:
-        raise ConfigError(f"{name}: its first line must be a key of {KEY_MIN_CHARS} characters or more, the "
-                          "same on every host (e.g. made by: openssl rand -hex 32 > FILE)")
+        raise ConfigError(f"{name}: its first line must be a key of {KEY_MIN_CHARS} characters or "
+                          "more, the same on every host (e.g. made by: openssl rand -hex 32 > "
+                          "FILE)")
     return key.encode()
 
 
 def _auto_key() -> bytes:
-    """<cache>/group-key, made once (mode 0600, never following a link). The processes of one user on one
-    machine race to make it: each writes its own temporary file and links it into place; the loser reads the
-    winner's. A file another user owns, or others may read, is refused: its key would not be a secret."""
+    """<cache>/group-key, made once (mode 0600, never following a link). The processes of one user
+    on one machine race to make it: each writes its own temporary file and links it into place; the
+    loser reads the winner's. A file another user owns, or others may read, is refused: its key
+    would not be a secret."""
     folder = envs.cache_dir()
     path = folder / AUTO_KEY
     if not path.exists():
@@ -55,14 +61,16 @@ def _auto_key() -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
-        raise ConfigError(f"group_key_file = None: the loopback group's key {path} cannot be read ({e}); give "
-                          "--group-key-file FILE") from None
+        raise ConfigError(f"group_key_file = None: the loopback group's key {path} cannot be read "
+                          f"({e}); give --group-key-file FILE") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise ConfigError(f"group_key_file = None: {path} is owned by another user or others may read it; "
-                              "remove it (it is made again) or give --group-key-file FILE")
+            raise ConfigError(f"group_key_file = None: {path} is owned by another user or others "
+                              "may read it; remove it (it is made again) or give --group-key-file "
+                              "FILE")
         key = f.read().strip()
     if len(key) < KEY_MIN_CHARS:
-        raise ConfigError(f"group_key_file = None: {path} holds no key; remove it (it is made again)")
+        raise ConfigError(f"group_key_file = None: {path} holds no key; remove it (it is made "
+                          "again)")
     return key

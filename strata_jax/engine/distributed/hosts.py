@@ -1,15 +1,18 @@
-"""One model over several processes or hosts (--coordinator HOST:PORT --num-processes N --process-id I):
-joining them, which devices the mesh takes, what is refused, and the frames between them (issue 19, item 2).
+"""One model over several processes or hosts (--coordinator HOST:PORT --num-processes N --process-id
+I): joining them, which devices the mesh takes, what is refused, and the frames between them (issue
+19, item 2).
 
-jax.distributed joins the processes. That is multi-controller JAX: each process drives only its own devices,
-and a program over a mesh that spans processes runs only when every process calls it, in the same order,
-with the same inputs. The experts split (devices.py) already runs a window as ONE SPMD program over a 1-D
-mesh; here the mesh holds the first --devices devices of every process, so each process holds E/(N·D) of
-every layer's experts and a psum over gloo (CPU) or NCCL (GPU) adds the expert rows across processes.
+jax.distributed joins the processes. That is multi-controller JAX: each process drives only its own
+devices, and a program over a mesh that spans processes runs only when every process calls it, in
+the same order, with the same inputs. The experts split (devices.py) already runs a window as ONE
+SPMD program over a 1-D mesh; here the mesh holds the first --devices devices of every process, so
+each process holds E/(N·D) of every layer's experts and a psum over gloo (CPU) or NCCL (GPU) adds
+the expert rows across processes.
 
-Process 0 leads: its engine schedules, samples and serves HTTP. Every other process follows: it loads the
-same weights (its part of the experts) and replays each device call the leader makes, in the leader's order
-(lockstep.py). Only the leader's engine makes decisions, so nothing needs to be agreed but the calls.
+Process 0 leads: its engine schedules, samples and serves HTTP. Every other process follows: it
+loads the same weights (its part of the experts) and replays each device call the leader makes, in
+the leader's order (lockstep.py). Only the leader's engine makes decisions, so nothing needs to be
+agreed but the calls.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from .group_key import group_key
 
 log = logging.getLogger("strata_jax.engine")
 
-JOIN_S = 300            # how long jax.distributed waits for every process to join (a restart's reload included)
+# how long jax.distributed waits for every process to join (a restart's reload included)
+JOIN_S = 300
 
 
 def is_group(cfg: EngineConfig) -> bool:
@@ -34,15 +38,16 @@ def is_group(cfg: EngineConfig) -> bool:
 
 
 def channel_address(cfg: EngineConfig) -> tuple[str, int]:
-    """The leader's lockstep channel: the coordinator's host, its port + 1 (one address for users to give)."""
+    """The leader's lockstep channel: the coordinator's host, its port + 1 (one address for users to
+    give)."""
     host, _, port = cfg.coordinator.rpartition(":")
     return host.strip("[]"), int(port) + 1
 
 
 def join(cfg: EngineConfig) -> None:
-    """jax.distributed.initialize for this process, once, before JAX starts its backend (the worker calls it
-    first thing; a restarted worker is a new process and joins afresh). Multi-process CPU collectives need
-    gloo, chosen before initialize."""
+    """jax.distributed.initialize for this process, once, before JAX starts its backend (the worker
+    calls it first thing; a restarted worker is a new process and joins afresh). Multi-process CPU
+    collectives need gloo, chosen before initialize."""
     if not is_group(cfg):
         return
     import jax
@@ -50,33 +55,41 @@ def join(cfg: EngineConfig) -> None:
     if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    log.info("process %d of %d: joining the group at %s", cfg.process_id, cfg.num_processes, cfg.coordinator)
-    # the coordinator listens on the address the processes were given, not on every interface ([::], JAX's
-    # default): a coordinator at 127.0.0.1 cannot be reached from the network
-    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=JOIN_S,
-                               coordinator_bind_address=cfg.coordinator if cfg.process_id == 0 else None)
-    # the backend's start is a step of joining too (every process publishes its devices and waits for the
-    # others'): done here, so no process waits on its channel for a leader still starting its backend
+    log.info("process %d of %d: joining the group at %s", cfg.process_id, cfg.num_processes,
+             cfg.coordinator)
+    # the coordinator listens on the address the processes were given, not on every interface ([::],
+    # JAX's default): a coordinator at 127.0.0.1 cannot be reached from the network
+    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id,
+                               initialization_timeout=JOIN_S,
+                               coordinator_bind_address=cfg.coordinator if cfg.process_id == 0
+                                                        else None)
+    # the backend's start is a step of joining too (every process publishes its devices and waits
+    # for the others'): done here, so no process waits on its channel for a leader still starting
+    # its backend
     jax.devices()
 
 
 def refusal(cfg: EngineConfig, spec) -> str | None:
-    """Why this config cannot run over processes, or None. Pure (no JAX): the CLI refuses before starting."""
+    """Why this config cannot run over processes, or None. Pure (no JAX): the CLI refuses before
+    starting."""
     if not spec.is_moe:
-        return "the model has no experts to split over processes (only --split experts spans processes)"
+        return ("the model has no experts to split over processes (only --split experts spans "
+                "processes)")
     if cfg.split == "layers":
-        return "split = layers: pipeline stages do not span processes yet; use --split experts (or auto)"
+        return ("split = layers: pipeline stages do not span processes yet; use --split experts "
+                "(or auto)")
     if cfg.expert_cache != "auto":
-        return (f"expert_cache = {cfg.expert_cache}: the expert tiers (a device arena fed by the host) do not "
-                "combine with several processes")
+        return (f"expert_cache = {cfg.expert_cache}: the expert tiers (a device arena fed by the "
+                "host) do not combine with several processes")
     if cfg.kv_resident is not None:
-        return f"kv_resident = {cfg.kv_resident}: host-RAM KV does not combine with several processes"
+        return (f"kv_resident = {cfg.kv_resident}: host-RAM KV does not combine with several "
+                "processes")
     if cfg.spec > 0 and cfg.drafter != "ngram":
         return f"drafter = {cfg.drafter}: only the ngram drafter combines with several processes"
     total = cfg.num_processes * cfg.devices
     if spec.n_experts % total:
-        return (f"the model's {spec.n_experts} experts do not divide over {cfg.num_processes} processes x "
-                f"{cfg.devices} device(s) = {total} devices")
+        return (f"the model's {spec.n_experts} experts do not divide over {cfg.num_processes} "
+                f"processes x {cfg.devices} device(s) = {total} devices")
     return None
 
 
@@ -84,13 +97,14 @@ def refuse(cfg: EngineConfig, spec) -> None:
     why = refusal(cfg, spec) if is_group(cfg) else None
     if why:
         raise ConfigError(f"num_processes = {cfg.num_processes}: {why}")
-    if is_group(cfg):       # an unreadable or short key file: refused now, not at each engine restart
+    # an unreadable or short key file: refused now, not at each engine restart
+    if is_group(cfg):
         group_key(cfg)
 
 
 def group_devices(cfg: EngineConfig, spec) -> list:
-    """The mesh's devices: the first cfg.devices of each process, process 0's first (ConfigError when a
-    process has fewer, or what the config asks cannot span processes)."""
+    """The mesh's devices: the first cfg.devices of each process, process 0's first (ConfigError
+    when a process has fewer, or what the config asks cannot span processes)."""
     import jax
 
     refuse(cfg, spec)
@@ -99,19 +113,21 @@ def group_devices(cfg: EngineConfig, spec) -> list:
         mine.setdefault(d.process_index, []).append(d)
     for p in range(cfg.num_processes):
         if len(mine.get(p, [])) < cfg.devices:
-            raise ConfigError(f"devices = {cfg.devices}: process {p} has {len(mine.get(p, []))} device(s)")
+            raise ConfigError(f"devices = {cfg.devices}: process {p} has {len(mine.get(p, []))} "
+                              "device(s)")
     return [d for p in range(cfg.num_processes) for d in mine[p][:cfg.devices]]
 
 
 def digest(cfg: EngineConfig, spec) -> str:
-    """What every process must agree on: the engine settings (but the process's own number) and the model's
-    shape. A follower started with other flags or another model is refused by the leader, naming it."""
+    """What every process must agree on: the engine settings (but the process's own number) and the
+    model's shape. A follower started with other flags or another model is refused by the leader,
+    naming it."""
     settings = {k: v for k, v in cfg.to_dict().items() if k not in ("process_id", "group_key_file")}
     text = json.dumps(settings, sort_keys=True, default=str) + repr(spec)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# ---- the frames: leader -> follower (each device call), follower -> leader (hello) -------------------------
+# ---- the frames: leader -> follower (each device call), follower -> leader (hello) ---------------
 
 
 class Arr(msgspec.Struct, array_like=True):
@@ -134,7 +150,8 @@ class Frame(msgspec.Struct, tag_field="t", array_like=True):
 
 
 class Challenge(Frame, tag="challenge"):
-    """The leader's first frame on every connection: a fresh nonce the follower's hello must sign."""
+    """The leader's first frame on every connection: a fresh nonce the follower's hello must
+    sign."""
     nonce: bytes
 
 
@@ -150,7 +167,8 @@ class Hello(Frame, tag="hello"):
 
 
 class Welcome(Frame, tag="welcome"):
-    """The leader's answer to a signed hello: its own HMAC, so the follower knows it holds the key too."""
+    """The leader's answer to a signed hello: its own HMAC, so the follower knows it holds the key
+    too."""
     mac: bytes
 
 
@@ -159,7 +177,8 @@ class Loaded(Frame, tag="loaded"):
 
 
 class Window(Frame, tag="window"):
-    """A window program: its layout (programs.Layout's fields) and its inputs after the weights and KV."""
+    """A window program: its layout (programs.Layout's fields) and its inputs after the weights and
+    KV."""
     groups: tuple[tuple[int, int, bool, int], ...]
     kv_len: int
     args: list[Arr]
@@ -193,7 +212,8 @@ class Scratch(Frame, tag="scratch"):
     begin: bool
 
 
-AnyFrame = Challenge | Hello | Welcome | Loaded | Window | KvRead | KvWrite | KvCopy | KvReset | Scratch
+AnyFrame = (Challenge | Hello | Welcome | Loaded | Window | KvRead | KvWrite | KvCopy | KvReset
+            | Scratch)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyFrame)
 

@@ -1,19 +1,22 @@
 """The leader and its followers in lockstep (one model over processes: hosts.py).
 
-Every call that runs a program over the group's mesh (a window, each KVCache move) must be made by every
-process, in one order, with the same inputs. The leader (process 0) sends each such call to every follower
-on a TCP channel (the coordinator's port + 1) before making it itself; a follower replays the frames in the
-order they come (`follow`). The frames are the window's inputs (a few int32 arrays a window: tokens,
-positions, slots, picks) and the KV moves' arguments; no logits or tokens come back, because only the
-leader samples (its logits are its local replica of a replicated output).
+Every call that runs a program over the group's mesh (a window, each KVCache move) must be made by
+every process, in one order, with the same inputs. The leader (process 0) sends each such call to
+every follower on a TCP channel (the coordinator's port + 1) before making it itself; a follower
+replays the frames in the order they come (`follow`). The frames are the window's inputs (a few
+int32 arrays a window: tokens, positions, slots, picks) and the KV moves' arguments; no logits or
+tokens come back, because only the leader samples (its logits are its local replica of a replicated
+output).
 
-One owner each: the Leader owns the channel and the followers' liveness; the KVCache (here LockstepKV, the
-leader's) still owns the arrays; the runner owns which program a window runs. A follower that leaves (its
-socket closes: the process died) makes the group unusable, since the next collective would fail or hang:
-the leader calls the `when_lost` hook with a message naming the process (the worker exits with it as its ERR line, so
-the fault ledger names it, and the server restarts the group), as it does when a window or a move fails.
+One owner each: the Leader owns the channel and the followers' liveness; the KVCache (here
+LockstepKV, the leader's) still owns the arrays; the runner owns which program a window runs. A
+follower that leaves (its socket closes: the process died) makes the group unusable, since the next
+collective would fail or hang: the leader calls the `when_lost` hook with a message naming the
+process (the worker exits with it as its ERR line, so the fault ledger names it, and the server
+restarts the group), as it does when a window or a move fails.
 
-Who may join, and the bounds on a frame: group_channel.py (a follower proves the group key before it is one).
+Who may join, and the bounds on a frame: group_channel.py (a follower proves the group key before it
+is one).
 """
 
 from __future__ import annotations
@@ -66,16 +69,18 @@ log = logging.getLogger("strata_jax.engine")
 
 
 class Leader:
-    """Process 0's side of the channel. Made at the runner's start (its Gate listens at once and answers each
-    connection's handshake as it comes); `accept`, at the runner's end, takes every follower's hello (said
-    once it has joined, before loading) and then its Loaded."""
+    """Process 0's side of the channel. Made at the runner's start (its Gate listens at once and
+    answers each connection's handshake as it comes); `accept`, at the runner's end, takes every
+    follower's hello (said once it has joined, before loading) and then its Loaded."""
 
     def __init__(self, cfg: EngineConfig, digest: str):
         self.n = cfg.num_processes
-        self.gate = Gate(cfg, digest)           # listening from now on; who may join: group_channel.py
+        # listening from now on; who may join: group_channel.py
+        self.gate = Gate(cfg, digest)
         self.address = self.gate.address
         self.followers: dict[int, tuple[socket.socket, Hello]] = {}
-        self._lock = threading.RLock()          # one call at a time: sent and made in the same order
+        # one call at a time: sent and made in the same order
+        self._lock = threading.RLock()
         self.lost: str | None = None            # why the group broke, once it has
         self._lost_event = threading.Event()
         self._on_lost: Callable[[str], None] | None = None
@@ -84,13 +89,14 @@ class Leader:
         self.bytes = 0
 
     def accept(self, timeout: float = JOIN_S) -> None:
-        """Every follower's hello (its settings must be the leader's), then its Loaded. A follower says hello
-        as soon as it has joined, before loading, so one that dies while loading is named here at once.
-        ConfigError names a follower with the key but other flags or another model; GroupLost, one that never
-        came (and the connections refused meanwhile) or ended."""
+        """Every follower's hello (its settings must be the leader's), then its Loaded. A follower
+        says hello as soon as it has joined, before loading, so one that dies while loading is named
+        here at once. ConfigError names a follower with the key but other flags or another model;
+        GroupLost, one that never came (and the connections refused meanwhile) or ended."""
         end = time.monotonic() + timeout
         self.followers = self.gate.wait(timeout)
-        for conn, hello in self.followers.values():     # each connected before loading; now its Loaded
+        # each connected before loading; now its Loaded
+        for conn, hello in self.followers.values():
             conn.settimeout(max(end - time.monotonic(), 0.01))
             try:
                 loaded = recv_frame(conn, HANDSHAKE_MAX)
@@ -99,16 +105,19 @@ class Leader:
             conn.settimeout(None)
             if not isinstance(loaded, Loaded):
                 self.close()
-                raise GroupLost(f"process {hello.process_id} of the group (pid {hello.pid} on {hello.host}) "
+                raise GroupLost(f"process {hello.process_id} of the group (pid {hello.pid} on "
+                                f"{hello.host}) "
                                 + ("is gone: it ended while loading" if loaded is None else
-                                   f"did not load within {timeout:g} s" if isinstance(loaded, TimeoutError) else
+                                   f"did not load within {timeout:g} s"
+                                   if isinstance(loaded, TimeoutError) else
                                    f"sent something other than its Loaded ({loaded})"))
             log.info("process %d (pid %d on %s) follows", hello.process_id, hello.pid, hello.host)
-            threading.Thread(target=self._watch, args=(conn, hello), name=f"follower-{hello.process_id}",
-                             daemon=True).start()
+            threading.Thread(target=self._watch, args=(conn, hello),
+                             name=f"follower-{hello.process_id}", daemon=True).start()
 
     def when_lost(self, fn: Callable[[str], None]) -> None:
-        """What to do when the group breaks (the worker: exit with the message). Called at once when it has."""
+        """What to do when the group breaks (the worker: exit with the message). Called at once when
+        it has."""
         self._on_lost = fn
         if self.lost is not None:
             fn(self.lost)
@@ -117,16 +126,18 @@ class Leader:
         """A follower never sends after its hello: a read that ends means its process is gone."""
         with contextlib.suppress(OSError):
             exactly(conn, 1)
-        self._lose(f"process {hello.process_id} of the group (pid {hello.pid} on {hello.host}) is gone: its "
-                   "connection to process 0 closed")
+        self._lose(f"process {hello.process_id} of the group (pid {hello.pid} on {hello.host}) is "
+                   "gone: its connection to process 0 closed")
 
     def close(self) -> None:
-        """The engine closes: the followers' channels close (they end, and their loops start them again)."""
+        """The engine closes: the followers' channels close (they end, and their loops start them
+        again)."""
         self._closed = True
         self.gate.close()
         for conn, _ in self.followers.values():
             with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)     # not close() alone: the watcher's recv would keep it open
+                # not close() alone: the watcher's recv would keep it open
+                conn.shutdown(socket.SHUT_RDWR)
                 conn.close()
 
     def _lose(self, why: str) -> None:
@@ -141,16 +152,19 @@ class Leader:
             self._on_lost(self.lost)
 
     def failed(self, e: BaseException) -> None:
-        """A call failed on process 0. Its followers may have made it or not, so the group is broken: a
-        follower's death shows as such a failure first (a collective's peer closed), so wait a moment for the
-        watcher to name it, then report."""
+        """A call failed on process 0. Its followers may have made it or not, so the group is
+        broken: a follower's death shows as such a failure first (a collective's peer closed), so
+        wait a moment for the watcher to name it, then report."""
         self._lost_event.wait(2.0)
-        self._lose(self.lost or f"a device call failed on process 0 of the group ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''}); the processes may no longer agree")
+        self._lose(self.lost
+                   or f"a device call failed on process 0 of the group ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); the processes may "
+                                "no longer agree")
 
     @contextlib.contextmanager
     def call(self, frame: Frame):
-        """Send `frame` to every follower, then make the call (the with block) under the same lock."""
+        """Send `frame` to every follower, then make the call (the with block) under the same
+        lock."""
         with self._lock:
             if self.lost is not None:
                 raise GroupLost(self.lost)
@@ -159,7 +173,8 @@ class Leader:
                 try:
                     conn.sendall(data)
                 except OSError as e:
-                    self._lose(f"process {pid} of the group (pid {hello.pid} on {hello.host}) is gone: {e}")
+                    self._lose(f"process {pid} of the group (pid {hello.pid} on {hello.host}) is "
+                               f"gone: {e}")
                     raise GroupLost(self.lost) from e
             self.frames += 1
             self.bytes += len(data)
@@ -170,11 +185,13 @@ class Leader:
                 raise
 
     def window(self, layout, args: list, run: Callable):
-        """A window program: the followers are sent it, then run(layout, args) makes it here -> process 0's
-        own replica of the replicated logits (sampled here alone: nothing comes back from the followers)."""
+        """A window program: the followers are sent it, then run(layout, args) makes it here ->
+        process 0's own replica of the replicated logits (sampled here alone: nothing comes back
+        from the followers)."""
         with self.call(Window(layout.groups, layout.kv_len, [Arr.of(a) for a in args])):
-            # waited for here: a collective's failure (a follower gone) surfaces when the result is read, and
-            # must surface inside call(), which breaks the group, not in the engine's own recovery after it
+            # waited for here: a collective's failure (a follower gone) surfaces when the result is
+            # read, and must surface inside call(), which breaks the group, not in the engine's own
+            # recovery after it
             return jax.block_until_ready([lg.addressable_data(0) for lg in run(layout, args)])
 
     def kv(self, *args, **kwargs) -> LockstepKV:
@@ -182,12 +199,14 @@ class Leader:
 
     def stats(self) -> dict:
         return {"processes": self.n, "frames": self.frames, "bytes": self.bytes,
-                "followers": {p: {"pid": h.pid, "host": h.host} for p, (_, h) in self.followers.items()}}
+                "followers": {p: {"pid": h.pid, "host": h.host}
+                              for p, (_, h) in self.followers.items()}}
 
 
 class GroupWindows(WholeWindows):
-    """--num-processes N: the leader's executor (executors.py). Each window is sent to the followers, then run
-    here over the group's mesh (Leader.window); a follower runs the windows it is sent as WholeWindows."""
+    """--num-processes N: the leader's executor (executors.py). Each window is sent to the
+    followers, then run here over the group's mesh (Leader.window); a follower runs the windows it
+    is sent as WholeWindows."""
 
     def __init__(self, leader: Leader, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -208,7 +227,8 @@ class GroupWindows(WholeWindows):
 
 
 class LockstepKV(KVCache):
-    """The leader's KVCache: each move that runs a program on the group's arrays goes to the followers too."""
+    """The leader's KVCache: each move that runs a program on the group's arrays goes to the
+    followers too."""
 
     def __init__(self, leader: Leader, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -243,16 +263,16 @@ class LockstepKV(KVCache):
 
 
 def over_processes(cfg: EngineConfig, spec) -> tuple[list, Leader | None]:
-    """The runner's start over processes: join the group, its mesh's devices (hosts.py), and on process 0 the
-    Leader (listening at once; it accepts the followers once the runner is built)."""
+    """The runner's start over processes: join the group, its mesh's devices (hosts.py), and on
+    process 0 the Leader (listening at once; it accepts the followers once the runner is built)."""
     join(cfg)
     devs = group_devices(cfg, spec)
     return devs, (Leader(cfg, digest(cfg, spec)) if cfg.process_id == 0 else None)
 
 
 def hello(cfg: EngineConfig, digest: str, host: str) -> socket.socket:
-    """A follower, once joined and before loading: connect to the leader and prove the group key (retried
-    while process 0 is not listening yet, or closed before its challenge)."""
+    """A follower, once joined and before loading: connect to the leader and prove the group key
+    (retried while process 0 is not listening yet, or closed before its challenge)."""
     leader_host, leader_port = channel_address(cfg)
     where = f"{leader_host} port {leader_port}"
     key = group_key(cfg)
@@ -274,8 +294,8 @@ def hello(cfg: EngineConfig, digest: str, host: str) -> socket.socket:
 
 
 def follow(runner, conn: socket.socket, cfg: EngineConfig) -> str:
-    """A follower's life after loading: say so, then replay every frame in order. Returns why it ended (the
-    leader closed the channel: its process stopped) or raises what a call raised."""
+    """A follower's life after loading: say so, then replay every frame in order. Returns why it
+    ended (the leader closed the channel: its process stopped) or raises what a call raised."""
     conn.sendall(pack(Loaded()))
     log.info("process %d: following process 0 at %s:%d", cfg.process_id, *channel_address(cfg))
     # no call carries more than the whole KV cache (a slot file's restore) and a window's inputs
@@ -286,8 +306,8 @@ def follow(runner, conn: socket.socket, cfg: EngineConfig) -> str:
         try:
             frame = recv_frame(conn, limit)
         except FrameError as e:
-            raise GroupLost(f"process 0's channel sent {e} (a follower's bound: its KV cache's bytes + "
-                            f"{FRAME_SLACK >> 20} MiB)") from None
+            raise GroupLost(f"process 0's channel sent {e} (a follower's bound: its KV cache's "
+                            f"bytes + {FRAME_SLACK >> 20} MiB)") from None
         if frame is None:
             return f"process 0 closed the channel after {n} calls (its engine stopped)"
         n += 1
@@ -313,13 +333,15 @@ def follow(runner, conn: socket.socket, cfg: EngineConfig) -> str:
 
 
 def _connect(cfg: EngineConfig, end: float) -> socket.socket:
-    """The leader's channel, retried while it is still starting (it listens from its runner's start)."""
+    """The leader's channel, retried while it is still starting (it listens from its runner's
+    start)."""
     host, port = channel_address(cfg)
     while True:
         try:
             return socket.create_connection((host, port), timeout=10)
         except OSError:
             if time.monotonic() > end:
-                raise GroupLost(f"process 0's channel at {host}:{port} did not answer in {JOIN_S} s") from None
+                raise GroupLost(f"process 0's channel at {host}:{port} did not answer in {JOIN_S} "
+                                "s") from None
             time.sleep(0.2)
 

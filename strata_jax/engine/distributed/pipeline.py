@@ -1,26 +1,27 @@
-"""--split layers: the model's layers in contiguous runs over N devices of one host, a window as a chain of
-stage programs (devices.py decides the split and refuses what cannot combine with it).
+"""--split layers: the model's layers in contiguous runs over N devices of one host, a window as a
+chain of stage programs (devices.py decides the split and refuses what cannot combine with it).
 
-Stage s on device s holds its run of layers (their weights, experts included, and their KV: KVCache's
-per-stage arrays), the first stage also the embedding, the last the final norm and the output head. A
-window runs stage 0's program (embedding, its layers), hands its hidden states [R, L, h] per group to
-device 1 (jax.device_put), runs stage 1's, ..., and the last stage gives the logits. The groups' tokens,
-positions and slots go to every stage (each writes its own layers' KV). Each stage's program is
-forward()'s own code (embed_stage, decoder_layer, head_stage) with the stage's local layer index into
-its own KV arrays, so the logits are the same bits as one device's.
+Stage s on device s holds its run of layers (their weights, experts included, and their KV:
+KVCache's per-stage arrays), the first stage also the embedding, the last the final norm and the
+output head. A window runs stage 0's program (embedding, its layers), hands its hidden states [R, L,
+h] per group to device 1 (jax.device_put), runs stage 1's, ..., and the last stage gives the logits.
+The groups' tokens, positions and slots go to every stage (each writes its own layers' KV). Each
+stage's program is forward()'s own code (embed_stage, decoder_layer, head_stage) with the stage's
+local layer index into its own KV arrays, so the logits are the same bits as one device's.
 
-Programs: one ProgramCache a device, each with its own device-memory ledger (the stage's weights and KV
-reserved in it), its own bound (--max-programs) and its own out-of-memory halving: a device that runs out
-frees its own programs. StagePrograms gives the runner and the engine the one cache's interface over them
-(a window's layout is ready when every stage's program is).
+Programs: one ProgramCache a device, each with its own device-memory ledger (the stage's weights and
+KV reserved in it), its own bound (--max-programs) and its own out-of-memory halving: a device that
+runs out frees its own programs. StagePrograms gives the runner and the engine the one cache's
+interface over them (a window's layout is ready when every stage's program is).
 
-What overlaps: a window is cut into micro-batches (micro_batches.py: its rows, or its groups, in up to
---micro-batches parts, each part's layout one the warm-up already builds), and the host dispatches stage
-0's program on every part, then stage 1's on every part, ... without waiting (JAX dispatch is
-asynchronous; each device runs its programs in the order given, the donated KV chaining a stage's parts).
-So device s+1 runs part p while device s runs part p+1. The engine still plans the next window only after
-this one's tokens are sampled (a decode row's next token is this window's), so windows do not overlap: a
-window of one row (one request decoding) runs its stages in turn (docs/DISTRIBUTED.md).
+What overlaps: a window is cut into micro-batches (micro_batches.py: its rows, or its groups, in up
+to --micro-batches parts, each part's layout one the warm-up already builds), and the host
+dispatches stage 0's program on every part, then stage 1's on every part, ... without waiting (JAX
+dispatch is asynchronous; each device runs its programs in the order given, the donated KV chaining
+a stage's parts). So device s+1 runs part p while device s runs part p+1. The engine still plans the
+next window only after this one's tokens are sampled (a decode row's next token is this window's),
+so windows do not overlap: a window of one row (one request decoding) runs its stages in turn
+(docs/DISTRIBUTED.md).
 """
 
 from __future__ import annotations
@@ -53,15 +54,17 @@ def stage_bounds(n_layers: int, n: int) -> list[tuple[int, int]]:
 
 
 def stage_kv(spec, devices: list) -> list:
-    """KVCache's stages: [(a stage's spec: its layers only, its device)]. The NextN (MTP) layers' KV is left
-    out: the mtp drafter does not combine with the split."""
-    return [(replace(spec, n_layers=b - a, n_nextn=0), d) for (a, b), d in zip(stage_bounds(spec.n_layers, len(devices)), devices)]
+    """KVCache's stages: [(a stage's spec: its layers only, its device)]. The NextN (MTP) layers' KV
+    is left out: the mtp drafter does not combine with the split."""
+    return [(replace(spec, n_layers=b - a, n_nextn=0), d)
+            for (a, b), d in zip(stage_bounds(spec.n_layers, len(devices)), devices)]
 
 
 class Pipeline:
-    def __init__(self, params: dict, spec, opts, devices: list, kv: KVCache, cfg, kv_dtype, device_len: int,
-                 faults, rows_alone: bool = False):
-        """rows_alone: every row is computed alone (ModelRunner.min_rows = 1), so a window's rows may be cut."""
+    def __init__(self, params: dict, spec, opts, devices: list, kv: KVCache, cfg, kv_dtype,
+                 device_len: int, faults, rows_alone: bool = False):
+        """rows_alone: every row is computed alone (ModelRunner.min_rows = 1), so a window's rows
+        may be cut."""
         self.spec, self.opts, self.devices, self.kv = spec, opts, devices, kv
         n = len(devices)
         self.rows_alone = rows_alone
@@ -80,12 +83,14 @@ class Pipeline:
             p = jax.device_put(p, dev)
             self.params.append(p)
             ledger = MemoryLedger(cfg.device_memory_mib, cfg.vram_reserve_mib)      # this device's
-            ledger.reserve_bytes("weights", sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(p)),
+            ledger.reserve_bytes("weights",
+                                 sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(p)),
                                  f"stage {s}'s weights (layers {a}..{b - 1}) on {dev}")
-            ledger.reserve_bytes("kv", kv_bytes(replace(spec, n_layers=b - a, n_nextn=0), kv_dtype, cfg.parallel,
-                                                device_len), f"stage {s}'s KV cache on {dev}")
-            caches.append(ProgramCache(lambda lay, s=s: self._build(lay, s), ledger, cfg.max_programs, kv.wait,
-                                       faults))
+            ledger.reserve_bytes("kv", kv_bytes(replace(spec, n_layers=b - a, n_nextn=0), kv_dtype,
+                                                cfg.parallel, device_len),
+                                 f"stage {s}'s KV cache on {dev}")
+            caches.append(ProgramCache(lambda lay, s=s: self._build(lay, s), ledger,
+                                       cfg.max_programs, kv.wait, faults))
         self.programs = StagePrograms(caches)
 
     def cut(self, layout: Layout) -> Cut:
@@ -102,7 +107,8 @@ class Pipeline:
         return self.run(groups, layout), None
 
     def expert_profile(self) -> ExpertProfile:
-        raise ValueError("the expert profile is not counted with --split layers" if self.spec.is_moe else
+        raise ValueError("the expert profile is not counted with --split layers"
+                         if self.spec.is_moe else
                          "this model has no experts: there is no expert profile to write")
 
     def expert_stats(self) -> dict:
@@ -112,14 +118,16 @@ class Pipeline:
         pass                      # the stages' program caches close with the runner's programs
 
     def run(self, groups: list, layout: Layout) -> list[jax.Array]:
-        """One window through every stage -> logits per group (on the last device). Stage-major order: every
-        part through stage 0, then every part through stage 1, ...; nothing here waits for a device."""
+        """One window through every stage -> logits per group (on the last device). Stage-major
+        order: every part through stage 0, then every part through stage 1, ...; nothing here waits
+        for a device."""
         c = self.cut(layout)
         args, orders = part_inputs(c, groups)
         xs: list[list] = [[] for _ in c.parts]
         for s, cache in enumerate(self.programs.caches):
             for p, lay in enumerate(c.parts):
-                ins = list(jax.device_put(xs[p], self.devices[s])) if s else []      # hidden states, to device s
+                # hidden states, to device s
+                ins = list(jax.device_put(xs[p], self.devices[s])) if s else []
 
                 def step(cs, s=s, cache=cache, ins=ins, lay=lay, a=args[p]):
                     out, kv = cache.run(lay, self.params[s], cs[s], *ins, *a)
@@ -130,8 +138,8 @@ class Pipeline:
         return join(c, xs, orders)
 
     def _build(self, layout: Layout, s: int):
-        """Stage s's program for `layout`: (its weights, its KV, [hidden states per group,] the groups'
-        arrays) -> (hidden states per group, or logits on the last stage; its KV)."""
+        """Stage s's program for `layout`: (its weights, its KV, [hidden states per group,] the
+        groups' arrays) -> (hidden states per group, or logits on the last stage; its KV)."""
         spec, opts, n_groups = self.spec, self.opts, len(layout.groups)
         first, last = s == 0, s == len(self.devices) - 1
 
@@ -144,16 +152,19 @@ class Pipeline:
             groups = tuple(groups)
             if first:
                 xs = embed_stage(p, opts, tuple(g.tokens for g in groups))
-            for j, lp in enumerate(p["layers"]):            # j: the layer's index in this stage's KV arrays
+            # j: the layer's index in this stage's KV arrays
+            for j, lp in enumerate(p["layers"]):
                 xs, cache = decoder_layer(lp, j, spec, opts, groups, xs, cache, layout.kv_len)
             return (head_stage(p, spec, opts, groups, xs) if last else xs), cache
 
         here = SingleDeviceSharding(self.devices[s])
         S, i32, h = jax.ShapeDtypeStruct, jnp.int32, spec.hidden
-        ins = [] if first else [S((r, t, h), jnp.dtype(opts.dtype), sharding=here) for r, t, _, _ in layout.groups]
+        ins = ([] if first else [S((r, t, h), jnp.dtype(opts.dtype), sharding=here)
+                                 for r, t, _, _ in layout.groups])
         for rows, length, _, picks in layout.groups:
             ins += [S((rows, length), i32, sharding=here), S((rows, length), i32, sharding=here),
-                    S((rows,), i32, sharding=here)] + [S((picks,), i32, sharding=here)] * bool(picks)
+                    S((rows,), i32, sharding=here)] + [S((picks,), i32,
+                                                         sharding=here)] * bool(picks)
 
         def shape(a):
             return S(a.shape, a.dtype, sharding=here)
@@ -162,18 +173,18 @@ class Pipeline:
 
 
 def micro_batches_of(setting: int | str, stages: int, platform: str) -> int:
-    """--micro-batches: a number of parts, or auto: 1 on CPU devices (forced CPU devices share the host's
-    cores, and every M > 1 measured slower on a 2-core machine: the stages' kernel calls contend for the
-    same cores and each part reads the stage's weights again; docs/DISTRIBUTED.md), else one part a stage
-    (devices with compute of their own; not measured here)."""
+    """--micro-batches: a number of parts, or auto: 1 on CPU devices (forced CPU devices share the
+    host's cores, and every M > 1 measured slower on a 2-core machine: the stages' kernel calls
+    contend for the same cores and each part reads the stage's weights again; docs/DISTRIBUTED.md),
+    else one part a stage (devices with compute of their own; not measured here)."""
     if setting != "auto":
         return int(setting)
     return 1 if platform == "cpu" else stages
 
 
 class StagePrograms:
-    """The program cache's interface over one ProgramCache a device: a layout is ready, queued or refused
-    when any stage's is; building and collecting go to every stage."""
+    """The program cache's interface over one ProgramCache a device: a layout is ready, queued or
+    refused when any stage's is; building and collecting go to every stage."""
 
     def __init__(self, caches: list[ProgramCache]):
         self.caches = caches

@@ -2,14 +2,14 @@
 
     verify          the speculative accept rule (accept.py) -> (tokens [R, L], n_accepted [R])
     all_logits      the logits themselves [R, L, V] (research, checks)
-    controlled      a row with sampling controls, logprobs or a grammar (controls.py): the grammars' masks are
-                    filled on the host while the device runs the model -> tokens [R], and (logprob [R], top ids
-                    [R, K], top logprobs [R, K])
+    controlled      a row with sampling controls, logprobs or a grammar (controls.py): the grammars'
+                    masks are filled on the host while the device runs the model -> tokens [R], and
+                    (logprob [R], top ids [R, K], top logprobs [R, K])
     greedy          argmax on the host (one small copy, no program)
     sampled         sampler.py's program -> tokens [R]
 
-Each jitted rule is one small program a row bucket, kept out of the window programs (a CPU builds each window
-program ~0.7 s faster without it).
+Each jitted rule is one small program a row bucket, kept out of the window programs (a CPU builds
+each window program ~0.7 s faster without it).
 """
 
 from __future__ import annotations
@@ -29,24 +29,30 @@ from .sampler import greedy_on_host, sample
 class GroupAnswers:
     def __init__(self, cache_len: int):
         self.cache_len = cache_len
-        self._sample = jax.jit(sample)          # one small program per row count (a handful: row buckets)
-        self._verify = jax.jit(verify)          # the speculative accept rule, one per verify group shape
+        # one small program per row count (a handful: row buckets)
+        self._sample = jax.jit(sample)
+        # the speculative accept rule, one per verify group shape
+        self._verify = jax.jit(verify)
         self._controlled = jax.jit(sample_controlled, static_argnames=("sampled",))
 
     def answer(self, logits: jax.Array, g: GroupInput) -> tuple[Any, tuple | None]:
         """-> (the group's answer, its logprobs or None)."""
         rows = g.sampling
         if g.drafts is not None:
-            return tuple(np.asarray(a) for a in self._verify(logits, g.drafts, g.n_draft, *rows.as_tuple())), None
+            return (tuple(np.asarray(a) for a in self._verify(logits, g.drafts, g.n_draft,
+                                                              *rows.as_tuple())), None)
         if g.all_logits:
             return np.asarray(logits), None
         if rows.controlled is not None:
             c = controls_of(rows.controlled, logits.shape[0], logits.shape[-1], self.cache_len)
             sampled = bool(np.any(rows.temperature > 0))
-            # the model program is dispatched: the grammars' masks are filled while the device runs it
-            mask = None if rows.constraints is None else fill_masks(rows.constraints, logits.shape[0],
+            # the model program is dispatched: the grammars' masks are filled while the device runs
+            # it
+            mask = None if rows.constraints is None else fill_masks(rows.constraints,
+                                                                   logits.shape[0],
                                                                    logits.shape[-1])
-            tokens, *lp = (np.asarray(a) for a in self._controlled(logits, *rows.as_tuple(), *c.as_tuple(), mask,
+            tokens, *lp = (np.asarray(a)
+                           for a in self._controlled(logits, *rows.as_tuple(), *c.as_tuple(), mask,
                                                                    sampled=sampled))
             return tokens, tuple(lp)
         if not np.any(rows.temperature > 0):

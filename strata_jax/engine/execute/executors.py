@@ -1,16 +1,19 @@
-"""How a window's programs run: one implementation a mode, chosen once when the runner starts (runner.py).
+"""How a window's programs run: one implementation a mode, chosen once when the runner starts
+(runner.py).
 
-    WholeWindows    one program a window, on one device or over --split experts' mesh (the shards are in the
-                    program's weights and inputs; nothing else differs)
-    SteppedWindows  the expert tiers: a window layer by layer, the experts fed from host RAM and the file
-                    (stepped.py's LayerStepper)
-    Pipeline        --split layers: a chain of stage programs, one a device (distributed/pipeline.py)
-    GroupWindows    --num-processes N: WholeWindows on the leader, each window sent to the followers first
-                    (distributed/lockstep.py)
+    WholeWindows    one program a window, on one device or over --split experts' mesh (the shards
+                    are in the program's weights and inputs; nothing else differs)
+    SteppedWindows  the expert tiers: a window layer by layer, the experts fed from host RAM and the
+                    file (stepped.py's LayerStepper)
+    Pipeline        --split layers: a chain of stage programs, one a device
+                    (distributed/pipeline.py)
+    GroupWindows    --num-processes N: WholeWindows on the leader, each window sent to the followers
+                    first (distributed/lockstep.py)
 
-Each answers the runner's questions in its own way, with no branch on the mode anywhere else: which programs
-a window of a layout runs (`layouts`), run it (`forward` -> the groups' logits and, for the MTP drafter, their
-last hidden states), and the routing of live traffic (`expert_profile`, `expert_stats`).
+Each answers the runner's questions in its own way, with no branch on the mode anywhere else: which
+programs a window of a layout runs (`layouts`), run it (`forward` -> the groups' logits and, for the
+MTP drafter, their last hidden states), and the routing of live traffic (`expert_profile`,
+`expert_stats`).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from .window_program import build_window, cache_last
 
 log = logging.getLogger("strata_jax.engine")
 
-Forward = tuple[list[jax.Array], list[jax.Array] | None]     # logits a group; hidden states a group, or None
+# logits a group; hidden states a group, or None
+Forward = tuple[list[jax.Array], list[jax.Array] | None]
 
 
 class Executor(Protocol):
-    programs: Any                        # ProgramCache, or StagePrograms over one a device (pipeline.py)
+    # ProgramCache, or StagePrograms over one a device (pipeline.py)
+    programs: Any
 
     def layouts(self, layout: Layout) -> list[Layout]: ...
 
@@ -55,13 +60,16 @@ def all_on_device(spec) -> dict:
 
 
 class WholeWindows:
-    """A window as one program over the whole model (window_program.py), its KV cache donated and updated in
-    place. With every expert on the device it counts their routing in the program (the expert profile)."""
+    """A window as one program over the whole model (window_program.py), its KV cache donated and
+    updated in place. With every expert on the device it counts their routing in the program (the
+    expert profile)."""
 
-    def __init__(self, spec, opts, params: dict, kv, programs, shards=None, with_hidden: bool = False):
+    def __init__(self, spec, opts, params: dict, kv, programs, shards=None,
+                 with_hidden: bool = False):
         self.spec, self.opts, self.params, self.kv, self.programs = spec, opts, params, kv, programs
         self.shards, self.with_hidden = shards, with_hidden
-        self.counts = self._new_counts() if spec.is_moe else None    # int32 [n_layers, E]: live traffic's routing
+        # int32 [n_layers, E]: live traffic's routing
+        self.counts = self._new_counts() if spec.is_moe else None
         programs.register("window", self.build)
 
     def layouts(self, layout: Layout) -> list[Layout]:
@@ -71,21 +79,23 @@ class WholeWindows:
         return self.window(layout, [a for g in groups for a in g.arrays()])
 
     def window(self, layout: Layout, args: list[np.ndarray]) -> Forward:
-        """The program of `layout` on its inputs (after the weights, the KV and the counts); a follower of a
-        process group replays the leader's windows through here (lockstep.py)."""
+        """The program of `layout` on its inputs (after the weights, the KV and the counts); a
+        follower of a process group replays the leader's windows through here (lockstep.py)."""
         if self.counts is not None and self.counts.is_deleted():
             log.warning("the expert profile's counts were lost in a failed window: counting anew")
-            self.counts = self._new_counts()         # a failed run consumed it: the profile starts again
+            # a failed run consumed it: the profile starts again
+            self.counts = self._new_counts()
         counts = [] if self.counts is None else [self.counts]
-        res = self.kv.through(lambda c: cache_last(self.programs.run(layout, self.params, c, *counts, *args)))
+        res = self.kv.through(lambda c: cache_last(self.programs.run(layout, self.params, c,
+                                                                     *counts, *args)))
         if counts:
             self.counts = res.counts
         return res.logits, res.hiddens
 
     def build(self, layout: Layout):
         """The program cache's builder of whole windows."""
-        return build_window(layout, self.params, self.spec, self.opts, self.kv, self.with_hidden, self.counts,
-                            self.shards)
+        return build_window(layout, self.params, self.spec, self.opts, self.kv, self.with_hidden,
+                            self.counts, self.shards)
 
     def expert_profile(self) -> ExpertProfile:
         if self.counts is None:
@@ -106,7 +116,8 @@ class WholeWindows:
 
 
 class SteppedWindows:
-    """The expert tiers: LayerStepper runs a window's stages (stepped.py) and counts the routing itself."""
+    """The expert tiers: LayerStepper runs a window's stages (stepped.py) and counts the routing
+    itself."""
 
     def __init__(self, stepper, programs, with_hidden: bool):
         self.stepper, self.programs, self.with_hidden = stepper, programs, with_hidden

@@ -1,6 +1,6 @@
 """The groups a window is made of (GroupInput: a program's inputs), the layouts windows take
-(programs.Layout): a window's KV-length bucket, its layout from its groups, and the set the warm-up builds.
-WindowLayouts is fixed at start from the runner's choices; nothing in it changes after."""
+(programs.Layout): a window's KV-length bucket, its layout from its groups, and the set the warm-up
+builds. WindowLayouts is fixed at start from the runner's choices; nothing in it changes after."""
 
 from __future__ import annotations
 
@@ -21,13 +21,17 @@ class GroupInput:
     slots: np.ndarray         # [R] int32
     sampling: SamplingRows
     all_logits: bool = False
-    drafts: np.ndarray | None = None    # [R, L-1] int32: a verify group's drafts (spec/accept.py), with
-    n_draft: np.ndarray | None = None   # [R] int32: the real drafts a row (the group then returns tokens, n_accepted)
-    picks: np.ndarray | None = None     # [E] int32: logits of these tokens only (a packed window; model.Group)
+    # [R, L-1] int32: a verify group's drafts (spec/accept.py), with [R] int32: the real drafts a
+    # row (the group then returns tokens, n_accepted)
+    drafts: np.ndarray | None = None
+    n_draft: np.ndarray | None = None
+    # [E] int32: logits of these tokens only (a packed window; model.Group)
+    picks: np.ndarray | None = None
 
     def arrays(self) -> list[np.ndarray]:
         """The program's inputs for this group, in model.Group's order."""
-        return [self.tokens, self.pos, self.slots] + ([self.picks] if self.picks is not None else [])
+        return ([self.tokens, self.pos, self.slots]
+                + ([self.picks] if self.picks is not None else []))
 
 
 @dataclass(frozen=True)
@@ -44,11 +48,13 @@ class WindowLayouts:
     batch_tokens: int
 
     def kv_bucket(self, needed: int) -> int:
-        """The KV length a window attends over: chunk * 2^i covering `needed`, at most the cache length
-        (and at most the device part when `needed` fits in it: such windows never touch host KV)."""
+        """The KV length a window attends over: chunk * 2^i covering `needed`, at most the cache
+        length (and at most the device part when `needed` fits in it: such windows never touch host
+        KV)."""
         if pk.is_cpu(self.backend) and needed <= self.device_len:
-            # the cpu attention kernel reads only the keys each query sees, in place: the KV length is
-            # not part of its arithmetic, so one program serves every length (fewer layouts to build)
+            # the cpu attention kernel reads only the keys each query sees, in place: the KV length
+            # is not part of its arithmetic, so one program serves every length (fewer layouts to
+            # build)
             return self.device_len
         n = self.attn_chunk
         while n < needed:
@@ -62,14 +68,14 @@ class WindowLayouts:
                       self.kv_bucket(kv_needed))
 
     def base(self) -> list[Layout]:
-        """The layouts the warm-up builds, at the first KV bucket. Packed windows (the cpu backend): every
-        (tokens, picks) pair of buckets a window can have, so nothing is compiled while serving (until a
-        --kv-resident window reaches the host part). Otherwise: decode rows alone for each row bucket
-        (min_rows, 2 min_rows, ... up to parallel), one whole prompt chunk alone, and each decode bucket with
-        one whole chunk. Both: verify rows alone for each row bucket with --spec (never packed); whatever
-        else a window needs (a verify group beside a prompt chunk, ...) is built off the
-        engine thread while the engine runs these (EngineCore narrows a window: a chunk pads to a whole
-        one, and decode rows can run without it)."""
+        """The layouts the warm-up builds, at the first KV bucket. Packed windows (the cpu backend):
+        every (tokens, picks) pair of buckets a window can have, so nothing is compiled while
+        serving (until a --kv-resident window reaches the host part). Otherwise: decode rows alone
+        for each row bucket (min_rows, 2 min_rows, ... up to parallel), one whole prompt chunk
+        alone, and each decode bucket with one whole chunk. Both: verify rows alone for each row
+        bucket with --spec (never packed); whatever else a window needs (a verify group beside a
+        prompt chunk, ...) is built off the engine thread while the engine runs these (EngineCore
+        narrows a window: a chunk pads to a whole one, and decode rows can run without it)."""
         rows, buckets = self.min_rows, []
         while True:
             buckets.append(rows)
@@ -77,7 +83,8 @@ class WindowLayouts:
                 break
             rows *= 2
         kv, chunk = self.kv_bucket(1), self.prefill
-        # verify windows are never packed (scheduler.py): their layouts are the same in both kinds of window
+        # verify windows are never packed (scheduler.py): their layouts are the same in both kinds
+        # of window
         verify = [Layout(((r, 1 + self.spec, True, 0),), kv) for r in buckets] if self.spec else []
         if self.packed:           # every (tokens, picks) bucket pair a window can have: all of them
             n = max(self.batch_tokens, self.parallel + min(chunk, self.cache_len))
@@ -92,9 +99,9 @@ class WindowLayouts:
 
 
 def verify_only(layout: Layout) -> bool:
-    """One verify group alone (rows of 1 + --spec tokens, every logit): the warm-up builds these with the
-    decode ones, or every window with drafts would be narrowed to plain decode until the builder thread
-    reached them (issue 32, finding 6)."""
+    """One verify group alone (rows of 1 + --spec tokens, every logit): the warm-up builds these
+    with the decode ones, or every window with drafts would be narrowed to plain decode until the
+    builder thread reached them (issue 32, finding 6)."""
     return len(layout.groups) == 1 and layout.groups[0][2] and layout.groups[0][1] > 1
 
 

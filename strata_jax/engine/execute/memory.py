@@ -1,9 +1,9 @@
 """The device-memory ledger: what the engine put on the device, in bytes, against a budget.
 
 On a GPU the budget is the device's own memory (its allocator's limit); with `--device-memory-mib M`
-it is M MiB on any machine, which is how tests on a CPU make device memory run out. A reservation that
-would leave less than `--vram-reserve-mib` free raises the same RESOURCE_EXHAUSTED error the device
-raises, so one recovery path serves both.
+it is M MiB on any machine, which is how tests on a CPU make device memory run out. A reservation
+that would leave less than `--vram-reserve-mib` free raises the same RESOURCE_EXHAUSTED error the
+device raises, so one recovery path serves both.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ class MemoryLedger:
         self.lock = threading.Lock()
         self.used: dict[str, int] = {"weights": 0, "kv": 0, "experts": 0, "programs": 0}
         self.budget = int(budget_mib * MiB) if budget_mib else _device_limit()
-        # The reserve is for what the ledger does not see (XLA's own buffers, other processes); it applies
-        # to an explicit budget too, so a budget of M MiB behaves like a device of M MiB.
+        # The reserve is for what the ledger does not see (XLA's own buffers, other processes); it
+        # applies to an explicit budget too, so a budget of M MiB behaves like a device of M MiB.
         self.reserve = int(reserve_mib * MiB) if self.budget else 0
 
     @property
@@ -38,9 +38,10 @@ class MemoryLedger:
         with self.lock:
             if self.budget is not None and self.total + n > self.budget - self.reserve:
                 raise resource_exhausted(
-                    f"{what} needs {n / MiB:.1f} MiB of device memory; {max(0, self.free) / MiB:.1f} MiB free "
-                    f"of {self.budget / MiB:.0f} MiB (weights {self.used['weights'] / MiB:.1f}, kv "
-                    f"{self.used['kv'] / MiB:.1f}, experts {self.used['experts'] / MiB:.1f}, programs "
+                    f"{what} needs {n / MiB:.1f} MiB of device memory; "
+                    f"{max(0, self.free) / MiB:.1f} MiB free of {self.budget / MiB:.0f} MiB "
+                    f"(weights {self.used['weights'] / MiB:.1f}, kv {self.used['kv'] / MiB:.1f}, "
+                    f"experts {self.used['experts'] / MiB:.1f}, programs "
                     f"{self.used['programs'] / MiB:.1f}, reserve {self.reserve / MiB:.0f})")
             self.used[kind] += n
 

@@ -1,10 +1,10 @@
 """The builder thread: programs compiled off the engine thread (ProgramCache.build_later).
 
-One thread compiles the layouts handed to it in order; a window that waits for one moves it to the front
-(`hurry`). It only compiles: what it finished waits in a queue until the engine thread takes it into the
-program cache (ProgramCache.collect), so the LRU and the ledger keep one owner. A queued layout that the
-engine thread needs before this thread began it is built there and skipped here (`take`); one being
-compiled is waited for, never compiled twice.
+One thread compiles the layouts handed to it in order; a window that waits for one moves it to the
+front (`hurry`). It only compiles: what it finished waits in a queue until the engine thread takes
+it into the program cache (ProgramCache.collect), so the LRU and the ledger keep one owner. A queued
+layout that the engine thread needs before this thread began it is built there and skipped here
+(`take`); one being compiled is waited for, never compiled twice.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 
 from .. import at_exit
 
-Built = tuple[Any, Any, float, "BaseException | None"]      # (layout, compiled or None, seconds, error or None)
+# (layout, compiled or None, seconds, error or None)
+Built = tuple[Any, Any, float, "BaseException | None"]
 
 
 class BuilderThread:
@@ -28,12 +29,15 @@ class BuilderThread:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()                  # _current and _taken, shared with the thread
         self._current = None                           # the layout being compiled
-        self._taken: set = set()                       # queued ones the engine thread built itself: skipped
+        # queued ones the engine thread built itself: skipped
+        self._taken: set = set()
 
     def put(self, layout) -> None:
         if self._thread is None:
-            if at_exit.exiting():       # a thread started now would outlive the exit hook (at_exit.py)
-                return                  # (ProgramCache.get builds a layout the engine thread needs there)
+            # a thread started now would outlive the exit hook (at_exit.py)
+            if at_exit.exiting():
+                # (ProgramCache.get builds a layout the engine thread needs there)
+                return
             self._thread = threading.Thread(target=self._loop, name="strata-builder", daemon=True)
             self._thread.start()
             at_exit.builder_started(self)
@@ -48,8 +52,8 @@ class BuilderThread:
                 todo.appendleft(layout)
 
     def take(self, layout) -> bool:
-        """The engine thread builds a queued `layout` itself -> True (this thread will skip it), or False
-        when this thread is compiling it already (wait for it: `wait`)."""
+        """The engine thread builds a queued `layout` itself -> True (this thread will skip it), or
+        False when this thread is compiling it already (wait for it: `wait`)."""
         with self._lock:
             if self._current == layout:
                 return False
@@ -73,8 +77,8 @@ class BuilderThread:
         return self._built.qsize()
 
     def close(self) -> None:
-        """Stop after the compile in progress (a compile cut off at exit aborts the process: at_exit.py closes
-        the ones still running then)."""
+        """Stop after the compile in progress (a compile cut off at exit aborts the process:
+        at_exit.py closes the ones still running then)."""
         at_exit.closed(self)
         if self._thread is None:
             return
@@ -100,7 +104,8 @@ class BuilderThread:
             t0 = time.perf_counter()
             try:
                 compiled, err = self._compile(layout), None
-            except Exception as e:  # noqa: BLE001 - reported to the engine thread by ProgramCache.collect
+            # reported to the engine thread by ProgramCache.collect
+            except Exception as e:  # noqa: BLE001
                 compiled, err = None, e
             with self._lock:
                 self._current = None

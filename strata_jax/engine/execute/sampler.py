@@ -1,8 +1,9 @@
 """Sampling on the device: each row has its own temperature, top_k, top_p, min_p and seed.
 
 A row's random key is fold_in(key(seed), n) for its n-th generated token, so the same seed gives the
-same text whatever else shares the window. Temperature 0 is greedy (argmax). Logits with a NaN or an inf give token -1 (see `mark_non_finite`). Order as vLLM's: logits are
-divided by the temperature, then top_k, top_p and min_p cut the candidates, then one is drawn.
+same text whatever else shares the window. Temperature 0 is greedy (argmax). Logits with a NaN or an
+inf give token -1 (see `mark_non_finite`). Order as vLLM's: logits are divided by the temperature,
+then top_k, top_p and min_p cut the candidates, then one is drawn.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ class SamplingRows:
     min_p: np.ndarray         # [R] float32, 0 = off
     seed: np.ndarray          # [R] uint32
     step: np.ndarray          # [R] int32: tokens the row generated so far
-    # per row (params, tokens so far, prompt length), or None for padding: set only when some row has a
-    # sampling control or asks for logprobs (controls.py builds that window's control arrays from it)
+    # per row (params, tokens so far, prompt length), or None for padding: set only when some row
+    # has a sampling control or asks for logprobs (controls.py builds that window's control arrays
+    # from it)
     controlled: list | None = None
     # per row its grammar's matcher (constrain.Constraint) or None: set only when some row has one
     constraints: list | None = None
@@ -49,14 +51,16 @@ def filter_logits(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Ar
     lg = jnp.where((top_k[:, None] > 0) & (lg < kth), -jnp.inf, lg)
     order = jnp.where((top_k[:, None] > 0) & (order < kth), -jnp.inf, order)
     probs = jax.nn.softmax(order, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs                                     # mass ahead of each
-    # the most probable candidate always stays: a top_p that float32 rounds to 0 (5e-324) kept none, and a
-    # draw from all -inf gave token 0 (a token a grammar may forbid)
+    # mass ahead of each
+    before = jnp.cumsum(probs, axis=-1) - probs
+    # the most probable candidate always stays: a top_p that float32 rounds to 0 (5e-324) kept none,
+    # and a draw from all -inf gave token 0 (a token a grammar may forbid)
     keep = (before < top_p[:, None]) | (jnp.arange(V) == 0)[None]
     cut = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
     lg = jnp.where(lg < cut, -jnp.inf, lg)
     top = order[:, :1]
-    return jnp.where((min_p[:, None] > 0) & (lg < top + jnp.log(jnp.maximum(min_p[:, None], 1e-30))), -jnp.inf, lg)
+    return jnp.where((min_p[:, None]
+                      > 0) & (lg < top + jnp.log(jnp.maximum(min_p[:, None], 1e-30))), -jnp.inf, lg)
 
 
 def token_key(seed, n):
@@ -78,15 +82,15 @@ def sample(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step) -> j
 
 
 def mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """tokens where the logits they came from ([..., V]) hold a NaN or an inf are -1, which the engine turns
-    into an error for that request (argmax over NaNs would give token 0 forever)."""
+    """tokens where the logits they came from ([..., V]) hold a NaN or an inf are -1, which the
+    engine turns into an error for that request (argmax over NaNs would give token 0 forever)."""
     finite = jnp.isfinite(jnp.max(logits, axis=-1))       # max propagates NaN, and is inf if any is
     return jnp.where(finite, tokens, -1)
 
 
 def greedy_on_host(logits: np.ndarray) -> np.ndarray:
-    """sample()'s answer for rows that are all greedy, from logits [R, V] already on the host (on a CPU,
-    a view: no transfer), without a program call (~0.25 ms a decode step): the argmax, or -1 where a row's
-    logits hold a NaN or an inf (sampler.mark_non_finite)."""
+    """sample()'s answer for rows that are all greedy, from logits [R, V] already on the host (on a
+    CPU, a view: no transfer), without a program call (~0.25 ms a decode step): the argmax, or -1
+    where a row's logits hold a NaN or an inf (sampler.mark_non_finite)."""
     tokens = np.argmax(logits, axis=-1).astype(np.int32)
     return np.where(np.isfinite(np.max(logits, axis=-1)), tokens, np.int32(-1))

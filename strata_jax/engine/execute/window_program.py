@@ -1,10 +1,10 @@
-"""The window program: a whole window, every group of it, as one compiled forward() (the runner's "window"
-stage in the program cache; the layer stepper's stages are stepped_build.py's).
+"""The window program: a whole window, every group of it, as one compiled forward() (the runner's
+"window" stage in the program cache; the layer stepper's stages are stepped_build.py's).
 
-Its inputs are the weights, the KV cache (donated: updated in place), the expert profile's counts when
-counted (donated too), then each group's tokens, positions and slots (and picks); it returns forward()'s
-ForwardOut. Sampling is a small program of its own (runner.py): keeping it out of every window program
-makes each build ~0.7 s faster on a CPU.
+Its inputs are the weights, the KV cache (donated: updated in place), the expert profile's counts
+when counted (donated too), then each group's tokens, positions and slots (and picks); it returns
+forward()'s ForwardOut. Sampling is a small program of its own (runner.py): keeping it out of every
+window program makes each build ~0.7 s faster on a CPU.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from .kv_cache import KVCache
 from .programs import Layout
 
 
-def build_window(layout: Layout, params: dict, spec, opts, kv: KVCache, with_hidden: bool, counts=None,
-                 shards=None):
-    """Compile the window program of `layout`, lowered from shapes only: the builder thread compiles while
-    the engine thread runs, donates and replaces the arrays. counts: the expert profile's counts array
-    (its shape), or None when routing is not counted in the program. shards: --split experts' mesh
-    (devices.ExpertShards): the program runs over every device of it, else None (one device)."""
+def build_window(layout: Layout, params: dict, spec, opts, kv: KVCache, with_hidden: bool,
+                 counts=None, shards=None):
+    """Compile the window program of `layout`, lowered from shapes only: the builder thread compiles
+    while the engine thread runs, donates and replaces the arrays. counts: the expert profile's
+    counts array (its shape), or None when routing is not counted in the program. shards: --split
+    experts' mesh (devices.ExpertShards): the program runs over every device of it, else None (one
+    device)."""
     counting = counts is not None
 
     def window(params, cache, *flat):
@@ -31,25 +32,30 @@ def build_window(layout: Layout, params: dict, spec, opts, kv: KVCache, with_hid
         for _, _, all_logits, picks in layout.groups:
             groups.append(Group(*flat[at:at + 3], all_logits, flat[at + 3] if picks else None))
             at += 4 if picks else 3
-        return forward(params, spec, opts, tuple(groups), cache, layout.kv_len, with_hidden=with_hidden,
-                       host=kv.host, counts=counts)
+        return forward(params, spec, opts, tuple(groups), cache, layout.kv_len,
+                       with_hidden=with_hidden, host=kv.host, counts=counts)
 
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     args = [counts] if counting else []
     for rows, length, _, picks in layout.groups:
-        args += [S((rows, length), i32), S((rows, length), i32), S((rows,), i32)] + [S((picks,), i32)] * bool(picks)
+        args += ([S((rows, length), i32), S((rows, length), i32), S((rows,), i32)]
+                 + [S((picks,), i32)] * bool(picks))
     donate = (1, 2) if counting else (1,)
     if shards is not None:
         fn = shards.wrap(window, params, 1 + len(args))
         rep = shards.replicated
-        return jax.jit(fn, donate_argnums=donate).lower(shards.shapes(params), shards.shapes(kv.arrays, rep),
+        return jax.jit(fn, donate_argnums=donate).lower(shards.shapes(params),
+                                                        shards.shapes(kv.arrays, rep),
                                                         *shards.shapes(args, rep)).compile()
-    return jax.jit(window, donate_argnums=donate).lower(shapes(params), shapes(kv.arrays), *shapes(args)).compile()
+    return jax.jit(window, donate_argnums=donate).lower(shapes(params), shapes(kv.arrays),
+                                                        *shapes(args)).compile()
 
 
 def shapes(tree):
-    """Arrays -> ShapeDtypeStructs (other leaves as they are): what lowering a program needs of them."""
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "dtype") else a, tree)
+    """Arrays -> ShapeDtypeStructs (other leaves as they are): what lowering a program needs of
+    them."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "dtype") else a, tree)
 
 
 def cache_last(res):

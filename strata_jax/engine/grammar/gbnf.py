@@ -1,15 +1,16 @@
-"""GBNF (llama.cpp's grammar format) to llguidance's Lark, in time linear in the grammar's size, with its
-rule count and nesting depth bounded.
+"""GBNF (llama.cpp's grammar format) to llguidance's Lark, in time linear in the grammar's size,
+with its rule count and nesting depth bounded.
 
-llguidance's own converter (llguidance/gbnf_to_lark.py, pinned at 1.9.1 in pyproject.toml) parses linearly
-but then finds the rules that can be lexer terminals by sweeping every rule until nothing changes: one rule
-a sweep along a chain, so a 3,000-rule chain took a minute (issue 32, finding 2). Its parser is kept; the
-rest is done here with a work list (each rule is marked once, each reference looked at once), and the AST
-is walked with explicit stacks, not recursive generators.
+llguidance's own converter (llguidance/gbnf_to_lark.py, pinned at 1.9.1 in pyproject.toml) parses
+linearly but then finds the rules that can be lexer terminals by sweeping every rule until nothing
+changes: one rule a sweep along a chain, so a 3,000-rule chain took a minute (issue 32, finding 2).
+Its parser is kept; the rest is done here with a work list (each rule is marked once, each reference
+looked at once), and the AST is walked with explicit stacks, not recursive generators.
 
-The bounds: llguidance inlines a chain of terminal rules into one lexeme by recursion on its own stack (a
-4,000-rule chain overflowed the engine's stack: finding 1), so a grammar's rules and the depth of its
-terminal chains and groups are bounded; `GrammarTooLarge` says which bound and the grammar's count.
+The bounds: llguidance inlines a chain of terminal rules into one lexeme by recursion on its own
+stack (a 4,000-rule chain overflowed the engine's stack: finding 1), so a grammar's rules and the
+depth of its terminal chains and groups are bounded; `GrammarTooLarge` says which bound and the
+grammar's count.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from llguidance.gbnf_to_lark import (
 )
 
 MAX_RULES = 2048        # llama.cpp's own JSON-schema grammars have tens to hundreds of rules
-MAX_DEPTH = 256         # a chain of terminal rules, or of nested groups: what llguidance's stack is sized for
+# a chain of terminal rules, or of nested groups: what llguidance's stack is sized for
+MAX_DEPTH = 256
 
 
 class GrammarTooLarge(ValueError):
@@ -38,8 +40,8 @@ class GrammarTooLarge(ValueError):
 
 
 def gbnf_to_lark(text: str, max_rules: int = MAX_RULES, max_depth: int = MAX_DEPTH) -> str:
-    """A GBNF grammar (or one already in Lark, returned as is) -> Lark text for llguidance; ValueError (with
-    GrammarTooLarge for the bounds) when it cannot be converted."""
+    """A GBNF grammar (or one already in Lark, returned as is) -> Lark text for llguidance;
+    ValueError (with GrammarTooLarge for the bounds) when it cannot be converted."""
     if is_lark_syntax(text):
         return text
     _check_nesting(text, max_depth)
@@ -61,8 +63,9 @@ def gbnf_to_lark(text: str, max_rules: int = MAX_RULES, max_depth: int = MAX_DEP
 
 
 def _check_nesting(text: str, max_depth: int) -> None:
-    """Groups nested deeper than max_depth: refused before the (recursive) parser sees them. Parentheses
-    inside literals and classes are not groups; a rough count that errs only towards refusing is enough."""
+    """Groups nested deeper than max_depth: refused before the (recursive) parser sees them.
+    Parentheses inside literals and classes are not groups; a rough count that errs only towards
+    refusing is enough."""
     depth = deepest = 0
     quoted = bracket = escaped = False
     for c in text:
@@ -115,15 +118,17 @@ def _resolve(rules: dict[str, RuleNode], max_depth: int) -> None:
     _mark_terminals(rules, uses, max_depth)
     _rename(rules, "root", "start")
     for r in list(rules.values()):
-        new_name = re.sub(r"([a-z])([A-Z])", r"\1_\2", r.name.replace("-", "_")).lower()   # fooBar -> foo_bar
+        # fooBar -> foo_bar
+        new_name = re.sub(r"([a-z])([A-Z])", r"\1_\2", r.name.replace("-", "_")).lower()
         new_name = new_name.upper() if r.rule_is_terminal else new_name
         if r.name != new_name:
             _rename(rules, r.name, new_name)
 
 
 def _mark_terminals(rules: dict[str, RuleNode], uses: dict[str, set[str]], max_depth: int) -> None:
-    """The least fixed point llguidance's sweeps reach: a rule (not root) is terminal when every rule it
-    names is. A rule's terminal depth (1 + the deepest it names) bounds llguidance's recursion inlining it."""
+    """The least fixed point llguidance's sweeps reach: a rule (not root) is terminal when every
+    rule it names is. A rule's terminal depth (1 + the deepest it names) bounds llguidance's
+    recursion inlining it."""
     waiting = {name: len(named) for name, named in uses.items()}
     used_by: dict[str, list[str]] = {name: [] for name in uses}
     for name, named in uses.items():

@@ -1,18 +1,22 @@
-"""Compiling a request's grammar: once, off the engine process's command thread, on threads with a large stack,
-the result kept for the request's check at prepare, its constraint at submit and its matcher.
+"""Compiling a request's grammar: once, off the engine process's command thread, on threads with a
+large stack, the result kept for the request's check at prepare, its constraint at submit and its
+matcher.
 
 Why each part (issue 32):
-- llguidance compiles by recursion on the calling thread's stack, about 2 KB a level of a chain of rules: a
-  4,000-rule GBNF chain overflowed the 8 MiB of the engine's main thread (SIGSEGV: every request in flight
-  failed). Here the compile threads have STACK_BYTES, room for any chain a 128 Ki-character grammar can
-  write (a Lark chain of 10,000 rules, ~20 MB, was tried); GBNF's rules and depth are bounded too (gbnf.py).
-- A grammar was converted and compiled three times a request (prepare, submit, the matcher); now once: each
-  request gets a deep copy of the one fresh matcher kept by (kind, text) in a small LRU, errors kept too.
-- A schema can compile and still fail its first tokens (`{"type": "string", "pattern": "^(a{1000}){1000}$"}`:
-  the lexer runs out of fuel deriving the pattern after the opening quote, "too many expressions
-  constructed"). The check builds the real matcher and walks PROBE_TOKENS of it, each time taking the
-  allowed token of most bytes, and does the same for each of a schema's patterns alone (one behind an
-  alternative the walk does not take): what fails there is a 400 at admission, not a 500 mid-answer.
+- llguidance compiles by recursion on the calling thread's stack, about 2 KB a level of a chain of
+  rules: a 4,000-rule GBNF chain overflowed the 8 MiB of the engine's main thread (SIGSEGV: every
+  request in flight failed). Here the compile threads have STACK_BYTES, room for any chain a 128
+  Ki-character grammar can write (a Lark chain of 10,000 rules, ~20 MB, was tried); GBNF's rules and
+  depth are bounded too (gbnf.py).
+- A grammar was converted and compiled three times a request (prepare, submit, the matcher); now
+  once: each request gets a deep copy of the one fresh matcher kept by (kind, text) in a small LRU,
+  errors kept too.
+- A schema can compile and still fail its first tokens (`{"type": "string", "pattern":
+  "^(a{1000}){1000}$"}`: the lexer runs out of fuel deriving the pattern after the opening quote,
+  "too many expressions constructed"). The check builds the real matcher and walks PROBE_TOKENS of
+  it, each time taking the allowed token of most bytes, and does the same for each of a schema's
+  patterns alone (one behind an alternative the walk does not take): what fails there is a 400 at
+  admission, not a 500 mid-answer.
 """
 
 from __future__ import annotations
@@ -30,21 +34,28 @@ import numpy as np
 
 from .gbnf import MAX_DEPTH, MAX_RULES, GrammarTooLarge, gbnf_to_lark
 
-STACK_BYTES = 256 << 20     # a compile thread's stack (virtual: only what a grammar's recursion touches is used)
-THREADS = 2                 # grammars compiled at once: one huge grammar leaves room for another request's
-CACHE_ENTRIES = 64          # compiled grammars kept (prepare and submit of one request come moments apart)
+# a compile thread's stack (virtual: only what a grammar's recursion touches is used)
+STACK_BYTES = 256 << 20
+# grammars compiled at once: one huge grammar leaves room for another request's
+THREADS = 2
+# compiled grammars kept (prepare and submit of one request come moments apart)
+CACHE_ENTRIES = 64
 PROBE_TOKENS = 8            # tokens of the real matcher walked at the check
 
 # json_object / json_schema: JSON as json.dumps writes it: one space after ", " and ": ", no other
-# whitespace. llguidance's default allows any run of whitespace between tokens, which a weak model can fill
-# until max_tokens (llama.cpp bounds it too); a schema's own "x-guidance" options override this.
+# whitespace. llguidance's default allows any run of whitespace between tokens, which a weak model
+# can fill until max_tokens (llama.cpp bounds it too); a schema's own "x-guidance" options override
+# this.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_lock = threading.Lock()    # threading.stack_size is the process's: set and restored around one start at a time
+# threading.stack_size is the process's: set and restored around one start at a time
+_lock = threading.Lock()
 
 
-def grammar_source(kind: str, text: str, max_rules: int = MAX_RULES, max_depth: int = MAX_DEPTH) -> str:
-    """The llguidance grammar of a (kind, text); ValueError (GrammarTooLarge for a bound) when the text cannot
-    be read as that kind. GBNF goes through gbnf.py's linear converter with its bounds."""
+def grammar_source(kind: str, text: str, max_rules: int = MAX_RULES,
+                   max_depth: int = MAX_DEPTH) -> str:
+    """The llguidance grammar of a (kind, text); ValueError (GrammarTooLarge for a bound) when the
+    text cannot be read as that kind. GBNF goes through gbnf.py's linear converter with its
+    bounds."""
     if kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if kind == "json_schema":
@@ -60,18 +71,21 @@ def grammar_source(kind: str, text: str, max_rules: int = MAX_RULES, max_depth: 
 
 @dataclass(frozen=True)
 class Compiled:
-    """One grammar's result: a fresh matcher (never advanced: requests take deep copies), or what is wrong
-    with it, as the words after "the <kind> " in the request's error ("cannot be compiled: ...")."""
+    """One grammar's result: a fresh matcher (never advanced: requests take deep copies), or what is
+    wrong with it, as the words after "the <kind> " in the request's error ("cannot be compiled:
+    ...")."""
 
     matcher: llg.LLMatcher | None
     problem: str | None
 
 
 class Compiler:
-    """Compiles (kind, text) on its own threads and keeps the results; `compile` waits for one (from any
-    thread). `tokenizer()` gives the LLTokenizer, `token_bytes` each token's length in bytes (for the probe)."""
+    """Compiles (kind, text) on its own threads and keeps the results; `compile` waits for one (from
+    any thread). `tokenizer()` gives the LLTokenizer, `token_bytes` each token's length in bytes
+    (for the probe)."""
 
-    def __init__(self, tokenizer, token_bytes, max_rules: int = MAX_RULES, max_depth: int = MAX_DEPTH):
+    def __init__(self, tokenizer, token_bytes, max_rules: int = MAX_RULES,
+                 max_depth: int = MAX_DEPTH):
         self._tokenizer, self._token_bytes = tokenizer, token_bytes
         self.max_rules, self.max_depth = max_rules, max_depth
         self._results: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -101,7 +115,8 @@ class Compiler:
             before = threading.stack_size(STACK_BYTES)
             try:
                 for i in range(THREADS):
-                    t = threading.Thread(target=self._work, name=f"grammar-compile-{i}", daemon=True)
+                    t = threading.Thread(target=self._work, name=f"grammar-compile-{i}",
+                                         daemon=True)
                     t.start()
                     self._threads.append(t)
             finally:
@@ -112,7 +127,8 @@ class Compiler:
             (kind, text), future = self._jobs.get()
             try:
                 future.set_result(self._compile(kind, text))
-            except BaseException as e:  # noqa: BLE001 - a grammar must not end the thread; its caller hears
+            # a grammar must not end the thread; its caller hears
+            except BaseException as e:  # noqa: BLE001
                 future.set_result(Compiled(None, f"cannot be compiled: {_one_line(e)}"))
 
     def _compile(self, kind: str, text: str) -> Compiled:
@@ -123,9 +139,11 @@ class Compiler:
         except (ValueError, TypeError, RecursionError) as e:
             return Compiled(None, f"cannot be read: {_one_line(e)}")
         matcher, error = self._matcher(source)
-        if kind == "json_schema" and not error:     # a pattern behind an alternative the walk did not take
+        # a pattern behind an alternative the walk did not take
+        if kind == "json_schema" and not error:
             for pattern in _patterns(json.loads(text)):
-                alone = grammar_source("json_schema", json.dumps({"type": "string", "pattern": pattern}))
+                alone = grammar_source("json_schema",
+                                       json.dumps({"type": "string", "pattern": pattern}))
                 if (error := self._matcher(alone)[1]) is not None:
                     error = f"{_one_line(error)} (its pattern {json.dumps(pattern)[:80]})"
                     break
@@ -135,11 +153,14 @@ class Compiler:
 
     def _matcher(self, source: str) -> tuple[llg.LLMatcher, str | None]:
         """The grammar's matcher and its error, or the error its first tokens meet (the probe)."""
-        matcher = llg.LLMatcher(self._tokenizer(), source, log_level=0)    # its errors are validate_grammar's
-        return matcher, matcher.get_error() if matcher.is_error() else self._probe(matcher.deep_copy())
+        # its errors are validate_grammar's
+        matcher = llg.LLMatcher(self._tokenizer(), source, log_level=0)
+        return (matcher,
+                matcher.get_error() if matcher.is_error() else self._probe(matcher.deep_copy()))
 
     def _probe(self, matcher: llg.LLMatcher) -> str | None:
-        """Walk the matcher's first tokens (each step the allowed one of most bytes): its error, or None."""
+        """Walk the matcher's first tokens (each step the allowed one of most bytes): its error, or
+        None."""
         lengths = self._token_bytes()
         mask = llnp.allocate_token_bitmask(1, len(lengths))
         for _ in range(PROBE_TOKENS):
@@ -148,7 +169,8 @@ class Compiler:
                 return matcher.get_error()
             if matcher.is_stopped():
                 return None
-            allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:len(lengths)])
+            allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8),
+                                                   bitorder="little")[:len(lengths)])
             if allowed.size == 0:
                 return None
             token = int(allowed[np.argmax(lengths[allowed])])
@@ -158,7 +180,8 @@ class Compiler:
 
 
 def _patterns(schema) -> list[str]:
-    """Every regular expression a JSON schema holds ("pattern"s, "patternProperties"' keys), each once."""
+    """Every regular expression a JSON schema holds ("pattern"s, "patternProperties"' keys), each
+    once."""
     found: dict[str, None] = {}
     stack = [schema]
     while stack:

@@ -1,8 +1,9 @@
-"""Requests into slots: the admission half of the scheduling (the Scheduler plans windows over the slots).
+"""Requests into slots: the admission half of the scheduling (the Scheduler plans windows over the
+slots).
 
-First come first served: a waiting request takes a free slot as soon as there is one, the slot the prefix
-cache picks (the one whose kept KV it reuses most). A request cancelled or past its deadline is ended where it
-is, waiting or on a slot, before the next window is planned.
+First come first served: a waiting request takes a free slot as soon as there is one, the slot the
+prefix cache picks (the one whose kept KV it reuses most). A request cancelled or past its deadline
+is ended where it is, waiting or on a slot, before the next window is planned.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ log = logging.getLogger("strata_jax.engine")
 
 
 class Admission:
-    def __init__(self, prefix, tokenizer, speculator, output: Output, cache_lost: Callable[[], bool],
+    def __init__(self, prefix, tokenizer, speculator, output: Output,
+                 cache_lost: Callable[[], bool],
                  lose_cache: Callable[[Exception], None], request_timeout_s: float):
         self.prefix = prefix              # PrefixCache: which slot, and what it reuses
         self.tokenizer = tokenizer        # each request's incremental detokenizer
@@ -47,7 +49,8 @@ class Admission:
             req.t_start = time.monotonic()
             placed = self.place(req.prompt, free, [s for s in slots if not s.free], req.cache_salt)
             if placed is None:
-                self.output.fail_unslotted(req, "the prefix cache failed to place the request (see the log)")
+                self.output.fail_unslotted(req, "the prefix cache failed to place the request (see "
+                                                "the log)")
                 continue
             slot, req.reused = placed
             try:
@@ -64,7 +67,8 @@ class Admission:
 
     def place(self, prompt: list[int], free: list[Slot], busy: list[Slot] = (),
               salt: str | None = None) -> tuple[Slot, int] | None:
-        """The prefix cache's choice of slot (and its stores, restores and forks); None if that failed."""
+        """The prefix cache's choice of slot (and its stores, restores and forks); None if that
+        failed."""
         try:
             return self.prefix.place(prompt, free, busy, salt)
         except Exception as e:  # noqa: BLE001 - a failed copy must not take the engine down
@@ -84,7 +88,8 @@ class Admission:
             if s.request.cancelled.is_set():
                 self.output.finish(s, "cancelled")
             elif now > s.request.deadline:
-                self.output.fail(s, f"the request passed its deadline ({self.request_timeout_s:.0f} s)")
+                self.output.fail(s, "the request passed its deadline "
+                                    f"({self.request_timeout_s:.0f} s)")
         for req in list(self.waiting):
             if req.cancelled.is_set():
                 self.waiting.remove(req)

@@ -1,10 +1,11 @@
 """A window's results turned into each request's events: the postprocess half of Engine.step().
 
-`Output` owns everything between a sampled token and what a caller reads: the slot's sequence and position,
-detokenizing (a character may need several tokens), stop strings (text is held back while it may be the
-start of one), EOS, the grammar's end, max_tokens and the end of the context; and the end of a request,
-finished with its stats or failed with its reason. Every event is put on its request's queue and kept in
-`events`, which Engine.step() hands back, so a test can read a window's exact events.
+`Output` owns everything between a sampled token and what a caller reads: the slot's sequence and
+position, detokenizing (a character may need several tokens), stop strings (text is held back while
+it may be the start of one), EOS, the grammar's end, max_tokens and the end of the context; and the
+end of a request, finished with its stats or failed with its reason. Every event is put on its
+request's queue and kept in `events`, which Engine.step() hands back, so a test can read a window's
+exact events.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Output:
         self.events.append(ev)
         req.events.put(ev)
 
-    # ---- a window's tokens ------------------------------------------------------------------------------
+    # ---- a window's tokens -----------------------------------------------------------------------
 
     def apply(self, w: Window, outs: list[np.ndarray]) -> None:
         """The tokens a window sampled (runner.run's outputs), to its rows' requests."""
@@ -76,12 +77,14 @@ class Output:
             s.advance(c)
             if s.request.progress:
                 self.progress(s)
-            if not s.reading:                          # the prompt is read: its last logits gave a token
+            # the prompt is read: its last logits gave a token
+            if not s.reading:
                 s.request.t_first = time.monotonic()
                 self.emit(s, int(outs[k][i]), self._logprobs(k, i))
 
     def _apply_packed(self, w: Window, toks: np.ndarray) -> None:
-        """A packed window's tokens: the decode rows' in order, then each ending prompt's (scheduler.packed_group)."""
+        """A packed window's tokens: the decode rows' in order, then each ending prompt's
+        (scheduler.packed_group)."""
         for i, s in enumerate(w.decode):
             if not s.free:
                 s.advance()
@@ -92,15 +95,16 @@ class Output:
                 s.advance(c)
                 if s.request.progress:
                     self.progress(s)
-                if end:                                # the prompt is read: its last logits gave a token
+                # the prompt is read: its last logits gave a token
+                if end:
                     s.request.t_first = time.monotonic()
                     self.emit(s, int(toks[j]), self._logprobs(0, j))
             j += end
 
     def _apply_verify(self, w: Window, toks: np.ndarray, n_acc: np.ndarray) -> None:
-        """Each slot emits its accepted drafts and the token after them (toks [R, 1+N], n_acc [R]), one by
-        one: a finish inside the run (stop string, EOS, max_tokens) ends it there. The KV written for the
-        rejected drafts stays behind n_past, where the next window overwrites it."""
+        """Each slot emits its accepted drafts and the token after them (toks [R, 1+N], n_acc [R]),
+        one by one: a finish inside the run (stop string, EOS, max_tokens) ends it there. The KV
+        written for the rejected drafts stays behind n_past, where the next window overwrites it."""
         self.speculator.count_verify_window()
         for i, (s, d) in enumerate(zip(w.decode, w.drafts)):
             if s.free:
@@ -119,26 +123,29 @@ class Output:
         return None if got is None else tuple(a[row] for a in got)
 
     def progress(self, s: Slot) -> None:
-        """How much of the slot's prompt is read (llama.cpp's prompt_progress: its total, what the slot's
-        kept KV already held, what is read including that, and the time since the request got its slot)."""
+        """How much of the slot's prompt is read (llama.cpp's prompt_progress: its total, what the
+        slot's kept KV already held, what is read including that, and the time since the request got
+        its slot)."""
         req = s.request
         self.put(req, Event("progress", stats={"total": len(req.prompt), "cache": req.reused,
                                                "processed": min(s.n_past, len(req.prompt)),
-                                               "time_ms": round((time.monotonic() - req.t_start) * 1000, 3)}))
+                                               "time_ms": round((time.monotonic()
+                                                                 - req.t_start) * 1000, 3)}))
 
-    # ---- one token ----------------------------------------------------------------------------------------
+    # ---- one token -------------------------------------------------------------------------------
 
     def emit(self, s: Slot, token: int, logprobs=None) -> None:
         """Hand a sampled token to its request; a failure here ends that request alone."""
         if token < 0:                                   # the sampler's mark for NaN or inf logits
-            self.fail(s, "the model's logits were NaN or inf at this position (the weights or the activations "
-                         "overflowed): the request cannot go on")
+            self.fail(s, "the model's logits were NaN or inf at this position (the weights or the "
+                         "activations overflowed): the request cannot go on")
             return
         try:
             self._emit_token(s, token, logprobs)
         except Exception as e:
             log.exception("request %d: its token %d could not be handled", s.request.id, token)
-            self.fail(s, f"the engine could not handle token {token}: {type(e).__name__}: {first_line(e)}")
+            self.fail(s, f"the engine could not handle token {token}: {type(e).__name__}: "
+                         f"{first_line(e)}")
 
     def _emit_token(self, s: Slot, token: int, logprobs=None) -> None:
         req = s.request
@@ -169,12 +176,13 @@ class Output:
     def _send_text(self, s: Slot, token: int, upto: int, logprobs=None) -> None:
         ev = Event("token", text=s.take_text(upto), token=token)
         n = s.request.params.logprobs
-        if logprobs is not None and n is not None:     # (logprob, top ids, top logprobs): controls.py
+        # (logprob, top ids, top logprobs): controls.py
+        if logprobs is not None and n is not None:
             ev.logprob = float(logprobs[0])
             ev.top_logprobs = [(int(t), float(v)) for t, v in zip(logprobs[1][:n], logprobs[2][:n])]
         self.put(s.request, ev)
 
-    # ---- the end of a request -----------------------------------------------------------------------------
+    # ---- the end of a request --------------------------------------------------------------------
 
     def finish(self, s: Slot, reason: str) -> None:
         req = s.request
@@ -202,13 +210,15 @@ class Output:
         s.release(keep=False)
 
     def fail_unslotted(self, req: Request, message: str, count: bool = False) -> None:
-        """A request that never got a slot (or could not start on one: count, it is counted as failed)."""
+        """A request that never got a slot (or could not start on one: count, it is counted as
+        failed)."""
         self.counts.failed += count
         self.put(req, Event("error", error=message))
 
     def finish_unslotted(self, req: Request, reason: str) -> None:
         self.counts.cancelled += 1
-        self.put(req, Event("final", stats={"prompt_tokens": len(req.prompt), "generated_tokens": 0},
+        self.put(req,
+                 Event("final", stats={"prompt_tokens": len(req.prompt), "generated_tokens": 0},
                             finish_reason=reason))
 
     def _request_stats(self, s: Slot) -> dict[str, Any]:
@@ -218,15 +228,16 @@ class Output:
         read_s = max(t_first - req.t_start, 1e-9)
         gen_s = max(req.t_end - t_first, 1e-9)
         read = n_prompt - req.reused
-        line = (f"prompt {n_prompt} tokens = {req.reused} reused + {read} read in {read_s * 1000:.0f} ms "
-                f"({read / read_s:.1f} tok/s), {n_gen} generated in {gen_s * 1000:.0f} ms "
-                f"({max(n_gen - 1, 0) / gen_s:.1f} tok/s)")
+        line = (f"prompt {n_prompt} tokens = {req.reused} reused + {read} read in "
+                f"{read_s * 1000:.0f} ms ({read / read_s:.1f} tok/s), {n_gen} generated in "
+                f"{gen_s * 1000:.0f} ms ({max(n_gen - 1, 0) / gen_s:.1f} tok/s)")
         out = {"prompt_tokens": n_prompt, "reused_tokens": req.reused, "generated_tokens": n_gen,
                "queue_ms": (req.t_start - req.arrived) * 1000, "prompt_ms": read_s * 1000,
                "generate_ms": gen_s * 1000, "prompt_per_second": read / read_s,
                "predicted_per_second": max(n_gen - 1, 0) / gen_s, "log_line": line,
                "draft_n": req.draft_n, "draft_n_accepted": req.draft_n_accepted,
-               # llama.cpp's stop_type for a "stop": a stop string (word) or the end of text / grammar (eos)
+               # llama.cpp's stop_type for a "stop": a stop string (word) or the end of text /
+               # grammar (eos)
                "stop_type": "word" if s.stopping_word else "eos", "stopping_word": s.stopping_word}
         if self.speculator is not None:
             out["log_line"] += f", drafts accepted {req.draft_n_accepted} of {req.draft_n}"
@@ -234,7 +245,8 @@ class Output:
             c = req.experts or ExpertCounters()
             st = self.runner.stepper.stats()
             out["experts"] = c.as_dict()
-            out["expert_lines"] = [c.hit_line(), resident_line(st["resident_bytes"], st["exchanged"], st["file_reads"])]
+            out["expert_lines"] = [c.hit_line(), resident_line(st["resident_bytes"],
+                                                               st["exchanged"], st["file_reads"])]
         return out
 
 

@@ -13,15 +13,20 @@ from .stops import StopMatcher
 class Slot:
     index: int
     request: Request | None = None
-    n_past: int = 0                   # positions of this slot's KV cache that hold the current sequence
+    # positions of this slot's KV cache that hold the current sequence
+    n_past: int = 0
     tokens: list[int] = field(default_factory=list)   # the sequence: prompt, then generated tokens
     decoder: object = None            # the request's incremental detokenizer
     text: str = ""                    # generated text so far (before stop-string trimming)
     emitted: int = 0                  # characters of `text` already sent
-    stops: StopMatcher = field(default_factory=lambda: StopMatcher(()))   # the request's stop strings
-    last_used: float = 0.0            # when its last request ended (prefix cache: least recently used first)
-    stopping_word: str = ""           # the stop string that ended its request, if one did (llama.cpp's stop_type)
-    salt: str | None = None           # the cache_salt of the request whose KV it holds (prefix_cache.py)
+    # the request's stop strings
+    stops: StopMatcher = field(default_factory=lambda: StopMatcher(()))
+    # when its last request ended (prefix cache: least recently used first)
+    last_used: float = 0.0
+    # the stop string that ended its request, if one did (llama.cpp's stop_type)
+    stopping_word: str = ""
+    # the cache_salt of the request whose KV it holds (prefix_cache.py)
+    salt: str | None = None
 
     @property
     def free(self) -> bool:
@@ -38,18 +43,20 @@ class Slot:
 
     @property
     def kept(self) -> list[int]:
-        """The tokens whose KV this slot holds (a free slot keeps its last request's: the prefix cache)."""
+        """The tokens whose KV this slot holds (a free slot keeps its last request's: the prefix
+        cache)."""
         return self.tokens[:self.n_past]
 
     def assign(self, request: Request, decoder, reused: int = 0) -> None:
-        """Start `request` here; its first `reused` prompt tokens are already in this slot's KV cache."""
+        """Start `request` here; its first `reused` prompt tokens are already in this slot's KV
+        cache."""
         self.request, self.decoder = request, decoder
         self.tokens, self.salt = list(request.prompt), request.cache_salt
         self.n_past = reused
         self.text, self.emitted, self.stopping_word = "", 0, ""
         self.stops = StopMatcher(request.params.stop)
 
-    # ---- the sequence and its KV: every write of them is one of these (docs/DESIGN.md, "Owners") -------------
+    # ---- the sequence and its KV: every write of them is one of these (docs/DESIGN.md, "Owners")
 
     def advance(self, n: int = 1) -> None:
         """n more positions of the sequence are in the KV cache (a window read them)."""
@@ -60,22 +67,23 @@ class Slot:
         self.tokens.append(token)
 
     def load(self, tokens: list[int], n_past: int) -> None:
-        """The slot's KV now holds tokens[:n_past] (restored from a file, or placed by the prefix cache for a
-        research read); no request runs on it."""
+        """The slot's KV now holds tokens[:n_past] (restored from a file, or placed by the prefix
+        cache for a research read); no request runs on it."""
         self.tokens, self.n_past = list(tokens), n_past
 
-    # ---- the request's text -------------------------------------------------------------------------------
+    # ---- the request's text ----------------------------------------------------------------------
 
     def add_text(self, piece: str) -> None:
         self.text += piece
 
     def cut_at_stop(self) -> bool:
-        """Whether a stop string has appeared in the text: if so the text ends before it and stopping_word
-        names it."""
+        """Whether a stop string has appeared in the text: if so the text ends before it and
+        stopping_word names it."""
         at = self.stops.find(self.text)
         if at is None:
             return False
-        self.stopping_word = next((w for w in self.request.params.stop if self.text.startswith(w, at)), "")
+        self.stopping_word = next((w for w in self.request.params.stop
+                                   if self.text.startswith(w, at)), "")
         self.text = self.text[:at]
         return True
 

@@ -1,10 +1,11 @@
-"""Stop strings, matched incrementally: one Aho-Corasick automaton over a request's stop strings reads each
-character of the answer once, so a token costs a few steps of it whatever the number and length of the
-stops and the length of the answer (the whole text was searched again at every token before: quadratic in
-the answer, and 16 stops of 512 characters cost milliseconds a token).
+"""Stop strings, matched incrementally: one Aho-Corasick automaton over a request's stop strings
+reads each character of the answer once, so a token costs a few steps of it whatever the number and
+length of the stops and the length of the answer (the whole text was searched again at every token
+before: quadratic in the answer, and 16 stops of 512 characters cost milliseconds a token).
 
-The automaton's state is the longest end of the text that begins some stop string: its length is what
-must be held back from the stream (it may yet become a stop), and reaching the end of a stop is a match.
+The automaton's state is the longest end of the text that begins some stop string: its length is
+what must be held back from the stream (it may yet become a stop), and reaching the end of a stop is
+a match.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ class StopMatcher:
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(stops)
-        self._next: list[dict[str, int]] = [{}]     # trie edges of each state (state 0: nothing matched)
-        self._depth = [0]                           # characters of a stop's beginning a state stands for
-        self._ends = [0]                            # the longest stop ending at a state (0: none)
+        # trie edges of each state (state 0: nothing matched)
+        self._next: list[dict[str, int]] = [{}]
+        # characters of a stop's beginning a state stands for the longest stop ending at a state (0:
+        # none)
+        self._depth = [0]
+        self._ends = [0]
         for s in self.stops:
             self._add(s)
         self._fail = self._failure_links()
@@ -27,8 +31,8 @@ class StopMatcher:
         self._read = 0                              # characters of the text read so far
 
     def find(self, text: str) -> int | None:
-        """Where the earliest stop string among those ending in the new part of `text` starts, or None.
-        `text` only grows between calls."""
+        """Where the earliest stop string among those ending in the new part of `text` starts, or
+        None. `text` only grows between calls."""
         first = None
         for i in range(self._read, len(text)):
             self._state = self._step(self._state, text[i])
@@ -39,10 +43,11 @@ class StopMatcher:
         return first
 
     def held(self, text: str) -> int:
-        """Characters at the end of `text` (as read by `find`) that could be the start of a stop string."""
+        """Characters at the end of `text` (as read by `find`) that could be the start of a stop
+        string."""
         return min(self._depth[self._state], len(text))
 
-    # ---- the automaton -------------------------------------------------------------------------------
+    # ---- the automaton ---------------------------------------------------------------------------
 
     def _add(self, s: str) -> None:
         state = 0
@@ -58,8 +63,9 @@ class StopMatcher:
         self._ends[state] = max(self._ends[state], len(s))
 
     def _failure_links(self) -> list[int]:
-        """For each state, the state of its longest proper end that also begins a stop (breadth first, so
-        shorter states are done first); a state's match is also the longest of its failure chain's."""
+        """For each state, the state of its longest proper end that also begins a stop (breadth
+        first, so shorter states are done first); a state's match is also the longest of its failure
+        chain's."""
         fail = [0] * len(self._next)
         todo = deque(self._next[0].values())
         while todo:
@@ -74,7 +80,8 @@ class StopMatcher:
         return fail
 
     def _step(self, state: int, ch: str) -> int:
-        # amortized O(1): each failure step shortens the state, which grows by at most one a character
+        # amortized O(1): each failure step shortens the state, which grows by at most one a
+        # character
         while state and ch not in self._next[state]:
             state = self._fail[state]
         return self._next[state].get(ch, 0)

@@ -1,13 +1,15 @@
-"""The draft-model drafter (`--drafter draft:PATH.gguf`): a small model with the target's vocabulary.
+"""The draft-model drafter (`--drafter draft:PATH.gguf`): a small model with the target's
+vocabulary.
 
-It keeps its own ModelRunner: its weights, a KV cache row per slot, and its programs in a ProgramCache
-of its own (bounded by --max-programs, at most DRAFT_PROGRAMS). Before drafting for a slot it brings its
-cache up to the slot's sequence: it remembers the tokens its cache holds (`fed`), keeps the longest
-prefix that still matches the slot's tokens (so rejected drafts fall away by themselves), and reads the
-rest: long stretches (a new prompt) in prompt chunks of one row, the last few tokens of every slot in
-one batched group whose last logits give the first draft. Then one [rows, 1] window a further draft.
-A draft is the model's argmax, its probability the softmax at temperature 1 (what --spec-min-p reads);
-drafting is deterministic, so the accept rule's q is one-hot at the draft.
+It keeps its own ModelRunner: its weights, a KV cache row per slot, and its programs in a
+ProgramCache of its own (bounded by --max-programs, at most DRAFT_PROGRAMS). Before drafting for a
+slot it brings its cache up to the slot's sequence: it remembers the tokens its cache holds (`fed`),
+keeps the longest prefix that still matches the slot's tokens (so rejected drafts fall away by
+themselves), and reads the rest: long stretches (a new prompt) in prompt chunks of one row, the last
+few tokens of every slot in one batched group whose last logits give the first draft. Then one
+[rows, 1] window a further draft. A draft is the model's argmax, its probability the softmax at
+temperature 1 (what --spec-min-p reads); drafting is deterministic, so the accept rule's q is
+one-hot at the draft.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from ..runner import ModelRunner
 from ..schedule.scheduler import bucket
 
 DRAFT_PROGRAMS = 32       # the drafter's own program bound
-CATCH_UP = 4              # tokens a slot may still need read in the batched group (after a verify: 1 or 2)
+# tokens a slot may still need read in the batched group (after a verify: 1 or 2)
+CATCH_UP = 4
 
 
 def top1(logits: jax.Array):
@@ -40,13 +43,15 @@ def check_vocabulary(draft: GGUFModel, target: GGUFModel, path: str) -> None:
     """The drafter's token ids must mean the target's tokens: same size, same token strings."""
     dv, tv = draft.spec.vocab_size, target.spec.vocab_size
     if dv != tv:
-        raise ConfigError(f"drafter = 'draft:{path}': its vocabulary has {dv} tokens, the model's has {tv}; "
-                          "a draft model must share the model's vocabulary")
-    dt, tt = draft.metadata.get("tokenizer.ggml.tokens"), target.metadata.get("tokenizer.ggml.tokens")
+        raise ConfigError(f"drafter = 'draft:{path}': its vocabulary has {dv} tokens, the model's "
+                          f"has {tv}; a draft model must share the model's vocabulary")
+    dt, tt = (draft.metadata.get("tokenizer.ggml.tokens"),
+              target.metadata.get("tokenizer.ggml.tokens"))
     if dt is not None and tt is not None and list(dt) != list(tt):
         first = next(i for i, (a, b) in enumerate(zip(dt, tt)) if a != b)
-        raise ConfigError(f"drafter = 'draft:{path}': token {first} is {dt[first]!r} in the draft model but "
-                          f"{tt[first]!r} in the model; a draft model must share the model's vocabulary")
+        raise ConfigError(f"drafter = 'draft:{path}': token {first} is {dt[first]!r} in the draft "
+                          f"model but {tt[first]!r} in the model; a draft model must share the "
+                          "model's vocabulary")
 
 
 class ModelDrafter:
@@ -56,25 +61,31 @@ class ModelDrafter:
         if not Path(path).is_file():
             raise ConfigError(f"drafter = 'draft:{path}': no such file")
         model = GGUFModel.open(path)
-        if model.spec.deltanet is not None:     # its state cannot drop rejected drafts as its KV would
-            raise ConfigError(f"drafter = 'draft:{path}': a {model.spec.architecture} draft model is not supported "
-                              "(a Gated DeltaNet state cannot be cut back to the slot's tokens): draft with an "
-                              "attention model, or --drafter ngram")
+        # its state cannot drop rejected drafts as its KV would
+        if model.spec.deltanet is not None:
+            raise ConfigError(f"drafter = 'draft:{path}': a {model.spec.architecture} draft model "
+                              "is not supported (a Gated DeltaNet state cannot be cut back to the "
+                              "slot's tokens): draft with an attention model, or --drafter ngram")
         check_vocabulary(model, target, path)
         bound = min(config.max_programs or DRAFT_PROGRAMS, DRAFT_PROGRAMS)
         cfg = replace(config, spec=0, drafter="none", warmup=False, max_programs=bound)
         self.runner = ModelRunner(model, cfg)
         self.max_chunk = int(self.runner.choices["prefill"])
         self._top1 = jax.jit(top1)
-        self.fed: dict[int, list[int]] = {}      # slot index -> the tokens its draft KV holds, from position 0
+        # slot index -> the tokens its draft KV holds, from position 0
+        self.fed: dict[int, list[int]] = {}
 
     def reset(self, slot) -> None:
-        """Nothing to forget: the next propose keeps only the fed tokens that match the slot's new sequence
-        (so a request that reuses a slot's prefix reuses the draft KV of that prefix too)."""
+        """Nothing to forget: the next propose keeps only the fed tokens that match the slot's new
+        sequence (so a request that reuses a slot's prefix reuses the draft KV of that prefix
+        too)."""
 
-    def propose(self, slots, counts: list[int], min_p: float) -> list[tuple[list[int], list[float]]]:
-        pending = [self._sync(s) for s in slots]                # tokens each slot's draft KV still lacks
-        for s, todo in zip(slots, pending):                     # long stretches: prompt chunks of one row
+    def propose(self, slots, counts: list[int],
+                min_p: float) -> list[tuple[list[int], list[float]]]:
+        # tokens each slot's draft KV still lacks
+        pending = [self._sync(s) for s in slots]
+        # long stretches: prompt chunks of one row
+        for s, todo in zip(slots, pending):
             while len(todo) > CATCH_UP:
                 start = len(self.fed[s.index])
                 n = min(len(todo) - CATCH_UP, self.max_chunk - start % self.max_chunk)
@@ -105,8 +116,8 @@ class ModelDrafter:
         return list(seq[n:])
 
     def _forward(self, slots, tokens: list[list[int]], width: int):
-        """Read tokens[i] after what slot i's draft KV holds, in one group [rows, width] -> the draft after
-        each row's last token: (tokens [rows], probabilities [rows]) as numpy."""
+        """Read tokens[i] after what slot i's draft KV holds, in one group [rows, width] -> the
+        draft after each row's last token: (tokens [rows], probabilities [rows]) as numpy."""
         rows = bucket(len(slots), 2)
         tok = np.zeros((rows, width), np.int32)
         pos = np.full((rows, width), -1, np.int32)
@@ -118,7 +129,8 @@ class ModelDrafter:
             self.fed[s.index].extend(t)
             needed = max(needed, start + len(t))
         g = GroupInput(tok, pos, idx, SamplingRows.greedy(rows))
-        logits = self.runner.forward_logits([g], needed)[0]     # [rows, V]: each row's last real token
+        # [rows, V]: each row's last real token
+        logits = self.runner.forward_logits([g], needed)[0]
         return tuple(np.asarray(a) for a in self._top1(logits))
 
     def stats(self) -> dict:

@@ -1,10 +1,11 @@
 """A request's n choices (`n` up to 8): n engine requests of one prompt, their events merged.
 
-Choice 0 goes to the engine first; the others when its first event comes (its prompt is read by then), so
-they take its KV through the prefix cache (the engine copies a busy slot's matching blocks into theirs:
-engine/schedule/prefix_cache.py) instead of each reading the prompt again. Until then choice 0's ticket holds the
-others' places in the queue (Ticket.holds: --max-queue counts each choice). A request with a seed gives choice k
-the seed + k, so the choices differ and each is reproducible.
+Choice 0 goes to the engine first; the others when its first event comes (its prompt is read by
+then), so they take its KV through the prefix cache (the engine copies a busy slot's matching blocks
+into theirs: engine/schedule/prefix_cache.py) instead of each reading the prompt again. Until then
+choice 0's ticket holds the others' places in the queue (Ticket.holds: --max-queue counts each
+choice). A request with a seed gives choice k the seed + k, so the choices differ and each is
+reproducible.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[Event]:
             ev = await asyncio.wait_for(t.events.get(), max(t.deadline - time.monotonic(), 0.0))
         except TimeoutError:
             sup.cancel(t)
-            yield Event("error", error=f"the request passed its deadline ({sup.config.request_timeout_s:g} s, "
+            yield Event("error", error="the request passed its deadline "
+                                             f"({sup.config.request_timeout_s:g} s, "
                                              "--request-timeout-s)", finish_reason="timeout")
             return
         yield ev
@@ -38,7 +40,8 @@ async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[Event]:
 
 def choice_params(params: RequestParams, k: int) -> RequestParams:
     seed = params.seed
-    return params if seed is None or k == 0 else msgspec.structs.replace(params, seed=(seed + k) % 2**32)
+    return (params if seed is None or k == 0
+            else msgspec.structs.replace(params, seed=(seed + k) % 2**32))
 
 
 class Choices:
@@ -69,8 +72,8 @@ class Choices:
                 if k == 0 and len(self.tickets) < self.n and ev.kind != "error":
                     self.tickets[0].places_taken()          # the places it held are taken now
                     for j in range(1, self.n):
-                        t = self.sup.enqueue(f"{self.rid}-{j}", self.prepared, choice_params(self.params, j),
-                                             self.deadline)
+                        t = self.sup.enqueue(f"{self.rid}-{j}", self.prepared,
+                                             choice_params(self.params, j), self.deadline)
                         self.tickets.append(t)
                         self.on_ticket(t)
                         self._start(j, t)

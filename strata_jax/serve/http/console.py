@@ -1,4 +1,5 @@
-"""What the server prints: progress bars while an engine loads and warms up, one `done:` line a request."""
+"""What the server prints: progress bars while an engine loads and warms up, one `done:` line a
+request."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ class Console:
         self.stream = stream or sys.stderr
         self.bars = bars
         self._bars: dict[str, tqdm] = {}
-        self._done: set[tuple[int, str]] = set()      # (engine generation, stage) whose bar is complete
+        # (engine generation, stage) whose bar is complete
+        self._done: set[tuple[int, str]] = set()
 
     def progress(self, generation: int, stage: str, n: int, total: int) -> None:
         """The engine process's progress bars (loading weights, building programs), drawn here."""
@@ -23,8 +25,9 @@ class Console:
             return
         bar = self._bars.get(stage)
         if bar is None:
-            bar = self._bars[stage] = tqdm(total=total or None, desc=f"engine {generation}: {stage}",
-                                           file=self.stream, mininterval=0.5, leave=True, dynamic_ncols=True)
+            bar = self._bars[stage] = tqdm(total=total or None,
+                                           desc=f"engine {generation}: {stage}", file=self.stream,
+                                           mininterval=0.5, leave=True, dynamic_ncols=True)
         bar.n = n
         bar.refresh()
         if total and n >= total:
@@ -34,8 +37,10 @@ class Console:
     def ready(self, generation: int, info: dict[str, Any]) -> None:
         for stage in list(self._bars):
             self._close(stage)
-        log.info("engine %d ready in %.1f s: %s (%s), %d slots of %d tokens, %d programs built in %.1f s",
-                 generation, info.get("start_s", 0.0), info.get("name") or "model", info.get("architecture"),
+        log.info("engine %d ready in %.1f s: %s (%s), %d slots of %d tokens, %d programs built in "
+                 "%.1f s",
+                 generation, info.get("start_s", 0.0), info.get("name") or "model",
+                 info.get("architecture"),
                  info.get("parallel", 0), info.get("n_ctx", 0), info.get("programs_built", 0),
                  info.get("build_s", 0.0))
 
@@ -46,7 +51,8 @@ class Console:
 
 
 def done_line(n_tokens: int, seconds: float, outcome: str, detail: str | None = None) -> str:
-    """Strata's request line: `done: 512 tokens in 9.0 s (56.9 tok/s)`, with what went wrong, if anything."""
+    """Strata's request line: `done: 512 tokens in 9.0 s (56.9 tok/s)`, with what went wrong, if
+    anything."""
     line = f"done: {n_tokens} tokens in {seconds:.1f} s ({n_tokens / max(seconds, 1e-9):.1f} tok/s)"
     if outcome != "ok":
         line += f" ({outcome}{': ' + detail if detail else ''})"

@@ -1,18 +1,23 @@
-"""Embeddings over HTTP: OpenAI's `POST /v1/embeddings` and llama.cpp's `POST /embeddings` (`/embedding`).
+"""Embeddings over HTTP: OpenAI's `POST /v1/embeddings` and llama.cpp's `POST /embeddings`
+(`/embedding`).
 
-    POST /v1/embeddings  {"input": text | [text, ...] | [id, ...] | [[id, ...], ...], "model", "encoding_format":
+    POST /v1/embeddings  {"input": text | [text, ...] | [id, ...] | [[id, ...], ...], "model",
+                         "encoding_format":
                           "float" | "base64", "dimensions", "embd_normalize"}
-        -> {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage"}
+        -> {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
+            "usage"}
     POST /embeddings     {"input" or "content": the same} -> [{"index", "embedding": [[...], ...]}]
 
-An input may also be llama.cpp's mix of texts and token ids (`[12, "text", 34]`, one prompt) or its object, {"prompt_string": text} or {"content": [{"type": "text", "text"}, ...]}
-(the parts joined as they are). Texts are tokenized with the model's special tokens (its BOS), as llama.cpp
-does. The engine pools the last hidden states with the server's `--pooling` (last, mean, cls; none: every
-token's vector, which only /embeddings can return) and normalizes them (`embd_normalize`, 2 = Euclidean by
-default; engine/execute/embeddings.py). An input longer than a slot's context is a 400 naming it (one that cannot fit,
-told from its length, before the engine reads it). A request is admitted as a prompt is (a place in
---max-queue, the pipe's byte bound: Supervisor.ask) and read by the engine a piece a step between generation
-windows, so a long one delays streams a little and stops nothing.
+An input may also be llama.cpp's mix of texts and token ids (`[12, "text", 34]`, one prompt) or its
+object, {"prompt_string": text} or {"content": [{"type": "text", "text"}, ...]} (the parts joined as
+they are). Texts are tokenized with the model's special tokens (its BOS), as llama.cpp does. The
+engine pools the last hidden states with the server's `--pooling` (last, mean, cls; none: every
+token's vector, which only /embeddings can return) and normalizes them (`embd_normalize`, 2 =
+Euclidean by default; engine/execute/embeddings.py). An input longer than a slot's context is a 400
+naming it (one that cannot fit, told from its length, before the engine reads it). A request is
+admitted as a prompt is (a place in --max-queue, the pipe's byte bound: Supervisor.ask) and read by
+the engine a piece a step between generation windows, so a long one delays streams a little and
+stops nothing.
 """
 
 from __future__ import annotations
@@ -40,15 +45,16 @@ def handlers(sup: Any, names: Any, json_body: Any, metrics: Any, pooling_flag: s
         _refuse_if_too_long(inputs, key, sup.config.max_context, sup.info.get("max_token_bytes"))
         how = body.get("embd_normalize", 2)
         if isinstance(how, bool) or not isinstance(how, int) or not -1 <= how <= 1000:
-            raise invalid(f"embd_normalize = {shown(how)}: -1 (none), 0 (max abs), 1 (taxicab), 2 (Euclidean) "
-                          "or p > 2", "embd_normalize")
+            raise invalid(f"embd_normalize = {shown(how)}: -1 (none), 0 (max abs), 1 (taxicab), 2 "
+                          "(Euclidean) or p > 2", "embd_normalize")
         try:
-            reply = await sup.ask(Embed, timeout=sup.config.request_timeout_s, inputs=inputs, pooling=pooling(),
-                                  normalize=how)
+            reply = await sup.ask(Embed, timeout=sup.config.request_timeout_s, inputs=inputs,
+                                  pooling=pooling(), normalize=how)
         except ApiError as e:
             if e.type == "exceed_context_size_error":
-                raise invalid(f"{key}: an input is too large to embed: {e.extra.get('n_prompt_tokens')} tokens, "
-                              f"but a slot holds {e.extra.get('n_ctx')} (--max-context)", key) from None
+                raise invalid(f"{key}: an input is too large to embed: "
+                              f"{e.extra.get('n_prompt_tokens')} tokens, but a slot holds "
+                              f"{e.extra.get('n_ctx')} (--max-context)", key) from None
             raise
         metrics.requests.labels("embeddings", "ok").inc()
         metrics.prompt_tokens.inc(sum(reply.n_tokens))
@@ -60,19 +66,23 @@ def handlers(sup: Any, names: Any, json_body: Any, metrics: Any, pooling_flag: s
         body = json_object(await request.body())
         model = names.check(body.get("model"))
         if pooling() == "none":
-            raise invalid("the server pools no embeddings (--pooling none): /v1/embeddings returns one vector an "
-                          "input; use /embeddings for every token's, or start the server with --pooling last|mean|cls")
+            raise invalid("the server pools no embeddings (--pooling none): /v1/embeddings returns "
+                          "one vector an input; use /embeddings for every token's, or start the "
+                          "server with --pooling last|mean|cls")
         encoding = body.get("encoding_format") or "float"
         if encoding not in ("float", "base64"):
-            raise invalid(f"encoding_format = {shown(encoding)}: float or base64", "encoding_format")
+            raise invalid(f"encoding_format = {shown(encoding)}: float or base64",
+                          "encoding_format")
         vectors, counts, _ = await run(body, "input")
         dims = body.get("dimensions")
         if dims is not None and dims != len(vectors[0]):
-            raise invalid(f"dimensions = {shown(dims)}: this model's embeddings have {len(vectors[0])} (they are "
-                          "not shortened)", "dimensions")
-        data = [{"object": "embedding", "index": i, "embedding": _encoded(v, encoding)} for i, v in enumerate(vectors)]
+            raise invalid(f"dimensions = {shown(dims)}: this model's embeddings have "
+                          f"{len(vectors[0])} (they are not shortened)", "dimensions")
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(v, encoding)}
+                for i, v in enumerate(vectors)]
         n = sum(counts)
-        return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": n, "total_tokens": n}}
+        return {"object": "list", "data": data, "model": model,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
 
     @post(["/embeddings", "/embedding"], status_code=200, guards=[json_body])
     async def llama_embeddings(request: Request) -> list[dict[str, Any]]:
@@ -90,52 +100,60 @@ def parse_inputs(value: Any, key: str) -> list[str | list[int | str]]:
     if isinstance(value, (str, dict)):
         return [_one(value, key)]
     if not isinstance(value, list) or not value:
-        raise invalid(f"{key} = {shown(value)}: give a text, a list of texts, a list of token ids or a list of "
-                      "lists of them", key)
+        raise invalid(f"{key} = {shown(value)}: give a text, a list of texts, a list of token ids "
+                      "or a list of lists of them", key)
     flat = all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in value)
     if flat and any(isinstance(x, int) for x in value):
-        return [_one(value, key)]               # one prompt: token ids, or llama.cpp's mix of texts and ids
+        # one prompt: token ids, or llama.cpp's mix of texts and ids
+        return [_one(value, key)]
     if len(value) > MAX_INPUTS:
         raise invalid(f"{key}: {len(value)} inputs; at most {MAX_INPUTS} a request", key)
     return [_one(x, f"{key}[{i}]") for i, x in enumerate(value)]
 
 
 def _refuse_if_too_long(inputs: list, key: str, n_ctx: int, max_token_bytes: int | None) -> None:
-    """An input that cannot fit a slot, told from its length before the engine tokenizes it (megabytes of text
-    cost seconds to tokenize, only to be refused): a token stands for at most `max_token_bytes` bytes."""
+    """An input that cannot fit a slot, told from its length before the engine tokenizes it
+    (megabytes of text cost seconds to tokenize, only to be refused): a token stands for at most
+    `max_token_bytes` bytes."""
     for x in inputs:
         parts = [x] if isinstance(x, str) else x
         texts = string_bytes(parts)
-        per_token = max_token_bytes or max(texts, 1)        # (not known yet: a text is at least a token)
+        # (not known yet: a text is at least a token)
+        per_token = max_token_bytes or max(texts, 1)
         at_least = sum(1 for p in parts if not isinstance(p, str)) + -(-texts // per_token)
         if at_least > n_ctx:
-            raise invalid(f"{key}: an input is too large to embed: at least {at_least} tokens (told from its "
-                          f"length), but a slot holds {n_ctx} (--max-context)", key)
+            raise invalid(f"{key}: an input is too large to embed: at least {at_least} tokens "
+                          f"(told from its length), but a slot holds {n_ctx} (--max-context)", key)
 
 
 def _one(x: Any, where: str) -> str | list[int | str]:
-    if isinstance(x, str):                      # (an empty one: the engine says whether tokens are left)
+    # (an empty one: the engine says whether tokens are left)
+    if isinstance(x, str):
         return x
     if isinstance(x, list) and x:
         for i, t in enumerate(x):
             if not isinstance(t, str):
                 check_token_id(t, f"{where}[{i}]", where.split("[")[0])
         return x
-    if isinstance(x, dict):                     # llama.cpp's {"prompt_string"} / {"content": [parts]}
+    # llama.cpp's {"prompt_string"} / {"content": [parts]}
+    if isinstance(x, dict):
         if isinstance(x.get("prompt_string"), str):
             return _one(x["prompt_string"], where)
         parts = x.get("content")
         if isinstance(parts, list) and parts:
             texts = []
             for j, p in enumerate(parts):
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                if (not isinstance(p, dict) or p.get("type") != "text"
+                        or not isinstance(p.get("text"), str)):
                     kind = p.get("type") if isinstance(p, dict) else None
                     raise invalid(f"{where}.content[{j}] = {shown(p)}: " + (
-                        "this model reads text only" if kind in ("image_url", "input_audio", "input_video") else
+                        "this model reads text only"
+                        if kind in ("image_url", "input_audio", "input_video") else
                         'give {"type": "text", "text": ...}'), where.split("[")[0])
                 texts.append(p["text"])
             return _one("".join(texts), where)
-    raise invalid(f"{where} = {shown(x)}: give a text, a list of token ids, {{\"prompt_string\": text}} or "
+    raise invalid(f"{where} = {shown(x)}: give a text, a list of token ids, {{\"prompt_string\": "
+                  "text} or "
                   '{"content": [{"type": "text", "text": ...}]}', where.split("[")[0])
 
 

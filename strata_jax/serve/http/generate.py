@@ -1,10 +1,11 @@
-"""One generation request, from its job to its answer: OpenAI chat and text completions, whole or streamed.
+"""One generation request, from its job to its answer: OpenAI chat and text completions, whole or
+streamed.
 
     job = parse_chat(body, names)            # parse.py: msgspec decoding + the checks msgspec cannot express
     prepared = await sup.prepare(...)        # the engine tokenizes and checks it: 4xx before any byte is sent
     ticket = sup.enqueue(...)
     stream(...) / whole(...)                 # SSE chunks, or one JSON body (n choices: choices.py)
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ from .reasoning import CONTENT, REASONING, ReasoningParser
 log = logging.getLogger("strata_jax.serve")
 
 SYSTEM_FINGERPRINT = "strata-jax"
-LLAMA_FINGERPRINT = f"b0-strata-jax-{__version__}"    # llama.cpp's shape, b<build>-<commit>: no llama.cpp build here
+# llama.cpp's shape, b<build>-<commit>: no llama.cpp build here
+LLAMA_FINGERPRINT = f"b0-strata-jax-{__version__}"
 _json = msgspec.json.Encoder()
 
 
-# ---- running ---------------------------------------------------------------------------------------------
+# ---- running -------------------------------------------------------------------------------------
 
 
 async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
@@ -44,9 +46,11 @@ async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
     refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))
     prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline,
                                  text=job.verbose, places=job.n)
-    if prepared.grammar:                        # tool_choice required / named: the call's grammar (tools.py)
+    # tool_choice required / named: the call's grammar (tools.py)
+    if prepared.grammar:
         job.params = msgspec.structs.replace(job.params, grammar=prepared.grammar)
-    if prepared.logit_bias is not None:         # texts in llama.cpp's logit_bias, as their token ids
+    # texts in llama.cpp's logit_bias, as their token ids
+    if prepared.logit_bias is not None:
         job.params = msgspec.structs.replace(job.params, logit_bias=prepared.logit_bias)
     return prepared, sup.enqueue(job.id, prepared, job.params, deadline, holds=job.n - 1)
 
@@ -93,19 +97,22 @@ def timings(st: dict[str, Any] | None) -> dict[str, Any]:
     prompt_n = st.get("prompt_tokens", 0) - st.get("reused_tokens", 0)
     predicted_n = st.get("generated_tokens", 0)
     prompt_ms, predicted_ms = st.get("prompt_ms", 0.0), round(st.get("generate_ms", 0.0), 3)
-    steps = predicted_n - 1     # decode steps, as llama.cpp counts: the first token comes from the prompt's window
-    return {"cache_n": st.get("reused_tokens", 0), "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+    # decode steps, as llama.cpp counts: the first token comes from the prompt's window
+    steps = predicted_n - 1
+    return {"cache_n": st.get("reused_tokens", 0), "prompt_n": prompt_n,
+            "prompt_ms": round(prompt_ms, 3),
             "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
-            "prompt_per_second": round(st.get("prompt_per_second", 0.0), 3), "predicted_n": predicted_n,
-            "predicted_ms": predicted_ms,
+            "prompt_per_second": round(st.get("prompt_per_second", 0.0), 3),
+            "predicted_n": predicted_n, "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / steps if steps > 0 else 0.0,
-            "predicted_per_second": 1e3 * steps / predicted_ms if steps > 0 and predicted_ms > 0 else 0.0,
+            "predicted_per_second": 1e3 * steps / predicted_ms if steps > 0 and predicted_ms > 0
+                                    else 0.0,
             "draft_n": st.get("draft_n", 0), "draft_n_accepted": st.get("draft_n_accepted", 0)}
 
 
 def progress_timings(progress: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp's `timings` beside a prompt_progress: the prompt read so far, nothing generated; its time
-    counts once a token has been read (the first report, before any, has prompt_ms 0)."""
+    """llama.cpp's `timings` beside a prompt_progress: the prompt read so far, nothing generated;
+    its time counts once a token has been read (the first report, before any, has prompt_ms 0)."""
     read = progress["processed"] > progress["cache"]
     return timings({"prompt_tokens": progress["processed"], "reused_tokens": progress["cache"],
                     "prompt_ms": progress["time_ms"] if read else 0.0})
@@ -121,7 +128,7 @@ def event_error(ev: Event) -> ApiError:
     return ApiError(500, ev.error or "the engine failed", "server_error")
 
 
-# ---- streamed answers ------------------------------------------------------------------------------------
+# ---- streamed answers ----------------------------------------------------------------------------
 
 
 def sse(obj: Any) -> bytes:
@@ -131,10 +138,11 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, on_done) -> AsyncIterator[bytes]:
-    """SSE chunks: chat.completion.chunk or text_completion (each choice's with its index), then `data: [DONE]`.
-    An engine error ends the stream with `data: {"error": {...}}` and `data: [DONE]` (the openai client
-    raises APIError on it)."""
+async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket,
+                 on_done) -> AsyncIterator[bytes]:
+    """SSE chunks: chat.completion.chunk or text_completion (each choice's with its index), then
+    `data: [DONE]`. An engine error ends the stream with `data: {"error": {...}}` and `data: [DONE]`
+    (the openai client raises APIError on it)."""
     run = _Run(sup, job, prepared, ticket, on_done)
     chunk = _chat_chunk if job.kind == "chat" else _text_chunk
     try:
@@ -149,14 +157,17 @@ async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, 
                 lp.add(ev.logprobs)
                 for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text)):
                     yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
-            elif ev.kind == "progress":          # return_progress: llama.cpp's prompt_progress chunk
+            # return_progress: llama.cpp's prompt_progress chunk
+            elif ev.kind == "progress":
                 yield sse({**chunk(job, _first_delta(job) if job.kind == "chat" else "", index=k),
                            "prompt_progress": ev.stats})
             elif ev.kind == "final":
                 run.final(k, ev)
-                for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text, last=True), last=True):
+                for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text, last=True),
+                                              last=True):
                     yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
-                reason = finish_reason(run.held[k].calls, _finish_reason(ev)) if job.tools else _finish_reason(ev)
+                reason = (finish_reason(run.held[k].calls, _finish_reason(ev)) if job.tools
+                          else _finish_reason(ev))
                 end = chunk(job, {} if job.kind == "chat" else "", reason, index=k,
                             logprobs=lp.take() if lp.pending else None)
                 end["timings"] = timings(ev.stats)
@@ -164,7 +175,8 @@ async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, 
                 if len(run.finals) == job.n:
                     if job.include_usage:
                         yield sse({**_head(job), "choices": [], "usage": run.usage(),
-                                   "timings": timings(run.finals[min(run.finals)].stats)})   # as llama.cpp
+                                   # as llama.cpp
+                                   "timings": timings(run.finals[min(run.finals)].stats)})
                     yield SSE_DONE
             else:
                 run.outcomes[k].error(ev)
@@ -176,7 +188,8 @@ async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, 
 
 
 class _Run:
-    """One request's choices while they run: tickets (serve/http/choices.py), outcomes, reasoning parsers, logprobs."""
+    """One request's choices while they run: tickets (serve/http/choices.py), outcomes, reasoning
+    parsers, logprobs."""
 
     def __init__(self, sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, on_done):
         self.sup, self.job, self.prepared = sup, job, prepared
@@ -185,11 +198,13 @@ class _Run:
                                lambda t: self.outcomes.append(Outcome(job, prepared, t, on_done)))
         chat = job.kind == "chat"
         mark = call_mark(prepared.tool_format) if job.tools and prepared.tool_format else None
-        self.parsers = [ReasoningParser(prepared.think, enabled=job.reasoning and chat, call_mark=mark)
+        self.parsers = [ReasoningParser(prepared.think, enabled=job.reasoning and chat,
+                                        call_mark=mark)
                         for _ in range(job.n)]
         wanted = job.params.logprobs is not None
         self.logprobs = [LogprobsOf(chat, wanted, len(job.echo)) for _ in range(job.n)]
-        self.held = [HeldCalls(job.tools, prepared.tool_format, job.parallel_tool_calls) for _ in range(job.n)]
+        self.held = [HeldCalls(job.tools, prepared.tool_format, job.parallel_tool_calls)
+                     for _ in range(job.n)]
         self.finals: dict[int, Event] = {}
 
     def final(self, k: int, ev: Event) -> None:
@@ -199,7 +214,8 @@ class _Run:
     def usage(self) -> dict[str, Any]:
         """OpenAI's for n choices: the prompt once, the completion tokens of every choice."""
         tickets = self.choices.tickets
-        each = [usage(ev.stats, self.prepared, tickets[k].n_tokens) for k, ev in sorted(self.finals.items())]
+        each = [usage(ev.stats, self.prepared, tickets[k].n_tokens)
+                for k, ev in sorted(self.finals.items())]
         out = dict(each[0])
         out["completion_tokens"] = sum(u["completion_tokens"] for u in each)
         out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
@@ -225,7 +241,8 @@ def _head(job: Job) -> dict[str, Any]:
 
 
 def _first_delta(job: Job) -> dict[str, Any]:
-    """A chat stream's first delta (and each progress chunk's): OpenAI's and vLLM's content "", llama.cpp's null."""
+    """A chat stream's first delta (and each progress chunk's): OpenAI's and vLLM's content "",
+    llama.cpp's null."""
     return {"role": "assistant", "content": None if job.llama else ""}
 
 
@@ -241,11 +258,13 @@ def _text_chunk(job: Job, text: str, finish_reason: str | None = None, index: in
                                        "finish_reason": finish_reason}]}
 
 
-# ---- whole answers ---------------------------------------------------------------------------------------
+# ---- whole answers -------------------------------------------------------------------------------
 
 
-async def whole(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, on_done) -> dict[str, Any]:
-    """The answer as one JSON body (chat.completion or text_completion); ApiError (500/503) on engine errors."""
+async def whole(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket,
+                on_done) -> dict[str, Any]:
+    """The answer as one JSON body (chat.completion or text_completion); ApiError (500/503) on
+    engine errors."""
     run = _Run(sup, job, prepared, ticket, on_done)
     parts: list[list[tuple[str, str]]] = [[] for _ in range(job.n)]
     try:
@@ -259,7 +278,8 @@ async def whole(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, o
             else:
                 run.final(k, ev)
             parts[k] += parser.feed(ev.text) + (parser.flush() if ev.kind != "token" else [])
-            if len(run.finals) == job.n or ev.finish_reason == "cancelled":    # all done, or the client left
+            # all done, or the client left
+            if len(run.finals) == job.n or ev.finish_reason == "cancelled":
                 return _whole_body(job, run, parts)
         raise ApiError(500, "the engine ended the request without an answer")
     finally:
@@ -268,7 +288,8 @@ async def whole(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, o
 
 def _whole_body(job: Job, run: _Run, parts: list[list[tuple[str, str]]]) -> dict[str, Any]:
     body = {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
-            "created": job.created, "model": job.model, "system_fingerprint": LLAMA_FINGERPRINT if job.llama else SYSTEM_FINGERPRINT,
+            "created": job.created, "model": job.model,
+            "system_fingerprint": LLAMA_FINGERPRINT if job.llama else SYSTEM_FINGERPRINT,
             "choices": []}
     for k, ev in sorted(run.finals.items()):
         content = "".join(t for kind, t in parts[k] if kind == CONTENT)
@@ -277,27 +298,32 @@ def _whole_body(job: Job, run: _Run, parts: list[list[tuple[str, str]]]) -> dict
         if job.kind == "chat":
             calls = []
             if job.tools:
-                content, calls = parse_calls(content, run.prepared.tool_format, job.tools, job.parallel_tool_calls)
+                content, calls = parse_calls(content, run.prepared.tool_format, job.tools,
+                                             job.parallel_tool_calls)
                 reason = finish_reason(calls, reason)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
             if run.parsers[k].saw_reasoning:
-                message["reasoning_content"] = "".join(t for kind, t in parts[k] if kind == REASONING)
+                message["reasoning_content"] = "".join(t for kind, t in parts[k]
+                                                       if kind == REASONING)
             choice["message"] = message
         else:
             choice["text"] = job.echo + content
-        body["choices"].append({**choice, "logprobs": run.logprobs[k].whole(), "finish_reason": reason})
+        body["choices"].append({**choice, "logprobs": run.logprobs[k].whole(),
+                                "finish_reason": reason})
     body["usage"] = run.usage()
     body["timings"] = timings(run.finals[min(run.finals)].stats)
     if job.verbose:                     # llama.cpp's: the native answer beside the OpenAI one
         first = body["choices"][0]
         stats = run.finals[min(run.finals)].stats or {}
         body["__verbose"] = {"prompt": run.prepared.text, "model": job.model,
-                             "content": first["message"]["content"] if job.kind == "chat" else first["text"],
+                             "content": first["message"]["content"] if job.kind == "chat"
+                                        else first["text"],
                              "tokens_predicted": stats.get("generated_tokens"),
                              "tokens_evaluated": stats.get("prompt_tokens"), "stop": True}
     return body
 
 
-__all__ = ["Job", "ModelNames", "error_body", "parse_chat", "parse_completion", "start", "stream", "whole"]
+__all__ = ["Job", "ModelNames", "error_body", "parse_chat", "parse_completion", "start", "stream",
+           "whole"]

@@ -1,14 +1,15 @@
 """Logprobs in OpenAI's response shapes, from the engine's token events.
 
 The engine sends, with each token event of a request that asked for them, `[token bytes, logprob,
-[[bytes, logprob], ...top alternatives]]` (worker.py): the raw model distribution's log-probabilities
-(engine/execute/controls.py), before logit_bias, penalties, temperature, top_k, top_p or min_p.
+[[bytes, logprob], ...top alternatives]]` (worker.py): the raw model distribution's
+log-probabilities (engine/execute/controls.py), before logit_bias, penalties, temperature, top_k,
+top_p or min_p.
 
-Chat (`logprobs: true`, `top_logprobs: N`): choice.logprobs = {"content": [{"token", "logprob", "bytes",
-"top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null}. Completions (`logprobs: N`):
-choice.logprobs = {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}. Streamed,
-each chunk carries the entries of the tokens whose text it carries (a token whose text is held back, e.g.
-inside a possible stop string, goes with the next chunk).
+Chat (`logprobs: true`, `top_logprobs: N`): choice.logprobs = {"content": [{"token", "logprob",
+"bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null}. Completions
+(`logprobs: N`): choice.logprobs = {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+"text_offset"}. Streamed, each chunk carries the entries of the tokens whose text it carries (a
+token whose text is held back, e.g. inside a possible stop string, goes with the next chunk).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _text(raw: bytes) -> str:
 def chat_entry(lp: list) -> dict[str, Any]:
     raw, logprob, top = lp
     return {"token": _text(raw), "logprob": logprob, "bytes": list(bytes(raw)),
-            "top_logprobs": [{"token": _text(t), "logprob": v, "bytes": list(bytes(t))} for t, v in top]}
+            "top_logprobs": [{"token": _text(t), "logprob": v, "bytes": list(bytes(t))}
+                             for t, v in top]}
 
 
 def chat_logprobs(entries: list[list]) -> dict[str, Any]:
@@ -31,7 +33,8 @@ def chat_logprobs(entries: list[list]) -> dict[str, Any]:
 
 
 def text_logprobs(entries: list[list], offset: int) -> dict[str, Any]:
-    """Completions' shape; text_offset counts characters from `offset` (the text before these tokens)."""
+    """Completions' shape; text_offset counts characters from `offset` (the text before these
+    tokens)."""
     tokens, offsets = [], []
     for raw, _, _ in entries:
         offsets.append(offset)
@@ -42,8 +45,8 @@ def text_logprobs(entries: list[list], offset: int) -> dict[str, Any]:
 
 
 def _top_dict(top: list) -> dict[str, float]:
-    """{token text: logprob}, most probable first; tokens whose text is the same (bytes of one character,
-    shown as U+FFFD alone) keep the first, most probable, entry."""
+    """{token text: logprob}, most probable first; tokens whose text is the same (bytes of one
+    character, shown as U+FFFD alone) keep the first, most probable, entry."""
     out: dict[str, float] = {}
     for t, v in top:
         out.setdefault(_text(t), v)

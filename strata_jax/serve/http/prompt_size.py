@@ -1,13 +1,15 @@
-"""The early prompt-size refusal: a prompt that cannot fit the context, told from the text it is made from, before
-anything renders or tokenizes it (a megabyte of tools would cost the engine seconds to render and tokenize, on
-the thread every request's prepare waits for, only to be refused).
+"""The early prompt-size refusal: a prompt that cannot fit the context, told from the text it is
+made from, before anything renders or tokenizes it (a megabyte of tools would cost the engine
+seconds to render and tokenize, on the thread every request's prepare waits for, only to be
+refused).
 
-A token stands for at most `max_token_bytes` bytes of text (worker_prompts.max_token_bytes), and a chat template
-only adds to the text it writes, so B bytes of text make at least B / max_token_bytes tokens. For a chat, the
-text counted is every string rendered into its prompt: the messages' content (joined parts), name,
-reasoning_content, tool_calls and tool_call_id, the tools (their keys too: property names are written), and
-chat_template_kwargs' values. A template may leave some of them out (older turns' reasoning, tools with
-tool_choice none); they are counted all the same, since the server renders them to find out.
+A token stands for at most `max_token_bytes` bytes of text (worker_prompts.max_token_bytes), and a
+chat template only adds to the text it writes, so B bytes of text make at least B / max_token_bytes
+tokens. For a chat, the text counted is every string rendered into its prompt: the messages' content
+(joined parts), name, reasoning_content, tool_calls and tool_call_id, the tools (their keys too:
+property names are written), and chat_template_kwargs' values. A template may leave some of them out
+(older turns' reasoning, tools with tool_choice none); they are counted all the same, since the
+server renders them to find out.
 """
 
 from __future__ import annotations
@@ -21,18 +23,21 @@ from .parse import Job
 
 def refuse_if_too_long(job: Job, n_ctx: int, max_token_bytes: int | None) -> None:
     """ApiError 400 (exceed_context_size_error) when the job's prompt is at least n_ctx tokens."""
-    ids = sum(isinstance(p, int) for p in job.prompt) if isinstance(job.prompt, list) else 0   # token ids
+    # token ids
+    ids = sum(isinstance(p, int) for p in job.prompt) if isinstance(job.prompt, list) else 0
     if ids and ids == len(job.prompt):
         at_least = ids
     elif max_token_bytes:
         at_least = ids + math.ceil(text_bytes(job) / max_token_bytes)
     else:
         return
-    if at_least >= n_ctx:           # (a prompt that fits, with too many max_tokens, gets the exact count later)
-        raise ApiError(400, f"the request exceeds the available context size: its prompt is at least {at_least} "
-                            f"tokens (told from the length of its {_what(job)}, before tokenizing), but a slot "
-                            f"holds {n_ctx} (--max-context) with room for at least one generated token; shorten "
-                            "the prompt or raise --max-context",
+    # (a prompt that fits, with too many max_tokens, gets the exact count later)
+    if at_least >= n_ctx:
+        raise ApiError(400, "the request exceeds the available context size: its prompt is at "
+                            f"least {at_least} tokens (told from the length of its {_what(job)}, "
+                            f"before tokenizing), but a slot holds {n_ctx} (--max-context) with "
+                            "room for at least one generated token; shorten the prompt or raise "
+                            "--max-context",
                        "exceed_context_size_error", None, n_prompt_tokens=at_least, n_ctx=n_ctx)
 
 
@@ -49,13 +54,13 @@ def text_bytes(job: Job) -> int:
 def _what(job: Job) -> str:
     if job.kind != "chat":
         return "text"
-    return "messages, tools and chat_template_kwargs" if job.params.tools or job.chat_template_kwargs \
-        else "messages"
+    return ("messages, tools and chat_template_kwargs"
+            if job.params.tools or job.chat_template_kwargs else "messages")
 
 
 def string_bytes(value: Any, keys: bool = False) -> int:
-    """Bytes of every string in a JSON value (and of its objects' keys when `keys`); a stack, not recursion:
-    the value may nest as deep as the request's JSON does."""
+    """Bytes of every string in a JSON value (and of its objects' keys when `keys`); a stack, not
+    recursion: the value may nest as deep as the request's JSON does."""
     total, stack = 0, [value]
     while stack:
         v = stack.pop()
@@ -63,7 +68,8 @@ def string_bytes(value: Any, keys: bool = False) -> int:
             total += len(v.encode("utf-8", "surrogatepass"))
         elif isinstance(v, dict):
             if keys:
-                total += sum(len(k.encode("utf-8", "surrogatepass")) for k in v if isinstance(k, str))
+                total += sum(len(k.encode("utf-8", "surrogatepass")) for k in v
+                             if isinstance(k, str))
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)

@@ -1,15 +1,19 @@
-"""Splitting a model's output into its reasoning (`<think>...</think>`) and its answer, as it streams.
+"""Splitting a model's output into its reasoning (`<think>...</think>`) and its answer, as it
+streams.
 
-Text arrives in pieces that may cut a tag anywhere (`</th` + `ink>`), so the parser holds back the end of
-what it has that could still become a tag, and emits the rest. Rules (as llama.cpp's "deepseek" format):
+Text arrives in pieces that may cut a tag anywhere (`</th` + `ink>`), so the parser holds back the
+end of what it has that could still become a tag, and emits the rest. Rules (as llama.cpp's
+"deepseek" format):
 
-- output starts inside the reasoning when the chat template opened it (the generation prompt ends with
-  `<think>`, as Qwen3's and DeepSeek-R1's do); else a `<think>` before any answer text opens it;
+- output starts inside the reasoning when the chat template opened it (the generation prompt ends
+  with `<think>`, as Qwen3's and DeepSeek-R1's do); else a `<think>` before any answer text opens
+  it;
 - `</think>` closes it; a `<think>` later in the answer is just text;
-- with tools, the format's call mark (`<tool_call>`) closes it too, and is the answer's first text (as
-  llama.cpp's thinking end tags for Qwen3-Coder / Qwen3.5: a call is never reasoning, so a call forced while the
-  template has opened the reasoning is a call);
-- whitespace at the start of each part and at the end of the reasoning is dropped (`<think>\\n...\\n</think>\\n\\n`).
+- with tools, the format's call mark (`<tool_call>`) closes it too, and is the answer's first text
+  (as llama.cpp's thinking end tags for Qwen3-Coder / Qwen3.5: a call is never reasoning, so a call
+  forced while the template has opened the reasoning is a call);
+- whitespace at the start of each part and at the end of the reasoning is dropped
+  (`<think>\\n...\\n</think>\\n\\n`).
 
     p = ReasoningParser(in_reasoning=True)
     p.feed("Let me th") + p.feed("ink</th") + p.feed("ink>\\n\\nParis") + p.flush()
@@ -30,8 +34,10 @@ class ReasoningParser:
         self.saw_reasoning = self.in_reasoning
         self.open_tag, self.close_tag = open_tag, close_tag
         self._held = ""
-        self._may_open = enabled and not in_reasoning  # no answer text yet: a <think> may still open reasoning
-        self._strip = self.in_reasoning                 # drop leading whitespace of the part just opened
+        # no answer text yet: a <think> may still open reasoning
+        self._may_open = enabled and not in_reasoning
+        # drop leading whitespace of the part just opened
+        self._strip = self.in_reasoning
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         if not self.enabled:
@@ -47,7 +53,8 @@ class ReasoningParser:
         return out
 
     def flush(self) -> list[tuple[str, str]]:
-        """The end of the output: what was held back is text after all (trailing reasoning space goes)."""
+        """The end of the output: what was held back is text after all (trailing reasoning space
+        goes)."""
         held, self._held = self._held, ""
         if not held:
             return []
@@ -66,7 +73,8 @@ class ReasoningParser:
             self._strip = False
         end = buf.find(self.close_tag)
         call = buf.find(self.call_mark) if self.call_mark else -1
-        if call >= 0 and (end < 0 or call < end):        # a call: the reasoning ends, the mark is the answer's
+        # a call: the reasoning ends, the mark is the answer's
+        if call >= 0 and (end < 0 or call < end):
             _emit(out, REASONING, buf[:call].rstrip())
             self.in_reasoning = False
             return buf[call:]
@@ -74,7 +82,8 @@ class ReasoningParser:
             _emit(out, REASONING, buf[:end].rstrip())
             self.in_reasoning, self._strip = False, True
             return buf[end + len(self.close_tag):]
-        # hold a possible start of the close tag (or call mark), and trailing space (it goes if the tag follows)
+        # hold a possible start of the close tag (or call mark), and trailing space (it goes if the
+        # tag follows)
         keep = max(_partial_suffix(buf, self.close_tag), _partial_suffix(buf, self.call_mark or ""))
         body = buf[:len(buf) - keep]
         stripped = body.rstrip()

@@ -1,6 +1,7 @@
-"""Request bodies of the OpenAI API, as msgspec structs: decoding checks every type and range and names the
-field that is wrong (`Expected int, got str - at $.max_tokens`). Fields OpenAI clients send that we do not use
-(user, tools, ...) are ignored, as msgspec ignores unknown fields by default."""
+"""Request bodies of the OpenAI API, as msgspec structs: decoding checks every type and range and
+names the field that is wrong (`Expected int, got str - at $.max_tokens`). Fields OpenAI clients
+send that we do not use (user, tools, ...) are ignored, as msgspec ignores unknown fields by
+default."""
 
 from __future__ import annotations
 
@@ -18,23 +19,28 @@ from ...engine.request import (
     MAX_TEMPERATURE,
 )
 
-# Bounds that catch nonsense before anything is built from it: every number fits the array it goes into
-# (int32 top_k, a 64-bit seed folded to 32), no float is NaN or inf (JSON has neither; 1e999 is refused),
-# stop strings are few and short. The engine checks the finer rules again (top_k within the vocabulary, ...).
+# Bounds that catch nonsense before anything is built from it: every number fits the array it goes
+# into (int32 top_k, a 64-bit seed folded to 32), no float is NaN or inf (JSON has neither; 1e999 is
+# refused), stop strings are few and short. The engine checks the finer rules again (top_k within
+# the vocabulary, ...).
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
-Seed = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]   # -1: a random seed (llama.cpp); int64 (OpenAI), folded to 32 bits
+# -1: a random seed (llama.cpp); int64 (OpenAI), folded to 32 bits
+Seed = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]   # 0 or -1 (vLLM's): off
 Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOPS)] | None
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]   # int32 arrays; the engine checks the vocabulary
-Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]    # OpenAI's presence / frequency penalties
-# token id (a string of digits in JSON) -> bias; generate.py checks the biases (-100..100: its message shows
-# the token and the value), the engine the vocabulary
+# int32 arrays; the engine checks the vocabulary
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+# OpenAI's presence / frequency penalties
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+# token id (a string of digits in JSON) -> bias; generate.py checks the biases (-100..100: its
+# message shows the token and the value), the engine the vocabulary
 LogitBias = Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 RepeatPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=10.0)]           # llama.cpp's; 1 is off
-RepeatLastN = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]           # llama.cpp's; -1: all, 0: off
+# llama.cpp's; -1: all, 0: off
+RepeatLastN = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 MAX_CHOICES = 8
@@ -93,19 +99,23 @@ class _Sampling(msgspec.Struct):
     frequency_penalty: Penalty | None = None
     repeat_penalty: RepeatPenalty | None = None
     repeat_last_n: RepeatLastN | None = None
-    repetition_penalty: RepeatPenalty | None = None    # vLLM's name: repeat_penalty over all of prompt + output
+    # vLLM's name: repeat_penalty over all of prompt + output
+    repetition_penalty: RepeatPenalty | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False            # llama.cpp's extra: keep going past the end-of-text token
-    verbose: bool = False               # llama.cpp's: the answer also carries "__verbose" (the prompt text, ...)
-    return_progress: bool = False       # llama.cpp's: a stream also sends prompt_progress as the prompt is read
+    # llama.cpp's: the answer also carries "__verbose" (the prompt text, ...)
+    verbose: bool = False
+    # llama.cpp's: a stream also sends prompt_progress as the prompt is read
+    return_progress: bool = False
     timings_per_token: bool = False     # llama.cpp's: streamed chunks carry timings
-    # structured output (serve/http/fields.py: grammar_param): OpenAI's response_format, llama.cpp's grammar
-    # (GBNF) and json_schema
+    # structured output (serve/http/fields.py: grammar_param): OpenAI's response_format, llama.cpp's
+    # grammar (GBNF) and json_schema
     response_format: ResponseFormat | None = None
     grammar: GrammarText | None = None
     json_schema: dict[str, Any] | bool | None = None
-    # vLLM's: prefix-cache KV is shared only among requests of the same salt (engine/schedule/prefix_cache.py)
+    # vLLM's: prefix-cache KV is shared only among requests of the same salt
+    # (engine/schedule/prefix_cache.py)
     cache_salt: CacheSalt | None = None
 
 
@@ -113,14 +123,17 @@ class ChatCompletionRequest(_Sampling):
     messages: list[Message] = msgspec.field(default_factory=list)
     max_completion_tokens: MaxTokens | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"   # llama.cpp's: "none" keeps <think> in content
+    # llama.cpp's: "none" keeps <think> in content
+    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None   # serve/tools.py
+    # serve/tools.py
+    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's: a chat whose last message is the assistant's is continued (no new turn) with
-    # continue_final_message; add_generation_prompt false renders no assistant header after the last message
+    # continue_final_message; add_generation_prompt false renders no assistant header after the last
+    # message
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -128,7 +141,8 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId | str] | None = None     # text, token ids, or a list of one text
     echo: bool = False
-    logprobs: TopLogprobs | None = None                # the top N alternatives of each token (and its own)
+    # the top N alternatives of each token (and its own)
+    logprobs: TopLogprobs | None = None
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:

@@ -1,10 +1,12 @@
-"""A small chat page at `/`, as llama-server serves its web UI there (`--no-webui` turns it off: 404).
+"""A small chat page at `/`, as llama-server serves its web UI there (`--no-webui` turns it off:
+404).
 
-One HTML page with its script inline, a service worker that only passes requests on, a web manifest and
-`/_app/version.json` (the paths of llama.cpp's web UI, so a browser or a test that looks for them finds
-them). These are public, like llama.cpp's static assets: the page asks for the API key itself and sends it
-with each call, and every API route still checks it. The page streams /v1/chat/completions and shows the
-answer as text (textContent: nothing the model writes is run as HTML).
+One HTML page with its script inline, a service worker that only passes requests on, a web manifest
+and `/_app/version.json` (the paths of llama.cpp's web UI, so a browser or a test that looks for
+them finds them). These are public, like llama.cpp's static assets: the page asks for the API key
+itself and sends it with each call, and every API route still checks it. The page streams
+/v1/chat/completions and shows the answer as text (textContent: nothing the model writes is run as
+HTML).
 """
 
 from __future__ import annotations
@@ -71,16 +73,18 @@ async function send() {
   } catch (err) { out.className = "error"; out.textContent = String(err.message || err); messages.pop(); }
 }
 </script></body></html>
-"""
+"""  # noqa: E501
 
 # A service worker that caches nothing: every request goes to the server as it would without it.
 SERVICE_WORKER = "self.addEventListener('fetch', () => {});\n"
 
-MANIFEST = json.dumps({"name": "strata-jax", "short_name": "strata-jax", "start_url": "/", "display": "standalone"})
+MANIFEST = json.dumps({"name": "strata-jax", "short_name": "strata-jax", "start_url": "/",
+                       "display": "standalone"})
 
 
 def handlers() -> list:
-    """The page and its assets, public (no API key): llama-server serves its UI's files the same way."""
+    """The page and its assets, public (no API key): llama-server serves its UI's files the same
+    way."""
     public = {"public": True}
 
     @get("/", opt=public, include_in_schema=False)

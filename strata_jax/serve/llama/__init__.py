@@ -1,1 +1,2 @@
-"""llama.cpp's own server API: /completion, /tokenize, /slots, /props and the other native routes."""
+"""llama.cpp's own server API: /completion, /tokenize, /slots, /props and the other native
+routes."""

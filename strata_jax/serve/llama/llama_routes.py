@@ -1,23 +1,32 @@
-"""llama.cpp's server extras, in its request and response shapes (tools/server/README.md of llama.cpp):
+"""llama.cpp's server extras, in its request and response shapes (tools/server/README.md of
+llama.cpp):
 
-    POST /tokenize    {"content": text | [text | id, ...], "add_special": false, "parse_special": true,
-                       "with_pieces": false}  -> {"tokens": [id, ...]} or {"tokens": [{"id", "piece"}, ...]}
+    POST /tokenize    {"content": text | [text | id, ...], "add_special": false, "parse_special":
+                      true,
+                       "with_pieces": false}  -> {"tokens": [id, ...]} or {"tokens": [{"id",
+                                              "piece"}, ...]}
     POST /detokenize  {"tokens": [id, ...]}   -> {"content": text}
-    GET  /props       the server's settings: default_generation_settings (n_ctx, params), total_slots,
-                      chat_template, model_path, ... (only what this server knows: no invented fields)
-    POST /props       {"temperature": 0.5, ...} or {"default_generation_settings": {"params": {...}}}: new
-                      server-wide sampling defaults (with --props only, else 501 as llama.cpp's)
+    GET  /props       the server's settings: default_generation_settings (n_ctx, params),
+                      total_slots, chat_template, model_path, ... (only what this server knows: no
+                      invented fields)
+    POST /props       {"temperature": 0.5, ...} or {"default_generation_settings": {"params":
+                      {...}}}: new server-wide sampling defaults (with --props only, else 501 as
+                      llama.cpp's)
     POST /completion, /completions   llama.cpp's native generation (serve/llama/native.py)
-    POST /apply-template  {"messages", "tools", "chat_template_kwargs"} -> {"prompt": the rendered text}
-    POST /chat/completions/input_tokens  a chat request -> {"input_tokens": the prompt tokens it would read}
+    POST /apply-template  {"messages", "tools", "chat_template_kwargs"} -> {"prompt": the rendered
+                          text}
+    POST /chat/completions/input_tokens  a chat request -> {"input_tokens": the prompt tokens it
+                                         would read}
     POST /slots/N?action=save|restore|erase  {"filename": NAME}: a slot's kept KV to / from NAME in
-                      --slot-save-path (a file name, never a path: 400); without --slot-save-path a 501
+                      --slot-save-path (a file name, never a path: 400); without --slot-save-path a
+                          501
 
-Tokenizing runs in the engine process with the engine's own tokenizer (serve/tokens.py). A body without
-`content` (`tokens`) gets an empty answer, as llama.cpp gives; a field of the wrong type, or an id outside the
-vocabulary, is a 400 naming the field and the value; text beyond --max-tokenize-bytes or ids beyond
---max-tokenize-ids (read, or to be answered) a 413 naming the bound and the size (serve/tokens.py). Every
-question to the engine takes a --max-queue place (Supervisor.ask). /props is a 503 until the first engine has loaded.
+Tokenizing runs in the engine process with the engine's own tokenizer (serve/tokens.py). A body
+without `content` (`tokens`) gets an empty answer, as llama.cpp gives; a field of the wrong type, or
+an id outside the vocabulary, is a 400 naming the field and the value; text beyond
+--max-tokenize-bytes or ids beyond --max-tokenize-ids (read, or to be answered) a 413 naming the
+bound and the size (serve/tokens.py). Every question to the engine takes a --max-queue place
+(Supervisor.ask). /props is a 503 until the first engine has loaded.
 """
 
 from __future__ import annotations
@@ -45,8 +54,8 @@ SLOT_ID = re.compile(r"[0-9]{1,6}")          # a slot's number (--parallel is at
 
 def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerConfig | None = None,
              defaults: dict[str, Any] | None = None) -> list:
-    """The route handlers, over the supervisor, the model's served name and its file's name (see app.py), the
-    server's config and its sampling defaults (a dict POST /props may change)."""
+    """The route handlers, over the supervisor, the model's served name and its file's name (see
+    app.py), the server's config and its sampling defaults (a dict POST /props may change)."""
     cfg = cfg or ServerConfig()
     defaults = defaults if defaults is not None else {}
 
@@ -55,7 +64,8 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         body = json_object(await request.body())
         if "content" not in body:
             return {"tokens": []}
-        check_sizes(body["content"], "content", cfg.max_tokenize_bytes, cfg.max_tokenize_ids)     # 413s
+        # 413s
+        check_sizes(body["content"], "content", cfg.max_tokenize_bytes, cfg.max_tokenize_ids)
         content = _content(body["content"])
         flags = {k: _flag(body, k, default) for k, default in
                  (("add_special", False), ("parse_special", True), ("with_pieces", False))}
@@ -69,7 +79,8 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
             return {"content": ""}
         tokens = body["tokens"]
         if not isinstance(tokens, list):
-            raise invalid(f"tokens = {shown(tokens)}: give a list of token ids (whole numbers)", "tokens")
+            raise invalid(f"tokens = {shown(tokens)}: give a list of token ids (whole numbers)",
+                          "tokens")
         check_sizes(tokens, "tokens", cfg.max_tokenize_bytes, cfg.max_tokenize_ids)
         for i, t in enumerate(tokens):
             check_token_id(t, f"tokens[{i}]", "tokens")
@@ -80,14 +91,17 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
     async def props() -> dict[str, Any]:
         info = sup.info
         if not info:        # llama.cpp too answers 503 while its model loads
-            raise ApiError(503, f"the engine is not ready ({sup.state}: {sup.reason})", "unavailable_error")
+            raise ApiError(503, f"the engine is not ready ({sup.state}: {sup.reason})",
+                           "unavailable_error")
         cfg, server_cfg = sup.config, server
         out: dict[str, Any] = {
             "default_generation_settings": {"n_ctx": cfg.max_context, "speculative": cfg.spec > 0,
-                                            "params": {**default_params(defaults), "seed": cfg.seed}},
+                                            "params": {**default_params(defaults),
+                                                       "seed": cfg.seed}},
             "total_slots": cfg.parallel,
             "model_alias": served,
-            # the file's name: the server shows no paths (nor does /v1/models); llama.cpp shows its -m argument
+            # the file's name: the server shows no paths (nor does /v1/models); llama.cpp shows its
+            # -m argument
             "model_path": file_name,
             "modalities": {"vision": False, "audio": False},    # text only
             "build_info": f"strata-jax {__version__}",
@@ -97,7 +111,8 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         }
         if info.get("chat_template_source") is not None:
             out["chat_template"] = info["chat_template_source"]
-        # strata's own: the kernel backend the engine resolved (cpu, cpu-exact with --cpu-math exact, pallas, xla)
+        # strata's own: the kernel backend the engine resolved (cpu, cpu-exact with --cpu-math
+        # exact, pallas, xla)
         out["backend"] = (info.get("choices") or {}).get("backend")
         for key in ("bos_token", "eos_token"):
             if info.get(key) is not None:
@@ -109,7 +124,8 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
     @post("/props", status_code=200, guards=[json_body])
     async def change_props(request: Request) -> dict[str, Any]:
         if not cfg.props_writable:
-            raise ApiError(501, "this server does not let POST /props change its settings: start it with --props",
+            raise ApiError(501, "this server does not let POST /props change its settings: start "
+                                "it with --props",
                            "not_supported_error")
         body = json_object(await request.body())
         given = ((body.get("default_generation_settings") or {}).get("params") or {}) \
@@ -120,21 +136,25 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
             given["n_predict"] = given.pop("max_tokens")
         unknown = sorted(set(given) - set(ServerConfig.SAMPLING_KEYS))
         if unknown:
-            raise invalid(f"{unknown[0]}: POST /props may change {', '.join(ServerConfig.SAMPLING_KEYS)}", unknown[0])
+            raise invalid(f"{unknown[0]}: POST /props may change "
+                          f"{', '.join(ServerConfig.SAMPLING_KEYS)}", unknown[0])
         vocab = (sup.info or {}).get("vocab_size")     # top_k's bound, as a request's
-        for key, value in given.items():        # what a request would be refused for (config.default_problem)
+        # what a request would be refused for (config.default_problem)
+        for key, value in given.items():
             what = default_problem(key, value, vocab)
             if what:
-                raise invalid(f"{key} = {shown(value)}: {what} (a server-wide default every request that sets "
-                              f"no {key} would get)", key)
+                raise invalid(f"{key} = {shown(value)}: {what} (a server-wide default every "
+                              f"request that sets no {key} would get)", key)
         defaults.update(given)
         return {"success": True, "params": default_params(defaults)}
 
     @post("/apply-template", status_code=200, guards=[json_body])
     async def apply_template(request: Request) -> dict[str, Any]:
-        job = parse_chat(await request.body(), _AnyModel(served), trust_template=cfg.trust_request_chat_template)
+        job = parse_chat(await request.body(), _AnyModel(served),
+                         trust_template=cfg.trust_request_chat_template)
         reply = await sup.ask(ApplyTemplate, prompt=job.prompt,
-                              params=RequestParams(tools=job.params.tools, render=job.params.render),
+                              params=RequestParams(tools=job.params.tools,
+                                                   render=job.params.render),
                               **sup.render_options(),
                               chat_template_kwargs=job.chat_template_kwargs)
         return {"prompt": reply.prompt}
@@ -142,24 +162,30 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
     @post(["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"], status_code=200,
           guards=[json_body])
     async def input_tokens(request: Request) -> dict[str, Any]:
-        """The prompt tokens a chat would read ({"input_tokens": n}), rendered and tokenized as a request is."""
-        job = parse_chat(await request.body(), _AnyModel(served), trust_template=cfg.trust_request_chat_template)
-        refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))   # as a chat's
-        prepared = await sup.prepare(f"count-{id(job)}", job.prompt, job.params, job.chat_template_kwargs,
-                                     time.monotonic() + 30.0)
+        """The prompt tokens a chat would read ({"input_tokens": n}), rendered and tokenized as a
+        request is."""
+        job = parse_chat(await request.body(), _AnyModel(served),
+                         trust_template=cfg.trust_request_chat_template)
+        # as a chat's
+        refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))
+        prepared = await sup.prepare(f"count-{id(job)}", job.prompt, job.params,
+                                     job.chat_template_kwargs, time.monotonic() + 30.0)
         return {"input_tokens": len(prepared.ids)}
 
-    # guarded like every POST that reads JSON: a form or text/plain POST (a cross-site request a browser sends
-    # without a preflight) is a 415, erase included; the id is text, bounded here (beyond 64 bits: no 500)
+    # guarded like every POST that reads JSON: a form or text/plain POST (a cross-site request a
+    # browser sends without a preflight) is a 415, erase included; the id is text, bounded here
+    # (beyond 64 bits: no 500)
     @post("/slots/{slot_id:str}", status_code=200, guards=[json_body])
-    async def slot_action(request: Request, slot_id: FromPath[str], action: FromQuery[str | None] = None
+    async def slot_action(request: Request, slot_id: FromPath[str],
+                          action: FromQuery[str | None] = None
                           ) -> dict[str, Any]:
         n = sup.config.parallel
         if not SLOT_ID.fullmatch(slot_id) or int(slot_id) >= n:
-            raise invalid(f"id_slot = {slot_id[:MAX_SHOWN]}: give a slot of this server, 0..{n - 1} (--parallel)",
-                          "id_slot")
+            raise invalid(f"id_slot = {slot_id[:MAX_SHOWN]}: give a slot of this server, "
+                          f"0..{n - 1} (--parallel)", "id_slot")
         if cfg.slot_save_path is None and action != "erase":
-            raise ApiError(501, "this server keeps no slot files: start it with --slot-save-path DIR",
+            raise ApiError(501,
+                           "this server keeps no slot files: start it with --slot-save-path DIR",
                            "not_supported_error")
         if action not in ("save", "restore", "erase"):
             raise invalid(f"action = {action!r}: give ?action=save, restore or erase", "action")
@@ -168,11 +194,12 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
             body = json_object(await request.body())
             name = body.get("filename")
             if not isinstance(name, str) or not SLOT_FILE.fullmatch(name) or ".." in name:
-                raise invalid(f"filename = {shown(name)}: a slot file's name is 1 to 100 letters, digits, '.', "
-                              "'_' or '-' (no '/', no '..', not starting with '.'), kept in the server's "
-                              "--slot-save-path", "filename")
+                raise invalid(f"filename = {shown(name)}: a slot file's name is 1 to 100 letters, "
+                              "digits, '.', '_' or '-' (no '/', no '..', not starting with '.'), "
+                              "kept in the server's --slot-save-path", "filename")
             try:
-                path = str(slot_files.folder(cfg.slot_save_path) / name)     # made private, or checked still so
+                # made private, or checked still so
+                path = str(slot_files.folder(cfg.slot_save_path) / name)
             except slot_files.SlotFileError as e:
                 raise ApiError(500, str(e), "server_error") from None
         reply = await sup.ask(SlotAction, action=action, slot=int(slot_id), path=path, timeout=60.0)
@@ -192,13 +219,13 @@ class _AnyModel:
 
 
 def default_params(defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a request that sets nothing gets (parse.py and fields.py decide it, over the server's defaults),
-    in llama.cpp's names."""
+    """What a request that sets nothing gets (parse.py and fields.py decide it, over the server's
+    defaults), in llama.cpp's names."""
     defaults = defaults or {}
     controls = control_params(_NoFields(), chat=False)
     n = defaults.get("n_predict", -1)
-    base = {**DEFAULTS, **{k: controls[k] for k in ("repeat_last_n", "repeat_penalty", "presence_penalty",
-                                                    "frequency_penalty")}}
+    base = {**DEFAULTS, **{k: controls[k] for k in ("repeat_last_n", "repeat_penalty",
+                                                    "presence_penalty", "frequency_penalty")}}
     base.update({k: v for k, v in defaults.items() if k != "n_predict"})
     return {**base, "n_predict": n, "max_tokens": n,     # -1: up to the end of the slot's context
             "stop": [], "ignore_eos": False, "n_probs": 0}
@@ -218,7 +245,8 @@ def _content(content: Any) -> str | list[str | int]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"content = {shown(content)}: give a text, or a list of texts and token ids", "content")
+        raise invalid(f"content = {shown(content)}: give a text, or a list of texts and token ids",
+                      "content")
     for i, part in enumerate(content):
         if not isinstance(part, str):
             check_token_id(part, f"content[{i}]", "content")

@@ -1,6 +1,7 @@
-"""The commands that wait for the engine's reply, by id: the supervisor sends a command (prepare, stats,
-tokenize, ...), and the reply that names its id (prepared or rejected, stats, saved, answer) resolves it.
-An engine that stops fails every one still waiting (EngineGone), so the caller can ask the next engine."""
+"""The commands that wait for the engine's reply, by id: the supervisor sends a command (prepare,
+stats, tokenize, ...), and the reply that names its id (prepared or rejected, stats, saved, answer)
+resolves it. An engine that stops fails every one still waiting (EngineGone), so the caller can ask
+the next engine."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ R = TypeVar("R")
 
 class Answers:
     def __init__(self, send: Callable[[Command], bool]):
-        self._send = send                           # writes a command to the engine; False: it is not running
+        # writes a command to the engine; False: it is not running
+        self._send = send
         self._waiting: dict[str, asyncio.Future] = {}
 
     async def ask(self, cmd: Any, deadline: float) -> AnyReply:
-        """Send `cmd` (a Command with an id) and wait until `deadline` (time.monotonic()) for the reply that names
-        it; EngineGone when it cannot be sent or the engine stops meanwhile, TimeoutError after the deadline."""
+        """Send `cmd` (a Command with an id) and wait until `deadline` (time.monotonic()) for the
+        reply that names it; EngineGone when it cannot be sent or the engine stops meanwhile,
+        TimeoutError after the deadline."""
         rid = cmd.id
         fut = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
@@ -51,12 +54,13 @@ class Answers:
 
 
 def expect(reply: AnyReply, kind: type[R]) -> R:
-    """`reply` when it is the `kind` asked for; the engine's Rejected as the API's error; any other reply is the
-    engine's bug (a 500, logged)."""
+    """`reply` when it is the `kind` asked for; the engine's Rejected as the API's error; any other
+    reply is the engine's bug (a 500, logged)."""
     if isinstance(reply, kind):
         return reply
     if isinstance(reply, Rejected):
         raise rejection(reply)
-    log.error("the engine answered %s with a %s frame, not %s", getattr(reply, "id", "?"), type(reply).__name__,
-              kind.__name__)
-    raise ApiError(500, "internal error: the engine's answer was not the one asked for", "server_error")
+    log.error("the engine answered %s with a %s frame, not %s", getattr(reply, "id", "?"),
+              type(reply).__name__, kind.__name__)
+    raise ApiError(500, "internal error: the engine's answer was not the one asked for",
+                   "server_error")

@@ -1,9 +1,10 @@
-"""One engine child process as the supervisor sees it: started, its frames read and handed on, its stderr
-kept, its heartbeat watched, and killed by the watchdog when it holds requests and makes no progress.
+"""One engine child process as the supervisor sees it: started, its frames read and handed on, its
+stderr kept, its heartbeat watched, and killed by the watchdog when it holds requests and makes no
+progress.
 
-The supervisor (supervisor.py) owns what outlives a process: the queue, the seats, restarts and the fault
-ledger. This module owns what dies with one: the pipe, the stderr tail, the last heartbeat. Everything runs
-on the server's event loop.
+The supervisor (supervisor.py) owns what outlives a process: the queue, the seats, restarts and the
+fault ledger. This module owns what dies with one: the pipe, the stderr tail, the last heartbeat.
+Everything runs on the server's event loop.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ log = logging.getLogger("strata_jax.serve")
 STDERR_LINES = 200
 SILENT_S = 5.0                      # no frame (not even a heartbeat) this long: /health says 503
 WATCH_S = 0.5                       # how often the watchdog looks
-MAX_UNREAD_BYTES = 32 << 20         # requests' commands written to the engine and not read by it yet
-_ALWAYS = (Start, Cancel, GetStats, Shutdown, SaveExpertProfile)   # sent whatever the engine has not read
+# requests' commands written to the engine and not read by it yet
+MAX_UNREAD_BYTES = 32 << 20
+# sent whatever the engine has not read
+_ALWAYS = (Start, Cancel, GetStats, Shutdown, SaveExpertProfile)
 
 
 class StderrTail:
@@ -58,9 +61,10 @@ class StderrTail:
 
 
 class EngineProcess:
-    """Engine process `generation`: run() starts it, writes `hello` (its start-up frame), hands each frame it
-    sends (a protocol.Reply) to `on_frame`, and returns its exit code (None: it could not start) when it ends. `busy()` says how
-    many requests are in it: the watchdog kills it only then (stall_s without progress)."""
+    """Engine process `generation`: run() starts it, writes `hello` (its start-up frame), hands each
+    frame it sends (a protocol.Reply) to `on_frame`, and returns its exit code (None: it could not
+    start) when it ends. `busy()` says how many requests are in it: the watchdog kills it only then
+    (stall_s without progress)."""
 
     def __init__(self, command: list[str], generation: int, on_frame: Callable[[AnyReply], None],
                  busy: Callable[[], int], stall_s: float):
@@ -82,8 +86,10 @@ class EngineProcess:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 22,
-                # its own session: a Ctrl-C at the terminal reaches the server, which stops the engine itself
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+                limit=1 << 22,
+                # its own session: a Ctrl-C at the terminal reaches the server, which stops the
+                # engine itself
                 start_new_session=True)
         except OSError as e:
             self.tail.add(f"ERR engine start: {e}")
@@ -105,7 +111,8 @@ class EngineProcess:
         return rc
 
     async def stop(self, timeout: float, reading: bool) -> None:
-        """Ask it to close its engine (`reading`: it reads its commands), else end it; kill it after `timeout`."""
+        """Ask it to close its engine (`reading`: it reads its commands), else end it; kill it after
+        `timeout`."""
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
@@ -113,19 +120,20 @@ class EngineProcess:
             if reading:
                 self.send(Shutdown())
                 proc.stdin.close()
-            else:                                   # still loading, not reading: no need to wait for it
+            # still loading, not reading: no need to wait for it
+            else:
                 proc.terminate()
             await asyncio.wait_for(proc.wait(), timeout)
         except (TimeoutError, OSError, RuntimeError, ProcessLookupError):
             proc.kill()
 
-    # ---- writing ---------------------------------------------------------------------------------------
+    # ---- writing ---------------------------------------------------------------------------------
 
     def send(self, cmd: Start | Command) -> bool:
-        """Write a frame; False when the process is gone or going. A request's command (a prompt, a question:
-        tokenize, embed, ...) beyond MAX_UNREAD_BYTES unread raises EngineBusy: nothing more is sent until it
-        reads. Cancels, stats, the expert profile and the shutdown always go (they free things, or are small and
-        one at a time)."""
+        """Write a frame; False when the process is gone or going. A request's command (a prompt, a
+        question: tokenize, embed, ...) beyond MAX_UNREAD_BYTES unread raises EngineBusy: nothing
+        more is sent until it reads. Cancels, stats, the expert profile and the shutdown always go
+        (they free things, or are small and one at a time)."""
         proc = self.proc
         if proc is None or proc.stdin is None or proc.stdin.is_closing():
             return False
@@ -134,16 +142,18 @@ class EngineProcess:
         try:
             proc.stdin.write(pack(cmd))
         except (ConnectionError, RuntimeError, OSError):
-            return False                            # it is ending: the supervisor hears of its exit next
+            # it is ending: the supervisor hears of its exit next
+            return False
         return True
 
     def unread(self) -> int:
         """Bytes written to its stdin that it has not read yet (the transport's buffer)."""
         proc = self.proc
-        transport = getattr(proc.stdin, "transport", None) if proc is not None and proc.stdin else None
+        transport = (getattr(proc.stdin, "transport", None) if proc is not None and proc.stdin
+                     else None)
         return transport.get_write_buffer_size() if transport is not None else 0
 
-    # ---- reading ---------------------------------------------------------------------------------------
+    # ---- reading ---------------------------------------------------------------------------------
 
     async def _read_stderr(self, stream: asyncio.StreamReader) -> None:
         while True:
@@ -156,7 +166,8 @@ class EngineProcess:
             line = raw.decode("utf-8", "replace").rstrip()
             self.tail.add(line)
             if line.startswith("INFO "):
-                log.debug("engine: %s", line)      # the request lines: the server prints them with `done`
+                # the request lines: the server prints them with `done`
+                log.debug("engine: %s", line)
             elif line.strip():
                 log.info("engine: %s", line)
 
@@ -167,7 +178,8 @@ class EngineProcess:
                 frame = decode_reply(await proc.stdout.readexactly(n))
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
-            except Exception as e:  # noqa: BLE001 - a corrupt stream or a FrameError: the process cannot be trusted
+            # a corrupt stream or a FrameError: the process cannot be trusted
+            except Exception as e:  # noqa: BLE001
                 self.tail.add(f"ERR the engine's answers could not be read: {e}")
                 proc.kill()
                 return
@@ -179,7 +191,7 @@ class EngineProcess:
             except Exception:  # one bad frame must not stop the reader
                 log.exception("could not handle the engine's %r frame", type(frame).__name__)
 
-    # ---- the watchdog ----------------------------------------------------------------------------------
+    # ---- the watchdog ----------------------------------------------------------------------------
 
     async def _watch(self, proc: asyncio.subprocess.Process) -> None:
         """Kill an engine that has requests and makes no progress (supervisor.py's docstring)."""
@@ -195,7 +207,8 @@ class EngineProcess:
                 return
 
     def stalled(self) -> tuple[str, float] | None:
-        """(what is wrong, for how many seconds) when the engine is silent or its loop does not move."""
+        """(what is wrong, for how many seconds) when the engine is silent or its loop does not
+        move."""
         now = time.monotonic()
         silent = now - self.heard_at
         if silent >= SILENT_S:

@@ -1,13 +1,13 @@
 """The fault ledger: one entry each time the engine process stopped unexpectedly (GET /faults).
 
 Strata's users could not tell why their engine exited: the reason was an ERR line nobody read. Here
-every exit keeps its exit code, its ERR line (else its last log line), its last lines, and the requests
-it took down, for as long as the server runs (the newest `keep` entries).
+every exit keeps its exit code, its ERR line (else its last log line), its last lines, and the
+requests it took down, for as long as the server runs (the newest `keep` entries).
 
-Log text stays out of public answers: a log line can name the machine's folders (the compile cache's, the
-model's), so /health and the errors requests get say only `Fault.public` (a fixed phrase and the exit code),
-the server's own log has `Fault.message` whole, and /faults (behind the API key) shows the lines with every
-absolute path replaced by `<path>` (`scrub`).
+Log text stays out of public answers: a log line can name the machine's folders (the compile
+cache's, the model's), so /health and the errors requests get say only `Fault.public` (a fixed
+phrase and the exit code), the server's own log has `Fault.message` whole, and /faults (behind the
+API key) shows the lines with every absolute path replaced by `<path>` (`scrub`).
 """
 
 from __future__ import annotations
@@ -41,20 +41,24 @@ class Fault:
     @property
     def message(self) -> str:
         if self.kind == "stall":
-            return (f"the engine stalled and the watchdog stopped it ({describe_exit(self.exit_code)}): "
-                    f"{self.stall}")
+            return ("the engine stalled and the watchdog stopped it "
+                    f"({describe_exit(self.exit_code)}): {self.stall}")
         what = "Its last error" if self.error_line else "Its last log line"
-        return f"the engine stopped unexpectedly ({describe_exit(self.exit_code)}). {what}: {self.reason}"
+        return (f"the engine stopped unexpectedly ({describe_exit(self.exit_code)}). {what}: "
+                f"{self.reason}")
 
     @property
     def public(self) -> str:
-        """What anyone may read (/health, a request's error): the fault's kind and exit code, no log text."""
+        """What anyone may read (/health, a request's error): the fault's kind and exit code, no log
+        text."""
         if self.kind == "stall":
-            return f"the engine stalled and the watchdog stopped it ({describe_exit(self.exit_code)}): {self.stall}"
+            return ("the engine stalled and the watchdog stopped it "
+                    f"({describe_exit(self.exit_code)}): {self.stall}")
         return f"the engine stopped unexpectedly ({describe_exit(self.exit_code)})"
 
 
-# An absolute path (/a/b, ~/a) where a word starts: not a URL's (after ':' or '/'), nor a fraction (after a digit)
+# An absolute path (/a/b, ~/a) where a word starts: not a URL's (after ':' or '/'), nor a fraction
+# (after a digit)
 _PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s'\"`,;()\[\]{}<>]+")
 
 

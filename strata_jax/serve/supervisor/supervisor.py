@@ -1,30 +1,34 @@
-"""The engine supervisor: runs the engine in a child process, talks to it, and starts it again when it stops.
+"""The engine supervisor: runs the engine in a child process, talks to it, and starts it again when
+it stops.
 
 Everything here runs on the server's event loop; no threads, no locks. A request goes:
 
-    prepare   the engine tokenizes and checks it (a 4xx answer comes at once, even when every slot is busy)
+    prepare   the engine tokenizes and checks it (a 4xx answer comes at once, even when every slot
+              is busy)
     enqueue   it waits in *our* queue, first come first served (seats.py)
     dispatch  at most `parallel` requests are in the engine at once, one a seat (an engine slot)
     events    token events, then one final or error event, into the request's own asyncio.Queue
 
-The supervisor owns what outlives one engine process: the queue and the seats (seats.Seats), the answers
-awaited by id, restarts and the fault ledger; engine_process.EngineProcess owns what dies with one. When the
-process ends, the supervisor logs `the engine stopped unexpectedly (exit code N). Its last error: ...` (its
-ERR line from stderr, else its last log line), records it in the fault ledger, ends each request in flight
-with an error event, waits (1, 2, 4 ... up to 30 s when it keeps stopping), starts the next engine process
-(STRATA_ENGINE_GENERATION=1, 2, ...), and dispatches the waiting requests to it. Requests that arrive
-meanwhile wait for it, each until its deadline; no wait here is unbounded.
+The supervisor owns what outlives one engine process: the queue and the seats (seats.Seats), the
+answers awaited by id, restarts and the fault ledger; engine_process.EngineProcess owns what dies
+with one. When the process ends, the supervisor logs `the engine stopped unexpectedly (exit code N).
+Its last error: ...` (its ERR line from stderr, else its last log line), records it in the fault
+ledger, ends each request in flight with an error event, waits (1, 2, 4 ... up to 30 s when it keeps
+stopping), starts the next engine process (STRATA_ENGINE_GENERATION=1, 2, ...), and dispatches the
+waiting requests to it. Requests that arrive meanwhile wait for it, each until its deadline; no wait
+here is unbounded.
 
 Bounds (docs/LIMITS.md):
 - the watchdog: the engine sends a heartbeat every second saying how long ago its loop last moved (a
-  program build counts as moving). While requests are in the engine, an engine that is silent (stopped,
-  SIGSTOP) or whose loop has not moved for `stall_s` (--engine-stall-s) is killed: the stall goes in the
-  fault ledger, the requests in flight end with an error, the queued ones go to the next engine. /health is
-  503 as soon as the engine is silent for SILENT_S or its loop is stuck.
-- the queue: at most `max_queue` (--max-queue) requests wait here (reading or queued for a seat); one more
-  is answered 503 with Retry-After at once.
-- the pipe: at most MAX_UNREAD_BYTES written to the engine and not yet read by it; beyond that new prompts
-  wait (submit) or are answered 503 (prepare), so a stopped engine cannot make the server's memory grow.
+  program build counts as moving). While requests are in the engine, an engine that is silent
+  (stopped, SIGSTOP) or whose loop has not moved for `stall_s` (--engine-stall-s) is killed: the
+  stall goes in the fault ledger, the requests in flight end with an error, the queued ones go to
+  the next engine. /health is 503 as soon as the engine is silent for SILENT_S or its loop is stuck.
+- the queue: at most `max_queue` (--max-queue) requests wait here (reading or queued for a seat);
+  one more is answered 503 with Retry-After at once.
+- the pipe: at most MAX_UNREAD_BYTES written to the engine and not yet read by it; beyond that new
+  prompts wait (submit) or are answered 503 (prepare), so a stopped engine cannot make the server's
+  memory grow.
 """
 
 from __future__ import annotations
@@ -77,28 +81,36 @@ log = logging.getLogger("strata_jax.serve")
 
 
 class Supervisor:
-    def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None, backoff_s: float = 1.0,
-                 max_backoff_s: float = 30.0, stable_after_s: float = 60.0,
+    def __init__(self, model: str | Path, config: EngineConfig, *, console: Any = None,
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0, stable_after_s: float = 60.0,
                  on_fault: Callable[[Fault], None] | None = None, command: list[str] | None = None,
                  max_queue: int = 256, stall_s: float = 60.0, chat_template: str | None = None,
-                 template_vars: dict | None = None, prefill_assistant: bool = False, template_dates: bool = False):
+                 template_vars: dict | None = None, prefill_assistant: bool = False,
+                 template_dates: bool = False):
         self.model = str(model)
         self.config = config
         self.console = console
-        self.backoff_s = backoff_s                  # the wait after a first stop; doubled each stop in a row
+        # the wait after a first stop; doubled each stop in a row
+        self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.stable_after_s = stable_after_s
         self.on_fault = on_fault
-        self.stall_s = stall_s                      # the watchdog's patience with an engine that has work
+        # the watchdog's patience with an engine that has work
+        self.stall_s = stall_s
         # the engine process; tests may put a mock engine that speaks the same frames here
         self.command = command or [sys.executable, "-m", "strata_jax.serve.worker.worker"]
-        self.chat_template = chat_template          # --chat-template(-file)'s text, or None: the model's
-        self.template_vars = template_vars or {}    # the template's variables a request does not set (--reasoning)
-        self.prefill_assistant = prefill_assistant  # a final assistant message is continued (--prefill-assistant)
-        self.template_dates = template_dates        # today's date for the templates, as llama.cpp's (--llama-conventions)
+        # --chat-template(-file)'s text, or None: the model's
+        self.chat_template = chat_template
+        # the template's variables a request does not set (--reasoning)
+        self.template_vars = template_vars or {}
+        # a final assistant message is continued (--prefill-assistant)
+        self.prefill_assistant = prefill_assistant
+        # today's date for the templates, as llama.cpp's (--llama-conventions)
+        self.template_dates = template_dates
         self.ledger = FaultLedger()
         self.state = "loading"                  # loading | ready | restarting | stopping
-        # why it is not ready, as /health and requests' errors say it: fixed phrases, no log text (ledger.py)
+        # why it is not ready, as /health and requests' errors say it: fixed phrases, no log text
+        # (ledger.py)
         self.reason = "loading the model"
         self.generation = 0
         self.restarts = 0
@@ -115,7 +127,7 @@ class Supervisor:
         self._crashes = 0
         self._ready_at = 0.0
 
-    # ---- life ------------------------------------------------------------------------------------------
+    # ---- life ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="strata-supervisor")
@@ -151,7 +163,8 @@ class Supervisor:
             gen, t0 = self.generation, time.monotonic()
             if self.state != "restarting":
                 self.state, self.reason = "loading", "loading the model"
-            engine = EngineProcess(self.command, gen, self._on_frame, lambda: len(self.running), self.stall_s)
+            engine = EngineProcess(self.command, gen, self._on_frame, lambda: len(self.running),
+                                   self.stall_s)
             self._engine, self.tail = engine, engine.tail
             rc = await engine.run(Start(self.model, self.config.to_dict(), self.chat_template))
             if self._stopped.is_set():
@@ -164,14 +177,16 @@ class Supervisor:
 
     def _on_exit(self, gen: int, rc: int | None, uptime: float, stall: str | None) -> None:
         was_ready = self.state == "ready"
-        self.state = "restarting"                   # first: nothing may be dispatched to the dead process
+        # first: nothing may be dispatched to the dead process
+        self.state = "restarting"
         self._ready.clear()
         stable = was_ready and time.monotonic() - self._ready_at >= self.stable_after_s
         self._crashes = 1 if stable else self._crashes + 1
         delay = min(self.max_backoff_s, self.backoff_s * 2.0 ** (self._crashes - 1))
         tail = self.tail
         running = self.running
-        fault = Fault(gen, rc, tail.error_line or tail.last_line or "(it printed nothing)", tail.error_line,
+        fault = Fault(gen, rc, tail.error_line or tail.last_line or "(it printed nothing)",
+                      tail.error_line,
                       len(running), [t.id for t in running], round(uptime, 3), was_ready, delay,
                       list(tail.lines)[-20:], "stall" if stall else "exit", stall)
         self.ledger.add(fault)
@@ -183,15 +198,17 @@ class Supervisor:
         self.answers.fail_all(fault.public)
         again = (f"starting engine process {gen + 1} in {delay:g} s "
                  f"({self._crashes} stop{'s' if self._crashes > 1 else ''} in a row)")
-        self.reason = f"{fault.public}. {again[0].upper()}{again[1:]}; GET /faults has its last lines"
+        self.reason = (f"{fault.public}. {again[0].upper()}{again[1:]}; GET /faults has its last "
+                       "lines")
         log.warning("%s", again)
         if self.on_fault is not None:
             self.on_fault(fault)
 
-    # ---- the engine's frames ------------------------------------------------------------------------------
+    # ---- the engine's frames ---------------------------------------------------------------------
 
     def stalled(self) -> tuple[str, float] | None:
-        """(what is wrong, for how many seconds) when the engine is silent or its loop does not move."""
+        """(what is wrong, for how many seconds) when the engine is silent or its loop does not
+        move."""
         return self._engine.stalled() if self._engine is not None else None
 
     def _on_frame(self, frame: AnyReply) -> None:
@@ -227,7 +244,7 @@ class Supervisor:
                     self.console.ready(self.generation, self.info)
                 self._dispatch()
 
-    # ---- writing to the engine -------------------------------------------------------------------------
+    # ---- writing to the engine -------------------------------------------------------------------
 
     def _send(self, cmd: Command) -> bool:
         return self._engine.send(cmd) if self._engine is not None else False
@@ -235,7 +252,7 @@ class Supervisor:
     def _unread(self) -> int:
         return self._engine.unread() if self._engine is not None else 0
 
-    # ---- requests --------------------------------------------------------------------------------------
+    # ---- requests --------------------------------------------------------------------------------
 
     async def wait_ready(self, deadline: float) -> None:
         if self.ready:
@@ -243,28 +260,34 @@ class Supervisor:
         try:
             await asyncio.wait_for(self._ready.wait(), max(deadline - time.monotonic(), 0.0))
         except TimeoutError:
-            raise ApiError(503, f"the engine is not ready ({self.state}: {self.reason}), and the request's deadline "
-                                f"({self.config.request_timeout_s:g} s, --request-timeout-s) has passed",
+            raise ApiError(503, f"the engine is not ready ({self.state}: {self.reason}), and the "
+                                f"request's deadline ({self.config.request_timeout_s:g} s, "
+                                "--request-timeout-s) has passed",
                            "unavailable_error") from None
 
-    async def prepare(self, rid: str, prompt: Any, params: RequestParams, chat_template_kwargs: dict | None,
-                      deadline: float, text: bool = False, places: int = 1) -> Prepared:
-        """Tokenize and check a request on the engine: -> Prepared, or ApiError (4xx for bad requests, 503
-        when no engine answers before the deadline). text: the prompt's text comes back too. places: its n
-        choices, each a place in the queue (enqueue's `holds` keeps them)."""
+    async def prepare(self, rid: str, prompt: Any, params: RequestParams,
+                      chat_template_kwargs: dict | None, deadline: float, text: bool = False,
+                      places: int = 1) -> Prepared:
+        """Tokenize and check a request on the engine: -> Prepared, or ApiError (4xx for bad
+        requests, 503 when no engine answers before the deadline). text: the prompt's text comes
+        back too. places: its n choices, each a place in the queue (enqueue's `holds` keeps
+        them)."""
         cmd = Prepare(rid, prompt, params, chat_template_kwargs, text, **self.render_options())
-        self.seats.admit(places)                    # 503 at once beyond --max-queue waiting (seats.py)
+        # 503 at once beyond --max-queue waiting (seats.py)
+        self.seats.admit(places)
         with self.seats.preparing(places):
             return await self._prepare(cmd, deadline)
 
     def render_options(self) -> dict[str, Any]:
-        """What a chat's rendering takes from the server's flags: the template's variables (--reasoning; today's
-        date with --llama-conventions, read each request), a final assistant message continued (--prefill-assistant)."""
+        """What a chat's rendering takes from the server's flags: the template's variables
+        (--reasoning; today's date with --llama-conventions, read each request), a final assistant
+        message continued (--prefill-assistant)."""
         dates = llama_cpp_dates() if self.template_dates else {}
         return {"template_vars": {**dates, **self.template_vars}, "prefill": self.prefill_assistant}
 
     async def _prepare(self, cmd: Prepare, deadline: float) -> Prepared:
-        for _ in range(3):                          # an engine that stops meanwhile: ask the next one
+        # an engine that stops meanwhile: ask the next one
+        for _ in range(3):
             await self.wait_ready(deadline)
             try:
                 reply = await self.answers.ask(cmd, deadline)
@@ -274,14 +297,18 @@ class Supervisor:
                 raise self.seats.busy(str(e)) from None
             except TimeoutError:
                 raise ApiError(503, "the engine did not read the request before its deadline "
-                                    f"({self.config.request_timeout_s:g} s)", "unavailable_error") from None
+                                    f"({self.config.request_timeout_s:g} s)",
+                                    "unavailable_error") from None
             return expect(reply, Prepared)
-        raise ApiError(503, f"the engine stopped three times while reading this request: {self.reason}",
+        raise ApiError(503,
+                       f"the engine stopped three times while reading this request: {self.reason}",
                        "unavailable_error")
 
-    def enqueue(self, rid: str, prepared: Prepared, params: RequestParams, deadline: float, holds: int = 0) -> Ticket:
+    def enqueue(self, rid: str, prepared: Prepared, params: RequestParams, deadline: float,
+                holds: int = 0) -> Ticket:
         """holds: queue places the ticket keeps for its request's later choices (seats.py)."""
-        # the prepared max_tokens; a hybrid family's turn end, where it keeps its state (state_checkpoints.py)
+        # the prepared max_tokens; a hybrid family's turn end, where it keeps its state
+        # (state_checkpoints.py)
         params = msgspec.structs.replace(params, max_tokens=prepared.max_tokens,
                                          checkpoint_at=prepared.checkpoint_at)
         t = Ticket(rid, prepared.ids, params, deadline, holds=holds)
@@ -290,8 +317,8 @@ class Supervisor:
         return t
 
     def cancel(self, t: Ticket) -> None:
-        """The caller is gone (or out of time): free its place. The engine frees a slot at its next window,
-        and says so with a final "cancelled" event, which frees the seat."""
+        """The caller is gone (or out of time): free its place. The engine frees a slot at its next
+        window, and says so with a final "cancelled" event, which frees the seat."""
         if self.seats.withdraw(t) and t.generation == self.generation:
             self._send(Cancel(t.id))
 
@@ -306,13 +333,15 @@ class Supervisor:
         self.seats.end(t, ev)
         self._dispatch()
 
-    # ---- what the routes show ----------------------------------------------------------------------------
+    # ---- what the routes show --------------------------------------------------------------------
 
     async def stats(self, timeout: float = 2.0) -> dict[str, Any]:
-        """The engine's stats (programs, memory, counters); the last known ones when it does not answer."""
+        """The engine's stats (programs, memory, counters); the last known ones when it does not
+        answer."""
         if self.ready:
             try:
-                reply = await self.answers.ask(GetStats(f"stats-{next(self._ids)}"), time.monotonic() + timeout)
+                reply = await self.answers.ask(GetStats(f"stats-{next(self._ids)}"),
+                                               time.monotonic() + timeout)
                 if isinstance(reply, Stats):
                     self.last_stats = reply.stats
             except (TimeoutError, EngineGone):
@@ -320,9 +349,10 @@ class Supervisor:
         return self.last_stats
 
     async def ask(self, kind: type[Command], timeout: float = 30.0, **fields: Any) -> Answer:
-        """A question for the engine (serve/supervisor/questions.py: admitted as a request is, 503s when it cannot be
-        answered): `kind` (Tokenize, Detokenize, ApplyTemplate, SlotAction, Embed) made with `fields` and an
-        id of its own -> its Answer; the engine's refusal as its ApiError."""
+        """A question for the engine (serve/supervisor/questions.py: admitted as a request is, 503s
+        when it cannot be answered): `kind` (Tokenize, Detokenize, ApplyTemplate, SlotAction, Embed)
+        made with `fields` and an id of its own -> its Answer; the engine's refusal as its
+        ApiError."""
         cmd = kind(id=f"{kind.__struct_config__.tag}-{next(self._ids)}", **fields)
         return await questions.ask(self, cmd, timeout, self._send)
 
@@ -331,12 +361,14 @@ class Supervisor:
         --expert-profile-dir, made by the app from a checked name; never a path a request named)
         -> Saved (path, routed)."""
         if not self.ready:
-            raise ApiError(503, f"the engine is not ready ({self.state}: {self.reason})", "unavailable_error")
+            raise ApiError(503, f"the engine is not ready ({self.state}: {self.reason})",
+                           "unavailable_error")
         cmd = SaveExpertProfile(f"profile-{next(self._ids)}", path)
         try:
             reply = await self.answers.ask(cmd, time.monotonic() + timeout)
         except (TimeoutError, EngineGone):
-            raise ApiError(503, "the engine did not write the expert profile in time", "unavailable_error") from None
+            raise ApiError(503, "the engine did not write the expert profile in time",
+                           "unavailable_error") from None
         return expect(reply, Saved)
 
     def slots(self) -> list[dict[str, Any]]:
@@ -347,8 +379,8 @@ class Supervisor:
         ok = self.ready and stall is None
         body: dict[str, Any] = {"status": "ok" if ok else ("stalled" if stall else self.state),
                                 "generation": self.generation, "restarts": self.restarts,
-                                "slots_idle": self.seats.free, "slots_processing": len(self.running),
-                                "queued": self.queued}
+                                "slots_idle": self.seats.free,
+                                "slots_processing": len(self.running), "queued": self.queued}
         if not ok:
             reason = f"the engine {stall[0]} for {stall[1]:.1f} s" if stall else self.reason
             body["reason"] = reason

@@ -1,6 +1,6 @@
-"""What the supervisor hands around: a prepared prompt (the engine's Prepared frame, protocol.py), a request's
-ticket from queue to end, the two ways an engine answer can fail to come, and the engine's refusals as the
-API's errors."""
+"""What the supervisor hands around: a prepared prompt (the engine's Prepared frame, protocol.py), a
+request's ticket from queue to end, the two ways an engine answer can fail to come, and the engine's
+refusals as the API's errors."""
 
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ class Ticket:
     started: float = 0.0
     n_tokens: int = 0
     cancelled: bool = False
-    holds: int = 0                              # queue places kept for its request's later choices (choices.py)
-    first_at: float = 0.0                       # when its first and latest token events came (latency.py)
+    # queue places kept for its request's later choices (choices.py)
+    holds: int = 0
+    # when its first and latest token events came (latency.py)
+    first_at: float = 0.0
     last_at: float = 0.0
     gaps: list[float] = field(default_factory=list)     # seconds between its token events, in order
 
@@ -54,7 +56,8 @@ class EngineGone(Exception):
 
 
 class EngineBusy(Exception):
-    """The engine has not read what was written to it (MAX_UNREAD_BYTES): nothing more is sent for now."""
+    """The engine has not read what was written to it (MAX_UNREAD_BYTES): nothing more is sent for
+    now."""
 
 
 def rejection(reply: Rejected) -> ApiError:
@@ -64,10 +67,14 @@ def rejection(reply: Rejected) -> ApiError:
         return ApiError(400, reply.message, "invalid_request_error", "messages")
     if reply.kind == "invalid":
         return ApiError(400, reply.message, "invalid_request_error", reply.param)
-    if reply.kind == "too_large":               # what it asks for is beyond a bound (--max-tokenize-ids, ...)
+    # what it asks for is beyond a bound (--max-tokenize-ids, ...)
+    if reply.kind == "too_large":
         return ApiError(413, reply.message, "invalid_request_error", reply.param)
-    if reply.kind == "server":                  # a message made to be shown (no paths, no exception text)
+    # a message made to be shown (no paths, no exception text)
+    if reply.kind == "server":
         return ApiError(500, reply.message, "server_error")
-    log.error("the engine could not take %s: %s", reply.id, reply.message)   # a bug: log, don't echo
-    return ApiError(500, f"internal error in the engine ({reply.id}): the server's log has the details",
+    # a bug: log, don't echo
+    log.error("the engine could not take %s: %s", reply.id, reply.message)
+    return ApiError(500,
+                    f"internal error in the engine ({reply.id}): the server's log has the details",
                     "server_error")

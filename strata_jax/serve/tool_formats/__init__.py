@@ -1,5 +1,6 @@
-"""The tool-call formats of the model families we serve: which one a chat template speaks, the grammar that
-forces a call in it, and the parser that turns the model's text into calls as it arrives.
+"""The tool-call formats of the model families we serve: which one a chat template speaks, the
+grammar that forces a call in it, and the parser that turns the model's text into calls as it
+arrives.
 
 | format         | a call, as the model writes it                                                  | template says  |
 | -------------- | ------------------------------------------------------------------------------- | -------------- |
@@ -11,17 +12,19 @@ forces a call in it, and the parser that turns the model's text into calls as it
 | "qwen3_coder"  | `<tool_call>\\n<function=f>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>` | `<function=`, `<parameter=` (Qwen3.5, Qwen3-Coder) |
 | "generic"      | `{"name": "f", "arguments": {...}}` or an array of them: the whole answer       | (no tools)     |
 
-(llama.cpp's common/chat.cpp tells them apart by the same marks; vLLM has a parser for each.) A mark that is
-one special token of the vocabulary (`[TOOL_CALLS]` in Mistral's) is that token in the grammar (`<[id]>`),
-so a forced call is written with it, as the model was trained to.
+(llama.cpp's common/chat.cpp tells them apart by the same marks; vLLM has a parser for each.) A mark
+that is one special token of the vocabulary (`[TOOL_CALLS]` in Mistral's) is that token in the
+grammar (`<[id]>`), so a forced call is written with it, as the model was trained to.
 
-`CallStream` reads one answer's content as it comes, piece by piece, and says what it holds: content text,
-the start of a call (its index, id, name), and pieces of its arguments (JSON text) as the model writes them.
-The whole answer is parsed by the same object, so a streamed answer and a whole one are the same calls.
+`CallStream` reads one answer's content as it comes, piece by piece, and says what it holds: content
+text, the start of a call (its index, id, name), and pieces of its arguments (JSON text) as the
+model writes them. The whole answer is parsed by the same object, so a streamed answer and a whole
+one are the same calls.
 
-Modules: marks.py (the formats, their marks, call ids), grammar.py (the forced call), stream.py (CallStream)
-with its states for JSON-object calls (json_calls.py) and name-first ones (named_calls.py), json_scan.py.
-"""
+Modules: marks.py (the formats, their marks, call ids), grammar.py (the forced call), stream.py
+(CallStream) with its states for JSON-object calls (json_calls.py) and name-first ones
+(named_calls.py), json_scan.py.
+"""  # noqa: E501
 
 from .grammar import call_grammar
 from .marks import (

@@ -27,19 +27,22 @@ NL = "\n"
 
 
 def call_grammar(fmt: str, fns: list[dict], parallel: bool, specials: dict[str, int]) -> list[str]:
-    """The engine's grammar [kind, text, field] that makes the output a call (several if `parallel`) in `fmt`
-    to one of `fns` (the tools' "function" objects). specials: mark text -> id of the one special token it is."""
+    """The engine's grammar [kind, text, field] that makes the output a call (several if `parallel`)
+    in `fmt` to one of `fns` (the tools' "function" objects). specials: mark text -> id of the one
+    special token it is."""
     def lit(text: str) -> str:
         return f"<[{specials[text]}]>" if text in specials else json.dumps(text, ensure_ascii=False)
 
     if fmt == "generic":
         one = _any_call(fns, "arguments")
-        schema = {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]} if parallel else one
+        schema = ({"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]} if parallel
+                  else one)
         return ["json_schema", json.dumps(schema), "tools"]
     if fmt == "glm45":
         rules = [_glm_call(i, f, lit) for i, f in enumerate(fns)]
         calls = " | ".join(f"call{i}" for i in range(len(fns)))
-        think = f'({lit("<think>")} {lit("</think>")} "\\n"?)?'   # GLM opens its answer with <think></think>
+        # GLM opens its answer with <think></think>
+        think = f'({lit("<think>")} {lit("</think>")} "\\n"?)?'
         start = f'start: {think} call ("\\n" call)*' if parallel else f"start: {think} call"
         return ["lark", "\n".join([start, f"call: {calls}", *rules]) + "\n", "tools"]
     if fmt == "qwen3_coder":
@@ -51,14 +54,17 @@ def call_grammar(fmt: str, fns: list[dict], parallel: bool, specials: dict[str, 
         rules = [f"call{i}: {lit(TOOL_CALLS)} {json.dumps(f['name'])} {lit(ARGS)} %json "
                  f"{json.dumps(_layout(parameters(f)))}" for i, f in enumerate(fns)]
         calls = " | ".join(f"call{i}" for i in range(len(fns)))
-        return ["lark", "\n".join(["start: call+" if parallel else "start: call", f"call: {calls}", *rules]) + "\n",
+        return ["lark", "\n".join(["start: call+" if parallel else "start: call", f"call: {calls}",
+                                   *rules]) + "\n",
                 "tools"]
     if fmt == "mistral":
         one = _any_call(fns, "arguments", with_id=True)
         body = 'call ("," " " call)*' if parallel else "call"
-        return ["lark", f'start: {lit(TOOL_CALLS)} "[" {body} "]"\ncall: %json {json.dumps(_layout(one))}\n', "tools"]
+        return ["lark", (f'start: {lit(TOOL_CALLS)} "[" {body} "]"\ncall: %json '
+                         f'{json.dumps(_layout(one))}\n'), "tools"]
     if fmt == "llama3":         # one call: Llama 3.1's template renders no more than one a message
-        return ["lark", f"start: call\ncall: %json {json.dumps(_layout(_any_call(fns, 'parameters')))}\n", "tools"]
+        return ["lark", ("start: call\ncall: %json "
+                         f"{json.dumps(_layout(_any_call(fns, 'parameters')))}\n"), "tools"]
     one = f"call: %json {json.dumps(_layout(_any_call(fns, 'arguments')))}"
     tc = f'{lit(HERMES_OPEN)} "\\n" call "\\n" {lit(HERMES_CLOSE)}'
     start = f'start: tc ("\\n" tc)*\ntc: {tc}' if parallel else f"start: {tc}"
@@ -66,39 +72,45 @@ def call_grammar(fmt: str, fns: list[dict], parallel: bool, specials: dict[str, 
 
 
 def _layout(schema: dict) -> dict:
-    # %json inside Lark takes its layout from the schema's x-guidance (constrain.JSON_LAYOUT's, as for schemas)
+    # %json inside Lark takes its layout from the schema's x-guidance (constrain.JSON_LAYOUT's, as
+    # for schemas)
     return {**schema, "x-guidance": JSON_LAYOUT}
 
 
 def _any_call(fns: list[dict], args_key: str, with_id: bool = False) -> dict:
-    """The JSON schema of one call object to any of fns: {"name": ..., args_key: {...}} (and Mistral's "id")."""
+    """The JSON schema of one call object to any of fns: {"name": ..., args_key: {...}} (and
+    Mistral's "id")."""
     one = []
     for f in fns:
         props: dict[str, Any] = {"name": {"const": f["name"]}, args_key: parameters(f)}
         if with_id:
             props["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
-        one.append({"type": "object", "properties": props, "required": list(props), "additionalProperties": False})
+        one.append({"type": "object", "properties": props, "required": list(props),
+                    "additionalProperties": False})
     return one[0] if len(one) == 1 else {"anyOf": one}
 
 
 def _glm_call(i: int, fn: dict, lit) -> str:
-    """GLM-4.5's call to fn: one <arg_key>/<arg_value> pair a property, in the schema's order (the optional
-    ones may be left out); a string value is its raw text (no <), any other a JSON value."""
+    """GLM-4.5's call to fn: one <arg_key>/<arg_value> pair a property, in the schema's order (the
+    optional ones may be left out); a string value is its raw text (no <), any other a JSON
+    value."""
     params = parameters(fn)
     required = set(params.get("required") or ())
     pairs = []
     for key, prop in (params.get("properties") or {}).items():
         value = _glm_string(prop) if is_string(prop) else f"%json {json.dumps(_layout(prop))}"
-        pair = (f"{lit(ARG_KEY)} {json.dumps(key, ensure_ascii=False)} {lit(ARG_KEY_END)} \"\\n\" {lit(ARG_VALUE)} "
-                f"{value} {lit(ARG_VALUE_END)} \"\\n\"")
+        pair = (f"{lit(ARG_KEY)} {json.dumps(key, ensure_ascii=False)} {lit(ARG_KEY_END)} \"\\n\" "
+                f"{lit(ARG_VALUE)} {value} {lit(ARG_VALUE_END)} \"\\n\"")
         pairs.append(f"({pair})" if key in required else f"({pair})?")
     body = " ".join(pairs) or '""'
-    return f"call{i}: {lit(HERMES_OPEN)} {json.dumps(fn['name'])} \"\\n\" {body} {lit(HERMES_CLOSE)}"
+    return (f"call{i}: {lit(HERMES_OPEN)} {json.dumps(fn['name'])} \"\\n\" {body} "
+            f"{lit(HERMES_CLOSE)}")
 
 
 def _xml_call(i: int, fn: dict, lit) -> str:
-    """Qwen3-Coder's call to fn (Qwen3.5's template's layout): one <parameter=k> a property, in the schema's order
-    (the optional ones may be left out); a string value is its raw text (no <), any other a JSON value."""
+    """Qwen3-Coder's call to fn (Qwen3.5's template's layout): one <parameter=k> a property, in the
+    schema's order (the optional ones may be left out); a string value is its raw text (no <), any
+    other a JSON value."""
     def text(t: str) -> str:
         return json.dumps(t, ensure_ascii=False)
 

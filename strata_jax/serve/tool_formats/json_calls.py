@@ -7,13 +7,13 @@ from .marks import HERMES_CLOSE
 
 
 class JsonCalls:
-    """A call object alone (llama3, generic), inside <tool_call> marks (hermes), or in a JSON array of them
-    (mistral after [TOOL_CALLS], generic). A part of CallStream: the attributes these states read and set
-    are CallStream's."""
+    """A call object alone (llama3, generic), inside <tool_call> marks (hermes), or in a JSON array
+    of them (mistral after [TOOL_CALLS], generic). A part of CallStream: the attributes these states
+    read and set are CallStream's."""
 
     def _json_call(self, final: bool) -> bool:
-        """A call object {"name": ..., "arguments" (llama3: "parameters"): {...}}: its arguments are sent as
-        they come, once its name is known."""
+        """A call object {"name": ..., "arguments" (llama3: "parameters"): {...}}: its arguments are
+        sent as they come, once its name is known."""
         if self.scan is None:
             self.scan = JsonScan()
         scan = self.scan
@@ -41,7 +41,8 @@ class JsonCalls:
             return self._fail()
         self._complete()
         self.state = ("ignore" if not self.parallel else "array_after" if self._array else
-                      "hermes_close" if self.fmt == "hermes" else "llama_next" if self.fmt == "llama3" else "text")
+                      "hermes_close" if self.fmt == "hermes" else "llama_next"
+                      if self.fmt == "llama3" else "text")
         return True
 
     def _hermes_body(self, final: bool) -> bool:
@@ -104,7 +105,8 @@ class JsonCalls:
         if not rest and not final:
             return False
         self.i = len(self.buf) - len(rest) + (1 if rest[:1] in (",", "]") else 0)
-        self.state = "array_next" if rest.startswith(",") else "content" if self.fmt == "mistral" else "text"
+        self.state = ("array_next" if rest.startswith(",") else "content" if self.fmt == "mistral"
+                      else "text")
         if not rest.startswith(","):
             self._array = False
         return True

@@ -1,4 +1,5 @@
-"""One JSON object or array read as its text arrives: where it ends and where its keys' values lie."""
+"""One JSON object or array read as its text arrives: where it ends and where its keys' values
+lie."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from typing import Any
 
 
 class JsonScan:
-    """One JSON object or array as its text arrives: where it ends, and where each of its own keys' values
-    lie (spans into the text it was fed). It checks brackets and strings only: json.loads says the rest."""
+    """One JSON object or array as its text arrives: where it ends, and where each of its own keys'
+    values lie (spans into the text it was fed). It checks brackets and strings only: json.loads
+    says the rest."""
 
     def __init__(self):
         self.text, self.depth, self.in_str, self.esc = "", 0, False, False

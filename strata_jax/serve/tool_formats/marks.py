@@ -1,4 +1,5 @@
-"""The formats, the marks that tell them apart, call ids, a tool's schema: what grammar and parser share."""
+"""The formats, the marks that tell them apart, call ids, a tool's schema: what grammar and parser
+share."""
 
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ FORMATS = ("hermes", "llama3", "mistral", "mistral_args", "glm45", "qwen3_coder"
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
-FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END = "<function=", "</function>", "<parameter=", "</parameter>"
+ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = ("<arg_key>", "</arg_key>", "<arg_value>",
+                                                  "</arg_value>")
+FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END = ("<function=", "</function>", "<parameter=",
+                                                    "</parameter>")
 
 
 def detect(template: str | None) -> str:
-    """The format of a template that renders the tools, told by the marks in its source (llama.cpp's way);
-    "hermes" when it has none of them."""
+    """The format of a template that renders the tools, told by the marks in its source (llama.cpp's
+    way); "hermes" when it has none of them."""
     t = template or ""
-    if HERMES_OPEN in t and FUNCTION in t and PARAMETER in t:      # before hermes: the same <tool_call> mark
+    # before hermes: the same <tool_call> mark
+    if HERMES_OPEN in t and FUNCTION in t and PARAMETER in t:
         return "qwen3_coder"
     if ARG_KEY in t:
         return "glm45"
@@ -32,22 +36,24 @@ def detect(template: str | None) -> str:
 
 
 def call_mark(fmt: str) -> str | None:
-    """The text that opens a call in `fmt` where one may follow other text (None: a call is the whole answer)."""
+    """The text that opens a call in `fmt` where one may follow other text (None: a call is the
+    whole answer)."""
     if fmt in ("llama3", "generic"):
         return None
     return TOOL_CALLS if fmt.startswith("mistral") else HERMES_OPEN
 
 
 def call_id(fmt: str) -> str:
-    """A new call's id: Mistral's templates take exactly 9 letters or digits, the others OpenAI's call_..."""
+    """A new call's id: Mistral's templates take exactly 9 letters or digits, the others OpenAI's
+    call_..."""
     if fmt.startswith("mistral"):
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def mistral_id(cid: Any) -> Any:
-    """An id a Mistral template accepts (9 letters or digits), the same for the same id: ids from other
-    servers (call_...) are mapped, so a conversation carried over still renders."""
+    """An id a Mistral template accepts (9 letters or digits), the same for the same id: ids from
+    other servers (call_...) are mapped, so a conversation carried over still renders."""
     if not isinstance(cid, str) or re.fullmatch(r"[A-Za-z0-9]{9}", cid):
         return cid
     return uuid.uuid5(uuid.NAMESPACE_URL, cid).hex[:9]

@@ -1,5 +1,6 @@
-"""CallStream's states for calls whose name is written before their arguments: mistral_args and glm45 (and the
-key/value pairs that glm45 and qwen3_coder (xml_calls.py) write their arguments as)."""
+"""CallStream's states for calls whose name is written before their arguments: mistral_args and
+glm45 (and the key/value pairs that glm45 and qwen3_coder (xml_calls.py) write their arguments
+as)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ from .marks import (
     parameters,
 )
 
-_SEP = {"separators": (", ", ": "), "ensure_ascii": False}      # JSON as constrain.JSON_LAYOUT lays it out
+# JSON as constrain.JSON_LAYOUT lays it out
+_SEP = {"separators": (", ", ": "), "ensure_ascii": False}
 
 
 class NamedCalls:
-    """The name after the opening mark, then the arguments: one JSON object after [ARGS] (mistral_args), or
-    <arg_key>/<arg_value> pairs (glm45). A part of CallStream: the attributes these states read and set
-    are CallStream's."""
+    """The name after the opening mark, then the arguments: one JSON object after [ARGS]
+    (mistral_args), or <arg_key>/<arg_value> pairs (glm45). A part of CallStream: the attributes
+    these states read and set are CallStream's."""
 
     # -- Mistral's [TOOL_CALLS]name[ARGS]{...}
 
@@ -113,8 +115,8 @@ class NamedCalls:
         if rest.startswith(ARG_KEY):
             end = rest.find(ARG_VALUE_END)
             if end >= 0:
-                m = re.match(re.escape(ARG_KEY) + r"(.*?)" + re.escape(ARG_KEY_END) + r"\s*" + re.escape(ARG_VALUE)
-                             + r"(.*)", rest[:end], re.DOTALL)
+                m = re.match(re.escape(ARG_KEY) + r"(.*?)" + re.escape(ARG_KEY_END) + r"\s"
+                             r"*" + re.escape(ARG_VALUE) + r"(.*)", rest[:end], re.DOTALL)
                 if m is None:
                     return self._pairs_broken()
                 self._pair(m.group(1).strip(), m.group(2))
@@ -127,11 +129,13 @@ class NamedCalls:
     # -- arguments as key/value pairs (glm45, qwen3_coder)
 
     def _pair(self, key: str, raw: str) -> None:
-        """One argument, its key and its raw text: a string property's value is the text, any other's is JSON
-        (the text itself where it is not JSON); sent as the next piece of the arguments' JSON object."""
+        """One argument, its key and its raw text: a string property's value is the text, any
+        other's is JSON (the text itself where it is not JSON); sent as the next piece of the
+        arguments' JSON object."""
         prop = (parameters(self.fns[self.calls[-1]["name"]]).get("properties") or {}).get(key)
         value = raw if is_string(prop) else _json_or_text(raw)
-        self._args(("{" if not self._n_pairs else ", ") + json.dumps(key, **_SEP) + ": " + json.dumps(value, **_SEP))
+        self._args(("{" if not self._n_pairs else ", ") + json.dumps(key, **_SEP) + ": "
+                   + json.dumps(value, **_SEP))
         self._n_pairs += 1
 
     def _pairs_end(self, broken: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""CallStream: one answer's content read as it arrives, into content text and calls with their arguments."""
+"""CallStream: one answer's content read as it arrives, into content text and calls with their
+arguments."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from .xml_calls import XmlCalls
 
 class CallStream(JsonCalls, NamedCalls, XmlCalls):
     """One answer's content -> events, as it arrives: ("content", text), ("call", index, id, name),
-    ("args", index, json_text). `feed` what came, `end` at the end of the answer; `calls` holds each call
-    started so far as {"id", "name", "arguments", "complete"}. Text that may still turn out to be a call is
-    held back; a call to no tool of the request, or one that is not a call after all, is content.
+    ("args", index, json_text). `feed` what came, `end` at the end of the answer; `calls` holds each
+    call started so far as {"id", "name", "arguments", "complete"}. Text that may still turn out to
+    be a call is held back; a call to no tool of the request, or one that is not a call after all,
+    is content.
 
-    The reading is a state machine: state S is the method `_S` (False: wait for more text), those that read
-    one family's calls in JsonCalls (json_calls.py), NamedCalls (named_calls.py) and XmlCalls (xml_calls.py)."""
+    The reading is a state machine: state S is the method `_S` (False: wait for more text), those
+    that read one family's calls in JsonCalls (json_calls.py), NamedCalls (named_calls.py) and
+    XmlCalls (xml_calls.py)."""
 
     def __init__(self, fmt: str, tools: list[dict], parallel: bool = True):
         self.fmt, self.parallel = fmt, parallel
@@ -26,9 +29,11 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
         self.buf, self.i = "", 0            # the text fed, and how much of it is consumed
         self.calls: list[dict] = []
         self.state = "start" if fmt in ("llama3", "generic") else "content"
-        self.seg = 0                        # where the call being read began (its text is content if it fails)
+        # where the call being read began (its text is content if it fails)
+        self.seg = 0
         self.scan: JsonScan | None = None
-        self._sent = 0                      # of the current call's arguments: chars of the value sent
+        # of the current call's arguments: chars of the value sent
+        self._sent = 0
         self._array = False                 # reading a JSON array of calls (mistral, generic)
         self._out: list[tuple] = []
         self._content_seen, self._ws = False, ""
@@ -65,7 +70,8 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
             return False
         self._say(rest[:at])
         self.seg, self.i = self.i + at, self.i + at + len(mark)
-        self.state = {"mistral": "mistral_open", "mistral_args": "mistral_name", "glm45": "glm_name",
+        self.state = {"mistral": "mistral_open", "mistral_args": "mistral_name",
+                      "glm45": "glm_name",
                       "qwen3_coder": "xml_function"}.get(self.fmt, "hermes_body")
         return True
 
@@ -81,7 +87,8 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
         return False
 
     def _start(self, final: bool) -> bool:
-        """llama3 / generic: a call is the whole answer, so it opens with { (or [, or <|python_tag|>)."""
+        """llama3 / generic: a call is the whole answer, so it opens with { (or [, or
+        <|python_tag|>)."""
         rest = self.rest.lstrip()
         tagged = self.fmt == "llama3" and rest.startswith(PYTHON_TAG)
         body = rest[len(PYTHON_TAG):].lstrip() if tagged else rest
@@ -102,8 +109,10 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
         return bool(self.calls) and not self.calls[-1]["done"]
 
     def _begin(self, name: str, cid: str | None = None) -> None:
-        cid = cid if cid and (not self.fmt.startswith("mistral") or mistral_id(cid) == cid) else call_id(self.fmt)
-        self.calls.append({"id": cid, "name": name, "arguments": "", "complete": False, "done": False})
+        cid = (cid if cid and (not self.fmt.startswith("mistral") or mistral_id(cid) == cid)
+               else call_id(self.fmt))
+        self.calls.append({"id": cid, "name": name, "arguments": "", "complete": False,
+                           "done": False})
         self._sent = 0
         self._out.append(("call", len(self.calls) - 1, cid, name))
 
@@ -125,7 +134,8 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
         return False
 
     def _fail(self) -> bool:
-        """Not a call: its text is content, read again from where the call began (after its mark)."""
+        """Not a call: its text is content, read again from where the call began (after its
+        mark)."""
         self.scan, self._array = None, False
         self.i = self.seg
         mark = TOOL_CALLS if self.fmt.startswith("mistral") else HERMES_OPEN
@@ -139,19 +149,22 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
         return True
 
     def _say(self, text: str) -> None:
-        """Content out; whitespace is held until more content follows (none before or between calls)."""
+        """Content out; whitespace is held until more content follows (none before or between
+        calls)."""
         if not text:
             return
         if not text.strip():
             self._ws += text
             return
-        text = (self._ws if self._content_seen else "") + (text if self._content_seen else text.lstrip())
+        text = ((self._ws if self._content_seen else "")
+                + (text if self._content_seen else text.lstrip()))
         self._ws, self._content_seen = "", True
         self._out.append(("content", text))
 
 
 def _partial_suffix(text: str, mark: str) -> int:
-    """The length of the longest end of text that begins mark (held back: the mark may be coming)."""
+    """The length of the longest end of text that begins mark (held back: the mark may be
+    coming)."""
     for k in range(min(len(mark) - 1, len(text)), 0, -1):
         if mark.startswith(text[-k:]):
             return k

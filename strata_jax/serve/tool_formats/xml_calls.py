@@ -1,4 +1,5 @@
-"""CallStream's states for Qwen3-Coder's XML calls (qwen3_coder: Qwen3.5, Qwen3-Coder), after <tool_call>:
+"""CallStream's states for Qwen3-Coder's XML calls (qwen3_coder: Qwen3.5, Qwen3-Coder), after
+<tool_call>:
 
     <function=get_weather>
     <parameter=city>
@@ -7,9 +8,9 @@
     </function>
     </tool_call>
 
-A value is the text between its tags less the newline on each side: a string property's as it is, any other's
-JSON (as the template renders them: `tojson` for objects and arrays, the text of the rest); llama.cpp's
-common/parsers/qwen3-coder.cpp reads them the same way."""
+A value is the text between its tags less the newline on each side: a string property's as it is,
+any other's JSON (as the template renders them: `tojson` for objects and arrays, the text of the
+rest); llama.cpp's common/parsers/qwen3-coder.cpp reads them the same way."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from .marks import FUNCTION, FUNCTION_END, HERMES_CLOSE, PARAMETER, PARAMETER_EN
 
 
 class XmlCalls:
-    """A part of CallStream (the attributes these states read and set are CallStream's; the key/value pairs are
-    NamedCalls' _pair / _pairs_end)."""
+    """A part of CallStream (the attributes these states read and set are CallStream's; the
+    key/value pairs are NamedCalls' _pair / _pairs_end)."""
 
     def _xml_function(self, final: bool) -> bool:
         """<function=NAME>: the call starts once its name is known to be a tool's."""
@@ -40,7 +41,8 @@ class XmlCalls:
         return True
 
     def _xml_args(self, final: bool) -> bool:
-        """<parameter=KEY>\\nVALUE\\n</parameter> pairs, a piece of the arguments each, up to </function>."""
+        """<parameter=KEY>\\nVALUE\\n</parameter> pairs, a piece of the arguments each, up to
+        </function>."""
         rest = self.rest.lstrip()
         at = len(self.buf) - len(rest)
         if rest.startswith(FUNCTION_END):
@@ -66,7 +68,8 @@ class XmlCalls:
         rest = self.rest.lstrip()
         if rest.startswith(HERMES_CLOSE):
             self.i = len(self.buf) - len(rest) + len(HERMES_CLOSE)
-        elif not final and HERMES_CLOSE.startswith(rest):      # (rest may be "": the mark may be coming)
+        # (rest may be "": the mark may be coming)
+        elif not final and HERMES_CLOSE.startswith(rest):
             return False
         self._complete()
         self.state = "content" if self.parallel else "ignore"

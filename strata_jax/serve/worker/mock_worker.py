@@ -1,5 +1,6 @@
-"""A mock engine process: speaks the worker's frames (protocol.py) with no model and no JAX, so the server's
-own logic (queue, seats, cancels, deadlines, restarts) can be tested in a fraction of a second.
+"""A mock engine process: speaks the worker's frames (protocol.py) with no model and no JAX, so the
+server's own logic (queue, seats, cancels, deadlines, restarts) can be tested in a fraction of a
+second.
 
     python -m strata_jax.serve.worker.mock_worker        # Supervisor(..., command=[sys.executable, "-m", this])
 
@@ -9,7 +10,7 @@ STRATA_MOCK_TOKEN_S seconds (default 0.005). Prompts that contain a word ask for
     HANG    the prepare command is never answered (an engine that is stuck)
     DEAF    the process stops reading its input for good, alive (what the server writes piles up)
 Env STRATA_MOCK_START_FAIL=1: the process fails at start (prints an ERR line, exits 2).
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def main() -> int:
     if start is None:
         return 0
     if envs.mock_start_fail():
-        print("ERR mock engine start: asked to fail (STRATA_MOCK_START_FAIL)", file=sys.stderr, flush=True)
+        print("ERR mock engine start: asked to fail (STRATA_MOCK_START_FAIL)", file=sys.stderr,
+              flush=True)
         return 2
     n_ctx, delay = start.engine["max_context"], envs.mock_token_s()
     cancelled: dict[str, threading.Event] = {}
@@ -65,19 +67,22 @@ def main() -> int:
         t0 = time.monotonic()
         for i in range(max_tokens):
             if cancelled[rid].is_set():
-                send(EventFrame(rid, _event("final", finish_reason="cancelled", stats=_stats(ids, i, t0))))
+                send(EventFrame(rid, _event("final", finish_reason="cancelled",
+                                            stats=_stats(ids, i, t0))))
                 return
             if "EXIT" in text and i == 3:
                 print("ERR mock: exit asked by the prompt", file=sys.stderr, flush=True)
                 os._exit(3)
             time.sleep(delay)
             send(EventFrame(rid, _event("token", text=f"w{i} ", token=i)))
-        send(EventFrame(rid, _event("final", finish_reason="length", stats=_stats(ids, max_tokens, t0))))
+        send(EventFrame(rid,
+                        _event("final", finish_reason="length", stats=_stats(ids, max_tokens, t0))))
 
     while (cmd := read_frame(sys.stdin.buffer, decode_command)) is not None:
         if isinstance(cmd, Prepare):
             prompt = cmd.prompt
-            text = prompt if isinstance(prompt, str) else "".join(m.get("content", "") for m in prompt) \
+            text = prompt if isinstance(prompt,
+                                        str) else "".join(m.get("content", "") for m in prompt) \
                 if isinstance(prompt[0], dict) else "".join(map(chr, prompt))
             if "HANG" in text:
                 continue
@@ -86,13 +91,14 @@ def main() -> int:
             ids = [ord(c) for c in text]
             max_tokens = cmd.params.max_tokens or n_ctx - len(ids)
             if len(ids) + max_tokens > n_ctx:
-                send(Rejected(cmd.id, "context", "too long", n_prompt_tokens=len(ids), max_tokens=max_tokens,
-                              n_ctx=n_ctx))
+                send(Rejected(cmd.id, "context", "too long", n_prompt_tokens=len(ids),
+                              max_tokens=max_tokens, n_ctx=n_ctx))
             else:
                 send(Prepared(ids, max_tokens, False, id=cmd.id))
         elif isinstance(cmd, Submit):
             cancelled[cmd.id] = threading.Event()
-            threading.Thread(target=generate, args=(cmd.id, cmd.ids, cmd.params.max_tokens), daemon=True).start()
+            threading.Thread(target=generate, args=(cmd.id, cmd.ids, cmd.params.max_tokens),
+                             daemon=True).start()
         elif isinstance(cmd, Cancel) and cmd.id in cancelled:
             cancelled[cmd.id].set()
         elif isinstance(cmd, GetStats):
@@ -103,8 +109,9 @@ def main() -> int:
 
 
 def _event(kind: str, **fields: Any) -> dict[str, Any]:
-    """An engine Event (engine/request.py) as it travels: a map of its fields. The mock makes the map itself, so
-    that it imports no engine (JAX would cost each start seconds); the server decodes it as an Event."""
+    """An engine Event (engine/request.py) as it travels: a map of its fields. The mock makes the
+    map itself, so that it imports no engine (JAX would cost each start seconds); the server decodes
+    it as an Event."""
     return {"kind": kind, **fields}
 
 
@@ -113,7 +120,8 @@ def _stats(ids: list[int], n: int, t0: float) -> dict:
     return {"prompt_tokens": len(ids), "reused_tokens": 0, "generated_tokens": n, "queue_ms": 0.0,
             "prompt_ms": 0.0, "generate_ms": ms, "prompt_per_second": 0.0,
             "predicted_per_second": n / max(ms / 1000, 1e-9),
-            "log_line": f"prompt {len(ids)} tokens = 0 reused + {len(ids)} read, {n} generated (mock)"}
+            "log_line": f"prompt {len(ids)} tokens = 0 reused + {len(ids)} read, {n} generated "
+                        "(mock)"}
 
 
 if __name__ == "__main__":

@@ -1,17 +1,18 @@
-"""The engine process: `python -m strata_jax.serve.worker.worker`, driven by the server over stdin/stdout frames
-(see protocol.py); its stderr is the engine's log, read by the server.
+"""The engine process: `python -m strata_jax.serve.worker.worker`, driven by the server over
+stdin/stdout frames (see protocol.py); its stderr is the engine's log, read by the server.
 
-Threads: the main thread reads commands from stdin and answers `prepare` and `stats` itself (a prompt's
-size is bounded; worker_prompts.py); /tokenize and /detokenize, slot files, embeddings and the expert profile
-each get a thread (megabytes of text, or a wait for the engine thread, hold up no other command; the server
-bounds how many wait: serve/supervisor/questions.py); each submitted request gets a thread that forwards its events; a heartbeat
-thread says every BEAT_S seconds how long ago the engine loop last moved (see `heartbeat`), for the server's
-watchdog; every write to stdout goes through one lock (worker_process.Writer). If the engine loop's thread
-ever ends, the process prints an ERR line and exits, so that the server starts a new engine instead of
-keeping one that takes requests and never answers. stdout is reserved for frames: fd 1 is pointed at stderr
-before anything else runs, so a stray print (ours, a library's) cannot corrupt the stream. When stdin closes
-(the server went away) the process ends. Errors that end the process are printed as one `ERR ...` line
-first, so the server can say why.
+Threads: the main thread reads commands from stdin and answers `prepare` and `stats` itself (a
+prompt's size is bounded; worker_prompts.py); /tokenize and /detokenize, slot files, embeddings and
+the expert profile each get a thread (megabytes of text, or a wait for the engine thread, hold up no
+other command; the server bounds how many wait: serve/supervisor/questions.py); each submitted
+request gets a thread that forwards its events; a heartbeat thread says every BEAT_S seconds how
+long ago the engine loop last moved (see `heartbeat`), for the server's watchdog; every write to
+stdout goes through one lock (worker_process.Writer). If the engine loop's thread ever ends, the
+process prints an ERR line and exits, so that the server starts a new engine instead of keeping one
+that takes requests and never answers. stdout is reserved for frames: fd 1 is pointed at stderr
+before anything else runs, so a stray print (ours, a library's) cannot corrupt the stream. When
+stdin closes (the server went away) the process ends. Errors that end the process are printed as one
+`ERR ...` line first, so the server can say why.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def main() -> int:
     die_with_parent()
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("gguf", "jax"):       # GGUFWriter's chatter; jax's "Unable to initialize backend 'tpu'"
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    # GGUFWriter's chatter; jax's "Unable to initialize backend 'tpu'"
+    for noisy in ("gguf", "jax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     writer = Writer(out)
     try:
@@ -100,26 +103,33 @@ class Worker:
         self.writer = writer
         t0 = time.monotonic()
         cfg = EngineConfig.from_dict(start.engine)
-        join(cfg)               # one model over processes (engine/distributed/hosts.py): before JAX starts its backend
+        # one model over processes (engine/distributed/hosts.py): before JAX starts its backend
+        join(cfg)
         model = GGUFModel.open(start.model)
         with progress_as_frames(writer):
-            self.engine = Engine(model, cfg, progress=True)     # loads the weights, builds the decode programs
-        if start.chat_template:                 # --chat-template(-file): this template instead of the model's
+            # loads the weights, builds the decode programs
+            self.engine = Engine(model, cfg, progress=True)
+        # --chat-template(-file): this template instead of the model's
+        if start.chat_template:
             self.engine.tokenizer.use_chat_template(start.chat_template)
         self.handles: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._grammar_pool = None       # threads for prepares that compile a grammar (made at the first)
-        # the loop thread dead, or a process of the group gone (serve/worker/group.py): this process ends
+        # threads for prepares that compile a grammar (made at the first)
+        self._grammar_pool = None
+        # the loop thread dead, or a process of the group gone (serve/worker/group.py): this process
+        # ends
         self.engine.when_lost(exit_with_error, exit_group_lost)
         writer.send(Ready(self.ready_info(model, time.monotonic() - t0)))
         threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True).start()
 
     def ready_info(self, model: Any, start_s: float) -> dict[str, Any]:
-        """What the server shows of this engine: GET /props, /v1/models, the console's ready line."""
+        """What the server shows of this engine: GET /props, /v1/models, the console's ready
+        line."""
         from strata_jax import compile_cache
         from strata_jax.engine.execute.embeddings import model_pooling
 
-        eng, cfg, spec, tk = self.engine, self.engine.config, self.engine.spec, self.engine.tokenizer
+        eng, cfg, spec, tk = (self.engine, self.engine.config, self.engine.spec,
+                              self.engine.tokenizer)
         programs = eng.stats().get("programs", {})
         return {
             "architecture": spec.architecture, "name": model.metadata.get("general.name"),
@@ -136,26 +146,29 @@ class Worker:
         }
 
     def heartbeat(self) -> None:
-        """Every BEAT_S a Beat. stuck_s: seconds since the engine loop last began a turn (it begins one at least
-        every half second when idle, and after every window). A program build is progress however long it
-        takes: while the engine thread is lowering or compiling (see worker_process.in_build), stuck_s is 0. A
-        stopped process (SIGSTOP) sends nothing: the server's watchdog sees the silence itself."""
+        """Every BEAT_S a Beat. stuck_s: seconds since the engine loop last began a turn (it begins
+        one at least every half second when idle, and after every window). A program build is
+        progress however long it takes: while the engine thread is lowering or compiling (see
+        worker_process.in_build), stuck_s is 0. A stopped process (SIGSTOP) sends nothing: the
+        server's watchdog sees the silence itself."""
         eng = self.engine
         while True:
             time.sleep(BEAT_S)
             thread = eng.loop_thread
             compiling = thread is not None and in_build(thread)
-            stuck = 0.0 if compiling or thread is None else max(time.monotonic() - eng.progress_at, 0.0)
+            stuck = (0.0 if compiling or thread is None
+                     else max(time.monotonic() - eng.progress_at, 0.0))
             loop = "none" if thread is None else ("alive" if thread.is_alive() else "ended")
             self.writer.send(Beat(round(stuck, 3), compiling, loop))
 
-    # ---- commands -------------------------------------------------------------------------------------
+    # ---- commands --------------------------------------------------------------------------------
 
     def serve(self, inp: BinaryIO) -> None:
         while True:
             try:
                 cmd = read_frame(inp, decode_command)
-            except FrameError as e:             # the server's bug: said, answered when it names an id, skipped
+            # the server's bug: said, answered when it names an id, skipped
+            except FrameError as e:
                 log.error("%s", e)
                 if e.id is not None:
                     self.writer.send(Rejected(e.id, "internal", str(e)))
@@ -168,33 +181,42 @@ class Worker:
                 log.exception("command %s failed", type(cmd).__name__)
                 if hasattr(cmd, "id"):
                     self.writer.send(Rejected(cmd.id, "internal",
-                                              f"the engine could not take the request: {one_line(e)}"))
+                                              "the engine could not take the request: "
+                                              f"{one_line(e)}"))
         self.engine.close()
         os._exit(0)
 
     def handle(self, cmd: Command) -> None:
         match cmd:
             case Prepare() if cmd.params.grammar or cmd.params.tools:
-                self._grammar_prepares().submit(self._prepare_apart, cmd)     # compiling waits there, not here
+                # compiling waits there, not here
+                self._grammar_prepares().submit(self._prepare_apart, cmd)
             case Prepare():
                 self.writer.send(self.prepare(cmd))
             case Submit():
                 self.submit(cmd)
-            case Cancel():              # a request's, or an embedding's the server gave up on (its Event)
+            # a request's, or an embedding's the server gave up on (its Event)
+            case Cancel():
                 with self._lock:
                     h = self.handles.get(cmd.id)
                 if h is not None:
                     (h.set if isinstance(h, threading.Event) else h.cancel)()
-            case SaveExpertProfile():   # a thread of its own: commands keep flowing while it waits a window
-                threading.Thread(target=self._save_profile, args=(cmd,), name="expert-profile", daemon=True).start()
+            # a thread of its own: commands keep flowing while it waits a window
+            case SaveExpertProfile():
+                threading.Thread(target=self._save_profile, args=(cmd,), name="expert-profile",
+                                 daemon=True).start()
             case GetStats():
                 self.writer.send(Stats(cmd.id, self._stats()))
-            case Tokenize() | Detokenize():     # a thread of its own: megabytes of text take seconds (tokens.py)
-                threading.Thread(target=self._tokens, args=(cmd,), name="tokenize", daemon=True).start()
+            # a thread of its own: megabytes of text take seconds (tokens.py)
+            case Tokenize() | Detokenize():
+                threading.Thread(target=self._tokens, args=(cmd,), name="tokenize",
+                                 daemon=True).start()
             case ApplyTemplate():
                 self.writer.send(apply_template(self.engine, cmd))
-            case SlotAction():          # llama.cpp's /slots/N?action=...: between windows, off this thread
-                threading.Thread(target=self._slot_action, args=(cmd,), name="slot-file", daemon=True).start()
+            # llama.cpp's /slots/N?action=...: between windows, off this thread
+            case SlotAction():
+                threading.Thread(target=self._slot_action, args=(cmd,), name="slot-file",
+                                 daemon=True).start()
             case Embed():               # between windows too
                 threading.Thread(target=self._embed, args=(cmd,), name="embed", daemon=True).start()
             case _:
@@ -204,8 +226,9 @@ class Worker:
         return prepare(self.engine, cmd)
 
     def _grammar_prepares(self):
-        """The threads that prepare requests with a grammar (engine/grammar/grammar_compile.py compiles it on its own
-        threads; these wait for it), so a grammar that takes seconds holds up no one else's commands."""
+        """The threads that prepare requests with a grammar (engine/grammar/grammar_compile.py
+        compiles it on its own threads; these wait for it), so a grammar that takes seconds holds up
+        no one else's commands."""
         if self._grammar_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -217,19 +240,23 @@ class Worker:
             self.writer.send(self.prepare(cmd))
         except Exception as e:  # as the command loop does: a bad request must not end the engine
             log.exception("command Prepare failed")
-            self.writer.send(Rejected(cmd.id, "internal", f"the engine could not take the request: {one_line(e)}"))
+            self.writer.send(Rejected(cmd.id, "internal",
+                                      f"the engine could not take the request: {one_line(e)}"))
 
     def _save_profile(self, cmd: SaveExpertProfile) -> None:
-        """The engine thread hands over a copy of the counts between windows; the file is written here, into
-        the directory the server chose (created 0o700), through a private temporary file."""
+        """The engine thread hands over a copy of the counts between windows; the file is written
+        here, into the directory the server chose (created 0o700), through a private temporary
+        file."""
         try:
             out = self.engine.save_expert_profile(cmd.path, private_dir=True)
         except ValueError as e:                 # a model without experts
             self.writer.send(Rejected(cmd.id, "invalid", str(e), param="name"))
-        except OSError as e:                    # the server's directory cannot be written: said without its path
+        # the server's directory cannot be written: said without its path
+        except OSError as e:
             log.error("the expert profile was not written to %s: %s", cmd.path, e)
             self.writer.send(Rejected(cmd.id, "server", "the expert profile was not written: "
-                                      f"{e.strerror or type(e).__name__} (the server's log has the details)"))
+                                      f"{e.strerror or type(e).__name__} (the server's log has the "
+                                      "details)"))
         except Exception:
             log.exception("the expert profile was not written")
             self.writer.send(Rejected(cmd.id, "internal", "the expert profile was not written"))
@@ -266,19 +293,21 @@ class Worker:
     def _embed(self, cmd: Embed) -> None:
         from strata_jax.engine.request import ContextOverflowError, RequestError
 
-        cancel = threading.Event()              # set by a Cancel: the engine drops the job's next pieces
+        # set by a Cancel: the engine drops the job's next pieces
+        cancel = threading.Event()
         with self._lock:
             self.handles[cmd.id] = cancel
         try:
             from ..tokens import tokenize_mixed
 
             tk = self.engine.tokenizer        # a list of texts and ids: llama.cpp's mixed prompt
-            ids = [tokenize_mixed(tk, x, True, True) if isinstance(x, list) and any(isinstance(t, str) for t in x)
+            ids = [tokenize_mixed(tk, x, True, True)
+                   if isinstance(x, list) and any(isinstance(t, str) for t in x)
                    else self.engine.prompt_ids(x) for x in cmd.inputs]
             vectors = self.engine.embed(ids, cmd.pooling, cmd.normalize, cancel)
         except ContextOverflowError as e:
-            self.writer.send(Rejected(cmd.id, "context", str(e), n_prompt_tokens=e.prompt_tokens, max_tokens=0,
-                                      n_ctx=e.n_ctx))
+            self.writer.send(Rejected(cmd.id, "context", str(e), n_prompt_tokens=e.prompt_tokens,
+                                      max_tokens=0, n_ctx=e.n_ctx))
         except (RequestError, ValueError) as e:
             self.writer.send(Rejected(cmd.id, "invalid", str(e), param="input"))
         except RuntimeError as e:               # embeddings beside the expert tiers
@@ -287,13 +316,15 @@ class Worker:
             log.exception("embeddings failed")
             self.writer.send(Rejected(cmd.id, "internal", "the embeddings failed"))
         else:
-            self.writer.send(Answer(cmd.id, embeddings=[v.tolist() for v in vectors], n_tokens=[len(i) for i in ids]))
+            self.writer.send(Answer(cmd.id, embeddings=[v.tolist() for v in vectors],
+                                    n_tokens=[len(i) for i in ids]))
         finally:
             with self._lock:
                 self.handles.pop(cmd.id, None)
 
     def _stats(self) -> dict[str, Any]:
-        for _ in range(3):      # read while the engine thread changes its dicts: a rare "changed size" error
+        # read while the engine thread changes its dicts: a rare "changed size" error
+        for _ in range(3):
             try:
                 return self.engine.stats()
             except RuntimeError:
@@ -302,23 +333,26 @@ class Worker:
 
     def submit(self, cmd: Submit) -> None:
         p = cmd.params
-        h = self.engine.submit(cmd.ids, **sampling(p, p.max_tokens), progress=p.progress, cache_salt=p.cache_salt,
-                               checkpoint_at=p.checkpoint_at)
+        h = self.engine.submit(cmd.ids, **sampling(p, p.max_tokens), progress=p.progress,
+                               cache_salt=p.cache_salt, checkpoint_at=p.checkpoint_at)
         with self._lock:
             self.handles[cmd.id] = h
-        threading.Thread(target=self._forward, args=(cmd.id, h), name=f"req-{cmd.id}", daemon=True).start()
+        threading.Thread(target=self._forward, args=(cmd.id, h), name=f"req-{cmd.id}",
+                         daemon=True).start()
 
     def _forward(self, rid: str, h) -> None:
-        """Each of the request's events as it comes, with its server side filled in here, off the engine
-        thread: the tokens' bytes for logprobs (logprobs.py) and their ids (llama.cpp's n_probs)."""
+        """Each of the request's events as it comes, with its server side filled in here, off the
+        engine thread: the tokens' bytes for logprobs (logprobs.py) and their ids (llama.cpp's
+        n_probs)."""
         piece = self.engine.tokenizer.token_bytes
         try:
             for ev in h:
                 if ev.logprob is not None:
                     alts = ev.top_logprobs or ()
-                    ev = dataclasses.replace(
-                        ev, logprobs=[piece(ev.token), ev.logprob, [[piece(t), v] for t, v in alts]],
-                        logprob_ids=[ev.token, [t for t, _ in alts]])
+                    ev = dataclasses.replace(ev,
+                                             logprobs=[piece(ev.token), ev.logprob,
+                                                       [[piece(t), v] for t, v in alts]],
+                                             logprob_ids=[ev.token, [t for t, _ in alts]])
                 self.writer.send(EventFrame(rid, ev))
         finally:
             with self._lock:

@@ -1,6 +1,7 @@
-"""The engine process's own plumbing, apart from what it does with commands (worker.py): the one writer of its
-stdout, dying with the server, the engine's progress bars as frames, telling a program build from a stuck
-loop (the heartbeat's question), and the ERR line a fatal error ends the process with."""
+"""The engine process's own plumbing, apart from what it does with commands (worker.py): the one
+writer of its stdout, dying with the server, the engine's progress bars as frames, telling a program
+build from a stuck loop (the heartbeat's question), and the ERR line a fatal error ends the process
+with."""
 
 from __future__ import annotations
 
@@ -32,30 +33,34 @@ class Writer:
 
 
 def exit_with_error(reason: str) -> None:
-    """The engine loop's thread ended: say why on the ERR line and end the process (the server restarts it)."""
+    """The engine loop's thread ended: say why on the ERR line and end the process (the server
+    restarts it)."""
     print(f"ERR the engine loop stopped: {reason}", file=sys.stderr, flush=True)
     os._exit(1)
 
 
 def in_build(thread: threading.Thread) -> bool:
-    """Whether `thread` is building a program now: a frame of our ProgramCache._build_one (or _wait_built, the
-    same build on the builder thread), or of JAX lowering
-    or compiling (a jit's first call, e.g. the sampler's for a new row count), is on its stack. Running a
-    program is not building one: its frames (pxla's ExecuteReplicated) match neither."""
+    """Whether `thread` is building a program now: a frame of our ProgramCache._build_one (or
+    _wait_built, the same build on the builder thread), or of JAX lowering
+    or compiling (a jit's first call, e.g. the sampler's for a new row count), is on its stack.
+    Running a program is not building one: its frames (pxla's ExecuteReplicated) match neither."""
     frame = sys._current_frames().get(thread.ident)
     while frame is not None:
         code = frame.f_code
-        if code.co_name in ("_build_one", "_wait_built") and code.co_filename.endswith("programs.py"):
-            return True                        # _wait_built: waiting for the builder thread's compile of it
-        if f"jax{os.sep}_src{os.sep}" in code.co_filename and ("compil" in code.co_name or "lower" in code.co_name):
+        if (code.co_name in ("_build_one", "_wait_built")
+                and code.co_filename.endswith("programs.py")):
+            # _wait_built: waiting for the builder thread's compile of it
+            return True
+        if (f"jax{os.sep}_src{os.sep}" in code.co_filename
+                and ("compil" in code.co_name or "lower" in code.co_name)):
             return True
         frame = frame.f_back
     return False
 
 
 def die_with_parent() -> None:
-    """The server stops this process at shutdown; if the server is killed instead, Linux ends it too (the
-    process has its own session, so terminal signals do not reach it)."""
+    """The server stops this process at shutdown; if the server is killed instead, Linux ends it too
+    (the process has its own session, so terminal signals do not reach it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
@@ -69,8 +74,8 @@ def die_with_parent() -> None:
 
 @contextlib.contextmanager
 def progress_as_frames(writer: Writer):
-    """The engine draws its progress (loading weights, building programs) with tqdm; here, in the engine
-    process, each bar's updates become progress frames instead, and the server draws them."""
+    """The engine draws its progress (loading weights, building programs) with tqdm; here, in the
+    engine process, each bar's updates become progress frames instead, and the server draws them."""
     import tqdm as tqdm_module
 
     devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
