@@ -3,9 +3,9 @@
 `Output` decides everything between a sampled token and what a caller reads: the slot's sequence and
 position (moved by Slot's own methods), detokenizing (a character may need several tokens), stop
 strings (text is held back while it may be the start of one), EOS, the grammar's end, max_tokens and
-the end of the context; and the end of a request, finished with its stats or failed with its reason. Every event is put on its
-request's queue and kept in `events`, which Engine.step() hands back, so a test can read a window's
-exact events.
+the end of the context; and the end of a request, finished with its stats or failed with its reason.
+Every event is put on its request's queue and kept in `events`, which Engine.step() hands back, so a
+test can read a window's exact events.
 """
 
 from __future__ import annotations
