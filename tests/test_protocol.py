@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 
 from strata_jax import EngineConfig
-from strata_jax.engine.request import Event
+from strata_jax.engine.request import Event, SamplingParams, make_params
 from strata_jax.serve.errors import ApiError
 from strata_jax.serve.protocol import (
     MAX_FRAME,
     Answer,
     AnyCommand,
     AnyReply,
-    ApplyTemplate,
     Beat,
     Cancel,
     Detokenize,
@@ -31,12 +30,9 @@ from strata_jax.serve.protocol import (
     EventFrame,
     FrameError,
     GetStats,
-    Prepare,
-    Prepared,
     Progress,
     Ready,
     Rejected,
-    RequestParams,
     Saved,
     SaveExpertProfile,
     Shutdown,
@@ -55,16 +51,12 @@ from strata_jax.serve.protocol import (
 from strata_jax.serve.supervisor.answers import expect
 from strata_jax.serve.supervisor.supervisor import Supervisor
 
-CHAT = [{"role": "user", "content": "é \x00 \U0001f600"}]
-PARAMS = RequestParams(max_tokens=7, temperature=0.5, stop=["\n"], logit_bias=[(3, -1.5)],
-                       tools=[[], "auto", True])
+SAMPLING = make_params(7, temperature=0.5, stop=["\n"], logit_bias={3: -1.5}, seed=2**32 - 1,
+                       grammar=["json_schema", '{"type": "object"}', "response_format"])
 
 COMMANDS = [
-    Prepare("a", CHAT, PARAMS, {"enable_thinking": False}, True, {"enable_thinking": True}, True),
-    Prepare("b", "plain text", RequestParams()),
-    Prepare("c", [1, 2, 3], PARAMS),
-    Prepare("d", ["text", 5, "more"], PARAMS),
-    Submit("a", [1, 2, 3], PARAMS),
+    Submit("a", [1, 2, 3], SAMPLING, progress=True, cache_salt="é", checkpoint_at=2),
+    Submit("b", [5], make_params(1)),
     Cancel("a"),
     GetStats("stats-1"),
     SaveExpertProfile("profile-1", "/srv/profiles/hot.json"),
@@ -72,7 +64,6 @@ COMMANDS = [
     Tokenize("tokenize-1", "hello", add_special=True, parse_special=False, with_pieces=True),
     Tokenize("tokenize-2", ["a", 7, "b"]),
     Detokenize("detokenize-1", [1, 2, 3]),
-    ApplyTemplate("apply_template-1", CHAT, RequestParams(render=[True, False]), None, {}, True),
     SlotAction("slot-1", "save", 0, "/srv/slots/a.bin"),
     SlotAction("slot-2", "erase", 1),
     Embed("embed-1", ["hello", [1, 2, 3]], "last", -1),
@@ -94,8 +85,6 @@ REPLIES = [
            "chat_template_source": None}),
     Beat(0.125, False, "alive"),
     Beat(0.0, True, "ended"),
-    Prepared([1, 2, 3], 7, False, id="a"),
-    Prepared([1], 1, True, "hermes", ["json", "{}", "tools"], [[3, -100.0]], "<think>", id="b"),
     Rejected("a", "context", "too long", n_prompt_tokens=10, max_tokens=5, n_ctx=12),
     Rejected("b", "invalid", "top_k = -2: ...", param="top_k"),
     Rejected("c", "template", "no chat template"),
@@ -105,7 +94,6 @@ REPLIES = [
     Answer("tokenize-1", tokens=[1, 2]),
     Answer("tokenize-2", tokens=[{"id": 1, "piece": "a"}, {"id": 2, "piece": [226, 130]}]),
     Answer("detokenize-1", content="hello"),
-    Answer("apply_template-1", prompt="<|user|>hi"),
     Answer("slot-1", slot={"id_slot": 0, "filename": "a.bin", "n_saved": 12}),
     Answer("embed-1", embeddings=[[0.5, -0.25], [1.0, 0.0]], n_tokens=[3, 4]),
 ]
@@ -155,25 +143,42 @@ def test_an_event_frame_carries_the_engines_own_event():
 
 def test_the_wire_is_a_map_tagged_by_its_kind():
     assert msgspec.msgpack.decode(_body(Cancel("a"))) == {"op": "cancel", "id": "a"}
-    assert msgspec.msgpack.decode(_body(Prepared([1], 2, False, id="x"))) == \
-        {"t": "prepared", "ids": [1], "max_tokens": 2, "think": False, "id": "x"}
+    assert msgspec.msgpack.decode(_body(Rejected("x", "invalid", "m"))) == \
+        {"t": "rejected", "id": "x", "kind": "invalid", "message": "m"}
+
+
+def test_a_submit_carries_the_engines_own_sampling_parameters():
+    """The server builds SamplingParams once (serve/prompts.py); the engine reads them as they are:
+    the same type, tuples and all, with no dict of parameters on the wire."""
+    got = decode_command(_body(COMMANDS[0]))
+    assert type(got.sampling) is SamplingParams and got.sampling == SAMPLING
+    assert got.sampling.stop == ("\n",) and got.sampling.logit_bias == ((3, -1.5),)
+    wire = msgspec.msgpack.decode(_body(COMMANDS[0]))
+    assert set(wire) == {"op", "id", "ids", "sampling", "progress", "cache_salt", "checkpoint_at"}
+    assert wire["sampling"]["grammar"] == ["json_schema", '{"type": "object"}', "response_format"]
 
 
 # ---- malformed frames ----------------------------------------------------------------------------
 
 MALFORMED = [  # (frame as sent, decoder, what the error says)
-    ({"op": "submit", "id": "a", "ids": "1 2 3", "params": {}}, decode_command,
+    ({"op": "submit", "id": "a", "ids": "1 2 3", "sampling": {}}, decode_command,
      ["malformed 'submit' frame from the server", "Expected `array`, got `str`", "$.ids"]),
-    ({"op": "submit", "id": "a", "ids": [1, "2"], "params": {}}, decode_command,
+    ({"op": "submit", "id": "a", "ids": [1, "2"], "sampling": {}}, decode_command,
      ["'submit'", "$.ids[1]"]),
-    ({"op": "prepare", "id": 7, "prompt": "x", "params": {}}, decode_command,
-     ["'prepare'", "$.id"]),
+    ({"op": "submit", "id": 7, "ids": [1], "sampling": {}}, decode_command,
+     ["'submit'", "$.id"]),
+    ({"op": "submit", "id": "a", "ids": [1], "sampling": {"top_k": "x"}}, decode_command,
+     ["'submit'", "$.sampling.top_k"]),
+    ({"op": "submit", "id": "a", "ids": [1], "params": {}}, decode_command,
+     ["'submit'", "unknown field `params`"]),
+    ({"op": "submit", "id": "a", "ids": [1]}, decode_command,
+     ["'submit'", "missing required field `sampling`"]),
     ({"op": "slot", "id": "s", "action": "burn", "slot": 0}, decode_command,
      ["'slot'", "$.action"]),
     ({"op": "cancel"}, decode_command, ["'cancel'", "missing required field `id`"]),
     ({"op": "cancel", "id": "a", "rid": "b"}, decode_command, ["'cancel'", "unknown field `rid`"]),
     ({"op": "launch", "id": "a"}, decode_command,
-     ["unknown frame from the server", "op = 'launch'", "prepare"]),
+     ["unknown frame from the server", "op = 'launch'", "submit"]),
     ({"id": "a"}, decode_command, ["unknown frame", "op = None"]),
     ([1, 2], decode_command, ["not a map"]),
     ({"t": "ev", "id": "a", "event": {"kind": "token", "token": "five"}}, decode_reply,

@@ -14,7 +14,9 @@ import time
 import pytest
 
 from strata_jax import EngineConfig
+from strata_jax.engine.request import make_params
 from strata_jax.serve.errors import ApiError
+from strata_jax.serve.http.choices import events
 from strata_jax.serve.http.generate import ModelNames, parse_chat, parse_completion
 from strata_jax.serve.http.reasoning import (
     CONTENT,
@@ -22,10 +24,10 @@ from strata_jax.serve.http.reasoning import (
     ReasoningParser,
     split_reasoning,
 )
+from strata_jax.serve.params import RequestParams
 from strata_jax.serve.protocol import (
     Cancel,
-    Prepare,
-    RequestParams,
+    Submit,
     decode_command,
     pack,
     read_frame,
@@ -36,6 +38,7 @@ from strata_jax.serve.supervisor.supervisor import (
     StderrTail,
     Supervisor,
 )
+from strata_jax.serve.worker.mock_prompts import MockPrompts
 
 # ---- reasoning -----------------------------------------------------------------------------------
 
@@ -174,7 +177,7 @@ def test_chat_parsing_names_the_field(body, param):
 
 def test_frames_round_trip_and_stop_at_a_cut():
     """(every frame type round trips, and malformed ones are refused: tests/test_protocol.py)"""
-    msgs = [Prepare("a", [{"role": "user", "content": "é"}], RequestParams()), Cancel("\x00")]
+    msgs = [Submit("a", [1, 233], make_params(3, stop=["é"])), Cancel("\x00")]
     data = b"".join(pack(m) for m in msgs)
     f = io.BytesIO(data)
     assert [read_frame(f, decode_command), read_frame(f, decode_command),
@@ -208,7 +211,8 @@ def _run(coro_fn, parallel=2, timeout_s=10.0, **kw):
     async def main():
         sup = Supervisor("mock.gguf", EngineConfig(parallel=parallel, max_context=512,
                                                    request_timeout_s=timeout_s),
-                         command=MOCK, backoff_s=0.05, max_backoff_s=0.3, **kw)
+                         command=MOCK, backoff_s=0.05, max_backoff_s=0.3,
+                         prompts=MockPrompts(512), **kw)
         await sup.start()
         try:
             return await asyncio.wait_for(coro_fn(sup), 30)
@@ -218,11 +222,15 @@ def _run(coro_fn, parallel=2, timeout_s=10.0, **kw):
     return asyncio.run(main())
 
 
+_IDS = itertools.count(1)
+
+
 async def _ask(sup, prompt, max_tokens=5):
     deadline = time.monotonic() + sup.config.request_timeout_s
     params = RequestParams(max_tokens=max_tokens)
-    prepared = await sup.prepare(f"r-{prompt}", prompt, params, None, deadline)
-    return sup.enqueue(f"r-{prompt}", prepared, params, deadline)
+    rid = f"r{next(_IDS)}-{prompt[:8]}"
+    prepared = await sup.prepare(rid, prompt, params, None, deadline)
+    return sup.enqueue(rid, prepared, params, deadline)
 
 
 async def _drain(t):
@@ -285,14 +293,35 @@ def test_mock_cancel_a_queued_request_and_a_running_one():
 
 
 def test_mock_stuck_engine_meets_the_deadline():
+    """An engine that never answers a request: its reader gets a timeout error at the deadline, and
+    the request is cancelled."""
     async def go(sup):
         t0 = time.monotonic()
-        with pytest.raises(ApiError) as e:
-            await _ask(sup, "HANG")
-        return e.value, time.monotonic() - t0
+        t = await _ask(sup, "HANG")
+        got = [ev async for ev in events(sup, t)]
+        return got, time.monotonic() - t0, t
 
-    err, waited = _run(go, timeout_s=0.5)
-    assert err.status == 503 and "deadline" in err.message and 0.4 < waited < 2.0
+    got, waited, t = _run(go, timeout_s=0.5)
+    assert [ev.kind for ev in got] == ["error"] and got[0].finish_reason == "timeout"
+    assert "deadline" in got[0].error and 0.4 < waited < 2.0 and t.cancelled
+
+
+def test_mock_engine_refusing_a_submit_ends_its_ticket_with_the_refusal():
+    """A Submit the engine refuses (a grammar it cannot compile): the ticket's verdict is the
+    refusal as the API's 400, naming the field; the seat is free again for the next request."""
+    async def go(sup):
+        t = await _ask(sup, "GRAMMAR")
+        with pytest.raises(ApiError) as e:
+            await t.verdict()
+        after = await _ask(sup, "fine", 3)
+        await after.verdict()
+        return e.value, t, await _drain(after), sup.running
+
+    err, t, after, running = _run(go, parallel=1)
+    assert (err.status, err.param) == (400, "response_format") and "cannot be compiled" in \
+        err.message
+    assert t.state == "done" and t.refused is err
+    assert after[-1].finish_reason == "length" and running == []
 
 
 def test_mock_engine_that_cannot_start_backs_off(monkeypatch):
@@ -314,7 +343,7 @@ def test_mock_engine_that_cannot_start_backs_off(monkeypatch):
 
 
 def test_prepared_is_plain_data():
-    assert Prepared([1, 2], 3, False).max_tokens == 3
+    assert Prepared([1, 2], make_params(3)).max_tokens == 3
 
 
 @pytest.mark.parametrize("args, says", [
@@ -330,34 +359,36 @@ def test_serve_refuses_bad_settings_before_starting(args, says):
 
 
 def test_pipe_to_a_deaf_engine_is_bounded():
-    """An engine that stops reading its input: prompts written to it and not read stay under
-    MAX_UNREAD_BYTES, and a prepare beyond it is a 503 with Retry-After at once, not a wait."""
-    from strata_jax.serve.errors import ApiError
+    """An engine that stops reading its input: requests written to it and not read stay under
+    MAX_UNREAD_BYTES (the rest wait in the server's queue, unwritten), and a question beyond it is a
+    503 with Retry-After at once, not a wait."""
+    from strata_jax.serve.protocol import Tokenize
     from strata_jax.serve.supervisor.supervisor import MAX_UNREAD_BYTES
 
     async def go():
-        sup = Supervisor("mock.gguf",
-                         EngineConfig(parallel=2, max_context=1 << 20, request_timeout_s=20),
-                         command=MOCK)
+        cfg = EngineConfig(parallel=64, max_context=1 << 20, request_timeout_s=20)
+        sup = Supervisor("mock.gguf", cfg, command=MOCK, prompts=MockPrompts(cfg.max_context))
         await sup.start()
         await sup.wait_ready(time.monotonic() + 20)
-        deaf = asyncio.create_task(sup.prepare("deaf", "DEAF", PARAMS, None, time.monotonic() + 20))
+        await _ask(sup, "DEAF", 1)
         await asyncio.sleep(0.3)
-        big = "x" * (1 << 20)
-        tasks = [asyncio.create_task(sup.prepare(f"big{i}", big, PARAMS, None,
-                                                 time.monotonic() + 20))
-                 for i in range(60)]
+        # 2-byte ids (msgpack): a MiB a frame
+        tickets = [await _ask(sup, f"{i}" + "é" * (1 << 19), 1) for i in range(60)]
         await asyncio.sleep(1.0)
-        refused = [t.exception() for t in tasks if t.done()]
+        refused = []
+        for _ in range(3):
+            try:
+                await sup.ask(Tokenize, timeout=5.0, content="x")
+            except ApiError as e:
+                refused.append(e)
         unread = sup._unread()
-        for t in [*tasks, deaf]:
-            t.cancel()
+        held = sum(t.state == "queued" for t in tickets)
         await sup.stop(timeout=1.0)
-        return refused, unread
+        return refused, unread, held
 
-    refused, unread = asyncio.run(go())
-    assert len(refused) >= 20, len(refused)
-    assert all(isinstance(e, ApiError) and e.status == 503 and e.headers["Retry-After"]
-               for e in refused)
+    refused, unread, held = asyncio.run(go())
+    assert held >= 20, held
+    assert len(refused) == 3 and all(e.status == 503 and e.headers["Retry-After"]
+                                     for e in refused)
     assert "has not read" in refused[0].message
     assert unread <= MAX_UNREAD_BYTES + (2 << 20), unread

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import time
 from contextlib import ExitStack
-from types import SimpleNamespace
 
 import httpx
 import jinja2
@@ -20,7 +19,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizer_data import smollm2_tokenizer
 
-from strata_jax.engine.engine import Engine
+from strata_jax.engine.prompt import chat_text_ids
 from strata_jax.gguf import template_sandbox
 from strata_jax.gguf.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate
 from strata_jax.gguf.template_bounds import RENDER_TIMEOUT_S, ChatTemplateError
@@ -29,8 +28,8 @@ from strata_jax.gguf.tokenizer import load_tokenizer
 from strata_jax.serve.errors import ApiError
 from strata_jax.serve.http.generate import ModelNames, parse_chat
 from strata_jax.serve.launch import ServerProcess
-from strata_jax.serve.protocol import Prepare, Prepared, RequestParams
-from strata_jax.serve.worker.worker import Worker
+from strata_jax.serve.params import RequestParams
+from strata_jax.serve.prompts import Prompts
 from strata_jax.testing.edit_gguf import rewrite_gguf
 from strata_jax.testing.templates import THINK_TEMPLATE
 
@@ -210,17 +209,12 @@ def think_model(tiny_model, tmp_path_factory):
 
 
 def test_a_chat_is_rendered_once_per_request(think_model, monkeypatch):
-    """Worker.prepare as the engine process runs it, on the model's real tokenizer and Engine's own
-    methods (no weights needed to tokenize): ChatTemplate.render is where every render goes
-    through."""
-    tok = load_tokenizer(think_model)
-    engine = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(max_context=N_CTX),
-                             spec=SimpleNamespace(vocab_size=tok.vocab_size))
-    engine.chat_text_ids = lambda text: Engine.chat_text_ids(engine, text)
-    engine.prompt_ids = lambda prompt, kwargs=None: Engine.prompt_ids(engine, prompt, kwargs)
-    # an attention family: no second render for a hybrid family's turn end (EngineCore.turn_end)
-    engine.prefix = SimpleNamespace(states=None)
-    engine.turn_end = lambda messages, kwargs, ids: Engine.turn_end(engine, messages, kwargs, ids)
+    """The server's prompt maker (serve/prompts.py) as a server runs it, loaded from the model's
+    file: ChatTemplate.render is where every render goes through, once a request."""
+    prompts = Prompts.load(str(think_model), N_CTX)
+    tok = prompts.tokenizer
+    # an attention family: no second render for a hybrid family's turn end (engine/prompt.py)
+    assert not prompts.hybrid
     renders = []
     real_render = ChatTemplate.render
     monkeypatch.setattr(ChatTemplate, "render",
@@ -228,14 +222,14 @@ def test_a_chat_is_rendered_once_per_request(think_model, monkeypatch):
     params = RequestParams(max_tokens=4, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05)
     for kwargs, think in (({}, True), ({"enable_thinking": False}, False)):
         renders.clear()
-        reply = Worker.prepare(SimpleNamespace(engine=engine), Prepare("r", HI, params, kwargs))
-        assert isinstance(reply, Prepared), reply
+        prepared = prompts.prepare(HI, params, kwargs)
         assert len(renders) == 1
         text = tok.apply_chat_template(HI, **kwargs)
-        assert reply.ids == Engine.chat_text_ids(engine, text) and reply.think is think
+        assert prepared.ids == chat_text_ids(tok, text) and prepared.think is think
+        assert prepared.sampling.top_k == 40 and prepared.max_tokens == 4
     renders.clear()
-    reply = Worker.prepare(SimpleNamespace(engine=engine), Prepare("r", "plain text", params))
-    assert isinstance(reply, Prepared) and renders == []
+    prepared = prompts.prepare("plain text", params)
+    assert renders == [] and prepared.ids == tok.encode("plain text", add_special=True)
 
 
 # ---- against the real server ---------------------------------------------------------------------
@@ -264,7 +258,7 @@ def _chat(server, kwargs, messages=HI, timeout=60):
 
 
 def _prompt_tokens(tok, text: str) -> int:
-    return len(Engine.chat_text_ids(SimpleNamespace(tokenizer=tok), text))
+    return len(chat_text_ids(tok, text))
 
 
 @pytest.mark.parametrize("key", sorted(RESERVED_TEMPLATE_KWARGS))

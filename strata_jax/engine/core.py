@@ -31,11 +31,12 @@ from .execute.controls import wants_controls
 from .execute.memory import is_resource_exhausted
 from .families import family_config, is_hybrid
 from .grammar.constrain import Grammars
+from .prompt import fit_context, prompt_ids, turn_end
 from .request import (
-    ContextOverflowError,
     Event,
     Request,
     RequestError,
+    SamplingParams,
     check_cache_salt,
     make_params,
 )
@@ -168,34 +169,42 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------------
 
     def make_request(self, prompt: str | list[dict] | list[int], *, max_tokens: int = 256,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-               seed: int | None = None,
-               stop: list[str] | tuple[str, ...] | str | None = None, ignore_eos: bool = False,
-               chat_template_kwargs: dict | None = None, logit_bias: dict | None = None,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
-               grammar: tuple | None = None, progress: bool = False, cache_salt: str | None = None,
-               checkpoint_at: int | None = None) -> Request:
-        """A checked request, for add(): text (a plain completion), a list of chat messages, or
-        token ids. The sampling controls and logprobs are controls.py's (token events then carry
-        `logprob` and `top_logprobs`); grammar: (kind, text) constrains the output (constrain.py: a
-        JSON schema's text, "json_object", a GBNF, Lark or regex grammar); RequestError when it
-        cannot be compiled. progress: "progress" events as the prompt is read (one when it gets a
-        slot, one a prompt chunk). cache_salt: the request shares prefix-cache KV only with requests
-        of the same salt (prefix_cache.py). checkpoint_at: a hybrid family keeps its state after
-        this many prompt tokens (turn_end; a chat's is found here)."""
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     min_p: float = 0.0, seed: int | None = None,
+                     stop: list[str] | tuple[str, ...] | str | None = None,
+                     ignore_eos: bool = False, chat_template_kwargs: dict | None = None,
+                     logit_bias: dict | None = None, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                     repeat_last_n: int = 64, logprobs: int | None = None,
+                     grammar: tuple | None = None, progress: bool = False,
+                     cache_salt: str | None = None, checkpoint_at: int | None = None) -> Request:
+        """A checked request, for add() (the Python API's: the server prepares its own requests,
+        serve/prompts.py, and hands them to prepared_request): text (a plain completion), a list of
+        chat messages, or token ids. The sampling controls and logprobs are controls.py's (token
+        events then carry `logprob` and `top_logprobs`); grammar: (kind, text) constrains the output
+        (constrain.py: a JSON schema's text, "json_object", a GBNF, Lark or regex grammar);
+        RequestError when it cannot be compiled. progress: "progress" events as the prompt is read
+        (one when it gets a slot, one a prompt chunk). cache_salt: the request shares prefix-cache
+        KV only with requests of the same salt (prefix_cache.py). checkpoint_at: a hybrid family
+        keeps its state after this many prompt tokens (turn_end; a chat's is found here)."""
         params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos,
                              logit_bias, presence_penalty, frequency_penalty, repeat_penalty,
                              repeat_last_n, logprobs, grammar)
         params.validate(self.spec.vocab_size)
         check_cache_salt(cache_salt)
         ids = self.prompt_ids(prompt, chat_template_kwargs)
-        n_ctx = self.config.max_context
-        if len(ids) + max_tokens > n_ctx:
-            raise ContextOverflowError(len(ids), max_tokens, n_ctx)
+        fit_context(len(ids), max_tokens, self.config.max_context)
         if (checkpoint_at is None and isinstance(prompt, list) and prompt
                 and isinstance(prompt[0], dict)):
             checkpoint_at = self.turn_end(prompt, chat_template_kwargs or {}, ids)
+        return self.prepared_request(ids, params, progress, cache_salt, checkpoint_at)
+
+    def prepared_request(self, ids: list[int], params: SamplingParams, progress: bool = False,
+                         cache_salt: str | None = None,
+                         checkpoint_at: int | None = None) -> Request:
+        """A request from ids and sampling parameters already checked (by make_request, or by the
+        server: serve/prompts.py), its grammar compiled here, in the caller's thread, not on the
+        engine's (RequestError when it cannot be)."""
         if checkpoint_at is None and self.prefix.states is not None and len(ids) > 1:
             # the same prompt again resumes there (its last token is read again)
             checkpoint_at = len(ids) - 1
@@ -204,7 +213,6 @@ class EngineCore:
                                f"prompt (1..{len(ids) - 1})")
         req = Request(ids, params, progress=progress, cache_salt=cache_salt,
                       checkpoint_at=checkpoint_at)
-        # compiled here, in the caller's thread, not on the engine's
         if params.grammar is not None:
             req.constraint = self.grammars.constraint(params.grammar)
         req.deadline = req.arrived + self.config.request_timeout_s
@@ -215,52 +223,14 @@ class EngineCore:
         self.inbox.put(req)
 
     def prompt_ids(self, prompt, chat_template_kwargs: dict | None = None) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special=True)
-        elif (isinstance(prompt, list) and prompt
-              and all(isinstance(t, (int, np.integer)) for t in prompt)):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-            if bad:
-                raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                   f"(0..{self.spec.vocab_size - 1})")
-        elif isinstance(prompt, list) and prompt:
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                      **(chat_template_kwargs or {}))
-            bos = self.tokenizer.bos_token
-            ids = self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
-        else:
-            raise RequestError("prompt must be a non-empty string, list of chat messages, or list "
-                               "of token ids")
-        if not ids:
-            raise RequestError("the prompt is empty after tokenization")
-        return ids
+        """engine/prompt.py's, with this engine's tokenizer."""
+        return prompt_ids(self.tokenizer, prompt, chat_template_kwargs)
 
     def turn_end(self, messages: list[dict], kwargs: dict, ids: list[int]) -> int | None:
-        """A hybrid family's chat: the tokens of its messages without the generation prompt, where
-        they are the prompt's first tokens, else None (and None for the other families). The next
-        turn of the conversation starts with exactly these (its template renders the history the
-        same way, but this turn's answer after them may be written otherwise: without its reasoning,
-        say), so a state kept here is the one it can resume from (state_checkpoints.py; llama.cpp
-        takes its checkpoints near a turn's start too)."""
-        if self.prefix.states is None:
-            return None
-        try:
-            head = self.chat_text_ids(self.tokenizer.apply_chat_template(
-                messages=messages, add_generation_prompt=False, **kwargs))
-        except (ValueError, RequestError):
-            return None
-        n = len(head)
-        return n if 0 < n < len(ids) and ids[:n] == head else None
-
-    def chat_text_ids(self, text: str) -> list[int]:
-        """The ids of a chat already rendered to `text` (the server renders once, and reads the text
-        too): as prompt_ids does for a chat, BOS is added unless the template wrote it."""
-        bos = self.tokenizer.bos_token
-        ids = self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
-        if not ids:
-            raise RequestError("the prompt is empty after tokenization")
-        return ids
+        """A hybrid family's chat: where its turn ends (engine/prompt.py); None for the other
+        families."""
+        return None if self.prefix.states is None else turn_end(self.tokenizer, messages, kwargs,
+                                                                 ids)
 
     # ---- admit -----------------------------------------------------------------------------------
 

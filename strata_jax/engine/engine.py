@@ -24,7 +24,7 @@ from ..gguf import GGUFModel
 from . import at_exit, slot_files
 from .core import EngineCore
 from .execute.embeddings import POOLINGS
-from .request import ContextOverflowError, Event, Handle
+from .request import ContextOverflowError, Event, Handle, Request
 from .schedule.output import first_line
 
 log = logging.getLogger("strata_jax.engine")
@@ -79,7 +79,11 @@ class Engine(EngineCore):
         """Queue a request (make_request's arguments: the prompt as text, chat messages or token
         ids, and its sampling fields) for the engine thread -> the handle its events are read from.
         RequestError names a bad field and its value."""
-        req = self.make_request(prompt, **kwargs)
+        return self.enqueue(self.make_request(prompt, **kwargs))
+
+    def enqueue(self, req: Request) -> Handle:
+        """Queue a request made by make_request or prepared_request (the server's: its prompt
+        tokenized and checked by serve/prompts.py) -> its handle."""
         self._ensure_thread()
         self.add(req)
         self._wake.set()

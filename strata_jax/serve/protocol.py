@@ -4,41 +4,35 @@ behind a 4-byte big-endian length.
 The first frame the server writes is the engine's start-up, `Start` (untagged). After it:
 
 Server -> engine, `Command`s, tagged by "op":
-    prepare {id, prompt, params, chat_template_kwargs, text, template_vars, prefill}
-        (worker_prompts.py)
-    submit {id, ids, params} | cancel {id} | stats {id} | expert_profile {id, path} | shutdown
+    submit {id, ids, sampling, progress, cache_salt, checkpoint_at} (serve/prompts.py made it) |
+        cancel {id} | stats {id} | expert_profile {id, path} | shutdown
     tokenize {id, content, add_special, parse_special, with_pieces} | detokenize {id, tokens}
         (tokens.py)
-    apply_template {id, prompt, params, chat_template_kwargs, template_vars, prefill} | slot
-        {id, action, slot, path}
-    embed {id, inputs, pooling, normalize}
+    slot {id, action, slot, path} | embed {id, inputs, pooling, normalize}
 Engine -> server, `Reply`s, tagged by "t":
     progress {stage, n, total} | ready {info} | beat {stuck_s, compiling, loop}
-    prepared {id, ids, max_tokens, think, tool_format, grammar, logit_bias, text} | rejected
-        {id, kind, message, ...}
+    rejected {id, kind, message, ...}: a command refused (a submit whose grammar cannot compile)
     ev {id, event}: the engine's own Event (engine/request.py), so the engine's events and the
         server's are one type
-    stats {id, stats} | saved {id, path, routed} | answer {id, tokens | content | prompt | slot |
+    stats {id, stats} | saved {id, path, routed} | answer {id, tokens | content | slot |
         embeddings}
 
 Each side decodes with a decoder typed by the union it reads, so a frame that is not one of these
 (an unknown tag, a field of the wrong type, a field too many) is a FrameError naming the frame and
-the field, raised where the frame is read, never a KeyError later. A request's parameters are a
-`RequestParams`, made once by the server's parse.py and turned into Engine.submit's keywords by
-worker_prompts.sampling.
+the field, raised where the frame is read, never a KeyError later. A request's sampling parameters
+are the engine's own `SamplingParams` (a dataclass msgspec reads and writes), built and checked
+once, by the server (serve/prompts.py); no `dict[str, Any]` of a request crosses the pipe.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Union
+from typing import Any, BinaryIO, Literal, Union
 
 import msgspec
 
-# imported where replies are decoded: see decode_reply
-if TYPE_CHECKING:
-    from ..engine.request import Event
+from ..engine.request import Event, SamplingParams
 
 MAX_FRAME = 1 << 30
 _HEADER = struct.Struct(">I")
@@ -55,61 +49,22 @@ class Start(msgspec.Struct, forbid_unknown_fields=True):
 # ---- server -> engine ----------------------------------------------------------------------------
 
 
-class RequestParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A generation request's parameters as the HTTP edge decoded and checked them
-    (serve/http/parse.py), carried as they are by Prepare and Submit. The defaults are the engine's
-    (engine/request.py make_params); the routes set every sampling field from the request and the
-    server's defaults."""
-    max_tokens: int | None = None               # None: to the end of the context (prepare sets it)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = []
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    logprobs: int | None = None
-    # (token id, or a text: llama.cpp's; bias)
-    logit_bias: list[tuple[int | str, float]] | None = None
-    # [kind, text, the request's field] (engine/grammar/constrain.py)
-    grammar: list[str] | None = None
-    # [tools, tool_choice, parallel_tool_calls] (parse.py, tools.py)
-    tools: list[Any] | None = None
-    # [add_generation_prompt, continue_final_message] (render_chat)
-    render: list[bool] | None = None
-    progress: bool = False                      # prompt progress events (return_progress)
-    cache_salt: str | None = None
-    # a hybrid family's turn end: the prepared one (enqueue)
-    checkpoint_at: int | None = None
-
-
 class Command(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
     """What the server asks of the engine process; every command but shutdown has the id its answer
     names."""
 
 
-class Prepare(Command, tag="prepare"):
-    """Tokenize and check a request (the engine answers prepared or rejected); text: send the
-    prompt's text back too. template_vars and prefill are the server's flags
-    (Supervisor.render_options)."""
-    id: str
-    # a text, token ids, chat messages, or llama.cpp's mix of texts and ids
-    prompt: str | list[Any]
-    params: RequestParams
-    chat_template_kwargs: dict[str, Any] | None = None
-    text: bool = False
-    template_vars: dict[str, Any] = {}
-    prefill: bool = False
-
-
 class Submit(Command, tag="submit"):
+    """A request as the server prepared it (serve/prompts.py): its prompt's token ids and its
+    sampling parameters, checked there (the context too); the engine compiles its grammar, if any,
+    and runs it (a grammar it cannot compile: Rejected, kind "invalid")."""
     id: str
     ids: list[int]
-    params: RequestParams                       # max_tokens set: the prepared one
+    sampling: SamplingParams
+    progress: bool = False                      # prompt progress events (return_progress)
+    cache_salt: str | None = None
+    # a hybrid family's chat: its turn's end (engine/prompt.py turn_end)
+    checkpoint_at: int | None = None
 
 
 class Cancel(Command, tag="cancel"):
@@ -145,16 +100,6 @@ class Detokenize(Command, tag="detokenize"):
     tokens: list[int]
     # the most bytes of text it may answer (--max-tokenize-bytes)
     max_bytes: int = 0
-
-
-class ApplyTemplate(Command, tag="apply_template"):
-    """llama.cpp's /apply-template: the prompt text a chat renders to, as prepare renders it."""
-    id: str
-    prompt: list[Any]                           # chat messages
-    params: RequestParams                       # the request's tools and render
-    chat_template_kwargs: dict[str, Any] | None = None
-    template_vars: dict[str, Any] = {}
-    prefill: bool = False
 
 
 class Embed(Command, tag="embed"):
@@ -204,25 +149,6 @@ class Beat(Reply, tag="beat"):
     loop: Literal["none", "alive", "ended"]
 
 
-class Prepared(Reply, tag="prepared"):
-    """A request tokenized and checked. The supervisor keeps it as the request's prepared prompt
-    (one type from the engine to the routes), so its fields come first and its id last:
-    Prepared(ids, max_tokens, think)."""
-    ids: list[int]
-    max_tokens: int
-    think: bool                                 # the prompt opened a reasoning part (<think>)
-    tool_format: str | None = None              # tools in play: one of tool_formats.FORMATS
-    # the grammar that forces a tool call (tool_choice required, named)
-    grammar: list | None = None
-    # [[id, bias]] when the request biased texts (llama.cpp's logit_bias)
-    logit_bias: list | None = None
-    # the prompt as text, when asked (llama.cpp's "__verbose")
-    text: str | None = None
-    # a hybrid family's chat: its turn's end (EngineCore.turn_end)
-    checkpoint_at: int | None = None
-    id: str = ""
-
-
 class Rejected(Reply, tag="rejected"):
     """A command the engine refuses; tickets.rejection makes it the API's error. kind "context"
     fills in the three counts, "invalid" (a 400) and "too_large" (a 413: an answer beyond a bound)
@@ -262,21 +188,20 @@ class Saved(Reply, tag="saved"):
 
 
 class Answer(Reply, tag="answer"):
-    """A quick question's answer: tokenize's tokens, detokenize's content, apply_template's prompt,
-    or a slot action's result (engine/slot_files.py)."""
+    """A quick question's answer: tokenize's tokens, detokenize's content, a slot action's result
+    (engine/slot_files.py), embed's vectors."""
     id: str
     tokens: list[Any] | None = None             # [id, ...] or [{"id", "piece"}, ...] (with_pieces)
     content: str | None = None
-    prompt: str | None = None
     slot: dict[str, Any] | None = None
     # embed's: a vector an input ([T][h] each with pooling none)
     embeddings: list[Any] | None = None
     n_tokens: list[int] | None = None           # embed's: the tokens each input read
 
 
-AnyCommand = Union[Prepare, Submit, Cancel, GetStats, SaveExpertProfile, Shutdown, Tokenize,  # noqa: UP007
-                   Detokenize, ApplyTemplate, SlotAction, Embed]
-AnyReply = Union[Progress, Ready, Beat, Prepared, Rejected, EventFrame, Stats, Saved, Answer]  # noqa: UP007
+AnyCommand = Union[Submit, Cancel, GetStats, SaveExpertProfile, Shutdown, Tokenize,  # noqa: UP007
+                   Detokenize, SlotAction, Embed]
+AnyReply = Union[Progress, Ready, Beat, Rejected, EventFrame, Stats, Saved, Answer]  # noqa: UP007
 
 
 # ---- the wire ------------------------------------------------------------------------------------
@@ -342,21 +267,7 @@ class _Frames:
 
 decode_start = _Frames(Start, "from the server", None)
 decode_command = _Frames(AnyCommand, "from the server", "op")
-_replies: _Frames | None = None
-
-
-def decode_reply(body: bytes) -> AnyReply:
-    """A frame from the engine. Its decoder is made at the first one: resolving EventFrame's `Event`
-    imports the engine package (JAX: seconds), which the server has imported anyway, while an engine
-    process only encodes replies, and the mock engine (mock_worker.py) starts in a fraction of a
-    second without it."""
-    global _replies, Event
-    if _replies is None:
-        # the global name msgspec resolves EventFrame.event by
-        from ..engine.request import Event
-
-        _replies = _Frames(AnyReply, "from the engine", "t")
-    return _replies(body)
+decode_reply = _Frames(AnyReply, "from the engine", "t")
 
 
 def pack(frame: Start | Command | Reply) -> bytes:

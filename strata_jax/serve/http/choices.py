@@ -13,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-
-import msgspec
+from dataclasses import replace
 
 from ...engine.request import Event
-from ..protocol import RequestParams
+from ..params import RequestParams
 from ..supervisor.supervisor import Supervisor
 from ..supervisor.tickets import Prepared, Ticket
 
@@ -38,10 +37,12 @@ async def events(sup: Supervisor, t: Ticket) -> AsyncIterator[Event]:
             return
 
 
-def choice_params(params: RequestParams, k: int) -> RequestParams:
-    seed = params.seed
-    return (params if seed is None or k == 0
-            else msgspec.structs.replace(params, seed=(seed + k) % 2**32))
+def choice_prepared(prepared: Prepared, k: int) -> Prepared:
+    """Choice k's: its seed the request's + k."""
+    seed = prepared.sampling.seed
+    if seed is None or k == 0:
+        return prepared
+    return replace(prepared, sampling=replace(prepared.sampling, seed=(seed + k) % 2**32))
 
 
 class Choices:
@@ -72,8 +73,8 @@ class Choices:
                 if k == 0 and len(self.tickets) < self.n and ev.kind != "error":
                     self.tickets[0].places_taken()          # the places it held are taken now
                     for j in range(1, self.n):
-                        t = self.sup.enqueue(f"{self.rid}-{j}", self.prepared,
-                                             choice_params(self.params, j), self.deadline)
+                        t = self.sup.enqueue(f"{self.rid}-{j}", choice_prepared(self.prepared, j),
+                                             self.params, self.deadline)
                         self.tickets.append(t)
                         self.on_ticket(t)
                         self._start(j, t)

@@ -29,9 +29,9 @@ from typing import Any
 from litestar import Request, post
 
 from ..errors import ApiError, invalid
+from ..prompt_size import string_bytes
 from ..protocol import Embed
 from .fields import check_token_id, json_object, shown
-from .prompt_size import string_bytes
 
 MAX_INPUTS = 2048                   # OpenAI's bound on inputs a request
 

@@ -1,11 +1,11 @@
 """One generation request, from its job to its answer: OpenAI chat and text completions, whole or
 streamed.
 
-    job = parse_chat(body, names)            # parse.py: msgspec decoding + the checks msgspec cannot express
-    prepared = await sup.prepare(...)        # the engine tokenizes and checks it: 4xx before any byte is sent
-    ticket = sup.enqueue(...)
-    stream(...) / whole(...)                 # SSE chunks, or one JSON body (n choices: choices.py)
-"""  # noqa: E501
+    job = parse_chat(body, names)       # parse.py: msgspec decoding + the checks it cannot express
+    prepared = await sup.prepare(...)   # serve/prompts.py renders, tokenizes, checks: 4xx at once
+    ticket = sup.enqueue(...)           # one Submit to the engine when a seat is free
+    stream(...) / whole(...)            # SSE chunks, or one JSON body (n choices: choices.py)
+"""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from .choices import Choices
 from .console import done_line
 from .logprobs import LogprobsOf
 from .parse import Job, ModelNames, parse_chat, parse_completion
-from .prompt_size import refuse_if_too_long
 from .reasoning import CONTENT, REASONING, ReasoningParser
 
 log = logging.getLogger("strata_jax.serve")
@@ -43,16 +42,18 @@ _json = msgspec.json.Encoder()
 
 async def start(sup: Supervisor, job: Job) -> tuple[Prepared, Ticket]:
     deadline = job.arrived + sup.config.request_timeout_s
-    refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))
     prepared = await sup.prepare(job.id, job.prompt, job.params, job.chat_template_kwargs, deadline,
                                  text=job.verbose, places=job.n)
-    # tool_choice required / named: the call's grammar (tools.py)
-    if prepared.grammar:
-        job.params = msgspec.structs.replace(job.params, grammar=prepared.grammar)
-    # texts in llama.cpp's logit_bias, as their token ids
-    if prepared.logit_bias is not None:
-        job.params = msgspec.structs.replace(job.params, logit_bias=prepared.logit_bias)
-    return prepared, sup.enqueue(job.id, prepared, job.params, deadline, holds=job.n - 1)
+    ticket = sup.enqueue(job.id, prepared, job.params, deadline, holds=job.n - 1)
+    if prepared.sampling.grammar is not None:
+        # the engine compiles the grammar when the request reaches it: one it cannot compile is a
+        # 400, answered before anything is written
+        try:
+            await ticket.verdict()
+        except BaseException:       # refused (it has ended), or the client went away
+            sup.cancel(ticket)
+            raise
+    return prepared, ticket
 
 
 class Outcome:
@@ -194,7 +195,7 @@ class _Run:
     def __init__(self, sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket, on_done):
         self.sup, self.job, self.prepared = sup, job, prepared
         self.outcomes = [Outcome(job, prepared, ticket, on_done)]
-        self.choices = Choices(sup, job.id, job.n, prepared, ticket.params, ticket.deadline, ticket,
+        self.choices = Choices(sup, job.id, job.n, prepared, job.params, ticket.deadline, ticket,
                                lambda t: self.outcomes.append(Outcome(job, prepared, t, on_done)))
         chat = job.kind == "chat"
         mark = call_mark(prepared.tool_format) if job.tools and prepared.tool_format else None

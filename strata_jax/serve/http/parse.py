@@ -19,7 +19,7 @@ import msgspec
 
 from ...gguf.chat_template import reserved_kwargs
 from ..errors import ApiError, invalid
-from ..protocol import RequestParams
+from ..params import RequestParams
 from ..tools import forced, tool_request
 from .fields import control_params
 from .schemas import ChatCompletionRequest, CompletionRequest, Message, decode
@@ -95,7 +95,7 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False,
                           f"{params.grammar[2]} or set tool_choice to auto", "tool_choice")
         # the engine process renders them (tools.tool_prompt)
         params.tools = [*tooling, req.parallel_tool_calls is not False]
-    # worker_prompts.render_chat; else its defaults
+    # prompts.render_chat; else its defaults
     if not req.add_generation_prompt or req.continue_final_message:
         params.render = [req.add_generation_prompt, req.continue_final_message]
     return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,

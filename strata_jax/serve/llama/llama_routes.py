@@ -44,8 +44,7 @@ from ...engine import slot_files
 from ..errors import ApiError, invalid
 from ..http.fields import MAX_SHOWN, check_token_id, control_params, json_object, shown
 from ..http.parse import DEFAULTS, parse_chat
-from ..http.prompt_size import refuse_if_too_long
-from ..protocol import ApplyTemplate, Detokenize, RequestParams, SlotAction, Tokenize
+from ..protocol import Detokenize, SlotAction, Tokenize
 from ..tokens import check_sizes
 
 SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
@@ -152,12 +151,9 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
     async def apply_template(request: Request) -> dict[str, Any]:
         job = parse_chat(await request.body(), _AnyModel(served),
                          trust_template=cfg.trust_request_chat_template)
-        reply = await sup.ask(ApplyTemplate, prompt=job.prompt,
-                              params=RequestParams(tools=job.params.tools,
-                                                   render=job.params.render),
-                              **sup.render_options(),
-                              chat_template_kwargs=job.chat_template_kwargs)
-        return {"prompt": reply.prompt}
+        text = await sup.apply_template(job.prompt, job.params, job.chat_template_kwargs,
+                                        time.monotonic() + 30.0)
+        return {"prompt": text}
 
     @post(["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"], status_code=200,
           guards=[json_body])
@@ -166,8 +162,6 @@ def handlers(sup: Any, served: str, file_name: str, json_body: Any, cfg: ServerC
         request is."""
         job = parse_chat(await request.body(), _AnyModel(served),
                          trust_template=cfg.trust_request_chat_template)
-        # as a chat's
-        refuse_if_too_long(job, sup.config.max_context, sup.info.get("max_token_bytes"))
         prepared = await sup.prepare(f"count-{id(job)}", job.prompt, job.params,
                                      job.chat_template_kwargs, time.monotonic() + 30.0)
         return {"input_tokens": len(prepared.ids)}

@@ -1,7 +1,7 @@
-"""The commands that wait for the engine's reply, by id: the supervisor sends a command (prepare,
-stats, tokenize, ...), and the reply that names its id (prepared or rejected, stats, saved, answer)
-resolves it. An engine that stops fails every one still waiting (EngineGone), so the caller can ask
-the next engine."""
+"""The commands that wait for the engine's reply, by id: the supervisor sends a command (stats,
+tokenize, ...), and the reply that names its id (rejected, stats, saved, answer) resolves it. An
+engine that stops fails every one still waiting (EngineGone), so the caller can ask the next
+engine."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import ApiError
-from ..protocol import Answer, AnyReply, Command, Prepared, Rejected, Saved, Stats
+from ..protocol import Answer, AnyReply, Command, Rejected, Saved, Stats
 from .tickets import EngineGone, rejection
 
 log = logging.getLogger("strata_jax.serve")
@@ -40,7 +40,7 @@ class Answers:
         finally:
             self._waiting.pop(rid, None)
 
-    def came(self, reply: Prepared | Rejected | Stats | Saved | Answer) -> None:
+    def came(self, reply: Rejected | Stats | Saved | Answer) -> None:
         fut = self._waiting.pop(reply.id, None)
         if fut is not None and not fut.done():
             fut.set_result(reply)

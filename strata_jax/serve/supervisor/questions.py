@@ -1,5 +1,5 @@
 """The server's questions to the engine process (Supervisor.ask): /tokenize, /detokenize
-(serve/tokens.py), /apply-template, /slots/N (engine/slot_files.py) and the embeddings
+(serve/tokens.py), /slots/N (engine/slot_files.py) and the embeddings
 (serve/http/embeddings.py).
 
 Each is admitted as a generation request is (issue 32, items 3, 4, 16): it takes a place in

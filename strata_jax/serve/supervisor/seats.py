@@ -93,7 +93,7 @@ class Seats:
             if time.monotonic() > t.deadline:
                 self.queue.popleft()
                 t.state = "done"
-                t.events.put_nowait(Event("error",
+                t.put(Event("error",
                                           error="the request waited for a slot past its deadline"))
                 continue
             try:
@@ -112,7 +112,7 @@ class Seats:
         if t.state == "queued":
             self.queue.remove(t)
             t.state = "done"
-            t.events.put_nowait(Event("final", finish_reason="cancelled"))
+            t.put(Event("final", finish_reason="cancelled"))
         return t.state == "running"
 
     def end(self, t: Ticket, ev: Event) -> None:
@@ -123,7 +123,7 @@ class Seats:
         elif t.state == "queued" and t in self.queue:
             self.queue.remove(t)
         t.state = "done"
-        t.events.put_nowait(ev)
+        t.put(ev)
 
     def slots(self, n_ctx: int) -> list[dict[str, Any]]:
         """llama.cpp's GET /slots: each seat and the request in it."""
@@ -133,7 +133,7 @@ class Seats:
             slot: dict[str, Any] = {"id": i, "is_processing": t is not None, "n_ctx": n_ctx}
             if t is not None:
                 slot.update(request_id=t.id, n_prompt_tokens=len(t.ids), n_decoded=t.n_tokens,
-                            max_tokens=t.params.max_tokens,
+                            max_tokens=t.submit.sampling.max_tokens,
                             t_elapsed_ms=round((now - t.started) * 1000, 1),
                             t_queued_ms=round((t.started - t.arrived) * 1000, 1),
                             cancelled=t.cancelled)

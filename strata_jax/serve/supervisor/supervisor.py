@@ -3,11 +3,14 @@ it stops.
 
 Everything here runs on the server's event loop; no threads, no locks. A request goes:
 
-    prepare   the engine tokenizes and checks it (a 4xx answer comes at once, even when every slot
-              is busy)
+    prepare   the server renders, tokenizes and checks it with its own tokenizer (serve/prompts.py,
+              on a thread; a 4xx answer comes at once, even when every slot is busy)
     enqueue   it waits in *our* queue, first come first served (seats.py)
-    dispatch  at most `parallel` requests are in the engine at once, one a seat (an engine slot)
+    dispatch  at most `parallel` requests are in the engine at once, one a seat (an engine slot):
+              one Submit frame each, the only time a request crosses the pipe to the engine
     events    token events, then one final or error event, into the request's own asyncio.Queue
+              (a Submit the engine refuses, a grammar it cannot compile: an error event, and the
+              ticket's `refused` says why)
 
 The supervisor owns what outlives one engine process: the queue and the seats (seats.Seats), the
 answers awaited by id, restarts and the fault ledger; engine_process.EngineProcess owns what dies
@@ -24,11 +27,11 @@ Bounds (docs/LIMITS.md):
   (stopped, SIGSTOP) or whose loop has not moved for `stall_s` (--engine-stall-s) is killed: the
   stall goes in the fault ledger, the requests in flight end with an error, the queued ones go to
   the next engine. /health is 503 as soon as the engine is silent for SILENT_S or its loop is stuck.
-- the queue: at most `max_queue` (--max-queue) requests wait here (reading or queued for a seat);
-  one more is answered 503 with Retry-After at once.
+- the queue: at most `max_queue` (--max-queue) requests wait here (being prepared or queued for a
+  seat); one more is answered 503 with Retry-After at once.
 - the pipe: at most MAX_UNREAD_BYTES written to the engine and not yet read by it; beyond that new
-  prompts wait (submit) or are answered 503 (prepare), so a stopped engine cannot make the server's
-  memory grow.
+  prompts wait in the queue (and questions are answered 503), so a stopped engine cannot make the
+  server's memory grow.
 """
 
 from __future__ import annotations
@@ -42,12 +45,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from ...config import EngineConfig
 from ...engine.request import Event
-from ...gguf.chat_template import llama_cpp_dates
 from ..errors import ApiError
+from ..params import RequestParams
+from ..prompts import Prepared, Prompts
 from ..protocol import (
     Answer,
     AnyReply,
@@ -56,12 +58,9 @@ from ..protocol import (
     Command,
     EventFrame,
     GetStats,
-    Prepare,
-    Prepared,
     Progress,
     Ready,
     Rejected,
-    RequestParams,
     Saved,
     SaveExpertProfile,
     Start,
@@ -73,7 +72,7 @@ from .answers import Answers, expect
 from .engine_process import MAX_UNREAD_BYTES, EngineProcess, StderrTail
 from .ledger import Fault, FaultLedger
 from .seats import Seats
-from .tickets import EngineBusy, EngineGone, Ticket
+from .tickets import EngineGone, Ticket, rejection
 
 __all__ = ["MAX_UNREAD_BYTES", "Prepared", "StderrTail", "Supervisor", "Ticket"]
 
@@ -86,7 +85,7 @@ class Supervisor:
                  on_fault: Callable[[Fault], None] | None = None, command: list[str] | None = None,
                  max_queue: int = 256, stall_s: float = 60.0, chat_template: str | None = None,
                  template_vars: dict | None = None, prefill_assistant: bool = False,
-                 template_dates: bool = False):
+                 template_dates: bool = False, prompts: Prompts | None = None):
         self.model = str(model)
         self.config = config
         self.console = console
@@ -101,12 +100,13 @@ class Supervisor:
         self.command = command or [sys.executable, "-m", "strata_jax.serve.worker.worker"]
         # --chat-template(-file)'s text, or None: the model's
         self.chat_template = chat_template
-        # the template's variables a request does not set (--reasoning)
-        self.template_vars = template_vars or {}
-        # a final assistant message is continued (--prefill-assistant)
-        self.prefill_assistant = prefill_assistant
-        # today's date for the templates, as llama.cpp's (--llama-conventions)
-        self.template_dates = template_dates
+        # the server's own prompt maker (serve/prompts.py): loaded from the model's file when the
+        # first engine is ready (the engine has read the file by then), kept across restarts; the
+        # options are --reasoning's template variables, --prefill-assistant, --llama-conventions'
+        # dates. Tests of the mock engine give their own.
+        self.prompts = prompts
+        self._prompt_options = {"template_vars": template_vars or {},
+                                "prefill": prefill_assistant, "dates": template_dates}
         self.ledger = FaultLedger()
         self.state = "loading"                  # loading | ready | restarting | stopping
         # why it is not ready, as /health and requests' errors say it: fixed phrases, no log text
@@ -222,12 +222,14 @@ class Supervisor:
                 if ev.kind == "token":
                     t.n_tokens += 1
                     t.token_came(time.monotonic())
-                    t.events.put_nowait(ev)
+                    t.put(ev)
                 elif ev.kind == "progress":         # the prompt read so far (return_progress)
-                    t.events.put_nowait(ev)
+                    t.put(ev)
                 else:
                     self._end(t, ev)
-            case Prepared() | Rejected() | Stats() | Saved() | Answer():
+            case Rejected(id=rid) if self.seats.seat_of(rid) is not None:
+                self._refused(self.seats.seat_of(rid), frame)
+            case Rejected() | Stats() | Saved() | Answer():
                 self.answers.came(frame)
             case Progress(stage=stage, n=n, total=total):
                 self.reason = f"loading the model: {stage} {n}/{total}"
@@ -237,12 +239,32 @@ class Supervisor:
                     self.console.progress(self.generation, stage, n, total)
             case Ready(info=info):
                 self.info = info
-                self.state, self.reason = "ready", "ready"
-                self._ready_at = time.monotonic()
-                self._ready.set()
-                if self.console is not None:
-                    self.console.ready(self.generation, self.info)
-                self._dispatch()
+                if self.prompts is None:
+                    asyncio.create_task(self._load_prompts(self.generation))
+                else:
+                    self._now_ready()
+
+    async def _load_prompts(self, gen: int) -> None:
+        """The server's tokenizer and template, read from the model's file off the event loop (a
+        large vocabulary takes a second); the engine is ready once they are."""
+        try:
+            self.prompts = await asyncio.to_thread(Prompts.load, self.model,
+                                                   self.config.max_context, self.chat_template,
+                                                   **self._prompt_options)
+        except Exception as e:      # (the engine read the same file) said, and tried at the next
+            log.exception("the server could not read the model's tokenizer")
+            self.reason = f"the server could not read the model's tokenizer: {type(e).__name__}"
+            return
+        if gen == self.generation and self.state != "stopping":
+            self._now_ready()
+
+    def _now_ready(self) -> None:
+        self.state, self.reason = "ready", "ready"
+        self._ready_at = time.monotonic()
+        self._ready.set()
+        if self.console is not None:
+            self.console.ready(self.generation, self.info)
+        self._dispatch()
 
     # ---- writing to the engine -------------------------------------------------------------------
 
@@ -268,50 +290,39 @@ class Supervisor:
     async def prepare(self, rid: str, prompt: Any, params: RequestParams,
                       chat_template_kwargs: dict | None, deadline: float, text: bool = False,
                       places: int = 1) -> Prepared:
-        """Tokenize and check a request on the engine: -> Prepared, or ApiError (4xx for bad
-        requests, 503 when no engine answers before the deadline). text: the prompt's text comes
-        back too. places: its n choices, each a place in the queue (enqueue's `holds` keeps
-        them)."""
-        cmd = Prepare(rid, prompt, params, chat_template_kwargs, text, **self.render_options())
+        """Render, tokenize and check a request (serve/prompts.py, on a thread) -> Prepared, or
+        ApiError (4xx for bad requests, 503 when no engine is ready before the deadline). text: the
+        prompt's text comes back too. places: its n choices, each a place in the queue (enqueue's
+        `holds` keeps them)."""
         # 503 at once beyond --max-queue waiting (seats.py)
         self.seats.admit(places)
         with self.seats.preparing(places):
-            return await self._prepare(cmd, deadline)
+            prompts = await self._prompts(deadline)
+            return await asyncio.to_thread(prompts.prepare, prompt, params, chat_template_kwargs,
+                                           text)
 
-    def render_options(self) -> dict[str, Any]:
-        """What a chat's rendering takes from the server's flags: the template's variables
-        (--reasoning; today's date with --llama-conventions, read each request), a final assistant
-        message continued (--prefill-assistant)."""
-        dates = llama_cpp_dates() if self.template_dates else {}
-        return {"template_vars": {**dates, **self.template_vars}, "prefill": self.prefill_assistant}
+    async def apply_template(self, messages: list, params: RequestParams,
+                             chat_template_kwargs: dict | None, deadline: float) -> str:
+        """llama.cpp's /apply-template: the text a chat renders to, as prepare renders it."""
+        prompts = await self._prompts(deadline)
+        return await asyncio.to_thread(prompts.apply_template, messages, params,
+                                       chat_template_kwargs)
 
-    async def _prepare(self, cmd: Prepare, deadline: float) -> Prepared:
-        # an engine that stops meanwhile: ask the next one
-        for _ in range(3):
-            await self.wait_ready(deadline)
-            try:
-                reply = await self.answers.ask(cmd, deadline)
-            except EngineGone:
-                continue
-            except EngineBusy as e:
-                raise self.seats.busy(str(e)) from None
-            except TimeoutError:
-                raise ApiError(503, "the engine did not read the request before its deadline "
-                                    f"({self.config.request_timeout_s:g} s)",
-                                    "unavailable_error") from None
-            return expect(reply, Prepared)
-        raise ApiError(503,
-                       f"the engine stopped three times while reading this request: {self.reason}",
-                       "unavailable_error")
+    async def _prompts(self, deadline: float) -> Prompts:
+        """The prompt maker, once an engine is ready to take what it makes (a request that comes
+        while the engine starts or restarts waits here, and is told why at its deadline)."""
+        await self.wait_ready(deadline)
+        assert self.prompts is not None
+        return self.prompts
 
     def enqueue(self, rid: str, prepared: Prepared, params: RequestParams, deadline: float,
                 holds: int = 0) -> Ticket:
-        """holds: queue places the ticket keeps for its request's later choices (seats.py)."""
-        # the prepared max_tokens; a hybrid family's turn end, where it keeps its state
-        # (state_checkpoints.py)
-        params = msgspec.structs.replace(params, max_tokens=prepared.max_tokens,
-                                         checkpoint_at=prepared.checkpoint_at)
-        t = Ticket(rid, prepared.ids, params, deadline, holds=holds)
+        """A prepared request into the queue -> its ticket; holds: queue places the ticket keeps for
+        its request's later choices (seats.py). params: the request's, for what the engine gets
+        beside the prepared ids and sampling (progress, cache_salt)."""
+        submit = Submit(rid, prepared.ids, prepared.sampling, params.progress, params.cache_salt,
+                        prepared.checkpoint_at)
+        t = Ticket(rid, submit, deadline, holds=holds)
         self.seats.enqueue(t)
         self._dispatch()
         return t
@@ -327,11 +338,17 @@ class Supervisor:
             self.seats.dispatch(self._submit, self.generation)
 
     def _submit(self, t: Ticket) -> None:
-        self._send(Submit(t.id, t.ids, t.params))   # EngineBusy: the pipe is full (Seats.dispatch)
+        self._send(t.submit)                # EngineBusy: the pipe is full (Seats.dispatch)
 
     def _end(self, t: Ticket, ev: Event) -> None:
         self.seats.end(t, ev)
         self._dispatch()
+
+    def _refused(self, t: Ticket, reply: Rejected) -> None:
+        """The engine refused a submit (a grammar it cannot compile): the ticket ends with an error
+        event, and keeps the refusal as the API's error (generate.start answers it)."""
+        t.refuse(rejection(reply))
+        self._end(t, Event("error", error=reply.message))
 
     # ---- what the routes show --------------------------------------------------------------------
 
@@ -350,7 +367,7 @@ class Supervisor:
 
     async def ask(self, kind: type[Command], timeout: float = 30.0, **fields: Any) -> Answer:
         """A question for the engine (serve/supervisor/questions.py: admitted as a request is, 503s
-        when it cannot be answered): `kind` (Tokenize, Detokenize, ApplyTemplate, SlotAction, Embed)
+        when it cannot be answered): `kind` (Tokenize, Detokenize, SlotAction, Embed)
         made with `fields` and an id of its own -> its Answer; the engine's refusal as its
         ApiError."""
         cmd = kind(id=f"{kind.__struct_config__.tag}-{next(self._ids)}", **fields)

@@ -1,6 +1,6 @@
-"""What the supervisor hands around: a prepared prompt (the engine's Prepared frame, protocol.py), a
-request's ticket from queue to end, the two ways an engine answer can fail to come, and the engine's
-refusals as the API's errors."""
+"""What the supervisor hands around: a prepared request (serve/prompts.py), a request's ticket from
+queue to end, the two ways an engine answer can fail to come, and the engine's refusals as the API's
+errors."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ...engine.request import Event
 from ..errors import ApiError, context_overflow
-from ..protocol import Prepared, Rejected, RequestParams
+from ..prompts import Prepared
+from ..protocol import Rejected, Submit
 
 __all__ = ["EngineBusy", "EngineGone", "Prepared", "Ticket", "rejection"]
 
@@ -19,10 +21,10 @@ log = logging.getLogger("strata_jax.serve")
 
 @dataclass(eq=False)
 class Ticket:
-    """A request from the moment it is queued."""
+    """A request from the moment it is queued: the Submit frame the engine gets when it is seated,
+    and what comes back."""
     id: str
-    ids: list[int]
-    params: RequestParams
+    submit: Submit
     deadline: float                             # time.monotonic()
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: str = "queued"                       # queued | running | done
@@ -38,6 +40,34 @@ class Ticket:
     first_at: float = 0.0
     last_at: float = 0.0
     gaps: list[float] = field(default_factory=list)     # seconds between its token events, in order
+    # set at its first event (or its end): the engine has taken it, or refused it
+    heard: asyncio.Event = field(default_factory=asyncio.Event)
+    # the engine's refusal, as the API's error (a grammar it cannot compile)
+    refused: ApiError | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.submit.ids
+
+    def put(self, ev: Event) -> None:
+        """One of its events, for its reader."""
+        self.heard.set()
+        self.events.put_nowait(ev)
+
+    def refuse(self, error: ApiError) -> None:
+        self.refused = error
+
+    async def verdict(self) -> None:
+        """Wait for the engine's first word on it (its first event, or its end; at most until its
+        deadline) -> None, or its refusal raised: the route answers a refused request with the
+        refusal's status before it writes anything (generate.start, for a grammar the engine
+        compiles when the request reaches it)."""
+        try:
+            await asyncio.wait_for(self.heard.wait(), max(self.deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            return                              # (its events say so: choices.events)
+        if self.refused is not None:
+            raise self.refused
 
     def places_taken(self) -> None:
         """Its request's later choices are queued now: the places it held for them are theirs."""

@@ -2,15 +2,18 @@
 server's own logic (queue, seats, cancels, deadlines, restarts) can be tested in a fraction of a
 second.
 
-    python -m strata_jax.serve.worker.mock_worker        # Supervisor(..., command=[sys.executable, "-m", this])
+    python -m strata_jax.serve.worker.mock_worker
+    Supervisor(..., command=[sys.executable, "-m", this], prompts=MockPrompts(n_ctx))
 
-A prompt's characters are its token ids; the answer is `max_tokens` tokens "w0 w1 ...", one every
-STRATA_MOCK_TOKEN_S seconds (default 0.005). Prompts that contain a word ask for trouble:
+A prompt's characters are its token ids (mock_prompts.py, on the server's side); the answer is
+`max_tokens` tokens "w0 w1 ...", one every STRATA_MOCK_TOKEN_S seconds (default 0.005). Prompts that
+contain a word ask for trouble:
     EXIT    the process prints `ERR mock: ...` and exits with code 3 after the third token
-    HANG    the prepare command is never answered (an engine that is stuck)
+    HANG    the submit is never answered (an engine that is stuck)
     DEAF    the process stops reading its input for good, alive (what the server writes piles up)
+    GRAMMAR the submit is refused as a grammar the engine cannot compile (Rejected "invalid")
 Env STRATA_MOCK_START_FAIL=1: the process fails at start (prints an ERR line, exits 2).
-"""  # noqa: E501
+"""
 
 from __future__ import annotations
 
@@ -25,8 +28,6 @@ from ..protocol import (
     Cancel,
     EventFrame,
     GetStats,
-    Prepare,
-    Prepared,
     Ready,
     Rejected,
     Reply,
@@ -79,25 +80,18 @@ def main() -> int:
                         _event("final", finish_reason="length", stats=_stats(ids, max_tokens, t0))))
 
     while (cmd := read_frame(sys.stdin.buffer, decode_command)) is not None:
-        if isinstance(cmd, Prepare):
-            prompt = cmd.prompt
-            text = prompt if isinstance(prompt,
-                                        str) else "".join(m.get("content", "") for m in prompt) \
-                if isinstance(prompt[0], dict) else "".join(map(chr, prompt))
+        if isinstance(cmd, Submit):
+            text = "".join(map(chr, cmd.ids))
             if "HANG" in text:
                 continue
             if "DEAF" in text:
                 time.sleep(3600)
-            ids = [ord(c) for c in text]
-            max_tokens = cmd.params.max_tokens or n_ctx - len(ids)
-            if len(ids) + max_tokens > n_ctx:
-                send(Rejected(cmd.id, "context", "too long", n_prompt_tokens=len(ids),
-                              max_tokens=max_tokens, n_ctx=n_ctx))
-            else:
-                send(Prepared(ids, max_tokens, False, id=cmd.id))
-        elif isinstance(cmd, Submit):
+            if "GRAMMAR" in text:
+                send(Rejected(cmd.id, "invalid", "the json_schema cannot be compiled: mock",
+                              param="response_format"))
+                continue
             cancelled[cmd.id] = threading.Event()
-            threading.Thread(target=generate, args=(cmd.id, cmd.ids, cmd.params.max_tokens),
+            threading.Thread(target=generate, args=(cmd.id, cmd.ids, cmd.sampling.max_tokens),
                              daemon=True).start()
         elif isinstance(cmd, Cancel) and cmd.id in cancelled:
             cancelled[cmd.id].set()

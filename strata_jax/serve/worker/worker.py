@@ -1,9 +1,11 @@
 """The engine process: `python -m strata_jax.serve.worker.worker`, driven by the server over
 stdin/stdout frames (see protocol.py); its stderr is the engine's log, read by the server.
 
-Threads: the main thread reads commands from stdin and answers `prepare` and `stats` itself (a
-prompt's size is bounded; worker_prompts.py); /tokenize and /detokenize, slot files, embeddings and
-the expert profile each get a thread (megabytes of text, or a wait for the engine thread, hold up no
+Threads: the main thread reads commands from stdin, queues each submitted request (prepared by the
+server: serve/prompts.py) and answers `stats` itself; a request with a grammar is compiled first on
+a pool of threads (engine/grammar/grammar_compile.py compiles it once), so a grammar that takes
+seconds holds up no one else's commands; /tokenize and /detokenize, slot files, embeddings and the
+expert profile each get a thread (megabytes of text, or a wait for the engine thread, hold up no
 other command; the server bounds how many wait: serve/supervisor/questions.py); each submitted
 request gets a thread that forwards its events; a heartbeat thread says every BEAT_S seconds how
 long ago the engine loop last moved (see `heartbeat`), for the server's watchdog; every write to
@@ -28,7 +30,6 @@ from typing import Any, BinaryIO
 
 from ..protocol import (
     Answer,
-    ApplyTemplate,
     Beat,
     Cancel,
     Command,
@@ -37,8 +38,6 @@ from ..protocol import (
     EventFrame,
     FrameError,
     GetStats,
-    Prepare,
-    Prepared,
     Ready,
     Rejected,
     Saved,
@@ -61,7 +60,6 @@ from .worker_process import (
     one_line,
     progress_as_frames,
 )
-from .worker_prompts import apply_template, max_token_bytes, prepare, sampling
 
 log = logging.getLogger("strata_jax.serve.worker.worker")
 
@@ -114,8 +112,11 @@ class Worker:
             self.engine.tokenizer.use_chat_template(start.chat_template)
         self.handles: dict[str, Any] = {}
         self._lock = threading.Lock()
-        # threads for prepares that compile a grammar (made at the first)
+        # threads for submits that compile a grammar (made at the first), the ids they compile, and
+        # those of them a Cancel came for meanwhile
         self._grammar_pool = None
+        self._compiling: set[str] = set()
+        self._cancelled_early: set[str] = set()
         # the loop thread dead, or a process of the group gone (serve/worker/group.py): this process
         # ends
         self.engine.when_lost(exit_with_error, exit_group_lost)
@@ -140,7 +141,7 @@ class Worker:
             "bos_token": tk.bos_token, "eos_token": tk.eos_token, "eos_ids": sorted(tk.eos_ids),
             "start_s": round(start_s, 3), "programs_built": programs.get("built", 0),
             "build_s": programs.get("build_seconds", 0.0), "pid": os.getpid(),
-            "choices": eng.runner.choices, "max_token_bytes": max_token_bytes(tk),
+            "choices": eng.runner.choices,
             "compile_cache": compile_cache.counters(),
             "pooling": model_pooling(model.metadata, spec.architecture),     # --pooling auto's
         }
@@ -188,17 +189,19 @@ class Worker:
 
     def handle(self, cmd: Command) -> None:
         match cmd:
-            case Prepare() if cmd.params.grammar or cmd.params.tools:
+            case Submit() if cmd.sampling.grammar is not None:
                 # compiling waits there, not here
-                self._grammar_prepares().submit(self._prepare_apart, cmd)
-            case Prepare():
-                self.writer.send(self.prepare(cmd))
+                with self._lock:
+                    self._compiling.add(cmd.id)
+                self._grammar_submits().submit(self._submit_apart, cmd)
             case Submit():
                 self.submit(cmd)
             # a request's, or an embedding's the server gave up on (its Event)
             case Cancel():
                 with self._lock:
                     h = self.handles.get(cmd.id)
+                    if h is None and cmd.id in self._compiling:
+                        self._cancelled_early.add(cmd.id)
                 if h is not None:
                     (h.set if isinstance(h, threading.Event) else h.cancel)()
             # a thread of its own: commands keep flowing while it waits a window
@@ -211,8 +214,6 @@ class Worker:
             case Tokenize() | Detokenize():
                 threading.Thread(target=self._tokens, args=(cmd,), name="tokenize",
                                  daemon=True).start()
-            case ApplyTemplate():
-                self.writer.send(apply_template(self.engine, cmd))
             # llama.cpp's /slots/N?action=...: between windows, off this thread
             case SlotAction():
                 threading.Thread(target=self._slot_action, args=(cmd,), name="slot-file",
@@ -222,26 +223,26 @@ class Worker:
             case _:
                 raise ValueError(f"no handler for the command {cmd!r}")
 
-    def prepare(self, cmd: Prepare) -> Prepared | Rejected:
-        return prepare(self.engine, cmd)
-
-    def _grammar_prepares(self):
-        """The threads that prepare requests with a grammar (engine/grammar/grammar_compile.py
-        compiles it on its own threads; these wait for it), so a grammar that takes seconds holds up
-        no one else's commands."""
+    def _grammar_submits(self):
+        """The threads that submit requests with a grammar (engine/grammar/grammar_compile.py
+        compiles it on its own threads; these wait for it)."""
         if self._grammar_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._grammar_pool = ThreadPoolExecutor(4, thread_name_prefix="prepare-grammar")
+            self._grammar_pool = ThreadPoolExecutor(4, thread_name_prefix="submit-grammar")
         return self._grammar_pool
 
-    def _prepare_apart(self, cmd: Prepare) -> None:
+    def _submit_apart(self, cmd: Submit) -> None:
         try:
-            self.writer.send(self.prepare(cmd))
+            self.submit(cmd)
         except Exception as e:  # as the command loop does: a bad request must not end the engine
-            log.exception("command Prepare failed")
+            log.exception("command Submit failed")
             self.writer.send(Rejected(cmd.id, "internal",
                                       f"the engine could not take the request: {one_line(e)}"))
+        finally:
+            with self._lock:
+                self._compiling.discard(cmd.id)
+                self._cancelled_early.discard(cmd.id)
 
     def _save_profile(self, cmd: SaveExpertProfile) -> None:
         """The engine thread hands over a copy of the counts between windows; the file is written
@@ -332,11 +333,25 @@ class Worker:
         return self.engine.stats()
 
     def submit(self, cmd: Submit) -> None:
-        p = cmd.params
-        h = self.engine.submit(cmd.ids, **sampling(p, p.max_tokens), progress=p.progress,
-                               cache_salt=p.cache_salt, checkpoint_at=p.checkpoint_at)
+        """A request as the server prepared it, into the engine; a grammar that cannot be compiled
+        is refused (Rejected "invalid", naming the request's field), and the server answers 400.
+        A Cancel that came while its grammar compiled (`_cancelled_early`) is applied here."""
+        from strata_jax.engine.request import RequestError
+
+        try:
+            req = self.engine.prepared_request(cmd.ids, cmd.sampling, cmd.progress, cmd.cache_salt,
+                                               cmd.checkpoint_at)
+        except RequestError as e:
+            grammar = cmd.sampling.grammar or ()
+            field = grammar[2] if len(grammar) > 2 else None
+            self.writer.send(Rejected(cmd.id, "invalid", str(e), param=field))
+            return
+        h = self.engine.enqueue(req)
         with self._lock:
             self.handles[cmd.id] = h
+            cancelled = cmd.id in self._cancelled_early
+        if cancelled:
+            h.cancel()
         threading.Thread(target=self._forward, args=(cmd.id, h), name=f"req-{cmd.id}",
                          daemon=True).start()
 
