@@ -221,3 +221,32 @@ def test_flags_md_holds_the_engine_flag_table_made_from_the_fields():
                      1)[1].split("<!-- /engine flags -->", 1)[0]
     assert held == flag_table(), ("docs/FLAGS.md's engine flags are stale: python -m "
                                   "strata_jax.cli_flags makes them")
+
+
+def _callers(name: str) -> set[str]:
+    """'path:function' of every function in strata_jax that calls or raises `name`."""
+    out = set()
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id == name):
+                    out.add(f"{path.relative_to(PKG)}:{fn.name}")
+    return out
+
+
+def test_the_context_is_checked_in_one_place_a_path():
+    """issue 35: a generation request's context check is engine/prompt.py's fit_context, called
+    once a path: by the server's prompt maker for the server's requests (the engine process then
+    runs them as they are: the worker and prepared_request call no check), by make_request for the
+    Python API's (and by the embeddings and research logits, for their own token lists);
+    ContextOverflowError is raised there alone."""
+    assert _callers("fit_context") == {"serve/prompts.py:prepare", "engine/core.py:make_request",
+                                       "serve/worker/mock_prompts.py:prepare",
+                                       "engine/engine.py:embed",
+                                       "engine/engine.py:_ask_engine_thread"}
+    assert _callers("ContextOverflowError") == {"engine/prompt.py:fit_context"}
+    assert _callers("refuse_if_too_long") == {"serve/prompts.py:prepare"}

@@ -263,3 +263,37 @@ def test_an_engine_that_sends_a_malformed_frame_is_stopped_and_says_which():
     assert fault.error_line.startswith("ERR the engine's answers could not be read: a malformed "
                                        "'ready' frame")
     assert "$.info" in fault.error_line and fault.exit_code == -9
+
+
+def _types_in(hint) -> list:
+    """Every type a type hint names, nested ones and a dataclass's or struct's fields' included."""
+    import dataclasses
+
+    out, stack, seen = [], [hint], set()
+    while stack:
+        h = stack.pop()
+        if id(h) in seen:
+            continue
+        seen.add(id(h))
+        out.append(h)
+        stack += typing.get_args(h)
+        origin = typing.get_origin(h)
+        if origin is not None:
+            out.append(origin)
+        if isinstance(h, type) and (dataclasses.is_dataclass(h) or issubclass(h, msgspec.Struct)):
+            stack += typing.get_type_hints(h).values()
+    return out
+
+
+def test_no_dict_of_a_request_crosses_the_pipe():
+    """issue 35: a request goes to the engine as one Submit, typed to its last field (the engine's
+    own SamplingParams); no dict, no Any anywhere in it."""
+    found = _types_in(Submit)
+    assert SamplingParams in found
+    assert dict not in found and typing.Any not in found, found
+    # (the check sees one: a struct with a dict of parameters)
+
+    class Loose(msgspec.Struct):
+        params: dict[str, typing.Any]
+
+    assert dict in _types_in(Loose)

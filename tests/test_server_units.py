@@ -258,6 +258,24 @@ def test_mock_queue_never_runs_more_than_parallel():
     assert sorted(t.started for t in tickets) == [t.started for t in tickets]
 
 
+def test_a_request_crosses_the_pipe_to_the_engine_once():
+    """issue 35: the server renders, tokenizes and checks a request itself (here the mock's prompt
+    maker); the engine gets one frame for it, its Submit, and answers with its events."""
+    async def go(sup):
+        await sup.wait_ready(time.monotonic() + 20)
+        sent = []
+        engine = sup._engine
+        real = engine.send
+        engine.send = lambda cmd: sent.append(type(cmd).__name__) or real(cmd)
+        t = await _ask(sup, "hello", 3)
+        events = await _drain(t)
+        return list(sent), events, t
+
+    sent, events, t = _run(go)
+    assert sent == ["Submit"] and t.submit.ids == [ord(c) for c in "hello"]
+    assert [e.kind for e in events] == ["token"] * 3 + ["final"]
+
+
 def test_mock_engine_exit_fails_running_and_serves_queued():
     async def go(sup):
         crash, other = await _ask(sup, "EXIT now", 50), await _ask(sup, "long", 400)

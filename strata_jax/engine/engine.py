@@ -24,7 +24,8 @@ from ..gguf import GGUFModel
 from . import at_exit, slot_files
 from .core import EngineCore
 from .execute.embeddings import POOLINGS
-from .request import ContextOverflowError, Event, Handle, Request
+from .prompt import fit_context
+from .request import Event, Handle, Request
 from .schedule.output import first_line
 
 log = logging.getLogger("strata_jax.engine")
@@ -146,8 +147,7 @@ class Engine(EngineCore):
         checked = []
         for ids in inputs:
             ids = self.prompt_ids([int(t) for t in ids])
-            if len(ids) > self.config.max_context:
-                raise ContextOverflowError(len(ids), 0, self.config.max_context)
+            fit_context(len(ids), 0, self.config.max_context)
             checked.append(ids)
         return self._ask("embed", checked, pooling, int(normalize), cancel)
 
@@ -155,8 +155,7 @@ class Engine(EngineCore):
         """Run a logits job on the engine thread (which alone touches the device) and wait for its
         answer."""
         ids = self.prompt_ids([int(t) for t in token_ids])
-        if len(ids) > self.config.max_context:
-            raise ContextOverflowError(len(ids), 0, self.config.max_context)
+        fit_context(len(ids), 0, self.config.max_context)
         return self._ask(kind, ids)
 
     def _ask(self, kind: str, *args):

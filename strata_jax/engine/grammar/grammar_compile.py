@@ -1,6 +1,6 @@
-"""Compiling a request's grammar: once, off the engine process's command thread, on threads with a
-large stack, the result kept for the request's check at prepare, its constraint at submit and its
-matcher.
+"""Compiling a request's grammar: once, when the request reaches the engine (the worker's submit,
+off the engine process's command thread), on threads with a large stack, the result kept so that the
+same grammar again (a request's other choices, the next request) is not compiled again.
 
 Why each part (issue 32):
 - llguidance compiles by recursion on the calling thread's stack, about 2 KB a level of a chain of
@@ -10,13 +10,14 @@ Why each part (issue 32):
   depth are bounded too (gbnf.py).
 - A grammar was converted and compiled three times a request (prepare, submit, the matcher); now
   once: each request gets a deep copy of the one fresh matcher kept by (kind, text) in a small LRU,
-  errors kept too.
+  errors kept too. The server does not compile it (issue 35: serve/prompts.py checks everything
+  else); a grammar the engine cannot compile is refused at submit, and the server answers 400.
 - A schema can compile and still fail its first tokens (`{"type": "string", "pattern":
   "^(a{1000}){1000}$"}`: the lexer runs out of fuel deriving the pattern after the opening quote,
   "too many expressions constructed"). The check builds the real matcher and walks PROBE_TOKENS of
   it, each time taking the allowed token of most bytes, and does the same for each of a schema's
   patterns alone (one behind an alternative the walk does not take): what fails there is a 400 at
-  admission, not a 500 mid-answer.
+  submit, not a 500 mid-answer.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .gbnf import MAX_DEPTH, MAX_RULES, GrammarTooLarge, gbnf_to_lark
 STACK_BYTES = 256 << 20
 # grammars compiled at once: one huge grammar leaves room for another request's
 THREADS = 2
-# compiled grammars kept (prepare and submit of one request come moments apart)
+# compiled grammars kept (a request's n choices and repeated schemas come moments apart)
 CACHE_ENTRIES = 64
 PROBE_TOKENS = 8            # tokens of the real matcher walked at the check
 

@@ -42,7 +42,9 @@ def handlers(sup: Any, names: Any, json_body: Any, metrics: Any, pooling_flag: s
 
     async def run(body: dict[str, Any], key: str) -> tuple[list, list[int], int]:
         inputs = parse_inputs(body.get(key), key)
-        _refuse_if_too_long(inputs, key, sup.config.max_context, sup.info.get("max_token_bytes"))
+        # (the server's tokenizer's bound: serve/prompts.py; none before the first engine is ready)
+        _refuse_if_too_long(inputs, key, sup.config.max_context,
+                            getattr(sup.prompts, "max_token_bytes", None))
         how = body.get("embd_normalize", 2)
         if isinstance(how, bool) or not isinstance(how, int) or not -1 <= how <= 1000:
             raise invalid(f"embd_normalize = {shown(how)}: -1 (none), 0 (max abs), 1 (taxicab), 2 "
