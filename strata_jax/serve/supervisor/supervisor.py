@@ -122,6 +122,7 @@ class Supervisor:
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._loading: asyncio.Task | None = None       # the prompt maker's load (_load_prompts)
         self.answers = Answers(self._send)         # commands waiting for the engine's reply, by id
         self._ids = itertools.count(1)
         self._crashes = 0
@@ -240,7 +241,8 @@ class Supervisor:
             case Ready(info=info):
                 self.info = info
                 if self.prompts is None:
-                    asyncio.create_task(self._load_prompts(self.generation))
+                    # (held: the loop keeps only a weak reference to a task)
+                    self._loading = asyncio.create_task(self._load_prompts(self.generation))
                 else:
                     self._now_ready()
 
