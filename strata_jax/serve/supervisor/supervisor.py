@@ -1,7 +1,8 @@
 """The engine supervisor: runs the engine in a child process, talks to it, and starts it again when
 it stops.
 
-Everything here runs on the server's event loop; no threads, no locks. A request goes:
+Everything here runs on the server's event loop; no locks (a request's prepare runs on a thread,
+over the prompt maker alone, which nothing writes after its load). A request goes:
 
     prepare   the server renders, tokenizes and checks it with its own tokenizer (serve/prompts.py,
               on a thread; a 4xx answer comes at once, even when every slot is busy)
@@ -305,10 +306,13 @@ class Supervisor:
 
     async def apply_template(self, messages: list, params: RequestParams,
                              chat_template_kwargs: dict | None, deadline: float) -> str:
-        """llama.cpp's /apply-template: the text a chat renders to, as prepare renders it."""
-        prompts = await self._prompts(deadline)
-        return await asyncio.to_thread(prompts.apply_template, messages, params,
-                                       chat_template_kwargs)
+        """llama.cpp's /apply-template: the text a chat renders to, as prepare renders it (a place
+        in the queue while it does, as a request's prepare)."""
+        self.seats.admit()
+        with self.seats.preparing():
+            prompts = await self._prompts(deadline)
+            return await asyncio.to_thread(prompts.apply_template, messages, params,
+                                           chat_template_kwargs)
 
     async def _prompts(self, deadline: float) -> Prompts:
         """The prompt maker, once an engine is ready to take what it makes (a request that comes
