@@ -297,29 +297,26 @@ class Supervisor:
         ApiError (4xx for bad requests, 503 when no engine is ready before the deadline). text: the
         prompt's text comes back too. places: its n choices, each a place in the queue (enqueue's
         `holds` keeps them)."""
-        # 503 at once beyond --max-queue waiting (seats.py)
-        self.seats.admit(places)
-        with self.seats.preparing(places):
-            prompts = await self._prompts(deadline)
-            return await asyncio.to_thread(prompts.prepare, prompt, params, chat_template_kwargs,
-                                           text)
+        return await self._with_prompts(places, "prepare", prompt, params, chat_template_kwargs,
+                                        text, deadline=deadline)
 
     async def apply_template(self, messages: list, params: RequestParams,
                              chat_template_kwargs: dict | None, deadline: float) -> str:
         """llama.cpp's /apply-template: the text a chat renders to, as prepare renders it (a place
         in the queue while it does, as a request's prepare)."""
-        self.seats.admit()
-        with self.seats.preparing():
-            prompts = await self._prompts(deadline)
-            return await asyncio.to_thread(prompts.apply_template, messages, params,
-                                           chat_template_kwargs)
+        return await self._with_prompts(1, "apply_template", messages, params,
+                                        chat_template_kwargs, deadline=deadline)
 
-    async def _prompts(self, deadline: float) -> Prompts:
-        """The prompt maker, once an engine is ready to take what it makes (a request that comes
-        while the engine starts or restarts waits here, and is told why at its deadline)."""
-        await self.wait_ready(deadline)
-        assert self.prompts is not None
-        return self.prompts
+    async def _with_prompts(self, places: int, method: str, *args: Any, deadline: float) -> Any:
+        """The prompt maker's `method` on a thread, once an engine is ready to take what it makes (a
+        request that comes while the engine starts or restarts waits, and is told why at its
+        deadline), holding `places` in the queue meanwhile (503 at once beyond --max-queue:
+        seats.py)."""
+        self.seats.admit(places)
+        with self.seats.preparing(places):
+            await self.wait_ready(deadline)
+            assert self.prompts is not None
+            return await asyncio.to_thread(getattr(self.prompts, method), *args)
 
     def enqueue(self, rid: str, prepared: Prepared, params: RequestParams, deadline: float,
                 holds: int = 0) -> Ticket:
