@@ -65,9 +65,21 @@ OTHER_LEVELS = {"generic": []}
 MODULE = "pallas_kernels.cpu._strata_cpu_"
 
 
+# STRATA_CPU_LEVELS=scalar,avx2 builds only those levels (the base level is always built): a
+# quicker install for a machine that will only ever run those, and the clean-checkout test's build.
+LEVELS_ENV = "STRATA_CPU_LEVELS"
+
+
 def levels() -> dict[str, list[str]]:
     """The levels to build on this machine, base level first."""
-    return X86_LEVELS if platform.machine().lower() in ("x86_64", "amd64") else OTHER_LEVELS
+    known = X86_LEVELS if platform.machine().lower() in ("x86_64", "amd64") else OTHER_LEVELS
+    asked = [x.strip() for x in os.environ.get(LEVELS_ENV, "").split(",") if x.strip()]
+    unknown = [x for x in asked if x not in known]
+    if unknown:
+        raise SystemExit(f"{LEVELS_ENV}={os.environ[LEVELS_ENV]!r}: unknown level(s) {unknown} "
+                         f"(this machine builds {list(known)})")
+    base = next(iter(known))
+    return {k: v for k, v in known.items() if not asked or k == base or k in asked}
 
 
 def ffi_include_dir() -> Path:
