@@ -288,6 +288,7 @@ def add_serve(sub: Subparsers) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from strata_jax.cli_flags import engine_config
     from strata_jax.engine.families import family_config
+    from strata_jax.engine.host_memory import check_flags
     from strata_jax.gguf import GGUFModel, load_tokenizer
     from strata_jax.serve import serve
 
@@ -299,6 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model = GGUFModel.open(path)
     model.spec.check_runnable(path)
     family_config(engine, model.spec)
+    check_flags(engine, model.spec.is_moe)           # host memory the flags ask for, refused now
     load_tokenizer(model.metadata)
     server = ServerConfig(model=path, host=args.host, port=args.port, api_key=_api_key(args),
                           model_name=args.model_name, model_tags=args.tags, webui=args.webui,

@@ -80,6 +80,11 @@ FLAGS = {
                        "again stepped); always: every window layer by layer"),
     "resident_budget_gib": Flag("G", "host RAM for experts, GiB; the rest is read from the GGUF "
                                      "file in place", "all"),
+    "memory_limit_gib": Flag("G", "host memory the engine may plan for, GiB: a start whose KV "
+                             "cache, weight copies, --resident-budget-gib and conversation cache "
+                             "(and a 1 GiB runtime reserve) exceed it is refused with the figures. "
+                             "The file's own pages are not counted (a model larger than RAM runs "
+                             "from its file)", "the memory cgroup's limit, else the RAM"),
     "pool_workers": Flag("N", "file-tier reader threads"),
     "vram_reserve_mib": Flag("M", "device memory kept free, MiB"),
     "device_memory_mib": Flag("M", "a device-memory budget the engine's ledger enforces, MiB (how "
@@ -176,7 +181,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                            help=f"{FLAGS[f.name].help} (default {_shown(f.name, default)})")
             continue
         kind = {"int": int, "float": float}.get(type(default).__name__, str)
-        if f.name in ("resident_budget_gib", "device_memory_mib"):
+        if f.name in ("resident_budget_gib", "device_memory_mib", "memory_limit_gib"):
             kind = float
         if f.name == "kv_resident":
             kind = int

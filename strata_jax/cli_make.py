@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from dataclasses import fields
 
 _MAKE_MODEL_HELP = {
@@ -22,6 +24,9 @@ _MAKE_MODEL_HELP = {
     "more_bits_quant": "as llama.cpp's Q4_K_M: type of ffn_down (dense, shared, experts) and "
                        "attn_v in the layers it gives more bits (i < n/8, i >= 7n/8, (i - n/8) %% "
                        "3 == 2); e.g. --quant Q4_K --more-bits-quant Q6_K", "seed": "random seed",
+    "router_skew": "0: uniform expert popularity; > 0: expert i's router row scaled by "
+                   "(rank+1)^-SKEW (0.5: the hottest tenth of the experts get ~40%% of the "
+                   "routings, token by token). Neither is a real model's routing",
     "split": "write N parts in llama.cpp's gguf-split layout",
     "tokenizer_from": "copy tokenizer.* keys (and the vocabulary size) from this GGUF instead of "
                       "the built-in byte-level BPE", "name": "general.name",
@@ -47,6 +52,7 @@ _MAKE_MODEL_HELP = {
 
 def add_make_model(sub: argparse._SubParsersAction) -> None:
     from strata_jax.makers.make_model import ARCHS, ModelOptions
+    from strata_jax.makers.shapes import SHAPES
 
     p = sub.add_parser("make-model", help="write a synthetic GGUF with random weights",
                        description="Write a GGUF model with random weights (random quant blocks "
@@ -54,6 +60,9 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
                                    "weight whose rows are not whole blocks of the chosen type is "
                                    "stored as F16 instead (and said so).")
     p.add_argument("out", help="output path (with --split N: OUT-0000i-of-0000N.gguf next to it)")
+    p.add_argument("--shape", choices=list(SHAPES), default=None,
+                   help="start from a real model's sizes (random weights; the other flags "
+                        "override it), e.g. --shape qwen3-30b-a3b --quant Q8_0 --split 3")
     defaults = ModelOptions()
     for f in fields(ModelOptions):
         flag = "--" + f.name.replace("_", "-")
@@ -69,7 +78,7 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=_MAKE_MODEL_HELP.get(f.name, ""))
             continue
-        kind = {"rope_theta": float, "rms_eps": float,
+        kind = {"rope_theta": float, "rms_eps": float, "router_skew": float,
                 "expert_weights_scale": float}.get(f.name, str if f.name in (
             "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "more_bits_quant",
             "tokenizer_from", "name") else int)
@@ -83,16 +92,36 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
 def run_make_model(args: argparse.Namespace) -> int:
     from strata_jax.gguf import GGUFModel
     from strata_jax.gguf.summary import fmt_bytes
-    from strata_jax.makers.make_model import ModelOptions, make_model
+    from strata_jax.makers.make_model import ModelOptions, make_model, model_bytes
 
     options = {f.name: getattr(args, f.name) for f in fields(ModelOptions) if hasattr(args, f.name)}
-    paths = make_model(args.out, **options)
+    print(f"writing {fmt_bytes(model_bytes(args.shape, **options))} of weights to {args.out}",
+          flush=True)
+    paths = make_model(args.out, shape=args.shape, progress=ProgressLine(), **options)
     model = GGUFModel.open(paths[0])
     for p in paths:
         print(f"wrote {p} ({fmt_bytes(p.stat().st_size)})")
     print(f"{model.spec.architecture}: {sum(t.n_values for t in model.tensors.values()):,} "
           f"parameters in {len(model.tensors)} tensors")
     return 0
+
+
+class ProgressLine:
+    """make_model's progress on one stderr line, redrawn at most twice a second: GiB written, of
+    how many, and the rate."""
+
+    def __init__(self) -> None:
+        self.started = self.shown = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.shown < 0.5 and done < total:
+            return
+        self.shown = now
+        rate = done / max(now - self.started, 1e-9) / 2**20
+        end = "\n" if done >= total else ""
+        print(f"\r  {done / 2**30:7.2f} / {total / 2**30:.2f} GiB  {100 * done / total:5.1f}%  "
+              f"{rate:6.0f} MiB/s", end=end, file=sys.stderr, flush=True)
 
 
 def add_upcycle(sub: argparse._SubParsersAction) -> None:

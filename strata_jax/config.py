@@ -114,6 +114,8 @@ class EngineConfig:
     # expert tiers: auto (one program a window where it can) | always (layer by layer)
     layer_step: str = "auto"
     resident_budget_gib: float | None = None   # host RAM for experts (None: all of them)
+    # host memory the engine may plan for (None: the memory cgroup's limit, else the machine's RAM)
+    memory_limit_gib: float | None = None
     pool_workers: int = 4                # reader threads for the file tier
     vram_reserve_mib: int = 700          # device memory kept free
     # a device-memory budget the engine's ledger enforces (MiB)
@@ -226,6 +228,8 @@ class EngineConfig:
              "default; lru: plain LRU)")
         need(self.resident_budget_gib is None or self.resident_budget_gib >= 0,
              "resident_budget_gib", self.resident_budget_gib, "must be >= 0")
+        need(self.memory_limit_gib is None or self.memory_limit_gib > 0, "memory_limit_gib",
+             self.memory_limit_gib, "must be a positive number of GiB")
         need(isinstance(self.pool_workers, int) and 1 <= self.pool_workers <= 64, "pool_workers",
              self.pool_workers, "must be 1 to 64")
         need(self.vram_reserve_mib >= 0, "vram_reserve_mib", self.vram_reserve_mib, "must be >= 0")

@@ -150,3 +150,88 @@ def test_more_bits_quant_flag(tmp_path, capsys):
     others = {t[f"blk.{i}.{n}.weight"].qtype.name for i in range(3)
               for n in ("attn_q", "ffn_gate_exps", "ffn_up_shexp")}
     assert others == {"Q4_K"}
+
+
+def test_a_shape_writes_the_real_models_sizes(tmp_path, capsys):
+    """--shape qwen3-30b-a3b: Qwen3-30B-A3B's sizes (its config.json), the other flags over it; the
+    whole model's bytes are its real file's (Q4_K ~16, Q8_0 ~30 GiB: docs/BENCHMARKS.md's large
+    models); progress is reported to the last byte."""
+    from strata_jax.cli import main
+    from strata_jax.makers.make_model import model_bytes
+
+    assert 15.5 * 2**30 < model_bytes("qwen3-30b-a3b") < 17 * 2**30
+    assert 29.5 * 2**30 < model_bytes("qwen3-30b-a3b", quant="Q8_0") < 31 * 2**30
+    assert 42 * 2**30 < model_bytes("qwen3-next-80b-a3b") < 44 * 2**30
+    seen: list[tuple[int, int]] = []
+    small = {"layers": 1, "experts": 8, "vocab": 1024}
+    (path,) = make_model(tmp_path / "s.gguf", shape="qwen3-30b-a3b", progress=lambda d, t:
+                         seen.append((d, t)), **small)
+    spec = GGUFModel.open(path).spec
+    assert (spec.architecture, spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim,
+            spec.n_experts, spec.n_experts_used, spec.expert_ffn) == (
+        "qwen3moe", 2048, 32, 4, 128, 8, 8, 768)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert seen[-1] == (model_bytes("qwen3-30b-a3b", **small),) * 2
+    with pytest.raises(ValueError, match="--shape 'qwen9' is not one of qwen3-30b-a3b"):
+        make_model(tmp_path / "x.gguf", shape="qwen9")
+    assert main(["make-model", str(tmp_path / "c.gguf"), "--shape", "qwen3-next-80b-a3b",
+                 "--layers", "1", "--experts", "16", "--vocab", "1024", "--nextn", "0"]) == 0
+    out = capsys.readouterr()
+    assert "writing " in out.out and "GiB" in out.err       # the size first, then the progress line
+    spec = GGUFModel.open(tmp_path / "c.gguf").spec
+    assert (spec.architecture, spec.n_experts, spec.n_experts_used) == ("qwen3next", 16, 10)
+
+
+def test_a_model_the_disk_cannot_hold_is_refused_before_a_byte(tmp_path, monkeypatch):
+    import shutil
+
+    from strata_jax.makers import make_model as mm
+
+    real = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(mm.shutil, "disk_usage", lambda p: real._replace(free=50 << 20))
+    with pytest.raises(ValueError, match=r"needs 0\.\d\d GiB of disk and .* has 0\.05 GiB free"):
+        make_model(tmp_path / "big.gguf", layers=4, hidden=1024, ffn=1024)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q6_K", "IQ4_XS", "Q2_K"])
+def test_fast_random_blocks_are_valid_weights_of_the_std_asked(qtype):
+    """random_blocks_fast (make-model's generator for tensors of 32 MiB and more): finite values
+    (gguf.quants' dequantization), mean ~0, the std asked for, block scales spread by the jitter."""
+    from gguf import quants as gq
+
+    from pallas_kernels.random_blocks import random_blocks_fast
+    from quant_types import as_qtype
+
+    b = random_blocks_fast(qtype, (64, 1024), np.random.default_rng(1), std=0.05)
+    w = gq.dequantize(b, as_qtype(qtype)).reshape(64, -1)
+    assert np.isfinite(w).all()
+    assert abs(w.mean()) < 0.005 and 0.045 < w.std() < 0.055, (w.mean(), w.std())
+    per_block = w.reshape(-1, 256).std(axis=1)
+    assert per_block.max() > 1.5 * per_block.min()
+
+
+def test_router_skew_makes_some_experts_hot_token_by_token(tmp_path):
+    """--router-skew 0.5: router rows scaled in a random order a layer, so the top-k choices of
+    random hidden states concentrate (the hottest tenth of the experts get far more than a tenth);
+    0 keeps every expert about as popular."""
+    def share_of_hottest_tenth(path: Path) -> list[float]:
+        t = GGUFModel.open(path).tensors
+        shares = []
+        for i in range(2):
+            w = t[f"blk.{i}.ffn_gate_inp.weight"].dequantize()                 # [experts, hidden]
+            x = np.random.default_rng(i).standard_normal((4000, w.shape[1]))
+            top = np.argpartition(-(x @ w.T), 4, axis=1)[:, :4]
+            counts = np.sort(np.bincount(top.ravel(), minlength=w.shape[0]))[::-1]
+            shares.append(counts[: w.shape[0] // 10].sum() / counts.sum())
+        return shares
+
+    opts = {"arch": "qwen3moe", "layers": 2, "experts": 40, "experts_used": 4}
+    (skewed,) = make_model(tmp_path / "s" / "m.gguf", router_skew=0.5, **opts)
+    (uniform,) = make_model(tmp_path / "u" / "m.gguf", **opts)
+    assert all(s > 0.25 for s in share_of_hottest_tenth(skewed))
+    assert all(s < 0.2 for s in share_of_hottest_tenth(uniform))
+    t = GGUFModel.open(skewed).tensors
+    hot = [int(np.argmax(np.linalg.norm(t[f"blk.{i}.ffn_gate_inp.weight"].dequantize(), axis=1)))
+           for i in range(2)]
+    assert hot[0] != hot[1]                            # each layer has its own hot experts

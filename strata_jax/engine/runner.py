@@ -27,7 +27,7 @@ from ..config import ConfigError, EngineConfig
 from ..experts.profile import ExpertProfile
 from ..gguf import GGUFModel
 from ..model import RunOptions, load_nextn_experts, load_params
-from .choices import KV_DTYPES, resolve
+from .choices import KV_DTYPES, packable_bytes, resolve
 from .distributed.devices import (
     AXIS,
     ExpertShards,
@@ -48,6 +48,7 @@ from .execute.programs import Layout, ProgramCache
 from .execute.stepped import LayerStepper
 from .families import is_hybrid
 from .faults import Faults
+from .host_memory import GiB, HostNeeds, memory_limit
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -86,6 +87,13 @@ class ModelRunner:
         # (kv_host.py)
         self.device_len = min(cfg.kv_resident or self.cache_len, self.cache_len)
         self.faults = Faults()
+        self.kv_dtype = KV_DTYPES[self.choices["kv"]]
+        # a hybrid family with --spec keeps its DeltaNet state after each token of a verify window
+        # (keep_steps)
+        steps = 1 + cfg.spec if is_hybrid(self.spec) and cfg.spec > 0 else 0
+        # what the flags ask of host RAM, refused here with the figures when it cannot fit
+        _host_needs(model, cfg, self.choices, self.kv_dtype, self.device_len, self.cache_len,
+                    steps).check(memory_limit(cfg.memory_limit_gib))
         self.ledger = ledger_for(cfg, self.split, len(devs))
         # The routed experts are placed after the weights and the KV cache: all on the device when
         # they fit (--expert-cache auto), else in a device arena fed by the host and file tiers
@@ -93,10 +101,6 @@ class ModelRunner:
         self.params = load_params(model, self.choices["weights"], self.choices["dtype"], progress,
                                   experts=False, pack=self.choices["pack"])
         self.ledger.reserve_bytes("weights", _tree_bytes(self.params), "the model's weights")
-        self.kv_dtype = KV_DTYPES[self.choices["kv"]]
-        # a hybrid family with --spec keeps its DeltaNet state after each token of a verify window
-        # (keep_steps)
-        steps = 1 + cfg.spec if is_hybrid(self.spec) and cfg.spec > 0 else 0
         self.ledger.reserve_bytes("kv", kv_bytes(self.spec, self.kv_dtype, cfg.parallel,
                                                  self.device_len, steps),
                                   f"the KV cache of {cfg.parallel} slots ({self.device_len} "
@@ -347,3 +351,29 @@ class ModelRunner:
 
 def _tree_bytes(tree) -> int:
     return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(tree))
+
+
+def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, device_len: int,
+                cache_len: int, steps: int) -> HostNeeds:
+    """What the flags ask for in host RAM (engine/host_memory.py): on a CPU device the KV cache and
+    any weight copies are host RAM too; on any device the host part of the KV (--kv-resident), the
+    host expert tier's budget and the conversation cache."""
+    spec, items = model.spec, {}
+    if jax.default_backend() == "cpu":
+        items[f"the KV cache ({cfg.parallel} slots x {device_len} positions)"] = kv_bytes(
+            spec, kv_dtype, cfg.parallel, device_len, steps)
+        if choices["weights"] == "dequantized":
+            items["the dequantized weights"] = np.dtype(choices["dtype"]).itemsize * sum(
+                t.n_values for t in model.tensors.values())
+        elif choices.get("pack"):
+            items["the packed weights"] = packable_bytes(model)
+    if device_len < cache_len:
+        items[f"the KV kept in host RAM ({cache_len - device_len} positions a slot)"] = kv_bytes(
+            spec, kv_dtype, cfg.parallel, cache_len - device_len)
+    if spec.is_moe and cfg.resident_budget_gib:
+        items[f"--resident-budget-gib {cfg.resident_budget_gib:g}"] = int(
+            cfg.resident_budget_gib * GiB)
+    if cfg.conversation_cache_mib:
+        items[f"--conversation-cache-mib {cfg.conversation_cache_mib}"] = (
+            cfg.conversation_cache_mib << 20)
+    return HostNeeds(items)

@@ -8,13 +8,16 @@ blocks with sane scales (`pallas_kernels.random_blocks`), std 1/sqrt(fan_in) so 
 logits stay O(1); norms are F32 ones plus a little noise, and routers F32 as llama.cpp's quantizer
 leaves them. Tensors are written one at a time, so a model larger than RAM can be made. `split=N`
 writes N parts in llama.cpp's gguf-split layout (OUT-00001-of-0000N.gguf ..., metadata in part 1,
-split.no/count/tensors.count in each).
+split.no/count/tensors.count in each). `shape=` starts from a real model's sizes (makers/shapes.py);
+tensors of 32 MiB or more take the fast generator (random_blocks_fast), a progress callback hears
+each tensor written, and the free disk is checked before the first byte.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import shutil
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,12 +27,13 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter, LlamaFileType
 
-from pallas_kernels.random_blocks import random_blocks
+from pallas_kernels.random_blocks import random_blocks, random_blocks_fast
 from quant_types import QType, as_qtype, block_size, type_size
 from strata_jax.gguf.header import ValueType
 from strata_jax.gguf.spec import READ_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 from .hybrid import HYBRID_ARCHS, hybrid_keys, hybrid_layer_tensors
+from .shapes import with_shape
 from .tiny_tokenizer import tiny_tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,9 @@ GLM_ONLY = ("leading_dense", "nextn", "nextn_head", "qk_norm", "rope_dims", "exp
 # of GLM_ONLY, the flags the hybrid families take as well
 HYBRID_TOO = ("rope_dims", "nextn", "nextn_head")
 DENSE_ONLY_ARCHS = ("qwen2", "qwen3")
+# a weight this large is made by random_blocks_fast (only realistic shapes have such tensors: the
+# tests' tiny models keep random_blocks' stream)
+FAST_BYTES = 32 << 20
 _PRE_TOKENIZER = {"llama": "llama-bpe"}  # the qwen families: "qwen2"
 
 
@@ -75,6 +82,11 @@ class ModelOptions:
     more_bits_quant: str | None = None
     tied: bool = False  # no output.weight: the output projection is token_embd
     seed: int = 0
+    # 0: every router row the same scale (uniform popularity). > 0: expert i's router row (in a
+    # random order a layer) scaled by (rank+1)^-skew, so those experts' logits spread wider and win
+    # the top-k more often, token by token (0.5: the hottest tenth of the experts get ~40% of the
+    # routings). Neither is a real model's routing.
+    router_skew: float = 0.0
     split: int = 1
     tokenizer_from: str | Path | None = None
     name: str | None = None
@@ -107,6 +119,8 @@ class ModelOptions:
             raise ValueError(f"{self.arch} needs --experts of at least 2 (got {experts})")
         if experts and not 1 <= self.experts_used <= experts:
             raise ValueError(f"--experts-used must be 1..{experts} (got {self.experts_used})")
+        if not 0.0 <= self.router_skew <= 4.0:
+            raise ValueError(f"--router-skew must be 0 (uniform) to 4 (got {self.router_skew})")
         for flag in ("layers", "hidden", "heads", "kv_heads", "ffn", "expert_ffn", "shared_ffn",
                      "context", "split"):
             if getattr(self, flag) < 1:
@@ -184,10 +198,14 @@ class ModelOptions:
                        rope_dims=rope_dims, expert_weights_scale=1.0)
 
 
-def make_model(out_path: str | Path, **options: Any) -> list[Path]:
+Progress = Callable[[int, int], None]     # (bytes of tensor data written, of all of it)
+
+
+def make_model(out_path: str | Path, shape: str | None = None, progress: Progress | None = None,
+               **options: Any) -> list[Path]:
     """Write a random-weight GGUF model; return the files written (one, or `split` parts in order).
-    Options are `ModelOptions`' fields."""
-    o = ModelOptions(**options).resolved()
+    Options are `ModelOptions`' fields, over a real model's (`shape`: makers/shapes.py)."""
+    o = ModelOptions(**with_shape(shape, options)).resolved()
     tokenizer_keys = _tokenizer_keys(o)
     vocab = len(tokenizer_keys["tokenizer.ggml.tokens"][0])
     plan = _plan_tensors(o, vocab)
@@ -197,6 +215,8 @@ def make_model(out_path: str | Path, **options: Any) -> list[Path]:
     _report_fallbacks(plan)
 
     out_path = Path(out_path)
+    total = sum(t.n_bytes for t in plan)
+    _check_free_disk(out_path, total)
     writer = GGUFWriter(out_path, o.arch)
     for key, (value, (vtype, sub)) in (_model_keys(o, vocab) | tokenizer_keys).items():
         writer.add_key_value(key, value, vtype, sub)
@@ -212,12 +232,35 @@ def make_model(out_path: str | Path, **options: Any) -> list[Path]:
     writer.write_header_to_file(out_path)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    done = 0
     for t in plan:
         # independent of the other tensors
         rng = np.random.default_rng([o.seed, zlib.crc32(t.name.encode())])
         writer.write_tensor_data(t.make(rng))
+        done += t.n_bytes
+        if progress is not None:
+            progress(done, total)
     writer.close()
     return paths
+
+
+def model_bytes(shape: str | None = None, **options: Any) -> int:
+    """The tensor data make_model would write for these options (the header adds a few MB at
+    most: the vocabulary)."""
+    o = ModelOptions(**with_shape(shape, options)).resolved()
+    vocab = len(_tokenizer_keys(o)["tokenizer.ggml.tokens"][0])
+    return sum(t.n_bytes for t in _plan_tensors(o, vocab))
+
+
+def _check_free_disk(out_path: Path, needed: int) -> None:
+    """ValueError with both figures when the folder cannot hold the model (with 1% and 64 MiB to
+    spare: the header, and the file system's own)."""
+    folder = out_path.parent if out_path.parent.exists() else Path.cwd()
+    free = shutil.disk_usage(folder).free
+    if needed * 1.01 + (64 << 20) > free:
+        raise ValueError(f"the model needs {needed / 2**30:.2f} GiB of disk and {folder} has "
+                         f"{free / 2**30:.2f} GiB free: free some, pick a smaller shape or "
+                         "quant, or write it elsewhere")
 
 
 @dataclass(frozen=True)
@@ -250,12 +293,17 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
 
     def weight(name: str, shape: tuple[int, ...], qtype: QType, std: float) -> _Planned:
         fitted = qtype if shape[-1] % block_size(qtype) == 0 else _fallback(qtype)
+        n_bytes = math.prod(shape) // block_size(fitted) * type_size(fitted)
+        blocks = random_blocks_fast if n_bytes >= FAST_BYTES else random_blocks
         return _Planned(name, shape, fitted,
-                        lambda rng: random_blocks(fitted, shape, rng, std=std), qtype)
+                        lambda rng: blocks(fitted, shape, rng, std=std), qtype)
 
     def f32(name: str, shape: tuple[int, ...], mean: float, std: float) -> _Planned:
         def make(rng: np.random.Generator) -> np.ndarray:
-            return (mean + std * rng.standard_normal(shape)).astype(np.float32).view(np.uint8)
+            w = (mean + std * rng.standard_normal(shape)).astype(np.float32)
+            if o.router_skew and name.endswith("ffn_gate_inp.weight"):   # a MoE layer's router
+                w *= router_row_scales(shape[0], o.router_skew, rng)[:, None]
+            return w.view(np.uint8)
         return _Planned(name, shape, QType.F32, make, QType.F32)
 
     def norm(name: str, shape: tuple[int, ...]) -> _Planned:
@@ -314,6 +362,14 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
     if not o.tied:
         plan.append(weight("output.weight", (vocab, h), embed_q, 1 / math.sqrt(h)))
     return plan
+
+
+def router_row_scales(n_experts: int, skew: float, rng: np.random.Generator) -> np.ndarray:
+    """float32 [n_experts]: (rank+1)^-skew in a random order, scaled to a mean square of 1 (so
+    the logits' overall spread stays what a uniform router's is)."""
+    s = (np.arange(n_experts) + 1.0) ** -skew
+    s /= np.sqrt(np.mean(s * s))
+    return rng.permutation(s).astype(np.float32)
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
