@@ -2,16 +2,21 @@
 them.
 
 Host tier: experts copied into host RAM (numpy) up to `--resident-budget-gib` (default: all of
-them), layer by layer. File tier: the rest, read from the GGUF memory map in place when needed, by a
-pool of `--pool-workers` reader threads (a read is a page-in of a few MiB: the threads overlap the
-disk's latency). Experts stay in their GGUF quant blocks in both tiers. Layers may differ in quant
+them), layer by layer. File tier: the rest, read from the GGUF file when needed, by a pool of
+`--pool-workers` reader threads (a read is a few MiB: the threads overlap the disk's latency). File
+reads are pread(2) on the part's own descriptor, not loads from the memory map: a file part
+truncated or failing under the engine is then a short read or an OSError, which ends the requests
+of that window with an ExpertReadError naming the file, layer and expert, instead of a SIGBUS that
+kills the engine. Experts stay in their GGUF quant blocks in both tiers. Layers may differ in quant
 types (a Q4_K_M file gives some layers' ffn_down_exps Q6_K), so an expert's size is per layer.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -26,12 +31,21 @@ def expert_tensors(model, layer: int) -> dict:
     return {n: model.tensors[f"blk.{layer}.{_GGUF_NAMES[n]}.weight"] for n in EXPERT_TENSORS}
 
 
+class ExpertReadError(RuntimeError):
+    """An expert's blocks could not be read from its GGUF file part (truncated, or an I/O error)."""
+
+
+def aligned_empty(n_bytes: int) -> np.ndarray:
+    """uint8 [n_bytes] starting on a 64-byte boundary (see aligned_copy)."""
+    buf = np.empty(n_bytes + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    return buf[off:off + n_bytes]
+
+
 def aligned_copy(a: np.ndarray) -> np.ndarray:
     """A copy of `a` starting on a 64-byte boundary: on a CPU jax.device_put then uses it in place
     (XLA's alignment), so copying an expert into the device cache is one copy, not two."""
-    buf = np.empty(a.nbytes + 64, np.uint8)
-    off = -buf.ctypes.data % 64
-    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out = aligned_empty(a.nbytes).view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
 
@@ -70,6 +84,8 @@ class HostTier:
                                           for n, t in self.tensors[i].items()})
                 self.resident_bytes += self.expert_bytes[i]
         self.file_reads = 0
+        self.file_bytes = 0                                # read from the file tier
+        self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers,
                                         thread_name_prefix="strata-expert-read")
@@ -86,10 +102,42 @@ class HostTier:
                 for e in experts]
 
     def _read(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        out = {n: aligned_copy(t.data[expert]) for n, t in self.tensors[layer].items()}
+        out = {n: self._pread(t, layer, expert) for n, t in self.tensors[layer].items()}
         with self._lock:
             self.file_reads += 1
+            self.file_bytes += self.expert_bytes[layer]
         return out
+
+    def _pread(self, t, layer: int, expert: int) -> np.ndarray:
+        """Expert `expert`'s blocks of tensor `t` ([rows, row_bytes]), read from its file part."""
+        row = t.data[expert]
+        at = t.offset + expert * row.nbytes         # the tensor's experts lie one after another
+        out = aligned_empty(row.nbytes)
+        view, got = memoryview(out), 0
+        try:
+            fd = self._fd(t.path)
+            while got < row.nbytes:
+                n = os.preadv(fd, [view[got:]], at + got)
+                if n == 0:
+                    raise ExpertReadError(
+                        f"{t.path}: expert {expert} of layer {layer} ({t.name}) ends at byte "
+                        f"{at + row.nbytes:,}, but the file ends at {at + got:,}: it was truncated "
+                        "or replaced while the engine read it")
+                got += n
+        except OSError as e:
+            raise ExpertReadError(f"{t.path}: reading expert {expert} of layer {layer} ({t.name}) "
+                                  f"at byte {at + got:,} failed: {e}") from None
+        return out.view(row.dtype).reshape(row.shape)
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

@@ -54,6 +54,8 @@ class ExpertCounters:
                 f"read from host ({100.0 * miss / n if n else 0.0:.1f}% of all {n} routed)")
 
 
-def resident_line(resident_bytes: int, exchanged: int, file_reads: int) -> str:
+def resident_line(resident_bytes: int, exchanged: int, file_reads: int,
+                  file_bytes: int = 0) -> str:
     return (f"resident RAM: {resident_bytes / GiB:.2f} GiB of experts in RAM, {exchanged} "
-            f"exchanged with the device tier, {file_reads} blob reads from the file")
+            f"exchanged with the device tier, {file_reads} blob reads from the file "
+            f"({file_bytes / 2**20:.1f} MiB)")

@@ -382,7 +382,8 @@ class LayerStepper:
         return {**self.total.as_dict(), "device_slots": a.n_slots, "device_bytes": a.nbytes,
                 "exchanged": a.exchanged, "copy_seconds": round(a.copy_seconds, 3),
                 "resident_bytes": host.resident_bytes, "resident_experts": len(host.resident),
-                "file_reads": host.file_reads, "experts_total": host.n_experts * len(host.layers),
+                "file_reads": host.file_reads, "file_bytes": host.file_bytes,
+                "experts_total": host.n_experts * len(host.layers),
                 "pinned": sum(len(p) for p in a.pinned.values()), "prefetch": int(self.prefetch)}
 
 

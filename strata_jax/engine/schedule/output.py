@@ -246,7 +246,8 @@ class Output:
             st = self.runner.stepper.stats()
             out["experts"] = c.as_dict()
             out["expert_lines"] = [c.hit_line(), resident_line(st["resident_bytes"],
-                                                               st["exchanged"], st["file_reads"])]
+                                                               st["exchanged"], st["file_reads"],
+                                                               st["file_bytes"])]
         return out
 
 

@@ -1,0 +1,81 @@
+"""The host and file tiers on real GGUF files (experts/host.py): the RAM budget held to the byte by
+the tier's own accounting, file reads (pread on the part's descriptor) giving the file's exact
+blocks from many threads at once, and a part truncated under the tier an ExpertReadError naming the
+file, layer and expert, while what RAM holds is still served."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from strata_jax.experts.host import ExpertReadError, HostTier
+from strata_jax.gguf import GGUFModel
+
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "experts": 8, "experts_used": 2,
+       "expert_ffn": 64, "split": 2}
+
+
+def _tier(path, budget_experts: float | None, workers: int = 4) -> tuple[HostTier, GGUFModel]:
+    model = GGUFModel.open(path)
+    probe = HostTier(model, list(model.spec.moe_layers), 0, 1)
+    one = probe.expert_bytes[0]
+    probe.close()
+    budget = None if budget_experts is None else int(budget_experts * one)
+    return HostTier(model, list(model.spec.moe_layers), budget, workers), model
+
+
+def test_the_ram_budget_is_held_to_the_byte(tiny_model):
+    path = tiny_model(**MOE)
+    for experts in (0, 1, 5.5, 11, 16):
+        tier, _ = _tier(path, experts)
+        one = tier.expert_bytes[0]
+        budget = int(experts * one)
+        assert tier.resident_bytes <= budget < tier.resident_bytes + one, experts
+        assert tier.resident_bytes == len(tier.resident) * one == sum(
+            a.nbytes for blocks in tier.resident.values() for a in blocks.values())
+        tier.close()
+
+
+def test_file_reads_from_many_threads_give_the_files_blocks(tiny_model):
+    path = tiny_model(**MOE)
+    tier, model = _tier(path, 3, workers=4)          # 3 experts of layer 0 in RAM, 13 in the file
+    wanted = [(layer, e) for layer in (0, 1) for e in range(8)] * 4
+
+    def fetch(pair):
+        layer, e = pair
+        return pair, tier.get(layer, [e])[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(fetch, wanted))
+    names = {"exp_gate": "gate", "exp_up": "up", "exp_down": "down"}
+    for (layer, e), blocks in got:
+        for n, a in blocks.items():
+            t = model.tensors[f"blk.{layer}.ffn_{names[n]}_exps.weight"]
+            assert np.array_equal(a, t.data[e]) and a.ctypes.data % 64 == 0, (layer, e, n)
+    from_file = sum(1 for (layer, e), _ in got if tier.tier_of(layer, e) == "file")
+    assert tier.file_reads == from_file == 4 * 13
+    assert tier.file_bytes == from_file * tier.expert_bytes[0]
+    tier.close()
+
+
+def test_a_part_truncated_under_the_tier_is_a_clear_error_and_ram_still_serves(tiny_model,
+                                                                              tmp_path):
+    src = tiny_model(**MOE)
+    for p in src.parent.iterdir():                   # a copy of both parts, to cut one of them
+        shutil.copy(p, tmp_path / p.name)
+    path = tmp_path / src.name
+    tier, model = _tier(path, 2)                     # experts 0 and 1 of layer 0 in RAM
+    last = model.tensors["blk.1.ffn_down_exps.weight"]
+    cut_at = last.offset + 5 * last.data[0].nbytes   # expert 5 of layer 1 onwards is gone
+    os.truncate(last.path, cut_at)
+    with pytest.raises(ExpertReadError) as e:
+        tier.get(1, [6])
+    msg = str(e.value)
+    assert str(last.path) in msg and "expert 6 of layer 1" in msg and "truncated" in msg, msg
+    assert tier.get(1, [0])[0]["exp_down"].shape == last.data[0].shape      # before the cut
+    assert tier.get(0, [1])[0]["exp_gate"] is tier.resident[(0, 1)]["exp_gate"]   # RAM
+    tier.close()
