@@ -81,8 +81,9 @@ FLAGS = {
     "resident_budget_gib": Flag("G", "host RAM for experts, GiB; the rest is read from the GGUF "
                                      "file in place", "all"),
     "memory_limit_gib": Flag("G", "host memory the engine may plan for, GiB: a start whose KV "
-                             "cache, weight copies, --resident-budget-gib and conversation cache "
-                             "(and a 1 GiB runtime reserve) exceed it is refused with the figures. "
+                             "cache, weight copies, device expert cache (on a CPU), "
+                             "--resident-budget-gib and conversation cache (and a 1 GiB runtime "
+                             "reserve) exceed it is refused with the figures. "
                              "The file's own pages are not counted (a model larger than RAM runs "
                              "from its file)", "the memory cgroup's limit, else the RAM"),
     "pool_workers": Flag("N", "file-tier reader threads"),

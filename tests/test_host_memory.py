@@ -97,3 +97,15 @@ def test_serve_refuses_a_resident_budget_past_the_memory_at_once(tiny_model):
     assert done.returncode != 0
     assert ("--resident-budget-gib 100000: 100000.00 GiB" in done.stderr
             and "may use" in done.stderr), done.stderr[-2000:]
+
+
+def test_a_device_expert_cache_on_a_cpu_is_host_memory_too(tiny_model):
+    """On a CPU the device expert cache (--expert-cache N) is host RAM: 8 slots a layer of 16
+    experts of ~0.8 MiB are ~13 MiB, past a limit 5 MiB above the runtime's reserve."""
+    from strata_jax.engine import Engine
+
+    path = tiny_model(arch="qwen3moe", layers=2, hidden=256, experts=16, expert_ffn=1024)
+    cfg = EngineConfig(max_context=256, expert_cache=8, memory_limit_gib=1 + 5 / 1024)
+    with pytest.raises(ConfigError,
+                       match=r"the device expert cache \(8 slots a layer\): 0\.01 GiB"):
+        Engine.from_gguf(path, cfg)

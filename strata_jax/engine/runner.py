@@ -24,6 +24,7 @@ import numpy as np
 import pallas_kernels as pk
 
 from ..config import ConfigError, EngineConfig
+from ..experts.host import expert_tensors
 from ..experts.profile import ExpertProfile
 from ..gguf import GGUFModel
 from ..model import RunOptions, load_nextn_experts, load_params
@@ -367,6 +368,11 @@ def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, de
                 t.n_values for t in model.tensors.values())
         elif choices.get("pack"):
             items["the packed weights"] = packable_bytes(model)
+        if spec.is_moe and cfg.expert_cache != "auto":       # the device expert cache is RAM here
+            n = min(int(cfg.expert_cache), spec.n_experts)
+            items[f"the device expert cache ({n} slots a layer)"] = n * sum(
+                sum(int(t.data[0].nbytes) for t in expert_tensors(model, i).values())
+                for i in spec.moe_layers)
     if device_len < cache_len:
         items[f"the KV kept in host RAM ({cache_len - device_len} positions a slot)"] = kv_bytes(
             spec, kv_dtype, cfg.parallel, cache_len - device_len)
