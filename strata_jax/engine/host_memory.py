@@ -5,9 +5,10 @@ The limit is the smallest of the machine's RAM (/proc/meminfo's MemTotal) and ev
 limit over this process (cgroup v2 `memory.max` from its own cgroup up to the root; v1
 `memory.limit_in_bytes`): in a container that is the container's limit, which the kernel's OOM
 killer enforces, not the host's RAM. `--memory-limit-gib` sets a lower one (room for other
-processes). The check counts the private memory the flags size — the KV cache (in RAM on a CPU
-device; its host-RAM part with --kv-resident), copies of the weights (packed or dequantized), the
-host expert tier's --resident-budget-gib, the conversation cache — plus a reserve for the runtime;
+processes). The check counts the private memory the flags size — the KV cache and the device expert
+cache (both RAM on a CPU device; the KV's host-RAM part with --kv-resident on any), copies of the
+weights (packed or dequantized), the host expert tier's --resident-budget-gib, the conversation
+cache — plus a reserve for the runtime;
 the GGUF file's own pages are not counted (the kernel can drop them: a model larger than RAM runs
 from its file). A start that cannot fit is a ConfigError with every figure, before any is
 allocated.
@@ -79,7 +80,7 @@ class HostNeeds:
             f"the engine would need {self.total / GiB:.2f} GiB of host memory ({shown}, the "
             f"runtime's reserve: {RUNTIME_RESERVE / GiB:.2f} GiB) and may use "
             f"{limit.bytes / GiB:.2f} GiB ({limit.source}): lower --parallel, --max-context, "
-            "--resident-budget-gib or --conversation-cache-mib, or use --kv int8")
+            "--resident-budget-gib, --conversation-cache-mib or --expert-cache, or use --kv int8")
 
 
 def check_flags(cfg, is_moe: bool) -> None:

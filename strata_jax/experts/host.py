@@ -31,6 +31,16 @@ def expert_tensors(model, layer: int) -> dict:
     return {n: model.tensors[f"blk.{layer}.{_GGUF_NAMES[n]}.weight"] for n in EXPERT_TENSORS}
 
 
+def _pread_into(fd: int, view: memoryview, at: int) -> int:
+    """Bytes read into `view` from offset `at` (0 at the end of the file): preadv where the OS has
+    it (no copy), else pread and a copy."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], at)
+    data = os.pread(fd, len(view), at)
+    view[:len(data)] = data
+    return len(data)
+
+
 class ExpertReadError(RuntimeError):
     """An expert's blocks could not be read from its GGUF file part (truncated, or an I/O error)."""
 
@@ -117,7 +127,7 @@ class HostTier:
         try:
             fd = self._fd(t.path)
             while got < row.nbytes:
-                n = os.preadv(fd, [view[got:]], at + got)
+                n = _pread_into(fd, view[got:], at + got)
                 if n == 0:
                     raise ExpertReadError(
                         f"{t.path}: expert {expert} of layer {layer} ({t.name}) ends at byte "
