@@ -79,3 +79,50 @@ def test_a_part_truncated_under_the_tier_is_a_clear_error_and_ram_still_serves(t
     assert tier.get(1, [0])[0]["exp_down"].shape == last.data[0].shape      # before the cut
     assert tier.get(0, [1])[0]["exp_gate"] is tier.resident[(0, 1)]["exp_gate"]   # RAM
     tier.close()
+
+
+def _on_disk(tmp_path):
+    """A folder on a disk-backed file system (a tmpfs's pages cannot be dropped from the cache):
+    tmp_path unless /proc/mounts says it is tmpfs, else a folder beside the tests."""
+    best, fstype = "", ""
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, point, kind = line.split()[:3]
+            if str(tmp_path).startswith(point) and len(point) > len(best):
+                best, fstype = point, kind
+    if fstype != "tmpfs":
+        return tmp_path, None
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp(dir=Path(__file__).parent))
+    return d, d
+
+
+def test_reading_the_model_file_is_progress_for_the_heartbeat(tmp_path):
+    """A window of a model larger than RAM waits on its file (the file tier's preads, the memory
+    map's page faults): the worker's heartbeat counts storage reads as progress (worker_process.
+    storage_reads grows by what the disk served), so the watchdog never kills a slow but moving
+    engine; the loop's own turns and program builds count as before."""
+    from strata_jax.serve.worker.worker_process import storage_reads, stuck_seconds
+
+    folder, made = _on_disk(tmp_path)
+    try:
+        path = folder / "blob"
+        with open(path, "wb") as f:
+            f.write(os.urandom(8 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)        # the next read is the disk's
+        before = storage_reads()
+        os.pread(fd, 8 << 20, 0)
+        after = storage_reads()
+        os.close(fd)
+        assert before is not None and after - before >= 8 << 20
+    finally:
+        if made is not None:
+            shutil.rmtree(made)
+    assert stuck_seconds(100.0, loop_turn_at=10.0, reading_at=0.0, building=False) == 90.0
+    assert stuck_seconds(100.0, loop_turn_at=10.0, reading_at=97.5, building=False) == 2.5
+    assert stuck_seconds(100.0, loop_turn_at=10.0, reading_at=0.0, building=True) == 0.0

@@ -59,6 +59,8 @@ from .worker_process import (
     in_build,
     one_line,
     progress_as_frames,
+    storage_reads,
+    stuck_seconds,
 )
 
 log = logging.getLogger("strata_jax.serve.worker.worker")
@@ -148,17 +150,25 @@ class Worker:
 
     def heartbeat(self) -> None:
         """Every BEAT_S a Beat. stuck_s: seconds since the engine loop last began a turn (it begins
-        one at least every half second when idle, and after every window). A program build is
-        progress however long it takes: while the engine thread is lowering or compiling (see
-        worker_process.in_build), stuck_s is 0. A stopped process (SIGSTOP) sends nothing: the
-        server's watchdog sees the silence itself."""
+        one at least every half second when idle, and after every window) or the process last read
+        from storage (worker_process.storage_reads: a window of a model larger than RAM waits on its
+        file for a long time, moving). A program build is progress however long it takes: while
+        the engine thread is lowering or compiling (see worker_process.in_build), stuck_s is 0. A
+        stopped process (SIGSTOP) sends nothing: the server's watchdog sees the silence itself."""
         eng = self.engine
+        reads, reading_at = storage_reads(), 0.0
         while True:
             time.sleep(BEAT_S)
             thread = eng.loop_thread
             compiling = thread is not None and in_build(thread)
-            stuck = (0.0 if compiling or thread is None
-                     else max(time.monotonic() - eng.progress_at, 0.0))
+            # a window waiting on the model file (reads from storage growing) is moving, however
+            # slowly: the watchdog must not kill it
+            now_reads = storage_reads()
+            if reads is not None and now_reads is not None and now_reads > reads:
+                reading_at = time.monotonic()
+            reads = now_reads
+            stuck = stuck_seconds(time.monotonic(), eng.progress_at, reading_at,
+                                  compiling or thread is None)
             loop = "none" if thread is None else ("alive" if thread.is_alive() else "ended")
             self.writer.send(Beat(round(stuck, 3), compiling, loop))
 

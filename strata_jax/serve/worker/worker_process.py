@@ -58,6 +58,27 @@ def in_build(thread: threading.Thread) -> bool:
     return False
 
 
+def storage_reads() -> int | None:
+    """Bytes this process has had read from storage so far (/proc/self/io's read_bytes: the file
+    tier's preads that missed the page cache) plus its major page faults as pages (the model's
+    memory map paged in from disk), or None where /proc cannot say. It grows while a window waits
+    on the model file, which is progress however slow (issue 36: a model larger than RAM)."""
+    try:
+        with open("/proc/self/io") as f:
+            read = next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+        with open("/proc/self/stat") as f:
+            majflt = int(f.read().rsplit(")", 1)[1].split()[9])
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return read + majflt * 4096
+
+
+def stuck_seconds(now: float, loop_turn_at: float, reading_at: float, building: bool) -> float:
+    """The heartbeat's stuck_s: seconds since the loop last began a turn or the process last read
+    from storage, 0 while a program builds."""
+    return 0.0 if building else max(now - max(loop_turn_at, reading_at), 0.0)
+
+
 def die_with_parent() -> None:
     """The server stops this process at shutdown; if the server is killed instead, Linux ends it too
     (the process has its own session, so terminal signals do not reach it)."""
