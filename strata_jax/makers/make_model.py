@@ -255,7 +255,9 @@ def model_bytes(shape: str | None = None, **options: Any) -> int:
 def _check_free_disk(out_path: Path, needed: int) -> None:
     """ValueError with both figures when the folder cannot hold the model (with 1% and 64 MiB to
     spare: the header, and the file system's own)."""
-    folder = out_path.parent if out_path.parent.exists() else Path.cwd()
+    folder = out_path.absolute().parent
+    while not folder.exists():                  # it is made later: its nearest existing ancestor
+        folder = folder.parent
     free = shutil.disk_usage(folder).free
     if needed * 1.01 + (64 << 20) > free:
         raise ValueError(f"the model needs {needed / 2**30:.2f} GiB of disk and {folder} has "
