@@ -68,6 +68,9 @@ def test_needs_past_the_limit_are_refused_with_every_figure(tmp_path):
             "positions): 3.50 GiB, the runtime's reserve: 1.00 GiB) and may use 4.00 GiB (the "
             "machine's RAM (MemTotal))") in msg and "lower --parallel, --max-context" in msg
     assert RUNTIME_RESERVE == GiB
+    from strata_jax.engine.host_memory import check_flags
+
+    check_flags(EngineConfig(conversation_cache_mib=0.1), is_moe=False)   # a fraction of a MiB
 
 
 def test_the_engine_refuses_a_kv_cache_past_its_memory_limit(tiny_model):

@@ -93,7 +93,7 @@ def check_flags(cfg, is_moe: bool) -> None:
             cfg.resident_budget_gib * GiB)
     if cfg.conversation_cache_mib:
         items[f"--conversation-cache-mib {cfg.conversation_cache_mib}"] = (
-            cfg.conversation_cache_mib << 20)
+            int(cfg.conversation_cache_mib * 2**20))
     HostNeeds(items).check(memory_limit(cfg.memory_limit_gib))
 
 

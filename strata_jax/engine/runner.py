@@ -381,5 +381,5 @@ def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, de
             cfg.resident_budget_gib * GiB)
     if cfg.conversation_cache_mib:
         items[f"--conversation-cache-mib {cfg.conversation_cache_mib}"] = (
-            cfg.conversation_cache_mib << 20)
+            int(cfg.conversation_cache_mib * 2**20))
     return HostNeeds(items)
