@@ -14,7 +14,7 @@ import pallas_kernels as pk
 
 from ..config import ConfigError, EngineConfig
 from ..gguf import GGUFModel
-from .host_memory import cgroup_available
+from .host_memory import cgroup_available, meminfo
 
 KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16, "int8": jnp.int8}
 # Below this many float32 bytes a CPU keeps dequantized weights (see model/weights.py).
@@ -26,14 +26,7 @@ log = logging.getLogger("strata_jax.engine")
 def available_ram() -> int | None:
     """Bytes of RAM available now (/proc/meminfo's MemAvailable, less where a memory cgroup over
     this process has less left: a container's limit), or None where it cannot be read."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    avail = meminfo("MemAvailable")
     if avail is None:
         try:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -83,10 +83,9 @@ class HostNeeds:
             "--resident-budget-gib, --conversation-cache-mib or --expert-cache, or use --kv int8")
 
 
-def check_flags(cfg, is_moe: bool) -> None:
-    """The server's check before it starts an engine (cli.py: refused at once, not in an engine that
-    restarts forever): the figures the flags give directly. The engine's own start adds the KV
-    cache and weight copies, which depend on the device it finds (ModelRunner)."""
+def budget_items(cfg, is_moe: bool) -> dict[str, int]:
+    """The host memory the flags give as figures: the host expert tier's budget and the
+    conversation cache (the engine adds what depends on its device: runner.py _host_needs)."""
     items = {}
     if is_moe and cfg.resident_budget_gib:
         items[f"--resident-budget-gib {cfg.resident_budget_gib:g}"] = int(
@@ -94,16 +93,30 @@ def check_flags(cfg, is_moe: bool) -> None:
     if cfg.conversation_cache_mib:
         items[f"--conversation-cache-mib {cfg.conversation_cache_mib}"] = (
             int(cfg.conversation_cache_mib * 2**20))
-    HostNeeds(items).check(memory_limit(cfg.memory_limit_gib))
+    return items
 
 
-def _mem_total(root: Path) -> int | None:
+def check_flags(cfg, is_moe: bool) -> None:
+    """The server's check before it starts an engine (cli.py: refused at once, not in an engine that
+    restarts forever): the figures the flags give directly."""
+    HostNeeds(budget_items(cfg, is_moe)).check(memory_limit(cfg.memory_limit_gib))
+
+
+def meminfo(key: str, root: Path = Path("/")) -> int | None:
+    """/proc/meminfo's `key` (MemTotal, MemAvailable) in bytes, or None where it cannot be read."""
     try:
         for line in (root / "proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _mem_total(root: Path) -> int | None:
+    total = meminfo("MemTotal", root)
+    if total is not None:
+        return total
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -49,7 +49,7 @@ from .execute.programs import Layout, ProgramCache
 from .execute.stepped import LayerStepper
 from .families import is_hybrid
 from .faults import Faults
-from .host_memory import GiB, HostNeeds, memory_limit
+from .host_memory import HostNeeds, budget_items, memory_limit
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -376,10 +376,4 @@ def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, de
     if device_len < cache_len:
         items[f"the KV kept in host RAM ({cache_len - device_len} positions a slot)"] = kv_bytes(
             spec, kv_dtype, cfg.parallel, cache_len - device_len)
-    if spec.is_moe and cfg.resident_budget_gib:
-        items[f"--resident-budget-gib {cfg.resident_budget_gib:g}"] = int(
-            cfg.resident_budget_gib * GiB)
-    if cfg.conversation_cache_mib:
-        items[f"--conversation-cache-mib {cfg.conversation_cache_mib}"] = (
-            int(cfg.conversation_cache_mib * 2**20))
-    return HostNeeds(items)
+    return HostNeeds(items | budget_items(cfg, spec.is_moe))
