@@ -73,6 +73,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--levels", default="1,2,3",
                    help="concurrency levels, comma-separated (default 1,2,3)")
     p.add_argument("--waves", type=int, default=3, help="waves a level (default 3)")
+    p.add_argument("--minutes", type=float, default=0,
+                   help="a soak: each level's waves go on past --waves until this many minutes "
+                        "have passed since the level began (fresh prompts; default 0: --waves)")
     p.add_argument("--prompt-tokens", type=int, default=8150,
                    help="prompt tokens a request (default 8150)")
     p.add_argument("--max-tokens", type=int, default=512, help="max_tokens a request (default 512)")
@@ -93,6 +96,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.timeout <= 0:
         p.error(f"--timeout must be positive (got {args.timeout:g})")
     return args, server_flags
+
+
+def waves_of(args: argparse.Namespace, started: float):
+    """A level's wave numbers: --waves of them, then (--minutes) more until that long has passed
+    since the level began at `started` (time.time())."""
+    wave = 0
+    while wave < args.waves or (args.minutes and time.time() - started < args.minutes * 60):
+        wave += 1
+        yield wave
 
 
 def request_body(args: argparse.Namespace, messages: list[dict[str, Any]],
@@ -155,9 +167,11 @@ async def ladder(args: argparse.Namespace, url: str, report: dict[str, Any],
                 report["levels"].append(entry)
                 console.print(f"[red]level {level}: not run: {entry['error']}[/red]")
                 break
-            waves = []
-            for wave in range(1, args.waves + 1):
-                batch = prompts[(level, wave)]
+            waves, started = [], time.time()
+            for wave in waves_of(args, started):
+                batch = prompts.get((level, wave)) or [  # a --minutes wave past --waves
+                    await prompt_of(counter, client, url, rng, args.prompt_tokens, kwargs,
+                                    headers) for _ in range(level)]
                 start = time.monotonic()
                 results = await asyncio.gather(*(
                     stream_chat(client, url, request_body(args, messages,
@@ -172,7 +186,7 @@ async def ladder(args: argparse.Namespace, url: str, report: dict[str, Any],
                                            for i, ((_, n), r) in enumerate(zip(batch, results))]})
                 console.print(f"  level {level} wave {wave}: {sum(r.ok for r in results)}"
                               f"/{len(results)} ok in {wall:.1f} s", style="dim")
-            entry = summarize(level, waves)
+            entry = {**summarize(level, waves), "started": round(started, 1)}
             report["levels"].append(entry)
             print_level(entry)
             await read_server(client, url, headers, faults_before, report)

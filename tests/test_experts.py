@@ -276,6 +276,11 @@ def test_counter_lines():
     total.add(c)
     total.add(c)
     assert total.as_dict()["decode_hits"] == 542
+    tiers = ExpertCounters(lookups=480, hits=271, misses_host=12, misses_file=197,
+                           file_reads=197, file_bytes=197 * 4 << 20)
+    assert tiers.tier_line(16) == ("expert tiers: 480 lookups: 271 device hits, 12 copied from "
+                                   "host RAM, 197 from the file, 0 computed on the host; 197 file "
+                                   "reads, 788.0 MiB (49.2 MiB a token)")
 
 
 def test_upcycled_smollm2_device_cache(tmp_path):

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..model.params import EXPERT_TENSORS
+from ..model.weights import release_file_pages
 
 _GGUF_NAMES = {"exp_gate": "ffn_gate_exps", "exp_up": "ffn_up_exps", "exp_down": "ffn_down_exps"}
 
@@ -84,7 +85,10 @@ class HostTier:
         self.resident: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         budget = self.total_bytes if budget_bytes is None else budget_bytes
         self.resident_bytes = 0
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
         for i in layers:                                 # layer by layer, as far as the budget goes
+            copied = 0
             for e in range(self.n_experts):
                 if self.resident_bytes + self.expert_bytes[i] > budget:
                     break
@@ -93,12 +97,25 @@ class HostTier:
                                          {n: aligned_copy(t.data[e])
                                           for n, t in self.tensors[i].items()})
                 self.resident_bytes += self.expert_bytes[i]
+                copied += 1
+            if in_ram is None and copied:
+                self._forget_file_pages(i, copied)
         self.file_reads = 0
         self.file_bytes = 0                                # read from the file tier
-        self._fds: dict[Path, int] = {}
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers,
                                         thread_name_prefix="strata-expert-read")
+
+    def _forget_file_pages(self, layer: int, n: int) -> None:
+        """RAM holds experts 0..n-1 of `layer` now: their pages of the file leave this process's
+        resident set and the page cache, so the machine holds them once. (Kept, the kernel would
+        hold both copies until memory ran short, and a memory cgroup counts its page cache against
+        the limit.) The file tier's reads stay cached: the kernel's cache is a free extra tier for
+        experts RAM does not hold."""
+        for t in self.tensors[layer].values():
+            release_file_pages(t.data[:n])
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fd(t.path), t.offset, n * t.data[0].nbytes,
+                                 os.POSIX_FADV_DONTNEED)
 
     def tier_of(self, layer: int, expert: int) -> str:
         return "host" if (layer, expert) in self.resident else "file"

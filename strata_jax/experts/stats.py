@@ -35,6 +35,9 @@ class ExpertCounters:
     # lookups read by the device from host memory over the link (--pcie-frac), not copied in
     streamed: int = 0
     bytes_streamed: int = 0
+    # reads from the GGUF file (the file tier) during the window(s), prefetch's included
+    file_reads: int = 0
+    file_bytes: int = 0
 
     def add(self, other: ExpertCounters) -> None:
         for f in fields(self):
@@ -52,6 +55,17 @@ class ExpertCounters:
         miss = self.decode_misses
         return (f"decode expert cache hit rate: {rate:.1f}% ({h} hits / {n} lookups); {miss} more "
                 f"read from host ({100.0 * miss / n if n else 0.0:.1f}% of all {n} routed)")
+
+    def tier_line(self, tokens: int) -> str:
+        """Where the experts of a request's windows came from, every window (prompt and decode):
+        `expert tiers: 480 lookups: 271 device hits, 12 copied from host RAM, 197 from the file, 0
+        computed on the host; 197 file reads, 788.0 MiB (49.3 MiB a token)`. A window shared by
+        several requests counts for each of them."""
+        mib = self.file_bytes / 2**20
+        return (f"expert tiers: {self.lookups} lookups: {self.hits} device hits, "
+                f"{self.misses_host} copied from host RAM, {self.misses_file} from the file, "
+                f"{self.host_computed} computed on the host; {self.file_reads} file reads, "
+                f"{mib:.1f} MiB ({mib / max(tokens, 1):.1f} MiB a token)")
 
 
 def resident_line(resident_bytes: int, exchanged: int, file_reads: int,

@@ -204,6 +204,8 @@ class LayerStepper:
         """One window (GroupInputs) -> logits per group, as forward() gives them (and the hidden
         states, as (logits, hiddens), with_hidden: the MTP drafter)."""
         counters = self.last = ExpertCounters()
+        host = self.arena.host
+        reads, nbytes = host.file_reads, host.file_bytes
         try:
             if self._try_one_program(layout):
                 out = self._run_resident(groups, self.resident_layout(layout), counters)
@@ -216,6 +218,8 @@ class LayerStepper:
             return out
         finally:
             # a window that failed half way still moved what it moved
+            counters.file_reads = host.file_reads - reads
+            counters.file_bytes = host.file_bytes - nbytes
             self.total.add(counters)
 
     def _try_one_program(self, layout: Layout) -> bool:

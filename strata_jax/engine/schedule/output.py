@@ -245,9 +245,9 @@ class Output:
             c = req.experts or ExpertCounters()
             st = self.runner.stepper.stats()
             out["experts"] = c.as_dict()
-            out["expert_lines"] = [c.hit_line(), resident_line(st["resident_bytes"],
-                                                               st["exchanged"], st["file_reads"],
-                                                               st["file_bytes"])]
+            out["expert_lines"] = [c.hit_line(), c.tier_line(n_prompt - req.reused + n_gen),
+                                   resident_line(st["resident_bytes"], st["exchanged"],
+                                                 st["file_reads"], st["file_bytes"])]
         return out
 
 

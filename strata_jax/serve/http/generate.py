@@ -80,6 +80,9 @@ class Outcome:
         n = (self.stats or {}).get("generated_tokens", self.ticket.n_tokens)
         if self.stats and self.stats.get("log_line"):
             log.info("%s", self.stats["log_line"])
+        # the expert tiers' lines (Strata's), where the engine has tiers
+        for line in (self.stats or {}).get("expert_lines", ()):
+            log.info("%s", line)
         log.info("%s [%s]", done_line(n, seconds, self.kind, self.detail), self.job.id)
         self._on_done(self.job, self.ticket, self.kind, self.stats, seconds)
 
