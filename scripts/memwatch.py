@@ -105,12 +105,27 @@ def plot(args) -> None:
         ax.plot(t, [int(r[col]) / 1024 for r in rows], label=label)
     ax.set_xlabel("minutes")
     ax.set_ylabel("GiB")
-    if args.marks:                                    # the ladder's levels, from its --json
+    lines = ax.get_legend_handles_labels()
+    if args.marks:        # the ladder's levels (its --json): where each began, its waves' tok/s
+        times, rates = [], []
         for level in json.loads(Path(args.marks).read_text()).get("levels", []):
-            if "started" in level:
-                ax.axvline((level["started"] - t0) / 60, color="grey", lw=0.5)
+            if "started" not in level:
+                continue
+            ax.axvline((level["started"] - t0) / 60, color="grey", lw=0.5)
+            end = level["started"]
+            for wave in level.get("waves", []):       # back to back (prompts are made before)
+                end += wave["wall_s"]
+                times.append((end - t0) / 60)
+                rates.append(wave["aggregate_tps"] or 0)
+        if rates:
+            ax2 = ax.twinx()
+            ax2.plot(times, rates, "k.", ms=4, label="tok/s a wave (generated / wall)")
+            ax2.set_ylabel("tok/s")
+            ax2.set_ylim(0, max(rates) * 1.3)
+            more = ax2.get_legend_handles_labels()
+            lines = (lines[0] + more[0], lines[1] + more[1])
     ax.set_title(args.title or Path(args.plot).name)
-    ax.legend(loc="best")
+    ax.legend(*lines, loc="center left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
