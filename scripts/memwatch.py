@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from strata_jax.engine.host_memory import meminfo
+
 COLUMNS = ("time", "procs", "rss_mib", "anon_mib", "file_mib", "cache_mib", "available_mib",
            "read_mib")
 
@@ -79,10 +81,9 @@ def _watch(pattern: re.Pattern, args, stop: list, out) -> None:
     try:
         while not stop and (args.seconds is None or time.time() - start < args.seconds):
             n, anon, file, read = sample(pattern)
-            info = Path("/proc/meminfo").read_text()
             first_read = read if first_read is None else first_read
             row = (f"{time.time():.1f}", n, (anon + file) // 1024, anon // 1024, file // 1024,
-                   _kib(info, "Cached") // 1024, _kib(info, "MemAvailable") // 1024,
+                   (meminfo("Cached") or 0) >> 20, (meminfo("MemAvailable") or 0) >> 20,
                    max(read - first_read, 0) >> 20)
             print("\t".join(str(v) for v in row), file=out)
             time.sleep(args.every)

@@ -28,6 +28,13 @@ def _tier(path, budget_experts: float | None, workers: int = 4) -> tuple[HostTie
     return HostTier(model, list(model.spec.moe_layers), budget, workers), model
 
 
+def _copy_parts(src, folder):
+    """Every part of the model whose part 1 is `src`, copied into `folder` -> the copy's part 1."""
+    for p in src.parent.iterdir():
+        shutil.copy(p, folder / p.name)
+    return folder / src.name
+
+
 def test_the_ram_budget_is_held_to_the_byte(tiny_model):
     path = tiny_model(**MOE)
     for experts in (0, 1, 5.5, 11, 16):
@@ -64,10 +71,7 @@ def test_file_reads_from_many_threads_give_the_files_blocks(tiny_model):
 
 def test_a_part_truncated_under_the_tier_is_a_clear_error_and_ram_still_serves(tiny_model,
                                                                               tmp_path):
-    src = tiny_model(**MOE)
-    for p in src.parent.iterdir():                   # a copy of both parts, to cut one of them
-        shutil.copy(p, tmp_path / p.name)
-    path = tmp_path / src.name
+    path = _copy_parts(tiny_model(**MOE), tmp_path)   # a copy of both parts, to cut one of them
     tier, model = _tier(path, 2)                     # experts 0 and 1 of layer 0 in RAM
     last = model.tensors["blk.1.ffn_down_exps.weight"]
     cut_at = last.offset + 5 * last.data[0].nbytes   # expert 5 of layer 1 onwards is gone
@@ -131,13 +135,12 @@ def test_what_ram_holds_leaves_the_page_cache(tiny_model, tmp_path):
     holds a page still mapped) stays, so only the range's two ends may remain."""
     folder, made = _on_disk(tmp_path)
     try:
-        src = tiny_model(**dict(MOE, hidden=256, expert_ffn=512))
-        for p in src.parent.iterdir():
-            shutil.copy(p, folder / p.name)
-            with open(folder / p.name, "rb") as f:       # written back (a dirty page cannot be
+        path = _copy_parts(tiny_model(**dict(MOE, hidden=256, expert_ffn=512)), folder)
+        for p in folder.glob("*.gguf"):
+            with open(p, "rb") as f:                      # written back (a dirty page cannot be
                 os.fsync(f.fileno())                      # dropped), then every page cached
                 f.read()
-        tier, model = _tier(folder / src.name, 5)     # experts 0-4 of layer 0 in RAM
+        tier, model = _tier(path, 5)     # experts 0-4 of layer 0 in RAM
         for name in ("gate", "up", "down"):
             t = model.tensors[f"blk.0.ffn_{name}_exps.weight"]
             one = t.data[0].nbytes
@@ -192,10 +195,7 @@ def test_a_part_cut_under_a_running_server_fails_the_requests_that_read_it_and_s
 
     from strata_jax.serve.launch import ServerProcess
 
-    src = tiny_model(**MOE)
-    for p in src.parent.iterdir():
-        shutil.copy(p, tmp_path / p.name)
-    path = tmp_path / src.name
+    path = _copy_parts(tiny_model(**MOE), tmp_path)
     tensors = GGUFModel.open(path).tensors
     down = tensors["blk.0.ffn_down_exps.weight"]
     cut_at = down.offset + 2 * down.data[0].nbytes    # experts 2-7 of layer 0's down blocks gone
