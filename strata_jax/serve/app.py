@@ -42,9 +42,10 @@ from ..engine import slot_files
 from ..fetch import cache_dir
 from . import openapi
 from .errors import ApiError, error_body
-from .http import cors, cors_proxy, embeddings, generate, webui
+from .http import cors, cors_proxy, embeddings, generate, messages, responses, webui
 from .http.generate import Job, ModelNames
 from .http.metrics import Metrics
+from .http.routes import RouteContext
 from .llama import llama_routes, native
 from .supervisor.supervisor import Supervisor
 
@@ -202,6 +203,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         return openapi.document(request.app.openapi_schema.to_schema())
 
     sup.on_fault = lambda fault: metrics.restarts.inc()
+    routes = RouteContext(sup, cfg, names, metrics, _json_body, parse_chat, served_as, done,
+                          lambda request, *tickets: _cancel_on_disconnect(request, sup, *tickets))
 
     def api_error(_: Request, exc: ApiError) -> Response:
         return Response(exc.body(), status_code=exc.status, media_type=JSON, headers=exc.headers)
@@ -235,7 +238,8 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
                                                defaults),
                         *(webui.handlers() if cfg.webui else []),
                         *cors_proxy.handlers(cfg.cors_proxy, cfg.cors_proxy_max_bytes),
-                        *embeddings.handlers(sup, names, _json_body, metrics, cfg.pooling)],
+                        *embeddings.handlers(sup, names, _json_body, metrics, cfg.pooling),
+                        *messages.handlers(routes), *responses.handlers(routes)],
         guards=[_api_key_guard(cfg.api_key)] if cfg.api_key else [],
         exception_handlers={ApiError: api_error, HTTPException: http_error,
                             Exception: internal_error},

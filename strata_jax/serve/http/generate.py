@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -147,45 +148,56 @@ async def stream(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket,
     """SSE chunks: chat.completion.chunk or text_completion (each choice's with its index), then
     `data: [DONE]`. An engine error ends the stream with `data: {"error": {...}}` and `data: [DONE]`
     (the openai client raises APIError on it)."""
+    # closed here when the client goes away, so its request is cancelled at once (chunks' finally)
+    async with aclosing(chunks(sup, job, prepared, ticket, on_done)) as each:
+        async for chunk in each:
+            yield sse(chunk)
+    yield SSE_DONE
+
+
+async def chunks(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket,
+                 on_done) -> AsyncIterator[dict[str, Any]]:
+    """The stream's chunks as objects, in order (stream() writes them as SSE; the Anthropic and
+    Responses routes translate them into their own events: messages.py, responses.py). The last is
+    the usage chunk (with stream_options.include_usage), or an error body ({"error": {...}})."""
     run = _Run(sup, job, prepared, ticket, on_done)
     chunk = _chat_chunk if job.kind == "chat" else _text_chunk
     try:
         for k in range(job.n):
             if job.kind == "chat":
-                yield sse(_chat_chunk(job, _first_delta(job), index=k))
+                yield _chat_chunk(job, _first_delta(job), index=k)
             elif job.echo:
-                yield sse(_text_chunk(job, job.echo, index=k))
+                yield _text_chunk(job, job.echo, index=k)
         async for k, ev in run.choices.merged():
             lp = run.logprobs[k]
             if ev.kind == "token":
                 lp.add(ev.logprobs)
                 for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text)):
-                    yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
+                    yield chunk(job, piece, index=k, logprobs=lp.take())
             # return_progress: llama.cpp's prompt_progress chunk
             elif ev.kind == "progress":
-                yield sse({**chunk(job, _first_delta(job) if job.kind == "chat" else "", index=k),
-                           "prompt_progress": ev.stats})
+                yield {**chunk(job, _first_delta(job) if job.kind == "chat" else "", index=k),
+                       "prompt_progress": ev.stats}
             elif ev.kind == "final":
                 run.final(k, ev)
                 for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text, last=True),
                                               last=True):
-                    yield sse(chunk(job, piece, index=k, logprobs=lp.take()))
+                    yield chunk(job, piece, index=k, logprobs=lp.take())
                 reason = (finish_reason(run.held[k].calls, _finish_reason(ev)) if job.tools
                           else _finish_reason(ev))
                 end = chunk(job, {} if job.kind == "chat" else "", reason, index=k,
                             logprobs=lp.take() if lp.pending else None)
                 end["timings"] = timings(ev.stats)
-                yield sse(end)
+                yield end
                 if len(run.finals) == job.n:
                     if job.include_usage:
-                        yield sse({**_head(job), "choices": [], "usage": run.usage(),
-                                   # as llama.cpp
-                                   "timings": timings(run.finals[min(run.finals)].stats)})
-                    yield SSE_DONE
+                        yield {**_head(job), "choices": [], "usage": run.usage(),
+                               # as llama.cpp
+                               "timings": timings(run.finals[min(run.finals)].stats)}
+                    return
             else:
                 run.outcomes[k].error(ev)
-                yield sse(event_error(ev).body())
-                yield SSE_DONE
+                yield event_error(ev).body()
                 return
     finally:
         run.close()
@@ -329,5 +341,5 @@ def _whole_body(job: Job, run: _Run, parts: list[list[tuple[str, str]]]) -> dict
     return body
 
 
-__all__ = ["Job", "ModelNames", "error_body", "parse_chat", "parse_completion", "start", "stream",
-           "whole"]
+__all__ = ["Job", "ModelNames", "chunks", "error_body", "parse_chat", "parse_completion", "start",
+           "stream", "whole"]
