@@ -245,6 +245,11 @@ def add_serve(sub: Subparsers) -> None:
                    help="the chat template's enable_thinking for requests that do not set it (on, "
                         "auto: true; off: false), as llama.cpp passes it; by default it is not "
                         "passed, as transformers renders")
+    g.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="the most tokens a model's reasoning (<think>...</think>) may take when a "
+                        "request sets no budget (thinking_token_budget, Anthropic's "
+                        "thinking.budget_tokens): then the engine closes it and the answer "
+                        "follows; -1: no limit, 0: no reasoning (llama.cpp's flag)")
     g.add_argument("--prefill-assistant", action="store_true",
                    help="a chat whose last message is the assistant's continues that message "
                         "instead of answering it (llama.cpp's default; vLLM's "
@@ -317,6 +322,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           props_writable=args.props, metrics_endpoint=args.metrics,
                           chat_template_file=args.chat_template_file,
                           chat_template=args.chat_template, reasoning=args.reasoning,
+                          reasoning_budget=args.reasoning_budget,
                           verbose_responses=args.verbose_responses,
                           prefill_assistant=args.prefill_assistant,
                           llama_conventions=args.llama_conventions,

@@ -378,6 +378,9 @@ class ServerConfig:
     # llama.cpp's --reasoning: the templates' enable_thinking (on/auto: true, off: false); None: not
     # passed, as transformers renders (a request's chat_template_kwargs override it either way)
     reasoning: str | None = None
+    # llama.cpp's --reasoning-budget: the most tokens a reasoning section takes when a request sets
+    # no budget (-1: no limit; 0: no reasoning): serve/prompts.py, engine/schedule/thinking.py
+    reasoning_budget: int = -1
     # every answer carries llama.cpp's "__verbose" (the prompt text, ...)
     verbose_responses: bool = False
     # a chat ending in the assistant's message continues it (llama.cpp's default)
@@ -427,6 +430,10 @@ class ServerConfig:
         self.check_sampling()
         if self.reasoning not in (None, "on", "off", "auto"):
             raise ConfigError(f"reasoning = {self.reasoning!r}: must be on, off or auto")
+        if (isinstance(self.reasoning_budget, bool) or not isinstance(self.reasoning_budget, int)
+                or not -1 <= self.reasoning_budget < 2**31):
+            raise ConfigError(f"--reasoning-budget {self.reasoning_budget!r}: must be a whole "
+                              "number >= -1 (-1: no limit, 0: no reasoning, N: at most N tokens)")
         if not self.cors_origins.strip():
             raise ConfigError("cors_origins is empty: give '*' or a comma-separated list of "
                               "origins")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +48,7 @@ from .schedule.prefix_cache import PrefixCache
 from .schedule.scheduler import Scheduler, Window
 from .schedule.slots import Slot
 from .schedule.state_checkpoints import StateCheckpoints
+from .schedule.thinking import Thinking
 from .spec import make_speculator
 
 log = logging.getLogger("strata_jax.engine")
@@ -177,7 +179,8 @@ class EngineCore:
                      frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
                      repeat_last_n: int = 64, logprobs: int | None = None,
                      grammar: tuple | None = None, progress: bool = False,
-                     cache_salt: str | None = None, checkpoint_at: int | None = None) -> Request:
+                     cache_salt: str | None = None, checkpoint_at: int | None = None,
+                     **reasoning: Any) -> Request:
         """A checked request, for add() (the Python API's: the server prepares its own requests,
         serve/prompts.py, and hands them to prepared_request): text (a plain completion), a list of
         chat messages, or token ids. The sampling controls and logprobs are controls.py's (token
@@ -186,10 +189,12 @@ class EngineCore:
         RequestError when it cannot be compiled. progress: "progress" events as the prompt is read
         (one when it gets a slot, one a prompt chunk). cache_salt: the request shares prefix-cache
         KV only with requests of the same salt (prefix_cache.py). checkpoint_at: a hybrid family
-        keeps its state after this many prompt tokens (turn_end; a chat's is found here)."""
+        keeps its state after this many prompt tokens (turn_end; a chat's is found here).
+        reasoning: reasoning_open, reasoning_close (the marks' token ids), reasoning_inside,
+        reasoning_budget (make_params; schedule/thinking.py)."""
         params = make_params(max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos,
                              logit_bias, presence_penalty, frequency_penalty, repeat_penalty,
-                             repeat_last_n, logprobs, grammar)
+                             repeat_last_n, logprobs, grammar, **reasoning)
         params.validate(self.spec.vocab_size)
         check_cache_salt(cache_salt)
         ids = self.prompt_ids(prompt, chat_template_kwargs)
@@ -215,6 +220,7 @@ class EngineCore:
                       checkpoint_at=checkpoint_at)
         if params.grammar is not None:
             req.constraint = self.grammars.constraint(params.grammar)
+        req.thinking = Thinking.of(params)
         req.deadline = req.arrived + self.config.request_timeout_s
         return req
 

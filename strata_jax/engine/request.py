@@ -42,6 +42,7 @@ MAX_LOGPROBS = 20               # top_logprobs / completions' logprobs (OpenAI's
 # a JSON schema's or grammar's text (compiling is bounded by llguidance's limits too)
 MAX_GRAMMAR_CHARS = 1 << 17
 MAX_CACHE_SALT_CHARS = 256      # a request's cache_salt (prefix_cache.py)
+MAX_MARK_TOKENS = 16            # token ids of a reasoning mark (<think>, </think>)
 
 
 @dataclass
@@ -65,6 +66,12 @@ class SamplingParams:
     logprobs: int | None = None
     # structured output: (kind, text, request field): engine/grammar/constrain.py
     grammar: tuple[str, ...] | None = None
+    # the reasoning section (engine/schedule/thinking.py): its marks' token ids (none: not
+    # followed), whether the prompt opened it, and the most tokens it may take (-1: no limit)
+    reasoning_open: tuple[int, ...] = ()
+    reasoning_close: tuple[int, ...] = ()
+    reasoning_inside: bool = False
+    reasoning_budget: int = -1
 
     def validate(self, vocab_size: int | None = None) -> None:
         """RequestError naming the field and the value, for anything the engine cannot hold or
@@ -95,6 +102,17 @@ class SamplingParams:
         need(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS,
              "logit_bias", f"must hold at most {MAX_LOGIT_BIAS} tokens")
         vocab = vocab_size or 2**31
+        need(_whole(self.reasoning_budget) and -1 <= self.reasoning_budget < 2**31,
+             "reasoning_budget", "must be a whole number >= -1 (-1: no limit)")
+        need(isinstance(self.reasoning_inside, bool), "reasoning_inside", "must be true or false")
+        for name in ("reasoning_open", "reasoning_close"):
+            marks = getattr(self, name)
+            need(isinstance(marks, tuple) and len(marks) <= MAX_MARK_TOKENS
+                 and all(_whole(t) and 0 <= t < vocab for t in marks), name,
+                 f"must be at most {MAX_MARK_TOKENS} token ids of the vocabulary")
+        need(bool(self.reasoning_close) or (self.reasoning_budget == -1
+                                            and not self.reasoning_inside),
+             "reasoning_budget", "a budget needs the section's close mark (reasoning_close)")
         for tok, bias in self.logit_bias:
             if not (_whole(tok) and 0 <= tok < vocab):
                 raise RequestError(f"logit_bias = {_shown(dict(self.logit_bias))}: token id "
@@ -117,16 +135,26 @@ def make_params(max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                 ignore_eos: bool = False, logit_bias: Any = None, presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
                 repeat_last_n: int = 64, logprobs: int | None = None,
-                grammar: Any = None) -> SamplingParams:
+                grammar: Any = None, reasoning_open: Any = (), reasoning_close: Any = (),
+                reasoning_inside: bool = False, reasoning_budget: int = -1) -> SamplingParams:
     """SamplingParams from Engine.submit's keywords (stop: a string or a list; logit_bias: {token
-    id: bias}; grammar: (kind, text[, request field]), constrain.py), not yet validated."""
+    id: bias}; grammar: (kind, text[, request field]), constrain.py; the reasoning marks as token
+    ids, schedule/thinking.py), not yet validated."""
     stop = [stop] if isinstance(stop, str) else stop
     return SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()),
                           ignore_eos,
                           logit_bias_pairs(logit_bias), presence_penalty, frequency_penalty,
                           repeat_penalty,
                           repeat_last_n, logprobs,
-                          tuple(grammar) if isinstance(grammar, list) else grammar)
+                          tuple(grammar) if isinstance(grammar, list) else grammar,
+                          _mark_ids(reasoning_open), _mark_ids(reasoning_close), reasoning_inside,
+                          reasoning_budget)
+
+
+def _mark_ids(marks: Any) -> Any:
+    """A mark's token ids as a tuple (a list from JSON or msgpack); other values are left for
+    validate to name."""
+    return tuple(marks) if isinstance(marks, list) else marks
 
 
 def logit_bias_pairs(bias: Any) -> tuple:
@@ -217,6 +245,8 @@ class Request:
     experts: Any = None
     # its grammar's matcher (constrain.Constraint), made at submit
     constraint: Any = None
+    # its reasoning section (schedule/thinking.py), when the params give its marks
+    thinking: Any = None
     t_start: float = 0.0               # got a slot
     t_first: float = 0.0               # prompt read, first token out
     t_end: float = 0.0

@@ -36,7 +36,8 @@ def build(server: ServerConfig, engine: EngineConfig, *, progress: bool = True):
                      template_vars={} if server.reasoning is None
                                    else {"enable_thinking": server.reasoning != "off"},
                      prefill_assistant=server.prefill_assistant,
-                     template_dates=server.llama_conventions)
+                     template_dates=server.llama_conventions,
+                     reasoning_budget=server.reasoning_budget)
     return create_app(sup, server)
 
 

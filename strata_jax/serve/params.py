@@ -37,4 +37,6 @@ class RequestParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # [add_generation_prompt, continue_final_message] (render_chat)
     render: list[bool] | None = None
     progress: bool = False                      # prompt progress events (return_progress)
+    # the most reasoning tokens (thinking_token_budget): -1 no limit, 0 none; None: the server's
+    reasoning_budget: int | None = None
     cache_salt: str | None = None

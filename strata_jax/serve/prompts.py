@@ -64,7 +64,8 @@ class Prompts:
     restarts)."""
 
     def __init__(self, tokenizer: Any, n_ctx: int, hybrid: bool = False,
-                 template_vars: dict | None = None, prefill: bool = False, dates: bool = False):
+                 template_vars: dict | None = None, prefill: bool = False, dates: bool = False,
+                 reasoning_budget: int = -1):
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         # a hybrid family keeps its state at a chat's turn end (state_checkpoints.py)
@@ -76,12 +77,16 @@ class Prompts:
         # today's date for the templates, as llama.cpp's (--llama-conventions)
         self.dates = dates
         self.max_token_bytes = max_token_bytes(tokenizer)
+        # --reasoning-budget: a request's when it sets none; and the reasoning marks as the engine
+        # follows them (engine/schedule/thinking.py), when the vocabulary has them as tokens
+        self.reasoning_budget = reasoning_budget
+        self.marks = reasoning_marks(tokenizer)
 
     @classmethod
     def load(cls, model: str, n_ctx: int, chat_template: str | None = None,
              **options: Any) -> Prompts:
         """From the model's file (its header only: the tokenizer is metadata), as the engine loads
-        it; options: Prompts' template_vars, prefill, dates."""
+        it; options: Prompts' template_vars, prefill, dates, reasoning_budget."""
         from ..engine.families import is_hybrid
         from ..gguf import GGUFModel, load_tokenizer
 
@@ -99,6 +104,9 @@ class Prompts:
         tk, p = self.tokenizer, params
         kwargs = self.template_kwargs(chat_template_kwargs)
         chat = is_chat(prompt)
+        budget = p.reasoning_budget if p.reasoning_budget is not None else self.reasoning_budget
+        if budget == 0 and "enable_thinking" not in (chat_template_kwargs or {}):
+            kwargs["enable_thinking"] = False       # no reasoning: the templates that can, say so
         tool_format = grammar = checkpoint_at = None
         think = False
         try:
@@ -119,7 +127,9 @@ class Prompts:
                 ids = tokenize_mixed(tk, prompt, True, True)
             else:
                 ids = prompt_ids(tk, prompt)
-            sampling = self.sampling(p, len(ids), grammar)
+            if not chat and self.marks:             # a text that ends inside the reasoning
+                think = tk.decode(ids[-8:]).rstrip().endswith("<think>")
+            sampling = self.sampling(p, len(ids), grammar, think, budget)
             fit_context(len(ids), sampling.max_tokens, self.n_ctx)
         except ContextOverflowError as e:
             raise context_overflow(e.prompt_tokens, e.max_tokens, e.n_ctx) from None
@@ -136,12 +146,19 @@ class Prompts:
         return Prepared(ids, sampling, think, tool_format, tk.decode(ids) if text else None,
                         checkpoint_at)
 
-    def sampling(self, p: RequestParams, n_prompt: int, grammar: list | None) -> SamplingParams:
+    def sampling(self, p: RequestParams, n_prompt: int, grammar: list | None,
+                 think: bool = False, budget: int = -1) -> SamplingParams:
         """The engine's SamplingParams from a request's, checked: texts in logit_bias as their
-        tokens, max_tokens to the end of the context when unset, a forced tool call's grammar."""
+        tokens, max_tokens to the end of the context when unset, a forced tool call's grammar, the
+        reasoning marks and budget (think: the prompt opened the reasoning)."""
         fields = {k: getattr(p, k) for k in SAMPLING_KEYS}
         if grammar is not None:
             fields["grammar"] = grammar
+        if self.marks:
+            # a grammar decides the whole answer (a forced call, a schema): no mark is forced in
+            fields.update(reasoning_open=self.marks[0], reasoning_close=self.marks[1],
+                          reasoning_inside=think,
+                          reasoning_budget=-1 if fields["grammar"] is not None else budget)
         bias = p.logit_bias or ()
         if any(isinstance(k, str) for k, _ in bias):       # llama.cpp's: a text's tokens
             bias = bias_ids(self.tokenizer, bias)
@@ -212,6 +229,13 @@ def bias_ids(tokenizer, pairs: Any) -> list[tuple[int, float]]:
                else [key])
         out += [(t, bias) for t in ids]
     return out
+
+
+def reasoning_marks(tokenizer) -> tuple[tuple[int], tuple[int]] | None:
+    """(<think>'s id, </think>'s id) when the vocabulary has both as tokens of their own (Qwen3,
+    DeepSeek-R1, GLM, our made models), else None: the engine then follows no reasoning."""
+    ids = [tokenizer.token_to_id(mark) for mark in ("<think>", "</think>")]
+    return None if None in ids else ((ids[0],), (ids[1],))
 
 
 def max_token_bytes(tokenizer) -> int:

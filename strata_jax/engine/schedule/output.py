@@ -112,8 +112,8 @@ class Output:
             self.speculator.record(s.request, len(d), int(n_acc[i]))
             for t in toks[i, :int(n_acc[i]) + 1]:
                 s.advance()
-                self.emit(s, int(t))
-                if s.free:
+                # a forced token (thinking.py) replaces the one the drafts after it followed
+                if not self.emit(s, int(t)) or s.free:
                     break
 
     def _logprobs(self, group: int, row: int):
@@ -134,18 +134,27 @@ class Output:
 
     # ---- one token -------------------------------------------------------------------------------
 
-    def emit(self, s: Slot, token: int, logprobs=None) -> None:
-        """Hand a sampled token to its request; a failure here ends that request alone."""
+    def emit(self, s: Slot, token: int, logprobs=None) -> bool:
+        """Hand a sampled token to its request; a failure here ends that request alone. -> False
+        when another token was committed in its place (a reasoning budget's forced close mark:
+        schedule/thinking.py)."""
         if token < 0:                                   # the sampler's mark for NaN or inf logits
             self.fail(s, "the model's logits were NaN or inf at this position (the weights or the "
                          "activations overflowed): the request cannot go on")
-            return
+            return True
+        thinking = s.request.thinking
+        chosen = token if thinking is None else thinking.choose(token)
+        if chosen != token and logprobs is not None:
+            logprobs = forced_logprobs(chosen, logprobs)
         try:
-            self._emit_token(s, token, logprobs)
+            if thinking is not None:
+                thinking.commit(chosen)
+            self._emit_token(s, chosen, logprobs)
         except Exception as e:
-            log.exception("request %d: its token %d could not be handled", s.request.id, token)
-            self.fail(s, f"the engine could not handle token {token}: {type(e).__name__}: "
+            log.exception("request %d: its token %d could not be handled", s.request.id, chosen)
+            self.fail(s, f"the engine could not handle token {chosen}: {type(e).__name__}: "
                          f"{first_line(e)}")
+        return chosen == token
 
     def _emit_token(self, s: Slot, token: int, logprobs=None) -> None:
         req = s.request
@@ -239,6 +248,8 @@ class Output:
                # llama.cpp's stop_type for a "stop": a stop string (word) or the end of text /
                # grammar (eos)
                "stop_type": "word" if s.stopping_word else "eos", "stopping_word": s.stopping_word}
+        if req.thinking is not None:
+            out["reasoning_tokens"] = req.thinking.tokens
         if self.speculator is not None:
             out["log_line"] += f", drafts accepted {req.draft_n_accepted} of {req.draft_n}"
         if self.runner.stepper is not None:
@@ -249,6 +260,16 @@ class Output:
                                    resident_line(st["resident_bytes"], st["exchanged"],
                                                  st["file_reads"], st["file_bytes"])]
         return out
+
+
+def forced_logprobs(token: int, logprobs: tuple) -> tuple:
+    """The window's (logprob, top ids, top logprobs) for a forced token in place of the sampled
+    one: its own logprob when it is among the top alternatives, else the least of them and the
+    sampled token's (the distribution at that position is the model's either way; a token outside
+    the top N has at most the N-th's logprob when the sampler took the most likely)."""
+    lp, ids, values = logprobs
+    found = [float(v) for t, v in zip(ids, values) if int(t) == token]
+    return (found[0] if found else min([float(lp), *map(float, values)]), ids, values)
 
 
 def first_line(e: BaseException) -> str:

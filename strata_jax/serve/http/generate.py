@@ -93,7 +93,9 @@ def usage(st: dict[str, Any] | None, prepared: Prepared, n_tokens: int) -> dict[
     prompt = st.get("prompt_tokens", len(prepared.ids))
     done = st.get("generated_tokens", n_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": st.get("reused_tokens", 0)}}
+            "prompt_tokens_details": {"cached_tokens": st.get("reused_tokens", 0)},
+            # the tokens inside <think>...</think> (the engine's count: schedule/thinking.py)
+            "completion_tokens_details": {"reasoning_tokens": st.get("reasoning_tokens", 0)}}
 
 
 def timings(st: dict[str, Any] | None) -> dict[str, Any]:
@@ -234,6 +236,8 @@ class _Run:
                 for k, ev in sorted(self.finals.items())]
         out = dict(each[0])
         out["completion_tokens"] = sum(u["completion_tokens"] for u in each)
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(
+            u["completion_tokens_details"]["reasoning_tokens"] for u in each)}
         out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
         return out
 

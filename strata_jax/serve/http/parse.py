@@ -217,7 +217,8 @@ def _params(req: Any, max_tokens: int | None, chat: bool,
                          stop=stop,
                          ignore_eos=bool(req.ignore_eos),
                          progress=bool(req.stream and req.return_progress),
-                         cache_salt=salt, **controls)
+                         cache_salt=salt, reasoning_budget=getattr(req, "thinking_token_budget",
+                                                                   None), **controls)
 
 
 def limit_tokens(asked: int | None, defaults: dict) -> int | None:

@@ -43,6 +43,7 @@ RepeatPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=10.0)]           # llam
 RepeatLastN = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+ThinkingBudget = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
 MAX_CHOICES = 8
 
 
@@ -117,6 +118,9 @@ class _Sampling(msgspec.Struct):
     # vLLM's: prefix-cache KV is shared only among requests of the same salt
     # (engine/schedule/prefix_cache.py)
     cache_salt: CacheSalt | None = None
+    # vLLM's: the most tokens the reasoning section takes, then the engine closes it (-1: no limit,
+    # 0: no reasoning); the server's --reasoning-budget when left out
+    thinking_token_budget: ThinkingBudget | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -86,7 +86,8 @@ class Supervisor:
                  on_fault: Callable[[Fault], None] | None = None, command: list[str] | None = None,
                  max_queue: int = 256, stall_s: float = 60.0, chat_template: str | None = None,
                  template_vars: dict | None = None, prefill_assistant: bool = False,
-                 template_dates: bool = False, prompts: Prompts | None = None):
+                 template_dates: bool = False, reasoning_budget: int = -1,
+                 prompts: Prompts | None = None):
         self.model = str(model)
         self.config = config
         self.console = console
@@ -104,10 +105,11 @@ class Supervisor:
         # the server's own prompt maker (serve/prompts.py): loaded from the model's file when the
         # first engine is ready (the engine has read the file by then), kept across restarts; the
         # options are --reasoning's template variables, --prefill-assistant, --llama-conventions'
-        # dates. Tests of the mock engine give their own.
+        # dates, --reasoning-budget. Tests of the mock engine give their own.
         self.prompts = prompts
         self._prompt_options = {"template_vars": template_vars or {},
-                                "prefill": prefill_assistant, "dates": template_dates}
+                                "prefill": prefill_assistant, "dates": template_dates,
+                                "reasoning_budget": reasoning_budget}
         self.ledger = FaultLedger()
         self.state = "loading"                  # loading | ready | restarting | stopping
         # why it is not ready, as /health and requests' errors say it: fixed phrases, no log text
