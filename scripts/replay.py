@@ -27,6 +27,12 @@ prompt_n), and the engine restarts the server's fault ledger (GET /faults) recor
     python scripts/replay.py --start-server model.gguf --users 8 --minutes 5 --parallel 8
         --max-context 2048
 
+`--api messages` sends every turn to Anthropic's `POST /v1/messages` instead (as Claude Code does:
+system text, tool_use / tool_result blocks, tools with input_schema: scripts/_messages_client.py),
+measured the same way. The report also gives each turn number's figures (the n-th request of a
+conversation: its count, TTFT p50 and prefix reuse), which show the prefix cache at work as
+histories grow.
+
 Exit code: 0 when every request succeeded and the engine never restarted, 1 otherwise, 2 when the
 server never became ready (or bad settings).
 """
@@ -75,6 +81,7 @@ from _loadtest import (
     wait_healthy,
     write_json,
 )
+from _messages_client import stream_messages
 
 console = Console(highlight=False)
 DEFAULT_CONTEXT = 4096
@@ -103,6 +110,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="users that are tool-calling agents (default: half of --users)")
     p.add_argument("--max-tool-rounds", type=int, default=4, help="tool-call rounds in a row "
                    "before an agent asks with tool_choice none (default 4)")
+    p.add_argument("--api", choices=("chat", "messages"), default="chat",
+                   help="the route each turn goes to: OpenAI's /v1/chat/completions (default) or "
+                        "Anthropic's /v1/messages")
     p.add_argument("--progress", type=float, default=15.0, metavar="S",
                    help="a status line every S seconds (default 15; 0: none)")
     args, server_flags = parse_script_args(p, argv)
@@ -367,7 +377,8 @@ class Replay:
             self.in_flight[i] = {"user": i, "turn": n, "kind": kind,
                                  "sent_s": time.monotonic() - self.t0}
             body = self.body(messages, rng.randrange(1 << 31), conv)
-            result = await stream_chat(client, self.url, body, a.timeout, self.t0, self.headers)
+            send = stream_messages if a.api == "messages" else stream_chat
+            result = await send(client, self.url, body, a.timeout, self.t0, self.headers)
             del self.in_flight[i]
             if result.status == 400 and "exceed" in (result.error or ""):
                 # our estimate was short: trim, and try again
@@ -413,7 +424,8 @@ class Replay:
         self.t0 = time.monotonic()
         report: dict[str, Any] = {"command": sys.argv, "url": url, "settings": {
             k: getattr(a, k) for k in ("users", "minutes", "grace", "max_tokens", "max_context",
-                                       "think", "reasoning", "temperature", "timeout", "seed")}}
+                                       "think", "reasoning", "temperature", "timeout", "seed",
+                                       "api")}}
         async with client_of(a.users, a.timeout) as client:
             ready, why = await wait_healthy(client, url, a.health_timeout)
             if not ready:
@@ -493,7 +505,22 @@ class Replay:
                 "prompt_n": read, "cache_n": reused,
                 "prefix_reuse": round(reused / (read + reused), 4) if read + reused else None,
                 "generated_tokens": tokens,
-                "aggregate_tps": round(tokens / wall, 3) if wall else None}
+                "aggregate_tps": round(tokens / wall, 3) if wall else None,
+                "by_turn": by_turn(ok)}
+
+
+def by_turn(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each turn number's requests (the n-th of its user's conversations so far): how many, TTFT
+    p50 and the prefix cache's share of their prompts."""
+    out = []
+    for n in sorted({r["turn"] for r in ok}):
+        rs = [r for r in ok if r["turn"] == n]
+        read = sum(r["prompt_n"] or 0 for r in rs)
+        reused = sum(r["cache_n"] or 0 for r in rs)
+        out.append({"turn": n, "requests": len(rs),
+                    "ttft_p50_s": percentile([r["ttft_s"] for r in rs], 50),
+                    "prefix_reuse": round(reused / (read + reused), 4) if read + reused else None})
+    return out
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -526,6 +553,13 @@ def print_report(r: dict[str, Any]) -> None:
     for name, value in rows:
         t.add_row(name, str(value))
     console.print(t)
+    turns = Table(title="by turn", title_justify="left")
+    for name in ("turn", "requests", "TTFT p50, s", "prefix reuse"):
+        turns.add_column(name, justify="right")
+    for row in r["by_turn"]:
+        turns.add_row(str(row["turn"]), str(row["requests"]), fmt(row["ttft_p50_s"], 2),
+                      "-" if row["prefix_reuse"] is None else f"{100 * row['prefix_reuse']:.1f}%")
+    console.print(turns)
     for message, n in Counter(x["error"] for x in r["requests_list"] if not x["ok"]).most_common():
         console.print(f"[red]{n} failed:[/red] {message}")
     for f in r["faults"]:
