@@ -194,16 +194,18 @@ def finish_reason(calls: list, engine_reason: str) -> str:
 def tool_prompt(tk, messages: list, kwargs: dict, tools: list, choice, parallel: bool = True
                 ) -> tuple[list, dict, dict]:
     """The messages and template variables for a chat with tools, and {"tool_format", "grammar"}:
-    the template's own rendering when it shows the tools (their first name appears in the text; its
-    format told by its marks, formats.detect), else llama.cpp's generic way."""
+    the template's own rendering when it shows the tools (their first name appears in the text more
+    often with them than without; its format told by its marks, formats.detect), else llama.cpp's
+    generic way."""
     fmt = formats.detect(tk.chat_template)
     own = template_messages(messages, fmt)
     name = tools[0]["function"]["name"]
     try:
         text = tk.apply_chat_template(**{"messages": own, "add_generation_prompt": True, **kwargs,
                                          "tools": tools})
-        if name not in text or name in tk.apply_chat_template(
-                **{"messages": own, "add_generation_prompt": True, **kwargs}):
+        # shown: the tools add the name (earlier calls in the messages may show it already)
+        if text.count(name) <= tk.apply_chat_template(
+                **{"messages": own, "add_generation_prompt": True, **kwargs}).count(name):
             fmt = "generic"
     # a template that cannot render these messages (tool_calls, tool roles)
     except ValueError:
