@@ -189,6 +189,13 @@ def add_serve(sub: Subparsers) -> None:
                    metavar="N", help="largest body /cors-proxy passes on: one declared longer is a "
                         "502, one longer is cut there (default "
                         f"{ServerConfig().cors_proxy_max_bytes >> 20} MiB)")
+    p.add_argument("--responses-max", type=int, default=ServerConfig().responses_max,
+                   metavar="N", help="OpenAI Responses kept for previous_response_id and GET "
+                        "/v1/responses/{id}; beyond it the least recently used is dropped (its id "
+                        f"a 404); 0: keep none (default {ServerConfig().responses_max})")
+    p.add_argument("--responses-max-mib", type=int, default=ServerConfig().responses_max_mib,
+                   metavar="M", help="the most MiB of JSON the kept Responses hold, beyond it the "
+                        f"least recently used go (default {ServerConfig().responses_max_mib})")
     p.add_argument("--api-key-file", metavar="FILE",
                    help="read the API key from FILE (its first line): unlike --api-key, not "
                         "visible in `ps`")
@@ -312,6 +319,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           cors_proxy=args.ui_mcp_proxy, pooling=args.pooling,
                           max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                           cors_proxy_max_bytes=args.cors_proxy_max_bytes,
+                          responses_max=args.responses_max,
+                          responses_max_mib=args.responses_max_mib,
                           max_tokenize_bytes=args.max_tokenize_bytes,
                           max_tokenize_ids=args.max_tokenize_ids,
                           engine_stall_s=args.engine_stall_s, read_timeout_s=args.read_timeout_s,

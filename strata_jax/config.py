@@ -395,6 +395,10 @@ class ServerConfig:
     cors_proxy: bool = False
     # a /cors-proxy answer's body: longer is cut (declared longer: 502)
     cors_proxy_max_bytes: int = 16 << 20
+    # OpenAI Responses kept for previous_response_id and GET (serve/http/responses_store.py): at
+    # most this many, and this many MiB of their JSON; the least recently used go first
+    responses_max: int = 1000
+    responses_max_mib: int = 64
     # server-wide sampling defaults a request overrides (llama.cpp's --temp, --top-k, ..., -n);
     # None: the built-in
     sampling: dict = field(default_factory=dict)
@@ -417,6 +421,11 @@ class ServerConfig:
                 and 1 <= self.cors_proxy_max_bytes <= 1 << 40):
             raise ConfigError(f"cors_proxy_max_bytes = {self.cors_proxy_max_bytes!r}: must be a "
                               "whole number of bytes from 1 to 2**40 (--cors-proxy-max-bytes)")
+        for name, top in (("responses_max", 1 << 20), ("responses_max_mib", 1 << 20)):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= top):
+                raise ConfigError(f"{name} = {value!r}: must be a whole number from 0 to {top} "
+                                  f"(--{name.replace('_', '-')}; 0: keep none)")
         if not (self.engine_stall_s > 0):
             raise ConfigError(f"engine_stall_s = {self.engine_stall_s!r}: must be > 0 seconds")
         if not (isinstance(self.read_timeout_s, (int, float))
