@@ -44,6 +44,7 @@ from . import openapi
 from .errors import ApiError, error_body
 from .http import cors, cors_proxy, embeddings, generate, messages, responses, webui
 from .http.generate import Job, ModelNames
+from .http.messages_answer import error_body as messages_error
 from .http.metrics import Metrics
 from .http.routes import RouteContext
 from .llama import llama_routes, native
@@ -206,10 +207,11 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     routes = RouteContext(sup, cfg, names, metrics, _json_body, parse_chat, served_as, done,
                           lambda request, *tickets: _cancel_on_disconnect(request, sup, *tickets))
 
-    def api_error(_: Request, exc: ApiError) -> Response:
-        return Response(exc.body(), status_code=exc.status, media_type=JSON, headers=exc.headers)
+    def api_error(request: Request, exc: ApiError) -> Response:
+        body = (messages_error(exc.status, exc.message) if _anthropic(request) else exc.body())
+        return Response(body, status_code=exc.status, media_type=JSON, headers=exc.headers)
 
-    def http_error(_: Request, exc: HTTPException) -> Response:
+    def http_error(request: Request, exc: HTTPException) -> Response:
         status = exc.status_code
         message = exc.detail or "error"
         if status == 413:
@@ -219,8 +221,9 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
             message = (f"{message}: no such route (the API is under /v1: chat/completions, "
                        "completions, models)")
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        return Response(error_body(status, message), status_code=status, media_type=JSON,
-                        headers=headers)
+        body = messages_error(status, message) if _anthropic(request) else error_body(status,
+                                                                                       message)
+        return Response(body, status_code=status, media_type=JSON, headers=headers)
 
     def internal_error(request: Request, exc: Exception) -> Response:
         # The exception's text can hold paths, keys, a prompt: it goes to the log only, under a
@@ -250,6 +253,11 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
     # (cors_proxy.quiet)
     app.asgi_handler = cors.wrap(cors_proxy.quiet(app.asgi_handler), cfg.cors_origins)
     return app
+
+
+def _anthropic(request: Request) -> bool:
+    """Anthropic's Messages routes answer errors in Anthropic's shape (http/messages_answer.py)."""
+    return request.url.path.startswith("/v1/messages")
 
 
 def _hook(fn):
