@@ -167,6 +167,23 @@ def test_thinking_with_a_budget_and_without(client):
                                   thinking=NO_THINKING).usage.output_tokens > 0
 
 
+def test_prefill_and_a_failed_tool_result(client):
+    """A final assistant message is continued (no new turn: no thinking opened); a tool_result with
+    is_error and string content renders."""
+    r = client.messages.create(model="tiny", max_tokens=4, extra_body=GREEDY,
+                               messages=[*HI, {"role": "assistant", "content": "Sure, here"}])
+    assert [b.type for b in r.content] == ["text"] and r.stop_reason == "max_tokens"
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": 1}}
+    history = [*ASK, {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                                       call]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                             "content": "no network", "is_error": True}]}]
+    plain = client.messages.count_tokens(model="tiny", messages=history, tools=TOOLS)
+    history[-1]["content"][0]["is_error"] = False
+    assert client.messages.count_tokens(model="tiny", messages=history,
+                                        tools=TOOLS).input_tokens < plain.input_tokens
+
+
 def test_a_stop_sequence_is_named(client):
     kw = {"model": "tiny", "max_tokens": 16, "messages": HI, "extra_body": GREEDY,
           "thinking": NO_THINKING}

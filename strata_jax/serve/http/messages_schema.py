@@ -16,13 +16,14 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ...engine.request import MAX_STOPS
 from ..errors import invalid
 from .schemas import MaxTokens, StopString, Temperature, TopK, Unit
 
 MAX_MESSAGES = 2048             # messages a request
 MAX_BLOCKS = 1024               # content blocks a message (and a tool_result's own blocks)
 MAX_TOOLS = 128                 # as the chat route's `tools`
-MAX_STOP_SEQUENCES = 16         # the engine's MAX_STOPS
+MAX_STOP_SEQUENCES = MAX_STOPS  # the engine's (16)
 MAX_NAME_CHARS = 128            # a tool's name, a tool_use id
 MAX_USER_ID_CHARS = 256         # metadata.user_id
 
