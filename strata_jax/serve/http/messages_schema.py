@@ -33,31 +33,31 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
-class _Block(msgspec.Struct, tag_field="type"):
+class _Block(msgspec.Struct, tag_field="type", kw_only=True):
     """A content block; cache_control is a hint for Anthropic's cache and is ignored (the prefix
     cache here finds shared prefixes by itself)."""
     cache_control: dict[str, Any] | None = None
 
 
 class TextBlock(_Block, tag="text"):
-    text: str = ""
+    text: str
     citations: list[Any] | None = None          # citations of a previous answer: ignored
 
 
 class ToolUseBlock(_Block, tag="tool_use"):
-    id: Name = "?"
-    name: Name = "?"
-    input: dict[str, Any] = msgspec.field(default_factory=dict)
+    id: Name
+    name: Name
+    input: dict[str, Any]
 
 
 class ToolResultBlock(_Block, tag="tool_result"):
-    tool_use_id: Name = "?"
+    tool_use_id: Name
     content: str | Annotated[list[TextBlock], msgspec.Meta(max_length=MAX_BLOCKS)] | None = None
     is_error: bool = False
 
 
 class ThinkingBlock(_Block, tag="thinking"):
-    thinking: str = ""
+    thinking: str
     signature: str | None = None                # Anthropic's proof of its own thinking: ignored
 
 
