@@ -68,6 +68,14 @@ def test_a_section_the_answer_opens_itself():
     assert _follow(t, [5, OPEN, 1, 2, 3]) == [5, OPEN, 1, 2, 3] and t.tokens == 0
 
 
+def test_a_call_mark_ends_the_section_uncounted():
+    """A tool call's mark (<tool_call>) ends the reasoning, as the server's parser reads it: no
+    budget forces </think> into a call."""
+    t = Thinking((OPEN,), (CLOSE,), inside=True, budget=3, ends=(40,))
+    assert _follow(t, [1, 40, 2, 3, 4, 5]) == [1, 40, 2, 3, 4, 5]
+    assert (t.tokens, t.inside) == (1, False)
+
+
 def test_marks_of_several_tokens():
     """A close mark begun by the model when the budget runs out is finished, not restarted; a
     false start of it counts as thinking."""

@@ -72,6 +72,8 @@ class SamplingParams:
     reasoning_close: tuple[int, ...] = ()
     reasoning_inside: bool = False
     reasoning_budget: int = -1
+    # single tokens that also end it, unforced and uncounted (a tool call's mark: <tool_call>)
+    reasoning_ends: tuple[int, ...] = ()
 
     def validate(self, vocab_size: int | None = None) -> None:
         """RequestError naming the field and the value, for anything the engine cannot hold or
@@ -105,7 +107,7 @@ class SamplingParams:
         need(_whole(self.reasoning_budget) and -1 <= self.reasoning_budget < 2**31,
              "reasoning_budget", "must be a whole number >= -1 (-1: no limit)")
         need(isinstance(self.reasoning_inside, bool), "reasoning_inside", "must be true or false")
-        for name in ("reasoning_open", "reasoning_close"):
+        for name in ("reasoning_open", "reasoning_close", "reasoning_ends"):
             marks = getattr(self, name)
             need(isinstance(marks, tuple) and len(marks) <= MAX_MARK_TOKENS
                  and all(_whole(t) and 0 <= t < vocab for t in marks), name,
@@ -136,7 +138,8 @@ def make_params(max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                 frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
                 repeat_last_n: int = 64, logprobs: int | None = None,
                 grammar: Any = None, reasoning_open: Any = (), reasoning_close: Any = (),
-                reasoning_inside: bool = False, reasoning_budget: int = -1) -> SamplingParams:
+                reasoning_inside: bool = False, reasoning_budget: int = -1,
+                reasoning_ends: Any = ()) -> SamplingParams:
     """SamplingParams from Engine.submit's keywords (stop: a string or a list; logit_bias: {token
     id: bias}; grammar: (kind, text[, request field]), constrain.py; the reasoning marks as token
     ids, schedule/thinking.py), not yet validated."""
@@ -148,7 +151,7 @@ def make_params(max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                           repeat_last_n, logprobs,
                           tuple(grammar) if isinstance(grammar, list) else grammar,
                           _mark_ids(reasoning_open), _mark_ids(reasoning_close), reasoning_inside,
-                          reasoning_budget)
+                          reasoning_budget, _mark_ids(reasoning_ends))
 
 
 def _mark_ids(marks: Any) -> Any:

@@ -230,9 +230,10 @@ def create_app(sup: Supervisor, cfg: ServerConfig) -> Litestar:
         # reference the answer gives, so an operator finds the traceback from a client's report.
         ref, now = f"err-{secrets.token_hex(4)}", datetime.now(UTC).isoformat(timespec="seconds")
         log.error("%s %s failed [%s]", request.method, request.url.path, ref, exc_info=exc)
-        return Response(error_body(500, f"internal error [{ref}] at {now}: the server's log has "
-                                        "the details under that reference"), status_code=500,
-                        media_type=JSON)
+        message = (f"internal error [{ref}] at {now}: the server's log has the details under that "
+                   "reference")
+        body = messages_error(500, message) if _anthropic(request) else error_body(500, message)
+        return Response(body, status_code=500, media_type=JSON)
 
     app = Litestar(
         route_handlers=[chat_completions, completions, completion, models, health, prometheus,

@@ -36,6 +36,7 @@ from .errors import ApiError, context_overflow
 from .params import RequestParams
 from .prompt_size import is_chat, refuse_if_too_long
 from .tokens import tokenize_mixed
+from .tool_formats import call_mark
 from .tools import tool_prompt
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos",
@@ -129,7 +130,7 @@ class Prompts:
                 ids = prompt_ids(tk, prompt)
             if not chat and self.marks:             # a text that ends inside the reasoning
                 think = tk.decode(ids[-8:]).rstrip().endswith("<think>")
-            sampling = self.sampling(p, len(ids), grammar, think, budget)
+            sampling = self.sampling(p, len(ids), grammar, think, budget, tool_format)
             fit_context(len(ids), sampling.max_tokens, self.n_ctx)
         except ContextOverflowError as e:
             raise context_overflow(e.prompt_tokens, e.max_tokens, e.n_ctx) from None
@@ -147,7 +148,8 @@ class Prompts:
                         checkpoint_at)
 
     def sampling(self, p: RequestParams, n_prompt: int, grammar: list | None,
-                 think: bool = False, budget: int = -1) -> SamplingParams:
+                 think: bool = False, budget: int = -1,
+                 tool_format: str | None = None) -> SamplingParams:
         """The engine's SamplingParams from a request's, checked: texts in logit_bias as their
         tokens, max_tokens to the end of the context when unset, a forced tool call's grammar, the
         reasoning marks and budget (think: the prompt opened the reasoning)."""
@@ -155,10 +157,16 @@ class Prompts:
         if grammar is not None:
             fields["grammar"] = grammar
         if self.marks:
-            # a grammar decides the whole answer (a forced call, a schema): no mark is forced in
+            # A grammar decides the whole answer (a forced call, a schema): it is no reasoning,
+            # and no mark is forced into it. A call's mark ends the reasoning (as the server's
+            # parser reads it: http/reasoning.py).
+            constrained = fields["grammar"] is not None
+            text = call_mark(tool_format) if tool_format else None
+            mark = self.tokenizer.token_to_id(text) if text else None
             fields.update(reasoning_open=self.marks[0], reasoning_close=self.marks[1],
-                          reasoning_inside=think,
-                          reasoning_budget=-1 if fields["grammar"] is not None else budget)
+                          reasoning_inside=think and not constrained,
+                          reasoning_budget=-1 if constrained else budget,
+                          reasoning_ends=() if mark is None else (mark,))
         bias = p.logit_bias or ()
         if any(isinstance(k, str) for k, _ in bias):       # llama.cpp's: a text's tokens
             bias = bias_ids(self.tokenizer, bias)

@@ -6,7 +6,9 @@ The server gives the engine the section's marks as token ids (SamplingParams.rea
 reasoning_close: `<think>` and `</think>` in the model's vocabulary) and whether the prompt already
 opened it (a Qwen3-style generation prompt ends with `<think>`). Otherwise a section opens when the
 answer's first tokens are the open mark. Inside, every token counts as a reasoning token until the
-close mark appears; with a budget of N, the token after the N-th is the close mark's first token
+close mark appears (or one of the single tokens that also end it: a tool call's mark, `<tool_call>`,
+which the server's reasoning parser also reads as the end: a call is never reasoning); with a
+budget of N, the token after the N-th is the close mark's first token
 whatever the model sampled, then its next ones, and the answer follows. Forcing a token is choosing
 it at that position: the window's logits there were computed, only the choice differs, so the KV the
 next window writes is the forced token's (Output.emit commits it; a verify window's later accepted
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 class Thinking:
     def __init__(self, open_ids: tuple[int, ...], close_ids: tuple[int, ...], inside: bool,
-                 budget: int = -1):
-        self.open_ids, self.close_ids = tuple(open_ids), tuple(close_ids)
+                 budget: int = -1, ends: tuple[int, ...] = ()):
+        self.open_ids, self.close_ids, self.ends = tuple(open_ids), tuple(close_ids), set(ends)
         self.inside = inside
         self.budget = budget                    # -1: no limit
         self.tokens = 0                         # reasoning tokens so far (not the marks)
@@ -32,7 +34,7 @@ class Thinking:
         if not params.reasoning_close:
             return None
         return cls(params.reasoning_open, params.reasoning_close, params.reasoning_inside,
-                   params.reasoning_budget)
+                   params.reasoning_budget, params.reasoning_ends)
 
     def choose(self, sampled: int) -> int:
         """The token to commit at this position: the sampled one, or the close mark's next token
@@ -55,6 +57,9 @@ class Thinking:
                 self._seen = None               # the answer began without the open mark
 
     def _inside(self, token: int) -> None:
+        if token in self.ends and not self._closing:
+            self.inside = False
+            return
         self._closing.append(token)
         n = len(self._closing)
         if tuple(self._closing) == self.close_ids[:n]:
