@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from .http.messages_schema import MessagesRequest
 from .http.schemas import ChatCompletionRequest, CompletionRequest, Message
 from .llama.native import NativeRequest
 
@@ -32,8 +33,8 @@ def _object(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[
     return out
 
 
-# Routes that read a JSON object field by field (llama_routes.py, embeddings.py, app.py): what they
-# read.
+# Routes that read a JSON object field by field (llama_routes.py, embeddings.py, app.py,
+# http/responses.py): what they read.
 _PROMPT_PIECES = {"type": "array", "items": {"anyOf": [TOKEN_ID, {"type": "string"}]}}
 _EMBED_INPUT = {"anyOf": [{"type": "string"}, _PROMPT_PIECES,
                           {"type": "array",
@@ -55,6 +56,18 @@ HAND_WRITTEN: dict[str, dict[str, Any]] = {
     "/embeddings": _object({"content": _EMBED_INPUT, "input": _EMBED_INPUT,
                             "embd_normalize": {"type": "integer"}}),
     "/slots/{slot_id}": _object({"filename": {"type": "string"}}),
+    # OpenAI's Responses (http/responses_request.py): the fields it reads
+    "/v1/responses": _object({
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "model": {"type": "string"}, "instructions": {"type": "string"},
+        "previous_response_id": {"type": "string"}, "store": BOOL, "stream": BOOL,
+        "max_output_tokens": {"type": "integer"}, "temperature": {"type": "number"},
+        "top_p": {"type": "number"}, "parallel_tool_calls": BOOL,
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}]},
+        "text": {"type": "object"}, "reasoning": {"type": "object"},
+        "metadata": {"type": "object"}, "truncation": {"enum": ["disabled", "auto"]}},
+        ("input",)),
     "/cors-proxy": {},
 }
 HAND_WRITTEN["/embedding"] = HAND_WRITTEN["/embeddings"]
@@ -67,13 +80,15 @@ STRUCTS: dict[str, type[msgspec.Struct]] = {
     "/v1/chat/completions/input_tokens": ChatCompletionRequest,
     "/v1/completions": CompletionRequest, "/completion": NativeRequest,
     "/completions": NativeRequest,
+    "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": MessagesRequest,
 }
 
 
 # What the structs' defaults allow but the routes refuse (an empty chat, no prompt), so generated
 # bodies that follow the document reach the engine instead of stopping at the first check.
 NEEDED = {"ChatCompletionRequest": ("messages", {"minItems": 1}),
-          "CompletionRequest": ("prompt", {}), "NativeRequest": ("prompt", {})}
+          "CompletionRequest": ("prompt", {}), "NativeRequest": ("prompt", {}),
+          "MessagesRequest": ("messages", {"minItems": 1})}
 
 
 def document(litestar_schema: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,6 @@ the endpoint "responses".
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import aclosing
 from typing import Any
 
@@ -32,8 +31,8 @@ from .routes import RouteContext
 JSON = "application/json"
 ENDPOINT = "responses"
 # chat's field names in errors parse_chat and generate.start raise -> the Responses field
-RENAMED = (("response_format.json_schema.schema", "text.format.schema"),
-           ("response_format", "text.format"), ("max_tokens", "max_output_tokens"))
+RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+           ("max_tokens", "max_output_tokens"))
 
 
 def handlers(routes: RouteContext) -> list:
@@ -108,7 +107,7 @@ def _job(routes: RouteContext, store: ResponseStore, body: bytes):
                           "previous_response_id")
         history = _stored(store, previous, "previous_response_id").messages
     asked = translate(given, history)
-    job = routes.parse_chat(json.dumps(asked.chat).encode(), routes.names)
+    job = routes.parse_chat(msgspec.json.encode(asked.chat), routes.names)
     sup = routes.sup
     if sup.info and not sup.info.get("chat_template", True):
         raise invalid("this model has no chat template (tokenizer.chat_template is not in its "

@@ -13,8 +13,9 @@ by `previous_response_id` renders as one whose client sent the output items back
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import msgspec
 
 from ..errors import invalid
 
@@ -27,9 +28,9 @@ MAX_SHOWN = 60
 def shown(value: Any) -> str:
     """A bad value as an error message shows it: JSON, cut short."""
     try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
+        text = msgspec.json.encode(value).decode()
+    except (TypeError, ValueError, RecursionError):
+        text = f"a {type(value).__name__}"
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
 
 

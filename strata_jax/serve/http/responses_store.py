@@ -12,11 +12,12 @@ handlers; the event loop is its only thread, so it needs no lock.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 log = logging.getLogger("strata_jax.serve")
 
@@ -40,7 +41,7 @@ class ResponseStore:
     def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
         """Keep a response (the newest), evicting the least recently used beyond the bounds; False
         when it alone is larger than the byte bound (it is not kept)."""
-        size = len(json.dumps([response, messages], ensure_ascii=False).encode())
+        size = len(msgspec.json.encode([response, messages]))
         if size > self.max_bytes or self.max_count == 0:
             log.warning("response %s not stored: %d bytes, and the store keeps at most %d "
                         "responses / %d bytes (--responses-max, --responses-max-mib)",
