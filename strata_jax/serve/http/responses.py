@@ -152,7 +152,7 @@ async def _events(routes: RouteContext, store: ResponseStore, asked: Asked, job,
     chunks = generate.chunks(routes.sup, job, prepared, ticket, done)
     async with aclosing(chunks), aclosing(stream.events(chunks)) as events:
         async for event in events:
+            if event["type"] in ("response.completed", "response.incomplete"):
+                _keep(store, asked, stream.final)     # kept before a client can leave
             yield (f"event: {event['type']}\n".encode() + b"data: "
                    + msgspec.json.encode(event) + b"\n\n")
-    if stream.final is not None:
-        _keep(store, asked, stream.final)
