@@ -25,11 +25,14 @@ STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "leng
 def messages_body(chat: dict[str, Any]) -> dict[str, Any]:
     """A chat-completions body -> the Messages body that asks the same."""
     system = [m["content"] for m in chat["messages"] if m["role"] in ("system", "developer")]
-    body: dict[str, Any] = {"messages": _messages(chat["messages"]),
+    # Anthropic's API requires a model: the server serves its one model under any name unless
+    # started with --strict-model-name (then give the replay --model NAME)
+    body: dict[str, Any] = {"model": chat.get("model") or "default",
+                            "messages": _messages(chat["messages"]),
                             "max_tokens": chat.get("max_tokens") or 256, "stream": True}
     if system:
         body["system"] = "\n\n".join(system)
-    for key in ("model", "temperature", "top_p", "top_k"):
+    for key in ("temperature", "top_p", "top_k"):
         if chat.get(key) is not None:
             body[key] = chat[key]
     if chat.get("tools"):

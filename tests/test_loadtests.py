@@ -138,6 +138,29 @@ def test_replay(agent_server, tmp_path):
     assert "engine restarts (GET /faults)" in out
 
 
+def test_replay_over_anthropics_messages(agent_server, tmp_path):
+    """--api messages: the same users over /v1/messages (Claude Code's API), tool_use blocks run
+    and sent back as tool_result blocks; the figures read from Anthropic's usage (input_tokens read
+    now + cache_read_input_tokens from the prefix cache = the prompt)."""
+    rc, out, report = run_script("replay.py", "--url", agent_server.url, "--users", "3",
+                                 "--minutes", "0.15", "--max-tokens", "8", "--think", "0.2,0.8",
+                                 "--progress", "0", "--tool-users", "2", "--api", "messages",
+                                 tmp_path=tmp_path)
+    assert rc == 0, out
+    assert report["settings"]["api"] == "messages"
+    assert report["requests"] >= 3 and report["failed"] == 0 and report["engine_restarts"] == 0
+    assert report["prompt_n"] + report["cache_n"] == report["prompt_tokens"] > 0
+    assert report["tool_calls"] == sum(len(r["tool_calls"]) for r in report["requests_list"])
+    for r in report["requests_list"]:
+        assert r["ok"] and 1 <= r["tokens"] <= 8 and r["finish_reason"] in (
+            "stop", "length", "tool_calls"), r
+        assert 0 < r["ttft_s"] <= r["latency_s"]
+    turns = report["by_turn"]
+    assert [t["turn"] for t in turns] == list(range(1, len(turns) + 1))
+    assert sum(t["requests"] for t in turns) == report["ok"]
+    assert "by turn" in out
+
+
 def test_ladder_reports_an_engine_exit_and_the_next_level_recovers(model, tmp_path):
     # The first engine process exits at its 12th window: level 1 (one request, 8 tokens, ignore_eos)
     # takes 8 windows, so the exit comes while both requests of level 2 are in flight; level 3 runs

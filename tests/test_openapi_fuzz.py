@@ -77,7 +77,10 @@ def test_no_route_answers_a_server_error(case, server):
     assert response.status_code < 500 or response.status_code in DELIBERATE_5XX, where
     if response.status_code >= 400:
         error = response.json()["error"]               # OpenAI's shape, whatever refused it
-        assert {"message", "type", "code"} <= set(error), where
+        if case.path.startswith("/v1/messages"):       # Anthropic's there
+            assert response.json()["type"] == "error" and {"message", "type"} <= set(error), where
+        else:
+            assert {"message", "type", "code"} <= set(error), where
         refusals[route][str(error.get("param") or error["message"][:60])] += 1
     if response.status_code == 503 and case.path != "/health":
         assert "retry-after" in {k.lower() for k in response.headers}, where
