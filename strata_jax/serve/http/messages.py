@@ -57,7 +57,7 @@ def handlers(routes: RouteContext) -> list:
         except ApiError:
             metrics.requests.labels(ENDPOINT, "rejected").inc()
             raise
-        job.include_usage = job.stream
+        job.include_usage, job.route = job.stream, ENDPOINT
         routes.served_as(job)
         return job
 
@@ -112,9 +112,8 @@ async def _stream(routes: RouteContext, job: Job, prepared: Any, ticket: Any, ev
 
 
 class _Ended:
-    """A request's on_done hook: counts it under "messages" (the server's own hook, given the job
-    under that endpoint) and keeps the stop string that ended it (the engine's final stats), for
-    stop_reason "stop_sequence"."""
+    """A request's on_done hook: the server's own (metrics), and keeps the stop string that ended it
+    (the engine's final stats), for stop_reason "stop_sequence"."""
 
     def __init__(self, routes: RouteContext):
         self.routes = routes
@@ -123,16 +122,4 @@ class _Ended:
     def done(self, job: Job, ticket: Any, outcome: str, stats: dict | None,
              seconds: float) -> None:
         self.stopping_word = (stats or {}).get("stopping_word") or ""
-        self.routes.done(_Counted(job), ticket, outcome, stats, seconds)
-
-
-class _Counted:
-    """A job as the metrics count it: under the messages endpoint."""
-
-    endpoint = ENDPOINT
-
-    def __init__(self, job: Job):
-        self._job = job
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._job, name)
+        self.routes.done(job, ticket, outcome, stats, seconds)

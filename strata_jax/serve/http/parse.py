@@ -50,10 +50,13 @@ class Job:
     llama: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
+    # the route that made it, when it is not chat or completions' own (/metrics' endpoint label):
+    # "messages" (Anthropic's), "responses" (OpenAI's)
+    route: str | None = None
 
     @property
     def endpoint(self) -> str:
-        return "chat" if self.kind == "chat" else "completions"
+        return self.route or ("chat" if self.kind == "chat" else "completions")
 
 
 # ---- parsing -------------------------------------------------------------------------------------

@@ -37,11 +37,7 @@ RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "
 
 def handlers(routes: RouteContext) -> list:
     store = ResponseStore(routes.cfg.responses_max, routes.cfg.responses_max_mib << 20)
-
-    def done(job, ticket, outcome: str, stats: dict | None, seconds: float) -> None:
-        """app.py's `done`, counted under this route's own endpoint."""
-        routes.metrics.finished(ENDPOINT, outcome, stats, seconds)
-        routes.metrics.latency.finished(job.arrived, ticket, stats)
+    done = routes.done
 
     def rejected() -> None:
         routes.metrics.requests.labels(ENDPOINT, "rejected").inc()
@@ -50,6 +46,7 @@ def handlers(routes: RouteContext) -> list:
     async def create(request: Request) -> Response:
         try:
             asked, job = _job(routes, store, await request.body())
+            job.route = ENDPOINT
             routes.served_as(job)
             job.include_usage = True
             prepared, ticket = await generate.start(routes.sup, job)
