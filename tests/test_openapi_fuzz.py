@@ -12,7 +12,9 @@ server fetch the generated URLs: a fuzzer must not send traffic beyond this mach
 fuzzed as the refusal it is.
 
 STRATA_OPENAPI_FUZZ_EXAMPLES (default 12 a route, the bounded CI run) sets hypothesis' examples a
-route; the summary (routes, cases tried, answers by status) is printed (`pytest -s`) and written to
+route, STRATA_OPENAPI_FUZZ_ONLY a regular expression of the paths to fuzz (and
+STRATA_OPENAPI_FUZZ_PATHS how many paths that run must reach); the summary
+(routes, cases tried, answers by status) is printed (`pytest -s`) and written to
 $TMPDIR/strata-jax-openapi-fuzz.json, which docs/BENCHMARKS.md quotes for the long run.
 """
 
@@ -33,6 +35,10 @@ from strata_jax.serve.launch import ServerProcess
 
 KEY = "fuzz-key"
 EXAMPLES = int(os.environ.get("STRATA_OPENAPI_FUZZ_EXAMPLES", "12"))
+# a long run of some routes: a regular expression of their paths (e.g. "^/v1/(messages|responses)"),
+# and how many paths it must reach (all of them by default)
+ONLY = os.environ.get("STRATA_OPENAPI_FUZZ_ONLY")
+MIN_PATHS = int(os.environ.get("STRATA_OPENAPI_FUZZ_PATHS", "24"))
 SUMMARY = Path(tempfile.gettempdir()) / "strata-jax-openapi-fuzz.json"
 DELIBERATE_5XX = {501, 503}
 seen: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -63,6 +69,8 @@ def api_schema(server):
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
+if ONLY:
+    schema = schema.include(path_regex=ONLY)
 
 
 @schema.parametrize()
@@ -100,7 +108,7 @@ def test_the_server_serves_after_the_fuzzing_and_never_restarted(server):
     SUMMARY.write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: summary[k] for k in ("operations", "paths", "cases", "statuses")}))
     # every route was reached
-    assert summary["paths"] >= 24 and tried >= 24 * min(EXAMPLES, 5), summary
+    assert summary["paths"] >= MIN_PATHS and tried >= MIN_PATHS * min(EXAMPLES, 5), summary
     assert 500 not in statuses, summary
     r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=120,
                    json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
