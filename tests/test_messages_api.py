@@ -93,6 +93,16 @@ def test_create_and_its_stream_agree(client):
                                                              whole.usage.output_tokens)
 
 
+def test_max_tokens_is_a_ceiling_cut_to_the_slots_room(client):
+    """Claude Code asks max_tokens 32000 whatever the context: on this route it is cut to what the
+    prompt leaves of a slot (1024 here), not refused as the chat route refuses it; an answer that
+    fills the slot ends with max_tokens."""
+    r = client.messages.create(model="tiny", max_tokens=32000, messages=HI, extra_body=GREEDY)
+    room = 1024 - (r.usage.input_tokens + r.usage.cache_read_input_tokens)
+    assert r.stop_reason in ("max_tokens", "end_turn") and 0 < r.usage.output_tokens <= room
+    assert (r.stop_reason == "max_tokens") == (r.usage.output_tokens == room)
+
+
 def test_raw_events_and_count_tokens(server, client):
     body = {"model": "tiny", "max_tokens": 8, "messages": HI, "tools": TOOLS, "temperature": 0,
             "system": "You answer in French.", "stream": True}

@@ -39,4 +39,7 @@ class RequestParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     progress: bool = False                      # prompt progress events (return_progress)
     # the most reasoning tokens (thinking_token_budget): -1 no limit, 0 none; None: the server's
     reasoning_budget: int | None = None
+    # max_tokens is a ceiling, cut to the room the prompt leaves in a slot instead of refused
+    # (Anthropic's route: Claude Code asks 32,000 whatever the context; llama.cpp's way too)
+    fit_max_tokens: bool = False
     cache_salt: str | None = None

@@ -170,7 +170,9 @@ class Prompts:
         bias = p.logit_bias or ()
         if any(isinstance(k, str) for k, _ in bias):       # llama.cpp's: a text's tokens
             bias = bias_ids(self.tokenizer, bias)
-        max_tokens = p.max_tokens or max(self.n_ctx - n_prompt, 1)
+        room = max(self.n_ctx - n_prompt, 1)
+        max_tokens = (min(p.max_tokens, room) if p.max_tokens and p.fit_max_tokens
+                      else p.max_tokens or room)
         out = make_params(max_tokens, logit_bias={int(t): b for t, b in bias}, **fields)
         out.validate(self.tokenizer.vocab_size)
         return out

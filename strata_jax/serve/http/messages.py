@@ -58,6 +58,9 @@ def handlers(routes: RouteContext) -> list:
             metrics.requests.labels(ENDPOINT, "rejected").inc()
             raise
         job.include_usage, job.route = job.stream, ENDPOINT
+        # Anthropic's clients ask a fixed max_tokens (Claude Code 32,000) whatever the context: it
+        # is a ceiling here, cut to the room the prompt leaves (stop_reason max_tokens at the end)
+        job.params.fit_max_tokens = True
         routes.served_as(job)
         return job
 
