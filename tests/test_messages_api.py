@@ -163,10 +163,9 @@ def test_thinking_with_a_budget_and_without(client):
     r = client.messages.create(model="tiny", max_tokens=40, messages=HI,
                                thinking={"type": "enabled", "budget_tokens": 16})
     assert r.content[0].type == "thinking" and r.content[0].signature == ""
+    # the engine's reasoning count: within the budget
     details = r.usage.output_tokens_details
-    # the engine's reasoning count, where the usage carries it: within the budget
-    if details is not None:
-        assert 0 < details.thinking_tokens <= 16, r.usage
+    assert details is not None and 0 < details.thinking_tokens <= 16, r.usage
     off = client.messages.create(model="tiny", max_tokens=8, messages=HI, thinking=NO_THINKING)
     assert "thinking" not in [b.type for b in off.content]
     # a thinking block sent back is the assistant's reasoning, not an error
