@@ -1,15 +1,21 @@
-"""A fuzzer for the two completion routes (issue 13, item 9): hypothesis generates thousands of
-request bodies (valid ones, every field out of range or of the wrong type, huge numbers, edge
-floats, lone surrogates, deep nesting, duplicated keys, non-object JSON, bytes that are not UTF-8,
-truncated JSON, bodies near the size limit) and sends them to one real server process. Every answer
-must be a 200 (a streamed one ending in `data: [DONE]`, an error event inside it in OpenAI's shape
-and not a server error), a 4xx in OpenAI's error shape, or a 503 with Retry-After (load shedding);
-never another 5xx, a hang or a dropped connection. After them an ordinary request is served and the
-engine never restarted.
+"""A fuzzer for four generation routes (issue 13, item 9): the two completion routes,
+Anthropic's Messages (`/v1/messages`) and OpenAI's Responses (`/v1/responses`). Hypothesis
+generates thousands of request bodies (valid ones, every field out of range or of the wrong type,
+huge numbers, edge floats, lone surrogates, deep nesting, duplicated keys, non-object JSON, bytes
+that are not UTF-8, truncated JSON, bodies near the size limit) and sends them to one real server
+process. Every answer must be a 200, a 4xx in the route's error shape, or a 503 with Retry-After
+(load shedding); never another 5xx, a hang or a dropped connection. The completion routes answer
+in OpenAI's shape (a stream ends in `data: [DONE]`, an error event inside it in OpenAI's shape and
+not a server error); `/v1/messages` in Anthropic's (errors `{"type": "error", "error": {"type",
+"message"}}`, a stream ends with `event: message_stop` or an `event: error` in that shape, a whole
+answer is a "message"); `/v1/responses` has OpenAI's errors, a stream ends with
+`response.completed`, `response.incomplete` or `response.failed`, a whole answer is a "response".
+After them an ordinary request is served and the engine never restarted.
 
-The summary (bodies tried, answers by status) is printed (`pytest -s`) and written to
-$TMPDIR/strata-jax-fuzz.json. STRATA_FUZZ_KEEP_GOING=1 records every failing body instead of
-stopping at the first (hypothesis then does not shrink): for hunting several bugs in one run.
+The summary (bodies tried, answers by status, and by route and status) is printed (`pytest -s`)
+and written to $TMPDIR/strata-jax-fuzz.json. STRATA_FUZZ_KEEP_GOING=1 records every failing body
+instead of stopping at the first (hypothesis then does not shrink): for hunting several bugs in one
+run.
 STRATA_FUZZ_CORPUS=FILE writes every body sent and the status it got (JSON lines), which
 scripts/fuzz_replay.py sends again to another build of the server and compares, status by status (a
 refactoring's check that the HTTP answers stay the same).
@@ -31,6 +37,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from strata_jax.serve.http.messages_answer import ERROR_TYPES
 from strata_jax.serve.launch import ServerProcess
 
 N_CTX = 256
@@ -39,7 +46,8 @@ MAX_BODY = 8 << 20                # the server's default --max-body-bytes
 EXAMPLES = 3000
 MIN_TRIED = 2000
 MODEL = "fuzz"
-ROUTES = ("/v1/chat/completions", "/v1/completions")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
+CHAT, TEXT, MESSAGES, RESPONSES = ROUTES
 SUMMARY = Path(tempfile.gettempdir()) / "strata-jax-fuzz.json"
 KEEP_GOING = os.environ.get("STRATA_FUZZ_KEEP_GOING") == "1"
 CORPUS = os.environ.get("STRATA_FUZZ_CORPUS")
@@ -110,6 +118,15 @@ CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature",
 TEXT_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                "n", "stream", "stream_options", "ignore_eos", "echo", "model",
                "logprobs"] + CONTROL_FIELDS + STRUCTURED_FIELDS
+MESSAGES_FIELDS = ["model", "messages", "max_tokens", "system", "stop_sequences", "temperature",
+                   "top_p", "top_k", "stream", "thinking", "tools", "tool_choice", "metadata",
+                   "service_tier", "cache_control"]
+RESPONSES_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+                    "stream", "store", "tools", "tool_choice", "text", "reasoning", "metadata",
+                    "previous_response_id", "truncation", "parallel_tool_calls", "seed", "stop",
+                    "top_k", "include", "background"]
+FIELDS = {CHAT: CHAT_FIELDS, TEXT: TEXT_FIELDS, MESSAGES: MESSAGES_FIELDS,
+          RESPONSES: RESPONSES_FIELDS}
 IGNORED_FIELDS = ["user", "suffix", "best_of"]
 
 # A field's value at the edge of its shape: lists too long, strings too long, token ids outside the
@@ -160,6 +177,64 @@ SHAPE_EDGES = {
                     {"function": {"name": "f"}}, 5],
 }
 
+# The same for the Messages and Responses routes (over SHAPE_EDGES for a key both have).
+ROUTE_SHAPES: dict[str, dict[str, list[Any]]] = {
+    MESSAGES: {
+        "messages": [[], [{}], [{"role": "user"}], [{"role": "system", "content": "hi"}],
+                     [{"role": "user", "content": []}], [{"role": "user", "content": [{}]}],
+                     [{"role": "user", "content": [{"type": "image"}]}],
+                     [{"role": "user", "content": [{"type": "tool_result"}]}],
+                     [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x",
+                                                    "content": [{"type": "text", "text": "a"}]}]}],
+                     [{"role": "assistant", "content": [{"type": "tool_use", "id": "t",
+                                                         "name": "f", "input": {"a": 2**64}}]}],
+                     [{"role": "assistant", "content": [{"type": "thinking", "thinking": "x"}]}],
+                     [{"role": "assistant", "content": "hi"}],
+                     [{"role": "user", "content": [{"type": "redacted_thinking"}]}],
+                     [{"role": "user", "content": "hi"}] * 500,
+                     [{"role": "user", "content": "a" * 100_000}]],
+        "system": ["", [], [{"type": "text"}], [{"type": "image", "text": "a"}], "x" * 100_000,
+                   [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}]],
+        "stop_sequences": [[], [""], ["s"] * 16, ["s"] * 17, ["s"] * 1000, ["x" * 513], [None],
+                           "s"],
+        "thinking": [{"type": "enabled"}, {"type": "enabled", "budget_tokens": -1},
+                     {"type": "enabled", "budget_tokens": 2**24 + 1},
+                     {"type": "enabled", "budget_tokens": 0}, {"type": "adaptive"},
+                     {"type": "disabled", "budget_tokens": 5}, {"type": "x"}, {}, "enabled"],
+        "tools": [[], [{}], [{"name": "f"}], [{"name": "f", "input_schema": {"type": "strange"}}],
+                  [{"name": "f", "input_schema": True}],
+                  [{"name": "", "input_schema": {"type": "object"}}],
+                  [{"name": "f", "input_schema": {"type": "object"}, "type": "bash_20250124"}],
+                  [{"name": "f", "input_schema": {"type": "object"}}] * 2],
+        "tool_choice": [{"type": "tool"}, {"type": "tool", "name": "nowhere"}, {"type": "any"},
+                        {"type": "none"}, {"type": "x"}, "auto", {}],
+        "metadata": [{}, {"user_id": None}, {"user_id": "x" * 10_000}, {"other": 1}, []],
+    },
+    RESPONSES: {
+        "input": [[], [{}], "", [{"role": "user"}], [{"role": "system", "content": "hi"}],
+                  [{"type": "message", "role": "user", "content": [{"type": "input_text"}]}],
+                  [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+                  [{"type": "function_call_output", "call_id": "x", "output": "1"}],
+                  [{"type": "function_call", "call_id": "x", "name": "f", "arguments": "{"}],
+                  [{"type": "reasoning", "summary": []}], [{"type": "item_reference", "id": "x"}],
+                  [{"role": "user", "content": "hi"}] * 500, "a" * 100_000, {"role": "user"}],
+        "tools": [[], [{}], [{"type": "function"}], [{"type": "web_search"}],
+                  [{"type": "function", "name": "f", "parameters": {"type": "strange"}}],
+                  [{"type": "function", "name": "f", "parameters": {"type": "object"}}] * 2],
+        "tool_choice": ["required", "none", "x", {"type": "function"},
+                        {"type": "function", "name": "nowhere"}, 5],
+        "text": [{}, {"format": {"type": "json_schema"}}, {"format": {"type": "xml"}},
+                 {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strange"}}},
+                 {"format": {"type": "json_schema", "name": "x", "schema": True}},
+                 {"verbosity": "low"}, "json"],
+        "reasoning": [{}, {"effort": "x"}, {"effort": None}, {"summary": "auto"}, "high"],
+        "previous_response_id": ["", "resp_nowhere", "x" * 10_000],
+        "truncation": ["auto", "disabled", None, 1],
+        "metadata": [{}, {"k": 1}, {"x" * 100: "v"}, {str(i): "v" for i in range(17)}, []],
+        "include": [[], ["reasoning.encrypted_content"], ["x"]],
+    },
+}
+
 # ---- valid bodies --------------------------------------------------------------------------------
 
 part = st.fixed_dictionaries({"type": st.just("text"), "text": text})
@@ -205,8 +280,65 @@ prompt = st.one_of(text.filter(bool), st.lists(st.integers(0, VOCAB - 1), min_si
 text_body = st.fixed_dictionaries({"prompt": prompt}, optional={**sampling, "echo": st.booleans()})
 
 
+def _coherent(body: dict[str, Any], tools: str) -> dict[str, Any]:
+    """A valid body's fields that must agree: a tool_choice has its tools; a thinking budget is
+    under max_tokens, and thinking forces no tool."""
+    if "tool_choice" in body and tools not in body:
+        body = {k: v for k, v in body.items() if k != "tool_choice"}
+    thinking = body.get("thinking") or {}
+    if thinking.get("type") == "enabled":
+        body["thinking"] = {**thinking,
+                            "budget_tokens": min(thinking["budget_tokens"], body["max_tokens"] - 1)}
+        if (body.get("tool_choice") or {}).get("type") in ("any", "tool"):
+            body["tool_choice"] = {"type": "auto"}
+    return body
+
+
+anthropic_content = text | st.lists(part, min_size=1, max_size=3)
+messages_body = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "max_tokens": st.integers(1, 16),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"),
+                                                 "content": anthropic_content}),
+                          min_size=1, max_size=2)},
+    optional={"system": text | st.lists(part, min_size=1, max_size=2),
+              "stop_sequences": st.lists(text.filter(bool), max_size=4),
+              "temperature": st.floats(0.0, 1.0),
+              "top_p": st.floats(0.0, 1.0) | st.sampled_from([1e-9, 1.0]),
+              "top_k": st.integers(1, VOCAB + 10),
+              "stream": st.booleans(),
+              "thinking": st.fixed_dictionaries({"type": st.just("enabled"),
+                                                 "budget_tokens": st.integers(0, 8)})
+              | st.just({"type": "disabled"}),
+              "tools": st.just([{"name": "f", "description": "a function",
+                                 "input_schema": {"type": "object",
+                                                  "properties": {"a": {"type": "string"}}}}]),
+              "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                              {"type": "tool", "name": "f"}]),
+              "metadata": st.fixed_dictionaries({}, optional={"user_id": text})}
+).map(lambda body: _coherent(body, "tools"))
+responses_body = st.fixed_dictionaries(
+    {"model": st.just(MODEL),
+     "input": text | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": text}),
+                              min_size=1, max_size=2)},
+    optional={"instructions": text,
+              "max_output_tokens": st.integers(1, 16),
+              "temperature": st.floats(0.0, 2.0),
+              "top_p": st.floats(0.0, 1.0) | st.sampled_from([1e-9, 1.0]),
+              "stream": st.booleans(),
+              "store": st.booleans(),
+              "tools": st.just([{"type": "function", "name": "f",
+                                 "parameters": {"type": "object",
+                                                "properties": {"a": {"type": "string"}}}}]),
+              "tool_choice": st.sampled_from(["auto", "none", "required"]),
+              "text": st.just({"format": {"type": "json_object"}}),
+              "reasoning": st.fixed_dictionaries(
+                  {"effort": st.sampled_from(["none", "minimal", "low", "medium", "high"])})}
+).map(lambda body: _coherent(body, "tools"))
+VALID = {CHAT: chat_body, TEXT: text_body, MESSAGES: messages_body, RESPONSES: responses_body}
+
+
 def _valid(route: str) -> st.SearchStrategy[dict[str, Any]]:
-    return chat_body if route == ROUTES[0] else text_body
+    return VALID[route]
 
 
 def _pairs_text(pairs: list[tuple[str, str]]) -> str:
@@ -227,7 +359,7 @@ def _dump(value: Any, ascii: bool = False) -> str:
 def cases(draw) -> tuple[str, str, Any, str]:
     kind = draw(st.sampled_from(KINDS))
     route = draw(st.sampled_from(ROUTES))
-    fields = CHAT_FIELDS if route == ROUTES[0] else TEXT_FIELDS
+    fields = FIELDS[route]
     body = draw(_valid(route))
     ascii = draw(st.booleans())                      # non-ASCII as \u escapes, or as UTF-8 bytes
     pairs = [(k, _dump(v, ascii)) for k, v in body.items()]
@@ -241,28 +373,30 @@ def cases(draw) -> tuple[str, str, Any, str]:
         value = draw(st.sampled_from(INT_EDGES + FLOAT_EDGES) | st.integers(-(2**70), 2**70))
         pairs = [p for p in pairs if p[0] != key] + [(key, _dump(value))]
     elif kind == "shape":
-        key = draw(st.sampled_from(sorted(set(SHAPE_EDGES) & set(fields + IGNORED_FIELDS))))
+        edges = {**SHAPE_EDGES, **ROUTE_SHAPES.get(route, {})}
+        key = draw(st.sampled_from(sorted(set(edges) & set(fields + IGNORED_FIELDS))))
         pairs = ([p for p in pairs if p[0] != key]
-                 + [(key, _dump(draw(st.sampled_from(SHAPE_EDGES[key])), ascii))])
+                 + [(key, _dump(draw(st.sampled_from(edges[key])), ascii))])
     elif kind == "raw":                               # raw JSON text in place of a value
         key = draw(st.sampled_from(fields + IGNORED_FIELDS))
         pairs = [p for p in pairs if p[0] != key] + [(key, draw(st.sampled_from(RAW_VALUES)))]
-    # inside messages / content parts / stream_options
+    # inside messages (input) / content parts / an option object (NESTED)
     elif kind == "nested":
         raw = draw(st.sampled_from(RAW_VALUES) | wild.map(_dump))
-        key = draw(st.sampled_from(["role", "content", "type", "text", "name", "tool_calls",
-                                    "include_usage"]))
-        if route == ROUTES[0] and key in ("type", "text"):
+        holder, part_type, keys = NESTED[route]
+        key = draw(st.sampled_from(keys))
+        if holder is not None and key in ("type", "text"):
             inner = ('[{"role": "user", "content": '
-                     f'[{_pairs_text([("type", _dump("text")), (key, raw)])}]}}]')
-            pairs = [p for p in pairs if p[0] != "messages"] + [("messages", inner)]
-        elif route == ROUTES[0] and key != "include_usage":
+                     f'[{_pairs_text([("type", _dump(part_type)), (key, raw)])}]}}]')
+            pairs = [p for p in pairs if p[0] != holder] + [(holder, inner)]
+        elif holder is not None and key not in OPTION_KEYS:
             inner = (
                 f'[{_pairs_text([("role", _dump("user")), ("content", _dump("hi")), (key, raw)])}]')
-            pairs = [p for p in pairs if p[0] != "messages"] + [("messages", inner)]
+            pairs = [p for p in pairs if p[0] != holder] + [(holder, inner)]
         else:
-            pairs = ([p for p in pairs if p[0] != "stream_options"]
-                     + [("stream_options", _pairs_text([(key, raw)]))])
+            option, first = OPTION_KEYS.get(key, ("stream_options", {}))
+            inner = _pairs_text([(k, _dump(v)) for k, v in first.items()] + [(key, raw)])
+            pairs = [p for p in pairs if p[0] != option] + [(option, inner)]
     # the same key twice, the second a wild or raw value
     elif kind == "duplicate":
         key = draw(st.sampled_from(fields))
@@ -293,6 +427,18 @@ def cases(draw) -> tuple[str, str, Any, str]:
     return route, data, content_type, kind
 
 
+# kind "nested": the list of messages (None: none), its content parts' type, the keys to put a wild
+# value in; a key of OPTION_KEYS goes in one of its option objects instead.
+MESSAGE_KEYS = ["role", "content", "type", "text", "name"]
+NESTED = {CHAT: ("messages", "text", MESSAGE_KEYS + ["tool_calls", "include_usage"]),
+          TEXT: (None, "text", ["role", "content", "type", "text", "name", "tool_calls",
+                                "include_usage"]),
+          MESSAGES: ("messages", "text", MESSAGE_KEYS + ["budget_tokens", "user_id"]),
+          RESPONSES: ("input", "input_text", MESSAGE_KEYS + ["effort", "format"])}
+OPTION_KEYS = {"include_usage": ("stream_options", {}),
+               "budget_tokens": ("thinking", {"type": "enabled"}), "user_id": ("metadata", {}),
+               "effort": ("reasoning", {}), "format": ("text", {})}
+
 # Weights by repetition: valid bodies (an engine run each) are a modest share; parse-time rejections
 # are cheap. Hypothesis leans to the first entry (its simplest): a cheap one.
 KINDS = (["raw"] * 5 + ["mutate"] * 6 + ["edge"] * 5 + ["shape"] * 3 + ["nested"] * 3
@@ -305,6 +451,22 @@ HUGE_SHAPES = [("value", MAX_BODY - 200), ("value", MAX_BODY - 64), ("stop", MAX
                ("bytes", MAX_BODY), ("value", MAX_BODY + 1), ("nested", MAX_BODY - 200)]
 
 
+# per route: (head, tail) of a body with a long string value, and with a long stop string
+HUGE_HEADS = {
+    CHAT: (('{"max_tokens": 1, "messages": [{"role": "user", "content": "', '"}]}'),
+           ('{"max_tokens": 1, "prompt": "a", "stop": ["', '"]}')),
+    TEXT: (('{"max_tokens": 1, "prompt": "', '"}'),
+           ('{"max_tokens": 1, "prompt": "a", "stop": ["', '"]}')),
+    MESSAGES: (('{"model": "fuzz", "max_tokens": 1, "messages": [{"role": "user", "content": "',
+                '"}]}'),
+               ('{"model": "fuzz", "max_tokens": 1, "stop_sequences": ["',
+                '"], "messages": [{"role": "user", "content": "a"}]}')),
+    RESPONSES: (('{"model": "fuzz", "max_output_tokens": 1, "input": "', '"}'),
+                ('{"model": "fuzz", "max_output_tokens": 1, "input": "a", "instructions": "',
+                 '"}')),
+}
+
+
 def _huge(route: str, shape: tuple[str, int]) -> bytes:
     where, size = shape
     if where == "bytes":
@@ -313,12 +475,7 @@ def _huge(route: str, shape: tuple[str, int]) -> bytes:
         head = b'{"prompt": "a", "max_tokens": 1, "x": '
         n = (size - len(head) - 1) // 2
         return head + b"[" * n + b"]" * n + b"}"
-    if route == ROUTES[0]:
-        head, tail = '{"max_tokens": 1, "messages": [{"role": "user", "content": "', '"}]}'
-    else:
-        head, tail = '{"max_tokens": 1, "prompt": "', '"}'
-    if where == "stop":
-        head, tail = '{"max_tokens": 1, "prompt": "a", "stop": ["', '"]}'
+    head, tail = HUGE_HEADS[route][where == "stop"]
     room = size - len(head) - len(tail)
     filler = ("word é😀 " * (room // 8)).encode()[:room].decode("utf-8", "ignore")
     data = (head + filler + tail).encode()
@@ -349,54 +506,128 @@ FOUND = [
 # ---- checking an answer --------------------------------------------------------------------------
 
 
-def _error_shape(obj: Any) -> str | None:
-    """What is wrong with an error body, or None if it is OpenAI's shape."""
+def _error_shape(obj: Any, route: str, status: int | None = None) -> str | None:
+    """What is wrong with an error body (of a `status` answer, if given), or None if it is the
+    route's shape: Anthropic's for /v1/messages, OpenAI's for the others."""
     err = obj.get("error") if isinstance(obj, dict) else None
     if not isinstance(err, dict):
         return f"no error object: {str(obj)[:200]}"
-    if not (isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
-            and isinstance(err.get("code"), int)):
+    if not (isinstance(err.get("message"), str) and isinstance(err.get("type"), str)):
         return f"error fields wrong: {str(err)[:200]}"
+    if route == MESSAGES:
+        if obj.get("type") != "error" or "code" in err:
+            return f"not Anthropic's error shape: {str(obj)[:200]}"
+        if status is not None and err["type"] != ERROR_TYPES.get(status, "invalid_request_error"):
+            return f"error type {err['type']} in a {status} answer"
+        return None
+    if route == RESPONSES and isinstance(err.get("code"), str) and err["code"]:
+        return None                 # a named code, as OpenAI's Responses API has one (a 404)
+    if not isinstance(err.get("code"), int):
+        return f"error fields wrong: {str(err)[:200]}"
+    if status is not None and err["code"] != status:
+        return f"error code {err['code']} in a {status} answer"
     return None
 
 
-def _check(r: httpx.Response, raw: bytes, streams: collections.Counter) -> str | None:
+def _sse(raw: bytes) -> list[tuple[str | None, str]]:
+    """A stream's events: (the event line's name or None, the data line's text)."""
+    out = []
+    for e in raw.decode("utf-8").split("\n\n"):
+        if not e.strip():
+            continue
+        name, data = None, None
+        for line in e.split("\n"):
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:]
+            else:
+                raise ValueError(f"not an SSE line: {line[:200]!r}")
+        if data is None:
+            raise ValueError(f"an SSE event without data: {e[:200]!r}")
+        out.append((name, data))
+    return out
+
+
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def _check_stream(route: str, raw: bytes, streams: collections.Counter) -> str | None:
+    try:
+        events = _sse(raw)
+    except ValueError as e:
+        return str(e)
+    streams[f"{route} streams"] += 1
+    if route == MESSAGES:
+        if not events or events[-1][0] not in ("message_stop", "error"):
+            return f"stream did not end with message_stop or error: {raw[-400:]!r}"
+        for name, data in events:
+            obj = json.loads(data)
+            if not isinstance(obj, dict) or obj.get("type") != name:
+                return f"event {name} with data {data[:200]}"
+            if name == "error":
+                problem = _error_shape(obj, route)
+                if problem:
+                    return problem
+                streams[f"{route} error {obj['error']['type']}"] += 1
+                if obj["error"]["type"] == "api_error":
+                    return f"stream error event: {data[:400]}"
+        return None
+    if route == RESPONSES:
+        if not events or events[-1][0] not in RESPONSE_ENDS:
+            return f"stream did not end with {'/'.join(RESPONSE_ENDS)}: {raw[-400:]!r}"
+        for name, data in events:
+            obj = json.loads(data)
+            if not isinstance(obj, dict) or obj.get("type") != name:
+                return f"event {name} with data {data[:200]}"
+        streams[f"{route} {events[-1][0]}"] += 1
+        return None
+    if not events or events[-1] != (None, "[DONE]"):
+        return f"stream did not end with [DONE]: {raw[-400:]!r}"
+    for name, data in events[:-1]:
+        if name is not None:
+            return f"not an SSE data event: {name[:200]!r}"
+        obj = json.loads(data)
+        if "error" in obj:
+            problem = _error_shape(obj, route)
+            if problem:
+                return problem
+            streams[f"error {obj['error']['code']}"] += 1
+            if obj["error"]["code"] >= 500:
+                return f"stream error event: {data[:400]}"
+        elif not isinstance(obj.get("choices"), list):
+            return f"chunk without choices: {data[:200]}"
+    return None
+
+
+def _check_whole(route: str, raw: bytes) -> str | None:
+    obj = _json_or(raw)
+    if route == MESSAGES:
+        if not (isinstance(obj, dict) and obj.get("type") == "message"
+                and isinstance(obj.get("content"), list) and "stop_reason" in obj):
+            return f"200 not a message: {raw[:400]!r}"
+    elif route == RESPONSES:
+        if not (isinstance(obj, dict) and obj.get("object") == "response"):
+            return f"200 not a response: {raw[:400]!r}"
+    elif not (isinstance(obj, dict) and isinstance(obj.get("choices"), list) and obj["choices"]):
+        return f"200 without choices: {raw[:400]!r}"
+    return None
+
+
+def _check(route: str, r: httpx.Response, raw: bytes, streams: collections.Counter) -> str | None:
     """None if the answer is acceptable, else what is wrong with it."""
     status = r.status_code
     if status == 503 and r.headers.get("retry-after"):
-        return _error_shape(_json_or(raw))
+        return _error_shape(_json_or(raw), route)
     if status >= 500:
         return f"status {status}: {raw[:400]!r}"
     if 400 <= status < 500:
-        problem = _error_shape(_json_or(raw))
-        if problem is None and _json_or(raw)["error"]["code"] != status:
-            problem = f"error code {_json_or(raw)['error']['code']} in a {status} answer"
-        return problem
+        return _error_shape(_json_or(raw), route, status)
     if status != 200:
         return f"status {status}: {raw[:400]!r}"
     if r.headers.get("content-type", "").startswith("text/event-stream"):
-        events = [e for e in raw.decode("utf-8").split("\n\n") if e.strip()]
-        if not events or events[-1] != "data: [DONE]":
-            return f"stream did not end with [DONE]: {raw[-400:]!r}"
-        streams["streams"] += 1
-        for e in events[:-1]:
-            if not e.startswith("data: "):
-                return f"not an SSE data event: {e[:200]!r}"
-            obj = json.loads(e[6:])
-            if "error" in obj:
-                problem = _error_shape(obj)
-                if problem:
-                    return problem
-                streams[f"error {obj['error']['code']}"] += 1
-                if obj["error"]["code"] >= 500:
-                    return f"stream error event: {e[:400]}"
-            elif not isinstance(obj.get("choices"), list):
-                return f"chunk without choices: {e[:200]}"
-        return None
-    obj = _json_or(raw)
-    if not (isinstance(obj, dict) and isinstance(obj.get("choices"), list) and obj["choices"]):
-        return f"200 without choices: {raw[:400]!r}"
-    return None
+        return _check_stream(route, raw, streams)
+    return _check_whole(route, raw)
 
 
 def _json_or(raw: bytes) -> Any:
@@ -422,6 +653,7 @@ def _found_examples(test):
 def test_fuzz_completion_routes(server):
     by_status: collections.Counter = collections.Counter()
     by_route: collections.Counter = collections.Counter()
+    by_route_status: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     by_kind: collections.Counter = collections.Counter()
     seconds_by_kind: collections.Counter = collections.Counter()
     streams: collections.Counter = collections.Counter()
@@ -440,9 +672,10 @@ def test_fuzz_completion_routes(server):
         except httpx.HTTPError as e:
             problem, status = f"{type(e).__name__}: {e}", "no answer"
         else:
-            problem, status = _check(r, raw, streams), r.status_code
+            problem, status = _check(route, r, raw, streams), r.status_code
         by_status[status] += 1
         by_route[route] += 1
+        by_route_status[route][status] += 1
         if corpus is not None:
             corpus.write(json.dumps({"route": route, "content_type": content_type, "status": status,
                                      "body": base64.b64encode(data).decode()}) + "\n")
@@ -475,15 +708,18 @@ def test_fuzz_completion_routes(server):
         seconds = time.monotonic() - started
         summary = {"bodies_tried": tried,
                    "by_status": {str(k): v for k, v in sorted(by_status.items(), key=str)},
-                   "by_route": dict(by_route), "by_kind": dict(by_kind),
+                   "by_route": dict(by_route),
+                   "by_route_status": {route: {str(k): v for k, v in sorted(c.items(), key=str)}
+                                       for route, c in by_route_status.items()},
+                   "by_kind": dict(by_kind),
                    "seconds_by_kind": {k: round(v, 1) for k, v in seconds_by_kind.items()},
                    "streams": dict(streams),
                    "huge_bodies": huge_sent[0], "status_500": by_status.get(500, 0),
                    "seconds": round(seconds, 1), "failures": failures[:50]}
         SUMMARY.write_text(json.dumps(summary, indent=1))
         print(f"\nfuzz: {tried} bodies tried in {seconds:.0f} s, by status {summary['by_status']}, "
-              f"by route {dict(by_route)}, streams (and error events in them) "
-              f"{summary['streams']}, 500s {summary['status_500']} (summary in {SUMMARY})")
+              f"by route and status {summary['by_route_status']}, streams (and error events in "
+              f"them) {summary['streams']}, 500s {summary['status_500']} (summary in {SUMMARY})")
         for f in failures[:50]:
             print("FAIL", f)
     assert not failures, "\n".join(failures[:20])
