@@ -66,6 +66,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def think_model(tiny_model, tmp_path_factory) -> Path:
+    """A tiny qwen3 whose chat template opens <think> in the generation prompt, as Qwen3's does
+    (testing/templates.py THINK_TEMPLATE): the server tests of reasoning, budgets and templates."""
+    from strata_jax.testing.edit_gguf import rewrite_gguf
+    from strata_jax.testing.templates import THINK_TEMPLATE
+
+    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
+    return rewrite_gguf(plain, tmp_path_factory.mktemp("think") / "think.gguf",
+                        set_metadata={"tokenizer.chat_template": THINK_TEMPLATE})
+
+
+@pytest.fixture(scope="session")
 def bos_model(tiny_model, tmp_path_factory) -> Path:
     """A tiny qwen3 whose tokenizer adds BOS (the llama.cpp-route tests: test_llama_extras,
     test_llama_native)."""

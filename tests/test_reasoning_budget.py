@@ -17,9 +17,7 @@ from strata_jax import Engine, EngineConfig
 from strata_jax.engine.schedule.thinking import Thinking
 from strata_jax.gguf import GGUFModel, load_tokenizer
 from strata_jax.serve.launch import ServerProcess
-from strata_jax.testing.edit_gguf import rewrite_gguf
 from strata_jax.testing.requests import run_all
-from strata_jax.testing.templates import THINK_TEMPLATE
 
 OPEN, CLOSE = 7, 8
 
@@ -142,13 +140,6 @@ def test_engine_output_is_greedy_up_to_the_budget_then_the_close_mark(tiny, draf
 
 
 # ---- the real server -----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def think_model(tiny_model, tmp_path_factory):
-    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
-    return rewrite_gguf(plain, tmp_path_factory.mktemp("think") / "think.gguf",
-                        set_metadata={"tokenizer.chat_template": THINK_TEMPLATE})
-
 
 @pytest.fixture(scope="module")
 def server(think_model):

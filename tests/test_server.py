@@ -16,19 +16,10 @@ import pytest
 
 from strata_jax.serve.http.reasoning import split_reasoning
 from strata_jax.serve.launch import ServerProcess
-from strata_jax.testing.edit_gguf import rewrite_gguf
-from strata_jax.testing.templates import THINK_TEMPLATE
 
 N_CTX = 256
 MAX_BODY = 100_000
 HI = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def think_model(tiny_model, tmp_path_factory):
-    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
-    return rewrite_gguf(plain, tmp_path_factory.mktemp("think") / "think.gguf",
-                        set_metadata={"tokenizer.chat_template": THINK_TEMPLATE})
 
 
 @pytest.fixture(scope="module")

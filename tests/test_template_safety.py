@@ -31,7 +31,6 @@ from strata_jax.serve.launch import ServerProcess
 from strata_jax.serve.params import RequestParams
 from strata_jax.serve.prompts import Prompts
 from strata_jax.testing.edit_gguf import rewrite_gguf
-from strata_jax.testing.templates import THINK_TEMPLATE
 
 HI = [{"role": "user", "content": "Hi"}]
 N_CTX = 256
@@ -199,13 +198,6 @@ def test_reserved_keys_are_refused_unless_trusted():
         assert parse_chat(body, names, trust_template=True).chat_template_kwargs[key] == "x"
     body = json.dumps({"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}).encode()
     assert parse_chat(body, names).chat_template_kwargs == {"enable_thinking": False}
-
-
-@pytest.fixture(scope="module")
-def think_model(tiny_model, tmp_path_factory):
-    return rewrite_gguf(tiny_model(arch="qwen3", layers=2, hidden=64),
-                        tmp_path_factory.mktemp("safety") / "think.gguf",
-                        set_metadata={"tokenizer.chat_template": THINK_TEMPLATE})
 
 
 def test_a_chat_is_rendered_once_per_request(think_model, monkeypatch):

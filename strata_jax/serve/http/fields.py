@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -125,3 +126,19 @@ def check_token_id(value: Any, where: str, param: str) -> None:
 def shown(value: Any) -> str:
     text = msgspec.json.encode(value).decode()
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+
+
+PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def value_at(body: bytes, path: str) -> str:
+    """The value at msgspec's error path (`stop[0]`, `messages[1].role`) in the raw body, shown
+    short."""
+    try:
+        value: Any = msgspec.json.decode(body)
+        for key, index in PATH_PART.findall(path):
+            value = value[int(index)] if index else value[key]
+    except Exception:  # noqa: BLE001 - only decoration for the message
+        return "a value of another type"
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -18,6 +18,7 @@ import msgspec
 
 from ...engine.request import MAX_STOPS
 from ..errors import invalid
+from .fields import value_at
 from .schemas import MaxTokens, StopString, Temperature, TopK, Unit
 
 MAX_MESSAGES = 2048             # messages a request
@@ -186,7 +187,7 @@ def _invalid(text: str, body: bytes):
     param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
     if param is None:
         return invalid(f"invalid request: {text}")
-    value = _value_at(body, param)
+    value = value_at(body, param)
     if param.endswith(".type") and "content" in param:
         return invalid(f"{param} = {value}: this server reads {BLOCK_TYPES} blocks (images, "
                        "documents, search results and server tools' blocks are not supported)",
@@ -202,16 +203,4 @@ def _invalid(text: str, body: bytes):
 # tagged fields and what they may be
 TAGS = {"thinking.type": "enabled, disabled, adaptive",
         "tool_choice.type": "auto, any, tool, none"}
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 
-
-def _value_at(body: bytes, path: str) -> str:
-    """The value at msgspec's error path in the raw body, shown short."""
-    try:
-        value: Any = msgspec.json.decode(body)
-        for key, index in _PATH_PART.findall(path):
-            value = value[int(index)] if index else value[key]
-    except Exception:  # noqa: BLE001 - only decoration for the message
-        return "(a value of another type)"
-    text = msgspec.json.encode(value).decode()
-    return text if len(text) <= 60 else text[:57] + "..."

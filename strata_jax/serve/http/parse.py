@@ -9,7 +9,6 @@ llama.cpp's is.
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from ...gguf.chat_template import reserved_kwargs
 from ..errors import ApiError, invalid
 from ..params import RequestParams
 from ..tools import forced, tool_request
-from .fields import control_params
+from .fields import control_params, value_at
 from .schemas import ChatCompletionRequest, CompletionRequest, Message, decode
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -137,7 +136,7 @@ def _decode(body: bytes, kind: type) -> Any:
         text = str(e)
         param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
         if param:
-            text += f" (got {_value_at(body, param)})"
+            text += f" (got {value_at(body, param)})"
         if param and param.endswith(".role"):
             text += " (a role is one of system, developer, user, assistant, tool)"
         raise invalid(f"invalid request: {text}", param) from None
@@ -146,22 +145,6 @@ def _decode(body: bytes, kind: type) -> Any:
     # msgspec's answer to arrays or objects nested ~1000 deep, in any field
     except RecursionError:
         raise invalid("the request body nests arrays or objects too deeply to read") from None
-
-
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
-
-
-def _value_at(body: bytes, path: str) -> str:
-    """The value at msgspec's error path (`stop[0]`, `messages[1].role`) in the raw body, shown
-    short."""
-    try:
-        value: Any = msgspec.json.decode(body)
-        for key, index in _PATH_PART.findall(path):
-            value = value[int(index)] if index else value[key]
-    except Exception:  # noqa: BLE001 - only decoration for the message
-        return "a value of another type"
-    text = msgspec.json.encode(value).decode()
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_carried(**values: Any) -> None:

@@ -21,6 +21,7 @@ from litestar.response import Stream
 
 from ..errors import ApiError, invalid
 from . import generate
+from .fields import json_object
 from .responses_items import output_messages, shown
 from .responses_output import new_id, output_items, response_object, status_of, usage
 from .responses_request import Asked, translate
@@ -88,14 +89,7 @@ def _job(routes: RouteContext, store: ResponseStore, body: bytes):
     """The body -> (what it asks, the chat job); 400 / 404 naming the field."""
     if not body.strip():
         raise invalid("the request body is empty: send a JSON object")
-    try:
-        given = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise invalid("the request body nests arrays or objects too deeply to read") from None
-    if not isinstance(given, dict):
-        raise invalid(f"the request body is {shown(given)}: a JSON object")
+    given = json_object(body)
     previous = given.get("previous_response_id")
     history: list[dict[str, Any]] = []
     if previous is not None:
