@@ -52,6 +52,12 @@ def test_no_budget_counts_only():
     assert t.tokens == 3
 
 
+def test_a_closed_section_does_not_open_again():
+    t = Thinking((OPEN,), (CLOSE,), inside=True, budget=1)
+    assert _follow(t, [1, 2, OPEN, 3, 4]) == [1, CLOSE, OPEN, 3, 4]
+    assert (t.tokens, t.inside) == (1, False)
+
+
 def test_budget_zero_closes_at_once():
     t = Thinking((OPEN,), (CLOSE,), inside=True, budget=0)
     assert _follow(t, [1, 2]) == [CLOSE, 2] and t.tokens == 0

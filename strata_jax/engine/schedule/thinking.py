@@ -25,7 +25,9 @@ class Thinking:
         self.inside = inside
         self.budget = budget                    # -1: no limit
         self.tokens = 0                         # reasoning tokens so far (not the marks)
-        self._seen: list[int] = []              # the answer's first tokens, while they may open it
+        # the answer's first tokens, while they may open it (None: they cannot, or no longer: a
+        # section opened by the prompt, or closed, is not opened again by a later <think>)
+        self._seen: list[int] | None = None if inside else []
         self._closing: list[int] = []           # the tail that may be the close mark
 
     @classmethod
