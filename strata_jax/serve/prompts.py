@@ -36,7 +36,7 @@ from .errors import ApiError, context_overflow
 from .params import RequestParams
 from .prompt_size import is_chat, refuse_if_too_long
 from .tokens import tokenize_mixed
-from .tool_formats import call_mark
+from .tool_formats import call_mark, detect
 from .tools import tool_prompt
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos",
@@ -54,6 +54,7 @@ class Prepared:
     tool_format: str | None = None              # tools in play: one of tool_formats.FORMATS
     text: str | None = None                     # the prompt as text, when asked ("__verbose")
     checkpoint_at: int | None = None            # a hybrid family's chat: its turn's end
+    harmony: bool = False                       # a chat in gpt-oss's harmony (http/harmony.py)
 
     @property
     def max_tokens(self) -> int:
@@ -145,7 +146,7 @@ class Prompts:
             raise ApiError(400, str(e), "invalid_request_error",
                            getattr(e, "param", "messages" if chat else "prompt")) from None
         return Prepared(ids, sampling, think, tool_format, tk.decode(ids) if text else None,
-                        checkpoint_at)
+                        checkpoint_at, harmony=chat and detect(tk.chat_template) == "harmony")
 
     def sampling(self, p: RequestParams, n_prompt: int, grammar: list | None,
                  think: bool = False, budget: int = -1,

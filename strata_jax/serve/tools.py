@@ -71,24 +71,41 @@ def call_grammar(tools: list[dict], choice: Any, fmt: str, parallel: bool = True
     return formats.call_grammar(fmt, fns, parallel, specials or {})
 
 
+def with_tools_described(messages: list[dict], tools: list[dict], how: str) -> list[dict]:
+    """The messages with a system message that says what the tools are (their JSON) and `how` to
+    call one (after the first system message's own text, if there is one)."""
+    desc = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    system = "You can call these tools (JSON schemas of their arguments):\n" + desc + "\n" + how
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = (out[0].get("content") or "") + "\n\n" + system
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+# How to call a tool in DeepSeek's way, for its templates, which render no tools (llama.cpp's
+# minja describes them in a system message the same way, with an example call)
+_DEEPSEEK_HOW = {
+    "deepseek_v3": (f"To call one, answer with {formats.DS_CALLS}{formats.DS_CALL}function"
+                    f"{formats.DS_SEP}<tool name>\n{formats.DS_FENCE}\n{{<its arguments as JSON>}}"
+                    f"\n```{formats.DS_CALL_END}{formats.DS_CALLS_END}"),
+    "deepseek_v31": (f"To call one, answer with {formats.DS_CALLS}{formats.DS_CALL}<tool name>"
+                     f"{formats.DS_SEP}{{<its arguments as JSON>}}{formats.DS_CALL_END}"
+                     f"{formats.DS_CALLS_END}"),
+}
+
+
 def generic_messages(messages: list[dict], tools: list[dict], describe: bool = True,
                      parallel: bool = True) -> list[dict]:
     """llama.cpp's generic way for a template that knows no tools: a system message says what the
     tools are and how to call one (unless not `describe`: tool_choice none); earlier calls become
     their JSON text, tool results a `tool` message's content."""
-    desc = "\n".join(json.dumps(t["function"]) for t in tools)
-    system = ("You can call these tools (JSON schemas of their arguments):\n" + desc
-              + "\nTo call one, answer "
-              "with only a JSON object: {\"name\": <tool name>, \"arguments\": {<its arguments>}}"
-              + (" (to call several, a JSON array of them)" if parallel else "") + ". Otherwise "
-              "answer in plain text.")
-    out = [dict(m) for m in messages]
-    if not describe:
-        pass
-    elif out and out[0].get("role") == "system":
-        out[0]["content"] = (out[0].get("content") or "") + "\n\n" + system
-    else:
-        out.insert(0, {"role": "system", "content": system})
+    how = ("To call one, answer with only a JSON object: {\"name\": <tool name>, \"arguments\": "
+           "{<its arguments>}}" + (" (to call several, a JSON array of them)" if parallel else "")
+           + ". Otherwise answer in plain text.")
+    out = (with_tools_described(messages, tools, how) if describe
+           else [dict(m) for m in messages])
     for m in out:
         if m.get("role") == "assistant" and m.get("tool_calls"):
             calls = [{"name": c["function"]["name"],
@@ -107,9 +124,14 @@ def template_messages(messages: list[dict], fmt: str = "hermes") -> list[dict]:
     for m in messages:
         if m.get("role") == "assistant" and m.get("tool_calls"):
             m = {**m, "tool_calls": [{**c, "id": ids(c.get("id")),
+                                      "type": c.get("type", "function"),
                                       "function": {**c["function"], "arguments":
                                       _arguments(c["function"].get("arguments"))}}
                                      for c in m["tool_calls"]]}
+            # gpt-oss's template takes a call's reasoning or its text, not both (it refuses): the
+            # reasoning stays, as llama.cpp keeps it
+            if fmt == "harmony" and m.get("reasoning_content") and m.get("content"):
+                m = {k: v for k, v in m.items() if k != "content"}
         elif m.get("role") == "tool" and "tool_call_id" in m:
             m = {**m, "tool_call_id": ids(m["tool_call_id"])}
         out.append(m)
@@ -210,7 +232,13 @@ def tool_prompt(tk, messages: list, kwargs: dict, tools: list, choice, parallel:
     # a template that cannot render these messages (tool_calls, tool roles)
     except ValueError:
         fmt = "generic"
-    if fmt != "generic":        # tool_choice none: the template without the tools (vLLM's default)
+    if fmt == "generic" and formats.detect(tk.chat_template) in _DEEPSEEK_HOW:
+        # DeepSeek's templates render calls and results but not the tools: they are described as
+        # llama.cpp describes them, and the model calls in its own format
+        fmt = formats.detect(tk.chat_template)
+        messages = (with_tools_described(own, tools, _DEEPSEEK_HOW[fmt]) if choice != "none"
+                    else own)
+    elif fmt != "generic":      # tool_choice none: the template without the tools (vLLM's default)
         messages, kwargs = own, {**kwargs, "tools": tools} if choice != "none" else kwargs
     else:
         messages = generic_messages(messages, tools, describe=choice != "none", parallel=parallel)
@@ -221,7 +249,9 @@ def tool_prompt(tk, messages: list, kwargs: dict, tools: list, choice, parallel:
 
 MARKS = (formats.TOOL_CALLS, formats.ARGS, formats.HERMES_OPEN, formats.HERMES_CLOSE,
          formats.ARG_KEY, formats.ARG_KEY_END, formats.ARG_VALUE, formats.ARG_VALUE_END, "<think>",
-         "</think>")
+         "</think>", formats.H_START, formats.H_CHANNEL, formats.H_MESSAGE, formats.H_END,
+         formats.H_CONSTRAIN, formats.DS_CALLS, formats.DS_CALLS_END, formats.DS_CALL,
+         formats.DS_CALL_END, formats.DS_SEP)
 
 
 def special_marks(tk) -> dict[str, int]:

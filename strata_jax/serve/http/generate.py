@@ -26,6 +26,7 @@ from ..tool_formats import call_mark
 from ..tools import HeldCalls, finish_reason, parse_calls
 from .choices import Choices
 from .console import done_line
+from .harmony import HarmonySplit
 from .logprobs import LogprobsOf
 from .parse import Job, ModelNames, parse_chat, parse_completion
 from .reasoning import CONTENT, REASONING, ReasoningParser
@@ -216,7 +217,9 @@ class _Run:
                                lambda t: self.outcomes.append(Outcome(job, prepared, t, on_done)))
         chat = job.kind == "chat"
         mark = call_mark(prepared.tool_format) if job.tools and prepared.tool_format else None
-        self.parsers = [ReasoningParser(prepared.think, enabled=job.reasoning and chat,
+        self.parsers = [HarmonySplit(job.reasoning, calls=bool(job.tools))
+                        if chat and prepared.harmony else
+                        ReasoningParser(prepared.think, enabled=job.reasoning and chat,
                                         call_mark=mark)
                         for _ in range(job.n)]
         wanted = job.params.logprobs is not None
@@ -246,7 +249,8 @@ class _Run:
             o.close(self.sup)
 
 
-def _pieces(job: Job, parser: ReasoningParser, text: str, last: bool = False) -> list:
+def _pieces(job: Job, parser: ReasoningParser | HarmonySplit, text: str,
+            last: bool = False) -> list:
     """Chat: deltas ({"content"} or {"reasoning_content"}); text: strings."""
     if job.kind != "chat":
         return [text] if text else []

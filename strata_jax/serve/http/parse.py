@@ -100,8 +100,11 @@ def parse_chat(body: bytes, names: ModelNames, trust_template: bool = False,
     # prompts.render_chat; else its defaults
     if not req.add_generation_prompt or req.continue_final_message:
         params.render = [req.add_generation_prompt, req.continue_final_message]
+    kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is not None:            # the request's chat_template_kwargs win
+        kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
     return Job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", names.check(req.model), messages,
-               params, req.stream, _include_usage(req), req.chat_template_kwargs,
+               params, req.stream, _include_usage(req), kwargs,
                req.reasoning_format != "none", n=req.n or 1,
                tools=tooling[0] if tooling and tooling[1] != "none" else None,
                tool_choice=tooling[1] if tooling else None,

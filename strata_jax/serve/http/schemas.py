@@ -129,6 +129,9 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     # llama.cpp's: "none" keeps <think> in content
     reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
+    # OpenAI's: goes to the template as chat_template_kwargs.reasoning_effort (gpt-oss's reads it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = \
+        None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     # serve/tools.py

@@ -10,6 +10,9 @@ arrives.
 | "mistral_args" | `[TOOL_CALLS]f[ARGS]{...}`, once a call (Mistral Small 3.2, Devstral, Magistral) | `[ARGS]`       |
 | "glm45"        | `<tool_call>f\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>`  | `<arg_key>`    |
 | "qwen3_coder"  | `<tool_call>\\n<function=f>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>` | `<function=`, `<parameter=` (Qwen3.5, Qwen3-Coder) |
+| "harmony"      | `<|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>` (gpt-oss; http/harmony.py splits the channels first) | `<|channel|>` |
+| "deepseek_v3"  | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>` (V3, R1) | `<｜tool▁calls▁begin｜>`, ```` ```json ```` |
+| "deepseek_v31" | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>` (V3.1) | `<｜tool▁calls▁begin｜>` |
 | "generic"      | `{"name": "f", "arguments": {...}}` or an array of them: the whole answer       | (no tools)     |
 
 (llama.cpp's common/chat.cpp tells them apart by the same marks; vLLM has a parser for each.) A mark
@@ -22,8 +25,9 @@ model writes them. The whole answer is parsed by the same object, so a streamed 
 one are the same calls.
 
 Modules: marks.py (the formats, their marks, call ids), grammar.py (the forced call), stream.py
-(CallStream) with its states for JSON-object calls (json_calls.py) and name-first ones
-(named_calls.py), json_scan.py.
+(CallStream) with its states for JSON-object calls (json_calls.py), name-first ones
+(named_calls.py), Qwen3-Coder's XML (xml_calls.py), harmony's (harmony_calls.py) and DeepSeek's
+(deepseek_calls.py), json_scan.py.
 """  # noqa: E501
 
 from .grammar import call_grammar
@@ -33,9 +37,21 @@ from .marks import (
     ARG_VALUE,
     ARG_VALUE_END,
     ARGS,
+    DS_CALL,
+    DS_CALL_END,
+    DS_CALLS,
+    DS_CALLS_END,
+    DS_FENCE,
+    DS_SEP,
     FORMATS,
     FUNCTION,
     FUNCTION_END,
+    H_CHANNEL,
+    H_CONSTRAIN,
+    H_END,
+    H_MESSAGE,
+    H_START,
+    HARMONY_CALL,
     HERMES_CLOSE,
     HERMES_OPEN,
     PARAMETER,
@@ -53,11 +69,23 @@ __all__ = [
     "ARG_KEY_END",
     "ARG_VALUE",
     "ARG_VALUE_END",
+    "DS_CALL",
+    "DS_CALLS",
+    "DS_CALLS_END",
+    "DS_CALL_END",
+    "DS_FENCE",
+    "DS_SEP",
     "FORMATS",
     "FUNCTION",
     "FUNCTION_END",
+    "HARMONY_CALL",
     "HERMES_CLOSE",
     "HERMES_OPEN",
+    "H_CHANNEL",
+    "H_CONSTRAIN",
+    "H_END",
+    "H_MESSAGE",
+    "H_START",
     "PARAMETER",
     "PARAMETER_END",
     "TOOL_CALLS",

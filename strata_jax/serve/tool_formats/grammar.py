@@ -12,8 +12,19 @@ from .marks import (
     ARG_VALUE,
     ARG_VALUE_END,
     ARGS,
+    DS_CALL,
+    DS_CALL_END,
+    DS_CALLS,
+    DS_CALLS_END,
+    DS_FENCE,
+    DS_SEP,
     FUNCTION,
     FUNCTION_END,
+    H_CHANNEL,
+    H_CONSTRAIN,
+    H_END,
+    H_MESSAGE,
+    H_START,
     HERMES_CLOSE,
     HERMES_OPEN,
     PARAMETER,
@@ -62,6 +73,10 @@ def call_grammar(fmt: str, fns: list[dict], parallel: bool, specials: dict[str, 
         body = 'call ("," " " call)*' if parallel else "call"
         return ["lark", (f'start: {lit(TOOL_CALLS)} "[" {body} "]"\ncall: %json '
                          f'{json.dumps(_layout(one))}\n'), "tools"]
+    if fmt == "harmony":
+        return ["lark", _harmony(fns, lit), "tools"]
+    if fmt.startswith("deepseek"):
+        return ["lark", _deepseek(fmt, fns, parallel, lit), "tools"]
     if fmt == "llama3":         # one call: Llama 3.1's template renders no more than one a message
         return ["lark", ("start: call\ncall: %json "
                          f"{json.dumps(_layout(_any_call(fns, 'parameters')))}\n"), "tools"]
@@ -124,6 +139,44 @@ def _xml_call(i: int, fn: dict, lit) -> str:
     body = " ".join(pairs) or '""'
     head, tail = text(NL + FUNCTION + fn["name"] + ">" + NL), text(FUNCTION_END + NL)
     return f"call{i}: {lit(HERMES_OPEN)} {head} {body} {tail} {lit(HERMES_CLOSE)}"
+
+
+def _harmony(fns: list[dict], lit) -> str:
+    """gpt-oss's call (one: <|call|> ends its answer), maybe after its reasoning (an analysis
+    message, as llama.cpp's grammar allows), the recipient in the channel's header or the role's."""
+    def text(t: str) -> str:
+        return json.dumps(t, ensure_ascii=False)
+
+    rules = []
+    for i, f in enumerate(fns):
+        to = "to=functions." + f["name"]
+        head = (f"(({lit(H_CHANNEL)} {text('commentary ' + to)}) | "
+                f"({text(' ' + to)} {lit(H_CHANNEL)} \"commentary\"))")
+        rules.append(f"call{i}: {head} \" \" {lit(H_CONSTRAIN)} \"json\" {lit(H_MESSAGE)} %json "
+                     f"{json.dumps(_layout(parameters(f)))}")
+    analysis = (f'{lit(H_CHANNEL)} "analysis" {lit(H_MESSAGE)} /(?s:.*)/ {lit(H_END)} '
+                f'{lit(H_START)} "assistant"')
+    calls = " | ".join(f"call{i}" for i in range(len(fns)))
+    return "\n".join(["start: analysis? call", f"analysis: {analysis}", f"call: {calls}",
+                      *rules]) + "\n"
+
+
+def _deepseek(fmt: str, fns: list[dict], parallel: bool, lit) -> str:
+    """DeepSeek's calls' section: V3's (and R1's) `function<｜tool▁sep｜>NAME` and fenced JSON, or
+    V3.1's `NAME<｜tool▁sep｜>` and bare JSON; V3's template writes a newline between calls."""
+    rules = []
+    for i, f in enumerate(fns):
+        args = f"%json {json.dumps(_layout(parameters(f)))}"
+        if fmt == "deepseek_v3":
+            body = (f'"function" {lit(DS_SEP)} {json.dumps(f["name"] + NL + DS_FENCE + NL)} {args} '
+                    f'"\\n```"')
+        else:
+            body = f'{json.dumps(f["name"])} {lit(DS_SEP)} {args}'
+        rules.append(f"call{i}: {lit(DS_CALL)} {body} {lit(DS_CALL_END)}")
+    more = ('("\\n" call)*' if fmt == "deepseek_v3" else "call*") if parallel else ""
+    calls = " | ".join(f"call{i}" for i in range(len(fns)))
+    return "\n".join([f"start: {lit(DS_CALLS)} call {more} {lit(DS_CALLS_END)}",
+                      f"call: {calls}", *rules]) + "\n"
 
 
 def _glm_string(prop: dict) -> str:

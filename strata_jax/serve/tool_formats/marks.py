@@ -9,7 +9,8 @@ import string
 import uuid
 from typing import Any
 
-FORMATS = ("hermes", "llama3", "mistral", "mistral_args", "glm45", "qwen3_coder", "generic")
+FORMATS = ("hermes", "llama3", "mistral", "mistral_args", "glm45", "qwen3_coder", "harmony",
+           "deepseek_v3", "deepseek_v31", "generic")
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -17,12 +18,31 @@ ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = ("<arg_key>", "</arg_key>", "<a
                                                   "</arg_value>")
 FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END = ("<function=", "</function>", "<parameter=",
                                                     "</parameter>")
+# gpt-oss's harmony: messages `<|start|>ROLE<|channel|>CHANNEL<|message|>...<|end|>`; a call is a
+# message to `functions.NAME`. HARMONY_CALL opens a call as http/harmony.py hands it on (its
+# normal form, whatever header the model wrote: `<|start|>assistant to=functions.NAME<|message|>`).
+H_START, H_CHANNEL, H_MESSAGE, H_END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
+H_CONSTRAIN, H_RETURN, H_CALL = "<|constrain|>", "<|return|>", "<|call|>"
+HARMONY_CALL = H_START + "assistant to=functions."
+# DeepSeek V3 / R1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+# \n```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`;
+# V3.1: `...<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...`
+DS_CALLS = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
+DS_CALLS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
+DS_CALL = "<\uff5ctool\u2581call\u2581begin\uff5c>"
+DS_CALL_END = "<\uff5ctool\u2581call\u2581end\uff5c>"
+DS_SEP = "<\uff5ctool\u2581sep\uff5c>"
+DS_FENCE = "```json"
 
 
 def detect(template: str | None) -> str:
     """The format of a template that renders the tools, told by the marks in its source (llama.cpp's
     way); "hermes" when it has none of them."""
     t = template or ""
+    if H_CHANNEL in t:                  # llama.cpp's test for gpt-oss
+        return "harmony"
+    if DS_CALLS in t:
+        return "deepseek_v3" if DS_FENCE in t else "deepseek_v31"
     # before hermes: the same <tool_call> mark
     if HERMES_OPEN in t and FUNCTION in t and PARAMETER in t:
         return "qwen3_coder"
@@ -40,6 +60,10 @@ def call_mark(fmt: str) -> str | None:
     whole answer)."""
     if fmt in ("llama3", "generic"):
         return None
+    if fmt == "harmony":
+        return HARMONY_CALL
+    if fmt.startswith("deepseek"):
+        return DS_CALLS
     return TOOL_CALLS if fmt.startswith("mistral") else HERMES_OPEN
 
 

@@ -85,7 +85,7 @@ class NamedCalls:
         self.i -= len(scan.text) - scan.end
         self.scan = None
         self._complete()
-        self.state = "content" if self.parallel else "ignore"
+        self.state = self._args_read()
         return True
 
     # -- GLM-4.5's <tool_call>name <arg_key>k</arg_key> <arg_value>v</arg_value> </tool_call>

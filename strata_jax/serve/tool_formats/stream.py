@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import json
 
+from .deepseek_calls import DeepSeekCalls
+from .harmony_calls import HarmonyCalls
 from .json_calls import JsonCalls
 from .json_scan import JsonScan
-from .marks import HERMES_OPEN, PYTHON_TAG, TOOL_CALLS, call_id, mistral_id
+from .marks import PYTHON_TAG, call_id, call_mark, mistral_id
 from .named_calls import NamedCalls
 from .xml_calls import XmlCalls
 
+# the state that reads what follows a format's call mark (hermes: hermes_body)
+_AFTER_MARK = {"mistral": "mistral_open", "mistral_args": "mistral_name", "glm45": "glm_name",
+               "qwen3_coder": "xml_function", "harmony": "harmony_name",
+               "deepseek_v3": "ds_next", "deepseek_v31": "ds_next"}
 
-class CallStream(JsonCalls, NamedCalls, XmlCalls):
+
+class CallStream(JsonCalls, NamedCalls, XmlCalls, HarmonyCalls, DeepSeekCalls):
     """One answer's content -> events, as it arrives: ("content", text), ("call", index, id, name),
     ("args", index, json_text). `feed` what came, `end` at the end of the answer; `calls` holds each
     call started so far as {"id", "name", "arguments", "complete"}. Text that may still turn out to
@@ -21,7 +28,8 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
 
     The reading is a state machine: state S is the method `_S` (False: wait for more text), those
     that read one family's calls in JsonCalls (json_calls.py), NamedCalls (named_calls.py) and
-    XmlCalls (xml_calls.py)."""
+    XmlCalls (xml_calls.py), HarmonyCalls (harmony_calls.py) and DeepSeekCalls
+    (deepseek_calls.py)."""
 
     def __init__(self, fmt: str, tools: list[dict], parallel: bool = True):
         self.fmt, self.parallel = fmt, parallel
@@ -60,7 +68,7 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
 
     def _content(self, final: bool) -> bool:
         """Text before, between and after calls, watching for the mark that opens one."""
-        mark = TOOL_CALLS if self.fmt.startswith("mistral") else HERMES_OPEN
+        mark = call_mark(self.fmt)
         rest = self.rest
         at = rest.find(mark)
         if at < 0:
@@ -70,9 +78,7 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
             return False
         self._say(rest[:at])
         self.seg, self.i = self.i + at, self.i + at + len(mark)
-        self.state = {"mistral": "mistral_open", "mistral_args": "mistral_name",
-                      "glm45": "glm_name",
-                      "qwen3_coder": "xml_function"}.get(self.fmt, "hermes_body")
+        self.state = _AFTER_MARK.get(self.fmt, "hermes_body")
         return True
 
     def _text(self, final: bool) -> bool:
@@ -127,6 +133,12 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
         call["complete"] = not broken and _is_object(call["arguments"])
         self.seg = self.i                       # a later failure is content from here
 
+    def _args_read(self) -> str:
+        """The state after a call's JSON arguments (mistral_args, harmony, deepseek)."""
+        if self.fmt.startswith("deepseek"):
+            return "ds_after"
+        return "content" if self.parallel else "ignore"
+
     def _stop(self) -> bool:
         """The answer ended inside a call (max_tokens): it stays incomplete."""
         self.calls[-1]["done"] = True
@@ -138,8 +150,8 @@ class CallStream(JsonCalls, NamedCalls, XmlCalls):
         mark)."""
         self.scan, self._array = None, False
         self.i = self.seg
-        mark = TOOL_CALLS if self.fmt.startswith("mistral") else HERMES_OPEN
-        if self.fmt in ("llama3", "generic"):
+        mark = call_mark(self.fmt)
+        if mark is None:
             self.state = "text"
         else:
             if self.buf.startswith(mark, self.seg):

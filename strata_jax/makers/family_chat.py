@@ -1,0 +1,50 @@
+"""A made model's vocabulary and chat template made to speak a family's chat format: the family's
+special tokens (gpt-oss's harmony marks, DeepSeek's role and tool marks) as control tokens, and its
+own template (gguf/family_templates.py), so the server reads its answers as it reads the family's.
+
+    rewrite_gguf(tiny, out, set_metadata=family_chat_metadata(GGUFModel.open(tiny).metadata,
+                                                              "gpt-oss"))
+
+The marks take the places of the built-in tokenizer's last merged tokens (and their merges go), so
+the vocabulary keeps its size and the tensors their shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..gguf.family_templates import family_template
+
+CONTROL = 3         # gguf TokenType.CONTROL
+
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+                  "<|constrain|>")
+DEEPSEEK_TOKENS = tuple(f"<\uff5c{name}\uff5c>" for name in (
+    "User", "Assistant", "end\u2581of\u2581sentence", "tool\u2581calls\u2581begin",
+    "tool\u2581calls\u2581end", "tool\u2581call\u2581begin", "tool\u2581call\u2581end",
+    "tool\u2581sep", "tool\u2581outputs\u2581begin", "tool\u2581outputs\u2581end",
+    "tool\u2581output\u2581begin", "tool\u2581output\u2581end"))
+FAMILY_TOKENS = {"gpt-oss": HARMONY_TOKENS, "deepseek-r1": DEEPSEEK_TOKENS,
+                 "deepseek-v3.1": DEEPSEEK_TOKENS}
+
+
+def with_special_tokens(metadata: Mapping[str, Any], marks: Sequence[str]) -> dict[str, Any]:
+    """`tokenizer.ggml.*` with the last merged tokens before the built-in specials (and their
+    merges) given to `marks`, as control tokens."""
+    tokens, types = (list(metadata["tokenizer.ggml.tokens"]),
+                     list(metadata["tokenizer.ggml.token_type"]))
+    first_special = tokens.index("<|endoftext|>")
+    for j, mark in enumerate(marks):
+        tokens[first_special - 1 - j], types[first_special - 1 - j] = mark, CONTROL
+    return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": list(metadata["tokenizer.ggml.merges"])[:-len(marks)]}
+
+
+def family_chat_metadata(metadata: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """The metadata to set on a made model (its own `metadata`, the built-in tokenizer's) for it to
+    speak `family`'s chat format: one of FAMILY_TOKENS."""
+    if family not in FAMILY_TOKENS:
+        raise KeyError(f"no family chat {family!r}; there are {', '.join(FAMILY_TOKENS)}")
+    return {"tokenizer.chat_template": family_template(family),
+            **with_special_tokens(metadata, FAMILY_TOKENS[family])}
