@@ -1,0 +1,286 @@
+"""gpt-oss's harmony chat format (issue 37): the channels split into reasoning, answer and calls
+(serve/http/harmony.py), the calls read (tool_formats/harmony_calls.py) and forced (grammar.py),
+and gpt-oss's own template (gguf/templates/gpt-oss.jinja) in the sandbox.
+
+Parsers on literal model texts, whole and split at every character; the forced grammar walked at
+random over a vocabulary with the harmony marks as control tokens; and the real server, with the
+official openai client, serving a made model that speaks harmony (makers/family_chat.py: the marks
+in its vocabulary, gpt-oss's template in its metadata). Its random weights write no harmony of
+their own, so the reasoning split is checked on answers a request grammar lays out as gpt-oss
+writes them, and calls are forced."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import httpx
+import jsonschema
+import numpy as np
+import openai
+import pytest
+from tool_data import TIME, WEATHER
+
+from strata_jax.gguf.family_templates import family_template
+from strata_jax.makers.family_chat import HARMONY_TOKENS, family_chat_metadata
+from strata_jax.serve.http.harmony import HarmonySplit, split_harmony
+from strata_jax.serve.launch import ServerProcess
+from strata_jax.serve.tool_formats import CallStream, detect
+from strata_jax.serve.tools import call_grammar, deltas, parse_calls, special_marks, tool_prompt
+
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ARGS = '{"city": "Paris", "unit": "c"}'
+
+# (the model's text, reasoning, content the split gives with tools in play, calls)
+TEXTS = [
+    (("<|channel|>analysis<|message|>The user wants a city.<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>Paris is sunny."),
+     "The user wants a city.", "Paris is sunny.", []),
+    ("<|channel|>final<|message|>Only an answer.", None, "Only an answer.", []),
+    # the recipient in the channel's header, with its content type
+    (("<|channel|>analysis<|message|>I need the weather.<|end|><|start|>assistant<|channel|>"
+     f"commentary to=functions.get_weather <|constrain|>json<|message|>{ARGS}<|call|>"),
+     "I need the weather.", None, [("get_weather", ARGS)]),
+    # ... or in the role's (as the template renders past calls)
+    (' to=functions.get_time<|channel|>commentary json<|message|>{"zone": -3}', None, None,
+     [("get_time", '{"zone": -3}')]),
+    # a preamble the user may see, then the call
+    (("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
+     f"to=functions.get_weather<|message|>{ARGS}"), None, "Let me look.",
+     [("get_weather", ARGS)]),
+]
+
+
+def pieces_of(text: str, cuts: list[int], calls: bool = True) -> list[tuple[str, str]]:
+    p = HarmonySplit(True, calls)
+    bounds = [0, *cuts, len(text)]
+    return [x for a, b in itertools.pairwise(bounds) for x in p.feed(text[a:b])] + p.flush()
+
+
+@pytest.mark.parametrize("text, reasoning, content, calls", TEXTS)
+def test_the_channels_split_into_reasoning_answer_and_calls(text, reasoning, content, calls):
+    got_reasoning, rest = split_harmony(text, calls=True)
+    assert got_reasoning == reasoning
+    got_content, got_calls = parse_calls(rest, "harmony", TOOLS)
+    assert got_content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls
+    # streamed, cut anywhere: the same parts
+    whole = pieces_of(text, [])
+    for cut in range(len(text) + 1):
+        parts = pieces_of(text, [cut])
+        for kind in ("reasoning", "content"):
+            assert ("".join(t for k, t in parts if k == kind)
+                    == "".join(t for k, t in whole if k == kind)), (cut, kind)
+
+
+def test_a_call_streams_as_openai_pieces():
+    text = TEXTS[2][0]
+    p = HarmonySplit(True, True)
+    stream = CallStream("harmony", TOOLS)
+    events = []
+    for ch in text:                                 # a character a piece
+        for kind, t in p.feed(ch):
+            if kind == "content":
+                events += stream.feed(t)
+    events += stream.end()
+    pieces = [d["tool_calls"][0] for d in deltas(events) if "tool_calls" in d]
+    assert pieces[0]["function"] == {"name": "get_weather", "arguments": ""} and pieces[0]["id"]
+    assert len(pieces) > 3 and "".join(x["function"]["arguments"] for x in pieces[1:]) == ARGS
+    assert not [e for e in events if e[0] == "content"]
+
+
+def test_reasoning_format_none_keeps_the_analysis_as_written():
+    text = TEXTS[0][0]
+    assert split_harmony(text, enabled=False) == (
+        None, "<|channel|>analysis<|message|>The user wants a city.<|end|>Paris is sunny.")
+
+
+@pytest.mark.parametrize("text", [
+    # no tools in play: a call is left out (llama.cpp's "unsolicited" calls)
+    f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{ARGS}",
+    # gpt-oss's built-in tools are no function of the request
+    '<|channel|>analysis to=browser.search<|message|>{"query": "x"}<|end|>',
+])
+def test_calls_no_tool_asked_for_are_left_out(text):
+    assert split_harmony(text + "<|start|>assistant<|channel|>final<|message|>Done.") == (
+        None, "Done.")
+
+
+@pytest.mark.parametrize("text", ["Plain text, no harmony.", "<|channel|>final and no message",
+                                  "a < b and to= nothing"])
+def test_text_that_is_no_harmony_is_content(text):
+    reasoning, content = split_harmony(text)
+    assert reasoning is None
+    # a header cut short (the answer ended inside it) is no text; the rest is content as written
+    assert content == ("" if text.startswith("<|channel|>") else text)
+
+
+def test_the_template_is_detected_and_renders_tools_calls_and_results():
+    source = family_template("gpt-oss")
+    assert detect(source) == "harmony"
+    tk = harmony_tokenizer()
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "reasoning_content": "Need the weather.",
+                 "content": "Checking.",
+                 "tool_calls": [{"id": "call_1", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": ARGS}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    msgs, kwargs, tooling = tool_prompt(tk, messages, {"reasoning_effort": "low"}, TOOLS, "auto")
+    assert tooling == {"tool_format": "harmony", "grammar": None}
+    text = tk.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)
+    assert "Reasoning: low" in text and "type get_weather = (_: {" in text
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+            f"{ARGS}<|call|>"
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
+            '"{\\"temperature\\": 21}"<|end|><|start|>assistant') in text
+
+
+def harmony_tokenizer():
+    from strata_jax.gguf import load_tokenizer
+    from strata_jax.makers.tiny_tokenizer import tiny_tokenizer
+
+    md = {k: v for k, (v, _) in tiny_tokenizer(512).metadata("qwen2").items()}
+    return load_tokenizer(md | family_chat_metadata(md, "gpt-oss"))
+
+
+def test_the_forced_grammar_walked_at_random_gives_one_valid_call():
+    """Random tokens among those the grammar allows (the analysis kept short by a bias toward
+    <|end|>): every walk is one call that validates, written with the marks' control tokens."""
+    from strata_jax.engine.grammar.constrain import Grammars, fill_masks
+
+    tk = harmony_tokenizer()
+    marks = special_marks(tk)
+    assert set(HARMONY_TOKENS) - {"<|return|>", "<|call|>"} <= set(marks)
+    grammars = Grammars(tk, tk.vocab_size)
+    rng = np.random.default_rng(0)
+    end = tk.token_to_id("<|end|>")
+    ids = np.arange(tk.vocab_size)
+    kinds = set()
+    for _ in range(16):
+        c = grammars.constraint(call_grammar(TOOLS, "required", "harmony", True, marks))
+        out = []
+        for _ in range(400):
+            mask = fill_masks([c], 1, tk.vocab_size)[0]
+            allowed = np.flatnonzero((mask[ids // 32] >> (ids % 32)) & 1)
+            t = end if end in allowed and rng.random() < 0.3 else int(rng.choice(allowed))
+            if t in tk.eos_ids or c.done:
+                break
+            assert c.advance(t) is None
+            out.append(t)
+        text = tk.decode(out)
+        reasoning, rest = split_harmony(text, calls=True)
+        content, calls = parse_calls(rest, "harmony", TOOLS)
+        assert len(calls) == 1 and not content, text
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]),
+                            SCHEMAS[calls[0]["function"]["name"]])
+        assert marks["<|message|>"] in out and marks["<|channel|>"] in out
+        kinds.add((reasoning is not None, text.startswith(" to=")))
+    assert len(kinds) >= 3, kinds           # with and without reasoning, both headers
+
+
+# ---- against the real server ---------------------------------------------------------------------
+
+N_CTX = 2048
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    from strata_jax.gguf import GGUFModel, load_tokenizer
+    from strata_jax.testing.edit_gguf import rewrite_gguf
+
+    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
+    path = rewrite_gguf(plain, tmp_path_factory.mktemp("harmony") / "model.gguf",
+                        set_metadata=family_chat_metadata(GGUFModel.open(plain).metadata,
+                                                          "gpt-oss"))
+    tk = load_tokenizer(path)
+    with ServerProcess([str(path), "--parallel", "2", "--max-context", str(N_CTX),
+                        "--model-name", "tiny"]) as srv:
+        srv.wait_up().wait_ready()
+        yield srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                                 timeout=300), tk
+
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,4}"
+
+
+def laid_out(tk) -> str:
+    """A request grammar (Lark) that lays the answer out as gpt-oss writes one: an analysis message,
+    then the final one."""
+    sp = {m: f"<[{tk.token_to_id(m)}]>" for m in HARMONY_TOKENS}
+    return (f'start: {sp["<|channel|>"]} "analysis" {sp["<|message|>"]} /{WORDS}/ '
+            f'{sp["<|end|>"]} {sp["<|start|>"]} "assistant" {sp["<|channel|>"]} "final" '
+            f'{sp["<|message|>"]} /{WORDS}/\n')
+
+
+def test_reasoning_and_answer_whole_and_streamed(server):
+    _srv, client, tk = server
+    kw = {"model": "tiny", "messages": ASK, "max_tokens": 80, "temperature": 1.0, "seed": 7,
+          "extra_body": {"grammar": laid_out(tk)}}
+    msg = client.chat.completions.create(**kw).choices[0].message
+    reasoning = msg.model_extra["reasoning_content"]
+    assert re.fullmatch(WORDS, reasoning) and re.fullmatch(WORDS, msg.content), msg
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas_ = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas_) \
+        == reasoning
+    assert "".join(d.content or "" for d in deltas_) == msg.content
+    # reasoning_format none: the analysis message stays in the content, as written
+    raw = client.chat.completions.create(**{**kw, "extra_body": {
+        "grammar": laid_out(tk), "reasoning_format": "none"}}).choices[0].message
+    assert raw.content == f"<|channel|>analysis<|message|>{reasoning}<|end|>{msg.content}"
+    assert "reasoning_content" not in (raw.model_extra or {})
+
+
+def test_a_forced_call_streamed_and_whole(server):
+    _srv, client, tk = server
+    end = tk.token_to_id("<|end|>")
+    kw = {"model": "tiny", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+          "max_tokens": 160, "temperature": 1.0, "logit_bias": {str(end): 6}}
+    seen = 0
+    for seed in range(4):
+        chunks = list(client.chat.completions.create(**kw, seed=seed, stream=True))
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        if reason == "length":
+            continue
+        assert reason == "tool_calls"
+        pieces = [p for c in chunks if c.choices for p in (c.choices[0].delta.tool_calls or [])]
+        first = pieces[0]
+        assert (first.index, first.type, first.function.arguments) == (0, "function", "")
+        assert first.id.startswith("call_") and first.function.name in SCHEMAS
+        assert all(p.index == 0 and p.id is None for p in pieces[1:]) and len(pieces) > 2
+        args = "".join(p.function.arguments for p in pieces)
+        jsonschema.validate(json.loads(args), SCHEMAS[first.function.name])
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+        whole = client.chat.completions.create(**kw, seed=seed).choices[0]
+        assert whole.finish_reason == "tool_calls"
+        (call,) = whole.message.tool_calls
+        assert (call.function.name, call.function.arguments) == (first.function.name, args)
+        seen += 1
+    assert seen >= 2
+
+
+def test_a_tool_result_turn_renders_back(server):
+    srv, client, _tk = server
+    messages = ASK + [
+        {"role": "assistant", "content": None, "reasoning_content": "Need the weather.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": ARGS}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    r = httpx.post(srv.url + "/apply-template", json={"messages": messages, "tools": TOOLS,
+                                                       "reasoning_effort": "high"}, timeout=60)
+    assert r.status_code == 200, r.text
+    prompt = r.json()["prompt"]
+    assert "Reasoning: high" in prompt
+    assert prompt.endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+        f"<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{ARGS}"
+        "<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+        '"{\\"temperature\\": 21}"<|end|><|start|>assistant')
+    # and the model answers it (its random words are content, or a call, never an error)
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                       max_tokens=16, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
