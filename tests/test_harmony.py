@@ -23,6 +23,7 @@ import pytest
 from tool_data import TIME, WEATHER
 
 from strata_jax.gguf.family_templates import family_template
+from strata_jax.gguf.named_templates import chat_template_source
 from strata_jax.makers.family_chat import HARMONY_TOKENS, family_chat_metadata
 from strata_jax.serve.http.harmony import HarmonySplit, split_harmony
 from strata_jax.serve.launch import ServerProcess
@@ -119,7 +120,7 @@ def test_text_that_is_no_harmony_is_content(text):
 
 def test_the_template_is_detected_and_renders_tools_calls_and_results():
     source = family_template("gpt-oss")
-    assert detect(source) == "harmony"
+    assert detect(source) == "harmony" and chat_template_source("gpt-oss") == source
     tk = harmony_tokenizer()
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "reasoning_content": "Need the weather.",

@@ -106,6 +106,12 @@ NAMED_TEMPLATES: dict[str, str] = {
 
 
 def chat_template_source(value: str) -> str:
-    """--chat-template's value -> a Jinja template: one of llama.cpp's names, else the value is the
-    template."""
-    return NAMED_TEMPLATES.get(value.strip(), value)
+    """--chat-template's value -> a Jinja template: one of llama.cpp's names, a family's own
+    template by its name (gguf/family_templates.py: gpt-oss, deepseek-r1, deepseek-v3.1), else the
+    value is the template."""
+    from .family_templates import FAMILY_TEMPLATES, family_template
+
+    name = value.strip()
+    if name in FAMILY_TEMPLATES:
+        return family_template(name)
+    return NAMED_TEMPLATES.get(name, value)
