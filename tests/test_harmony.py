@@ -139,6 +139,26 @@ def test_the_template_is_detected_and_renders_tools_calls_and_results():
             '"{\\"temperature\\": 21}"<|end|><|start|>assistant') in text
 
 
+def test_several_calls_of_one_message_render_each_with_its_result():
+    """The template renders one call a message and names a result by the call before it."""
+    tk = harmony_tokenizer()
+    calls = [{"id": f"call_{i}", "type": "function",
+              "function": {"name": n, "arguments": a}}
+             for i, (n, a) in enumerate([("get_weather", ARGS), ("get_time", '{"zone": 2}')])]
+    messages = [{"role": "user", "content": "Weather and time?"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+                {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
+    msgs, kwargs, _ = tool_prompt(tk, messages, {}, TOOLS, "auto")
+    text = tk.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)
+    turns = re.findall(r"<\|start\|>(assistant to=functions\.\w+|functions\.\w+ to=assistant)"
+                       r"<\|channel\|>commentary(?: json)?<\|message\|>([^<]*)", text)
+    assert turns == [("assistant to=functions.get_weather", ARGS),
+                     ("functions.get_weather to=assistant", '"sunny"'),
+                     ("assistant to=functions.get_time", '{"zone": 2}'),
+                     ("functions.get_time to=assistant", '"noon"')]
+
+
 def harmony_tokenizer():
     from strata_jax.gguf import load_tokenizer
     from strata_jax.makers.tiny_tokenizer import tiny_tokenizer

@@ -135,6 +135,35 @@ def template_messages(messages: list[dict], fmt: str = "hermes") -> list[dict]:
         elif m.get("role") == "tool" and "tool_call_id" in m:
             m = {**m, "tool_call_id": ids(m["tool_call_id"])}
         out.append(m)
+    return _one_call_a_turn(out) if fmt == "harmony" else out
+
+
+def _one_call_a_turn(messages: list[dict]) -> list[dict]:
+    """gpt-oss's template renders one call a message (the first) and names a result by the call
+    before it: an assistant message with several calls becomes one a call, each followed by its
+    result (matched by tool_call_id; results it cannot match follow the last)."""
+    out, i = [], 0
+    while i < len(messages):
+        m, i = messages[i], i + 1
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if not calls or len(calls) < 2:
+            out.append(m)
+            continue
+        results = []
+        while i < len(messages) and messages[i].get("role") == "tool":
+            results.append(messages[i])
+            i += 1
+        by_id: dict = {}
+        unmatched = []
+        for r in results:
+            (unmatched.append(r) if r.get("tool_call_id") in by_id
+             else by_id.setdefault(r.get("tool_call_id"), r))
+        for k, call in enumerate(calls):
+            out.append({**m, "tool_calls": [call]} if k == 0
+                       else {"role": "assistant", "tool_calls": [call]})
+            if call.get("id") in by_id:
+                out.append(by_id.pop(call.get("id")))
+        out += [*by_id.values(), *unmatched]
     return out
 
 
