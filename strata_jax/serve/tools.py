@@ -74,7 +74,7 @@ def call_grammar(tools: list[dict], choice: Any, fmt: str, parallel: bool = True
 def with_tools_described(messages: list[dict], tools: list[dict], how: str) -> list[dict]:
     """The messages with a system message that says what the tools are (their JSON) and `how` to
     call one (after the first system message's own text, if there is one)."""
-    desc = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    desc = "\n".join(json.dumps(t["function"]) for t in tools)
     system = "You can call these tools (JSON schemas of their arguments):\n" + desc + "\n" + how
     out = [dict(m) for m in messages]
     if out and out[0].get("role") == "system":
@@ -156,8 +156,10 @@ def _one_call_a_turn(messages: list[dict]) -> list[dict]:
         by_id: dict = {}
         unmatched = []
         for r in results:
-            (unmatched.append(r) if r.get("tool_call_id") in by_id
-             else by_id.setdefault(r.get("tool_call_id"), r))
+            if r.get("tool_call_id") in by_id:
+                unmatched.append(r)
+            else:
+                by_id[r.get("tool_call_id")] = r
         for k, call in enumerate(calls):
             out.append({**m, "tool_calls": [call]} if k == 0
                        else {"role": "assistant", "tool_calls": [call]})
