@@ -122,6 +122,11 @@ def test_the_template_is_detected_and_renders_tools_calls_and_results():
     source = family_template("gpt-oss")
     assert detect(source) == "harmony" and chat_template_source("gpt-oss") == source
     tk = harmony_tokenizer()
+    # <|return|> (after the final answer) and <|call|> (after a call) end generation; <|end|>, which
+    # ends every other message, does not
+    ids = {m: tk.token_to_id(m) for m in ("<|return|>", "<|call|>", "<|end|>")}
+    assert tk.is_eos(ids["<|return|>"]) and tk.is_eos(ids["<|call|>"])
+    assert not tk.is_eos(ids["<|end|>"])
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "reasoning_content": "Need the weather.",
                  "content": "Checking.",
