@@ -289,6 +289,27 @@ def test_a_forced_call_streamed_and_whole(server):
     assert seen >= 2
 
 
+def test_structured_output_is_the_final_message(server):
+    """A JSON schema asked for: the model may reason first, then its final message is the JSON
+    (llama.cpp's response format for gpt-oss)."""
+    _srv, client, tk = server
+    schema = WEATHER["function"]["parameters"]
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=120, temperature=1.0, seed=seed,
+            logit_bias={str(tk.token_to_id("<|end|>")): 6}, logprobs=True,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "w", "schema": schema}}).choices[0]
+        assert r.finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.message.content), schema)
+        # (the tokens as logprobs shows them: a character cut between two is not whole)
+        raw = "".join(t.token for t in r.logprobs.content)
+        laid_out_so = re.compile(
+            r"(<\|channel\|>analysis<\|message\|>.*<\|end\|><\|start\|>assistant)?"
+            r"<\|channel\|>final( (<\|constrain\|>)?json)?<\|message\|>\{", re.DOTALL)
+        assert laid_out_so.match(raw), raw
+
+
 def test_a_tool_result_turn_renders_back(server):
     srv, client, _tk = server
     messages = ASK + [

@@ -36,8 +36,8 @@ from .errors import ApiError, context_overflow
 from .params import RequestParams
 from .prompt_size import is_chat, refuse_if_too_long
 from .tokens import tokenize_mixed
-from .tool_formats import call_mark, detect
-from .tools import tool_prompt
+from .tool_formats import call_mark, detect, harmony_structured
+from .tools import special_marks, tool_prompt
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos",
                  "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n",
@@ -116,6 +116,9 @@ class Prompts:
                 if p.tools:
                     prompt, kwargs, tooling = tool_prompt(tk, prompt, kwargs, *p.tools)
                     tool_format, grammar = tooling["tool_format"], tooling["grammar"]
+                if grammar is None and p.grammar and detect(tk.chat_template) == "harmony":
+                    # gpt-oss reasons first, then writes the JSON as its final message
+                    grammar = harmony_structured(p.grammar, special_marks(tk))
                 # Rendered once: the text is tokenized and says whether the template opened the
                 # reasoning part. kwargs go over the defaults: the server lets them name messages
                 # or add_generation_prompt only with --trust-request-chat-template.

@@ -30,7 +30,7 @@ Modules: marks.py (the formats, their marks, call ids), grammar.py (the forced c
 (deepseek_calls.py), json_scan.py.
 """  # noqa: E501
 
-from .grammar import call_grammar
+from .grammar import call_grammar, harmony_structured
 from .marks import (
     ARG_KEY,
     ARG_KEY_END,
@@ -93,5 +93,6 @@ __all__ = [
     "call_grammar",
     "call_mark",
     "detect",
+    "harmony_structured",
     "mistral_id",
 ]

@@ -154,11 +154,34 @@ def _harmony(fns: list[dict], lit) -> str:
                 f"({text(' ' + to)} {lit(H_CHANNEL)} \"commentary\"))")
         rules.append(f"call{i}: {head} \" \" {lit(H_CONSTRAIN)} \"json\" {lit(H_MESSAGE)} %json "
                      f"{json.dumps(_layout(parameters(f)))}")
-    analysis = (f'{lit(H_CHANNEL)} "analysis" {lit(H_MESSAGE)} /(?s:.*)/ {lit(H_END)} '
-                f'{lit(H_START)} "assistant"')
     calls = " | ".join(f"call{i}" for i in range(len(fns)))
-    return "\n".join(["start: analysis? call", f"analysis: {analysis}", f"call: {calls}",
+    return "\n".join(["start: analysis? call", f"analysis: {_analysis(lit)}", f"call: {calls}",
                       *rules]) + "\n"
+
+
+def harmony_structured(grammar: list[str], specials: dict[str, int]) -> list[str]:
+    """A structured output's grammar ([kind, text, field]: json_schema, json_object) as gpt-oss
+    writes one: its reasoning first, then the final message, whose text is the JSON (llama.cpp's
+    response format for gpt-oss); other grammars as they are."""
+    kind, text, field = grammar
+    schema = {"type": "object"} if kind == "json_object" else (
+        json.loads(text) if kind == "json_schema" else None)
+    if not isinstance(schema, dict):
+        return grammar
+
+    def lit(t: str) -> str:
+        return f"<[{specials[t]}]>" if t in specials else json.dumps(t, ensure_ascii=False)
+
+    final = (f'{lit(H_CHANNEL)} "final" (" " {lit(H_CONSTRAIN)}? "json")? {lit(H_MESSAGE)} '
+             f"%json {json.dumps(_layout(schema))}")
+    return ["lark", "\n".join(["start: analysis? final", f"analysis: {_analysis(lit)}",
+                               f"final: {final}"]) + "\n", field]
+
+
+def _analysis(lit) -> str:
+    """gpt-oss's reasoning message, before its call or its final answer."""
+    return (f'{lit(H_CHANNEL)} "analysis" {lit(H_MESSAGE)} /(?s:.*)/ {lit(H_END)} '
+            f'{lit(H_START)} "assistant"')
 
 
 def _deepseek(fmt: str, fns: list[dict], parallel: bool, lit) -> str:
