@@ -118,6 +118,15 @@ def test_text_that_is_no_harmony_is_content(text):
     assert content == ("" if text.startswith("<|channel|>") else text)
 
 
+def test_edge_bodies_an_empty_one_and_a_long_text_that_opens_like_a_header():
+    # an analysis with no text before the next message: the next message is read
+    assert split_harmony("<|channel|>analysis<|message|><|start|>assistant<|channel|>final"
+                         "<|message|>Hi") == ("", "Hi")
+    # past MAX_HEADER characters with no <|message|>: text (once, not read as a header again)
+    long = "<|start|>" + "x" * 300
+    assert split_harmony(long + "<|end|>more") == (None, long + "more")
+
+
 def test_the_template_is_detected_and_renders_tools_calls_and_results():
     source = family_template("gpt-oss")
     assert detect(source) == "harmony" and chat_template_source("gpt-oss") == source

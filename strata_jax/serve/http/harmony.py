@@ -59,6 +59,7 @@ class HarmonySplit:
         self.saw_reasoning = False
         self._buf = ""
         self._in_body = False
+        self._plain = False             # the body is text that was no header
         # the current body's: REASONING, CONTENT, "raw" (analysis shown as written), "drop"
         self._kind = CONTENT
 
@@ -89,9 +90,10 @@ class HarmonySplit:
                 self._buf = ""                  # a header cut short (max_tokens): no text
                 return False
             self._in_body, self._kind = True, CONTENT       # no harmony: text as it is
+            self._plain = True
             return True
         self._buf = buf[at + len(H_MESSAGE):]
-        self._in_body = True
+        self._in_body, self._plain = True, False
         to = m.group("to1") or m.group("to2")
         channel = m.group("channel")
         if to and to != "assistant":
@@ -109,9 +111,10 @@ class HarmonySplit:
 
     def _body(self, out: list, final: bool) -> bool:
         buf = self._buf
-        # (a <|start|> first is text: a body that opens with it is no message's)
+        # (text that was no header and opens with <|start|>: that <|start|> is text, or it would be
+        # read as a header again)
         found = [(j, mark) for mark in _ENDS
-                 if (j := buf.find(mark, 1 if mark == H_START else 0)) >= 0]
+                 if (j := buf.find(mark, 1 if self._plain and mark == H_START else 0)) >= 0]
         if not found:
             keep = 0 if final else max(_partial_suffix(buf, mark) for mark in _ENDS)
             self._say(out, buf[:len(buf) - keep])
