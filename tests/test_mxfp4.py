@@ -90,5 +90,5 @@ def test_an_overflowing_block_gives_inf_as_in_gguf(backend):
     assert np.isfinite(y[:, 2]).all()
 
 
-def test_mxfp4_is_a_cpu_kernel_type_with_an_int8_path():
-    assert MX in pk.SUPPORTED and MX in cpu.FAST and MX not in cpu.PACKS
+def test_mxfp4_is_a_cpu_kernel_type_with_int8_and_packed_paths():
+    assert MX in pk.SUPPORTED and MX in cpu.FAST and MX in cpu.PACKS

@@ -63,7 +63,7 @@ FAST: frozenset[QType] = frozenset(
 # The types with a packed layout (packed.h), and the bit of the kernels' qtype attribute that marks
 # a packed weight.
 PACKS: frozenset[QType] = frozenset(QType[name]
-                                    for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K"))
+                                    for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K", "MXFP4"))
 _PACKED_BIT = 1 << 16
 
 # The arithmetic of the FAST types' products: "int8" (each row of x quantized per block to 8 bits as
