@@ -130,7 +130,8 @@ def _say_auto_is_xla() -> None:
 
 
 def packs(qtype) -> bool:
-    """True for the quant types with a packed layout (cpu.PACKS: Q4_0, Q4_1, Q8_0, IQ4_NL, Q4_K)."""
+    """True for the quant types with a packed layout (cpu.PACKS: Q4_0, Q4_1, Q8_0, IQ4_NL, Q4_K,
+    MXFP4)."""
     return as_qtype(qtype) in cpu.PACKS
 
 

@@ -136,6 +136,22 @@ def iq4_nl(src):        # d, qs[16] -> indices into the 16 non-linear levels
     return d * src.lookup("kvalues", q)
 
 
+def _e8m0_half(src: BlockSource, offset: int) -> jax.Array:
+    """The E8M0 scale byte e at `offset` as gguf's (and ggml's) e8m0_to_fp32_half: 2^(e - 128), as
+    float32 bits: (e - 1) << 23 for e >= 2, the denormals 2^-128 and 2^-127 for e = 0, 1 (e = 255:
+    2^127, finite; there is no NaN). float32 [rows, 1]."""
+    e = src.u8(_at(src, offset)).astype(u32)
+    bits = jnp.where(e < 2, u32(0x00200000) << e, (e - 1) << 23)
+    return jax.lax.bitcast_convert_type(bits, f32)
+
+
+def mxfp4(src):         # e (E8M0), qs[16] -> the doubled e2m1 values times 2^(e - 128)
+    j = src.iota(32)
+    d = _e8m0_half(src, 0)
+    q = _nibble(src, 1 + j % 16, j // 16)
+    return d * src.lookup("mxfp4", q)
+
+
 # ---- 256-value super-blocks (k-quants) -----------------------------------------------------------
 
 def q2_k(src):          # scales[16] (4-bit scale | 4-bit min), qs[64] (2 bits), d, dmin
@@ -298,7 +314,7 @@ BODIES: dict[QType, Callable] = {
     QType.Q8_0: q8_0, QType.Q4_0: q4_0, QType.Q4_1: q4_1, QType.Q5_0: q5_0, QType.Q5_1: q5_1,
     QType.IQ4_NL: iq4_nl, QType.Q2_K: q2_k, QType.Q3_K: q3_k, QType.Q4_K: q4_k, QType.Q5_K: q5_k,
     QType.Q6_K: q6_k, QType.IQ4_XS: iq4_xs, QType.IQ3_XXS: iq3_xxs, QType.IQ3_S: iq3_s,
-    QType.IQ2_XXS: iq2_xxs, QType.IQ2_XS: iq2_xs, QType.IQ2_S: iq2_s,
+    QType.IQ2_XXS: iq2_xxs, QType.IQ2_XS: iq2_xs, QType.IQ2_S: iq2_s, QType.MXFP4: mxfp4,
 }
 
 FLOAT_BODIES = {QType.F32: f32_body, QType.F16: f16_body, QType.BF16: bf16_body}

@@ -1,8 +1,9 @@
 """Random GGUF quant blocks that are valid, finite weights.
 
 Random bytes are valid blocks for every supported type except in their float16 scale fields, which
-may decode to inf or NaN. So: random bytes, then the scale fields set to finite values chosen so
-that the dequantized weights have mean ~0 and the standard deviation asked for. Used by kernel tests
+may decode to inf or NaN (and MXFP4's E8M0 exponent byte, whose large values overflow to inf). So:
+random bytes, then the scale fields set to finite values chosen so that the dequantized weights have
+mean ~0 and the standard deviation asked for. Used by kernel tests
 and by `strata-jax make-model` ("random quant blocks with sane scales are valid random weights").
 """
 
@@ -16,7 +17,8 @@ from gguf import quants as gq
 from quant_types import QType, as_qtype, block_size, type_size
 
 # Float16 fields of each block: (byte offset, role). A "scale" multiplies the quantized values; an
-# "offset" is added (Q4_1, Q5_1) or subtracted (K-quants' dmin) after.
+# "offset" is added (Q4_1, Q5_1) or subtracted (K-quants' dmin) after; an "e8m0" is one byte e, the
+# scale 2^(e - 128) (MXFP4): a scale asked for is rounded to the nearest power of two.
 SCALE_FIELDS: dict[QType, tuple[tuple[int, str], ...]] = {
     QType.Q8_0: ((0, "scale"),),
     QType.Q4_0: ((0, "scale"),),
@@ -35,12 +37,24 @@ SCALE_FIELDS: dict[QType, tuple[tuple[int, str], ...]] = {
     QType.IQ2_XXS: ((0, "scale"),),
     QType.IQ2_XS: ((0, "scale"),),
     QType.IQ2_S: ((0, "scale"),),
+    QType.MXFP4: ((0, "e8m0"),),
 }
+
+
+def _e8m0(scale) -> np.ndarray:
+    """The E8M0 byte whose scale 2^(e - 128) is nearest `scale` (in log2), within [2, 254]: normal
+    float32 scales that no value of the block overflows (12 * 2^126 is finite)."""
+    with np.errstate(divide="ignore"):
+        e = np.rint(np.log2(np.abs(np.asarray(scale, np.float64)))) + 128
+    return np.clip(np.nan_to_num(e, neginf=2), 2, 254).astype(np.uint8)
 
 
 def _set_fields(blocks: np.ndarray, qtype: QType, scale: float | np.ndarray,
                 offset: float | np.ndarray) -> None:
     for pos, role in SCALE_FIELDS[qtype]:
+        if role == "e8m0":
+            blocks[..., pos] = np.broadcast_to(_e8m0(scale), blocks.shape[:-1])
+            continue
         value = np.asarray(scale if role == "scale" else offset, dtype=np.float16)
         blocks[..., pos:pos + 2] = np.broadcast_to(value,
                                                    blocks.shape[:-1])[..., None].view(np.uint8)
@@ -90,7 +104,8 @@ def random_blocks(qtype: QType | str, n_values_shape: tuple[int, ...], rng: np.r
 def _index_byte(qtype: QType) -> int:
     """A byte of the block that no float16 field covers: random, so it can pick the block's
     scale."""
-    taken = {pos + i for pos, _ in SCALE_FIELDS[qtype] for i in (0, 1)}
+    taken = {pos + i for pos, role in SCALE_FIELDS[qtype]
+             for i in ((0,) if role == "e8m0" else (0, 1))}
     return next(i for i in range(type_size(qtype)) if i not in taken)
 
 
@@ -115,6 +130,9 @@ def random_blocks_fast(qtype: QType | str, n_values_shape: tuple[int, ...],
     levels = (std / unit_std) * (1.0 + jitter * np.linspace(-1.0, 1.0, 256))
     pick = blocks[:, _index_byte(qtype)].copy()
     for pos, role in SCALE_FIELDS[qtype]:
+        if role == "e8m0":
+            blocks[:, pos] = _e8m0(levels)[pick]
+            continue
         table = (levels if role == "scale" else levels * off).astype(np.float16).view(np.uint16)
         blocks[:, pos:pos + 2].view(np.uint16)[:, 0] = table[pick]
     return blocks.reshape(*lead, n // bs * ts)

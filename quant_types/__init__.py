@@ -20,7 +20,7 @@ SUPPORTED: tuple[QType, ...] = tuple(
     for name in (
         "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-        "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+        "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "MXFP4",
     )
 )
 
@@ -81,12 +81,16 @@ def table(name: str) -> np.ndarray:
     """Lookup tables of the IQ types, as flat arrays the kernels index.
 
     grid tables are [entries * width] float32 (width 8 for IQ2_*, 4 for IQ3_*), `ksigns` is [128]
-    int32 (7 sign bits -> 8 with even parity), `kvalues` is [16] float32 (IQ4's non-linear levels).
+    int32 (7 sign bits -> 8 with even parity), `kvalues` is [16] float32 (IQ4's non-linear levels),
+    `mxfp4` is [16] float32 (MXFP4's e2m1 values, doubled: 0, 1, 2, 3, 4, 6, 8, 12 and their
+    negatives).
     """
     if name == "ksigns":
         return np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).astype(np.int32)
     if name == "kvalues":
         return np.array(gq.IQ4_NL.kvalues, dtype=np.float32)
+    if name == "mxfp4":
+        return np.array(gq.MXFP4.kvalues, dtype=np.float32)
     cls = {"iq2xxs": gq.IQ2_XXS, "iq2xs": gq.IQ2_XS, "iq2s": gq.IQ2_S, "iq3xxs": gq.IQ3_XXS,
            "iq3s": gq.IQ3_S}[name]
     cls.init_grid()
@@ -102,4 +106,5 @@ TABLES: dict[QType, tuple[str, ...]] = {
     QType.IQ2_XXS: ("iq2xxs", "ksigns"),
     QType.IQ2_XS: ("iq2xs", "ksigns"),
     QType.IQ2_S: ("iq2s",),
+    QType.MXFP4: ("mxfp4",),
 }

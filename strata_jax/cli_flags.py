@@ -112,7 +112,8 @@ FLAGS = {
     "weights": Flag("blocks|packed|dequantized|auto",
                     "keep GGUF blocks (read by the kernels, in place: the file's own pages on a "
                     "CPU), pack them (the cpu backend's int8 math: the dense matrices of Q4_0, "
-                    "Q4_1, Q8_0, IQ4_NL and Q4_K copied at load with 8 rows' blocks side by side, "
+                    "Q4_1, Q8_0, IQ4_NL, Q4_K and MXFP4 copied at load with 8 rows' blocks side by "
+                    "side, "
                     "about twice as fast at decode, the same bits; a private copy of those bytes "
                     "instead of the file's shared pages) or dequantize at load (auto: packed on "
                     "the cpu backend with int8 math while the copy takes at most half the RAM "

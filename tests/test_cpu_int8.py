@@ -24,7 +24,7 @@ from pallas_kernels import cpu
 from pallas_kernels.layout import layout_for
 
 INT8 = [t for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K",
-                    "Q5_K", "Q6_K", "IQ4_XS")]
+                    "Q5_K", "Q6_K", "IQ4_XS", "MXFP4")]
 EPS = float(np.finfo(np.float32).eps)
 
 
@@ -98,7 +98,7 @@ def test_int8_is_within_half_a_step_a_value_of_the_exact_path(qtype):
     assert diff.max() > 0
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "MXFP4"])
 def test_a_rows_int8_bits_do_not_depend_on_the_other_rows(qtype):
     k = 512
     b, _, lay = _weights(qtype, 50, k, seed=7)
@@ -113,7 +113,7 @@ def test_the_int8_expert_kernel_gives_each_row_the_bits_of_its_expert_alone():
     k, n, n_exp = 512, 48, 5
     rng = np.random.default_rng(9)
     weights = []
-    for qtype in ("Q4_K", "Q5_0"):
+    for qtype in ("Q4_K", "Q5_0", "MXFP4"):
         b = pk.random_blocks(qtype, (n_exp, n, k),
                              np.random.default_rng(int(rng.integers(1 << 30))))
         weights.append((jnp.asarray(b), layout_for(pk.as_qtype(qtype), b.shape[-1])))

@@ -244,8 +244,8 @@ def test_float_rows_of_any_length(qtype):
 
 
 def _poison(blocks: np.ndarray, qtype: str, experts) -> np.ndarray:
-    """The experts' blocks with NaN scales and inf offsets (float types: all NaN): a kernel that
-    read any of them would put NaN in its output."""
+    """The experts' blocks with NaN scales and inf offsets (float types: all NaN; MXFP4: inf
+    values): a kernel that read any of them would put NaN or inf in its output."""
     out = blocks.copy()
     if qtype in FLOATS:
         out[list(experts)] = 0xFF
@@ -253,6 +253,9 @@ def _poison(blocks: np.ndarray, qtype: str, experts) -> np.ndarray:
     t = pk.as_qtype(qtype)
     per = out[list(experts)].reshape(len(experts), -1, pk.type_size(t))
     for pos, role in SCALE_FIELDS[t]:
+        if role == "e8m0":          # MXFP4: the largest exponent and level: 12 * 2^127 = inf
+            per[..., pos], per[..., pos + 1:] = 255, 0x77
+            continue
         per[..., pos:pos + 2] = np.frombuffer(np.float16(np.nan if role == "scale"
                                                          else np.inf).tobytes(), np.uint8)
     out[list(experts)] = per.reshape(out[list(experts)].shape)

@@ -23,7 +23,7 @@ import pallas_kernels as pk
 from pallas_kernels import cpu
 from pallas_kernels.layout import layout_for
 
-PACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K"]
+PACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K", "MXFP4"]
 
 
 def _blocks(qtype: str, n: int, k: int, seed: int = 5) -> np.ndarray:

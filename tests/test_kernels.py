@@ -88,7 +88,7 @@ def test_qmatmul_matches_numpy(qtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("qtype", ["Q4_K", "IQ4_XS", "Q8_0", "IQ2_S", "BF16"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "IQ4_XS", "Q8_0", "IQ2_S", "BF16", "MXFP4"])
 def test_expert_matmul(qtype, backend):
     _need_device(backend)
     rng = np.random.default_rng(3)

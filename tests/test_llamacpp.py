@@ -225,3 +225,23 @@ def test_llamacpp_loads_and_runs_our_hybrid_files(tiny_model, arch):
     llm.eval(tokens)
     scores = np.asarray(llm.scores[:len(tokens)])
     assert scores.shape == (len(tokens), 512) and np.isfinite(scores).all() and scores.std() > 0
+
+
+def test_mxfp4_experts_match_llamacpp(tiny_model):
+    """make-model --expert-quant MXFP4 (gpt-oss's expert type), F32 elsewhere
+    (tests/test_mxfp4_model.py's model): llama.cpp reads our file; its logits (8-bit activations
+    for MXFP4, its Q8_0 vec_dot) are within the Q8_0 tolerance of ours on both maths, and its 8
+    greedy tokens are ours."""
+    from test_mxfp4_model import MXFP4_MOE
+
+    path = tiny_model(**MXFP4_MOE)
+    ids = random_ids(512)
+    ref, greedy = llamacpp_logits(path, ids), llamacpp_greedy(path, ids, 8)
+    for math in ("exact", "int8"):
+        with Engine.from_gguf(path, EngineConfig(max_context=64, cpu_math=math,
+                                                 warmup=False)) as eng:
+            ours = eng.logits(ids)
+            tokens = eng.generate(ids, max_tokens=8, ignore_eos=True).tokens
+        err = max_rel_error(ours, ref)
+        assert err <= TOLERANCE["Q8_0"], f"MXFP4 {math}: max error {err:.2e} of the largest logit"
+        assert tokens == greedy, math

@@ -19,7 +19,7 @@ gives the same bits.
 
 Which path each type takes:
 - FAST (C++ dequantization): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL,
-  IQ4_XS; all but the float types (F32, F16, BF16: always exact) have the int8 path.
+  IQ4_XS, MXFP4; all but the float types (F32, F16, BF16: always exact) have the int8 path.
 - every other supported type (the IQ2_* / IQ3_* grid types): a loop over tiles of weight rows, each
   tile dequantized by the xla backend into a float32 buffer of ~256 KiB and multiplied by the C++
   F32 kernel (so the same fixed-order sums). No float copy of the whole matrix exists.
@@ -57,13 +57,13 @@ _TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataEx
 FAST: frozenset[QType] = frozenset(
     QType[name]
     for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 )
 
 # The types with a packed layout (packed.h), and the bit of the kernels' qtype attribute that marks
 # a packed weight.
 PACKS: frozenset[QType] = frozenset(QType[name]
-                                    for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K"))
+                                    for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K", "MXFP4"))
 _PACKED_BIT = 1 << 16
 
 # The arithmetic of the FAST types' products: "int8" (each row of x quantized per block to 8 bits as

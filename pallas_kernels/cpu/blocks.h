@@ -35,6 +35,12 @@ STRATA_INLINE f32x16 levels_iq4() {
   return load16(v);
 }
 
+// kMXFP4Levels as floats.
+STRATA_INLINE f32x16 levels_mxfp4() {
+  alignas(64) static constexpr float v[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  return load16(v);
+}
+
 // The 2-bit fields sit at bits 2k of a byte: pick16 reads bits 2k..2k+3, so these tables depend only
 // on the low 2 index bits (entry i is the value of q = i & 3).
 STRATA_INLINE f32x16 iota4() {
@@ -88,6 +94,18 @@ struct BIQ4_NL {                     // d, qs[16]: d * level[q]
   template <class Put>
   STRATA_INLINE static void block(const uint8_t* b, const float* f, Put&& put) {
     nibbles(b + 2, f[0] * levels_iq4(), put);
+  }
+};
+
+// MXFP4: its one-byte E8M0 scale is read by block() (nf = 0: no float16 field for block_fields). Each
+// product 2^(e - 128) * level is exact (a power of two times a small integer), as in gguf.quants,
+// except where it overflows to inf (e >= 253) the same way there.
+struct BMXFP4 {                      // e, qs[16]: 2^(e - 128) * level[q]
+  static constexpr int values = 32, bytes = 17, nf = 0;
+  static constexpr int fields[1] = {0};
+  template <class Put>
+  STRATA_INLINE static void block(const uint8_t* b, const float*, Put&& put) {
+    nibbles(b + 1, e8m0_half(b[0]) * levels_mxfp4(), put);
   }
 };
 

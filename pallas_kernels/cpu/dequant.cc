@@ -63,6 +63,7 @@ TypeInfo type_info(int32_t qtype) {
     case Q5_K: return info<BQ5_K>(qtype);
     case Q6_K: return info<BQ6_K>(qtype);
     case IQ4_XS: return info<BIQ4_XS>(qtype);
+    case MXFP4: return info<BMXFP4>(qtype);
     default: return {nullptr, nullptr, 0, 0};
   }
 }

@@ -84,6 +84,7 @@ DirectFn direct_fn(int32_t qtype) {
     case Q5_K: return direct<BQ5_K>;
     case Q6_K: return direct<BQ6_K>;
     case IQ4_XS: return direct<BIQ4_XS>;
+    case MXFP4: return direct<BMXFP4>;
     default: return nullptr;
   }
 }

@@ -102,6 +102,16 @@ inline int32_t dot_plain(const uint8_t* u, const int8_t* q, int n) {
 // quants) as one 32-bit load each, the d's and m's gathered by byte shuffles, one conversion each.
 template <class B>
 Q8_INLINE void scales8(const uint8_t* p, int64_t row_bytes, __m256& w1, __m256& w2) {
+  if constexpr (i8::kE8M0Scale<B>) {     // one exponent byte e a row: e8m0_half's bits, 8 lanes at once
+    __m256i e = _mm256_setr_epi32(p[0], p[row_bytes], p[2 * row_bytes], p[3 * row_bytes], p[4 * row_bytes],
+                                  p[5 * row_bytes], p[6 * row_bytes], p[7 * row_bytes]);
+    __m256i denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);          // e = 0, 1
+    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    w1 = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, small));
+    w2 = _mm256_setzero_ps();
+    return;
+  }
   auto four = [&](int r0) {
     __m128i a = _mm_unpacklo_epi32(_mm_cvtsi32_si128(load_u32(p + r0 * row_bytes)),
                                    _mm_cvtsi32_si128(load_u32(p + (r0 + 1) * row_bytes)));
@@ -444,6 +454,7 @@ Int8Fn int8_fn(int32_t qtype) {
     case Q5_K: return rows_int8<i8::Q5_K>;
     case Q6_K: return rows_int8<i8::Q6_K>;
     case IQ4_XS: return rows_int8<i8::IQ4_XS>;
+    case MXFP4: return rows_int8<i8::MXFP4>;
     default: return nullptr;
   }
 }

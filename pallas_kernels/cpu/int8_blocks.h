@@ -46,6 +46,10 @@ Q8_INLINE __m256i iq4_levels(__m256i idx) {
   const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kIQ4Levels));
   return _mm256_shuffle_epi8(t, idx);
 }
+Q8_INLINE __m256i mxfp4_levels(__m256i idx) {
+  const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kMXFP4Levels));
+  return _mm256_shuffle_epi8(t, idx);
+}
 #endif
 
 Q8_INLINE void nibbles16_plain(const uint8_t* p, uint8_t* out) {
@@ -135,6 +139,29 @@ struct IQ4_NL {
   Q8_INLINE __m256i vchunk(const uint8_t* b, int) { return iq4_levels(nibbles16(b + 2)); }
 #endif
 };
+
+// MXFP4: the doubled e2m1 values (signed, |u| <= 12) times w1 = 2^(e - 128) (e8m0_half: a power of two,
+// so w1 * dx is exact but for under- or overflow). Its scale is one E8M0 byte, not a float16: int8.cc
+// reads it through kE8M0Scale, below.
+struct MXFP4 {
+  static constexpr int values = 32, bytes = 17, sub = 32, off = 0;
+  static constexpr bool is_signed = true, two = false;
+  static constexpr bool nibble = false;   // signed: the dot_i8i8 sums, not int8.cc's sums16
+  Q8_INLINE void scales(const uint8_t* b, float& w1, float& w2) { w1 = e8m0_half(b[0]); w2 = 0; }
+  Q8_INLINE void chunk(const uint8_t* b, int, uint8_t* out) {
+    nibbles16_plain(b + 1, out);
+    for (int j = 0; j < 32; j++) out[j] = (uint8_t)kMXFP4Levels[out[j]];
+  }
+#if defined(STRATA_Q8_AVX2)
+  Q8_INLINE __m256i vchunk(const uint8_t* b, int) { return mxfp4_levels(nibbles16(b + 1)); }
+#endif
+};
+
+// The 32-value types whose block scale is one E8M0 byte at byte 0 (not float16 fields at bytes 0, 2).
+template <class B>
+inline constexpr bool kE8M0Scale = false;
+template <>
+inline constexpr bool kE8M0Scale<MXFP4> = true;
 
 // ---- 256-value super-blocks: 8 chunks of 32; sub-blocks of 32 (8 scales) or 16 (16 scales) ---------
 

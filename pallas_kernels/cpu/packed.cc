@@ -12,22 +12,34 @@ namespace {
 
 constexpr int T = 8;   // rows a tile: the 8 lanes
 
-// A packed type: its GGUF block (int8_blocks.h), the float16 scales a block (d, and m), where the quants
-// start in a GGUF block, and whether they are nibbles (and IQ4_NL's levels) or bytes.
-template <int32_t Code, class Block, int Scales, int QsAt, bool Nibbles, bool Levels = false>
+// The nibbles' meaning: the value itself, IQ4_NL's levels or MXFP4's (kIQ4Levels, kMXFP4Levels).
+enum Levels { kPlain, kIQ4, kMXFP4 };
+
+// A packed type: its GGUF block (int8_blocks.h), the scales a block (float16 d, and m; or MXFP4's one
+// E8M0 byte: ScaleBytes 1), where the quants start in a GGUF block, and whether they are nibbles (and
+// whose levels) or bytes.
+template <int32_t Code, class Block, int Scales, int QsAt, bool Nibbles, Levels Lv = kPlain, int ScaleBytes = 2>
 struct Packed {
   using B = Block;
   static constexpr int32_t qtype = Code;
-  static constexpr int scales = Scales, qs_at = QsAt, qbytes = Nibbles ? 16 : 32;
-  static constexpr bool nibbles = Nibbles, levels = Levels;
-  static constexpr int head = 2 * T * Scales;              // bytes of the 8 rows' scales in a packed unit
+  static constexpr int scales = Scales, qs_at = QsAt, qbytes = Nibbles ? 16 : 32, scale_bytes = ScaleBytes;
+  static constexpr bool nibbles = Nibbles, levels = Lv != kPlain, e8m0 = ScaleBytes == 1;
+  static constexpr Levels lv = Lv;
+  static constexpr int head = ScaleBytes * T * Scales;     // bytes of the 8 rows' scales in a packed unit
   static constexpr int unit = T * Block::bytes;            // bytes of a packed unit (= 8 GGUF blocks)
   static_assert(head + T * qbytes == unit);
 };
 using PQ4_0 = Packed<Q4_0, i8::Q4_0, 1, 2, true>;
 using PQ4_1 = Packed<Q4_1, i8::Q4_1, 2, 4, true>;
-using PIQ4_NL = Packed<IQ4_NL, i8::IQ4_NL, 1, 2, true, true>;
+using PIQ4_NL = Packed<IQ4_NL, i8::IQ4_NL, 1, 2, true, kIQ4>;
 using PQ8_0 = Packed<Q8_0, i8::Q8_0, 1, 2, false>;
+using PMXFP4 = Packed<MXFP4, i8::MXFP4, 1, 1, true, kMXFP4, 1>;   // [8 x E8M0 e] [quants]
+
+// A nibble's value in P's levels (the scalar build).
+template <class P>
+inline int8_t level_of(uint8_t q) {
+  return P::lv == kIQ4 ? kIQ4Levels[q] : P::lv == kMXFP4 ? kMXFP4Levels[q] : (int8_t)q;
+}
 
 template <class P>
 void pack(const uint8_t* src, int64_t n, int64_t row_bytes, uint8_t* dst) {
@@ -38,7 +50,8 @@ void pack(const uint8_t* src, int64_t n, int64_t row_bytes, uint8_t* dst) {
       uint8_t* u = dst + t * row_bytes + b * P::unit;
       for (int r = 0; r < T; r++) {
         const uint8_t* blk = src + (t + r) * row_bytes + b * B::bytes;
-        for (int s = 0; s < P::scales; s++) std::memcpy(u + 2 * T * s + 2 * r, blk + 2 * s, 2);
+        for (int s = 0; s < P::scales; s++)
+          std::memcpy(u + P::scale_bytes * (T * s + r), blk + P::scale_bytes * s, P::scale_bytes);
         for (int g = 0; g < P::qbytes / 4; g++) std::memcpy(u + P::head + 32 * g + 4 * r, blk + P::qs_at + 4 * g, 4);
       }
     }
@@ -57,8 +70,16 @@ struct Unpacked {
 
 template <class P>
 Q8_INLINE void unpack_unit(const uint8_t* u, Unpacked<P>& o) {
-  o.w1 = f32x8{_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)u))};
-  o.w2 = f32x8{P::scales == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(u + 16))) : _mm256_setzero_ps()};
+  if constexpr (P::e8m0) {          // the 8 rows' exponent bytes -> e8m0_half's bits (int8.cc's scales8)
+    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)u));
+    __m256i denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);          // e = 0, 1
+    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    o.w1 = f32x8{_mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)))};
+    o.w2 = zero8();
+  } else {
+    o.w1 = f32x8{_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)u))};
+    o.w2 = f32x8{P::scales == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(u + 16))) : _mm256_setzero_ps()};
+  }
   const uint8_t* q = u + P::head;
   if constexpr (P::nibbles) {
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -66,7 +87,8 @@ Q8_INLINE void unpack_unit(const uint8_t* u, Unpacked<P>& o) {
     for (int g = 0; g < 4; g++) {
       __m256i p = load32(q + 32 * g);
       o.v[g] = _mm256_and_si256(p, low), o.v[g + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-      if (P::levels) o.v[g] = i8::iq4_levels(o.v[g]), o.v[g + 4] = i8::iq4_levels(o.v[g + 4]);
+      if constexpr (P::lv == kIQ4) o.v[g] = i8::iq4_levels(o.v[g]), o.v[g + 4] = i8::iq4_levels(o.v[g + 4]);
+      if constexpr (P::lv == kMXFP4) o.v[g] = i8::mxfp4_levels(o.v[g]), o.v[g + 4] = i8::mxfp4_levels(o.v[g + 4]);
     }
   } else {
 #pragma GCC unroll 8
@@ -133,7 +155,7 @@ Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x
   using B = typename P::B;
   alignas(32) float w1[T], w2[T];
   for (int r = 0; r < T; r++) {
-    w1[r] = f16_at(u + 2 * r);
+    w1[r] = P::e8m0 ? e8m0_half(u[r]) : f16_at(u + 2 * r);
     w2[r] = P::scales == 2 ? f16_at(u + 16 + 2 * r) : 0.0f;
   }
   const uint8_t* q = u + P::head;
@@ -144,8 +166,8 @@ Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x
         uint8_t byte = q[32 * g + 4 * r + t];
         if (P::nibbles) {
           uint8_t lo = byte & 15, hi = byte >> 4;
-          vals[r][4 * g + t] = P::levels ? kIQ4Levels[lo] : (int8_t)lo;
-          vals[r][16 + 4 * g + t] = P::levels ? kIQ4Levels[hi] : (int8_t)hi;
+          vals[r][4 * g + t] = level_of<P>(lo);
+          vals[r][16 + 4 * g + t] = level_of<P>(hi);
         } else {
           vals[r][4 * g + t] = (int8_t)byte;
         }
@@ -233,6 +255,7 @@ void pack_rows(int32_t qtype, const uint8_t* src, int64_t n, int64_t row_bytes, 
     case Q4_1: return pack<PQ4_1>(src, n, row_bytes, dst);
     case Q8_0: return pack<PQ8_0>(src, n, row_bytes, dst);
     case IQ4_NL: return pack<PIQ4_NL>(src, n, row_bytes, dst);
+    case MXFP4: return pack<PMXFP4>(src, n, row_bytes, dst);
     case Q4_K: return pack_q4k(src, n, row_bytes, dst);
     default: std::memcpy(dst, src, n * row_bytes);
   }
@@ -244,6 +267,7 @@ PackedFn packed_fn(int32_t qtype) {
     case Q4_1: return rows_packed<PQ4_1>;
     case Q8_0: return rows_packed<PQ8_0>;
     case IQ4_NL: return rows_packed<PIQ4_NL>;
+    case MXFP4: return rows_packed<PMXFP4>;
     case Q4_K: return packed_q4k_fn();
     default: return nullptr;
   }

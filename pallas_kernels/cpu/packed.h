@@ -7,6 +7,8 @@
 //
 //     [8 x float16 d] [8 x float16 m (Q4_1 only)] [quants, interleaved by 4 bytes]
 //
+// (MXFP4: [8 x E8M0 byte e] [its 16 nibble bytes as IQ4_NL's].)
+//
 // where "interleaved by 4 bytes" means 32-byte vectors whose 32-bit lane r holds 4 consecutive quant
 // bytes of row r: Q8_0's 32 bytes in 8 vectors, the 16 nibble bytes of Q4_0 / Q4_1 / IQ4_NL in 4 (vector
 // g: bytes 4g..4g+3, whose low nibbles are values 4g..4g+3 and high nibbles values 16+4g..16+4g+3).
@@ -25,7 +27,7 @@
 
 namespace strata {
 
-// Types with a packed layout: Q4_0, Q4_1, Q8_0, IQ4_NL (packed.cc), Q4_K (packed_q4k.cc).
+// Types with a packed layout: Q4_0, Q4_1, Q8_0, IQ4_NL, MXFP4 (packed.cc), Q4_K (packed_q4k.cc).
 bool packs(int32_t qtype);
 
 // Rows [0, n) of row_bytes each at src, packed into dst (the same size; dst != src).
