@@ -47,6 +47,15 @@ _MAKE_MODEL_HELP = {
     "ssm_head_dim": "qwen3next/qwen35moe: their head size (ssm.state_size)",
     "full_attention_interval": "qwen3next/qwen35moe: every N-th layer is (gated) attention, the "
                                "others DeltaNet",
+    "q_lora": "deepseek2: attention.q_lora_rank (default 48; 0: a Lite-style attn_q)",
+    "kv_lora": "deepseek2: attention.kv_lora_rank, the cached latent's width (default 32)",
+    "nope_dim": "deepseek2: a head's key size without rope (default 16)",
+    "v_head_dim": "deepseek2: a head's value size (default 16)",
+    "expert_groups": "deepseek2: expert_group_count (default 4)",
+    "expert_groups_used": "deepseek2: expert_group_used_count, the groups top-k picks from "
+                          "(default 2)",
+    "yarn_factor": "deepseek2: YaRN rope scaling factor (default 0: none)",
+    "legacy_kv_b": "deepseek2: write the legacy attn_kv_b instead of attn_k_b / attn_v_b",
 }
 
 
