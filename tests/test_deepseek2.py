@@ -1,0 +1,211 @@
+"""The deepseek2 family (DeepSeek-V3/R1 class) runs: Multi-head Latent Attention with the latent
+cached (model/mla.py), YaRN, the group-limited sigmoid router with its correction bias, leading
+dense layers and shared experts (issue 37).
+
+Oracles: transformers' DeepseekV3ForCausalLM on the same (dequantized) weights
+(strata_jax.testing.hf_deepseek puts the converter's k_b / v_b split back together), and llama.cpp
+(tests/test_llamacpp.py's child process) on the same file. Tolerance as in test_model_logits.py:
+1e-4 of the largest logit (measured ~2e-6: float32 on every side). The V3-style file has q_lora,
+the split attn_k_b / attn_v_b and YaRN (factor 8 over an original context of 32, so the test's
+positions run past it); the Lite-style one has attn_q and the legacy attn_kv_b, split at load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from strata_jax import Engine, EngineConfig
+from strata_jax.config import ConfigError
+from strata_jax.engine.execute.kv_cache import kv_bytes
+from strata_jax.gguf import GGUFModel
+from strata_jax.model import load_params, mla, new_kv_cache
+from strata_jax.model.layers import attend
+from strata_jax.testing.hf_deepseek import load_deepseek
+
+TOL = 1e-4
+V3 = {"arch": "deepseek2", "layers": 3, "quant": "F32", "yarn_factor": 8, "context": 256}
+LITE = {"arch": "deepseek2", "layers": 3, "quant": "F32", "q_lora": 0, "legacy_kv_b": True}
+
+
+def _ids(n=40, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+def _hf(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def _cfg(**kw):
+    return EngineConfig(**{"max_context": 128, "weights": "dequantized", "warmup": False,
+                           "cpu_math": "exact", "prefill": 32} | kw)
+
+
+@pytest.fixture(scope="module")
+def v3(tiny_model):
+    """(path, transformers model) of the V3-style file."""
+    path = tiny_model(**V3)
+    return path, load_deepseek(path)
+
+
+@pytest.fixture(scope="module")
+def eng8(v3):
+    """The cpu backend's engine on the V3-style file, 8 slots: shared by the tests below."""
+    eng = Engine.from_gguf(v3[0], _cfg(parallel=8))
+    yield eng
+    eng.close()
+
+
+def test_the_file_reads_as_mla(v3):
+    spec = GGUFModel.open(v3[0]).spec
+    m = spec.mla
+    assert (m.q_lora, m.kv_lora, m.nope, m.rope, m.v_head) == (48, 32, 16, 8, 16)
+    assert (spec.n_kv_heads, spec.head_dim, spec.value_dim, spec.cached_value_dim) == (1, 40, 32, 0)
+    assert spec.moe_layers == (1, 2) and spec.expert_bias and spec.expert_gating == "sigmoid"
+    assert (spec.expert_groups, spec.expert_groups_used, spec.expert_weights_scale) == (4, 2, 2.5)
+    assert spec.rope_scaling.type == "yarn" and m.yarn_log_mul == pytest.approx(1.0)
+
+
+def test_logits_match_transformers_on_the_cpu_backend(v3, eng8):
+    ids = _ids()
+    ref = _hf(v3[1], ids)
+    ours = eng8.logits(ids)
+    assert ours.shape == ref.shape == (40, 512)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_logits_match_transformers_on_the_xla_backend(v3):
+    ids = _ids()
+    ref = _hf(v3[1], ids)
+    with Engine.from_gguf(v3[0], _cfg(backend="xla")) as eng:
+        ours = eng.logits(ids)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_a_lite_file_with_the_legacy_kv_b_matches_transformers(tiny_model):
+    """attn_q (no q_lora) and attn_kv_b (split per head at load), no YaRN."""
+    path = tiny_model(**LITE)
+    spec = GGUFModel.open(path).spec
+    assert spec.mla.q_lora == 0 and spec.mla.legacy_kv_b and spec.rope_scaling is None
+    ids = _ids(24, seed=1)
+    ref = _hf(load_deepseek(path), ids)
+    with Engine.from_gguf(path, _cfg()) as eng:
+        ours = eng.logits(ids)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
+
+
+def test_the_bias_and_the_groups_matter(v3, eng8):
+    """The check can fail: transformers without the correction bias, or choosing from every group,
+    moves its logits far past TOL of ours; put back, within TOL again."""
+    model = v3[1]
+    ids = _ids(24, seed=2)
+    ours = eng8.logits(ids)
+    gate = model.model.layers[1].mlp.gate
+    bias = gate.e_score_correction_bias.data
+    kept = bias.clone()
+    try:
+        bias.zero_()
+        assert np.abs(ours - _hf(model, ids)).max() > 100 * TOL * np.abs(ours).max()
+        bias.copy_(kept)
+        gate.topk_group = gate.num_group
+        assert np.abs(ours - _hf(model, ids)).max() > 100 * TOL * np.abs(ours).max()
+    finally:
+        bias.copy_(kept)
+        gate.topk_group = model.config.topk_group
+    np.testing.assert_allclose(ours, _hf(model, ids), rtol=0, atol=TOL * np.abs(ours).max())
+
+
+def test_absorbed_attention_equals_the_unabsorbed_form(v3):
+    """Over the same cache entries (2 rows, 6 tokens, positions past YaRN's original context),
+    the absorbed form (q~ against the latent, then W_vb) and the textbook one (every head's keys and
+    values decompressed) give the same heads' outputs within 1e-5 relative."""
+    model = GGUFModel.open(v3[0])
+    spec = model.spec
+    lp = load_params(model, "dequantized", "float32")["layers"][1]
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 6, spec.hidden)), jnp.float32)
+    pos = jnp.asarray([np.arange(30, 36), np.arange(40, 46)], jnp.int32)
+
+    @jax.jit
+    def both(lp, x, pos):
+        q_nope, q_pe, entries = mla.project(lp, spec, "xla", x, pos)
+        # the row's cache: its own 6 entries at their positions, the rest zeros no query sees
+        cache = jnp.zeros((2, 48, 1, spec.head_dim), jnp.float32)
+        cache = cache.at[jnp.arange(2)[:, None], pos].set(entries)
+        q = mla.absorbed_query(lp, spec, q_nope, q_pe)
+        lat = attend(q, cache, cache[..., :spec.mla.kv_lora], pos, 16)
+        return (jnp.einsum("rlhc,hdc->rlhd", lat, lp.wv_b),
+                mla.unabsorbed(lp, spec, q_nope, q_pe, cache, pos, 16))
+
+    absorbed, plain = both(lp, x, pos)
+    assert absorbed.shape == plain.shape == (2, 6, spec.n_heads, spec.mla.v_head)
+    np.testing.assert_allclose(np.asarray(absorbed), np.asarray(plain), rtol=0,
+                               atol=1e-5 * float(jnp.abs(plain).max()))
+
+
+def test_the_kv_cache_holds_the_latent_alone(v3, eng8):
+    """A token's cache entry a layer is the latent and the rope key (kv_lora + rope values), no
+    values: what the engine's memory ledger reserves is that, and the arrays it holds are that."""
+    spec = GGUFModel.open(v3[0]).spec
+    per_token = spec.n_layers * (spec.mla.kv_lora + spec.mla.rope) * 4          # float32 cache
+    cache = new_kv_cache(spec, 8, 128, jnp.float32)
+    assert cache["k"].shape[-2:] == (1, 40) and cache["v"].shape[-1] == 0
+    runner = eng8.runner
+    slots_positions = 8 * (runner.device_len + 1)
+    assert kv_bytes(spec, jnp.float32, 8, runner.device_len) == per_token * slots_positions
+    assert eng8.stats()["memory"]["kv_bytes"] == per_token * slots_positions
+    held = sum(int(a.nbytes) for a in runner.kv.arrays.values())
+    assert held == per_token * slots_positions
+
+
+def test_eight_concurrent_greedy_requests_equal_each_alone_and_a_second_turn_a_cold_one(eng8):
+    """8 prompts of 3 to 70 tokens, alone and all at once: the same 12 greedy tokens each. Then a
+    second turn (the first prompt, its answer and more) resumes from the slot's cached prefix and
+    gives what a cold read (another cache_salt: nothing to resume from) gives."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 40, 17, 70, 3, 33, 64, 9)]
+    alone = [eng8.generate(p, max_tokens=12, ignore_eos=True).tokens for p in prompts]
+    handles = [eng8.submit(p, max_tokens=12, ignore_eos=True) for p in prompts]
+    together = [[ev.token for ev in h if ev.kind == "token"] for h in handles]
+    assert together == alone and all(len(t) == 12 for t in alone)
+
+    turn2 = prompts[1] + alone[1] + _ids(7, seed=6)
+    counters = lambda: eng8.stats()["prefix_cache"]["slot_reused_tokens"]
+    before = counters()
+    warm = eng8.generate(turn2, max_tokens=12, ignore_eos=True).tokens
+    reused = counters() - before
+    assert reused >= len(prompts[1])
+    cold = eng8.generate(turn2, max_tokens=12, ignore_eos=True, cache_salt="cold").tokens
+    assert counters() - before == reused
+    assert warm == cold
+
+
+def test_kv_resident_is_refused_by_name(v3):
+    with pytest.raises(ConfigError, match="--kv-resident.*deepseek2"):
+        Engine.from_gguf(v3[0], _cfg(max_context=512, kv_resident=256))
+
+
+def test_logits_and_greedy_tokens_match_llamacpp(v3, eng8):
+    """llama.cpp loads the made file (its names, shapes and keys: the MLA path, YaRN with the log
+    multiplier, the expert groups) and gives our logits and our 32 greedy tokens."""
+    # not imported here: llamacpp_logits runs it in a child
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
+    from test_llamacpp import llamacpp_greedy, llamacpp_logits
+
+    path = v3[0]
+    ids = _ids(40, seed=3)
+    ref = llamacpp_logits(path, ids)
+    ours = eng8.logits(ids)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
+    prompt = ids[:8]
+    tokens = eng8.generate(prompt, max_tokens=32, ignore_eos=True).tokens
+    assert tokens == llamacpp_greedy(path, prompt, 32)
