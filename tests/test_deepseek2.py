@@ -63,7 +63,9 @@ def eng8(v3):
     eng.close()
 
 
-def test_the_file_reads_as_mla(v3):
+def test_the_file_reads_as_mla(v3, capsys):
+    from strata_jax.cli import main
+
     spec = GGUFModel.open(v3[0]).spec
     m = spec.mla
     assert (m.q_lora, m.kv_lora, m.nope, m.rope, m.v_head) == (48, 32, 16, 8, 16)
@@ -71,6 +73,8 @@ def test_the_file_reads_as_mla(v3):
     assert spec.moe_layers == (1, 2) and spec.expert_bias and spec.expert_gating == "sigmoid"
     assert (spec.expert_groups, spec.expert_groups_used, spec.expert_weights_scale) == (4, 2, 2.5)
     assert spec.rope_scaling.type == "yarn" and m.yarn_log_mul == pytest.approx(1.0)
+    assert main(["inspect", str(v3[0])]) == 0
+    assert "MLA: q_lora 48, kv_lora 32, nope 16, rope 8, v 16" in capsys.readouterr().out
 
 
 def test_logits_match_transformers_on_the_cpu_backend(v3, eng8):
