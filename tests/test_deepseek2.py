@@ -6,13 +6,16 @@ Oracles: transformers' DeepseekV3ForCausalLM on the same (dequantized) weights
 (strata_jax.testing.hf_deepseek puts the converter's k_b / v_b split back together), and llama.cpp
 (tests/test_llamacpp.py's child process) on the same file. Tolerance as in test_model_logits.py:
 1e-4 of the largest logit (measured ~2e-6: float32 on every side). The V3-style file has q_lora,
-the split attn_k_b / attn_v_b and YaRN (factor 8 over an original context of 32, so the test's
-positions run past it); the Lite-style one has attn_q and the legacy attn_kv_b, split at load.
+the split attn_k_b / attn_v_b, YaRN (factor 8 over an original context of 32, so the test's
+positions run past it) and a NextN (MTP) block; the Lite-style one has attn_q and the legacy
+attn_kv_b, split at load. The MTP block as a drafter: mtp_forward against transformers' generic
+MtpModel, and --drafter mtp greedy = plain greedy.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +28,21 @@ from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
 from strata_jax.engine.execute.kv_cache import kv_bytes
 from strata_jax.gguf import GGUFModel
-from strata_jax.model import load_params, mla, new_kv_cache
+from strata_jax.model import (
+    Group,
+    RunOptions,
+    forward,
+    load_params,
+    mla,
+    mtp_forward,
+    new_kv_cache,
+)
 from strata_jax.model.layers import attend
 from strata_jax.testing.hf_deepseek import load_deepseek
 
 TOL = 1e-4
-V3 = {"arch": "deepseek2", "layers": 3, "quant": "F32", "yarn_factor": 8, "context": 256}
+V3 = {"arch": "deepseek2", "layers": 3, "quant": "F32", "yarn_factor": 8, "context": 256,
+      "nextn": 1}
 LITE = {"arch": "deepseek2", "layers": 3, "quant": "F32", "q_lora": 0, "legacy_kv_b": True}
 
 
@@ -50,9 +62,9 @@ def _cfg(**kw):
 
 @pytest.fixture(scope="module")
 def v3(tiny_model):
-    """(path, transformers model) of the V3-style file."""
+    """(path, transformers model, its MtpModel) of the V3-style file."""
     path = tiny_model(**V3)
-    return path, load_deepseek(path)
+    return (path, *load_deepseek(path, with_mtp=True))
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +82,7 @@ def test_the_file_reads_as_mla(v3, capsys):
     m = spec.mla
     assert (m.q_lora, m.kv_lora, m.nope, m.rope, m.v_head) == (48, 32, 16, 8, 16)
     assert (spec.n_kv_heads, spec.head_dim, spec.value_dim, spec.cached_value_dim) == (1, 40, 32, 0)
+    assert spec.n_nextn == 1 and spec.n_kv_layers == 4
     assert spec.moe_layers == (1, 2) and spec.expert_bias and spec.expert_gating == "sigmoid"
     assert (spec.expert_groups, spec.expert_groups_used, spec.expert_weights_scale) == (4, 2, 2.5)
     assert spec.rope_scaling.type == "yarn" and m.yarn_log_mul == pytest.approx(1.0)
@@ -194,10 +207,11 @@ def test_absorbed_attention_equals_the_unabsorbed_form(v3):
 
 
 def test_the_kv_cache_holds_the_latent_alone(v3, eng8):
-    """A token's cache entry a layer is the latent and the rope key (kv_lora + rope values), no
-    values: what the engine's memory ledger reserves is that, and the arrays it holds are that."""
+    """A token's cache entry a layer (the 3 main ones and the MTP block's) is the latent and the
+    rope key (kv_lora + rope values), no values: what the engine's memory ledger reserves is that,
+    and the arrays it holds are that."""
     spec = GGUFModel.open(v3[0]).spec
-    per_token = spec.n_layers * (spec.mla.kv_lora + spec.mla.rope) * 4          # float32 cache
+    per_token = 4 * (spec.mla.kv_lora + spec.mla.rope) * 4                     # float32 cache
     cache = new_kv_cache(spec, 8, 128, jnp.float32)
     assert cache["k"].shape[-2:] == (1, 40) and cache["v"].shape[-1] == 0
     runner = eng8.runner
@@ -228,6 +242,77 @@ def test_eight_concurrent_greedy_requests_equal_each_alone_and_a_second_turn_a_c
     cold = eng8.generate(turn2, max_tokens=12, ignore_eos=True, cache_salt="cold").tokens
     assert counters() - before == reused
     assert warm == cold
+
+
+@partial(jax.jit, static_argnums=(1, 2, 6))
+def _main(params, spec, opts, tokens, pos, slots, kv_len, cache):
+    res = forward(params, spec, opts, (Group(tokens, pos, slots, all_logits=True),), cache, kv_len,
+                  with_hidden=True)
+    return res.hiddens[0], res.cache
+
+
+def test_mtp_matches_transformers(v3):
+    """mtp_forward (the NextN block: MLA with its own cache layer, the MoE) against transformers'
+    MtpModel on the same block over a prompt in two calls (the second reads the first's latents
+    from the block's cache layer); the main model's hidden states checked first."""
+    path, model, mtp = v3
+    gguf = GGUFModel.open(path)
+    spec = gguf.spec
+    params = load_params(gguf, "dequantized", "float32")
+    opts = RunOptions(attn_chunk=32)
+    T, kv = 12, 32
+    ids = np.random.default_rng(0).integers(3, 500, T).astype(np.int32)
+    slots = jnp.zeros(1, jnp.int32)
+    pos = np.arange(T, dtype=np.int32)
+    hid, cache = _main(params, spec, opts, jnp.asarray(ids[None]), jnp.asarray(pos[None]), slots,
+                       kv, new_kv_cache(spec, 1, kv, jnp.float32))
+    with torch.no_grad():
+        h_ref = model.model(torch.tensor(ids[None].astype(np.int64))).last_hidden_state
+        out_ref = mtp.forward_layer(0, h_ref[:, :T - 1], torch.arange(T - 1)[None], None,
+                                    input_ids=torch.tensor(ids[None, 1:].astype(np.int64)))
+        ref = mtp._project_to_logits(out_ref)[0].numpy()
+    np.testing.assert_allclose(np.asarray(hid), h_ref.numpy(), rtol=0,
+                               atol=TOL * h_ref.abs().max().item())
+    step = jax.jit(mtp_forward, static_argnums=(1, 2, 8))
+    l1, _, cache = step(params, spec, opts, hid[:, :T - 5], jnp.asarray(ids[None, 1:T - 4]),
+                        jnp.asarray(pos[None, :T - 5]), slots, cache, kv)
+    l2, _, cache = step(params, spec, opts, hid[:, T - 5:T - 1], jnp.asarray(ids[None, T - 4:]),
+                        jnp.asarray(pos[None, T - 5:T - 1]), slots, cache, kv)
+    ours = np.concatenate([np.asarray(l1[0]), np.asarray(l2[0])])
+    assert ours.shape == ref.shape == (T - 1, spec.vocab_size)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def few_tokens(v3, tmp_path_factory):
+    """The V3-style file with 4 rows of its output head (which the MTP block shares) scaled by 40:
+    the main model's greedy tokens and the block's drafts are nearly always among those 4, so drafts
+    are accepted in part (a random model's drafts never would be)."""
+    from strata_jax.testing.edit_gguf import rewrite_gguf
+
+    head = GGUFModel.open(v3[0]).tensors["output.weight"].dequantize().copy()
+    head[[11, 12, 13, 14]] *= 40.0
+    return rewrite_gguf(v3[0], tmp_path_factory.mktemp("few_mtp") / "few.gguf",
+                        tensor_values={"output.weight": head})
+
+
+def test_mtp_drafts_give_the_plain_greedy_tokens(few_tokens):
+    """--spec 4 --drafter mtp, each prompt alone and four at once: the plain greedy tokens, drafts
+    accepted in part (so verify windows and the latent cache's rejected positions are right)."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (8, 20, 33, 5)]
+    base = {"parallel": 4, "max_context": 128, "prefill": 16, "warmup": False}
+    with Engine.from_gguf(few_tokens, EngineConfig(**base)) as eng:
+        plain = [eng.generate(p, max_tokens=24, ignore_eos=True).tokens for p in prompts]
+    cfg = EngineConfig(**base, spec=4, drafter="mtp", spec_min_p=0.0)
+    with Engine.from_gguf(few_tokens, cfg) as eng:
+        alone = [eng.generate(p, max_tokens=24, ignore_eos=True) for p in prompts]
+        handles = [eng.submit(p, max_tokens=24, ignore_eos=True) for p in prompts]
+        together = [[ev.token for ev in h if ev.kind == "token"] for h in handles]
+        assert eng.stats()["spec"]["drafter"] == "mtp"
+    assert [a.tokens for a in alone] == plain and together == plain
+    accepted = sum(a.stats["draft_n_accepted"] for a in alone)
+    assert 0 < accepted < sum(a.stats["draft_n"] for a in alone)
 
 
 def test_kv_resident_is_refused_by_name(v3):

@@ -3,7 +3,8 @@ with llama.cpp's names and shapes (src/models/deepseek2.cpp; gguf-py's
 MODEL_TENSORS[MODEL_ARCH.DEEPSEEK2]; conversion/deepseek.py's keys). Multi-head Latent Attention
 (q through a low-rank q_lora, or a Lite-style attn_q with --q-lora 0; the kv latent and shared rope
 key from attn_kv_a_mqa; attn_k_b / attn_v_b as the converter splits kv_b, or the legacy attn_kv_b);
-the first --leading-dense layers a dense FFN, the rest a sigmoid router with group-limited top-k, a
+the first --leading-dense layers a dense FFN, the rest (and the NextN (MTP) block that --nextn 1
+stores after them, blk.N.nextn.*) a sigmoid router with group-limited top-k, a
 random correction bias (exp_probs_b) and ungated shared experts.
 
 Shapes here are numpy order ([rows, cols]): GGUF's {cols, rows} reversed.
@@ -33,8 +34,13 @@ def deepseek2_resolved(o: Any, experts: int) -> Any:
     if o.q_lora < 0 or o.yarn_factor < 0:
         raise ValueError(f"--q-lora and --yarn-factor must be 0 or more (got {o.q_lora}, "
                          f"{o.yarn_factor})")
-    if o.nextn:
-        raise ValueError("--nextn: deepseek2's NextN (MTP) layer is not made yet")
+    if o.nextn not in (0, 1):      # llama.cpp's deepseek2 MTP graph runs one block
+        raise ValueError(f"--nextn must be 0 or 1 for deepseek2 (got {o.nextn})")
+    if o.nextn_head and not o.nextn:
+        raise ValueError("--nextn-head needs --nextn 1")
+    if o.nextn and (not o.q_lora or o.legacy_kv_b):
+        raise ValueError("--nextn 1: llama.cpp's deepseek2 MTP block needs q_lora (--q-lora > 0) "
+                         "and attn_k_b / attn_v_b (not --legacy-kv-b)")
     g, used = o.expert_groups, o.expert_groups_used
     if experts % g or used > g or o.experts_used > used * (experts // g):
         raise ValueError(f"--expert-groups {g} must divide --experts {experts}, "
@@ -124,6 +130,8 @@ def deepseek2_keys(o: Any) -> dict[str, tuple[Any, tuple]]:
                  f"{a}.attention.key_length": (o.nope_dim + rope, u32),
                  f"{a}.attention.value_length": (o.v_head_dim, u32)}
         del keys[f"{a}.attention.key_length_mla"], keys[f"{a}.attention.value_length_mla"]
+    if o.nextn:
+        keys[f"{a}.nextn_predict_layers"] = (o.nextn, u32)
     if o.q_lora:  # the converter leaves it out for Lite
         keys[f"{a}.attention.q_lora_rank"] = (o.q_lora, u32)
     if o.yarn_factor:

@@ -345,6 +345,8 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
             continue
         if o.arch == "deepseek2":
             plan += deepseek2_layer_tensors(b, i, o, weight, f32, norm, quant, attn_q, expert_q)
+            if i >= o.layers:   # the MTP block: an MLA MoE block and the NextN tensors
+                plan += _nextn_tensors(b, o, vocab, quant, embed_q, weight, norm)
             continue
         more = (as_qtype(o.more_bits_quant) if o.more_bits_quant and use_more_bits(i, n_blocks)
                 else None)

@@ -19,7 +19,7 @@ import numpy as np
 
 from strata_jax.gguf import GGUFModel, ModelSpec
 
-from .hf import load_state
+from .hf import load_state, use_own_nextn_head
 
 _COMMON = {"attn_norm.weight": "input_layernorm.weight",
            "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -71,7 +71,7 @@ def deepseek_config(spec: ModelSpec):
         tie_word_embeddings=spec.tied_output)
 
 
-def _layer_state(t: dict, i: int, spec: ModelSpec) -> dict[str, np.ndarray]:
+def _layer_state(t: dict, i: int, spec: ModelSpec, prefix: str = "") -> dict[str, np.ndarray]:
     b, m = f"blk.{i}.", spec.mla
     out = {hf: t[b + g] for g, hf in _COMMON.items() if b + g in t}
     if b + "attn_k_b.weight" in t:
@@ -81,12 +81,16 @@ def _layer_state(t: dict, i: int, spec: ModelSpec) -> dict[str, np.ndarray]:
     if b + "ffn_gate_exps.weight" in t:
         out["mlp.experts.gate_up_proj"] = np.concatenate([t[b + "ffn_gate_exps.weight"],
                                                           t[b + "ffn_up_exps.weight"]], 1)
-    return {f"model.layers.{i}.{k}": v for k, v in out.items()}
+    prefix = prefix or f"model.layers.{i}."
+    return {prefix + k: v for k, v in out.items()}
 
 
-def load_deepseek(path: str | Path):
-    """-> DeepseekV3ForCausalLM (eval, float32) on the file's weights. Raises if any parameter is
-    left unloaded (it would be random)."""
+def load_deepseek(path: str | Path, with_mtp: bool = False):
+    """-> DeepseekV3ForCausalLM (eval, float32) on the file's weights, or (model, MtpModel) with
+    `with_mtp`: transformers' generic MTP drafter (modeling_layers.MtpLayer: enorm, hnorm, eh_proj,
+    a DeepseekV3DecoderLayer with the MoE, the shared-head norm as post_norm; the main model's
+    embedding and head), the file's NextN block loaded into it. Raises if any parameter is left
+    unloaded (it would be random)."""
     import torch
     from transformers import DeepseekV3ForCausalLM
 
@@ -103,4 +107,32 @@ def load_deepseek(path: str | Path):
     for i in range(spec.n_layers):
         state |= _layer_state(t, i, spec)
     load_state(model, state, path)
-    return model
+    if not with_mtp:
+        return model
+    return model, _mtp_model(model, t, spec, path)
+
+
+def _mtp_model(model, t: dict, spec: ModelSpec, path):
+    """transformers' MtpModel on `model` with blk.{n_layers}'s NextN block. Its decoder layer is
+    made with layer index 0, which DeepseekV3DecoderLayer makes dense below first_k_dense_replace:
+    the MTP config says 0 dense layers, so it has the MoE the block has."""
+    from transformers.modeling_layers import MtpModel
+
+    if not spec.n_nextn:
+        raise ValueError("the file has no NextN (MTP) layer")
+    i, b = spec.n_layers, f"blk.{spec.n_layers}.nextn."
+    dense = model.config.first_k_dense_replace
+    model.config.first_k_dense_replace = 0
+    try:
+        mtp = MtpModel(model, 1).float().eval()
+    finally:
+        model.config.first_k_dense_replace = dense
+    state = _layer_state(t, i, spec, "layers.0.mtp_block.")
+    state |= {"layers.0.enorm.weight": t[b + "enorm.weight"],
+              "layers.0.hnorm.weight": t[b + "hnorm.weight"],
+              "layers.0.eh_proj.weight": t[b + "eh_proj.weight"],
+              "layers.0.post_norm.weight": t.get(b + "shared_head_norm.weight",
+                                                 t["output_norm.weight"])}
+    load_state(mtp, state, path, shared=("embed_tokens.", "shared_head."))
+    use_own_nextn_head(mtp, t, i, spec)
+    return mtp
