@@ -30,11 +30,11 @@ _MAKE_MODEL_HELP = {
     "split": "write N parts in llama.cpp's gguf-split layout",
     "tokenizer_from": "copy tokenizer.* keys (and the vocabulary size) from this GGUF instead of "
                       "the built-in byte-level BPE", "name": "general.name",
-    "leading_dense": "glm4moe: leading dense-FFN layers before the MoE ones (default 1)",
-    "nextn": "glm4moe, qwen3next, qwen35moe: NextN (MTP) layers stored after the main ones "
-    "(blk.N.nextn.*; the hybrids: 0 or 1)",
-    "nextn_head": "glm4moe, qwen3next, qwen35moe: give the NextN layer its own embed_tokens and "
-                  "shared_head_head",
+    "leading_dense": "glm4moe, deepseek2: leading dense-FFN layers before the MoE ones (default 1)",
+    "nextn": "glm4moe, qwen3next, qwen35moe, deepseek2: NextN (MTP) layers stored after the main "
+    "ones (blk.N.nextn.*; the hybrids and deepseek2: 0 or 1)",
+    "nextn_head": "glm4moe, qwen3next, qwen35moe, deepseek2: give the NextN layer its own "
+                  "embed_tokens and shared_head_head",
     "qk_norm": "glm4moe: per-head q/k norms (as GLM-4.5 355B)",
     "rope_dims": "rope.dimension_count (default: the head size; glm4moe: half of it; "
                  "qwen3next/qwen35moe: a quarter)",

@@ -122,23 +122,22 @@ def test_a_lite_file_with_the_legacy_kv_b_matches_transformers(tiny_model):
 
 def test_blocks_on_the_cpu_kernels_and_the_expert_tiers_match_transformers(tiny_model):
     """Q8_0 weights in blocks through the C++ kernels (the fused norm and products of q_a / kv_a,
-    q_b's F16 fallback rows): the exact math within TOL of transformers on the dequantized weights,
-    with every expert on the device and with 4 of 8 a layer in the expert tiers' arena (the same
-    bits); the int8 math (8-bit activations): not the exact logits, mean KL from transformers'
-    within logit_checks' 0.05. Its top-1 check does not hold here: one of 23 clear positions
-    flips (a near tie in the sigmoid router's choice), and llama.cpp's own 8-bit activations on
-    this file flip the same one (measured mean KL from transformers: ours 0.0061, llama.cpp's
-    0.0060; ours from llama.cpp's 0.0009)."""
-    path = tiny_model(**V3 | {"quant": "Q8_0"})
+    q_b's F16 fallback rows), 4 of 8 experts a layer in the expert tiers' arena: the exact math
+    within TOL of transformers on the dequantized weights. The int8 math (8-bit activations, the
+    cpu default), every expert on the device: not the exact logits, mean KL from transformers'
+    within logit_checks' 0.05. Its top-1
+    check does not hold here: one of 23 clear positions flips (a near tie in the sigmoid router's
+    choice), and llama.cpp's own 8-bit activations on this file flip the same one (measured mean
+    KL from transformers: ours 0.0061, llama.cpp's 0.0060; ours from llama.cpp's 0.0009)."""
+    path = tiny_model(**V3 | {"quant": "Q8_0", "nextn": 0})
     ids = _ids(32, seed=4)
     ref = _hf(load_deepseek(path), ids)
-    with Engine.from_gguf(path, _cfg(weights="blocks", max_context=64)) as eng:
+    with Engine.from_gguf(path, _cfg(weights="blocks", max_context=64, expert_cache=4)) as eng:
         exact = eng.logits(ids)
+        assert eng.runner.stepper is not None
     np.testing.assert_allclose(exact, ref, rtol=0, atol=TOL * np.abs(ref).max())
-    with Engine.from_gguf(path, _cfg(weights="blocks", max_context=64, expert_cache=4,
-                                     cpu_math="int8")) as eng:
+    with Engine.from_gguf(path, _cfg(weights="blocks", max_context=64, cpu_math="int8")) as eng:
         int8 = eng.logits(ids)
-        assert eng.stats()["memory"]["experts_bytes"] > 0
     assert np.abs(int8 - exact).max() > 0
     assert mean_kl(ref, int8) <= 0.05
 
@@ -297,20 +296,18 @@ def few_tokens(v3, tmp_path_factory):
 
 
 def test_mtp_drafts_give_the_plain_greedy_tokens(few_tokens):
-    """--spec 4 --drafter mtp, each prompt alone and four at once: the plain greedy tokens, drafts
-    accepted in part (so verify windows and the latent cache's rejected positions are right)."""
+    """--spec 4 --drafter mtp: each prompt's plain greedy tokens, drafts accepted in part (so the
+    verify windows and the latent cache's rejected positions are right)."""
     rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (8, 20, 33, 5)]
-    base = {"parallel": 4, "max_context": 128, "prefill": 16, "warmup": False}
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (8, 20, 5)]
+    base = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False}
     with Engine.from_gguf(few_tokens, EngineConfig(**base)) as eng:
-        plain = [eng.generate(p, max_tokens=24, ignore_eos=True).tokens for p in prompts]
+        plain = [eng.generate(p, max_tokens=16, ignore_eos=True).tokens for p in prompts]
     cfg = EngineConfig(**base, spec=4, drafter="mtp", spec_min_p=0.0)
     with Engine.from_gguf(few_tokens, cfg) as eng:
-        alone = [eng.generate(p, max_tokens=24, ignore_eos=True) for p in prompts]
-        handles = [eng.submit(p, max_tokens=24, ignore_eos=True) for p in prompts]
-        together = [[ev.token for ev in h if ev.kind == "token"] for h in handles]
+        alone = [eng.generate(p, max_tokens=16, ignore_eos=True) for p in prompts]
         assert eng.stats()["spec"]["drafter"] == "mtp"
-    assert [a.tokens for a in alone] == plain and together == plain
+    assert [a.tokens for a in alone] == plain
     accepted = sum(a.stats["draft_n_accepted"] for a in alone)
     assert 0 < accepted < sum(a.stats["draft_n"] for a in alone)
 

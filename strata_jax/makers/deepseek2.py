@@ -34,6 +34,8 @@ def deepseek2_resolved(o: Any, experts: int) -> Any:
     if o.q_lora < 0 or o.yarn_factor < 0:
         raise ValueError(f"--q-lora and --yarn-factor must be 0 or more (got {o.q_lora}, "
                          f"{o.yarn_factor})")
+    if o.qk_norm:
+        raise ValueError("--qk-norm is for --arch glm4moe (deepseek2 has no per-head q/k norms)")
     if o.nextn not in (0, 1):      # llama.cpp's deepseek2 MTP graph runs one block
         raise ValueError(f"--nextn must be 0 or 1 for deepseek2 (got {o.nextn})")
     if o.nextn_head and not o.nextn:
