@@ -30,11 +30,11 @@ _MAKE_MODEL_HELP = {
     "split": "write N parts in llama.cpp's gguf-split layout",
     "tokenizer_from": "copy tokenizer.* keys (and the vocabulary size) from this GGUF instead of "
                       "the built-in byte-level BPE", "name": "general.name",
-    "leading_dense": "glm4moe: leading dense-FFN layers before the MoE ones (default 1)",
-    "nextn": "glm4moe, qwen3next, qwen35moe: NextN (MTP) layers stored after the main ones "
-    "(blk.N.nextn.*; the hybrids: 0 or 1)",
-    "nextn_head": "glm4moe, qwen3next, qwen35moe: give the NextN layer its own embed_tokens and "
-                  "shared_head_head",
+    "leading_dense": "glm4moe, deepseek2: leading dense-FFN layers before the MoE ones (default 1)",
+    "nextn": "glm4moe, qwen3next, qwen35moe, deepseek2: NextN (MTP) layers stored after the main "
+    "ones (blk.N.nextn.*; the hybrids and deepseek2: 0 or 1)",
+    "nextn_head": "glm4moe, qwen3next, qwen35moe, deepseek2: give the NextN layer its own "
+                  "embed_tokens and shared_head_head",
     "qk_norm": "glm4moe: per-head q/k norms (as GLM-4.5 355B)",
     "rope_dims": "rope.dimension_count (default: the head size; glm4moe: half of it; "
                  "qwen3next/qwen35moe: a quarter)",
@@ -47,6 +47,15 @@ _MAKE_MODEL_HELP = {
     "ssm_head_dim": "qwen3next/qwen35moe: their head size (ssm.state_size)",
     "full_attention_interval": "qwen3next/qwen35moe: every N-th layer is (gated) attention, the "
                                "others DeltaNet",
+    "q_lora": "deepseek2: attention.q_lora_rank (default 48; 0: a Lite-style attn_q)",
+    "kv_lora": "deepseek2: attention.kv_lora_rank, the cached latent's width (default 32)",
+    "nope_dim": "deepseek2: a head's key size without rope (default 16)",
+    "v_head_dim": "deepseek2: a head's value size (default 16)",
+    "expert_groups": "deepseek2: expert_group_count (default 4)",
+    "expert_groups_used": "deepseek2: expert_group_used_count, the groups top-k picks from "
+                          "(default 2)",
+    "yarn_factor": "deepseek2: YaRN rope scaling factor (default 0: none)",
+    "legacy_kv_b": "deepseek2: write the legacy attn_kv_b instead of attn_k_b / attn_v_b",
 }
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from strata_jax.gguf import SUPPORTED_ARCHITECTURES, GGUFModel, read_metadata
+from strata_jax.gguf.mla import MLA_ARCHITECTURES
 from strata_jax.gguf.spec import HYBRID_ARCHITECTURES
 
 
@@ -79,10 +80,11 @@ def test_metadata_is_plain_python(tiny_model):
     assert all(type(x) is int for x in md["tokenizer.ggml.token_type"])
 
 
-@pytest.mark.parametrize("arch",
-                         [a for a in SUPPORTED_ARCHITECTURES if a not in HYBRID_ARCHITECTURES])
+@pytest.mark.parametrize("arch", [a for a in SUPPORTED_ARCHITECTURES
+                                  if a not in HYBRID_ARCHITECTURES + MLA_ARCHITECTURES])
 def test_spec_of_each_architecture(tiny_model, arch):
-    """The attention families (the hybrid ones: tests/test_hybrid_read.py)."""
+    """The attention families (the hybrid ones: tests/test_hybrid_read.py; deepseek2:
+    tests/test_deepseek2.py)."""
     moe = arch in ("qwen2moe", "qwen3moe", "glm4moe")
     # GLM-4.5: a leading dense layer, half-head rope, shared expert = n x expert_ffn
     glm = arch == "glm4moe"

@@ -33,7 +33,13 @@ def is_hybrid(spec) -> bool:
 
 def family_config(cfg: EngineConfig, spec) -> EngineConfig:
     """cfg as the engine runs spec's family: unchanged for the attention families; for a hybrid one,
-    prefix reuse off, and a ConfigError for a setting the family cannot run with yet."""
+    prefix reuse off, and a ConfigError for a setting the family cannot run with yet. deepseek2
+    (MLA: model/mla.py) runs as the attention families but for --kv-resident (its host blocks
+    would hold values its cache does not store)."""
+    if getattr(spec, "mla", None) is not None and cfg.kv_resident is not None:
+        raise ConfigError(f"--kv-resident {cfg.kv_resident}: not supported yet for "
+                          f"{spec.architecture!r} (its latent KV cache keeps every position on "
+                          "the device)")
     if not is_hybrid(spec):
         return cfg
     arch = spec.architecture

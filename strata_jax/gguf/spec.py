@@ -6,7 +6,7 @@ Defaults for keys a file may leave out are llama.cpp's, so a model means here wh
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,14 @@ from .errors import (
     TensorSizeError,
     UnsupportedArchitectureError,
 )
+from .mla import MLA_ARCHITECTURES, MlaSpec, check_mla, mla_fields, mla_tensor_shapes
 
 # The hybrid Gated DeltaNet + MoE families (model/hybrid.py; engine/families.py says what the engine
 # does for them).
 HYBRID_ARCHITECTURES: tuple[str, ...] = ("qwen3next", "qwen35moe")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe",
-                                            "glm4moe", *HYBRID_ARCHITECTURES)
+                                            "glm4moe", *HYBRID_ARCHITECTURES,
+                                            *MLA_ARCHITECTURES)
 # Read and checked (ModelSpec, `strata-jax inspect`), not yet run: none today (a family on its way
 # in goes here).
 READ_ONLY_ARCHITECTURES: tuple[str, ...] = ()
@@ -131,6 +133,12 @@ class ModelSpec:
     deltanet: DeltaNetSpec | None = None
     attn_output_gate: bool = False
     rope_sections: tuple[int, ...] = ()
+    # deepseek2: Multi-head Latent Attention's sizes (gguf/mla.py; n_kv_heads 1, head_dim kv_lora +
+    # rope and value_dim kv_lora are then the latent cache's), and the router's expert groups
+    # (expert_group_count: top-k only among the expert_group_used_count best groups)
+    mla: MlaSpec | None = None
+    expert_groups: int = 1
+    expert_groups_used: int = 1
 
     @property
     def is_moe(self) -> bool:
@@ -148,6 +156,12 @@ class ModelSpec:
     def deltanet_layers(self) -> tuple[int, ...]:
         """The main layers that are Gated DeltaNet (none outside the hybrid families)."""
         return tuple(i for i in range(self.n_layers) if self.kind(i) == "deltanet")
+
+    @property
+    def cached_value_dim(self) -> int:
+        """Values a token and kv head the KV cache stores: value_dim, or none for MLA, whose values
+        are a view of its keys (the latent)."""
+        return 0 if self.mla is not None else self.value_dim
 
     @property
     def n_kv_layers(self) -> int:
@@ -205,7 +219,8 @@ class ModelSpec:
             nextn = i >= self.n_layers  # an MTP block: a MoE decoder layer and its own few tensors
             if self.kind(i) == "deltanet":
                 yield from self._deltanet_tensors(b)
-            out: dict[str, tuple[tuple[int, ...], bool]] = {} if self.kind(i) == "deltanet" else {
+            out: dict[str, tuple[tuple[int, ...], bool]] = {} if (
+                self.kind(i) == "deltanet" or self.mla) else {
                 b + "attn_q.weight": ((q * (2 if self.attn_output_gate else 1), h), True),
                 b + "attn_k.weight": ((kv, h), True),
                 b + "attn_v.weight": ((self.n_kv_heads * v, h), True),
@@ -214,6 +229,8 @@ class ModelSpec:
                 b + "attn_k.bias": ((kv,), self.attn_bias),
                 b + "attn_v.bias": ((self.n_kv_heads * v,), self.attn_bias),
             }
+            if self.mla:
+                out |= dict(mla_tensor_shapes(self, b))
             out |= {b + "attn_norm.weight": ((h,), True), b + self.ffn_norm_tensor: ((h,), True)}
             if self.qk_norm and self.kind(i) == "attention":
                 out |= {b + "attn_q_norm.weight": ((self.head_dim,), True),
@@ -395,6 +412,8 @@ class ModelSpec:
             name=str(metadata.get("general.name", "")),
             **(_hybrid_fields(metadata, get, arch, n_layers, path) if arch in _HYBRID else {}),
         )
+        if arch in MLA_ARCHITECTURES:
+            spec = replace(spec, **mla_fields(get, shapes, n_heads, path))
         spec._validate(path)
         return spec
 
@@ -410,6 +429,8 @@ class ModelSpec:
         if self.n_heads % self.n_kv_heads:
             raise bad(f"attention.head_count {self.n_heads} is not a multiple of head_count_kv "
                       f"{self.n_kv_heads}")
+        if self.mla:
+            check_mla(self, bad)
         if self.rope_dims > self.head_dim or self.rope_dims % 2:
             raise bad(f"rope.dimension_count {self.rope_dims} must be even and at most the head "
                       f"size {self.head_dim}")

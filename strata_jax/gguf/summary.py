@@ -102,7 +102,10 @@ def summarize(model: GGUFModel, device_budget_gib: float | None = None) -> Model
                     f"{spec.expert_ffn}"
                     if spec.is_moe else "")
                  + (f", shared expert ffn {spec.shared_ffn}" if spec.shared_ffn else "")
-                 + (", tied output" if spec.tied_output else ""))
+                 + (", tied output" if spec.tied_output else "")
+                 + (f"; MLA: q_lora {m.q_lora}, kv_lora {m.kv_lora}, nope {m.nope}, rope "
+                    f"{m.rope}, v {m.v_head} a head (cached: kv {spec.n_kv_heads} x "
+                    f"{spec.head_dim}, the latent and rope key)" if (m := spec.mla) else ""))
         runnable = all(t.qtype in SUPPORTED for t in model.tensors.values()) and spec.runnable
         layers = _layer_kinds(spec)
         not_run = "" if spec.runnable else (f"{spec.architecture} is read and checked, but its "

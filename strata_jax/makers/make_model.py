@@ -32,13 +32,19 @@ from quant_types import QType, as_qtype, block_size, type_size
 from strata_jax.gguf.header import ValueType
 from strata_jax.gguf.spec import READ_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
+from .deepseek2 import (
+    DEEPSEEK_DEFAULTS,
+    deepseek2_keys,
+    deepseek2_layer_tensors,
+    deepseek2_resolved,
+)
 from .hybrid import HYBRID_ARCHS, hybrid_keys, hybrid_layer_tensors
 from .shapes import with_shape
 from .tiny_tokenizer import tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
-MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe", *HYBRID_ARCHS)
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe", *HYBRID_ARCHS, "deepseek2")
 ARCHS = (*SUPPORTED_ARCHITECTURES, *READ_ONLY_ARCHITECTURES)
 GLM_ONLY = ("leading_dense", "nextn", "nextn_head", "qk_norm", "rope_dims", "expert_weights_scale")
 # of GLM_ONLY, the flags the hybrid families take as well
@@ -106,6 +112,17 @@ class ModelOptions:
     ssm_v_heads: int = 4  # ssm.time_step_rank: v heads (a multiple of the k heads)
     ssm_head_dim: int = 16  # ssm.state_size: the q/k and v head size
     full_attention_interval: int = 4  # every this-many-th layer is full attention
+    # deepseek2 only (makers/deepseek2.py; None: its tiny defaults, DEEPSEEK_DEFAULTS): MLA's
+    # sizes (q_lora 0: a Lite-style attn_q), the router's expert groups, YaRN's factor (0: none),
+    # and the legacy attn_kv_b in place of attn_k_b / attn_v_b
+    q_lora: int | None = None
+    kv_lora: int | None = None
+    nope_dim: int | None = None
+    v_head_dim: int | None = None
+    expert_groups: int | None = None
+    expert_groups_used: int | None = None
+    yarn_factor: int | None = None
+    legacy_kv_b: bool = False
 
     def resolved(self) -> ModelOptions:
         """Defaults filled in and every value checked (ValueError saying which and why)."""
@@ -141,6 +158,12 @@ class ModelOptions:
                   self.more_bits_quant):
             if q is not None:
                 as_qtype(q)  # raises UnsupportedQuantType listing the supported ones
+        if self.arch == "deepseek2":
+            return deepseek2_resolved(self, experts)
+        for flag in (*DEEPSEEK_DEFAULTS, "legacy_kv_b"):
+            if getattr(self, flag) not in (None, False):
+                raise ValueError(f"--{flag.replace('_', '-')} is for --arch deepseek2 (got --arch "
+                                 f"{self.arch})")
         if self.arch in HYBRID_ARCHS:
             return self._hybrid(experts, head_dim)
         if self.arch != "glm4moe":
@@ -320,6 +343,11 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
             if i >= o.layers:   # the MTP block: a gated-attention MoE block and the NextN tensors
                 plan += _nextn_tensors(b, o, vocab, quant, embed_q, weight, norm)
             continue
+        if o.arch == "deepseek2":
+            plan += deepseek2_layer_tensors(b, i, o, weight, f32, norm, quant, attn_q, expert_q)
+            if i >= o.layers:   # the MTP block: an MLA MoE block and the NextN tensors
+                plan += _nextn_tensors(b, o, vocab, quant, embed_q, weight, norm)
+            continue
         more = (as_qtype(o.more_bits_quant) if o.more_bits_quant and use_more_bits(i, n_blocks)
                 else None)
         plan += [norm(b + "attn_norm.weight", (h,)),
@@ -448,6 +476,8 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
         keys |= hybrid_keys(o)
         if o.nextn:
             keys[f"{a}.nextn_predict_layers"] = (o.nextn, u32)
+    if a == "deepseek2":
+        keys |= deepseek2_keys(o)
     if a == "glm4moe":  # as convert_hf_to_gguf.py's Glm4MoeModel writes them
         keys |= {f"{a}.expert_shared_count": (o.shared_ffn // o.expert_ffn, u32),
                  f"{a}.leading_dense_block_count": (o.leading_dense, u32),

@@ -154,10 +154,13 @@ def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
         logits = linear(x.astype(jnp.float32), router, backend, transposed=False)           # [N, E]
     probs = (jax.nn.sigmoid(logits) if spec.expert_gating == "sigmoid"
              else jax.nn.softmax(logits, axis=-1))
-    if bias is None:
+    if bias is None and spec.expert_groups <= 1:
         w, ids = jax.lax.top_k(probs, spec.n_experts_used)
     else:
-        _, ids = jax.lax.top_k(probs + bias.astype(jnp.float32), spec.n_experts_used)
+        choose = probs if bias is None else probs + bias.astype(jnp.float32)
+        if spec.expert_groups > 1:
+            choose = limit_groups(choose, spec.expert_groups, spec.expert_groups_used)
+        _, ids = jax.lax.top_k(choose, spec.n_experts_used)
         # [N, k]
         w = jnp.take_along_axis(probs, ids, axis=-1)
     if spec.expert_weights_norm:
@@ -165,6 +168,19 @@ def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
         # cannot divide to inf.
         w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 6.103515625e-5)
     return w * spec.expert_weights_scale, ids.astype(jnp.int32)
+
+
+def limit_groups(scores: jax.Array, groups: int, used: int) -> jax.Array:
+    """DeepSeek-V3's group-limited choice: scores [N, E] (biased where there is a bias) with every
+    expert outside the `used` best of the `groups` groups (contiguous E/groups experts each; a
+    group's score: the sum of its top 2) set to -inf, as llama.cpp's build_moe_ffn and
+    transformers' DeepseekV3TopkRouter."""
+    N, E = scores.shape
+    g = scores.reshape(N, groups, E // groups)
+    group_scores = jnp.sum(jax.lax.top_k(g, min(2, E // groups))[0], axis=-1)          # [N, G]
+    _, kept = jax.lax.top_k(group_scores, used)
+    mask = jnp.zeros((N, groups), bool).at[jnp.arange(N)[:, None], kept].set(True)
+    return jnp.where(mask[:, :, None], g, -jnp.inf).reshape(N, E)
 
 
 def moe(x: jax.Array, lp: LayerWeights, spec: ModelSpec, backend: str,

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from ..gguf import GGUFModel
+from .mla import MLA_NORMS, MLA_PER_HEAD, MLA_TENSORS, MlaWeights
 from .params import EXPERT_TENSORS, DeltaNetWeights, LayerWeights
 from .weights import QTensor, to_device
 
@@ -39,7 +40,7 @@ _NEXTN_TENSORS = {"eh_proj.weight": "eh_proj", "enorm.weight": "enorm", "hnorm.w
 # which experts run, so it is computed in float32 as llama.cpp does).
 _ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "router",
                  "sh_router", "exp_bias", "enorm", "hnorm", "head_norm", "conv", "dt_bias", "ssm_a",
-                 "ssm_norm"}
+                 "ssm_norm", *MLA_NORMS}
 
 
 
@@ -61,11 +62,11 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
 
     def get(name: str, short: str):
         bar.update(1)
-        m = "dequantized" if short in _ALWAYS_FLOAT else mode
+        m = "dequantized" if short in _ALWAYS_FLOAT or short in MLA_PER_HEAD else mode
         # The embedding table is gathered by rows; every other float matrix is kept transposed ([k,
         # n]): on XLA:CPU x @ W runs twice as fast as x @ W^T for a few rows (the decode case).
         return to_device(t[name], m, jnp.float32 if short in _ALWAYS_FLOAT else dtype,
-                         transpose=short not in ("embed", "router"),
+                         transpose=short not in ("embed", "router", *MLA_PER_HEAD),
                          pack=pack and short not in EXPERT_TENSORS
                               and short not in ("embed", "router"))
 
@@ -73,8 +74,12 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
         prefix = f"blk.{i}."
         deltanet = spec.kind(i) == "deltanet"
         names = _LAYER_TENSORS | _DELTANET_TENSORS if deltanet else _LAYER_TENSORS
+        if spec.mla is not None:
+            names = _LAYER_TENSORS | MLA_TENSORS
         named = {short: get(prefix + suffix, short) for suffix, short in names.items()
                  if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)}
+        if spec.mla is not None:
+            return MlaWeights.from_named(named, spec.mla)
         return (DeltaNetWeights if deltanet else LayerWeights).from_named(named)
 
     params: dict = {"embed": get("token_embd.weight", "embed"),

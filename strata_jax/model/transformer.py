@@ -56,7 +56,7 @@ def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype,
     writes layer n_layers). The hybrid families' DeltaNet state beside them: state_shapes (`steps`:
     its verify windows' tokens)."""
     shape = (spec.n_kv_layers, n_slots, max_context + 1, spec.n_kv_heads, spec.head_dim)
-    vshape = shape[:-1] + (spec.value_dim,)
+    vshape = shape[:-1] + (spec.cached_value_dim,)     # MLA: none (a view of the keys: mla.py)
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(vshape, dtype)}
     if jnp.dtype(dtype) == jnp.int8:
         cache |= {"k_scale": jnp.zeros(shape[:-1], jnp.float32),
@@ -239,6 +239,9 @@ def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs
     decode rows and a prompt chunk showed the cache's size as temporary memory); written first, it
     is updated in place. The groups' rows are distinct slots, so no group reads another's new
     entries either way: the same bits."""
+    if spec.mla is not None:        # deepseek2's latent attention, its own cache entries
+        from . import mla
+        return mla.attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
     new = [_project_qkv(lp, i, spec, opts, g, x, cache) for g, x in zip(groups, xs)]
     gates = [gate for _, _, gate in new]
     new = [(q, stored) for q, stored, _ in new]

@@ -37,7 +37,8 @@ def kv_bytes(spec, dtype, parallel: int, device_len: int, steps: int = 0) -> int
     reserves)."""
     # new_kv_cache: MTP layers too
     layers = spec.n_kv_layers
-    per_pos = (layers * spec.n_kv_heads * (spec.head_dim + spec.value_dim)
+    # MLA: the latent and rope key alone (its values are a view of them)
+    per_pos = (layers * spec.n_kv_heads * (spec.head_dim + spec.cached_value_dim)
                * jnp.dtype(dtype).itemsize)
     if dtype == jnp.int8:
         # a float32 scale a token and head
