@@ -47,6 +47,10 @@ _MAKE_MODEL_HELP = {
     "ssm_head_dim": "qwen3next/qwen35moe: their head size (ssm.state_size)",
     "full_attention_interval": "qwen3next/qwen35moe: every N-th layer is (gated) attention, the "
                                "others DeltaNet",
+    "sliding_window": "gpt-oss: attention.sliding_window of its windowed (even) layers (default "
+                      "8)",
+    "yarn_factor": "gpt-oss: write YaRN rope keys with this factor (default 0: plain rope)",
+    "yarn_original_context": "gpt-oss with --yarn-factor: rope.scaling.original_context_length",
 }
 
 
@@ -79,7 +83,7 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
                            help=_MAKE_MODEL_HELP.get(f.name, ""))
             continue
         kind = {"rope_theta": float, "rms_eps": float, "router_skew": float,
-                "expert_weights_scale": float}.get(f.name, str if f.name in (
+                "expert_weights_scale": float, "yarn_factor": float}.get(f.name, str if f.name in (
             "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "more_bits_quant",
             "tokenizer_from", "name") else int)
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS,

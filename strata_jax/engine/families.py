@@ -34,6 +34,8 @@ def is_hybrid(spec) -> bool:
 def family_config(cfg: EngineConfig, spec) -> EngineConfig:
     """cfg as the engine runs spec's family: unchanged for the attention families; for a hybrid one,
     prefix reuse off, and a ConfigError for a setting the family cannot run with yet."""
+    if spec.attn_sinks:
+        return _gpt_oss_config(cfg, spec)
     if not is_hybrid(spec):
         return cfg
     arch = spec.architecture
@@ -49,3 +51,20 @@ def family_config(cfg: EngineConfig, spec) -> EngineConfig:
                  "goes with); prefix reuse resumes from state checkpoints "
                  "(--ctx-checkpoints)", arch)
     return replace(cfg, conversation_cache_mib=0)
+
+
+def _gpt_oss_config(cfg: EngineConfig, spec) -> EngineConfig:
+    """gpt-oss (model/gpt_oss.py) runs as the attention families do, its sliding-window layers'
+    KV full-length (the window is in the attention mask), so prefix reuse, forks and the
+    conversation cache need nothing of their own. Refused, with a ConfigError that names the
+    setting: --kv-resident (the cpu kernel's host-block parts have no sinks or window yet) and
+    several devices or processes (the experts' biases are not split with them yet). The expert
+    tiers are refused where they would start (engine/execute/placement.py)."""
+    refused = [(cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}"),
+               (cfg.devices > 1, f"--devices {cfg.devices}"),
+               (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]
+    for on, what in refused:
+        if on:
+            raise ConfigError(f"{what}: not supported yet for {spec.architecture!r} (its attention "
+                              "sinks, sliding window and expert biases are not carried there yet)")
+    return cfg

@@ -32,13 +32,20 @@ from quant_types import QType, as_qtype, block_size, type_size
 from strata_jax.gguf.header import ValueType
 from strata_jax.gguf.spec import READ_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
+from .gpt_oss import (
+    DEFAULT_EXPERT_QUANT,
+    DEFAULT_SLIDING_WINDOW,
+    GPT_OSS,
+    gpt_oss_keys,
+    gpt_oss_layer_tensors,
+)
 from .hybrid import HYBRID_ARCHS, hybrid_keys, hybrid_layer_tensors
 from .shapes import with_shape
 from .tiny_tokenizer import tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
-MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe", *HYBRID_ARCHS)
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe", *HYBRID_ARCHS, GPT_OSS)
 ARCHS = (*SUPPORTED_ARCHITECTURES, *READ_ONLY_ARCHITECTURES)
 GLM_ONLY = ("leading_dense", "nextn", "nextn_head", "qk_norm", "rope_dims", "expert_weights_scale")
 # of GLM_ONLY, the flags the hybrid families take as well
@@ -106,6 +113,11 @@ class ModelOptions:
     ssm_v_heads: int = 4  # ssm.time_step_rank: v heads (a multiple of the k heads)
     ssm_head_dim: int = 16  # ssm.state_size: the q/k and v head size
     full_attention_interval: int = 4  # every this-many-th layer is full attention
+    # gpt-oss only (makers/gpt_oss.py): attention.sliding_window (default 8), and YaRN rope keys
+    # when yarn_factor is given (0: plain rope)
+    sliding_window: int | None = None
+    yarn_factor: float = 0.0
+    yarn_original_context: int = 4096
 
     def resolved(self) -> ModelOptions:
         """Defaults filled in and every value checked (ValueError saying which and why)."""
@@ -143,6 +155,21 @@ class ModelOptions:
                 as_qtype(q)  # raises UnsupportedQuantType listing the supported ones
         if self.arch in HYBRID_ARCHS:
             return self._hybrid(experts, head_dim)
+        if self.arch != GPT_OSS and (self.sliding_window is not None or self.yarn_factor):
+            raise ValueError(f"--sliding-window and --yarn-factor are for --arch gpt-oss (got "
+                             f"--arch {self.arch})")
+        if self.arch == GPT_OSS:
+            window = DEFAULT_SLIDING_WINDOW if self.sliding_window is None else self.sliding_window
+            if window < 1 or self.yarn_factor < 0:
+                raise ValueError(f"--sliding-window must be at least 1 (got {window}) and "
+                                 f"--yarn-factor 0 or more (got {self.yarn_factor})")
+            for flag in GLM_ONLY:
+                if getattr(self, flag) not in (None, 0, False):
+                    raise ValueError(f"--{flag.replace('_', '-')} is for --arch glm4moe (got "
+                                     f"--arch {self.arch})")
+            return replace(self, experts=experts, head_dim=head_dim, leading_dense=0,
+                           rope_dims=head_dim, expert_weights_scale=1.0, sliding_window=window,
+                           expert_quant=self.expert_quant or DEFAULT_EXPERT_QUANT)
         if self.arch != "glm4moe":
             for flag in GLM_ONLY:
                 if getattr(self, flag) not in (None, 0, False):
@@ -320,6 +347,9 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
             if i >= o.layers:   # the MTP block: a gated-attention MoE block and the NextN tensors
                 plan += _nextn_tensors(b, o, vocab, quant, embed_q, weight, norm)
             continue
+        if o.arch == GPT_OSS:
+            plan += gpt_oss_layer_tensors(b, o, weight, f32, norm, attn_q, expert_q)
+            continue
         more = (as_qtype(o.more_bits_quant) if o.more_bits_quant and use_more_bits(i, n_blocks)
                 else None)
         plan += [norm(b + "attn_norm.weight", (h,)),
@@ -444,6 +474,8 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
             keys[f"{a}.expert_feed_forward_length"] = (o.expert_ffn, u32)
         if a == "qwen2moe":
             keys[f"{a}.expert_shared_feed_forward_length"] = (o.shared_ffn, u32)
+    if a == GPT_OSS:
+        keys |= gpt_oss_keys(o)
     if a in HYBRID_ARCHS:
         keys |= hybrid_keys(o)
         if o.nextn:

@@ -41,7 +41,8 @@ def attn_router_stage(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, gr
     for g, x in zip(groups, xs):
         R, L = g.tokens.shape
         hx = norm_linear_many(x, lp.ffn_norm, spec.rms_eps, [], opts.backend)[0].reshape(R * L, -1)
-        w, ids = route(hx, lp.router.weight, spec, opts.backend, lp.router.bias)
+        w, ids = route(hx, lp.router.weight, spec, opts.backend, lp.router.bias,
+                       lp.router.logit_bias)
         outs.append((x, hx, w, ids))
     return outs, cache
 

@@ -86,7 +86,8 @@ def predict_stage(p: tuple, spec, opts, xs) -> list:
     for x in xs:
         R, L, _ = x.shape
         hx = norm_linear_many(x, norm, spec.rms_eps, [], opts.backend)[0].reshape(R * L, -1)
-        out.append(route(hx, router.weight, spec, opts.backend, router.bias)[1])
+        out.append(route(hx, router.weight, spec, opts.backend, router.bias,
+                         router.logit_bias)[1])
     return out
 
 
