@@ -215,7 +215,31 @@ def test_concurrent_requests_and_the_prefix_cache(made):
     assert warm.tokens == cold.tokens
 
 
-@pytest.mark.parametrize("setting", [{"kv_resident": 256}, {"devices": 2}, {"expert_cache": 2}])
+def test_the_expert_tiers_carry_the_expert_biases(made):
+    """3 expert slots a layer of 8 (the layer-stepped stages, the arena's slots; then --host-experts
+    on, the misses computed from the host tier's blocks in the same kernel call): the logits bits
+    and greedy tokens of every expert on the device. The biases stay resident and are read by each
+    row's true expert id (model/params.ExpertSide), wherever its matrices are."""
+    path, _ = made("Q8_0")
+    base = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False}
+    prompts = [_ids(21, seed=11), _ids(6, seed=12)]
+    runs = {}
+    for name, kw in (("device", {}),
+                     ("arena", {"expert_cache": 3, "host_experts": "off", "layer_step": "always"}),
+                     ("host", {"expert_cache": 3, "host_experts": "on"})):
+        with Engine.from_gguf(path, EngineConfig(**base, **kw)) as eng:
+            logits = eng.logits(prompts[0])
+            handles = [eng.submit(p, max_tokens=8, ignore_eos=True) for p in prompts]
+            runs[name] = (logits, [[ev.token for ev in h if ev.kind == "token"] for h in handles])
+            assert eng.runner.expert_mode == ("device" if name == "device" else "arena")
+            if name == "host":
+                assert eng.stats()["experts"]["host_computed"] > 0
+    for name in ("arena", "host"):
+        assert np.array_equal(runs[name][0], runs["device"][0]), name
+        assert runs[name][1] == runs["device"][1], name
+
+
+@pytest.mark.parametrize("setting", [{"kv_resident": 256}, {"devices": 2}])
 def test_settings_the_family_cannot_run_with_are_refused_by_name(made, setting):
     path, _ = made()
     name = next(iter(setting)).replace("_", "-")

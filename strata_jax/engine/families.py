@@ -59,7 +59,8 @@ def _gpt_oss_config(cfg: EngineConfig, spec) -> EngineConfig:
     conversation cache need nothing of their own. Refused, with a ConfigError that names the
     setting: --kv-resident (the cpu kernel's host-block parts have no sinks or window yet) and
     several devices or processes (the experts' biases are not split with them yet). The expert
-    tiers are refused where they would start (engine/execute/placement.py)."""
+    tiers run it: its expert biases stay resident and go to the stages with the shared expert
+    (model/params.ExpertSide; a copy on the host device for --host-experts' remote programs)."""
     refused = [(cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}"),
                (cfg.devices > 1, f"--devices {cfg.devices}"),
                (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]

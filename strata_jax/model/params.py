@@ -63,6 +63,16 @@ class ExpertBiases:
 
 @_pytree
 @dataclass(frozen=True)
+class ExpertSide:
+    """What a MoE layer's expert stages (model/stages.py: the expert tiers) read besides the routed
+    experts' matrices: the shared expert (or None) and gpt-oss's expert biases (or None), both
+    resident on the device."""
+    shared: Mlp | None = None
+    biases: ExpertBiases | None = None
+
+
+@_pytree
+@dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer. Attention: attn_norm, wq, wk, wv, wo, and where the family has them the
     q/k/v biases (qwen2*, glm4moe) and per-head q/k norms (qwen3*). Then ffn_norm and either `mlp`
@@ -147,6 +157,8 @@ class DeltaNetWeights:
     experts: dict[str, Weight] | None = None
     shared: Mlp | None = None
     mlp: Mlp | None = None
+    # as LayerWeights' (layers.moe and the stages read it): None, the hybrids' experts have none
+    expert_biases: ExpertBiases | None = None
 
     @property
     def is_moe(self) -> bool:

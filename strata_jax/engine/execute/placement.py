@@ -123,8 +123,6 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
                 log.info("--pcie-frac %g: every expert is on the device, nothing is read over the "
                          "link", cfg.pcie_frac)
             return Tiers("device")
-        _refuse_tiers(spec, f"the experts ({all_bytes / 2**20:.1f} MiB) do not fit on the "
-                            "device")
         # A layer-stepped window runs 4 programs, each reserved at no less than MIN_PROGRAM_BYTES:
         # leave room for a few windows' worth of them.
         temp = max(temp, 16 * MIN_PROGRAM_BYTES)
@@ -134,7 +132,6 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
         log.info("the experts (%.1f MiB) do not fit on the device: %d expert slots a layer in the "
                  "device cache", all_bytes / 2**20, min(n_slots, spec.n_experts))
     else:
-        _refuse_tiers(spec, f"--expert-cache {cfg.expert_cache}")
         n_slots = int(cfg.expert_cache)
         if n_slots < 1:
             raise ValueError("expert_cache = 0: the device cache needs at least 1 expert slot a "
@@ -181,16 +178,6 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
              cfg.pool_workers)
     return Tiers("arena", arena, qtypes, shapes, host_trees, dev if where == "remote" else None,
                  rule, stream)
-
-
-def _refuse_tiers(spec, why: str) -> None:
-    """gpt-oss's experts have biases (params.ExpertBiases) that the layer-stepped stages do not pass
-    yet: a ConfigError rather than experts without them."""
-    if spec.expert_act != "swiglu":
-        raise ConfigError(f"{why}: the expert tiers do not run {spec.architecture!r} yet (its "
-                          "expert biases and clamped SwiGLU are not in the layer-stepped stages); "
-                          "keep every expert on the device (--expert-cache auto with room for "
-                          "them)")
 
 
 def _host_tree(info, shape: tuple[int, ...], dev, pack: bool) -> QTensor:
