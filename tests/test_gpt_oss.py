@@ -7,8 +7,8 @@ Oracles: transformers' GptOssForCausalLM on the same (dequantized) weights
 with truncate=False rounds the correction range otherwise than llama.cpp; the GGUF reference is
 llama.cpp's). Tolerance as in
 test_model_logits.py: 1e-4 of the largest logit (measured ~1e-6: float32 on both sides). The made
-model's window is 8 (layer 0 uses it, layer 1 is full): every prompt here is longer, read in chunks
-of 32.
+model's window is 8 (layer 0 uses it, layer 1 is full): the prompts here are mostly longer, read
+in chunks of 32.
 """
 
 from __future__ import annotations
@@ -88,15 +88,15 @@ def test_the_spec_reads_the_family(made):
 @pytest.fixture(scope="module")
 def xla_logits(made):
     path, model = made()
-    ids = _ids()
+    ids = _ids(48)
     return ids, _ours(path, ids, "xla", "dequantized"), _hf(model, ids), model
 
 
 def test_logits_match_transformers_on_xla(xla_logits):
-    """70 tokens (window 8) read as chunks of 32, 32 and 6, on the XLA attention (model/layers.py
+    """48 tokens (window 8) read as chunks of 32 and 16, on the XLA attention (model/layers.py
     attend): transformers reads them in one call."""
     _, ours, ref, _ = xla_logits
-    assert ours.shape == ref.shape == (70, 512)
+    assert ours.shape == ref.shape == (48, 512)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
@@ -125,7 +125,17 @@ def test_the_window_and_the_sinks_matter(xla_logits):
     np.testing.assert_allclose(_hf(model, ids), ours, rtol=0, atol=atol)
 
 
-def test_blocks_on_the_cpu_kernels_match_transformers(made):
+@pytest.fixture(scope="module")
+def cpu_runs(made):
+    """The Q8_0 file's 40 tokens: (ids, transformers' logits, ours on the cpu kernels' exact math,
+    ours on the int8 math with every expert on the device)."""
+    path, model = made("Q8_0")
+    ids = _ids(40, seed=1)
+    return (ids, _hf(model, ids), _ours(path, ids, "cpu", "blocks"),
+            _ours(path, ids, "cpu", "auto", "int8"))
+
+
+def test_blocks_on_the_cpu_kernels_match_transformers(cpu_runs):
     """Q8_0 weights in blocks through the C++ kernels (attention with sinks and the window in
     cpu/attention.cc, the expert kernel with the biases around it): the exact math within TOL of
     transformers on the dequantized weights; the int8 math (8-bit activations) not the exact
@@ -134,12 +144,8 @@ def test_blocks_on_the_cpu_kernels_match_transformers(made):
     models with biases and the clamped SwiGLU feel 8-bit activations as the hybrids do. Measured:
     mean KL 0.022 from transformers, as llama.cpp's own 8-bit activations on the same file, 0.021,
     and 0.0007 from llama.cpp's; top-1 29 of 30 clear positions, llama.cpp's 87.5% of all)."""
-    path, model = made("Q8_0")
-    ids = _ids(40, seed=1)
-    ref = _hf(model, ids)
-    exact = _ours(path, ids, "cpu", "blocks")
+    _, ref, exact, int8 = cpu_runs
     np.testing.assert_allclose(exact, ref, rtol=0, atol=TOL * np.abs(ref).max())
-    int8 = _ours(path, ids, "cpu", "auto", "int8")
     assert np.abs(int8 - exact).max() > 0
     assert mean_kl(ref, int8) <= INT8_KL
     top2 = np.sort(ref, -1)[:, -2:]
@@ -198,8 +204,8 @@ def test_concurrent_requests_and_the_prefix_cache(made):
     request of another cache_salt, which shares no KV)."""
     path, _ = made("Q8_0")
     rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 40, 17, 70, 3, 33, 64, 9)]
-    with Engine.from_gguf(path, EngineConfig(parallel=8, max_context=256, prefill=32)) as eng:
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 40, 17, 30, 3, 33, 24, 9)]
+    with Engine.from_gguf(path, EngineConfig(parallel=8, max_context=128, prefill=32)) as eng:
         alone = [eng.generate(p, max_tokens=12, ignore_eos=True).tokens for p in prompts]
         handles = [eng.submit(p, max_tokens=12, ignore_eos=True) for p in prompts]
         together = [[ev.token for ev in h if ev.kind == "token"] for h in handles]
@@ -215,28 +221,29 @@ def test_concurrent_requests_and_the_prefix_cache(made):
     assert warm.tokens == cold.tokens
 
 
-def test_the_expert_tiers_carry_the_expert_biases(made):
+def test_the_expert_tiers_carry_the_expert_biases(made, cpu_runs):
     """3 expert slots a layer of 8 (the layer-stepped stages, the arena's slots; then --host-experts
     on, the misses computed from the host tier's blocks in the same kernel call): the logits bits
-    and greedy tokens of every expert on the device. The biases stay resident and are read by each
-    row's true expert id (model/params.ExpertSide), wherever its matrices are."""
+    of every expert on the device, and the same greedy tokens either way. The biases stay resident
+    and are read by each row's true expert id (model/params.ExpertSide), wherever its matrices
+    are."""
     path, _ = made("Q8_0")
-    base = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False}
+    ids, _, _, device = cpu_runs
     prompts = [_ids(21, seed=11), _ids(6, seed=12)]
-    runs = {}
-    for name, kw in (("device", {}),
-                     ("arena", {"expert_cache": 3, "host_experts": "off", "layer_step": "always"}),
-                     ("host", {"expert_cache": 3, "host_experts": "on"})):
-        with Engine.from_gguf(path, EngineConfig(**base, **kw)) as eng:
-            logits = eng.logits(prompts[0])
+    tokens = {}
+    for name, kw in (("arena", {"host_experts": "off", "layer_step": "always"}),
+                     ("host", {"host_experts": "on"})):
+        cfg = EngineConfig(max_context=128, weights="auto", warmup=False, cpu_math="int8",
+                           prefill=32, parallel=2, expert_cache=3, **kw)
+        with Engine.from_gguf(path, cfg) as eng:
+            assert eng.runner.expert_mode == "arena"
+            assert np.array_equal(eng.logits(ids), device), name
             handles = [eng.submit(p, max_tokens=8, ignore_eos=True) for p in prompts]
-            runs[name] = (logits, [[ev.token for ev in h if ev.kind == "token"] for h in handles])
-            assert eng.runner.expert_mode == ("device" if name == "device" else "arena")
+            tokens[name] = [[ev.token for ev in h if ev.kind == "token"] for h in handles]
             if name == "host":
                 assert eng.stats()["experts"]["host_computed"] > 0
-    for name in ("arena", "host"):
-        assert np.array_equal(runs[name][0], runs["device"][0]), name
-        assert runs[name][1] == runs["device"][1], name
+    assert tokens["arena"] == tokens["host"]
+    assert all(len(t) == 8 for t in tokens["arena"])
 
 
 @pytest.mark.parametrize("setting", [{"kv_resident": 256}, {"devices": 2}])

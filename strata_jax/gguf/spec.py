@@ -558,6 +558,11 @@ def _gpt_oss_fields(metadata: Mapping[str, Any], get: _Getter, arch: str, n_laye
     else:
         raise MetadataError(path, f"{key} is {pattern!r}: a layer count or a bool array",
                             "Re-convert the model")
+    base_swa = metadata.get(f"{arch}.rope.freq_base_swa")
+    if base_swa is not None and float(base_swa) != get.float("rope.freq_base", 10000.0):
+        raise MetadataError(path, f"{arch}.rope.freq_base_swa is {base_swa}, not rope.freq_base: "
+                                  "strata-jax rotates every layer at one base",
+                            "Use a file without a separate sliding-window rope base")
     return {"sliding_window": window, "swa_layers": swa, "attn_sinks": True,
             "expert_act": "swiglu_oai", "expert_gating": "softmax_weight",
             "expert_weights_norm": False, "expert_weights_scale": 1.0}
