@@ -15,6 +15,9 @@ and refuses, with a ConfigError that names the setting, what is not built for th
 attention with KV of its own (KV layer spec.kv_layer(n_layers)), no recurrent state. The expert
 tiers run them as any MoE family (model/stages.py's attention stage is a DeltaNet layer's mixing for
 those layers).
+
+gpt-oss runs as the attention families do (its windowed layers keep full-length KV, the window in the
+mask), with --kv-resident and several devices refused (_gpt_oss_config).
 """
 
 from __future__ import annotations

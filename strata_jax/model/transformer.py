@@ -5,6 +5,8 @@ They differ only where ModelSpec says so: rope layout and partial rope (glm4moe 
 head), q/k/v biases (qwen2*, glm4moe), per-head q/k norms (qwen3*, optional in glm4moe), experts in
 place of the dense FFN (with a gated shared expert for qwen2moe, an ungated one for glm4moe, whose
 sigmoid router adds a per-expert bias when choosing). GLM-4.5's NextN (MTP) layer is in mtp.py.
+gpt-oss adds attention sinks, sliding-window layers, an output bias and biased, clamped experts
+(gpt_oss.py says where each is read).
 
 One call runs one window: R rows (one per slot), each with L tokens at positions `pos` (-1:
 padding). New keys and values are written into the slot's cache rows first, then every query attends
