@@ -16,8 +16,8 @@ attention with KV of its own (KV layer spec.kv_layer(n_layers)), no recurrent st
 tiers run them as any MoE family (model/stages.py's attention stage is a DeltaNet layer's mixing for
 those layers).
 
-gpt-oss runs as the attention families do (its windowed layers keep full-length KV, the window in the
-mask), with --kv-resident and several devices refused (_gpt_oss_config).
+gpt-oss runs as the attention families do (its windowed layers keep full-length KV, the window in
+the mask), with --kv-resident and several devices refused (_gpt_oss_config).
 """
 
 from __future__ import annotations
