@@ -14,6 +14,10 @@ in chunks of 32.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -244,6 +248,46 @@ def test_the_expert_tiers_carry_the_expert_biases(made, cpu_runs):
                 assert eng.stats()["experts"]["host_computed"] > 0
     assert tokens["arena"] == tokens["host"]
     assert all(len(t) == 8 for t in tokens["arena"])
+
+
+# "remote" host experts (experts/hybrid.py): the engine on cpu:0, each layer's missed experts
+# computed on cpu:1 from the host tier's blocks, as beside a GPU (tests/test_host_device.py's child
+# process).
+_REMOTE_CHILD = r"""
+import json, sys
+import jax
+import numpy as np
+from strata_jax import Engine, EngineConfig
+path, ids = sys.argv[1], json.loads(sys.argv[2])
+assert len(jax.devices("cpu")) == 2, jax.devices()
+out = {}
+for name, kw in (("device", {}), ("remote", dict(expert_cache=3, host_experts="on",
+                                                 host_device="cpu:1"))):
+    cfg = EngineConfig(parallel=2, max_context=64, prefill=16, warmup=False, **kw)
+    with Engine.from_gguf(path, cfg) as eng:
+        st = eng.runner.stepper
+        out[name] = {"logits": np.asarray(eng.logits(ids)).tolist(),
+                     "tokens": eng.generate(ids[:6], max_tokens=8, ignore_eos=True).tokens,
+                     "host_device": None if st is None else str(st.host_device),
+                     "host_computed": None if st is None else eng.stats()["experts"]["host_computed"]}
+print(json.dumps(out))
+"""  # noqa: E501
+
+
+def test_remote_host_experts_carry_the_expert_biases(made):
+    """The missed experts computed on another CPU device (its programs get a copy of the expert
+    biases): the logits bits and greedy tokens of every expert on the device."""
+    path, _ = made("Q8_0")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = subprocess.run([sys.executable, "-c", _REMOTE_CHILD, str(path),
+                           json.dumps(_ids(21, seed=13))],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["remote"]["host_device"] == "cpu:1", runs["remote"]["host_device"]
+    assert runs["remote"]["host_computed"] > 0
+    assert runs["remote"]["logits"] == runs["device"]["logits"]
+    assert runs["remote"]["tokens"] == runs["device"]["tokens"]
 
 
 @pytest.mark.parametrize("setting", [{"kv_resident": 256}, {"devices": 2}])
