@@ -54,8 +54,12 @@ _MAKE_MODEL_HELP = {
     "expert_groups": "deepseek2: expert_group_count (default 4)",
     "expert_groups_used": "deepseek2: expert_group_used_count, the groups top-k picks from "
                           "(default 2)",
-    "yarn_factor": "deepseek2: YaRN rope scaling factor (default 0: none)",
     "legacy_kv_b": "deepseek2: write the legacy attn_kv_b instead of attn_k_b / attn_v_b",
+    "sliding_window": "gpt-oss: attention.sliding_window of its windowed (even) layers (default "
+                      "8)",
+    "yarn_factor": "gpt-oss, deepseek2: write YaRN rope keys with this factor (default 0: plain "
+                   "rope)",
+    "yarn_original_context": "gpt-oss with --yarn-factor: rope.scaling.original_context_length",
 }
 
 
@@ -88,7 +92,7 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
                            help=_MAKE_MODEL_HELP.get(f.name, ""))
             continue
         kind = {"rope_theta": float, "rms_eps": float, "router_skew": float,
-                "expert_weights_scale": float}.get(f.name, str if f.name in (
+                "expert_weights_scale": float, "yarn_factor": float}.get(f.name, str if f.name in (
             "arch", "quant", "expert_quant", "attn_quant", "embed_quant", "more_bits_quant",
             "tokenizer_from", "name") else int)
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS,

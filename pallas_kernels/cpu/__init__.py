@@ -279,12 +279,14 @@ def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay:
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slots: jax.Array,
               pos: jax.Array, k_scale: jax.Array | None = None,
-              v_scale: jax.Array | None = None) -> jax.Array:
+              v_scale: jax.Array | None = None, sinks: jax.Array | None = None,
+              window=None) -> jax.Array:
     """q [R, L, H, D] over the cached keys and values [layers, slots, positions, K, D] (float32,
     bfloat16, or int8 with scales [layers, slots, positions, K]) of `layer` (an int or a traced
     int32) for rows in slots [R]: a query at position p = pos[r, l] sees keys 0..p of its slot; p <
     0 (padding) gives zeros. -> float32 [R, L, H, Dv]. Reads the cache in place (attention.cc says
-    in which order)."""
+    in which order). gpt-oss: sinks [H], each head's sink logit in the denominator; window (an int
+    or int32 scalar, 0 or None: none) masks keys with p - key >= window."""
     _require()
     R, L, H, D = q.shape
     if k_cache.ndim != 5 or k_cache.shape[-1] != D or H % k_cache.shape[3]:
@@ -296,7 +298,9 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slots
     return jax.ffi.ffi_call("strata_attention", out, vmap_method="sequential")(
         q.astype(jnp.float32), k_cache, v_cache, none if k_scale is None else k_scale,
         none if v_scale is None else v_scale, jnp.asarray(layer, jnp.int32),
-        slots.astype(jnp.int32), pos.astype(jnp.int32))
+        slots.astype(jnp.int32), pos.astype(jnp.int32),
+        jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32).reshape(H),
+        jnp.asarray(0 if window is None else window, jnp.int32))
 
 
 # Key positions a tile of the attention kernel: every part's lo (and hi) must be a multiple.

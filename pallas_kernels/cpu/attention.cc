@@ -12,6 +12,11 @@
 // at each tile), each score one fixed-order dot (simd.h). The tiles are the same whatever the window
 // holds, so a row gives the same bits alone or batched, in a decode, verify or prefill window, and
 // whatever the window's KV bucket.
+//
+// gpt-oss (strata_jax/model/gpt_oss.py): a sink logit a query head, joined to the softmax's
+// denominator only at the end (out = acc e^(m - m') / (s e^(m - m') + e^(sink - m')), m' = max(m, sink));
+// and a sliding window, keys with pos - key >= window skipped (a tile wholly before a query's window is
+// skipped for it as one wholly in its future is, so the tiles it reads, and its bits, stay its own).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -94,6 +99,8 @@ struct Unit {
   int64_t L, H, G, layer;
   Range range;
   State in, kept;          // in: the state to start from (null: fresh); kept: where it goes (null: nowhere)
+  const float* sinks;      // [H] (gpt-oss), or null
+  int64_t window;          // keys with pos - key >= window are masked; 0: none
 
   void run(int64_t slot, int64_t kh, int64_t t0, int64_t t1) const {
     const int64_t D = k->dim, Dv = v->dim, D16 = round16(D), Dv16 = round16(Dv);
@@ -101,10 +108,10 @@ struct Unit {
     const int64_t hi = std::min(range.hi, range.base + k->positions);      // never past the source
     thread_local std::vector<f32x16> qbuf, acc, ktile, vtile;
     thread_local std::vector<float> mx, sum;
-    thread_local std::vector<int64_t> qpos, at;
+    thread_local std::vector<int64_t> qpos, at, qlo;
     qbuf.resize(nq * D16 / 16), acc.assign(nq * Dv16 / 16, zero16());
     ktile.resize(kTile * D16 / 16), vtile.resize(kTile * Dv16 / 16);
-    mx.assign(nq, -std::numeric_limits<float>::infinity()), sum.assign(nq, 0.0f), qpos.resize(nq), at.resize(nq);
+    mx.assign(nq, -std::numeric_limits<float>::infinity()), sum.assign(nq, 0.0f), qpos.resize(nq), at.resize(nq), qlo.resize(nq);
     float* qf = reinterpret_cast<float*>(qbuf.data());
     float* kf = reinterpret_cast<float*>(ktile.data());
     float* vf = reinterpret_cast<float*>(vtile.data());
@@ -112,13 +119,17 @@ struct Unit {
     const float rsd = std::sqrt(float(D));
 
     int64_t top = -1;                            // the last key position any query of the unit sees here
+    int64_t bottom = std::numeric_limits<int64_t>::max();  // the first, with a window
     for (int64_t t = t0; t < t1; t++) {
       int64_t p = pos[t];
+      int64_t lo = window > 0 ? std::max<int64_t>(p - window + 1, 0) : 0;
+      if (p >= 0) bottom = std::min(bottom, lo);
       for (int64_t g = 0; g < G; g++) {
         int64_t i = (t - t0) * G + g, h = kh * G + g;
         const float* src = q + (t * H + h) * D;
         for (int64_t d = 0; d < D16; d++) qf[i * D16 + d] = d < D ? src[d] / rsd : 0.0f;
         qpos[i] = p;
+        qlo[i] = lo;
         at[i] = t * H + h;
         if (in.m) {
           mx[i] = in.m[at[i]], sum[i] = in.s[at[i]];
@@ -129,7 +140,10 @@ struct Unit {
     }
 
     float scores[kTile];
-    for (int64_t t0 = range.lo; t0 <= top; t0 += kTile) {
+    int64_t first = range.lo;
+    if (window > 0 && bottom != std::numeric_limits<int64_t>::max())
+      first = std::max(range.lo, bottom / kTile * kTile);
+    for (int64_t t0 = first; t0 <= top; t0 += kTile) {
       int64_t n = std::min<int64_t>(kTile, top + 1 - t0);
       // The next tile's keys and values, asked for now: a key is a few cache lines `heads` rows apart, and
       // read on demand each one missed (attention was half load stalls at a few hundred positions).
@@ -143,10 +157,11 @@ struct Unit {
         vr[j] = v->row(layer, slot, t0 + j - range.base, kh, vf + j * Dv16, Dv16);
       }
       for (int64_t i = 0; i < nq; i++) {
-        if (qpos[i] < t0) continue;
+        if (qpos[i] < t0 || qlo[i] >= t0 + n) continue;
         int64_t cnt = std::min<int64_t>(n, qpos[i] + 1 - t0);
+        int64_t j0 = std::max<int64_t>(qlo[i] - t0, 0);          // the window's first key in the tile
         float tmax = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < cnt; j++) {
+        for (int64_t j = j0; j < cnt; j++) {
           f32x16 a = zero16();
           for (int64_t d = 0; d < D16; d += 16) a = fma16(load16(qf + i * D16 + d), load16(kr[j] + d), a);
           scores[j] = hsum16(a);
@@ -159,7 +174,7 @@ struct Unit {
         f32x16* a = acc.data() + i * Dv16 / 16;
         float s = sum[i] * corr;
         for (int64_t d = 0; d < Dv16 / 16; d++) a[d] = a[d] * corr;
-        for (int64_t j = 0; j < cnt; j++) {
+        for (int64_t j = j0; j < cnt; j++) {
           float e = std::exp(scores[j] - m_new);
           s += e;
           f32x16 ev = splat(e);
@@ -176,7 +191,13 @@ struct Unit {
       }
       if (out) {
         float* dst = out + at[i] * Dv;
-        for (int64_t d = 0; d < Dv; d++) dst[d] = qpos[i] >= 0 ? af[i * Dv16 + d] / sum[i] : 0.0f;
+        float keep = 1.0f, s = sum[i];
+        if (sinks && qpos[i] >= 0) {
+          float sink = sinks[at[i] % H], m_new = std::max(mx[i], sink);
+          keep = std::exp(mx[i] - m_new);
+          s = s * keep + std::exp(sink - m_new);
+        }
+        for (int64_t d = 0; d < Dv; d++) dst[d] = qpos[i] >= 0 ? af[i * Dv16 + d] * keep / s : 0.0f;
       }
     }
   }
@@ -202,7 +223,7 @@ ffi::Error check_cache(const char* name, ffi::AnyBuffer& c, ffi::Buffer<ffi::F32
 ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& kc, ffi::AnyBuffer& vc,
                   ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale, ffi::Buffer<ffi::S32>& layer,
                   ffi::Buffer<ffi::S32>& slots, ffi::Buffer<ffi::S32>& pos, float* out, Range range, State in,
-                  State kept) {
+                  State kept, const float* sinks = nullptr, int64_t window = 0) {
   Cache k, v;
   if (ffi::Error e = check_cache("key", kc, k_scale, k); e.failure()) return e;
   if (ffi::Error e = check_cache("value", vc, v_scale, v); e.failure()) return e;
@@ -226,7 +247,8 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffe
     if (sl[r] < 0 || sl[r] >= k.slots)
       return ffi::Error::InvalidArgument("strata_attention: slot " + std::to_string(sl[r]) + " outside [0, " +
                                          std::to_string(k.slots) + ")");
-  Unit unit{q.typed_data(), out, pos.typed_data(), &k, &v, L, H, H / k.heads, lay, range, in, kept};
+  Unit unit{q.typed_data(), out, pos.typed_data(), &k, &v, L, H, H / k.heads, lay, range, in, kept, sinks,
+            window};
   // Runs of up to kTokens query tokens of one slot (a row's tokens; in a packed window, one token a row,
   // a prompt chunk's consecutive rows): a unit reads each key tile once for all of them. Which queries
   // share a unit changes no result (each walks its own keys in the same tiles).
@@ -251,11 +273,18 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffe
 }
 
 // Every key of the cache a query sees, in one call.
+// sinks: [H] (gpt-oss) or empty (none); window: [] int32, 0 none.
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc,
                          ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
-                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
+                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::F32> sinks,
+                         ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out) {
   Range all{0, 0, kc.dimensions().size() == 5 ? kc.dimensions()[2] - 1 : 0};
-  return attend(pool, q, kc, vc, k_scale, v_scale, layer, slots, pos, out->typed_data(), all, {}, {});
+  auto qd = q.dimensions();
+  if (window.element_count() != 1 || (sinks.element_count() != 0 && (qd.size() != 4 ||
+                                                                     (int64_t)sinks.element_count() != qd[2])))
+    return ffi::Error::InvalidArgument("strata_attention: sinks must be [H] or empty, window a scalar");
+  return attend(pool, q, kc, vc, k_scale, v_scale, layer, slots, pos, out->typed_data(), all, {}, {},
+                sinks.element_count() ? sinks.typed_data() : nullptr, window.typed_data()[0]);
 }
 
 // Keys [lo, hi) (at index position - base of the source), from the state m, s, acc to the updated state
@@ -294,6 +323,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataAttention, strata::AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()     // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()     // slots [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()     // pos [R, L]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // sinks [H] or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // window []
                                   .Ret<ffi::Buffer<ffi::F32>>());   // [R, L, H, Dv]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataAttentionPart, strata::AttentionPartImpl,

@@ -15,6 +15,9 @@ and refuses, with a ConfigError that names the setting, what is not built for th
 attention with KV of its own (KV layer spec.kv_layer(n_layers)), no recurrent state. The expert
 tiers run them as any MoE family (model/stages.py's attention stage is a DeltaNet layer's mixing for
 those layers).
+
+gpt-oss runs as the attention families do (its windowed layers keep full-length KV, the window in
+the mask), with --kv-resident and several devices refused (_gpt_oss_config).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def family_config(cfg: EngineConfig, spec) -> EngineConfig:
         raise ConfigError(f"--kv-resident {cfg.kv_resident}: not supported yet for "
                           f"{spec.architecture!r} (its latent KV cache keeps every position on "
                           "the device)")
+    if spec.attn_sinks:
+        return _gpt_oss_config(cfg, spec)
     if not is_hybrid(spec):
         return cfg
     arch = spec.architecture
@@ -55,3 +60,21 @@ def family_config(cfg: EngineConfig, spec) -> EngineConfig:
                  "goes with); prefix reuse resumes from state checkpoints "
                  "(--ctx-checkpoints)", arch)
     return replace(cfg, conversation_cache_mib=0)
+
+
+def _gpt_oss_config(cfg: EngineConfig, spec) -> EngineConfig:
+    """gpt-oss (model/gpt_oss.py) runs as the attention families do, its sliding-window layers'
+    KV full-length (the window is in the attention mask), so prefix reuse, forks and the
+    conversation cache need nothing of their own. Refused, with a ConfigError that names the
+    setting: --kv-resident (the cpu kernel's host-block parts have no sinks or window yet) and
+    several devices or processes (the experts' biases are not split with them yet). The expert
+    tiers run it: its expert biases stay resident and go to the stages with the shared expert
+    (model/params.ExpertSide; a copy on the host device for --host-experts' remote programs)."""
+    refused = [(cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}"),
+               (cfg.devices > 1, f"--devices {cfg.devices}"),
+               (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]
+    for on, what in refused:
+        if on:
+            raise ConfigError(f"{what}: not supported yet for {spec.architecture!r} (its attention "
+                              "sinks, sliding window and expert biases are not carried there yet)")
+    return cfg

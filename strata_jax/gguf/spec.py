@@ -23,7 +23,7 @@ from .mla import MLA_ARCHITECTURES, MlaSpec, check_mla, mla_fields, mla_tensor_s
 HYBRID_ARCHITECTURES: tuple[str, ...] = ("qwen3next", "qwen35moe")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe",
                                             "glm4moe", *HYBRID_ARCHITECTURES,
-                                            *MLA_ARCHITECTURES)
+                                            *MLA_ARCHITECTURES, "gpt-oss")
 # Read and checked (ModelSpec, `strata-jax inspect`), not yet run: none today (a family on its way
 # in goes here).
 READ_ONLY_ARCHITECTURES: tuple[str, ...] = ()
@@ -34,8 +34,9 @@ EXPERT_TENSOR_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_up_exps", "ffn_dow
 
 # llama.cpp rotates pairs of adjacent values for llama ("norm") and the two halves of a head for
 # Qwen ("neox").
-_NEOX = frozenset({"qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe", "qwen3next", "qwen35moe"})
-_ATTN_BIAS = frozenset({"qwen2", "qwen2moe", "glm4moe"})
+_NEOX = frozenset({"qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe", "qwen3next", "qwen35moe",
+                   "gpt-oss"})
+_ATTN_BIAS = frozenset({"qwen2", "qwen2moe", "glm4moe", "gpt-oss"})
 _QK_NORM = frozenset({"qwen3", "qwen3moe", "qwen3next", "qwen35moe"})
 _HYBRID = frozenset(HYBRID_ARCHITECTURES)
 # Whether llama.cpp renormalizes the top-k router weights when the file has no expert_weights_norm
@@ -49,7 +50,11 @@ _DEFAULT_GATING = {"glm4moe": 2}
 # The norm before the FFN: GLM-4.5's converter names it post_attention_norm (HF's
 # post_attention_layernorm).
 _FFN_NORM = {"glm4moe": "post_attention_norm", "qwen3next": "post_attention_norm",
-             "qwen35moe": "post_attention_norm"}
+             "qwen35moe": "post_attention_norm", "gpt-oss": "post_attention_norm"}
+# gpt-oss (llama.cpp's openai-moe.cpp): attention sinks, an output bias, sliding-window layers, a
+# biased router whose top-k logits are softmaxed (its graph passes SOFTMAX_WEIGHT whatever the file
+# says), and biased experts with the clamped SwiGLU (model/gpt_oss.py).
+_GPT_OSS = frozenset({"gpt-oss"})
 # GLM-4.5's optional per-head q/k norms (the 355B model has them): taken from the tensors, not the
 # family.
 _OPTIONAL_QK_NORM = frozenset({"glm4moe"})
@@ -139,6 +144,14 @@ class ModelSpec:
     mla: MlaSpec | None = None
     expert_groups: int = 1
     expert_groups_used: int = 1
+    # gpt-oss: attention.sliding_window (0: none) and the layers that use it (llama.cpp's
+    # sliding_window_pattern, default 2: the even layers); a learned sink logit a head
+    # (attn_sinks), biases on attn_output, the router and the experts, and the experts' clamped
+    # SwiGLU ("swiglu_oai"; every other family: "swiglu").
+    sliding_window: int = 0
+    swa_layers: tuple[int, ...] = ()
+    attn_sinks: bool = False
+    expert_act: str = "swiglu"
 
     @property
     def is_moe(self) -> bool:
@@ -147,6 +160,10 @@ class ModelSpec:
     @property
     def dense_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.n_layers) if i not in self.moe_layers)
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer` (keys with q_pos - k_pos >= window masked), 0: none."""
+        return self.sliding_window if layer in self.swa_layers else 0
 
     def kind(self, layer: int) -> str:
         """"attention" or "deltanet" (a Gated DeltaNet layer of the hybrid families)."""
@@ -231,6 +248,9 @@ class ModelSpec:
             }
             if self.mla:
                 out |= dict(mla_tensor_shapes(self, b))
+            if self.architecture in _GPT_OSS:
+                out |= {b + "attn_output.bias": ((h,), True),
+                        b + "attn_sinks.weight": ((self.n_heads,), True)}
             out |= {b + "attn_norm.weight": ((h,), True), b + self.ffn_norm_tensor: ((h,), True)}
             if self.qk_norm and self.kind(i) == "attention":
                 out |= {b + "attn_q_norm.weight": ((self.head_dim,), True),
@@ -252,6 +272,11 @@ class ModelSpec:
                     b + "ffn_up_exps.weight": ((e, f, h), True),
                     b + "ffn_down_exps.weight": ((e, h, f), True),
                 }
+                if self.architecture in _GPT_OSS:
+                    out |= {b + "ffn_gate_inp.bias": ((e,), True),
+                            b + "ffn_gate_exps.bias": ((e, f), True),
+                            b + "ffn_up_exps.bias": ((e, f), True),
+                            b + "ffn_down_exps.bias": ((e, h), True)}
                 if self.shared_ffn:
                     s = self.shared_ffn
                     out |= {
@@ -414,6 +439,8 @@ class ModelSpec:
         )
         if arch in MLA_ARCHITECTURES:
             spec = replace(spec, **mla_fields(get, shapes, n_heads, path))
+        if arch in _GPT_OSS:   # over the common keys' values: llama.cpp's graph fixes the router's
+            spec = replace(spec, **_gpt_oss_fields(metadata, get, arch, n_layers, path))
         spec._validate(path)
         return spec
 
@@ -526,6 +553,40 @@ def _hybrid_fields(metadata: Mapping[str, Any], get: _Getter, arch: str, n_layer
                                   "Re-convert the model with a recent llama.cpp")
     return {"layer_kinds": kinds, "deltanet": d, "attn_output_gate": True,
             "rope_sections": tuple(int(x) for x in sections or ())}
+
+
+def _gpt_oss_fields(metadata: Mapping[str, Any], get: _Getter, arch: str, n_layers: int,
+                    path) -> dict[str, Any]:
+    """gpt-oss (openai-moe.cpp): attention.sliding_window (required) and the layers it applies to:
+    attention.sliding_window_pattern as an array of a bool a layer, or as a number n (default 2;
+    llama.cpp's set_swa_pattern: layer i uses the window iff i % n < n - 1, n = 0 every layer, so
+    with 2 the even layers, as HF's layer_types); the sinks; router scores SOFTMAX_WEIGHT (top-k of
+    the logits, then a softmax over the k), with neither renormalization nor scale, as llama.cpp's
+    graph fixes them."""
+    window = get.int("attention.sliding_window")
+    if window < 1:
+        raise MetadataError(path, f"{arch}.attention.sliding_window is {window}: it must be at "
+                                  "least 1", "Re-convert the model")
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = metadata.get(key, 2)
+    if isinstance(pattern, list):
+        if len(pattern) < n_layers:
+            raise MetadataError(path, f"{key} must have a bool for each of the {n_layers} layers "
+                                      f"(got {pattern!r:.80})", "Re-convert the model")
+        swa = tuple(i for i in range(n_layers) if pattern[i])
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+        swa = tuple(i for i in range(n_layers) if pattern == 0 or i % pattern < pattern - 1)
+    else:
+        raise MetadataError(path, f"{key} is {pattern!r}: a layer count or a bool array",
+                            "Re-convert the model")
+    base_swa = metadata.get(f"{arch}.rope.freq_base_swa")
+    if base_swa is not None and float(base_swa) != get.float("rope.freq_base", 10000.0):
+        raise MetadataError(path, f"{arch}.rope.freq_base_swa is {base_swa}, not rope.freq_base: "
+                                  "strata-jax rotates every layer at one base",
+                            "Use a file without a separate sliding-window rope base")
+    return {"sliding_window": window, "swa_layers": swa, "attn_sinks": True,
+            "expert_act": "swiglu_oai", "expert_gating": "softmax_weight",
+            "expert_weights_norm": False, "expert_weights_scale": 1.0}
 
 
 def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> RopeScaling | None:

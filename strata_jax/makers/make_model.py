@@ -38,13 +38,20 @@ from .deepseek2 import (
     deepseek2_layer_tensors,
     deepseek2_resolved,
 )
+from .gpt_oss import (
+    DEFAULT_EXPERT_QUANT,
+    DEFAULT_SLIDING_WINDOW,
+    GPT_OSS,
+    gpt_oss_keys,
+    gpt_oss_layer_tensors,
+)
 from .hybrid import HYBRID_ARCHS, hybrid_keys, hybrid_layer_tensors
 from .shapes import with_shape
 from .tiny_tokenizer import tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
-MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe", *HYBRID_ARCHS, "deepseek2")
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "glm4moe", *HYBRID_ARCHS, "deepseek2", GPT_OSS)
 ARCHS = (*SUPPORTED_ARCHITECTURES, *READ_ONLY_ARCHITECTURES)
 GLM_ONLY = ("leading_dense", "nextn", "nextn_head", "qk_norm", "rope_dims", "expert_weights_scale")
 # of GLM_ONLY, the flags the hybrid families take as well
@@ -113,16 +120,19 @@ class ModelOptions:
     ssm_head_dim: int = 16  # ssm.state_size: the q/k and v head size
     full_attention_interval: int = 4  # every this-many-th layer is full attention
     # deepseek2 only (makers/deepseek2.py; None: its tiny defaults, DEEPSEEK_DEFAULTS): MLA's
-    # sizes (q_lora 0: a Lite-style attn_q), the router's expert groups, YaRN's factor (0: none),
-    # and the legacy attn_kv_b in place of attn_k_b / attn_v_b
+    # sizes (q_lora 0: a Lite-style attn_q), the router's expert groups, and the legacy attn_kv_b in place of attn_k_b / attn_v_b
     q_lora: int | None = None
     kv_lora: int | None = None
     nope_dim: int | None = None
     v_head_dim: int | None = None
     expert_groups: int | None = None
     expert_groups_used: int | None = None
-    yarn_factor: int | None = None
     legacy_kv_b: bool = False
+    # gpt-oss only (makers/gpt_oss.py): attention.sliding_window (default 8), and YaRN rope keys
+    # when yarn_factor is given (0 or None: plain rope; deepseek2 reads it too)
+    sliding_window: int | None = None
+    yarn_factor: float | None = None
+    yarn_original_context: int = 4096
 
     def resolved(self) -> ModelOptions:
         """Defaults filled in and every value checked (ValueError saying which and why)."""
@@ -160,12 +170,28 @@ class ModelOptions:
                 as_qtype(q)  # raises UnsupportedQuantType listing the supported ones
         if self.arch == "deepseek2":
             return deepseek2_resolved(self, experts)
-        for flag in (*DEEPSEEK_DEFAULTS, "legacy_kv_b"):
+        # yarn_factor: gpt-oss writes YaRN keys too
+        for flag in (*(f for f in DEEPSEEK_DEFAULTS if f != "yarn_factor"), "legacy_kv_b"):
             if getattr(self, flag) not in (None, False):
                 raise ValueError(f"--{flag.replace('_', '-')} is for --arch deepseek2 (got --arch "
                                  f"{self.arch})")
         if self.arch in HYBRID_ARCHS:
             return self._hybrid(experts, head_dim)
+        if self.arch != GPT_OSS and (self.sliding_window is not None or self.yarn_factor):
+            raise ValueError(f"--sliding-window is for --arch gpt-oss, --yarn-factor for gpt-oss "
+                             f"and deepseek2 (got --arch {self.arch})")
+        if self.arch == GPT_OSS:
+            window = DEFAULT_SLIDING_WINDOW if self.sliding_window is None else self.sliding_window
+            if window < 1 or (self.yarn_factor or 0) < 0:
+                raise ValueError(f"--sliding-window must be at least 1 (got {window}) and "
+                                 f"--yarn-factor 0 or more (got {self.yarn_factor})")
+            for flag in GLM_ONLY:
+                if getattr(self, flag) not in (None, 0, False):
+                    raise ValueError(f"--{flag.replace('_', '-')} is for --arch glm4moe (got "
+                                     f"--arch {self.arch})")
+            return replace(self, experts=experts, head_dim=head_dim, leading_dense=0,
+                           rope_dims=head_dim, expert_weights_scale=1.0, sliding_window=window,
+                           expert_quant=self.expert_quant or DEFAULT_EXPERT_QUANT)
         if self.arch != "glm4moe":
             for flag in GLM_ONLY:
                 if getattr(self, flag) not in (None, 0, False):
@@ -348,6 +374,9 @@ def _plan_tensors(o: ModelOptions, vocab: int) -> list[_Planned]:
             if i >= o.layers:   # the MTP block: an MLA MoE block and the NextN tensors
                 plan += _nextn_tensors(b, o, vocab, quant, embed_q, weight, norm)
             continue
+        if o.arch == GPT_OSS:
+            plan += gpt_oss_layer_tensors(b, o, weight, f32, norm, attn_q, expert_q)
+            continue
         more = (as_qtype(o.more_bits_quant) if o.more_bits_quant and use_more_bits(i, n_blocks)
                 else None)
         plan += [norm(b + "attn_norm.weight", (h,)),
@@ -472,6 +501,8 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
             keys[f"{a}.expert_feed_forward_length"] = (o.expert_ffn, u32)
         if a == "qwen2moe":
             keys[f"{a}.expert_shared_feed_forward_length"] = (o.shared_ffn, u32)
+    if a == GPT_OSS:
+        keys |= gpt_oss_keys(o)
     if a in HYBRID_ARCHS:
         keys |= hybrid_keys(o)
         if o.nextn:

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 
 from ..gguf import ModelSpec
-from .params import LayerWeights, Mlp
+from .gpt_oss import sink_softmax_end, swiglu_oai
+from .params import ExpertBiases, LayerWeights, Mlp
+from .rope_yarn import YARN_ARCHS, yarn_frequencies
 from .weights import QTensor, Weight, expert_linear_tiles, linear, linear_many
 
 
@@ -44,11 +46,17 @@ def rope(x: jax.Array, pos: jax.Array, spec: ModelSpec) -> jax.Array:
     it), "neox" rotates the two halves of the rotated dims (Qwen)."""
     d = spec.rope_dims
     inv = 1.0 / (spec.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))          # [d/2]
+    mscale = 1.0
     if spec.rope_scaling is not None and spec.rope_scaling.type == "linear":
         inv = inv / spec.rope_scaling.factor
+    elif (spec.rope_scaling is not None and spec.rope_scaling.type == "yarn"
+          and spec.architecture in YARN_ARCHS):
+        inv, mscale = yarn_frequencies(inv, spec)
     # [R, L, 1, d/2]
     ang = pos.astype(jnp.float32)[..., None, None] * inv
     cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
     xr, rest = x[..., :d].astype(jnp.float32), x[..., d:]
     if spec.rope_type == "neox":
         a, b = xr[..., : d // 2], xr[..., d // 2:]
@@ -61,7 +69,7 @@ def rope(x: jax.Array, pos: jax.Array, spec: ModelSpec) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: int,
-           more=None) -> jax.Array:
+           more=None, sinks: jax.Array | None = None, window: jax.Array | None = None) -> jax.Array:
     """q [R, L, H, D] over the cached k, v [R, C, K, D] (key c sits at position c); a query at
     position p sees keys 0..p (none when p < 0: padding). -> [R, L, H, Dv].
 
@@ -75,6 +83,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
     fetch(start) -> (k [R, block, K, D], v [R, block, K, Dv]) at positions start.. . They go through
     the same step after the first C keys, chunk by chunk in position order: the same bits as one
     longer k, v.
+
+    gpt-oss (gpt_oss.py): `sinks` [H], each head's sink logit in the softmax's denominator; `window`
+    (an int32 scalar, 0: none) masks keys with q_pos - k_pos >= window. A chunk wholly before a
+    query's window changes nothing, as one wholly in its future.
     """
     R, L, H, D = q.shape
     C, K, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -94,6 +106,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
         kpos = c0 + jnp.arange(chunk, dtype=jnp.int32)
         # [R, L, chunk]
         visible = kpos[None, None, :] <= q_pos[:, :, None]
+        if window is not None:
+            visible &= (window <= 0) | (q_pos[:, :, None] - kpos[None, None, :] < window)
         sc = jnp.where(visible[:, None, None], sc, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -122,7 +136,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
             return carry, None
 
         carry, _ = jax.lax.scan(host_block, carry, block_starts)
-    _m, s, acc = carry
+    m, s, acc = carry
+    if sinks is not None:
+        # [1, K, G, 1]
+        s, acc = sink_softmax_end(m, s, acc, sinks.reshape(1, K, G, 1))
     # padding rows: 0
     o = acc / jnp.where(s > 0, s, 1.0)[..., None]
     return o.transpose(0, 3, 1, 2, 4).reshape(R, L, H, Dv).astype(q.dtype)
@@ -140,18 +157,26 @@ def swiglu_down(g: jax.Array, u: jax.Array, down: Weight, backend: str) -> jax.A
 
 
 def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
-          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          bias: jax.Array | None = None,
+          logit_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Router: x [N, h] -> (weights [N, k] float32, expert ids [N, k] int32), as llama.cpp's
     build_moe_ffn.
 
     `bias` [E] (GLM-4.5's exp_probs_b): added to the scores to choose the experts only; the weights
-    are the unbiased scores of the chosen ones."""
+    are the unbiased scores of the chosen ones. `logit_bias` [E] (gpt-oss's ffn_gate_inp.bias):
+    added to the logits. Gating "softmax_weight" (gpt-oss): the top-k logits, then a softmax over
+    them."""
     if pk.is_cpu(backend) and not isinstance(router, QTensor):
         # the cpu kernel's fixed-order rows (ModelRunner.min_rows): the router's logits do not
         # depend on how many rows the window has, so neither does the choice of experts
         logits = pk.cpu.f32_matmul(x, router)
     else:
         logits = linear(x.astype(jnp.float32), router, backend, transposed=False)           # [N, E]
+    if logit_bias is not None:
+        logits = logits + logit_bias.astype(jnp.float32)
+    if spec.expert_gating == "softmax_weight":
+        top, ids = jax.lax.top_k(logits, spec.n_experts_used)
+        return jax.nn.softmax(top, axis=-1) * spec.expert_weights_scale, ids.astype(jnp.int32)
     probs = (jax.nn.sigmoid(logits) if spec.expert_gating == "sigmoid"
              else jax.nn.softmax(logits, axis=-1))
     if bias is None and spec.expert_groups <= 1:
@@ -188,16 +213,18 @@ def moe(x: jax.Array, lp: LayerWeights, spec: ModelSpec, backend: str,
     """Mixture of experts over x [N, h]: each token's top-k experts, weighted; plus the shared
     expert. axis: the mesh axis the experts are sharded over (--split experts; inside shard_map),
     else None."""
-    w, ids = route(x, lp.router.weight, spec, backend, lp.router.bias)
+    w, ids = route(x, lp.router.weight, spec, backend, lp.router.bias, lp.router.logit_bias)
     if axis is None:
-        y = expert_rows(x, ids, ids, lp.experts, spec.n_experts, backend)
+        y = expert_rows(x, ids, ids, lp.experts, spec.n_experts, backend, lp.expert_biases)
     else:
-        y = sharded_expert_rows(x, ids, lp.experts, spec.n_experts, backend, axis)
+        y = sharded_expert_rows(x, ids, lp.experts, spec.n_experts, backend, axis,
+                                lp.expert_biases)
     return combine_experts(x, y, w, lp.shared, backend)
 
 
 def sharded_expert_rows(x: jax.Array, ids: jax.Array, p: dict[str, Weight], n_experts: int,
-                        backend: str, axis: str) -> jax.Array:
+                        backend: str, axis: str,
+                        biases: ExpertBiases | None = None) -> jax.Array:
     """expert_rows when each device of mesh axis `axis` holds a contiguous E/N of the experts (p's
     leading axis is the local one): each device computes only the rows whose expert it holds (local
     id = id - axis_index * E/N; the others get id -1, which the cpu kernel skips and gives zeros
@@ -214,7 +241,7 @@ def sharded_expert_rows(x: jax.Array, ids: jax.Array, p: dict[str, Weight], n_ex
         # XLA's tiles need a real expert: computed, then masked
         where = jnp.where(mine, local, 0)
     # n_experts (all of them, not E/N) fixes the tile count: the same shapes as on one device
-    y = expert_rows(x, ids, where, p, n_experts, backend)
+    y = expert_rows(x, ids, where, p, n_experts, backend, biases)
     y = jnp.where(mine[..., None], y, 0.0)
     return jax.lax.psum(y, axis)
 
@@ -225,37 +252,68 @@ def _leading(w: Weight) -> int:
 
 
 def expert_rows(x: jax.Array, ids: jax.Array, where: jax.Array, p: dict[str, Weight], n_groups: int,
-                backend: str) -> jax.Array:
+                backend: str, biases: ExpertBiases | None = None) -> jax.Array:
     """Each token's k expert outputs, not yet weighted: x [N, h], ids [N, k] -> float32 [N, k, h].
 
     `where` [N, k] says where each chosen expert's weights are in p's tensors (EXPERT_TENSORS): the
     expert id itself when they hold every expert, an arena slot when they hold a device cache
     (expert tiers). `n_groups` fixes the tile count, so the same rows give the same shapes (and
     bits) either way. A row's result depends only on its own input and expert (tiles multiply rows
-    independently)."""
+    independently).
+
+    `biases` (gpt-oss): each row's expert's biases, read by its true id (ids, not where), added to
+    gate, up and down, with the clamped SwiGLU (gpt_oss.swiglu_oai)."""
     N, h = x.shape
     k = ids.shape[1]
     # [N*k, h]
     rows = jnp.repeat(x, k, axis=0)
+    flat = ids.reshape(-1)
     if pk.is_cpu(backend) and isinstance(p["exp_gate"], QTensor):
         # The cpu kernel groups rows by expert itself and multiplies each row once: no tiles to fill
         # (a tile of 8 rows for one decode token's expert is 7 rows of padding multiplied).
         e = where.reshape(-1)                                                               # [N*k]
         gate, up = pk.expert_matmul_many(rows, e, [(p[n].data, p[n].qtype)
                                                    for n in ("exp_gate", "exp_up")], backend)
-        y = pk.expert_matmul(jax.nn.silu(gate) * up, p["exp_down"].data, e, p["exp_down"].qtype,
-                             backend)
-        return y.reshape(N, k, h).astype(jnp.float32)
+        y = pk.expert_matmul(_expert_act(gate, up, biases, flat), p["exp_down"].data, e,
+                             p["exp_down"].qtype, backend)
+        return _down_bias(y, biases, flat, e).reshape(N, k, h).astype(jnp.float32)
     g = pk.group_rows(where.reshape(-1), n_groups, pk.expert_tile(backend))
     xt = pk.scatter_rows(rows, g)
     gate = expert_linear_tiles(xt, g.tile_expert, p["exp_gate"], backend)
     up = expert_linear_tiles(xt, g.tile_expert, p["exp_up"], backend)
-    y = expert_linear_tiles(jax.nn.silu(gate) * up, g.tile_expert, p["exp_down"], backend)
-    return pk.gather_rows(y, g).reshape(N, k, h).astype(jnp.float32)
+    if biases is None:
+        act = jax.nn.silu(gate) * up
+    else:        # the rows' biases laid out as the rows are in the tiles
+        act = swiglu_oai(gate + pk.scatter_rows(biases.gate[flat], g),
+                         up + pk.scatter_rows(biases.up[flat], g)).astype(gate.dtype)
+    y = expert_linear_tiles(act, g.tile_expert, p["exp_down"], backend)
+    y = pk.gather_rows(y, g).astype(jnp.float32)
+    if biases is not None:
+        y = y + biases.down[flat]
+    return y.reshape(N, k, h)
+
+
+def _expert_act(gate: jax.Array, up: jax.Array, biases: ExpertBiases | None,
+                ids: jax.Array) -> jax.Array:
+    """The experts' activation of rows [M, f] whose experts are ids [M]: silu(gate) * up, or with
+    gpt-oss's biases the clamped SwiGLU of the biased gate and up."""
+    if biases is None:
+        return jax.nn.silu(gate) * up
+    return swiglu_oai(gate + biases.gate[ids], up + biases.up[ids])
+
+
+def _down_bias(y: jax.Array, biases: ExpertBiases | None, ids: jax.Array,
+               where: jax.Array) -> jax.Array:
+    """y [M, h] plus each row's expert's down bias (gpt-oss); rows the kernel skipped (where -1)
+    stay zeros."""
+    if biases is None:
+        return y
+    return jnp.where((where >= 0)[:, None], y + biases.down[ids], 0.0)
 
 
 def expert_rows_sources(x: jax.Array, ids: jax.Array, where: jax.Array,
-                        trees: list[dict[str, QTensor]], backend: str) -> jax.Array:
+                        trees: list[dict[str, QTensor]], backend: str,
+                        biases: ExpertBiases | None = None) -> jax.Array:
     """expert_rows with each chosen expert in one of several places (cpu backends, block weights):
     `trees` the places' expert tensors in order (an expert tier's arena slots, then every expert's
     host blocks), `where` [N, k] the expert's index over them in order (pk.expert_matmul_sources),
@@ -268,10 +326,10 @@ def expert_rows_sources(x: jax.Array, ids: jax.Array, where: jax.Array,
     e = where.reshape(-1)
     gate, up = pk.expert_matmul_sources(rows, e, [[(t[n].data, t[n].qtype) for t in trees]
                                                   for n in ("exp_gate", "exp_up")], backend)
-    y, = pk.expert_matmul_sources(jax.nn.silu(gate) * up, e,
+    y, = pk.expert_matmul_sources(_expert_act(gate, up, biases, ids.reshape(-1)), e,
                                   [[(t["exp_down"].data, t["exp_down"].qtype)
                                                                for t in trees]], backend)
-    return y.reshape(N, k, h).astype(jnp.float32)
+    return _down_bias(y, biases, ids.reshape(-1), e).reshape(N, k, h).astype(jnp.float32)
 
 
 def combine_experts(x: jax.Array, y: jax.Array, w: jax.Array, shared: Mlp | None,

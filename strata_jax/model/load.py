@@ -23,6 +23,10 @@ _LAYER_TENSORS = {
     "ffn_gate_inp_shexp.weight": "sh_router",
     "post_attention_norm.weight": "ffn_norm",  # glm4moe's name for the norm before the FFN
     "exp_probs_b.bias": "exp_bias",            # glm4moe's expert-choosing bias
+    # gpt-oss's (params.LayerWeights: bo, sinks, Router.logit_bias, ExpertBiases)
+    "attn_output.bias": "bo", "attn_sinks.weight": "sinks", "ffn_gate_inp.bias": "router_b",
+    "ffn_gate_exps.bias": "exp_gate_b", "ffn_up_exps.bias": "exp_up_b",
+    "ffn_down_exps.bias": "exp_down_b",
 }
 # A Gated DeltaNet layer's own tensors (the hybrid families; params.DeltaNetWeights), beside the MoE
 # ones above.
@@ -39,7 +43,8 @@ _NEXTN_TENSORS = {"eh_proj.weight": "eh_proj", "enorm.weight": "enorm", "hnorm.w
 # Small tensors stay float32 whatever the mode: norms, biases, routers (the router's top-k decides
 # which experts run, so it is computed in float32 as llama.cpp does).
 _ALWAYS_FLOAT = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "router",
-                 "sh_router", "exp_bias", "enorm", "hnorm", "head_norm", "conv", "dt_bias", "ssm_a",
+                 "sh_router", "exp_bias", "bo", "sinks", "router_b", "exp_gate_b", "exp_up_b",
+                 "exp_down_b", "enorm", "hnorm", "head_norm", "conv", "dt_bias", "ssm_a",
                  "ssm_norm", *MLA_NORMS}
 
 
@@ -66,7 +71,8 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
         # The embedding table is gathered by rows; every other float matrix is kept transposed ([k,
         # n]): on XLA:CPU x @ W runs twice as fast as x @ W^T for a few rows (the decode case).
         return to_device(t[name], m, jnp.float32 if short in _ALWAYS_FLOAT else dtype,
-                         transpose=short not in ("embed", "router", *MLA_PER_HEAD),
+                         transpose=short not in ("embed", "router", "exp_gate_b", "exp_up_b",
+                                                 "exp_down_b", *MLA_PER_HEAD),
                          pack=pack and short not in EXPERT_TENSORS
                               and short not in ("embed", "router"))
 
@@ -80,6 +86,10 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
                  if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)}
         if spec.mla is not None:
             return MlaWeights.from_named(named, spec.mla)
+        if spec.sliding_window:
+            # gpt-oss: every layer carries its window (0: full attention), the KV full-length either
+            # way (the window is done in the mask, so the prefix cache needs no change)
+            named["window"] = jnp.int32(spec.window(i))
         return (DeltaNetWeights if deltanet else LayerWeights).from_named(named)
 
     params: dict = {"embed": get("token_embd.weight", "embed"),

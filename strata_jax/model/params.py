@@ -44,6 +44,31 @@ class Router:
     GLM-4.5's exp_probs_b, added to the scores to choose only, else None."""
     weight: jax.Array
     bias: jax.Array | None = None
+    # gpt-oss's ffn_gate_inp.bias [E]: added to the logits themselves (choice and weights)
+    logit_bias: jax.Array | None = None
+
+
+@_pytree
+@dataclass(frozen=True)
+class ExpertBiases:
+    """gpt-oss's per-expert biases (ffn_{gate,up,down}_exps.bias), float32: gate and up [E, f], down
+    [E, h]. Small, so they stay on the device with the layer's other resident weights and are read
+    by each row's true expert id, wherever the expert's matrices are (all on the device, or an
+    arena slot): they need not travel with the matrices. A layer with them runs the clamped SwiGLU
+    (model/gpt_oss.py)."""
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+@_pytree
+@dataclass(frozen=True)
+class ExpertSide:
+    """What a MoE layer's expert stages (model/stages.py: the expert tiers) read besides the routed
+    experts' matrices: the shared expert (or None) and gpt-oss's expert biases (or None), both
+    resident on the device."""
+    shared: Mlp | None = None
+    biases: ExpertBiases | None = None
 
 
 @_pytree
@@ -68,6 +93,13 @@ class LayerWeights:
     router: Router | None = None
     experts: dict[str, Weight] | None = None
     shared: Mlp | None = None
+    # gpt-oss: attn_output's bias [h], the sink logit a head [H] (attn_sinks), the layer's sliding
+    # window (int32 scalar, 0: none; data, so the full and windowed layers share programs) and the
+    # experts' biases
+    bo: jax.Array | None = None
+    sinks: jax.Array | None = None
+    window: jax.Array | None = None
+    expert_biases: ExpertBiases | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -88,12 +120,16 @@ class LayerWeights:
                        t.get(gate_inp) if gate_inp else None)
 
         experts = {n: t[n] for n in EXPERT_TENSORS if n in t} or None
+        biases = (ExpertBiases(t["exp_gate_b"], t["exp_up_b"], t["exp_down_b"])
+                  if "exp_gate_b" in t else None)
         return cls(t["attn_norm"], t["wq"], t["wk"], t["wv"], t["wo"], t["ffn_norm"],
                    bq=t.get("bq"), bk=t.get("bk"), bv=t.get("bv"), q_norm=t.get("q_norm"),
                    k_norm=t.get("k_norm"),
                    mlp=mlp("w_"),
-                   router=Router(t["router"], t.get("exp_bias")) if "router" in t else None,
-                   experts=experts, shared=mlp("sh_", "sh_router"))
+                   router=Router(t["router"], t.get("exp_bias"), t.get("router_b"))
+                          if "router" in t else None,
+                   experts=experts, shared=mlp("sh_", "sh_router"), bo=t.get("bo"),
+                   sinks=t.get("sinks"), window=t.get("window"), expert_biases=biases)
 
 
 @_pytree
@@ -121,6 +157,8 @@ class DeltaNetWeights:
     experts: dict[str, Weight] | None = None
     shared: Mlp | None = None
     mlp: Mlp | None = None
+    # as LayerWeights' (layers.moe and the stages read it): None, the hybrids' experts have none
+    expert_biases: ExpertBiases | None = None
 
     @property
     def is_moe(self) -> bool:

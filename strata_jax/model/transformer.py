@@ -5,6 +5,8 @@ They differ only where ModelSpec says so: rope layout and partial rope (glm4moe 
 head), q/k/v biases (qwen2*, glm4moe), per-head q/k norms (qwen3*, optional in glm4moe), experts in
 place of the dense FFN (with a gated shared expert for qwen2moe, an ungated one for glm4moe, whose
 sigmoid router adds a per-expert bias when choosing). GLM-4.5's NextN (MTP) layer is in mtp.py.
+gpt-oss adds attention sinks, sliding-window layers, an output bias and biased, clamped experts
+(gpt_oss.py says where each is read).
 
 One call runs one window: R rows (one per slot), each with L tokens at positions `pos` (-1:
 padding). New keys and values are written into the slot's cache rows first, then every query attends
@@ -219,7 +221,7 @@ def ffn_half(lp, i, spec: ModelSpec, opts: RunOptions, groups, xs, counts=None):
             if counts is not None:      # the same router math as moe()'s: XLA computes it once
                 # [R*L, k]
                 _, ids = route(hx.reshape(R * L, -1), lp.router.weight, spec, opts.backend,
-                               lp.router.bias)
+                               lp.router.bias, lp.router.logit_bias)
                 real = jnp.repeat((g.pos.reshape(-1) >= 0).astype(jnp.int32), ids.shape[1])
                 counts = counts.at[i, ids.reshape(-1)].add(real)
         else:
@@ -302,11 +304,14 @@ def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Grou
 
 
 def _output(lp: LayerWeights, opts: RunOptions, x, y, gate):
-    """x + the attention output y [R, L, H * Dv] projected by wo, gated first by sigmoid(gate) where
-    the family gates it (qwen3next, qwen35moe)."""
+    """x + the attention output y [R, L, H * Dv] projected by wo (plus its bias, gpt-oss's), gated
+    first by sigmoid(gate) where the family gates it (qwen3next, qwen35moe)."""
     if gate is not None:
         y = (y.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
-    return x + linear(y, lp.wo, opts.backend)
+    out = linear(y, lp.wo, opts.backend)
+    if lp.bo is not None:
+        out = out + lp.bo.astype(out.dtype)
+    return x + out
 
 
 def _attend_in_place(lp: LayerWeights, i, opts: RunOptions, groups, xs, qs, cache, gates) -> list:
@@ -318,8 +323,10 @@ def _attend_in_place(lp: LayerWeights, i, opts: RunOptions, groups, xs, qs, cach
     group XLA copied a cache tensor for the window
     (test_a_mixed_window_does_not_copy_the_kv_cache)."""
     kc, vc, ks, vs = cache["k"], cache["v"], cache.get("k_scale"), cache.get("v_scale")
+    gpt_oss = {"sinks": lp.sinks, "window": lp.window}          # None but for gpt-oss
     if len(groups) == 1:
-        o = [pk.cpu.attention(qs[0], kc, vc, i, groups[0].slots, groups[0].pos, ks, vs)]
+        o = [pk.cpu.attention(qs[0], kc, vc, i, groups[0].slots, groups[0].pos, ks, vs,
+                              **gpt_oss)]
     else:
         H, D = qs[0].shape[2:]
         # [tokens, 1, H, D]
@@ -327,7 +334,7 @@ def _attend_in_place(lp: LayerWeights, i, opts: RunOptions, groups, xs, qs, cach
         slots = jnp.concatenate([jnp.repeat(g.slots, g.tokens.shape[1]) for g in groups])
         pos = jnp.concatenate([g.pos.reshape(-1, 1) for g in groups])
         # [tokens, 1, H, Dv]
-        flat = pk.cpu.attention(q, kc, vc, i, slots, pos, ks, vs)
+        flat = pk.cpu.attention(q, kc, vc, i, slots, pos, ks, vs, **gpt_oss)
         o, at = [], 0
         for g in groups:
             n = g.tokens.shape[0] * g.tokens.shape[1]
@@ -374,7 +381,8 @@ def _attend(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x,
     more = None
     if host is not None and kv_len > host.resident:
         more = host_source(host, i, g.slots, g.pos, stored, kv_len, chunk, dtype)
-    o = attend(q, keys, vals, g.pos, chunk, more)                                  # [R, L, H, Dv]
+    # [R, L, H, Dv]
+    o = attend(q, keys, vals, g.pos, chunk, more, sinks=lp.sinks, window=lp.window)
     return _output(lp, opts, x, o.reshape(R, L, H * Dv), gate)
 
 

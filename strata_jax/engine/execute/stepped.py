@@ -61,6 +61,7 @@ from ...experts.hybrid import HostRule
 from ...experts.profile import ExpertProfile
 from ...experts.stream import ExpertStream
 from ...model import Group, QTensor
+from ...model.params import ExpertSide
 from .kv_cache import KVCache
 from .programs import Layout, ProgramCache
 from .stepped_build import KINDED, build_stage, group_kinds
@@ -93,7 +94,8 @@ class LayerStepper:
         # a MoE layer's attention and router (its experts are the tiers'), and its shared expert or
         # None
         self.attn_p = {i: replace(layers[i], shared=None) for i in self.moe}
-        self.moe_p = {i: layers[i].shared for i in self.moe}
+        # (and gpt-oss's expert biases: model/params.ExpertSide)
+        self.moe_p = {i: ExpertSide(layers[i].shared, layers[i].expert_biases) for i in self.moe}
         self.dense_p = {i: lp for i, lp in enumerate(layers) if i not in self.attn_p}
         # layer -> tensor -> quant type name, or None where the arena holds floats
         self.qtypes = qtypes
@@ -111,6 +113,9 @@ class LayerStepper:
         # layer's misses are computed there, host_experts_stage)
         self.host_trees = host_trees
         self.host_device = host_device
+        # gpt-oss's expert biases, a copy on the host device for its programs ("remote")
+        self.host_biases = {i: jax.device_put(self.moe_p[i].biases, host_device)
+                            for i in self.moe} if host_device is not None else {}
         self.rule = rule
         # what resident_window may read
         self.in_program = host_trees if host_device is None else None
@@ -364,8 +369,8 @@ class LayerStepper:
         absent = np.where(table < 0, self.identity, -1).astype(np.int32)
         hd, dev = self.host_device, jax.devices()[0]
         hparts = [(jax.device_put(p[1], hd), jax.device_put(p[3], hd)) for p in parts]
-        host_ys = self.programs.run(stage[self.kind_of["rexperts"][i]], self.host_trees[i], absent,
-                                    hparts)
+        host_ys = self.programs.run(stage[self.kind_of["rexperts"][i]], self.host_trees[i],
+                                    self.host_biases[i], absent, hparts)
         # counted as host-computed; free slots still take the misses, but this window reads `table`,
         # as it was
         self.arena.count_host(i, ids, counters, decode)

@@ -86,7 +86,8 @@ def predict_stage(p: tuple, spec, opts, xs) -> list:
     for x in xs:
         R, L, _ = x.shape
         hx = norm_linear_many(x, norm, spec.rms_eps, [], opts.backend)[0].reshape(R * L, -1)
-        out.append(route(hx, router.weight, spec, opts.backend, router.bias)[1])
+        out.append(route(hx, router.weight, spec, opts.backend, router.bias,
+                         router.logit_bias)[1])
     return out
 
 
@@ -181,9 +182,9 @@ def build_stage(self, layout: Layout):
         on = jax.sharding.SingleDeviceSharding(self.host_device)
         hparts = [(S((r * n, h), dtype, sharding=on), S((r * n, k), jnp.int32, sharding=on))
                   for r, n, _, _ in layout.groups]
-        fn = jax.jit(lambda tree, absent, hparts: host_experts_stage(tree, absent, spec, hparts,
-                                                                     opts.host_backend))
-        return fn.lower(_sds(self.host_trees[first], on),
+        fn = jax.jit(lambda tree, biases, absent, hparts: host_experts_stage(
+            tree, absent, spec, hparts, opts.host_backend, biases))
+        return fn.lower(_sds(self.host_trees[first], on), _sds(self.host_biases[first], on),
                         S((spec.n_experts,), jnp.int32, sharding=on), hparts).compile()
     if base == "predict":
         fn = jax.jit(lambda p, xs: predict_stage(p, spec, opts, xs))
