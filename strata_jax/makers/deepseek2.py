@@ -139,7 +139,8 @@ def deepseek2_keys(o: Any) -> dict[str, tuple[Any, tuple]]:
     if o.yarn_factor:
         keys |= {f"{a}.rope.scaling.type": ("yarn", (GGUFValueType.STRING, None)),
                  f"{a}.rope.scaling.factor": (float(o.yarn_factor), f32),
-                 f"{a}.rope.scaling.original_context_length": (int(o.context // o.yarn_factor), u32),
+                 f"{a}.rope.scaling.original_context_length": (int(o.context // o.yarn_factor),
+                                                               u32),
                  # mscale_all_dim 1.0 (V3's), stored x0.1 as the converter does
                  f"{a}.rope.scaling.yarn_log_multiplier": (0.1, f32)}
     return keys

@@ -120,7 +120,8 @@ class ModelOptions:
     ssm_head_dim: int = 16  # ssm.state_size: the q/k and v head size
     full_attention_interval: int = 4  # every this-many-th layer is full attention
     # deepseek2 only (makers/deepseek2.py; None: its tiny defaults, DEEPSEEK_DEFAULTS): MLA's
-    # sizes (q_lora 0: a Lite-style attn_q), the router's expert groups, and the legacy attn_kv_b in place of attn_k_b / attn_v_b
+    # sizes (q_lora 0: a Lite-style attn_q), the router's expert groups, and the legacy attn_kv_b in
+    # place of attn_k_b / attn_v_b (yarn_factor, below, is read by deepseek2 too)
     q_lora: int | None = None
     kv_lora: int | None = None
     nope_dim: int | None = None
