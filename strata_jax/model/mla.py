@@ -33,6 +33,7 @@ from ..gguf import ModelSpec
 from ..gguf.mla import MlaSpec
 from .layers import attend, norm_linear_many
 from .params import LayerWeights, Mlp, Router
+from .rope_yarn import yarn_frequencies
 from .weights import Weight, linear
 
 # GGUF tensor name (after "blk.N.") -> our short name, beside load.py's _LAYER_TENSORS.
@@ -102,35 +103,24 @@ def _get_mscale(factor: float, m: float) -> float:
     return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
 
 
-def yarn(spec: ModelSpec) -> tuple[float, float, tuple[float, float]] | None:
-    """(freq_scale, the rope's cos/sin magnitude, the correction dims (low, high)) under YaRN,
-    else None. For deepseek2 llama.cpp takes mscale = mscale_all_dim, so the magnitude is 1 with a
-    yarn_log_multiplier, and (1 + 0.1 ln factor) without one."""
+def yarn_magnitude(spec: ModelSpec) -> float | None:
+    """The rope's cos/sin magnitude under YaRN, else None (no YaRN). For deepseek2 llama.cpp takes
+    mscale = mscale_all_dim, so it is 1 with a yarn_log_multiplier, and (1 + 0.1 ln factor) without
+    one. The frequencies are rope_yarn's, as gpt-oss's."""
     rs = spec.rope_scaling
     if rs is None or rs.type != "yarn" or rs.factor <= 1.0:
         return None
-    log_mul = spec.mla.yarn_log_mul
-    magnitude = 1.0 if log_mul else _get_mscale(rs.factor, 1.0)
-    extra = dict(rs.extra)
-    beta_fast, beta_slow = extra.get("yarn_beta_fast", 32.0), extra.get("yarn_beta_slow", 1.0)
-    n_ctx = rs.original_context or spec.context_length
-    d, base = spec.rope_dims, spec.rope_theta
-
-    def corr_dim(n_rot: float) -> float:                   # ggml_rope_yarn_corr_dim
-        return d * math.log(n_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(0.0, math.floor(corr_dim(beta_fast)))
-    high = min(d - 1.0, math.ceil(corr_dim(beta_slow)))
-    return 1.0 / rs.factor, magnitude, (low, high)
+    return 1.0 if spec.mla.yarn_log_mul else _get_mscale(rs.factor, 1.0)
 
 
 def kq_scale(spec: ModelSpec) -> float:
     """mscale^2 / sqrt(nope + rope): deepseek2.cpp's kq_scale (mscale = the rope magnitude x (1 +
     0.1 mscale_all_dim ln factor) under YaRN, else 1)."""
-    y = yarn(spec)
+    magnitude = yarn_magnitude(spec)
     mscale = 1.0
-    if y is not None:
-        mscale = y[1] * (1.0 + 0.1 * spec.mla.yarn_log_mul * math.log(spec.rope_scaling.factor))
+    if magnitude is not None:
+        log_factor = math.log(spec.rope_scaling.factor)
+        mscale = magnitude * (1.0 + 0.1 * spec.mla.yarn_log_mul * log_factor)
     return mscale * mscale / math.sqrt(spec.mla.qk_head)
 
 
@@ -141,11 +131,11 @@ def yarn_rope(x: jax.Array, pos: jax.Array, spec: ModelSpec) -> jax.Array:
     d = x.shape[-1]
     i = jnp.arange(d // 2, dtype=jnp.float32)
     inv = spec.rope_theta ** (-2.0 * i / d)
-    magnitude = 1.0
-    if (y := yarn(spec)) is not None:
-        freq_scale, magnitude, (low, high) = y
-        ramp = 1.0 - jnp.clip((i - low) / max(0.001, high - low), 0.0, 1.0)
-        inv = inv * (freq_scale * (1.0 - ramp) + ramp)
+    magnitude = yarn_magnitude(spec)
+    if magnitude is not None:
+        inv = yarn_frequencies(inv, spec)[0]
+    else:
+        magnitude = 1.0
     ang = pos.astype(jnp.float32)[..., None, None] * inv                    # [R, L, 1, d/2]
     cos, sin = jnp.cos(ang) * magnitude, jnp.sin(ang) * magnitude
     xf = x.astype(jnp.float32)
