@@ -32,7 +32,7 @@ import pallas_kernels as pk
 from ..gguf import ModelSpec
 from ..gguf.mla import MlaSpec
 from .layers import attend, norm_linear_many
-from .params import LayerWeights, Mlp, Router
+from .params import ExpertBiases, LayerWeights, Mlp, Router
 from .rope_yarn import yarn_frequencies
 from .weights import Weight, linear
 
@@ -74,6 +74,8 @@ class MlaWeights:
     router: Router | None = None
     experts: dict[str, Weight] | None = None
     shared: Mlp | None = None
+    # what the FFN code reads of any layer: gpt-oss's expert biases, never deepseek2's
+    expert_biases: ExpertBiases | None = None
 
     @property
     def is_moe(self) -> bool:
