@@ -36,30 +36,35 @@ def is_hybrid(spec) -> bool:
 
 def family_config(cfg: EngineConfig, spec) -> EngineConfig:
     """cfg as the engine runs spec's family: unchanged for the attention families; for a hybrid one,
-    prefix reuse off, and a ConfigError for a setting the family cannot run with yet. deepseek2
-    (MLA: model/mla.py) runs as the attention families but for --kv-resident (its host blocks
-    would hold values its cache does not store)."""
-    if getattr(spec, "mla", None) is not None and cfg.kv_resident is not None:
-        raise ConfigError(f"--kv-resident {cfg.kv_resident}: not supported yet for "
-                          f"{spec.architecture!r} (its latent KV cache keeps every position on "
-                          "the device)")
+    prefix reuse off; and a ConfigError for a setting the family cannot run with yet (_refuse).
+    deepseek2 (MLA: model/mla.py) runs as the attention families but for --kv-resident (its host
+    blocks would hold values its cache does not store)."""
+    if getattr(spec, "mla", None) is not None:
+        _refuse(cfg, spec, "its latent KV cache keeps every position on the device", devices=False)
+        return cfg
     if spec.attn_sinks:
         return _gpt_oss_config(cfg, spec)
     if not is_hybrid(spec):
         return cfg
     arch = spec.architecture
-    refused = [(cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}"),
-               (cfg.devices > 1, f"--devices {cfg.devices}"),
-               (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]
-    for on, what in refused:
-        if on:
-            raise ConfigError(f"{what}: not supported yet for {arch!r} (its Gated DeltaNet state "
-                              "cannot be cut back or split; issue 34)")
+    _refuse(cfg, spec, "its Gated DeltaNet state cannot be cut back or split; issue 34")
     if cfg.conversation_cache_mib:
         log.info("%s: --conversation-cache-mib is off (it keeps KV without the recurrent state it "
                  "goes with); prefix reuse resumes from state checkpoints "
                  "(--ctx-checkpoints)", arch)
     return replace(cfg, conversation_cache_mib=0)
+
+
+def _refuse(cfg: EngineConfig, spec, why: str, devices: bool = True) -> None:
+    """A ConfigError naming the setting for --kv-resident and (devices) several devices or
+    processes, which the family does not run with yet (why)."""
+    refused = [(cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}")]
+    if devices:
+        refused += [(cfg.devices > 1, f"--devices {cfg.devices}"),
+                    (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]
+    for on, what in refused:
+        if on:
+            raise ConfigError(f"{what}: not supported yet for {spec.architecture!r} ({why})")
 
 
 def _gpt_oss_config(cfg: EngineConfig, spec) -> EngineConfig:
@@ -70,11 +75,6 @@ def _gpt_oss_config(cfg: EngineConfig, spec) -> EngineConfig:
     several devices or processes (the experts' biases are not split with them yet). The expert
     tiers run it: its expert biases stay resident and go to the stages with the shared expert
     (model/params.ExpertSide; a copy on the host device for --host-experts' remote programs)."""
-    refused = [(cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}"),
-               (cfg.devices > 1, f"--devices {cfg.devices}"),
-               (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]
-    for on, what in refused:
-        if on:
-            raise ConfigError(f"{what}: not supported yet for {spec.architecture!r} (its attention "
-                              "sinks, sliding window and expert biases are not carried there yet)")
+    _refuse(cfg, spec, "its attention sinks, sliding window and expert biases are not carried "
+                       "there yet")
     return cfg
