@@ -37,6 +37,8 @@ from strata_jax.testing.hf_gpt_oss import load_gpt_oss
 GPT_OSS = {"arch": "gpt-oss", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8,
            "experts_used": 2, "expert_ffn": 32}
 TOL = 1e-4
+# the expert tiers' tests hold a quarter of a layer's experts on the device
+QUARTER = GPT_OSS["experts"] // 4
 INT8_KL = 0.05
 
 
@@ -253,11 +255,11 @@ def test_concurrent_requests_and_the_prefix_cache(made):
 
 
 def test_the_expert_tiers_carry_the_expert_biases(made, cpu_runs):
-    """3 expert slots a layer of 8 (the layer-stepped stages, the arena's slots; then --host-experts
-    on, the misses computed from the host tier's blocks in the same kernel call): the logits bits
-    of every expert on the device, and the same greedy tokens either way. The biases stay resident
-    and are read by each row's true expert id (model/params.ExpertSide), wherever its matrices
-    are."""
+    """A quarter of the experts on the device (2 slots a layer of 8: the layer-stepped stages,
+    the arena's slots; then --host-experts on, the misses computed from the host tier's blocks in
+    the same kernel call): the logits bits of every expert on the device, and the same greedy
+    tokens either way. The biases stay resident and are read by each row's true expert id
+    (model/params.ExpertSide), wherever its matrices are."""
     path, _ = made("Q8_0")
     ids, _, _, device = cpu_runs
     prompts = [_ids(21, seed=11), _ids(6, seed=12)]
@@ -265,7 +267,7 @@ def test_the_expert_tiers_carry_the_expert_biases(made, cpu_runs):
     for name, kw in (("arena", {"host_experts": "off", "layer_step": "always"}),
                      ("host", {"host_experts": "on"})):
         cfg = EngineConfig(max_context=128, weights="auto", warmup=False, cpu_math="int8",
-                           prefill=32, parallel=2, expert_cache=3, **kw)
+                           prefill=32, parallel=2, expert_cache=QUARTER, **kw)
         with Engine.from_gguf(path, cfg) as eng:
             assert eng.runner.expert_mode == "arena"
             assert np.array_equal(eng.logits(ids), device), name
@@ -288,8 +290,8 @@ from strata_jax import Engine, EngineConfig
 path, ids = sys.argv[1], json.loads(sys.argv[2])
 assert len(jax.devices("cpu")) == 2, jax.devices()
 out = {}
-for name, kw in (("device", {}), ("remote", dict(expert_cache=3, host_experts="on",
-                                                 host_device="cpu:1"))):
+for name, kw in (("device", {}), ("remote", dict(expert_cache=int(sys.argv[3]),
+                                                 host_experts="on", host_device="cpu:1"))):
     cfg = EngineConfig(parallel=2, max_context=64, prefill=16, warmup=False, **kw)
     with Engine.from_gguf(path, cfg) as eng:
         st = eng.runner.stepper
@@ -307,7 +309,7 @@ def test_remote_host_experts_carry_the_expert_biases(made):
     path, _ = made("Q8_0")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     done = subprocess.run([sys.executable, "-c", _REMOTE_CHILD, str(path),
-                           json.dumps(_ids(21, seed=13))],
+                           json.dumps(_ids(21, seed=13)), str(QUARTER)],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(done.stdout.strip().splitlines()[-1])
@@ -315,6 +317,27 @@ def test_remote_host_experts_carry_the_expert_biases(made):
     assert runs["remote"]["host_computed"] > 0
     assert runs["remote"]["logits"] == runs["device"]["logits"]
     assert runs["remote"]["tokens"] == runs["device"]["tokens"]
+
+
+def test_ngram_drafts_give_the_plain_greedy_tokens(made):
+    """--spec with n-gram drafts (the drafter for a model without MTP; tests/test_spec.py): the
+    verify windows through the sinks, the window and the MXFP4 experts give the greedy tokens of
+    plain decoding (the same engine with its speculator set aside), with drafts accepted."""
+    path, _ = made("Q8_0")
+    a, b = _ids(9, seed=14), _ids(13, seed=15)
+    prompts = [a * 4, b * 2 + a]
+    cfg = EngineConfig(parallel=2, max_context=128, prefill=32, warmup=False, spec=4,
+                       drafter="ngram", spec_min_p=0.0)
+    with Engine.from_gguf(path, cfg) as eng:
+        handles = [eng.submit(p, max_tokens=24, ignore_eos=True) for p in prompts]
+        spec = [[ev.token for ev in h if ev.kind == "token"] for h in handles]
+        accepted = eng.stats()["spec"]["draft_n_accepted"]
+        # idle between requests: safe to set aside
+        eng.speculator, speculator = None, eng.speculator
+        plain = [eng.generate(p, max_tokens=24, ignore_eos=True).tokens for p in prompts]
+        eng.speculator = speculator
+    assert spec == plain and all(len(t) == 24 for t in plain)
+    assert accepted > 0
 
 
 @pytest.mark.parametrize("setting", [{"kv_resident": 256}, {"devices": 2}])
