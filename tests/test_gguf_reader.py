@@ -81,10 +81,12 @@ def test_metadata_is_plain_python(tiny_model):
 
 
 @pytest.mark.parametrize("arch", [a for a in SUPPORTED_ARCHITECTURES
-                                  if a not in HYBRID_ARCHITECTURES + MLA_ARCHITECTURES])
+                                  if a not in (*HYBRID_ARCHITECTURES, *MLA_ARCHITECTURES,
+                                               "gpt-oss")])
 def test_spec_of_each_architecture(tiny_model, arch):
     """The attention families (the hybrid ones: tests/test_hybrid_read.py; deepseek2:
-    tests/test_deepseek2.py)."""
+    tests/test_deepseek2.py; gpt-oss, whose layers are all MoE with biases and sinks:
+    tests/test_gpt_oss.py)."""
     moe = arch in ("qwen2moe", "qwen3moe", "glm4moe")
     # GLM-4.5: a leading dense layer, half-head rope, shared expert = n x expert_ffn
     glm = arch == "glm4moe"
