@@ -135,8 +135,8 @@ def test_the_window_and_the_sinks_matter(xla_logits):
 
 @pytest.fixture(scope="module")
 def cpu_runs(made):
-    """The Q8_0 file's 40 tokens: (ids, transformers' logits, ours on the cpu kernels' exact math,
-    ours on the int8 math with every expert on the device)."""
+    """The Q8_0 file's (MXFP4 experts) 40 tokens: (ids, transformers' logits, ours on the cpu
+    kernels' exact math, ours on the int8 math with every expert on the device)."""
     path, model = made("Q8_0")
     ids = _ids(40, seed=1)
     return (ids, _hf(model, ids), _ours(path, ids, "cpu", "blocks"),
@@ -144,14 +144,15 @@ def cpu_runs(made):
 
 
 def test_blocks_on_the_cpu_kernels_match_transformers(cpu_runs):
-    """Q8_0 weights in blocks through the C++ kernels (attention with sinks and the window in
-    cpu/attention.cc, the expert kernel with the biases around it): the exact math within TOL of
-    transformers on the dequantized weights; the int8 math (8-bit activations) not the exact
-    logits, within INT8_KL (mean KL) of transformers' and its top-1 at 90% of the positions where
-    transformers' first token is clear (logit_checks' bounds but all of them: these tiny random
-    models with biases and the clamped SwiGLU feel 8-bit activations as the hybrids do. Measured:
-    mean KL 0.022 from transformers, as llama.cpp's own 8-bit activations on the same file, 0.021,
-    and 0.0007 from llama.cpp's; top-1 29 of 30 clear positions, llama.cpp's 87.5% of all)."""
+    """Q8_0 weights and MXFP4 experts in blocks through the C++ kernels (attention with sinks and
+    the window in cpu/attention.cc, the expert kernel with the biases around it): the exact math
+    within TOL of transformers on the dequantized weights; the int8 math (8-bit activations) not
+    the exact logits, within INT8_KL (mean KL) of transformers' and its top-1 at 90% of the
+    positions where transformers' first token is clear (logit_checks' bounds but all of them: these
+    tiny random models with biases and the clamped SwiGLU feel 8-bit activations as the hybrids
+    do. Measured: mean KL 0.008 from transformers, as llama.cpp's own 8-bit activations on the
+    same file, 0.010, and 0.002 from llama.cpp's; top-1 31 of 31 clear positions, llama.cpp's
+    92.5% of all)."""
     _, ref, exact, int8 = cpu_runs
     np.testing.assert_allclose(exact, ref, rtol=0, atol=TOL * np.abs(ref).max())
     assert np.abs(int8 - exact).max() > 0
