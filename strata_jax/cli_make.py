@@ -18,7 +18,7 @@ _MAKE_MODEL_HELP = {
     "vocab": "vocabulary size (default 512, or the tokenizer's)",
     "context": "training context length", "rope_theta": "rope.freq_base",
     "rms_eps": "RMS norm epsilon", "quant": "type of every weight matrix",
-    "expert_quant": "type of the expert tensors (default --quant)",
+    "expert_quant": "type of the expert tensors (default --quant; MXFP4 for --arch gpt-oss)",
     "attn_quant": "type of the attention weights (default --quant)",
     "embed_quant": "type of token_embd and output (default --quant)",
     "more_bits_quant": "as llama.cpp's Q4_K_M: type of ffn_down (dense, shared, experts) and "

@@ -4,10 +4,10 @@ and gpt-oss's own template (gguf/templates/gpt-oss.jinja) in the sandbox.
 
 Parsers on literal model texts, whole and split at every character; the forced grammar walked at
 random over a vocabulary with the harmony marks as control tokens; and the real server, with the
-official openai client, serving a made model that speaks harmony (makers/family_chat.py: the marks
-in its vocabulary, gpt-oss's template in its metadata). Its random weights write no harmony of
-their own, so the reasoning split is checked on answers a request grammar lays out as gpt-oss
-writes them, and calls are forced."""
+official openai client, serving a made gpt-oss that speaks harmony as make-model writes it
+(makers/family_chat.py: the marks in its vocabulary, gpt-oss's template in its metadata). Its
+random weights write no harmony of their own, so the reasoning split is checked on answers a
+request grammar lays out as gpt-oss writes them, and calls are forced."""
 
 from __future__ import annotations
 
@@ -221,15 +221,20 @@ def test_the_forced_grammar_walked_at_random_gives_one_valid_call():
 N_CTX = 2048
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    from strata_jax.gguf import GGUFModel, load_tokenizer
-    from strata_jax.testing.edit_gguf import rewrite_gguf
+# a made gpt-oss as make-model writes it (MXFP4 experts; harmony's marks and template): the options
+# of tests/test_gpt_oss.py's F32 file, so a session that runs both makes it once
+GPT_OSS = {"arch": "gpt-oss", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8,
+           "experts_used": 2, "expert_ffn": 32, "quant": "F32"}
 
-    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
-    path = rewrite_gguf(plain, tmp_path_factory.mktemp("harmony") / "model.gguf",
-                        set_metadata=family_chat_metadata(GGUFModel.open(plain).metadata,
-                                                          "gpt-oss"))
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    from strata_jax.gguf import GGUFModel, load_tokenizer
+
+    path = tiny_model(**GPT_OSS)
+    md = GGUFModel.open(path).metadata
+    assert md["general.architecture"] == "gpt-oss"
+    assert md["tokenizer.chat_template"] == family_template("gpt-oss")
     tk = load_tokenizer(path)
     with ServerProcess([str(path), "--parallel", "2", "--max-context", str(N_CTX),
                         "--model-name", "tiny"]) as srv:

@@ -7,7 +7,10 @@ that use the sliding window are llama.cpp's default pattern (attention.sliding_w
 unset: 2, the even layers). Rope is plain NEOX at rope.freq_base; with `yarn_factor` the file
 also carries the YaRN keys the converter writes (rope.scaling.type yarn, factor,
 original_context_length).
-The chat template is the tiny tokenizer's placeholder (ChatML), not harmony.
+With the built-in tokenizer the file speaks harmony as a real one does: gpt-oss's own chat
+template and its special tokens (<|start|>, <|channel|>, <|message|>, <|end|>, <|return|>, <|call|>,
+<|constrain|>) as control tokens (makers/family_chat.py); the experts are MXFP4 unless
+--expert-quant says otherwise.
 
 Shapes here are numpy order ([rows, cols]): GGUF's {cols, rows} reversed.
 """
@@ -20,9 +23,8 @@ from typing import Any
 from gguf import GGUFValueType
 
 GPT_OSS = "gpt-oss"
-# The experts' quant type when --expert-quant is not given: None = --quant's (MXFP4, the real
-# models' type, once the project reads it).
-DEFAULT_EXPERT_QUANT: str | None = None
+# The experts' quant type when --expert-quant is not given: the real models' type.
+DEFAULT_EXPERT_QUANT = "MXFP4"
 DEFAULT_SLIDING_WINDOW = 8
 
 

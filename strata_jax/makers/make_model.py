@@ -38,6 +38,7 @@ from .deepseek2 import (
     deepseek2_layer_tensors,
     deepseek2_resolved,
 )
+from .family_chat import family_chat_metadata
 from .gpt_oss import (
     DEFAULT_EXPERT_QUANT,
     DEFAULT_SLIDING_WINDOW,
@@ -523,7 +524,12 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
 
 def _tokenizer_keys(o: ModelOptions) -> dict[str, tuple[Any, ValueType]]:
     if o.tokenizer_from is None:
-        return tiny_tokenizer(o.vocab or 512).metadata(_PRE_TOKENIZER.get(o.arch, "qwen2"))
+        keys = tiny_tokenizer(o.vocab or 512).metadata(_PRE_TOKENIZER.get(o.arch, "qwen2"))
+        if o.arch == GPT_OSS:
+            # harmony's marks and gpt-oss's template, as a real gpt-oss file carries them
+            chat = family_chat_metadata({k: v for k, (v, _) in keys.items()}, GPT_OSS)
+            keys |= {k: (v, keys[k][1]) for k, v in chat.items()}
+        return keys
     from strata_jax.gguf import GGUFModel
 
     src = GGUFModel.open(o.tokenizer_from, strict=False)
