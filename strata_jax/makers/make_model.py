@@ -38,6 +38,7 @@ from .deepseek2 import (
     deepseek2_layer_tensors,
     deepseek2_resolved,
 )
+from .family_chat import family_chat_metadata
 from .gpt_oss import (
     DEFAULT_EXPERT_QUANT,
     DEFAULT_SLIDING_WINDOW,
@@ -61,6 +62,11 @@ DENSE_ONLY_ARCHS = ("qwen2", "qwen3")
 # tests' tiny models keep random_blocks' stream)
 FAST_BYTES = 32 << 20
 _PRE_TOKENIZER = {"llama": "llama-bpe"}  # the qwen families: "qwen2"
+# the family's own chat template and special tokens on the built-in tokenizer (family_chat.py).
+# deepseek2: V3.1's template, that of the newest deepseek2 model (V3, R1 and V3.1 share the
+# architecture and the NextN block; V3.1 is one model that thinks or not by its template's
+# `thinking` switch, and calls tools as NAME<｜tool▁sep｜>{...}). R1's: --chat-template deepseek-r1.
+_FAMILY_CHAT = {"deepseek2": "deepseek-v3.1"}
 
 
 @dataclass(frozen=True)
@@ -523,7 +529,12 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
 
 def _tokenizer_keys(o: ModelOptions) -> dict[str, tuple[Any, ValueType]]:
     if o.tokenizer_from is None:
-        return tiny_tokenizer(o.vocab or 512).metadata(_PRE_TOKENIZER.get(o.arch, "qwen2"))
+        keys = tiny_tokenizer(o.vocab or 512).metadata(_PRE_TOKENIZER.get(o.arch, "qwen2"))
+        if o.arch in _FAMILY_CHAT:
+            plain = {k: v for k, (v, _) in keys.items()}
+            chat = family_chat_metadata(plain, _FAMILY_CHAT[o.arch])
+            keys |= {k: (v, keys[k][1]) for k, v in chat.items()}
+        return keys
     from strata_jax.gguf import GGUFModel
 
     src = GGUFModel.open(o.tokenizer_from, strict=False)

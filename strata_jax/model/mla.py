@@ -74,6 +74,9 @@ class MlaWeights:
     router: Router | None = None
     experts: dict[str, Weight] | None = None
     shared: Mlp | None = None
+    # what layers.moe and the expert stages read of every family's layer: deepseek2's experts
+    # have no biases (gpt-oss's do)
+    expert_biases: None = None
 
     @property
     def is_moe(self) -> bool:
