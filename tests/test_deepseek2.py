@@ -232,23 +232,24 @@ def test_the_kv_cache_holds_the_latent_alone(v3, eng8):
 
 
 def test_eight_concurrent_greedy_requests_equal_each_alone_and_a_second_turn_a_cold_one(eng8):
-    """8 prompts of 3 to 70 tokens, alone and all at once: the same 12 greedy tokens each. Then a
+    """8 prompts of 3 to 40 tokens, alone and all at once: the same 8 greedy tokens each. Then a
     second turn (the first prompt, its answer and more) resumes from the slot's cached prefix and
     gives what a cold read (another cache_salt: nothing to resume from) gives."""
     rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 40, 17, 70, 3, 33, 64, 9)]
-    alone = [eng8.generate(p, max_tokens=12, ignore_eos=True).tokens for p in prompts]
-    handles = [eng8.submit(p, max_tokens=12, ignore_eos=True) for p in prompts]
+    # two prompts longer than a prefill chunk of 32
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 40, 17, 34, 3, 12, 24, 9)]
+    alone = [eng8.generate(p, max_tokens=8, ignore_eos=True).tokens for p in prompts]
+    handles = [eng8.submit(p, max_tokens=8, ignore_eos=True) for p in prompts]
     together = [[ev.token for ev in h if ev.kind == "token"] for h in handles]
-    assert together == alone and all(len(t) == 12 for t in alone)
+    assert together == alone and all(len(t) == 8 for t in alone)
 
     turn2 = prompts[1] + alone[1] + _ids(7, seed=6)
     counters = lambda: eng8.stats()["prefix_cache"]["slot_reused_tokens"]
     before = counters()
-    warm = eng8.generate(turn2, max_tokens=12, ignore_eos=True).tokens
+    warm = eng8.generate(turn2, max_tokens=8, ignore_eos=True).tokens
     reused = counters() - before
     assert reused >= len(prompts[1])
-    cold = eng8.generate(turn2, max_tokens=12, ignore_eos=True, cache_salt="cold").tokens
+    cold = eng8.generate(turn2, max_tokens=8, ignore_eos=True, cache_salt="cold").tokens
     assert counters() - before == reused
     assert warm == cold
 
@@ -263,13 +264,15 @@ def _main(params, spec, opts, tokens, pos, slots, kv_len, cache):
 def test_mtp_matches_transformers(v3):
     """mtp_forward (the NextN block: MLA with its own cache layer, the MoE) against transformers'
     MtpModel on the same block over a prompt in two calls (the second reads the first's latents
-    from the block's cache layer); the main model's hidden states checked first."""
+    from the block's cache layer; two of the same length: one compile); the main model's hidden
+    states checked first."""
     path, model, mtp = v3
     gguf = GGUFModel.open(path)
     spec = gguf.spec
     params = load_params(gguf, "dequantized", "float32")
     opts = RunOptions(attn_chunk=32)
-    T, kv = 12, 32
+    T, kv = 13, 32
+    H = (T - 1) // 2                    # each call's MTP positions
     ids = np.random.default_rng(0).integers(3, 500, T).astype(np.int32)
     slots = jnp.zeros(1, jnp.int32)
     pos = np.arange(T, dtype=np.int32)
@@ -283,10 +286,10 @@ def test_mtp_matches_transformers(v3):
     np.testing.assert_allclose(np.asarray(hid), h_ref.numpy(), rtol=0,
                                atol=TOL * h_ref.abs().max().item())
     step = jax.jit(mtp_forward, static_argnums=(1, 2, 8))
-    l1, _, cache = step(params, spec, opts, hid[:, :T - 5], jnp.asarray(ids[None, 1:T - 4]),
-                        jnp.asarray(pos[None, :T - 5]), slots, cache, kv)
-    l2, _, cache = step(params, spec, opts, hid[:, T - 5:T - 1], jnp.asarray(ids[None, T - 4:]),
-                        jnp.asarray(pos[None, T - 5:T - 1]), slots, cache, kv)
+    l1, _, cache = step(params, spec, opts, hid[:, :H], jnp.asarray(ids[None, 1:H + 1]),
+                        jnp.asarray(pos[None, :H]), slots, cache, kv)
+    l2, _, cache = step(params, spec, opts, hid[:, H:T - 1], jnp.asarray(ids[None, H + 1:]),
+                        jnp.asarray(pos[None, H:T - 1]), slots, cache, kv)
     ours = np.concatenate([np.asarray(l1[0]), np.asarray(l2[0])])
     assert ours.shape == ref.shape == (T - 1, spec.vocab_size)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
