@@ -308,6 +308,8 @@ def few_tokens(v3, tmp_path_factory):
                         tensor_values={"output.weight": head})
 
 
+# small: eng8's settings here (its programs reused by the plain engine) cost more in the drafters'
+# verify programs (8 slots) than they save
 FEW_BASE = {"parallel": 2, "max_context": 64, "prefill": 16, "warmup": False}
 
 
