@@ -6,8 +6,9 @@ reasoning ends at the calls' mark.
 
 Parsers on literal model texts, whole and split at every character; the forced grammars walked at
 random over a vocabulary with DeepSeek's marks as control tokens; and the real server, with the
-official openai client, serving a made model with R1's template and marks (makers/family_chat.py):
-forced calls whole and streamed, several calls with their indexes, a tool-result turn."""
+official openai client, serving a made deepseek2 model with V3.1's template and marks as make-model
+writes it (makers/family_chat.py): forced calls whole and streamed, several calls with their
+indexes, a tool-result turn."""
 
 from __future__ import annotations
 
@@ -176,14 +177,11 @@ def test_forced_grammars_walked_at_random_give_valid_calls(family, fmt, parallel
 # ---- against the real server ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    from strata_jax.gguf import GGUFModel
-    from strata_jax.testing.edit_gguf import rewrite_gguf
-
-    plain = tiny_model(arch="qwen3", layers=2, hidden=64)
-    path = rewrite_gguf(plain, tmp_path_factory.mktemp("deepseek") / "model.gguf",
-                        set_metadata=family_chat_metadata(GGUFModel.open(plain).metadata,
-                                                          "deepseek-r1"))
+def server(tiny_model):
+    """A made deepseek2 model (MLA, the sigmoid router, a leading dense layer) as make-model writes
+    it: V3.1's template and DeepSeek's marks as control tokens (makers/family_chat.py). One server
+    for the family's end-to-end run and the tool format's."""
+    path = tiny_model(arch="deepseek2", layers=2, hidden=64)
     with ServerProcess([str(path), "--parallel", "2", "--max-context", "2048",
                         "--model-name", "tiny"]) as srv:
         srv.wait_up().wait_ready()
@@ -202,7 +200,7 @@ def ask(client, seed: int, **kw):
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_a_forced_call_whole_and_streamed(server, thinking):
-    """With R1's thinking on (its prompt ends inside <think>) the forced call is a call, not
+    """With V3.1's thinking on (its prompt ends inside <think>) the forced call is a call, not
     reasoning."""
     _srv, client = server
     kw = {"parallel_tool_calls": False,
@@ -211,8 +209,8 @@ def test_a_forced_call_whole_and_streamed(server, thinking):
     assert whole.finish_reason == "tool_calls", whole
     # written in DeepSeek's own form (the tokens, as logprobs shows them)
     raw = "".join(t.token for t in whole.logprobs.content)
-    assert raw.startswith(B + CB + "function" + SEP) and raw.endswith(CE + E), raw
     (call,) = whole.message.tool_calls
+    assert raw.startswith(B + CB + call.function.name + SEP) and raw.endswith(CE + E), raw
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     assert not (whole.message.content or "").strip()
     assert not (whole.message.model_extra or {}).get("reasoning_content")
@@ -255,9 +253,10 @@ def test_a_tool_result_turn_renders_and_is_answered(server):
     prompt = r.json()["prompt"]
     # the tools described, with DeepSeek's syntax, before the first turn
     assert '"name": "get_time"' in prompt.split("<｜User｜>")[0]
-    assert v3(call.function.name, call.function.arguments) in prompt
-    assert prompt.endswith('<｜tool▁output▁begin｜>{"temperature": 21}<｜tool▁output▁end｜>'
-                           "<｜tool▁outputs▁end｜>")
+    assert v31(call.function.name, call.function.arguments) in prompt
+    # V3.1's template writes each result with no outputs_begin / outputs_end around them (R1's does)
+    assert prompt.endswith('<｜end▁of▁sentence｜><｜tool▁output▁begin｜>{"temperature": 21}'
+                           "<｜tool▁output▁end｜>")
     r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
                                        tool_choice="none", max_tokens=12, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls

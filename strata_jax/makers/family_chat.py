@@ -35,6 +35,10 @@ def with_special_tokens(metadata: Mapping[str, Any], marks: Sequence[str]) -> di
     tokens, types = (list(metadata["tokenizer.ggml.tokens"]),
                      list(metadata["tokenizer.ggml.token_type"]))
     first_special = tokens.index("<|endoftext|>")
+    if len(metadata["tokenizer.ggml.merges"]) < len(marks):
+        raise ValueError(f"the family's {len(marks)} marks take the places of merged tokens, and "
+                         f"this vocabulary has {len(metadata['tokenizer.ggml.merges'])}: give a "
+                         "larger --vocab")
     for j, mark in enumerate(marks):
         tokens[first_special - 1 - j], types[first_special - 1 - j] = mark, CONTROL
     return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,

@@ -62,6 +62,12 @@ DENSE_ONLY_ARCHS = ("qwen2", "qwen3")
 # tests' tiny models keep random_blocks' stream)
 FAST_BYTES = 32 << 20
 _PRE_TOKENIZER = {"llama": "llama-bpe"}  # the qwen families: "qwen2"
+# the family's own chat template and special tokens on the built-in tokenizer (family_chat.py).
+# deepseek2: V3.1's template, that of the newest deepseek2 model (V3, R1 and V3.1 share the
+# architecture and the NextN block; V3.1 is one model that thinks or not by its template's
+# `thinking` switch, and calls tools as NAME<｜tool▁sep｜>{...}). R1's: --chat-template deepseek-r1.
+# gpt-oss: harmony's marks and its template, as a real gpt-oss file carries them.
+_FAMILY_CHAT = {"deepseek2": "deepseek-v3.1", "gpt-oss": "gpt-oss"}
 
 
 @dataclass(frozen=True)
@@ -525,9 +531,9 @@ def _model_keys(o: ModelOptions, vocab: int) -> dict[str, tuple[Any, ValueType]]
 def _tokenizer_keys(o: ModelOptions) -> dict[str, tuple[Any, ValueType]]:
     if o.tokenizer_from is None:
         keys = tiny_tokenizer(o.vocab or 512).metadata(_PRE_TOKENIZER.get(o.arch, "qwen2"))
-        if o.arch == GPT_OSS:
-            # harmony's marks and gpt-oss's template, as a real gpt-oss file carries them
-            chat = family_chat_metadata({k: v for k, (v, _) in keys.items()}, GPT_OSS)
+        if o.arch in _FAMILY_CHAT:
+            plain = {k: v for k, (v, _) in keys.items()}
+            chat = family_chat_metadata(plain, _FAMILY_CHAT[o.arch])
             keys |= {k: (v, keys[k][1]) for k, v in chat.items()}
         return keys
     from strata_jax.gguf import GGUFModel
