@@ -20,7 +20,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from tool_data import TIME, WEATHER
+from tool_data import TIME, WEATHER, grammar_walk
 
 from strata_jax.gguf.family_templates import family_template
 from strata_jax.gguf.named_templates import chat_template_source
@@ -184,7 +184,7 @@ def harmony_tokenizer():
 def test_the_forced_grammar_walked_at_random_gives_one_valid_call():
     """Random tokens among those the grammar allows (the analysis kept short by a bias toward
     <|end|>): every walk is one call that validates, written with the marks' control tokens."""
-    from strata_jax.engine.grammar.constrain import Grammars, fill_masks
+    from strata_jax.engine.grammar.constrain import Grammars
 
     tk = harmony_tokenizer()
     marks = special_marks(tk)
@@ -192,19 +192,10 @@ def test_the_forced_grammar_walked_at_random_gives_one_valid_call():
     grammars = Grammars(tk, tk.vocab_size)
     rng = np.random.default_rng(0)
     end = tk.token_to_id("<|end|>")
-    ids = np.arange(tk.vocab_size)
     kinds = set()
     for _ in range(16):
         c = grammars.constraint(call_grammar(TOOLS, "required", "harmony", True, marks))
-        out = []
-        for _ in range(400):
-            mask = fill_masks([c], 1, tk.vocab_size)[0]
-            allowed = np.flatnonzero((mask[ids // 32] >> (ids % 32)) & 1)
-            t = end if end in allowed and rng.random() < 0.3 else int(rng.choice(allowed))
-            if t in tk.eos_ids or c.done:
-                break
-            assert c.advance(t) is None
-            out.append(t)
+        out, _ = grammar_walk(c, tk, rng, prefer=(end, 0.3))
         text = tk.decode(out)
         reasoning, rest = split_harmony(text, calls=True)
         content, calls = parse_calls(rest, "harmony", TOOLS)

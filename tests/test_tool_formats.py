@@ -18,7 +18,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from tool_data import TIME, WEATHER
+from tool_data import TIME, WEATHER, grammar_walk
 
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.serve.tool_formats import CallStream, detect
@@ -497,7 +497,7 @@ def family_tokenizer(family: str):
 def test_forced_grammars_walked_at_random_give_valid_calls(fmt, parallel):
     """Random tokens among those each grammar allows: every walk that ends is calls that validate,
     written with the marks' special tokens; parallel false: one call."""
-    from strata_jax.engine.grammar.constrain import Grammars, fill_masks
+    from strata_jax.engine.grammar.constrain import Grammars
 
     tk = family_tokenizer(fmt if FAMILIES.get(fmt, (None,))[0] else "glm45")
     marks = special_marks(tk)
@@ -506,17 +506,8 @@ def test_forced_grammars_walked_at_random_give_valid_calls(fmt, parallel):
     ended = 0
     for _ in range(12):
         c = grammars.constraint(call_grammar(TOOLS, "required", fmt, parallel, marks))
-        out = []
-        for _ in range(400):
-            mask = fill_masks([c], 1, tk.vocab_size)[0]
-            allowed = np.flatnonzero((mask[np.arange(tk.vocab_size)
-                                           // 32] >> (np.arange(tk.vocab_size) % 32)) & 1)
-            t = int(rng.choice(allowed))
-            if t in tk.eos_ids or c.done:
-                break
-            assert c.advance(t) is None
-            out.append(t)
-        else:
+        out, walked_to_end = grammar_walk(c, tk, rng)
+        if not walked_to_end:
             continue                    # a long parallel walk: not ended, not checked
         ended += 1
         text = tk.decode(out)
