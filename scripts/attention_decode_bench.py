@@ -1,5 +1,5 @@
-"""The C++ attention kernel alone, decode-shaped (docs/BENCHMARKS.md: "The C++ attention kernel after
-gpt-oss's sinks and window"): 4 rows of 1 token, 9 query heads over 3 kv heads, head 64, 1,024
+"""The C++ attention kernel alone, decode-shaped (docs/BENCHMARKS.md: "The C++ attention kernel
+after gpt-oss's sinks and window"): 4 rows of 1 token, 9 query heads over 3 kv heads, head 64, 1,024
 cached positions, float32. Prints the best and median microseconds a call over 7 rounds of 200."""
 
 import time
