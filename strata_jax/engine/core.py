@@ -30,7 +30,7 @@ from . import research
 from .execute import embeddings
 from .execute.controls import wants_controls
 from .execute.memory import is_resource_exhausted
-from .families import family_config, is_hybrid
+from .families import family_config, is_hybrid, keeps_state
 from .grammar.constrain import Grammars
 from .prompt import fit_context, prompt_ids, turn_end
 from .request import (
@@ -107,8 +107,9 @@ class EngineCore:
             self.runner.warmup(progress=progress)
         self.slots = [Slot(i) for i in range(self.config.parallel)]
         states = None
-        # a recurrent state resumes only where one was kept (state_checkpoints.py)
-        if is_hybrid(self.spec):
+        # a slot's state (a recurrent one, gpt-oss's rings) resumes only where one was kept
+        # (state_checkpoints.py)
+        if keeps_state(self.spec):
             states = StateCheckpoints(self.runner.kv, self.config.parallel,
                                       self.config.ctx_checkpoints, self.config.checkpoint_every)
         # which slot a request takes, what it reuses
@@ -354,7 +355,7 @@ class EngineCore:
                   else None)
         self.output.apply(w, outs)
         self.prefix.after_window(w)
-        if starts is not None and self.prefix.states is not None:
+        if starts is not None and is_hybrid(self.spec):
             self._keep_accepted_states(w, starts)
         if self.speculator is not None and hiddens is not None:
             self._after_window(w, hiddens)

@@ -16,8 +16,13 @@ attention with KV of its own (KV layer spec.kv_layer(n_layers)), no recurrent st
 tiers run them as any MoE family (model/stages.py's attention stage is a DeltaNet layer's mixing for
 those layers).
 
-gpt-oss runs as the attention families do (its windowed layers keep full-length KV, the window in
-the mask), with --kv-resident and several devices refused (_gpt_oss_config).
+gpt-oss keeps its sliding-window layers' keys and values in a ring a slot (the window and the most
+tokens a slot reads in one window: model/transformer.py's ring_shapes), a slot's state as the hybrid
+families' DeltaNet state is: so prefix reuse resumes only at the slot's live state or a state
+checkpoint, with no forks and no conversation cache, as theirs (keeps_state); its verify windows
+need nothing more (a rejected draft's ring entry is never read: transformer._ring_attention), and
+its packed windows run (a token's keys are gathered for it alone). --kv-resident and several
+devices are refused (_gpt_oss_config).
 """
 
 from __future__ import annotations
@@ -34,24 +39,39 @@ def is_hybrid(spec) -> bool:
     return spec.deltanet is not None
 
 
+def keeps_state(spec) -> bool:
+    """Whether the family keeps a state a slot beside its positional KV (a hybrid family's DeltaNet
+    state, gpt-oss's sliding-window rings): one that exists only at the tokens where it was taken,
+    so prefix reuse resumes only there (engine/schedule/state_checkpoints.py)."""
+    return is_hybrid(spec) or bool(getattr(spec, "ring_layers", ()))
+
+
 def family_config(cfg: EngineConfig, spec) -> EngineConfig:
-    """cfg as the engine runs spec's family: unchanged for the attention families; for a hybrid one,
-    prefix reuse off; and a ConfigError for a setting the family cannot run with yet (_refuse).
-    deepseek2 (MLA: model/mla.py) runs as the attention families but for --kv-resident (its host
-    blocks would hold values its cache does not store)."""
+    """cfg as the engine runs spec's family: unchanged for the attention families; for a hybrid one
+    (and gpt-oss: keeps_state), prefix reuse from state checkpoints only; and a ConfigError for a
+    setting the family cannot run with yet (_refuse). deepseek2 (MLA: model/mla.py) runs as the
+    attention families but for --kv-resident (its host blocks would hold values its cache does not
+    store)."""
     if getattr(spec, "mla", None) is not None:
         _refuse(cfg, spec, "its latent KV cache keeps every position on the device", devices=False)
         return cfg
     if spec.attn_sinks:
-        return _gpt_oss_config(cfg, spec)
+        cfg = _gpt_oss_config(cfg, spec)
+        return (_no_conversation_cache(cfg, spec, "the sliding-window layers' rings")
+                if keeps_state(spec) else cfg)
     if not is_hybrid(spec):
         return cfg
-    arch = spec.architecture
     _refuse(cfg, spec, "its Gated DeltaNet state cannot be cut back or split; issue 34")
+    return _no_conversation_cache(cfg, spec, "the recurrent state")
+
+
+def _no_conversation_cache(cfg: EngineConfig, spec, state: str) -> EngineConfig:
+    """cfg with the conversation cache off (keeps_state: it would keep KV without `state`, which
+    goes with it)."""
     if cfg.conversation_cache_mib:
-        log.info("%s: --conversation-cache-mib is off (it keeps KV without the recurrent state it "
-                 "goes with); prefix reuse resumes from state checkpoints "
-                 "(--ctx-checkpoints)", arch)
+        log.info("%s: --conversation-cache-mib is off (it keeps KV without %s it goes with); "
+                 "prefix reuse resumes from state checkpoints (--ctx-checkpoints)",
+                 spec.architecture, state)
     return replace(cfg, conversation_cache_mib=0)
 
 
@@ -68,9 +88,9 @@ def _refuse(cfg: EngineConfig, spec, why: str, devices: bool = True) -> None:
 
 
 def _gpt_oss_config(cfg: EngineConfig, spec) -> EngineConfig:
-    """gpt-oss (model/gpt_oss.py) runs as the attention families do, its sliding-window layers'
-    KV full-length (the window is in the attention mask), so prefix reuse, forks and the
-    conversation cache need nothing of their own. Refused, with a ConfigError that names the
+    """gpt-oss (model/gpt_oss.py) runs as the attention families do but for its sliding-window
+    layers' rings, a slot's state (keeps_state: prefix reuse from state checkpoints, no forks, no
+    conversation cache). Refused, with a ConfigError that names the
     setting: --kv-resident (the cpu kernel's host-block parts have no sinks or window yet) and
     several devices or processes (the experts' biases are not split with them yet). The expert
     tiers run it: its expert biases stay resident and go to the stages with the shared expert

@@ -28,6 +28,7 @@ from ..experts.host import expert_tensors
 from ..experts.profile import ExpertProfile
 from ..gguf import GGUFModel
 from ..model import RunOptions, load_nextn_experts, load_params
+from ..model.transformer import ring_size
 from .choices import KV_DTYPES, packable_bytes, resolve
 from .distributed.devices import (
     AXIS,
@@ -92,9 +93,12 @@ class ModelRunner:
         # a hybrid family with --spec keeps its DeltaNet state after each token of a verify window
         # (keep_steps)
         steps = 1 + cfg.spec if is_hybrid(self.spec) and cfg.spec > 0 else 0
+        # gpt-oss's sliding-window layers: a ring a slot of the window and the most tokens a slot
+        # reads in one window (a prompt chunk, a verify row; model.transformer.ring_size)
+        self.ring = ring_size(self.spec, max(int(self.choices["prefill"]), 1 + cfg.spec))
         # what the flags ask of host RAM, refused here with the figures when it cannot fit
         _host_needs(model, cfg, self.choices, self.kv_dtype, self.device_len, self.cache_len,
-                    steps).check(memory_limit(cfg.memory_limit_gib))
+                    steps, self.ring).check(memory_limit(cfg.memory_limit_gib))
         self.ledger = ledger_for(cfg, self.split, len(devs))
         # The routed experts are placed after the weights and the KV cache: all on the device when
         # they fit (--expert-cache auto), else in a device arena fed by the host and file tiers
@@ -103,7 +107,7 @@ class ModelRunner:
                                   experts=False, pack=self.choices["pack"])
         self.ledger.reserve_bytes("weights", _tree_bytes(self.params), "the model's weights")
         self.ledger.reserve_bytes("kv", kv_bytes(self.spec, self.kv_dtype, cfg.parallel,
-                                                 self.device_len, steps),
+                                                 self.device_len, steps, self.ring),
                                   f"the KV cache of {cfg.parallel} slots ({self.device_len} "
                                   "positions a slot)")
         host = None
@@ -115,7 +119,7 @@ class ModelRunner:
                           self.spec, cfg.parallel, self.device_len, self.kv_dtype, host,
                           place=self.shards.replicate if self.shards is not None else None,
                           stages=stage_kv(self.spec, devs) if self.split == "layers" else None,
-                          steps=steps)
+                          steps=steps, ring=self.ring)
         # --drafter mtp: window programs also hand back every token's last hidden state (the MTP
         # layer's input), kept on the device until the engine takes them (take_hiddens)
         self.with_hidden = cfg.spec > 0 and cfg.drafter == "mtp"
@@ -355,14 +359,14 @@ def _tree_bytes(tree) -> int:
 
 
 def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, device_len: int,
-                cache_len: int, steps: int) -> HostNeeds:
+                cache_len: int, steps: int, ring: int = 0) -> HostNeeds:
     """What the flags ask for in host RAM (engine/host_memory.py): on a CPU device the KV cache and
     any weight copies are host RAM too; on any device the host part of the KV (--kv-resident), the
     host expert tier's budget and the conversation cache."""
     spec, items = model.spec, {}
     if jax.default_backend() == "cpu":
         items[f"the KV cache ({cfg.parallel} slots x {device_len} positions)"] = kv_bytes(
-            spec, kv_dtype, cfg.parallel, device_len, steps)
+            spec, kv_dtype, cfg.parallel, device_len, steps, ring)
         if choices["weights"] == "dequantized":
             items["the dequantized weights"] = np.dtype(choices["dtype"]).itemsize * sum(
                 t.n_values for t in model.tensors.values())

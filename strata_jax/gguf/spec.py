@@ -181,15 +181,26 @@ class ModelSpec:
         return 0 if self.mla is not None else self.value_dim
 
     @property
+    def ring_layers(self) -> tuple[int, ...]:
+        """gpt-oss's sliding-window layers, whose keys and values live in a ring of a few positions
+        past the window a slot (model/transformer.new_kv_cache's "k_swa", "v_swa"), not in the
+        full-length KV."""
+        return self.swa_layers if self.sliding_window else ()
+
+    @property
     def n_kv_layers(self) -> int:
-        """Layers with keys and values in the KV cache: the attention ones, then the NextN (MTP)
-        ones."""
-        return self.n_layers - len(self.deltanet_layers) + self.n_nextn
+        """Layers with keys and values in the full-length KV cache: the attention ones (less
+        gpt-oss's ring layers), then the NextN (MTP) ones."""
+        return (self.n_layers - len(self.deltanet_layers) - len(self.ring_layers)
+                + self.n_nextn)
 
     def kv_layer(self, layer: int) -> int:
         """Layer `layer`'s index in the KV cache (an attention layer: the attention layers before
-        it), or in the DeltaNet state arrays (a DeltaNet layer: the DeltaNet layers before it)."""
-        return sum(self.kind(i) == self.kind(layer) for i in range(layer))
+        it), in the DeltaNet state arrays (a DeltaNet layer: the DeltaNet layers before it), or in
+        the rings (gpt-oss's sliding-window layers: the ring layers before it)."""
+        ring = layer in self.ring_layers
+        return sum(self.kind(i) == self.kind(layer) and (i in self.ring_layers) == ring
+                   for i in range(layer))
 
     @property
     def runnable(self) -> bool:

@@ -69,7 +69,8 @@ def rope(x: jax.Array, pos: jax.Array, spec: ModelSpec) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: int,
-           more=None, sinks: jax.Array | None = None, window: jax.Array | None = None) -> jax.Array:
+           more=None, sinks: jax.Array | None = None, window: jax.Array | None = None,
+           k_pos: jax.Array | None = None) -> jax.Array:
     """q [R, L, H, D] over the cached k, v [R, C, K, D] (key c sits at position c); a query at
     position p sees keys 0..p (none when p < 0: padding). -> [R, L, H, Dv].
 
@@ -87,6 +88,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
     gpt-oss (gpt_oss.py): `sinks` [H], each head's sink logit in the softmax's denominator; `window`
     (an int32 scalar, 0: none) masks keys with q_pos - k_pos >= window. A chunk wholly before a
     query's window changes nothing, as one wholly in its future.
+
+    `k_pos` [R, C] int32 (gpt-oss's ring layers, transformer.py): the position each key holds in
+    place of its index (-1: none, never seen). A query sees the same keys, in the same chunk order,
+    however its row's window was cut, so its bits are the same alone, batched or resumed.
     """
     R, L, H, D = q.shape
     C, K, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -100,14 +105,19 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
     def step(carry, xs):
         # [R, K, G, L] ...
         m, s, acc = carry
-        kb, vb, c0 = xs
+        kb, vb, c0 = xs[:3]
         # [R, K, G, L, chunk]
         sc = jnp.einsum("rlkgd,rckd->rkglc", qg, kb.astype(jnp.float32))
-        kpos = c0 + jnp.arange(chunk, dtype=jnp.int32)
+        # [R or 1, 1, chunk]
+        if k_pos is None or len(xs) == 3:       # (host blocks: positions by index)
+            kpos = (c0 + jnp.arange(chunk, dtype=jnp.int32))[None, None, :]
+            visible = kpos <= q_pos[:, :, None]
+        else:
+            kpos = xs[3][:, None, :]
+            visible = (kpos >= 0) & (kpos <= q_pos[:, :, None])
         # [R, L, chunk]
-        visible = kpos[None, None, :] <= q_pos[:, :, None]
         if window is not None:
-            visible &= (window <= 0) | (q_pos[:, :, None] - kpos[None, None, :] < window)
+            visible &= (window <= 0) | (q_pos[:, :, None] - kpos < window)
         sc = jnp.where(visible[:, None, None], sc, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -120,7 +130,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, chunk: in
     init = (jnp.full((R, K, G, L), -jnp.inf, jnp.float32), jnp.zeros((R, K, G, L), jnp.float32),
             jnp.zeros((R, K, G, L, Dv), jnp.float32))
     starts = jnp.arange(n, dtype=jnp.int32) * chunk
-    carry, _ = jax.lax.scan(step, init, (kc, vc, starts))
+    xs = (kc, vc, starts) if k_pos is None else (kc, vc, starts,
+                                                 k_pos.reshape(R, n, chunk).swapaxes(0, 1))
+    carry, _ = jax.lax.scan(step, init, xs)
     if more is not None:
         fetch, block_starts, block = more
         nb = block // chunk

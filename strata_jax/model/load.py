@@ -86,9 +86,10 @@ def load_params(model: GGUFModel, mode: str, dtype: str, progress: bool = False,
                  if prefix + suffix in t and (experts or short not in EXPERT_TENSORS)}
         if spec.mla is not None:
             return MlaWeights.from_named(named, spec.mla)
-        if spec.sliding_window:
-            # gpt-oss: every layer carries its window (0: full attention), the KV full-length either
-            # way (the window is done in the mask, so the prefix cache needs no change)
+        if i in spec.ring_layers:
+            # gpt-oss's sliding-window layers carry their window (None: a full layer): its presence
+            # says, statically, that the layer's KV is a ring (transformer.attention), so the two
+            # kinds build programs of their own (the layer-stepped stages' kinds too)
             named["window"] = jnp.int32(spec.window(i))
         return (DeltaNetWeights if deltanet else LayerWeights).from_named(named)
 

@@ -93,9 +93,9 @@ class LayerWeights:
     router: Router | None = None
     experts: dict[str, Weight] | None = None
     shared: Mlp | None = None
-    # gpt-oss: attn_output's bias [h], the sink logit a head [H] (attn_sinks), the layer's sliding
-    # window (int32 scalar, 0: none; data, so the full and windowed layers share programs) and the
-    # experts' biases
+    # gpt-oss: attn_output's bias [h], the sink logit a head [H] (attn_sinks), a sliding-window
+    # layer's window (int32 scalar; None: a full layer. Its presence is static: the layer keeps its
+    # KV in a ring, transformer.attention) and the experts' biases
     bo: jax.Array | None = None
     sinks: jax.Array | None = None
     window: jax.Array | None = None

@@ -50,27 +50,61 @@ class RunOptions:
 
 
 def new_kv_cache(spec: ModelSpec, n_slots: int, max_context: int, dtype,
-                 steps: int = 0) -> dict[str, jax.Array]:
+                 steps: int = 0, ring: int = 0) -> dict[str, jax.Array]:
     """Keys and values [layers, slots, max_context + 1, kv_heads, head_dim]; the extra position is
     where padding tokens write, and no query ever reads it. int8: with a float32 scale per token and
     head ([layers, slots, max_context + 1, kv_heads]). layers = spec.n_kv_layers: the attention
     layers (all of them but a hybrid family's DeltaNet ones), then the NextN (MTP) layers' (mtp.py
     writes layer n_layers). The hybrid families' DeltaNet state beside them: state_shapes (`steps`:
-    its verify windows' tokens)."""
+    its verify windows' tokens). gpt-oss's sliding-window layers keep theirs in rings beside them:
+    ring_shapes (`ring`: its entries a slot)."""
     shape = (spec.n_kv_layers, n_slots, max_context + 1, spec.n_kv_heads, spec.head_dim)
     vshape = shape[:-1] + (spec.cached_value_dim,)     # MLA: none (a view of the keys: mla.py)
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(vshape, dtype)}
     if jnp.dtype(dtype) == jnp.int8:
         cache |= {"k_scale": jnp.zeros(shape[:-1], jnp.float32),
                   "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
+    cache |= {name: jnp.zeros(s, dt)
+              for name, (s, dt) in ring_shapes(spec, n_slots, max_context, dtype, ring).items()}
     return (cache | {name: jnp.zeros(s, jnp.float32)
                      for name, s in state_shapes(spec, n_slots, steps).items()})
 
 
-# The cache's arrays with a positions axis (axis 2); a hybrid family's slot state (one a slot, no
-# positions); the rest ("conv_steps", "ssm_steps": state_shapes) live only through a verify window.
+# The cache's arrays with a positions axis (axis 2); a slot's state (one a slot, no positions: a
+# hybrid family's DeltaNet state, gpt-oss's rings); the rest ("conv_steps", "ssm_steps":
+# state_shapes) live only through a verify window.
 POSITIONAL = ("k", "v", "k_scale", "v_scale")
-STATE = ("conv", "ssm")
+RINGS = ("k_swa", "v_swa", "k_swa_scale", "v_swa_scale")
+STATE = ("conv", "ssm") + RINGS
+
+
+def ring_size(spec: ModelSpec, most_tokens: int) -> int:
+    """The entries a slot's ring holds for gpt-oss's sliding-window layers: the window, and the most
+    tokens one slot reads in one window (`most_tokens`: a prompt chunk, a verify row's 1 + --spec),
+    so that every key a query of that window sees is still there (position p lives at entry p %
+    ring; _ring_attention). 0 for every other family."""
+    return spec.sliding_window + most_tokens if spec.ring_layers else 0
+
+
+def ring_shapes(spec: ModelSpec, n_slots: int, max_context: int, dtype,
+                ring: int = 0) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
+    """gpt-oss's sliding-window layers' keys and values: "k_swa", "v_swa" [ring layers, slots, ring
+    + 1, kv_heads, head_dim] in the KV dtype (int8: with float32 scales "k_swa_scale",
+    "v_swa_scale" [..., kv_heads]), position p at entry p % ring, the last entry the one padding
+    tokens write. A slot's state, not positions: it exists only at the tokens the slot has read (the
+    prefix cache resumes there or at a checkpoint, as a hybrid family's). ring 0: the window and
+    max_context (always enough). {} for every other family."""
+    n = len(spec.ring_layers)
+    if not n:
+        return {}
+    ring = ring or spec.sliding_window + max_context
+    shape = (n, n_slots, ring + 1, spec.n_kv_heads, spec.head_dim)
+    dt = jnp.dtype(dtype)
+    out = {"k_swa": (shape, dt), "v_swa": (shape[:-1] + (spec.value_dim,), dt)}
+    if dt == jnp.int8:
+        out |= {"k_swa_scale": (shape[:-1], jnp.dtype(jnp.float32)),
+                "v_swa_scale": (shape[:-1], jnp.dtype(jnp.float32))}
+    return out
 
 
 def state_shapes(spec: ModelSpec, n_slots: int, steps: int = 0) -> dict[str, tuple[int, ...]]:
@@ -164,11 +198,10 @@ def forward(params: dict, spec: ModelSpec, opts: RunOptions, groups: tuple[Group
     # [R, L, h] each
     xs = embed_stage(params, opts, tuple(g.tokens for g in groups))
     for i, lp in enumerate(params["layers"]):
-        if counts is None:
-            xs, cache = decoder_layer(lp, i, spec, opts, groups, xs, cache, kv_len, host)
-        else:
-            xs, cache, counts = decoder_layer(lp, i, spec, opts, groups, xs, cache, kv_len, host,
-                                              counts)
+        # decoder_layer's halves: the cache's layer (spec.kv_layer: gpt-oss's ring layers and full
+        # layers count apart), the expert profile's the model's
+        xs, cache = attention(lp, spec.kv_layer(i), spec, opts, groups, xs, cache, kv_len, host)
+        xs, counts = ffn_half(lp, i, spec, opts, groups, xs, counts)
     logits, hiddens = head_stage(params, spec, opts, groups, xs, with_hidden=True)
     return ForwardOut(logits, cache, hiddens if with_hidden else None, counts)
 
@@ -244,11 +277,18 @@ def attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs
     if spec.mla is not None:        # deepseek2's latent attention, its own cache entries
         from . import mla
         return mla.attention(lp, i, spec, opts, groups, xs, cache, kv_len, host)
-    new = [_project_qkv(lp, i, spec, opts, g, x, cache) for g, x in zip(groups, xs)]
+    # gpt-oss's sliding-window layer (static: its window is there): its ring, not the KV
+    ring = lp.window is not None
+    names = ("k_swa", "v_swa") if ring else ("k", "v")
+    new = [_project_qkv(lp, i, spec, opts, g, x, cache, names) for g, x in zip(groups, xs)]
     gates = [gate for _, _, gate in new]
     new = [(q, stored) for q, stored, _ in new]
     for g, (_, stored) in zip(groups, new):
-        cache = _write(cache, i, g.slots, _write_at(cache, g), stored)
+        at = _ring_at(cache, g) if ring else _write_at(cache, g)
+        cache = _write(cache, i, g.slots, at, stored)
+    if ring:
+        return _ring_attention(lp, i, spec, opts, groups, xs, [q for q, _ in new], cache,
+                               gates), cache
     if pk.is_cpu(opts.backend):
         if host is None or kv_len <= host.resident:
             return (_attend_in_place(lp, i, opts, groups, xs, [q for q, _ in new], cache,
@@ -276,10 +316,83 @@ def _write_at(cache: dict, g: Group) -> jax.Array:
     return jnp.where((g.pos >= 0) & (g.pos < scratch), g.pos, scratch)
 
 
-def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache):
+def _ring_at(cache: dict, g: Group) -> jax.Array:
+    """Where a group's new entries go in a ring layer's ring [R, L]: position p at entry p % ring;
+    padding to the last entry, which no query reads."""
+    ring = cache["k_swa"].shape[2] - 1
+    return jnp.where(g.pos >= 0, g.pos % ring, ring)
+
+
+def _ring_attention(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, groups, xs, qs, cache,
+                    gates) -> list:
+    """A sliding-window layer's attention over its ring (ring_shapes; its entries already written):
+    x + attention per group.
+
+    A row's keys: ring entry j holds the latest position written there, and for a row whose last
+    real query position in this window is qmax, that is kpos = qmax - ((qmax - j) mod ring) for
+    every entry a query of the row may see. The ring holds window + T entries (T: the most tokens a
+    slot reads in one window: ring_size), so the keys a query q >= qmax - T + 1 sees, positions q -
+    window + 1 .. q, are all there, written in this window or the slot's earlier ones; an entry
+    written by a position past qmax (a rejected draft, a longer turn cut back) gets a kpos <= qmax -
+    ring, out of every query's window: never read. So the slot's ring is right wherever it has read
+    exactly its kept tokens (its live state) or was restored from a checkpoint taken there.
+
+    xla: attend over each row's ring with those positions (k_pos). cpu: the C++ kernel over each
+    token's own window of keys, gathered in position order from max(0, q - window + 1) on (its
+    tiles then fall where the token's position puts them, however it is batched): the kernel's
+    fixed order a query, as for the full layers."""
+    ring = cache["k_swa"].shape[2] - 1
+    if pk.is_cpu(opts.backend):
+        H, D = qs[0].shape[2:]
+        W = spec.sliding_window
+        q = jnp.concatenate([q.reshape(-1, 1, H, D) for q in qs])               # [T, 1, H, D]
+        slots = jnp.concatenate([jnp.repeat(g.slots, g.tokens.shape[1]) for g in groups])
+        pos = jnp.concatenate([g.pos.reshape(-1) for g in groups])               # [T]
+        base = jnp.maximum(pos - (W - 1), 0)
+        # [T, W + 1]: the kernel takes a cache's last position for scratch, never read
+        at = (base[:, None] + jnp.arange(W + 1, dtype=jnp.int32)) % ring
+
+        def view(name):                # [1, T, W + 1, K(, D)]: the tokens' windows as a cache
+            return cache[name][i, slots[:, None], at][None] if name in cache else None
+
+        T = q.shape[0]
+        flat = pk.cpu.attention(q, view("k_swa"), view("v_swa"), 0,
+                                jnp.arange(T, dtype=jnp.int32),
+                                jnp.where(pos >= 0, pos - base, -1)[:, None],
+                                view("k_swa_scale"), view("v_swa_scale"), sinks=lp.sinks,
+                                window=lp.window)
+        o, n = [], 0
+        for g in groups:
+            m = g.tokens.shape[0] * g.tokens.shape[1]
+            o.append(flat[n:n + m].reshape(*g.tokens.shape, H, -1))
+            n += m
+    else:
+        dtype = jnp.dtype(opts.dtype)
+        chunk = min(opts.attn_chunk, ring)
+        padded = -(-ring // chunk) * chunk
+        slots = jnp.concatenate([g.slots for g in groups])
+        pad = ((0, 0), (0, padded - ring), (0, 0), (0, 0))
+        keys = jnp.pad(_read(cache, "k_swa", i, slots, ring, dtype), pad)   # [rows, padded, K, D]
+        vals = jnp.pad(_read(cache, "v_swa", i, slots, ring, dtype), pad)
+        j = jnp.arange(padded, dtype=jnp.int32)
+        o, n = [], 0
+        for g, q in zip(groups, qs):
+            R = g.tokens.shape[0]
+            qmax = jnp.max(g.pos, axis=1)[:, None]                                     # [R, 1]
+            kpos = jnp.where(j < ring, qmax - jnp.mod(qmax - j, ring), -1)         # [R, padded]
+            o.append(attend(q, keys[n:n + R], vals[n:n + R], g.pos, chunk, sinks=lp.sinks,
+                            window=lp.window, k_pos=kpos))
+            n += R
+    return [_output(lp, opts, x, y.astype(x.dtype).reshape(*g.tokens.shape, -1), gate)
+            for g, x, y, gate in zip(groups, xs, o, gates)]
+
+
+def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Group, x, cache,
+                 names=("k", "v")):
     """Queries [R, L, H, D], the new keys and values as the cache stores them (_stored) and the
     output gate [R, L, H * Dv] (the hybrid families' gated attention: attn_q holds [q | gate] a
-    head), else None, for one group."""
+    head), else None, for one group. names: the cache's arrays they go to (gpt-oss's rings:
+    "k_swa", "v_swa")."""
     dtype = jnp.dtype(opts.dtype)
     H, K, D, Dv = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.value_dim
     R, L = g.tokens.shape
@@ -300,7 +413,7 @@ def _project_qkv(lp: LayerWeights, i, spec: ModelSpec, opts: RunOptions, g: Grou
         q = norm_linear_many(q, lp.q_norm, spec.rms_eps, [], opts.backend)[0]
         k = norm_linear_many(k, lp.k_norm, spec.rms_eps, [], opts.backend)[0]
     q, k = rope(q, g.pos, spec), rope(k, g.pos, spec)
-    return q, _stored(cache, "k", k) | _stored(cache, "v", v), gate
+    return q, _stored(cache, names[0], k) | _stored(cache, names[1], v), gate
 
 
 def _output(lp: LayerWeights, opts: RunOptions, x, y, gate):

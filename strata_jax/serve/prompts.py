@@ -70,7 +70,8 @@ class Prompts:
                  reasoning_budget: int = -1):
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
-        # a hybrid family keeps its state at a chat's turn end (state_checkpoints.py)
+        # a family with a slot state (families.keeps_state: hybrid, gpt-oss) keeps it at a chat's
+        # turn end (state_checkpoints.py)
         self.hybrid = hybrid
         # the template's variables a request does not set (--reasoning)
         self.template_vars = template_vars or {}
@@ -89,14 +90,14 @@ class Prompts:
              **options: Any) -> Prompts:
         """From the model's file (its header only: the tokenizer is metadata), as the engine loads
         it; options: Prompts' template_vars, prefill, dates, reasoning_budget."""
-        from ..engine.families import is_hybrid
+        from ..engine.families import keeps_state
         from ..gguf import GGUFModel, load_tokenizer
 
         model_file = GGUFModel.open(model)
         tokenizer = load_tokenizer(model_file.metadata)
         if chat_template:
             tokenizer.use_chat_template(chat_template)
-        return cls(tokenizer, n_ctx, is_hybrid(model_file.spec), **options)
+        return cls(tokenizer, n_ctx, keeps_state(model_file.spec), **options)
 
     def prepare(self, prompt: str | list[Any], params: RequestParams,
                 chat_template_kwargs: dict | None = None, text: bool = False) -> Prepared:

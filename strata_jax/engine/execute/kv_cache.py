@@ -28,14 +28,15 @@ import numpy as np
 from jax import lax
 
 from ...model import new_kv_cache
-from ...model.transformer import POSITIONAL, STATE, state_shapes
+from ...model.transformer import POSITIONAL, STATE, ring_shapes, state_shapes
 from .kv_host import KVHostStore
 
 
-def kv_bytes(spec, dtype, parallel: int, device_len: int, steps: int = 0) -> int:
+def kv_bytes(spec, dtype, parallel: int, device_len: int, steps: int = 0, ring: int = 0) -> int:
     """Device bytes of the cache of `parallel` slots of `device_len` positions (what the ledger
-    reserves)."""
-    # new_kv_cache: MTP layers too
+    reserves): the full-length layers' KV, gpt-oss's sliding-window layers' rings of `ring`
+    entries a slot (model.transformer.ring_shapes) and a hybrid family's DeltaNet state."""
+    # new_kv_cache: MTP layers too; not gpt-oss's ring layers
     layers = spec.n_kv_layers
     # MLA: the latent and rope key alone (its values are a view of them)
     per_pos = (layers * spec.n_kv_heads * (spec.head_dim + spec.cached_value_dim)
@@ -45,20 +46,23 @@ def kv_bytes(spec, dtype, parallel: int, device_len: int, steps: int = 0) -> int
         per_pos += layers * spec.n_kv_heads * 2 * 4
     # DeltaNet state, f32
     state = sum(4 * int(np.prod(s)) for s in state_shapes(spec, parallel, steps).values())
-    return per_pos * parallel * (device_len + 1) + state
+    rings = sum(int(np.prod(s)) * dt.itemsize
+                for s, dt in ring_shapes(spec, parallel, device_len, dtype, ring).values())
+    return per_pos * parallel * (device_len + 1) + state + rings
 
 
 class KVCache:
     def __init__(self, spec, parallel: int, device_len: int, dtype, host: KVHostStore | None = None,
                  place: Callable[[dict], dict] | None = None, stages: list | None = None,
-                 steps: int = 0):
+                 steps: int = 0, ring: int = 0):
         """place: where the arrays live when not on the default device (--split experts: on every
         device). stages (--split layers): [(a stage's spec, its device)]: the arrays are then a
         tuple of per-stage dicts, each [its layers, slots, ...] on its device (layer i of the model
         is layer i - start of its stage's), and read, write, copy and slot join or split them on the
         layer axis. steps: a hybrid family's verify windows' tokens a row
-        (model.transformer.state_shapes; keep_steps)."""
-        make = lambda: new_kv_cache(spec, parallel, device_len, dtype, steps)
+        (model.transformer.state_shapes; keep_steps). ring: gpt-oss's sliding-window layers' ring
+        entries a slot (model.transformer.ring_size)."""
+        make = lambda: new_kv_cache(spec, parallel, device_len, dtype, steps, ring)
         if stages is not None:
             make = lambda: tuple(jax.device_put(new_kv_cache(s, parallel, device_len, dtype), d)
                                  for s, d in stages)
@@ -159,8 +163,8 @@ class KVCache:
             self.host.put(slot, start + on_dev, {k: v[:, on_dev:] for k, v in block.items()})
 
     def read_state(self, slot: int) -> dict[str, np.ndarray]:
-        """A slot's whole fixed-size state (a hybrid family's DeltaNet conv and delta-rule state):
-        {name: [layers, ...]}, {} for the attention families."""
+        """A slot's whole fixed-size state (a hybrid family's DeltaNet conv and delta-rule state,
+        gpt-oss's rings): {name: [layers, ...]}, {} for the other families."""
         return {name: np.asarray(a[:, slot]) for name, a in self._arrays.items() if name in STATE}
 
     def write_state(self, slot: int, state: dict[str, np.ndarray]) -> None:
