@@ -10,7 +10,8 @@ with truncate=False rounds the correction range otherwise than llama.cpp; the GG
 llama.cpp's). Tolerance as in
 test_model_logits.py: 1e-4 of the largest logit (measured ~1e-6: float32 on both sides). The made
 model's window is 8 (layer 0 uses it, layer 1 is full): the prompts here are mostly longer, read
-in chunks of 32.
+in chunks of 32 (16 for the logits checks against transformers), so the windowed layer's ring (8 +
+the chunk entries a slot: model/transformer.ring_shapes) wraps in all of them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from logit_checks import mean_kl
 import pallas_kernels as pk
 from strata_jax import Engine, EngineConfig
 from strata_jax.config import ConfigError
+from strata_jax.engine.execute.kv_cache import KVCache, kv_bytes
 from strata_jax.gguf import GGUFModel, ModelSpec
 from strata_jax.model.layers import attend
 from strata_jax.testing.hf_gpt_oss import load_gpt_oss
@@ -65,10 +67,17 @@ def _hf(model, ids):
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
+# the transformers checks' prompt chunk: the windowed layer's ring holds 8 + 16 = 24 entries a slot,
+# and their prompts (40 and 48 tokens) are read in three chunks each
+CHUNK = 16
+
+
 def _ours(path, ids, backend, weights, math="exact"):
-    cfg = EngineConfig(max_context=128, weights=weights, warmup=False, cpu_math=math, prefill=32,
-                       backend=backend)
+    cfg = EngineConfig(max_context=128, weights=weights, warmup=False, cpu_math=math,
+                       prefill=CHUNK, backend=backend)
     with Engine.from_gguf(path, cfg) as eng:
+        ring = eng.runner.kv.arrays["k_swa"].shape[2] - 1
+        assert ring == eng.runner.ring == 8 + CHUNK < len(ids), (ring, len(ids))
         return eng.logits(ids)
 
 
@@ -101,8 +110,9 @@ def xla_logits(made):
 
 
 def test_logits_match_transformers_on_xla(xla_logits):
-    """48 tokens (window 8) read as chunks of 32 and 16, on the XLA attention (model/layers.py
-    attend): transformers reads them in one call."""
+    """48 tokens (window 8) read as three chunks of 16 into a ring of 24 entries, on the XLA
+    attention (model/layers.py attend over each row's ring with its keys' positions): transformers
+    reads them in one call."""
     _, ours, ref, _ = xla_logits
     assert ours.shape == ref.shape == (48, 512)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=TOL * np.abs(ref).max())
@@ -233,26 +243,62 @@ def test_mxfp4_experts_greedy_tokens_match_llamacpp(made):
 
 def test_concurrent_requests_and_the_prefix_cache(made):
     """The engine as a user runs it (Q8_0, int8 cpu math): 8 greedy requests at once give each one's
-    tokens alone; a second turn resumes from the first turn's KV in the prefix cache (the windowed
-    layer's KV is full-length: nothing of its own to keep) and gives the tokens of a cold run (a
-    request of another cache_salt, which shares no KV)."""
+    tokens alone. The windowed layer's ring (8 + 32 entries a slot) is a slot's state, as a hybrid
+    family's DeltaNet state (engine/families.keeps_state): a second turn resumes at the slot's live
+    state (every token it read) and a prompt that goes on from the first turn's prompt but not its
+    answer at the checkpoint taken where that prompt ended (the ring as it was there: the answer's
+    entries, still in the live ring where the new tokens' queries would see them, are gone), each
+    giving the tokens of a cold run (a request of another cache_salt, which shares no KV); a prompt
+    that shares only its first 20 tokens with the slot reuses nothing (no state there: its full
+    layers' KV would match, the ring has moved on) and gives the cold tokens too. The ledger's KV
+    (kv_bytes) is the arrays the cache holds, the rings counted at their entries, not positions."""
     path, _ = made("Q8_0")
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 40, 17, 30, 3, 33, 24, 9)]
     with Engine.from_gguf(path, EngineConfig(parallel=8, max_context=128, prefill=32)) as eng:
+        r = eng.runner
+        held = sum(a.nbytes for a in r.kv.arrays.values())
+        ledger = kv_bytes(r.spec, r.kv_dtype, 8, r.device_len, ring=r.ring)
         alone = [eng.generate(p, max_tokens=12, ignore_eos=True).tokens for p in prompts]
         handles = [eng.submit(p, max_tokens=12, ignore_eos=True) for p in prompts]
         together = [[ev.token for ev in h if ev.kind == "token"] for h in handles]
         p1 = _ids(37, seed=9)
         a1 = eng.generate(p1, max_tokens=6, ignore_eos=True, cache_salt="a")
         p2 = p1 + a1.tokens + _ids(21, seed=10)
-        warm = eng.generate(p2, max_tokens=12, ignore_eos=True, cache_salt="a")
-        cold = eng.generate(p2, max_tokens=12, ignore_eos=True, cache_salt="b")
+        runs = {}
+        for name, p in (("live", p2), ("checkpoint", p1 + _ids(25, seed=16)),
+                        ("short", p1[:20] + _ids(30, seed=17))):
+            runs[name] = [eng.generate(p, max_tokens=12, ignore_eos=True, cache_salt=salt)
+                          for salt in ("a", name)]
+        states = eng.stats()["prefix_cache"]["state_checkpoints"]
     assert together == alone
     assert all(len(t) == 12 for t in alone)
-    assert warm.stats["reused_tokens"] == len(p1) + len(a1.tokens) - 1
-    assert cold.stats["reused_tokens"] == 0
-    assert warm.tokens == cold.tokens
+    assert r.ring == 8 + 32 and ledger == held
+    # a full-length windowed layer: device_len + 1 positions, as the full layer's
+    assert ledger < kv_bytes(r.spec, r.kv_dtype, 8, r.device_len, ring=r.device_len)
+    for name, reused in (("live", len(p1) + len(a1.tokens) - 1), ("checkpoint", len(p1)),
+                         ("short", 0)):
+        warm, cold = runs[name]
+        assert (warm.stats["reused_tokens"], cold.stats["reused_tokens"]) == (reused, 0), name
+        assert warm.tokens == cold.tokens, name
+    assert states["live_reused"] >= 1 and states["restored"] >= 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
+def test_the_ledger_counts_the_rings_the_cache_holds(made, dtype):
+    """kv_bytes (what the ledger reserves) is the bytes of the arrays KVCache makes: the full layer
+    at every position, the windowed layer's ring at its entries (int8: with their scales); the
+    rings are the state a slot's checkpoint keeps (KVCache.read_state)."""
+    spec = GGUFModel.open(made()[0]).spec
+    kv = KVCache(spec, 3, 128, dtype, ring=24)
+    arrays = kv.arrays
+    assert arrays["k"].shape == (1, 3, 129, 2, 16) and arrays["k_swa"].shape == (1, 3, 25, 2, 16)
+    assert ("k_swa_scale" in arrays) == (dtype == jnp.int8)
+    assert kv_bytes(spec, dtype, 3, 128, ring=24) == sum(a.nbytes for a in arrays.values())
+    assert kv_bytes(spec, dtype, 3, 128, ring=24) < kv_bytes(spec, dtype, 3, 128, ring=128)
+    state = kv.read_state(1)
+    assert {n: a.shape for n, a in state.items() if n.startswith("k")} == (
+        {"k_swa": (1, 25, 2, 16)} | ({"k_swa_scale": (1, 25, 2)} if dtype == jnp.int8 else {}))
 
 
 def test_the_expert_tiers_carry_the_expert_biases(made, cpu_runs):
