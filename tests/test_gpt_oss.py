@@ -89,6 +89,10 @@ def test_the_spec_reads_the_family(made):
     g = GGUFModel.open(path)
     spec = g.spec
     assert (spec.sliding_window, spec.swa_layers, spec.window(0), spec.window(1)) == (8, (0,), 8, 0)
+    # the windowed layer's KV is a ring (model/transformer.ring_shapes), the full one's the KV's
+    # only layer: each is its kind's layer 0
+    assert (spec.ring_layers, spec.n_kv_layers) == ((0,), 1)
+    assert spec.kv_layer(0) == spec.kv_layer(1) == 0
     assert spec.attn_sinks and spec.expert_act == "swiglu_oai" and spec.rope_type == "neox"
     assert spec.expert_gating == "softmax_weight" and not spec.expert_weights_norm
     shapes = {n: t.shape for n, t in g.tensors.items()}

@@ -5,8 +5,12 @@ gpt-oss runs on transformer.forward with these differences, each where the share
   not scaled by 1/sqrt(D): p = e^(s - m) / (sum e^(s - m) + e^(sink - m)), m over the scores and the
   sink (sink_softmax_end here; the cpu kernel does the same in pallas_kernels/cpu/attention.cc);
 - sliding-window layers (the even ones by default): keys with q_pos - k_pos >= window masked. Their
-  KV stays full-length, the window done in the mask only: llama.cpp keeps 128 positions (its iSWA
-  cache), which would need the prefix cache and rollback to know about it; here they need nothing;
+  KV is bounded to the window, as llama.cpp's iSWA cache: a ring a slot of window + T entries (T the
+  most tokens a slot reads in one window), position p at entry p % ring (transformer.py's
+  ring_shapes, _ring_attention). The ring is a slot's state, as a hybrid family's DeltaNet state:
+  the prefix cache resumes a request only at the slot's live state or a state checkpoint
+  (engine/families.keeps_state, engine/schedule/state_checkpoints.py), and the ledger counts it at
+  its entries (kv_cache.kv_bytes);
 - biases on q, k, v and attn_output; the router's bias on its logits, the top-k of the logits then a
   softmax over those k (SOFTMAX_WEIGHT, layers.route);
 - the experts' biases (params.ExpertBiases) and the clamped SwiGLU, swiglu_oai below.
