@@ -95,7 +95,8 @@ class ModelRunner:
         steps = 1 + cfg.spec if is_hybrid(self.spec) and cfg.spec > 0 else 0
         # gpt-oss's sliding-window layers: a ring a slot of the window and the most tokens a slot
         # reads in one window (a prompt chunk, a verify row; model.transformer.ring_size)
-        self.ring = ring_size(self.spec, max(int(self.choices["prefill"]), 1 + cfg.spec))
+        self.ring = ring_size(self.spec, max(int(self.choices["prefill"]), 1 + cfg.spec),
+                              self.cache_len)
         # what the flags ask of host RAM, refused here with the figures when it cannot fit
         _host_needs(model, cfg, self.choices, self.kv_dtype, self.device_len, self.cache_len,
                     steps, self.ring).check(memory_limit(cfg.memory_limit_gib))

@@ -78,12 +78,13 @@ RINGS = ("k_swa", "v_swa", "k_swa_scale", "v_swa_scale")
 STATE = ("conv", "ssm") + RINGS
 
 
-def ring_size(spec: ModelSpec, most_tokens: int) -> int:
+def ring_size(spec: ModelSpec, most_tokens: int, positions: int) -> int:
     """The entries a slot's ring holds for gpt-oss's sliding-window layers: the window, and the most
     tokens one slot reads in one window (`most_tokens`: a prompt chunk, a verify row's 1 + --spec),
     so that every key a query of that window sees is still there (position p lives at entry p %
-    ring; _ring_attention). 0 for every other family."""
-    return spec.sliding_window + most_tokens if spec.ring_layers else 0
+    ring; _ring_attention); at most `positions`, a slot's (then no position wraps: never more than
+    the full-length KV). 0 for every other family."""
+    return min(spec.sliding_window + most_tokens, positions) if spec.ring_layers else 0
 
 
 def ring_shapes(spec: ModelSpec, n_slots: int, max_context: int, dtype,
