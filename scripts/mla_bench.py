@@ -1,5 +1,5 @@
 """MLA at decode, for a deepseek2 GGUF (docs/BENCHMARKS.md: "gpt-oss and DeepSeek-V3-class models
-made at 1 GB (issue 37)"):
+made at 1 GB against llama.cpp (issue 37)"):
 
 1. KV bytes a token from the engine's ledger (kv_cache.kv_bytes: what it reserves a slot and
    position): the file's latent cache, the same layers with full attention (every head's keys,
