@@ -19,6 +19,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from embedding_checks import check_embeddings
 from tool_data import TIME, WEATHER, grammar_walk
 
 from strata_jax.gguf.family_templates import family_template
@@ -167,12 +168,15 @@ def test_forced_grammars_walked_at_random_give_valid_calls(family, fmt, parallel
 
 # ---- against the real server ---------------------------------------------------------------------
 
+DEEPSEEK2 = {"arch": "deepseek2", "layers": 2, "hidden": 64}
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model):
     """A made deepseek2 model (MLA, the sigmoid router, a leading dense layer) as make-model writes
     it: V3.1's template and DeepSeek's marks as control tokens (makers/family_chat.py). One server
     for the family's end-to-end run and the tool format's."""
-    path = tiny_model(arch="deepseek2", layers=2, hidden=64)
+    path = tiny_model(**DEEPSEEK2)
     with ServerProcess([str(path), "--parallel", "2", "--max-context", "2048",
                         "--model-name", "tiny"]) as srv:
         srv.wait_up().wait_ready()
@@ -251,3 +255,11 @@ def test_a_tool_result_turn_renders_and_is_answered(server):
     r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
                                        tool_choice="none", max_tokens=12, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+
+
+def test_embeddings_are_the_last_hidden_state(server, tiny_model):
+    """/v1/embeddings serves deepseek2 (tests/embedding_checks.py: against transformers)."""
+    from strata_jax.testing.hf_deepseek import load_deepseek
+
+    _srv, client = server
+    check_embeddings(client, load_deepseek(tiny_model(**DEEPSEEK2)), DEEPSEEK2["hidden"])

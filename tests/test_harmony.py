@@ -20,6 +20,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from embedding_checks import check_embeddings
 from tool_data import TIME, WEATHER, grammar_walk
 
 from strata_jax.gguf.family_templates import family_template
@@ -336,3 +337,11 @@ def test_a_tool_result_turn_renders_back(server):
     r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
                                        max_tokens=16, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_embeddings_are_the_last_hidden_state(server, tiny_model):
+    """/v1/embeddings serves gpt-oss (tests/embedding_checks.py: against transformers)."""
+    from strata_jax.testing.hf_gpt_oss import load_gpt_oss
+
+    _srv, client, _tk = server
+    check_embeddings(client, load_gpt_oss(tiny_model(**GPT_OSS)), GPT_OSS["hidden"])
