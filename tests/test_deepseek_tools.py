@@ -263,3 +263,28 @@ def test_embeddings_are_the_last_hidden_state(server, tiny_model):
 
     _srv, client = server
     check_embeddings(client, load_deepseek(tiny_model(**DEEPSEEK2)), DEEPSEEK2["hidden"])
+
+
+def test_a_turn_ends_on_deepseeks_eos(server):
+    """The made file's BOS and EOS are DeepSeek's, as a real file's (makers/family_chat.py): the
+    template opens the chat with the BOS and writes the EOS after each answer, and an answer ends on
+    it (a bias makes it the first token; with ignore_eos the answer runs on to max_tokens)."""
+    srv, client = server
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    props = httpx.get(srv.url + "/props", timeout=60).json()
+    assert (props["bos_token"], props["eos_token"]) == (bos, eos)
+    turns = ASK + [{"role": "assistant", "content": "Sunny."},
+                   {"role": "user", "content": "And tomorrow?"}]
+    prompt = httpx.post(srv.url + "/apply-template", json={"messages": turns},
+                        timeout=60).json()["prompt"]
+    assert prompt.startswith(bos + "<｜User｜>")
+    assert f"Sunny.{eos}<｜User｜>And tomorrow?" in prompt
+    (eos_id,) = httpx.post(srv.url + "/tokenize", json={"content": eos},
+                           timeout=60).json()["tokens"]
+    kw = {"model": "tiny", "messages": turns, "max_tokens": 8, "temperature": 0,
+          "logit_bias": {str(eos_id): 100}}
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    assert not r.choices[0].message.content
+    r = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
