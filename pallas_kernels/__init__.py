@@ -30,6 +30,7 @@ from functools import cache
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from quant_types import (
     SUPPORTED,
@@ -42,6 +43,7 @@ from quant_types import (
 )
 
 from . import cpu, gpu, xla
+from .bodies import FLOAT_BYTES
 from .grouping import gather_rows, group_rows, scatter_rows
 from .layout import PACKED_SUFFIX, Layout, layout_for
 from .random_blocks import random_blocks
@@ -161,12 +163,40 @@ def _unpacked(lay: Layout, backend: str) -> Layout:
 def dequantize(blocks, qtype, backend: str = "xla") -> jax.Array:
     """GGUF blocks uint8 [..., row_bytes] (float16/float32/bfloat16 data may be given as is)
     -> float32 [..., n_values]."""
+    if isinstance(blocks, np.ndarray) and not _is_packed(qtype):
+        plain = _plain_floats(blocks, as_qtype(qtype))
+        if plain is not None:
+            return jnp.asarray(plain)
     blocks = xla._as_bytes(blocks)
     lay = _unpacked(layout_for(qtype, blocks.shape[-1]), "dequantize")
     backend = resolve_backend(backend)
     if backend == "xla" or backend in _CPU_MATH:
         return xla.dequantize_rows(blocks, lay)
     return gpu.dequantize_rows(blocks, lay, interpret=backend == "interpret")
+
+
+# the host type of a float type's values (bfloat16's: its bits)
+_HOST_FLOAT = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}
+
+
+def _is_packed(qtype) -> bool:
+    return isinstance(qtype, str) and qtype.endswith(PACKED_SUFFIX)
+
+
+def _plain_floats(data: np.ndarray, qtype: QType) -> np.ndarray | None:
+    """A float type's host data (its values, or their bytes) as float32, on the host: the same
+    values the blocks' body gives, bit for bit (the conversions are exact), without a device
+    program for each tensor's shape (a model's loader met ~270 of them: seconds at every start).
+    None for a block type."""
+    if qtype not in FLOAT_BYTES:
+        return None
+    if data.dtype == np.uint8:
+        if data.shape[-1] % FLOAT_BYTES[qtype]:
+            return None             # the body's error names it
+        data = np.ascontiguousarray(data).view(_HOST_FLOAT[qtype])
+    if qtype == QType.BF16:
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return data.view(_HOST_FLOAT[qtype]).astype(np.float32)
 
 
 def qmatmul(x: jax.Array, w_blocks, qtype, backend: str = "xla") -> jax.Array:

@@ -29,7 +29,7 @@ from strata_jax.config import ConfigError
 from strata_jax.engine.execute.kv_cache import kv_bytes
 from strata_jax.gguf import GGUFModel
 from strata_jax.gguf.family_templates import family_template
-from strata_jax.makers.family_chat import CONTROL, DEEPSEEK_TOKENS
+from strata_jax.makers.family_chat import CONTROL, DEEPSEEK_SPECIALS, DEEPSEEK_TOKENS
 from strata_jax.model import (
     Group,
     RunOptions,
@@ -160,6 +160,11 @@ def test_make_model_writes_a_lite_file_from_the_command_line(tmp_path, capsys):
     tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
     assert len(tokens) == spec.vocab_size == 512
     assert all(types[tokens.index(mark)] == CONTROL for mark in DEEPSEEK_TOKENS)
+    # DeepSeek's bos / eos / padding, their ids in the metadata, in ChatML's places
+    for role, text in DEEPSEEK_SPECIALS.items():
+        i = md[f"tokenizer.ggml.{role}_token_id"]
+        assert (tokens[i], types[i]) == (text, CONTROL), role
+    assert md["tokenizer.ggml.add_bos_token"] and "<|im_end|>" not in tokens
     assert (spec.expert_groups, spec.expert_groups_used) == (2, 1)
     assert main(["make-model", str(tmp_path / "x.gguf"), "--arch", "qwen3moe", "--kv-lora",
                  "8"]) != 0

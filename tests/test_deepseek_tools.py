@@ -19,6 +19,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from embedding_checks import check_embeddings
 from tool_data import TIME, WEATHER, grammar_walk
 
 from strata_jax.gguf.family_templates import family_template
@@ -167,12 +168,15 @@ def test_forced_grammars_walked_at_random_give_valid_calls(family, fmt, parallel
 
 # ---- against the real server ---------------------------------------------------------------------
 
+DEEPSEEK2 = {"arch": "deepseek2", "layers": 2, "hidden": 64}
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model):
     """A made deepseek2 model (MLA, the sigmoid router, a leading dense layer) as make-model writes
     it: V3.1's template and DeepSeek's marks as control tokens (makers/family_chat.py). One server
     for the family's end-to-end run and the tool format's."""
-    path = tiny_model(arch="deepseek2", layers=2, hidden=64)
+    path = tiny_model(**DEEPSEEK2)
     with ServerProcess([str(path), "--parallel", "2", "--max-context", "2048",
                         "--model-name", "tiny"]) as srv:
         srv.wait_up().wait_ready()
@@ -251,3 +255,36 @@ def test_a_tool_result_turn_renders_and_is_answered(server):
     r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
                                        tool_choice="none", max_tokens=12, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+
+
+def test_embeddings_are_the_last_hidden_state(server, tiny_model):
+    """/v1/embeddings serves deepseek2 (tests/embedding_checks.py: against transformers)."""
+    from strata_jax.testing.hf_deepseek import load_deepseek
+
+    _srv, client = server
+    check_embeddings(client, load_deepseek(tiny_model(**DEEPSEEK2)), DEEPSEEK2["hidden"])
+
+
+def test_a_turn_ends_on_deepseeks_eos(server):
+    """The made file's BOS and EOS are DeepSeek's, as a real file's (makers/family_chat.py): the
+    template opens the chat with the BOS and writes the EOS after each answer, and an answer ends on
+    it (a bias makes it the first token; with ignore_eos the answer runs on to max_tokens)."""
+    srv, client = server
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    props = httpx.get(srv.url + "/props", timeout=60).json()
+    assert (props["bos_token"], props["eos_token"]) == (bos, eos)
+    turns = ASK + [{"role": "assistant", "content": "Sunny."},
+                   {"role": "user", "content": "And tomorrow?"}]
+    prompt = httpx.post(srv.url + "/apply-template", json={"messages": turns},
+                        timeout=60).json()["prompt"]
+    assert prompt.startswith(bos + "<｜User｜>")
+    assert f"Sunny.{eos}<｜User｜>And tomorrow?" in prompt
+    (eos_id,) = httpx.post(srv.url + "/tokenize", json={"content": eos},
+                           timeout=60).json()["tokens"]
+    kw = {"model": "tiny", "messages": turns, "max_tokens": 8, "temperature": 0,
+          "logit_bias": {str(eos_id): 100}}
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    assert not r.choices[0].message.content
+    r = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8

@@ -20,12 +20,13 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from embedding_checks import check_embeddings
 from tool_data import TIME, WEATHER, grammar_walk
 
 from strata_jax.gguf.family_templates import family_template
 from strata_jax.gguf.named_templates import chat_template_source
 from strata_jax.makers.family_chat import HARMONY_TOKENS, family_chat_metadata
-from strata_jax.serve.http.harmony import HarmonySplit, split_harmony
+from strata_jax.serve.http.harmony import HarmonySplit, HarmonyTokens, split_harmony
 from strata_jax.serve.launch import ServerProcess
 from strata_jax.serve.tool_formats import CallStream, detect
 from strata_jax.serve.tools import call_grammar, deltas, parse_calls, special_marks, tool_prompt
@@ -181,6 +182,21 @@ def harmony_tokenizer():
     return load_tokenizer(md | family_chat_metadata(md, "gpt-oss"))
 
 
+@pytest.mark.parametrize("text, reasoning", [(t[0], t[1]) for t in TEXTS] + [
+    # an analysis message to a built-in tool is a call, not reasoning; a second analysis counts
+    (('<|channel|>analysis to=browser.search<|message|>{"q": 1}<|end|><|start|>assistant'
+      "<|channel|>analysis<|message|>More thought.<|end|>"), "More thought."),
+    ("<|start|>" + "x " * 300 + "<|end|>", None)])        # no harmony: none
+def test_reasoning_tokens_are_the_analysis_bodies(text, reasoning):
+    """HarmonyTokens, fed a text's tokens one at a time, counts its analysis bodies' tokens."""
+    tk = harmony_tokenizer()
+    count = HarmonyTokens(tk)
+    for t in tk.encode(text, add_special=False):
+        count.add(t)
+    assert count.tokens == len(tk.encode(reasoning or "", add_special=False))
+    assert (count.tokens > 0) == bool(reasoning)
+
+
 def test_the_forced_grammar_walked_at_random_gives_one_valid_call():
     """Random tokens among those the grammar allows (the analysis kept short by a bias toward
     <|end|>): every walk is one call that validates, written with the marks' control tokens."""
@@ -247,23 +263,45 @@ def laid_out(tk) -> str:
             f'{sp["<|message|>"]} /{WORDS}/\n')
 
 
+def analysis_tokens(tokens: list[str]) -> int:
+    """The tokens of an answer's leading analysis message's body (0 without one), from its tokens
+    as logprobs shows them: between its header's <|message|> and its <|end|>."""
+    text = "".join(tokens)
+    if not text.startswith("<|channel|>analysis<|message|>"):
+        assert "<|channel|>analysis" not in text, text
+        return 0
+    at = tokens.index("<|message|>")
+    assert "".join(tokens[:at]) == "<|channel|>analysis", tokens
+    return tokens.index("<|end|>") - at - 1
+
+
 def test_reasoning_and_answer_whole_and_streamed(server):
+    """... and usage's reasoning_tokens counts the analysis message's tokens (whole, streamed with
+    include_usage, and with reasoning_format none: tokens the model reasoned either way)."""
     _srv, client, tk = server
     kw = {"model": "tiny", "messages": ASK, "max_tokens": 80, "temperature": 1.0, "seed": 7,
           "extra_body": {"grammar": laid_out(tk)}}
-    msg = client.chat.completions.create(**kw).choices[0].message
+    whole = client.chat.completions.create(**kw, logprobs=True)
+    msg = whole.choices[0].message
     reasoning = msg.model_extra["reasoning_content"]
     assert re.fullmatch(WORDS, reasoning) and re.fullmatch(WORDS, msg.content), msg
-    chunks = list(client.chat.completions.create(**kw, stream=True))
+    n = analysis_tokens([t.token for t in whole.choices[0].logprobs.content])
+    assert whole.usage.completion_tokens_details.reasoning_tokens == n
+    assert 0 < n < whole.usage.completion_tokens
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
     deltas_ = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas_) \
         == reasoning
     assert "".join(d.content or "" for d in deltas_) == msg.content
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == n
     # reasoning_format none: the analysis message stays in the content, as written
     raw = client.chat.completions.create(**{**kw, "extra_body": {
-        "grammar": laid_out(tk), "reasoning_format": "none"}}).choices[0].message
-    assert raw.content == f"<|channel|>analysis<|message|>{reasoning}<|end|>{msg.content}"
-    assert "reasoning_content" not in (raw.model_extra or {})
+        "grammar": laid_out(tk), "reasoning_format": "none"}})
+    assert raw.choices[0].message.content == \
+        f"<|channel|>analysis<|message|>{reasoning}<|end|>{msg.content}"
+    assert "reasoning_content" not in (raw.choices[0].message.model_extra or {})
+    assert raw.usage.completion_tokens_details.reasoning_tokens == n
 
 
 def test_a_forced_call_streamed_and_whole(server):
@@ -296,19 +334,21 @@ def test_a_forced_call_streamed_and_whole(server):
 
 def test_structured_output_is_the_final_message(server):
     """A JSON schema asked for: the model may reason first, then its final message is the JSON
-    (llama.cpp's response format for gpt-oss)."""
+    (llama.cpp's response format for gpt-oss); its reasoning tokens are counted, or none."""
     _srv, client, tk = server
     schema = WEATHER["function"]["parameters"]
     for seed in range(3):
-        r = client.chat.completions.create(
+        res = client.chat.completions.create(
             model="tiny", messages=ASK, max_tokens=120, temperature=1.0, seed=seed,
             logit_bias={str(tk.token_to_id("<|end|>")): 6}, logprobs=True,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "w", "schema": schema}}).choices[0]
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+        r = res.choices[0]
         assert r.finish_reason == "stop", r
         jsonschema.validate(json.loads(r.message.content), schema)
         # (the tokens as logprobs shows them: a character cut between two is not whole)
         raw = "".join(t.token for t in r.logprobs.content)
+        n = analysis_tokens([t.token for t in r.logprobs.content])
+        assert res.usage.completion_tokens_details.reasoning_tokens == n
         laid_out_so = re.compile(
             r"(<\|channel\|>analysis<\|message\|>.*<\|end\|><\|start\|>assistant)?"
             r"<\|channel\|>final( (<\|constrain\|>)?json)?<\|message\|>\{", re.DOTALL)
@@ -336,3 +376,11 @@ def test_a_tool_result_turn_renders_back(server):
     r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
                                        max_tokens=16, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_embeddings_are_the_last_hidden_state(server, tiny_model):
+    """/v1/embeddings serves gpt-oss (tests/embedding_checks.py: against transformers)."""
+    from strata_jax.testing.hf_gpt_oss import load_gpt_oss
+
+    _srv, client, _tk = server
+    check_embeddings(client, load_gpt_oss(tiny_model(**GPT_OSS)), GPT_OSS["hidden"])

@@ -61,6 +61,9 @@ def test_dequantize_bit_exact(qtype, backend):
         out = pk.dequantize(jnp.asarray(b), qtype, backend=backend)
         assert out.shape == ref.shape, shape
         np.testing.assert_array_equal(_bits(out), _bits(ref), err_msg=f"{qtype} {backend} {shape}")
+        # host data (a float type's: converted on the host, as a model's loader gives it)
+        host = pk.dequantize(b, qtype, backend=backend)
+        np.testing.assert_array_equal(_bits(host), _bits(ref), err_msg=f"{qtype} host {shape}")
 
 
 def test_dequantize_detects_a_wrong_bit():

@@ -26,7 +26,7 @@ from ..tool_formats import call_mark
 from ..tools import HeldCalls, finish_reason, parse_calls
 from .choices import Choices
 from .console import done_line
-from .harmony import HarmonySplit
+from .harmony import HarmonySplit, HarmonyTokens
 from .logprobs import LogprobsOf
 from .parse import Job, ModelNames, parse_chat, parse_completion
 from .reasoning import CONTENT, REASONING, ReasoningParser
@@ -89,14 +89,19 @@ class Outcome:
         self._on_done(self.job, self.ticket, self.kind, self.stats, seconds)
 
 
-def usage(st: dict[str, Any] | None, prepared: Prepared, n_tokens: int) -> dict[str, Any]:
+def usage(st: dict[str, Any] | None, prepared: Prepared, n_tokens: int,
+          reasoning: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage of one choice; reasoning: its reasoning tokens where the server counted them
+    (harmony's analysis: HarmonyTokens), else the engine's count."""
     st = st or {}
     prompt = st.get("prompt_tokens", len(prepared.ids))
     done = st.get("generated_tokens", n_tokens)
+    if reasoning is None:
+        # the tokens inside <think>...</think> (the engine's count: schedule/thinking.py)
+        reasoning = st.get("reasoning_tokens", 0)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
             "prompt_tokens_details": {"cached_tokens": st.get("reused_tokens", 0)},
-            # the tokens inside <think>...</think> (the engine's count: schedule/thinking.py)
-            "completion_tokens_details": {"reasoning_tokens": st.get("reasoning_tokens", 0)}}
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def timings(st: dict[str, Any] | None) -> dict[str, Any]:
@@ -175,6 +180,7 @@ async def chunks(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket,
             lp = run.logprobs[k]
             if ev.kind == "token":
                 lp.add(ev.logprobs)
+                run.token(k, ev)
                 for piece in run.held[k].feed(_pieces(job, run.parsers[k], ev.text)):
                     yield chunk(job, piece, index=k, logprobs=lp.take())
             # return_progress: llama.cpp's prompt_progress chunk
@@ -222,6 +228,9 @@ class _Run:
                         ReasoningParser(prepared.think, enabled=job.reasoning and chat,
                                         call_mark=mark)
                         for _ in range(job.n)]
+        # harmony's reasoning tokens, counted here (the engine follows <think> marks only)
+        self.harmony = ([HarmonyTokens(sup.prompts.tokenizer) for _ in range(job.n)]
+                        if chat and prepared.harmony else None)
         wanted = job.params.logprobs is not None
         self.logprobs = [LogprobsOf(chat, wanted, len(job.echo)) for _ in range(job.n)]
         self.held = [HeldCalls(job.tools, prepared.tool_format, job.parallel_tool_calls)
@@ -232,10 +241,16 @@ class _Run:
         self.outcomes[k].final(ev)
         self.finals[k] = ev
 
+    def token(self, k: int, ev: Event) -> None:
+        """Choice k's token event, before its text is parsed."""
+        if self.harmony is not None and ev.token is not None:
+            self.harmony[k].add(ev.token)
+
     def usage(self) -> dict[str, Any]:
         """OpenAI's for n choices: the prompt once, the completion tokens of every choice."""
         tickets = self.choices.tickets
-        each = [usage(ev.stats, self.prepared, tickets[k].n_tokens)
+        each = [usage(ev.stats, self.prepared, tickets[k].n_tokens,
+                      None if self.harmony is None else self.harmony[k].tokens)
                 for k, ev in sorted(self.finals.items())]
         out = dict(each[0])
         out["completion_tokens"] = sum(u["completion_tokens"] for u in each)
@@ -299,6 +314,7 @@ async def whole(sup: Supervisor, job: Job, prepared: Prepared, ticket: Ticket,
             parser = run.parsers[k]
             if ev.kind == "token":
                 run.logprobs[k].add(ev.logprobs)
+                run.token(k, ev)
             else:
                 run.final(k, ev)
             parts[k] += parser.feed(ev.text) + (parser.flush() if ev.kind != "token" else [])

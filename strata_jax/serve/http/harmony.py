@@ -22,6 +22,9 @@ gguf/vocab.py), `<|end|>` any other message. By channel:
 
 Text that is no harmony message (a model that does not follow it) is content. Headers are held
 until their `<|message|>`; bodies stream, holding back only what may be the start of an end mark.
+
+HarmonyTokens counts the reasoning tokens (usage's reasoning_tokens): the analysis messages' body
+tokens, by token id, as the engine's Thinking counts those inside <think> for the other formats.
 """
 
 from __future__ import annotations
@@ -134,6 +137,42 @@ class HarmonySplit:
     def _say(self, out: list, text: str) -> None:
         if self._kind != "drop":
             _emit(out, REASONING if self._kind == REASONING else CONTENT, text)
+
+
+class HarmonyTokens:
+    """The answer's reasoning tokens, counted as the engine emits them (one token id at a time):
+    the tokens of analysis messages' bodies, neither their headers nor their marks, whether the
+    server splits the analysis out or not (reasoning_format none), as the engine's Thinking counts
+    the tokens inside <think> (engine/schedule/thinking.py). By id, not by text: harmony's marks are
+    tokens of their own, so each token is in a body or not, wherever a held stop string's text goes.
+    A vocabulary without the marks counts none."""
+
+    def __init__(self, tokenizer):
+        ids = {m: tokenizer.token_to_id(m) for m in (H_MESSAGE, *_ENDS)}
+        self.decode = tokenizer.decode
+        self.message, self.start = ids[H_MESSAGE], ids[H_START]
+        self.ends = {ids[m] for m in _ENDS} - {None}
+        self.tokens = 0
+        self._header: list[int] | None = []     # the header read so far; None: in a body
+        self._analysis = False                  # the body is an analysis message's
+
+    def add(self, token: int) -> None:
+        if self._header is None:
+            if token in self.ends:              # a new message's <|start|> opens its header
+                self._header = [token] if token == self.start else []
+            elif self._analysis:
+                self.tokens += 1
+            return
+        if token != self.message:
+            self._header.append(token)
+            if len(self._header) > MAX_HEADER:  # text that is no harmony: no reasoning
+                self._header, self._analysis = None, False
+            return
+        m = _HEADER.fullmatch(self.decode(self._header))
+        to = m and (m.group("to1") or m.group("to2"))
+        # (as HarmonySplit reads a header: a message to a recipient is a call, not reasoning)
+        self._analysis = bool(m and to in (None, "assistant") and m.group("channel") == "analysis")
+        self._header = None
 
 
 def _may_be_header(buf: str) -> bool:
