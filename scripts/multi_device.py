@@ -5,7 +5,8 @@ before JAX starts, so tests/test_devices.py (whose JAX already has one device) r
         '[[1, "auto"], [2, "experts"], [4, "experts"], [2, "layers"], [4, "layers"]]'
         -> one JSON line: per (devices, split) whether the logits are the same bits as the first
            entry's, their largest difference, and whether greedy tokens (alone, and two requests at
-               once) agree
+               once; gpt-oss: a prompt that wraps its rings too) agree, the prefix cache's KV moves
+               and a slot's state (gpt-oss's rings) read and written
     XLA_FLAGS=... python scripts/multi_device.py bench MODEL.gguf '[[1, "auto"], [4, "experts"]]'
         [TOKENS] -> one JSON line: decode tokens/s of one request and of four at once, per entry
     XLA_FLAGS=... python scripts/multi_device.py overlap MODEL.gguf '[[2, 1], [2, 4]]' [WINDOWS]
@@ -36,6 +37,9 @@ from strata_jax.engine.execute.sampler import SamplingRows
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 31, 77]
 OTHER = [9, 8, 7, 6, 5, 4, 3, 2]
+# gpt-oss: a prompt past its rings' entries (the window and a prompt chunk: engine() gives 8 + 16),
+# so that every ring wraps
+LONG = (PROMPT + OTHER) * 2
 
 
 def engine(path: str, devices: int = 1, split: str = "auto", **extra) -> Engine:
@@ -55,11 +59,15 @@ def run_check(path: str, entries: list) -> dict:
             alone = eng.generate(PROMPT, max_tokens=6, temperature=0.0).tokens
             hs = [eng.submit(p, max_tokens=6, temperature=0.0) for p in (PROMPT, OTHER)]
             together = [[ev.token for ev in h if ev.kind == "token"] for h in hs]
+            wrapped = (eng.generate(LONG, max_tokens=6, temperature=0.0).tokens if eng.runner.ring
+                       else [])
             stats = eng.stats()
             kv = kv_moves(eng)
+            state = state_moves(eng)
         finally:
             eng.close()
-        res = {"logits": logits, "alone": alone, "together": together, "kv": kv, "cut": cut}
+        res = {"logits": logits, "alone": alone, "together": together, "kv": kv | state.pop("kv"),
+               "cut": cut, "wrapped": wrapped}
         base = base or res
         out.append({"devices": devices, "split": split,
                     "bits_equal": bool(np.array_equal(logits, base["logits"])),
@@ -68,9 +76,12 @@ def run_check(path: str, entries: list) -> dict:
                     "cut_max_diff": max(float(np.max(np.abs(a - b)))
                                         for a, b in zip(cut, base["cut"])),
                     "parts": parts_of(eng, cut_window(eng)), **(extra[0] if extra else {}),
-                    "tokens_equal": alone == base["alone"] and together == base["together"],
-                    "kv_equal": all(np.array_equal(kv[k], base["kv"][k]) for k in kv),
-                    "alone": alone, "together": together, "runner": stats.get("devices"),
+                    "tokens_equal": (alone == base["alone"] and together == base["together"]
+                                     and wrapped == base["wrapped"]),
+                    "kv_equal": all(np.array_equal(res["kv"][k], base["kv"][k])
+                                    for k in res["kv"]),
+                    "alone": alone, "together": together, "wrapped": wrapped, **state,
+                    "runner": stats.get("devices"),
                     "programs": [{k: p[k] for k in ("live", "evicted", "oom_recoveries")}
                                  for p in stats["programs"].get("devices", [stats["programs"]])],
                     "memory": stats["memory"]})
@@ -122,6 +133,24 @@ def kv_moves(eng: Engine) -> dict[str, np.ndarray]:
     out["copied"] = kv.slot(3, 16)["k"]
     out["read"] = block["k"]
     return out
+
+
+def state_moves(eng: Engine) -> dict:
+    """A slot's fixed-size state (gpt-oss's rings; what a state checkpoint keeps: KVCache's
+    read_state, write_state, per stage with --split layers), between windows: slot 0's read, written
+    into idle slot 3 and read back -> {"kv": {"state_<name>": slot 0's}, "state_round_trip": slot
+    3's is the same, "state_layers": {name: each stage's layers of it}}; {} parts for a family
+    without one."""
+    kv = eng.runner.kv
+    parts = kv.arrays if isinstance(kv.arrays, tuple) else [kv.arrays]       # a stage's each
+    state = kv.read_state(0)
+    if state:
+        kv.write_state(3, state)
+    back = kv.read_state(3)
+    return {"kv": {f"state_{k}": v for k, v in state.items()},
+            "state_round_trip": all(np.array_equal(back[k], v) for k, v in state.items()),
+            "state_layers": {k: [int(p[k].shape[0]) for p in parts if k in p]
+                             for k in state}}
 
 
 def run_bench(path: str, entries: list, tokens: int) -> dict:

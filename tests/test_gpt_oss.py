@@ -391,7 +391,9 @@ def test_ngram_drafts_give_the_plain_greedy_tokens(made):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("setting", [{"kv_resident": 256}, {"devices": 2}])
+# --devices N runs it (tests/test_devices.py); several processes do not (engine/families.py)
+@pytest.mark.parametrize("setting", [{"kv_resident": 256},
+                                     {"num_processes": 2, "coordinator": "127.0.0.1:1"}])
 def test_settings_the_family_cannot_run_with_are_refused_by_name(made, setting):
     path, _ = made()
     name = next(iter(setting)).replace("_", "-")

@@ -21,8 +21,8 @@ tokens a slot reads in one window: model/transformer.py's ring_shapes), a slot's
 families' DeltaNet state is: so prefix reuse resumes only at the slot's live state or a state
 checkpoint, with no forks and no conversation cache, as theirs (keeps_state); its verify windows
 need nothing more (a rejected draft's ring entry is never read: transformer._ring_attention), and
-its packed windows run (a token's keys are gathered for it alone). --kv-resident and several
-devices are refused (_gpt_oss_config).
+its packed windows run (a token's keys are gathered for it alone). Several devices run it
+(--devices N, both splits: _gpt_oss_config); --kv-resident and several processes are refused.
 """
 
 from __future__ import annotations
@@ -75,13 +75,16 @@ def _no_conversation_cache(cfg: EngineConfig, spec, state: str) -> EngineConfig:
     return replace(cfg, conversation_cache_mib=0)
 
 
-def _refuse(cfg: EngineConfig, spec, why: str, devices: bool = True) -> None:
-    """A ConfigError naming the setting for --kv-resident and (devices) several devices or
-    processes, which the family does not run with yet (why)."""
+def _refuse(cfg: EngineConfig, spec, why: str, devices: bool = True,
+            processes: bool | None = None) -> None:
+    """A ConfigError naming the setting for --kv-resident, (devices) several devices and
+    (processes: as devices unless given) several processes, which the family does not run with yet
+    (why)."""
     refused = [(cfg.kv_resident is not None, f"--kv-resident {cfg.kv_resident}")]
     if devices:
-        refused += [(cfg.devices > 1, f"--devices {cfg.devices}"),
-                    (cfg.num_processes > 1, f"--num-processes {cfg.num_processes}")]
+        refused.append((cfg.devices > 1, f"--devices {cfg.devices}"))
+    if devices if processes is None else processes:
+        refused.append((cfg.num_processes > 1, f"--num-processes {cfg.num_processes}"))
     for on, what in refused:
         if on:
             raise ConfigError(f"{what}: not supported yet for {spec.architecture!r} ({why})")
@@ -90,11 +93,22 @@ def _refuse(cfg: EngineConfig, spec, why: str, devices: bool = True) -> None:
 def _gpt_oss_config(cfg: EngineConfig, spec) -> EngineConfig:
     """gpt-oss (model/gpt_oss.py) runs as the attention families do but for its sliding-window
     layers' rings, a slot's state (keeps_state: prefix reuse from state checkpoints, no forks, no
-    conversation cache). Refused, with a ConfigError that names the
-    setting: --kv-resident (the cpu kernel's host-block parts have no sinks or window yet) and
-    several devices or processes (the experts' biases are not split with them yet). The expert
-    tiers run it: its expert biases stay resident and go to the stages with the shared expert
-    (model/params.ExpertSide; a copy on the host device for --host-experts' remote programs)."""
-    _refuse(cfg, spec, "its attention sinks, sliding window and expert biases are not carried "
-                       "there yet")
+    conversation cache). The expert tiers run it: its expert biases stay resident and go to the
+    stages with the shared expert (model/params.ExpertSide; a copy on the host device for
+    --host-experts' remote programs). --devices N runs it with either split: --split experts keeps
+    the expert biases, sinks and windows replicated with the other non-expert weights (a row's
+    biases are read by its true expert id on the device that holds the expert:
+    layers.sharded_expert_rows); --split layers gives each stage its own layers' rings
+    (distributed/pipeline.stage_spec: the sliding-window layers renumbered in the stage, KVCache's
+    per-stage arrays, whose read_state / write_state join and split them for state checkpoints).
+    Refused, with a ConfigError that names the setting: --kv-resident (the cpu kernel's host-block
+    parts have no sinks or window yet) and --num-processes N (a state checkpoint's rings written
+    into a slot on process 0 would not reach the others' replicas: LockstepKV sends the positional
+    KV's read, write and copy only)."""
+    if cfg.kv_resident is not None:
+        _refuse(cfg, spec, "the cpu kernel's host-block parts have no attention sinks or sliding "
+                           "window yet", devices=False)
+    _refuse(cfg, spec, "its sliding-window rings, a slot's state, are not sent to the other "
+                       "processes (the positional KV alone is); --devices N runs it",
+            devices=False, processes=True)
     return cfg

@@ -168,9 +168,12 @@ class ModelRunner:
                 raise ConfigError("split = layers: the experts do not fit, and the expert tiers do "
                                   "not combine")
             self.programs.close()
+            # deepseek2's MLA maps each head's query and output through its per-head matrices
+            # with XLA's einsums (model/mla.py), whose bits depend on the rows multiplied at once:
+            # its windows are cut by whole groups only, so the stages keep one device's bits
             self.pipeline = Pipeline(self.params, self.spec, self.opts, devs, self.kv, cfg,
                                      self.kv_dtype, self.device_len, self.faults,
-                                     rows_alone=self.min_rows == 1)
+                                     rows_alone=self.min_rows == 1 and self.spec.mla is None)
             self.programs, self.params = self.pipeline.programs, None      # the stages' now
         self.executor = self._executor()    # how windows run in this mode, chosen once
         self._hiddens: list[jax.Array] | None = None     # the last window's, until take_hiddens

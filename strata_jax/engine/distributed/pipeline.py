@@ -53,10 +53,17 @@ def stage_bounds(n_layers: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
+def stage_spec(spec, a: int, b: int):
+    """spec as a stage holding layers [a, b) sees it: its layers only, numbered from 0 (gpt-oss's
+    sliding-window layers among them, so its rings hold those: spec.ring_layers, kv_layer), with no
+    NextN (MTP) layers (the mtp drafter does not combine with the split)."""
+    return replace(spec, n_layers=b - a, n_nextn=0, layer_kinds=spec.layer_kinds[a:b],
+                   swa_layers=tuple(i - a for i in spec.swa_layers if a <= i < b))
+
+
 def stage_kv(spec, devices: list) -> list:
-    """KVCache's stages: [(a stage's spec: its layers only, its device)]. The NextN (MTP) layers' KV
-    is left out: the mtp drafter does not combine with the split."""
-    return [(replace(spec, n_layers=b - a, n_nextn=0), d)
+    """KVCache's stages: [(a stage's spec: stage_spec, its device)]."""
+    return [(stage_spec(spec, a, b), d)
             for (a, b), d in zip(stage_bounds(spec.n_layers, len(devices)), devices)]
 
 
@@ -86,8 +93,8 @@ class Pipeline:
             ledger.reserve_bytes("weights",
                                  sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(p)),
                                  f"stage {s}'s weights (layers {a}..{b - 1}) on {dev}")
-            ledger.reserve_bytes("kv", kv_bytes(replace(spec, n_layers=b - a, n_nextn=0), kv_dtype,
-                                                cfg.parallel, device_len),
+            ledger.reserve_bytes("kv", kv_bytes(stage_spec(spec, a, b), kv_dtype, cfg.parallel,
+                                                device_len, ring=kv.ring),
                                  f"stage {s}'s KV cache on {dev}")
             caches.append(ProgramCache(lambda lay, s=s: self._build(lay, s), ledger,
                                        cfg.max_programs, kv.wait, faults))
@@ -142,6 +149,7 @@ class Pipeline:
         groups' arrays) -> (hidden states per group, or logits on the last stage; its KV)."""
         spec, opts, n_groups = self.spec, self.opts, len(layout.groups)
         first, last = s == 0, s == len(self.devices) - 1
+        local = stage_spec(spec, *self.bounds[s])
 
         def stage(p, cache, *flat):
             xs, flat = ([], flat) if first else (list(flat[:n_groups]), flat[n_groups:])
@@ -152,9 +160,11 @@ class Pipeline:
             groups = tuple(groups)
             if first:
                 xs = embed_stage(p, opts, tuple(g.tokens for g in groups))
-            # j: the layer's index in this stage's KV arrays
+            # the layer's index in this stage's KV arrays (or its rings: gpt-oss's sliding-window
+            # layers count apart, stage_spec)
             for j, lp in enumerate(p["layers"]):
-                xs, cache = decoder_layer(lp, j, spec, opts, groups, xs, cache, layout.kv_len)
+                xs, cache = decoder_layer(lp, local.kv_layer(j), spec, opts, groups, xs, cache,
+                                          layout.kv_len)
             return (head_stage(p, spec, opts, groups, xs) if last else xs), cache
 
         here = SingleDeviceSharding(self.devices[s])

@@ -64,11 +64,14 @@ class KVCache:
         entries a slot (model.transformer.ring_size)."""
         make = lambda: new_kv_cache(spec, parallel, device_len, dtype, steps, ring)
         if stages is not None:
-            make = lambda: tuple(jax.device_put(new_kv_cache(s, parallel, device_len, dtype), d)
+            # each stage's rings hold its own ring layers (pipeline.stage_spec), of `ring` entries
+            make = lambda: tuple(jax.device_put(new_kv_cache(s, parallel, device_len, dtype, steps,
+                                                             ring), d)
                                  for s, d in stages)
         self._new = make if place is None else (lambda: place(make()))
         self._arrays: dict[str, jax.Array] = self._new()
         self.device_len = device_len
+        self.ring = ring
         self.host = host
         self._read = jax.jit(_read_block, static_argnames=("size",))
         self._write = jax.jit(_write_block, donate_argnums=(0,))
@@ -164,13 +167,21 @@ class KVCache:
 
     def read_state(self, slot: int) -> dict[str, np.ndarray]:
         """A slot's whole fixed-size state (a hybrid family's DeltaNet conv and delta-rule state,
-        gpt-oss's rings): {name: [layers, ...]}, {} for the other families."""
-        return {name: np.asarray(a[:, slot]) for name, a in self._arrays.items() if name in STATE}
+        gpt-oss's rings): {name: [layers, ...]}, {} for the other families. With stages, their
+        layers joined in order (a stage without ring layers has none: its rings are [0, ...])."""
+        return _join([{name: np.asarray(a[:, slot]) for name, a in part.items() if name in STATE}
+                      for part in self._parts()])
 
     def write_state(self, slot: int, state: dict[str, np.ndarray]) -> None:
-        """The inverse of read_state, in place (a donated program)."""
-        self.through(lambda c: (self._write_state(c, {k: jnp.asarray(v) for k, v in state.items()},
-                                                  jnp.int32(slot)),))
+        """The inverse of read_state, in place (a donated program; one a stage, each its own
+        layers of the state)."""
+        parts = self._parts()
+        # each state array's first layer in each stage (a stage without ring layers has no rings)
+        at = {k: np.cumsum([0] + [p[k].shape[0] if k in p else 0 for p in parts]) for k in state}
+        self.through(lambda cs: (self._whole([
+            self._write_state(c, {k: jnp.asarray(v[at[k][n]:at[k][n + 1]])
+                                  for k, v in state.items() if k in c}, jnp.int32(slot))
+            for n, c in enumerate(parts)]),))
 
     def keep_steps(self, slots: np.ndarray, steps: np.ndarray) -> None:
         """After a verify window: each slot's DeltaNet state becomes the one after step steps[i] of
@@ -200,9 +211,11 @@ def _positional(cache: dict) -> dict:
 
 
 def _join(parts: list[dict]) -> dict[str, np.ndarray]:
-    """Per-stage {name: [its layers, ...]} -> one {name: [layers, ...]}."""
+    """Per-stage {name: [its layers, ...]} -> one {name: [layers, ...]} (a name some stages lack,
+    gpt-oss's rings in a stage without ring layers: the others' layers)."""
+    names = dict.fromkeys(k for p in parts for k in p)
     return (parts[0] if len(parts) == 1
-            else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+            else {k: np.concatenate([p[k] for p in parts if k in p]) for k in names})
 
 
 def _read_block(cache: dict, slot, start, *, size: int) -> dict:
