@@ -70,8 +70,8 @@ def stage_kv(spec, devices: list) -> list:
 class Pipeline:
     def __init__(self, params: dict, spec, opts, devices: list, kv: KVCache, cfg, kv_dtype,
                  device_len: int, faults, rows_alone: bool = False):
-        """rows_alone: every row is computed alone (ModelRunner.min_rows = 1), so a window's rows
-        may be cut."""
+        """rows_alone: every row is computed alone (ModelRunner.min_rows = 1, and not deepseek2's
+        MLA: runner.py), so a window's rows may be cut."""
         self.spec, self.opts, self.devices, self.kv = spec, opts, devices, kv
         n = len(devices)
         self.rows_alone = rows_alone
