@@ -43,7 +43,7 @@ def keeps_state(spec) -> bool:
     """Whether the family keeps a state a slot beside its positional KV (a hybrid family's DeltaNet
     state, gpt-oss's sliding-window rings): one that exists only at the tokens where it was taken,
     so prefix reuse resumes only there (engine/schedule/state_checkpoints.py)."""
-    return is_hybrid(spec) or bool(getattr(spec, "ring_layers", ()))
+    return is_hybrid(spec) or bool(spec.ring_layers)
 
 
 def family_config(cfg: EngineConfig, spec) -> EngineConfig:

@@ -97,13 +97,12 @@ class HarmonySplit:
             return True
         self._buf = buf[at + len(H_MESSAGE):]
         self._in_body, self._plain = True, False
-        to = m.group("to1") or m.group("to2")
-        channel = m.group("channel")
-        if to and to != "assistant":
+        to = _recipient(m)
+        if to:
             self._kind = CONTENT if self.calls and to.startswith("functions.") else "drop"
             if self._kind == CONTENT:
                 _emit(out, CONTENT, HARMONY_CALL + to[len("functions."):] + H_MESSAGE)
-        elif channel == "analysis":
+        elif m.group("channel") == "analysis":
             self.saw_reasoning = self.saw_reasoning or self.enabled
             self._kind = REASONING if self.enabled else "raw"
             if not self.enabled:
@@ -169,10 +168,16 @@ class HarmonyTokens:
                 self._header, self._analysis = None, False
             return
         m = _HEADER.fullmatch(self.decode(self._header))
-        to = m and (m.group("to1") or m.group("to2"))
         # (as HarmonySplit reads a header: a message to a recipient is a call, not reasoning)
-        self._analysis = bool(m and to in (None, "assistant") and m.group("channel") == "analysis")
+        self._analysis = bool(m and not _recipient(m) and m.group("channel") == "analysis")
         self._header = None
+
+
+def _recipient(m: re.Match) -> str | None:
+    """A header's recipient (`to=`), None for the assistant itself: a message to anyone else is a
+    call (functions.NAME) or another tool's."""
+    to = m.group("to1") or m.group("to2")
+    return None if to in (None, "assistant") else to
 
 
 def _may_be_header(buf: str) -> bool:
