@@ -1,7 +1,11 @@
 """The C++ attention kernel alone, decode-shaped (docs/BENCHMARKS.md: "The C++ attention kernel
 after gpt-oss's sinks and window"): 4 rows of 1 token, 9 query heads over 3 kv heads, head 64, 1,024
-cached positions, float32. Prints the best and median microseconds a call over 7 rounds of 200."""
+cached positions, float32. Prints the best and median microseconds a call over 7 rounds of 200.
 
+    python scripts/attention_decode_bench.py [ROWS] [POSITIONS]     # default 4 1024
+"""
+
+import sys
 import time
 
 import jax
@@ -10,7 +14,8 @@ import numpy as np
 
 import pallas_kernels as pk
 
-R, H, K, D, C = 4, 9, 3, 64, 1024
+R, C = (int(a) for a in (sys.argv[1:] + ['4', '1024'][len(sys.argv) - 1:])[:2])
+H, K, D = 9, 3, 64
 rng = np.random.default_rng(0)
 q = jnp.asarray(rng.standard_normal((R, 1, H, D), np.float32))
 kc = jnp.asarray(rng.standard_normal((1, R, C + 1, K, D), np.float32))
@@ -25,4 +30,6 @@ for _ in range(7):
     for _ in range(200):
         f(q, kc, vc).block_until_ready()
     rounds.append((time.perf_counter() - t) / 200 * 1e6)
-print(f"{min(rounds):.1f} us best, {sorted(rounds)[3]:.1f} us median a call")
+best, median = min(rounds), sorted(rounds)[3]
+print(f"{R} rows x {C} positions: {best:.1f} us best, {median:.1f} us median a call "
+      f"({best * 1e3 / (R * H * C):.1f} ns a query head and key)")

@@ -211,21 +211,24 @@ def test_fast_random_blocks_are_valid_weights_of_the_std_asked(qtype):
     assert per_block.max() > 1.5 * per_block.min()
 
 
+def share_of_hottest_tenth(path: Path, layers: int = 2) -> list[float]:
+    """A MoE model's share of random hidden states' top-4 routings that go to each layer's hottest
+    tenth of the experts."""
+    t = GGUFModel.open(path).tensors
+    shares = []
+    for i in range(layers):
+        w = t[f"blk.{i}.ffn_gate_inp.weight"].dequantize()                 # [experts, hidden]
+        x = np.random.default_rng(i).standard_normal((4000, w.shape[1]))
+        top = np.argpartition(-(x @ w.T), 4, axis=1)[:, :4]
+        counts = np.sort(np.bincount(top.ravel(), minlength=w.shape[0]))[::-1]
+        shares.append(counts[: w.shape[0] // 10].sum() / counts.sum())
+    return shares
+
+
 def test_router_skew_makes_some_experts_hot_token_by_token(tmp_path):
     """--router-skew 0.5: router rows scaled in a random order a layer, so the top-k choices of
     random hidden states concentrate (the hottest tenth of the experts get far more than a tenth);
     0 keeps every expert about as popular."""
-    def share_of_hottest_tenth(path: Path) -> list[float]:
-        t = GGUFModel.open(path).tensors
-        shares = []
-        for i in range(2):
-            w = t[f"blk.{i}.ffn_gate_inp.weight"].dequantize()                 # [experts, hidden]
-            x = np.random.default_rng(i).standard_normal((4000, w.shape[1]))
-            top = np.argpartition(-(x @ w.T), 4, axis=1)[:, :4]
-            counts = np.sort(np.bincount(top.ravel(), minlength=w.shape[0]))[::-1]
-            shares.append(counts[: w.shape[0] // 10].sum() / counts.sum())
-        return shares
-
     opts = {"arch": "qwen3moe", "layers": 2, "experts": 40, "experts_used": 4}
     (skewed,) = make_model(tmp_path / "s" / "m.gguf", router_skew=0.5, **opts)
     (uniform,) = make_model(tmp_path / "u" / "m.gguf", **opts)
@@ -235,3 +238,33 @@ def test_router_skew_makes_some_experts_hot_token_by_token(tmp_path):
     hot = [int(np.argmax(np.linalg.norm(t[f"blk.{i}.ffn_gate_inp.weight"].dequantize(), axis=1)))
            for i in range(2)]
     assert hot[0] != hot[1]                            # each layer has its own hot experts
+
+
+def test_skew_router_skews_a_written_split_file_in_place_and_restores_it_bit_for_bit(tmp_path):
+    """scripts/skew_router.py (the large model's skewed figures without writing it twice): on a
+    2-part file, --skew 0.5 makes the routing as concentrated as make-model's --router-skew and
+    touches nothing but the routers; --restore gives back the very bytes; a backup already there is
+    refused (the uniform rows would be lost)."""
+    parts = make_model(tmp_path / "m.gguf", arch="qwen3moe", layers=2, experts=40, experts_used=4,
+                       split=2)
+    before = [p.read_bytes() for p in parts]
+    assert all(s < 0.2 for s in share_of_hottest_tenth(parts[0]))
+    script = [sys.executable, str(REPO / "scripts" / "skew_router.py"), str(parts[0])]
+    backup = tmp_path / "routers.npy"
+    subprocess.run(script + ["--skew", "0.5", "--backup", str(backup)], check=True,
+                   capture_output=True, text=True)
+    assert all(s > 0.25 for s in share_of_hottest_tenth(parts[0]))
+    routers = {n: t for n, t in GGUFModel.open(parts[0]).tensors.items()
+               if n.endswith("ffn_gate_inp.weight")}
+    assert len(routers) == 2
+    for p, b in zip(parts, before):          # every byte outside the routers as it was
+        after = bytearray(p.read_bytes())
+        for t in routers.values():
+            if Path(t.path) == p:
+                after[t.offset:t.offset + t.n_bytes] = b[t.offset:t.offset + t.n_bytes]
+        assert bytes(after) == b
+    again = subprocess.run(script + ["--skew", "0.5", "--backup", str(backup)],
+                           check=False, capture_output=True, text=True)
+    assert again.returncode != 0 and "exists" in again.stderr
+    subprocess.run(script + ["--restore", str(backup)], check=True, capture_output=True, text=True)
+    assert [p.read_bytes() for p in parts] == before
