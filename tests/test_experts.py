@@ -172,13 +172,17 @@ def test_host_experts_are_packed_unless_a_ram_budget_keeps_them_in_the_file(refe
     """Every expert in host RAM (no --resident-budget-gib) and packed weights (the int8 default):
     the host tier's experts, which the one-program window reads a layer's misses from, are packed
     (cpu/packed.h), so a miss is read as fast as a hit, with the same bits; under a RAM budget (the
-    rest in the file) they stay GGUF blocks, the file's pages, and so with --weights blocks."""
+    rest in the file) they stay GGUF blocks, and the layers the budget holds whole are one copy in
+    RAM that the host path reads too (not the file's pages again); with --weights blocks the file's
+    pages."""
     from pallas_kernels import PACKED_SUFFIX
 
     path, logits, answers = reference["qwen3moe"]
     all_in_ram = 100 * _one_expert_bytes(path) / (1 << 30)
-    for extra, packed in (({}, True), ({"resident_budget_gib": all_in_ram}, False),
-                          ({"weights": "blocks"}, False)):
+    # (settings, packed, the host path reads the tier's RAM copy)
+    for extra, packed, shared in (({}, True, True),
+                                  ({"resident_budget_gib": all_in_ram}, False, True),
+                                  ({"weights": "blocks"}, False, False)):
         cfg = EngineConfig(**dict(BASE, host_experts="on", layer_step="auto", **extra),
                            expert_cache=3)
         with Engine.from_gguf(path, cfg) as eng:
@@ -187,9 +191,10 @@ def test_host_experts_are_packed_unless_a_ram_budget_keeps_them_in_the_file(refe
             assert kinds == {packed}, extra
             layer = next(iter(trees))
             held = eng.runner.stepper.arena.host.resident[(layer, 0)]["exp_gate"]
-            # packed: the host tier's RAM copy is a view of the packed experts (one copy in all)
+            # packed, or a layer the budget holds whole: the host tier's RAM copy is a view of what
+            # the host path reads (one copy in all)
             assert (np.shares_memory(held, np.asarray(trees[layer]["exp_gate"].data))
-                    == packed), extra
+                    == shared), extra
             assert np.array_equal(eng.logits(_prompts()[0]), logits)
             assert _answers(eng, _prompts()) == answers
             assert eng.stats()["experts"]["one_program"] > 0

@@ -64,9 +64,10 @@ def aligned_copy(a: np.ndarray) -> np.ndarray:
 class HostTier:
     def __init__(self, model, layers: list[int], budget_bytes: int | None, workers: int,
                  in_ram: dict[int, dict[str, np.ndarray]] | None = None):
-        """in_ram: every expert already in RAM ([E, n, row_bytes] a tensor: the packed host experts,
-        engine/execute/placement.py): the tier hands out views of them instead of copying the file's
-        blocks."""
+        """in_ram: layers whose experts are in RAM already (layer -> name -> [E, n, row_bytes]: the
+        packed host experts, or with a budget the layers it holds whole; see
+        engine/execute/placement.py): the tier hands out views of them instead of copying the
+        file's blocks."""
         self.layers = layers
         self.tensors = {i: expert_tensors(model, i) for i in layers}
         self.n_experts = self.tensors[layers[0]]["exp_gate"].shape[0]
@@ -89,23 +90,23 @@ class HostTier:
         self._lock = threading.Lock()
         for i in layers:                                 # layer by layer, as far as the budget goes
             copied = 0
+            ram = None if in_ram is None else in_ram.get(i)
             for e in range(self.n_experts):
                 if self.resident_bytes + self.expert_bytes[i] > budget:
                     break
-                self.resident[(i, e)] = ({n: a[e] for n, a in in_ram[i].items()}
-                                         if in_ram is not None else
+                self.resident[(i, e)] = ({n: a[e] for n, a in ram.items()} if ram is not None else
                                          {n: aligned_copy(t.data[e])
                                           for n, t in self.tensors[i].items()})
                 self.resident_bytes += self.expert_bytes[i]
                 copied += 1
-            if in_ram is None and copied:
-                self._forget_file_pages(i, copied)
+            if ram is None and copied:
+                self.forget_file_pages(i, copied)
         self.file_reads = 0
         self.file_bytes = 0                                # read from the file tier
         self._pool = ThreadPoolExecutor(max_workers=workers,
                                         thread_name_prefix="strata-expert-read")
 
-    def _forget_file_pages(self, layer: int, n: int) -> None:
+    def forget_file_pages(self, layer: int, n: int) -> None:
         """RAM holds experts 0..n-1 of `layer` now: their pages of the file leave this process's
         resident set and the page cache, so the machine holds them once. (Kept, the kernel would
         hold both copies until memory ran short, and a memory cgroup counts its page cache against

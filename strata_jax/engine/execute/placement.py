@@ -20,6 +20,7 @@ import pallas_kernels as pk
 
 from ...config import ConfigError, EngineConfig
 from ...experts import EXPERT_TENSORS, ExpertArena, HostTier, expert_tensors, slot_bytes
+from ...experts.host import aligned_copy
 from ...experts.hybrid import HostRule, host_device, host_rate, link_rate, memcpy_rate
 from ...experts.profile import ExpertProfile, pins_for
 from ...experts.stream import ExpertStream
@@ -152,7 +153,16 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
         log.info("host experts: the host tier's experts packed for the int8 products (%.1f MiB, in "
                  "place of the host tier's copies of the file's blocks; --weights blocks keeps the "
                  "blocks)", sum(a.nbytes for ts in in_ram.values() for a in ts.values()) / 2**20)
+    elif host_trees is not None and budget is not None:
+        in_ram = _whole_layers_in_ram(infos, layers, budget)
+        for i, ts in in_ram.items():                  # the host path reads the RAM copies
+            host_trees[i] = {n: QTensor(blocks_in_place(a, dev), infos[i][n].qtype.name,
+                                        (spec.n_experts, *shapes[i][n]))
+                             for n, a in ts.items()}
     host = HostTier(model, layers, budget, cfg.pool_workers, in_ram)
+    if in_ram is not None and not pack_host:
+        for i in in_ram:                               # held once: in RAM, not also in the cache
+            host.forget_file_pages(i, spec.n_experts)
     arena = ExpertArena(host, n_slots, to_arena, leaf_shapes, policy)
     if profile is not None:              # preload and pin each layer's hottest experts
         for i in layers:
@@ -178,6 +188,30 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
              cfg.pool_workers)
     return Tiers("arena", arena, qtypes, shapes, host_trees, dev if where == "remote" else None,
                  rule, stream)
+
+
+def _whole_layers_in_ram(infos: dict, layers: list[int], budget: int) -> dict:
+    """--resident-budget-gib with host experts: the layers the budget holds whole (0, 1, ... as far
+    as it goes), each as one contiguous copy of its expert tensors (64-byte aligned: the host device
+    uses it in place) -> layer -> name -> [E, rows, row_bytes] blocks, for the RAM tier and the host
+    path both. The host path computes a layer's misses from its host tree, which would otherwise be
+    the file's pages: the tier's copies of the same experts (an array an expert) then served only
+    the device cache's copy-ins, while the host path read the file again (the tier drops the pages
+    it copied), so the budget held those layers twice (the 37 GB model's ladder, session 28: 0 of
+    4,169 host computations from the RAM tier). What is left of the budget after the whole layers
+    the tier fills expert by expert as before (for copy-ins)."""
+    out, used = {}, 0
+    for i in layers:
+        size = sum(int(t.data.nbytes) for t in infos[i].values())
+        if used + size > budget:
+            break
+        out[i] = {n: aligned_copy(t.data) for n, t in infos[i].items()}
+        used += size
+    if out:
+        log.info("host experts: the RAM tier holds layers %d-%d whole (%.2f GiB), which the host "
+                 "path computes from; the other layers' experts from the file", min(out),
+                 max(out), used / 2**30)
+    return out
 
 
 def _host_tree(info, shape: tuple[int, ...], dev, pack: bool) -> QTensor:
