@@ -18,20 +18,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader
 
-from strata_jax.gguf.reader import split_part_paths
+from strata_jax.gguf import GGUFModel
 from strata_jax.makers.make_model import router_row_scales
 
 
 def routers(first: Path):
-    """(path, name, offset, shape) of every float32 router tensor, part by part."""
-    for path in split_part_paths(first):
-        for t in GGUFReader(path).tensors:
-            if t.name.endswith("ffn_gate_inp.weight"):
-                if t.data.dtype != np.float32:
-                    sys.exit(f"{path}: {t.name} is {t.data.dtype}, not float32: not a made file")
-                yield path, t.name, int(t.data_offset), tuple(t.data.shape)
+    """(path, name, offset, shape) of every float32 router tensor, over every part."""
+    for name, t in GGUFModel.open(first).tensors.items():
+        if name.endswith("ffn_gate_inp.weight"):
+            if t.qtype.name != "F32":
+                sys.exit(f"{t.path}: {name} is {t.qtype.name}, not F32: not a made file")
+            yield t.path, name, t.offset, t.shape
 
 
 def main() -> None:

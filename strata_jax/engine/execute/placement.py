@@ -139,26 +139,23 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
                              "layer (or auto)")
     profile = ExpertProfile.load(cfg.expert_profile, spec, layers) if cfg.expert_profile else None
     shapes = {i: {n: tuple(t.shape[1:]) for n, t in ts.items()} for i, ts in infos.items()}
-    host_trees = rule = None
+    host_trees = rule = in_ram = None
+    if dev is not None and budget is not None and not pack_host:
+        in_ram = _whole_layers_in_ram(infos, layers, budget)
     if dev is not None:
         # every expert of a layer on the CPU device that computes a layer's missed experts
-        # (--host-experts, experts/hybrid.py): packed (pack_host), else the GGUF file's own blocks
-        host_trees = {i: {n: _host_tree(t, (spec.n_experts, *shapes[i][n]), dev, pack_host)
+        # (--host-experts, experts/hybrid.py): packed (pack_host), else GGUF blocks: the layers
+        # the RAM budget holds whole from their RAM copy, the others the file's own
+        host_trees = {i: {n: _host_tree(t, (spec.n_experts, *shapes[i][n]), dev, pack_host,
+                                        (in_ram or {}).get(i, {}).get(n))
                           for n, t in ts.items()}
                       for i, ts in infos.items()}
-    in_ram = None
     # the host tier's RAM copies are these packed experts themselves, not a second copy
     if pack_host:
         in_ram = {i: {n: np.asarray(w.data) for n, w in ts.items()} for i, ts in host_trees.items()}
         log.info("host experts: the host tier's experts packed for the int8 products (%.1f MiB, in "
                  "place of the host tier's copies of the file's blocks; --weights blocks keeps the "
                  "blocks)", sum(a.nbytes for ts in in_ram.values() for a in ts.values()) / 2**20)
-    elif host_trees is not None and budget is not None:
-        in_ram = _whole_layers_in_ram(infos, layers, budget)
-        for i, ts in in_ram.items():                  # the host path reads the RAM copies
-            host_trees[i] = {n: QTensor(blocks_in_place(a, dev), infos[i][n].qtype.name,
-                                        (spec.n_experts, *shapes[i][n]))
-                             for n, a in ts.items()}
     host = HostTier(model, layers, budget, cfg.pool_workers, in_ram)
     if in_ram is not None and not pack_host:
         for i in in_ram:                               # held once: in RAM, not also in the cache
@@ -214,19 +211,21 @@ def _whole_layers_in_ram(infos: dict, layers: list[int], budget: int) -> dict:
     return out
 
 
-def _host_tree(info, shape: tuple[int, ...], dev, pack: bool) -> QTensor:
+def _host_tree(info, shape: tuple[int, ...], dev, pack: bool,
+               ram: np.ndarray | None = None) -> QTensor:
     """One expert tensor of every expert on the host device. Packed (cpu/packed.h, the same bits)
     when the weights are packed and the host tier holds every expert in RAM (no
     --resident-budget-gib: a budget means the rest stays in the file): a miss then costs what a hit
     costs, where from GGUF blocks it cost ~1.5x a byte (docs/BENCHMARKS.md, issue 33 session 18;
-    KTransformers repacks its CPU experts the same way). Else the file's blocks in place (on a CPU
-    device its mmap pages, no copy)."""
+    KTransformers repacks its CPU experts the same way). Else GGUF blocks: `ram`, the RAM tier's
+    copy of a layer the budget holds whole, or the file's blocks in place (on a CPU device its mmap
+    pages, no copy)."""
     if pack and pk.packs(info.qtype):
         # 64-byte aligned: used in place, no copy
         packed = jax.device_put(pk.pack(info.data, info.qtype), dev)
         release_file_pages(info.data)       # read once to pack: not held twice
         return QTensor(packed, info.qtype.name + pk.PACKED_SUFFIX, shape)
-    return QTensor(blocks_in_place(info.data, dev), info.qtype.name, shape)
+    return QTensor(blocks_in_place(info.data if ram is None else ram, dev), info.qtype.name, shape)
 
 
 def _host_device(cfg: EngineConfig, choices: dict):
