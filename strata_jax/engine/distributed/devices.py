@@ -125,11 +125,13 @@ class ExpertShards:
         return jax.device_put(tree, self.replicated)
 
     def wrap(self, fn, params: dict, n_rest: int):
-        """fn(params, *rest) as one program over the mesh: params split as `specs`, the n_rest other
+        """fn(weights, *rest) as one program over the mesh, weights being params' leaves as one flat
+        list (window_program.py): split as `specs`, the n_rest other
         inputs (the KV cache, counts, the groups' arrays) and every output replicated. check_vma is
         off: the cpu kernels' custom calls carry no replication types, and every output is
         replicated by construction (computed from replicated inputs and the psum'd expert rows)."""
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs(params),) + (P(),) * n_rest,
+        weights = jax.tree_util.tree_structure(params).flatten_up_to(self.specs(params))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(weights,) + (P(),) * n_rest,
                              out_specs=P(), check_vma=False)
 
     def shapes(self, tree, sharding: NamedSharding | None = None):

@@ -28,7 +28,7 @@ import numpy as np
 from ...experts.profile import ExpertProfile
 from .layouts import GroupInput
 from .programs import Layout
-from .window_program import build_window, cache_last
+from .window_program import build_window, cache_last, flat_weights
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -68,6 +68,8 @@ class WholeWindows:
                  with_hidden: bool = False):
         self.spec, self.opts, self.params, self.kv, self.programs = spec, opts, params, kv, programs
         self.shards, self.with_hidden = shards, with_hidden
+        # what each window program call is handed (build_window's flat form), flattened once
+        self.weights = flat_weights(params)
         # int32 [n_layers, E]: live traffic's routing
         self.counts = self._new_counts() if spec.is_moe else None
         programs.register("window", self.build)
@@ -86,7 +88,7 @@ class WholeWindows:
             # a failed run consumed it: the profile starts again
             self.counts = self._new_counts()
         counts = [] if self.counts is None else [self.counts]
-        res = self.kv.through(lambda c: cache_last(self.programs.run(layout, self.params, c,
+        res = self.kv.through(lambda c: cache_last(self.programs.run(layout, self.weights, c,
                                                                      *counts, *args)))
         if counts:
             self.counts = res.counts

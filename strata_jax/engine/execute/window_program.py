@@ -20,13 +20,18 @@ from .programs import Layout
 def build_window(layout: Layout, params: dict, spec, opts, kv: KVCache, with_hidden: bool,
                  counts=None, shards=None):
     """Compile the window program of `layout`, lowered from shapes only: the builder thread compiles
-    while the engine thread runs, donates and replaces the arrays. counts: the expert profile's
+    while the engine thread runs, donates and replaces the arrays. The program takes the weights as
+    one flat list (`flat_weights(params)`), not the nested dicts: a call hands XLA ~280 arrays a
+    window, and flattening the dicts each call cost 0.28 ms of a ~12 ms SmolLM2 decode step on
+    Zen 1 (docs/BENCHMARKS.md, "Where a SmolLM2 decode step goes"). counts: the expert profile's
     counts array (its shape), or None when routing is not counted in the program. shards: --split
     experts' mesh (devices.ExpertShards): the program runs over every device of it, else None (one
     device)."""
     counting = counts is not None
+    weights, tree = jax.tree_util.tree_flatten(params)
 
-    def window(params, cache, *flat):
+    def window(weights, cache, *flat):
+        params = jax.tree_util.tree_unflatten(tree, weights)
         counts, flat = (flat[0], flat[1:]) if counting else (None, flat)
         groups, at = [], 0
         for _, _, all_logits, picks in layout.groups:
@@ -44,11 +49,16 @@ def build_window(layout: Layout, params: dict, spec, opts, kv: KVCache, with_hid
     if shards is not None:
         fn = shards.wrap(window, params, 1 + len(args))
         rep = shards.replicated
-        return jax.jit(fn, donate_argnums=donate).lower(shards.shapes(params),
+        return jax.jit(fn, donate_argnums=donate).lower(shards.shapes(weights),
                                                         shards.shapes(kv.arrays, rep),
                                                         *shards.shapes(args, rep)).compile()
-    return jax.jit(window, donate_argnums=donate).lower(shapes(params), shapes(kv.arrays),
+    return jax.jit(window, donate_argnums=donate).lower(shapes(weights), shapes(kv.arrays),
                                                         *shapes(args)).compile()
+
+
+def flat_weights(params: dict) -> list:
+    """The weights as a window program takes them: the leaves in the tree's own order."""
+    return jax.tree_util.tree_leaves(params)
 
 
 def shapes(tree):
