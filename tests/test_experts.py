@@ -200,6 +200,51 @@ def test_host_experts_are_packed_unless_a_ram_budget_keeps_them_in_the_file(refe
             assert eng.stats()["experts"]["one_program"] > 0
 
 
+def test_experts_off_a_64_byte_boundary_are_not_copied_by_the_host_path(tmp_path, monkeypatch,
+                                                                         caplog):
+    """GGUF aligns tensors to 32 bytes, and XLA's CPU runtime uses a host array in place only at 64:
+    the host path, which reads the layers RAM does not hold from the file's map, would hold such
+    experts as a copy in RAM (a 36 GiB file was OOM-killed so). With host experts on auto they are
+    turned off (misses read into the device cache: the same tokens), --host-experts on is a
+    ConfigError naming the bytes, and the start check counts the copies every expert on the device
+    would make. make-model writes 64-byte alignment, where none of this happens."""
+    import strata_jax.makers.make_model as mm
+    from strata_jax.config import ConfigError
+    from strata_jax.engine.choices import resolve
+    from strata_jax.engine.runner import _host_needs
+    from strata_jax.gguf import GGUFModel
+    from strata_jax.model.weights import in_place
+
+    opts = dict(MOE, experts=5, expert_ffn=8)           # sizes that leave ffn_up_exps off 64
+    aligned = mm.make_model(tmp_path / "a" / "m.gguf", **opts)[0]
+    monkeypatch.setattr(mm, "ALIGNMENT", 32)
+    off = mm.make_model(tmp_path / "b" / "m.gguf", **opts)[0]
+    assert all(in_place(t.data) for t in GGUFModel.open(aligned).tensors.values())
+    model = GGUFModel.open(off)
+    unaligned = {n: t.n_bytes for n, t in model.tensors.items() if not in_place(t.data)}
+    assert any("_exps." in n for n in unaligned), unaligned
+    with Engine.from_gguf(off, EngineConfig(**dict(BASE, weights="blocks"))) as eng:
+        answers = _answers(eng, _prompts())
+    tiers = dict(BASE, weights="blocks", host_experts="auto", layer_step="auto")
+    with Engine.from_gguf(aligned, EngineConfig(**tiers, expert_cache=2)) as eng:
+        assert eng.runner.stepper.host_trees is not None       # in place: the host path reads it
+    with caplog.at_level(logging.WARNING, logger="strata_jax.engine"):
+        with Engine.from_gguf(off, EngineConfig(**tiers, expert_cache=2)) as eng:
+            assert eng.runner.stepper.host_trees is None
+            assert _answers(eng, _prompts()) == answers
+    assert "host experts off" in caplog.text and "64-byte boundary" in caplog.text
+    with pytest.raises(ConfigError, match=r"host_experts = on: [\d,]+ B \(0\.00 GiB\) of the file's experts do "
+                                          "not start at a 64-byte boundary"):
+        Engine.from_gguf(off, EngineConfig(**dict(tiers, host_experts="on"), expert_cache=2))
+
+    def copies(path, **cfg) -> int:
+        m, c = GGUFModel.open(path), EngineConfig(**dict(BASE, weights="blocks"), **cfg)
+        items = _host_needs(m, c, resolve(c, m), np.float32, 64, 64, 0).items
+        return next(n for k, n in items.items() if "64-byte boundary" in k)
+    assert copies(off) == sum(unaligned.values()) and copies(aligned) == 0
+    assert copies(off, expert_cache=2) == sum(n for k, n in unaligned.items() if "_exps." not in k)
+
+
 def _stages(eng) -> list[str]:
     """The stage names of the programs a decode window of 2 rows runs (ModelRunner.warmup builds
     these)."""

@@ -14,6 +14,7 @@ import pytest
 from strata_jax.gguf import GGUFModel
 from strata_jax.makers.make_model import make_model
 from strata_jax.makers.tiny_tokenizer import CHAT_TEMPLATE
+from strata_jax.model.weights import in_place
 
 REPO = Path(__file__).resolve().parents[1]
 F32, F16, Q8_0, Q4_K = (gguf.GGMLQuantizationType[n] for n in ("F32", "F16", "Q8_0", "Q4_K"))
@@ -128,6 +129,13 @@ def test_make_model_command(tmp_path):
                       experts_used=2, expert_ffn=64, quant="Q4_K", attn_quant="Q8_0", split=2,
                       tied=True, seed=5)
     assert [p.read_bytes() for p in same] == [p.read_bytes() for p in parts]
+    # every part says its 64-byte alignment (GGUFWriter would say it in the first only) and every
+    # tensor starts at such a boundary: read in place, never copied (model/weights.py in_place)
+    for part in parts:
+        reader = gguf.GGUFReader(part)
+        assert reader.fields["general.alignment"].parts[-1][0] == 64 and reader.alignment == 64
+        assert all(t.data_offset % 64 == 0 for t in reader.tensors)
+    assert all(in_place(t.data) for t in GGUFModel.open(parts[0]).tensors.values())
 
 
 def test_more_bits_quant_flag(tmp_path, capsys):

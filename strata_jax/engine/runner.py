@@ -28,6 +28,7 @@ from ..experts.host import expert_tensors
 from ..experts.profile import ExpertProfile
 from ..gguf import GGUFModel
 from ..model import RunOptions, load_nextn_experts, load_params
+from ..model.weights import copied_bytes
 from ..model.transformer import ring_size
 from .choices import KV_DTYPES, packable_bytes, resolve
 from .distributed.devices import (
@@ -376,6 +377,14 @@ def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, de
                 t.n_values for t in model.tensors.values())
         elif choices.get("pack"):
             items["the packed weights"] = packable_bytes(model)
+        if choices["weights"] == "blocks":
+            # the tensors read where they lie in the file's map: not free where they are off XLA's
+            # boundary (a copy each); the experts only when every one is placed so (auto)
+            placed = [t for name, t in model.tensors.items()
+                      if not (choices.get("pack") and len(t.shape) in (2, 3) and pk.packs(t.qtype))
+                      and (cfg.expert_cache == "auto" or "_exps." not in name)]
+            items["copies of the file's tensors not at a 64-byte boundary (GGUF aligns to 32: "
+                  "the runtime copies them)"] = copied_bytes(placed)
         if spec.is_moe and cfg.expert_cache != "auto":       # the device expert cache is RAM here
             n = min(int(cfg.expert_cache), spec.n_experts)
             items[f"the device expert cache ({n} slots a layer)"] = n * sum(

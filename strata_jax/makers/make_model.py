@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGUFValue, GGUFValueType, GGUFWriter, Keys, LlamaFileType
 
 from pallas_kernels.random_blocks import random_blocks, random_blocks_fast
 from quant_types import QType, as_qtype, block_size, type_size
@@ -258,6 +258,26 @@ class ModelOptions:
 Progress = Callable[[int, int], None]     # (bytes of tensor data written, of all of it)
 
 
+# Tensors start at 64-byte boundaries (GGUF's default is 32): XLA's CPU runtime uses a host array in
+# place only there, so every tensor of a made file is read from its pages, never copied
+# (model/weights.py in_place); llama.cpp reads general.alignment from every part
+ALIGNMENT = 64
+
+
+class AlignedWriter(GGUFWriter):
+    """GGUFWriter with ALIGNMENT, said in every part of a split file (GGUFWriter keeps its keys in
+    the first part only, but pads every part to its alignment)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_custom_alignment(ALIGNMENT)
+
+    def add_shard_kv_data(self) -> None:
+        super().add_shard_kv_data()
+        for kv in self.kv_data[1:]:
+            kv[Keys.General.ALIGNMENT] = GGUFValue(ALIGNMENT, GGUFValueType.UINT32)
+
+
 def make_model(out_path: str | Path, shape: str | None = None, progress: Progress | None = None,
                **options: Any) -> list[Path]:
     """Write a random-weight GGUF model; return the files written (one, or `split` parts in order).
@@ -274,7 +294,7 @@ def make_model(out_path: str | Path, shape: str | None = None, progress: Progres
     out_path = Path(out_path)
     total = sum(t.n_bytes for t in plan)
     _check_free_disk(out_path, total)
-    writer = GGUFWriter(out_path, o.arch)
+    writer = AlignedWriter(out_path, o.arch)
     for key, (value, (vtype, sub)) in (_model_keys(o, vocab) | tokenizer_keys).items():
         writer.add_key_value(key, value, vtype, sub)
     # first tensor of parts 2..N

@@ -130,6 +130,23 @@ def release_file_pages(a: np.ndarray) -> None:
                                   mmap.MADV_DONTNEED)
 
 
+# XLA's CPU runtime takes a host array as it lies only at this boundary (else it copies it); GGUF's
+# default alignment is 32, so about half of a file's tensors start off it
+XLA_ALIGN = 64
+
+
+def in_place(blocks: np.ndarray) -> bool:
+    """Whether blocks_in_place on a CPU uses these bytes where they lie (no copy)."""
+    return blocks.flags.c_contiguous and blocks.ctypes.data % XLA_ALIGN == 0
+
+
+def copied_bytes(tensors) -> int:
+    """Bytes of the GGUF tensors (TensorInfo) that blocks_in_place would copy into private memory on
+    a CPU: those not at a 64-byte boundary in the file's map. A model larger than RAM served in
+    place from such a file would need that much RAM."""
+    return sum(t.n_bytes for t in tensors if not in_place(t.data))
+
+
 def blocks_in_place(blocks: np.ndarray, device=None) -> jax.Array:
     """GGUF blocks as a device array (on `device`, else the default one). On a CPU, jax.device_put
     of a 64-byte aligned host array is that array itself (no copy), so the weights are the GGUF

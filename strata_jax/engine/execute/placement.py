@@ -26,7 +26,7 @@ from ...experts.profile import ExpertProfile, pins_for
 from ...experts.stream import ExpertStream
 from ...gguf import GGUFModel
 from ...model import expert_tensor_bytes, load_experts
-from ...model.weights import QTensor, blocks_in_place, release_file_pages
+from ...model.weights import QTensor, blocks_in_place, copied_bytes, release_file_pages
 from ..faults import resource_exhausted
 from .memory import MemoryLedger
 from .programs import MIN_PROGRAM_BYTES
@@ -142,6 +142,8 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
     host_trees = rule = in_ram = None
     if dev is not None and budget is not None and not pack_host:
         in_ram = _whole_layers_in_ram(infos, layers, budget)
+    if dev is not None and not pack_host:
+        dev, where = _unless_copied(cfg, infos, in_ram, dev, where)
     if dev is not None:
         # every expert of a layer on the CPU device that computes a layer's missed experts
         # (--host-experts, experts/hybrid.py): packed (pack_host), else GGUF blocks: the layers
@@ -226,6 +228,25 @@ def _host_tree(info, shape: tuple[int, ...], dev, pack: bool,
         release_file_pages(info.data)       # read once to pack: not held twice
         return QTensor(packed, info.qtype.name + pk.PACKED_SUFFIX, shape)
     return QTensor(blocks_in_place(info.data if ram is None else ram, dev), info.qtype.name, shape)
+
+
+def _unless_copied(cfg: EngineConfig, infos: dict, in_ram: dict | None, dev, where):
+    """(dev, where), or (None, None) when the host path would hold a copy of the file's experts: it
+    reads the layers RAM does not hold from the file's map, in place only at a 64-byte boundary,
+    and a GGUF file aligns its tensors to 32 (a model larger than RAM was OOM-killed so: 34 GiB
+    copied). Misses are then read into the device cache instead, within its size."""
+    off = copied_bytes(t for i, ts in infos.items() if i not in (in_ram or {}) for t in ts.values())
+    if not off:
+        return dev, where
+    why = (f"{off:,} B ({off / 2**30:.2f} GiB) of the file's experts do not start at a 64-byte boundary (the "
+           "file aligns its tensors to 32 bytes), and the host path could read them only as a "
+           "copy in RAM")
+    if cfg.host_experts == "on":
+        raise ConfigError(f"host_experts = on: {why}: use --host-experts off (misses are read into "
+                          "the device expert cache) or a file written with 64-byte alignment")
+    log.warning("host experts off: %s; a layer's misses are read into the device expert cache "
+                "instead", why)
+    return None, None
 
 
 def _host_device(cfg: EngineConfig, choices: dict):
