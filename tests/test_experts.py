@@ -228,13 +228,13 @@ def test_experts_off_a_64_byte_boundary_are_not_copied_by_the_host_path(tmp_path
     tiers = dict(BASE, weights="blocks", host_experts="auto", layer_step="auto")
     with Engine.from_gguf(aligned, EngineConfig(**tiers, expert_cache=2)) as eng:
         assert eng.runner.stepper.host_trees is not None       # in place: the host path reads it
-    with caplog.at_level(logging.WARNING, logger="strata_jax.engine"):
-        with Engine.from_gguf(off, EngineConfig(**tiers, expert_cache=2)) as eng:
-            assert eng.runner.stepper.host_trees is None
-            assert _answers(eng, _prompts()) == answers
+    with (caplog.at_level(logging.WARNING, logger="strata_jax.engine"),
+          Engine.from_gguf(off, EngineConfig(**tiers, expert_cache=2)) as eng):
+        assert eng.runner.stepper.host_trees is None
+        assert _answers(eng, _prompts()) == answers
     assert "host experts off" in caplog.text and "64-byte boundary" in caplog.text
-    with pytest.raises(ConfigError, match=r"host_experts = on: [\d,]+ B \(0\.00 GiB\) of the file's experts do "
-                                          "not start at a 64-byte boundary"):
+    with pytest.raises(ConfigError, match=r"host_experts = on: [\d,]+ B \(0\.00 GiB\) of the "
+                                          "file's experts do not start at a 64-byte boundary"):
         Engine.from_gguf(off, EngineConfig(**dict(tiers, host_experts="on"), expert_cache=2))
 
     def copies(path, **cfg) -> int:

@@ -33,8 +33,8 @@ TEXT_BOUND = 7 << 20                # --max-tokenize-bytes of this server (the d
 def server(tiny_model):
     args = [str(tiny_model(**SIZES)), "--parallel", "2", "--max-context", "2048", "--max-queue",
             "12", "--engine-stall-s", "5", "--no-warmup", "--max-tokenize-bytes", str(TEXT_BOUND),
-            # ten 5.4 MB bodies sent at once are read in turn: on a loaded 2-core CI machine one took
-            # past the default 30 s and was a 408, which is not what these tests are about
+            # ten 5.4 MB bodies sent at once are read in turn: on a loaded 2-core CI machine one
+            # took past the default 30 s and was a 408, which is not what these tests are about
             "--read-timeout-s", "300"]
     with ServerProcess(args) as srv:
         srv.wait_ready()

@@ -10,8 +10,9 @@ cache (both RAM on a CPU device; the KV's host-RAM part with --kv-resident on an
 weights (packed or dequantized), the host expert tier's --resident-budget-gib, the conversation
 cache — plus a reserve for the runtime;
 the GGUF file's own pages are not counted (the kernel can drop them: a model larger than RAM runs
-from its file). A start that cannot fit is a ConfigError with every figure, before any is
-allocated.
+from its file), except the tensors off XLA's 64-byte boundary, which the runtime copies
+(GGUF aligns to 32; model/weights.py in_place). A start that cannot fit is a ConfigError with
+every figure, before any is allocated.
 """
 
 from __future__ import annotations

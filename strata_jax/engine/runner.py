@@ -28,8 +28,8 @@ from ..experts.host import expert_tensors
 from ..experts.profile import ExpertProfile
 from ..gguf import GGUFModel
 from ..model import RunOptions, load_nextn_experts, load_params
-from ..model.weights import copied_bytes
 from ..model.transformer import ring_size
+from ..model.weights import copied_bytes
 from .choices import KV_DTYPES, packable_bytes, resolve
 from .distributed.devices import (
     AXIS,

@@ -235,12 +235,13 @@ def _unless_copied(cfg: EngineConfig, infos: dict, in_ram: dict | None, dev, whe
     reads the layers RAM does not hold from the file's map, in place only at a 64-byte boundary,
     and a GGUF file aligns its tensors to 32 (a model larger than RAM was OOM-killed so: 34 GiB
     copied). Misses are then read into the device cache instead, within its size."""
-    off = copied_bytes(t for i, ts in infos.items() if i not in (in_ram or {}) for t in ts.values())
+    off = copied_bytes(t for i, ts in infos.items() if i not in (in_ram or {})
+                       for t in ts.values())
     if not off:
         return dev, where
-    why = (f"{off:,} B ({off / 2**30:.2f} GiB) of the file's experts do not start at a 64-byte boundary (the "
-           "file aligns its tensors to 32 bytes), and the host path could read them only as a "
-           "copy in RAM")
+    why = (f"{off:,} B ({off / 2**30:.2f} GiB) of the file's experts do not start at a 64-byte "
+           "boundary (the file aligns its tensors to 32 bytes), and the host path could read them "
+           "only as a copy in RAM")
     if cfg.host_experts == "on":
         raise ConfigError(f"host_experts = on: {why}: use --host-experts off (misses are read into "
                           "the device expert cache) or a file written with 64-byte alignment")
