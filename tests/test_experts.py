@@ -209,6 +209,7 @@ def test_experts_off_a_64_byte_boundary_are_not_copied_by_the_host_path(tmp_path
     ConfigError naming the bytes, and the start check counts the copies every expert on the device
     would make. make-model writes 64-byte alignment, where none of this happens."""
     import strata_jax.makers.make_model as mm
+    import strata_jax.makers.writer as mw
     from strata_jax.config import ConfigError
     from strata_jax.engine.choices import resolve
     from strata_jax.engine.runner import _host_needs
@@ -217,7 +218,7 @@ def test_experts_off_a_64_byte_boundary_are_not_copied_by_the_host_path(tmp_path
 
     opts = dict(MOE, experts=5, expert_ffn=8)           # sizes that leave ffn_up_exps off 64
     aligned = mm.make_model(tmp_path / "a" / "m.gguf", **opts)[0]
-    monkeypatch.setattr(mm, "ALIGNMENT", 32)
+    monkeypatch.setattr(mw, "ALIGNMENT", 32)
     off = mm.make_model(tmp_path / "b" / "m.gguf", **opts)[0]
     assert all(in_place(t.data) for t in GGUFModel.open(aligned).tensors.values())
     model = GGUFModel.open(off)

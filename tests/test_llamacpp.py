@@ -43,6 +43,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.gguf import GGUFModel
+from strata_jax.makers.writer import add_key
 
 MOE = {"arch": "llama", "experts": 4, "experts_used": 2, "layers": 2, "hidden": 256, "heads": 4,
        "kv_heads": 2, "ffn": 256, "expert_ffn": 256}
@@ -158,7 +159,7 @@ def write_f32_copy(src: Path, dst: Path) -> Path:
     writer = GGUFWriter(dst, model.metadata["general.architecture"])
     for key, value in model.metadata.items():
         if key not in ("general.architecture", "general.file_type"):
-            writer.add_key_value(key, value, *model.metadata_types[key])
+            add_key(writer, key, value, *model.metadata_types[key])
     for name, t in model.tensors.items():
         writer.add_tensor(name, t.dequantize(), raw_dtype=GGMLQuantizationType.F32)
     writer.write_header_to_file()

@@ -136,6 +136,15 @@ def test_make_model_command(tmp_path):
         assert reader.fields["general.alignment"].parts[-1][0] == 64 and reader.alignment == 64
         assert all(t.data_offset % 64 == 0 for t in reader.tensors)
     assert all(in_place(t.data) for t in GGUFModel.open(parts[0]).tensors.values())
+    # a tool that copies a made file keeps it readable: the copied alignment key pads the copy
+    from strata_jax.testing.edit_gguf import rewrite_gguf
+
+    one = make_model(tmp_path / "one" / "m.gguf", arch="qwen3", layers=2, hidden=64)[0]
+    copy = GGUFModel.open(rewrite_gguf(one, tmp_path / "copy.gguf",
+                                       set_metadata={"general.name": "copy"}))
+    assert copy.metadata["general.alignment"] == 64
+    assert all(np.array_equal(t.data, copy.tensors[n].data) and in_place(copy.tensors[n].data)
+               for n, t in GGUFModel.open(one).tensors.items())
 
 
 def test_more_bits_quant_flag(tmp_path, capsys):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValue, GGUFValueType, GGUFWriter, Keys, LlamaFileType
+from gguf import GGUFValueType, LlamaFileType
 
 from pallas_kernels.random_blocks import random_blocks, random_blocks_fast
 from quant_types import QType, as_qtype, block_size, type_size
@@ -49,6 +49,7 @@ from .gpt_oss import (
 from .hybrid import HYBRID_ARCHS, hybrid_keys, hybrid_layer_tensors
 from .shapes import with_shape
 from .tiny_tokenizer import tiny_tokenizer
+from .writer import AlignedWriter
 
 log = logging.getLogger(__name__)
 
@@ -256,26 +257,6 @@ class ModelOptions:
 
 
 Progress = Callable[[int, int], None]     # (bytes of tensor data written, of all of it)
-
-
-# Tensors start at 64-byte boundaries (GGUF's default is 32): XLA's CPU runtime uses a host array in
-# place only there, so every tensor of a made file is read from its pages, never copied
-# (model/weights.py in_place); llama.cpp reads general.alignment from every part
-ALIGNMENT = 64
-
-
-class AlignedWriter(GGUFWriter):
-    """GGUFWriter with ALIGNMENT, said in every part of a split file (GGUFWriter keeps its keys in
-    the first part only, but pads every part to its alignment)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.add_custom_alignment(ALIGNMENT)
-
-    def add_shard_kv_data(self) -> None:
-        super().add_shard_kv_data()
-        for kv in self.kv_data[1:]:
-            kv[Keys.General.ALIGNMENT] = GGUFValue(ALIGNMENT, GGUFValueType.UINT32)
 
 
 def make_model(out_path: str | Path, shape: str | None = None, progress: Progress | None = None,

@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from strata_jax.gguf import GGUFModel
+from strata_jax.makers.writer import add_key
 
 _FFN = {"ffn_gate": "ffn_gate_exps", "ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps"}
 
@@ -34,7 +35,7 @@ def upcycle(src: str | Path, dst: str | Path, experts: int = 8, top_k: int = 2, 
     writer = GGUFWriter(dst, arch)
     for key, value in model.metadata.items():
         if key not in ("general.architecture", "general.name") and not key.startswith("split."):
-            writer.add_key_value(key, value, *model.metadata_types[key])
+            add_key(writer, key, value, *model.metadata_types[key])
     writer.add_key_value(f"{arch}.expert_count", experts, GGUFValueType.UINT32)
     writer.add_key_value(f"{arch}.expert_used_count", top_k, GGUFValueType.UINT32)
     writer.add_key_value(f"{arch}.expert_feed_forward_length", spec.ffn, GGUFValueType.UINT32)

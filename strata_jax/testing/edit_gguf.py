@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from quant_types import block_size, type_size
 from strata_jax.gguf import GGUFModel
+from strata_jax.makers.writer import add_key
 
 
 def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str, Any] | None = None,
@@ -41,7 +42,7 @@ def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str,
     writer = GGUFWriter(dst, metadata["general.architecture"])
     for key, value in metadata.items():
         if key != "general.architecture":
-            writer.add_key_value(key, value, *types[key])
+            add_key(writer, key, value, *types[key])
     shapes, dropped = dict(tensor_shapes or {}), set(drop_tensors)
     values = dict(tensor_values or {})
     for name, t in model.tensors.items():
