@@ -140,11 +140,13 @@ def test_make_model_command(tmp_path):
     from strata_jax.testing.edit_gguf import rewrite_gguf
 
     one = make_model(tmp_path / "one" / "m.gguf", arch="qwen3", layers=2, hidden=64)[0]
-    copy = GGUFModel.open(rewrite_gguf(one, tmp_path / "copy.gguf",
-                                       set_metadata={"general.name": "copy"}))
-    assert copy.metadata["general.alignment"] == 64
-    assert all(np.array_equal(t.data, copy.tensors[n].data) and in_place(copy.tensors[n].data)
-               for n, t in GGUFModel.open(one).tensors.items())
+    # names 32 bytes apart: the header of one of the two copies ends off a 64-byte boundary
+    for i, name in enumerate(("c" * 8, "c" * 40)):
+        copy = GGUFModel.open(rewrite_gguf(one, tmp_path / f"copy{i}.gguf",
+                                           set_metadata={"general.name": name}))
+        assert copy.metadata["general.alignment"] == 64
+        assert all(np.array_equal(t.data, copy.tensors[n].data) and in_place(copy.tensors[n].data)
+                   for n, t in GGUFModel.open(one).tensors.items())
 
 
 def test_more_bits_quant_flag(tmp_path, capsys):
