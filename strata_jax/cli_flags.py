@@ -61,7 +61,10 @@ FLAGS = {
                          "the held ones and adds the host's rows in. auto chooses per layer and "
                          "window by the cost rule printed at start (rows x expert bytes / host "
                          "kernel rate against expert bytes / link rate, both measured); on: every "
-                         "miss on the host"),
+                         "miss on the host. auto is off, with a warning, for a file whose experts "
+                         "outside the RAM tier do not start at 64-byte boundaries (GGUF aligns to "
+                         "32: the host path would hold a copy of them; on is refused there; "
+                         "LIMITS.md)"),
     "pcie_frac": Flag("F", "up to a fraction F of a layer's routed experts in a window are read by "
                       "the device straight from host memory (JAX's pinned_host memory kind, over "
                       "the link on a GPU) instead of being copied into the device cache: the "

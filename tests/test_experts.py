@@ -208,8 +208,8 @@ def test_experts_off_a_64_byte_boundary_are_not_copied_by_the_host_path(tmp_path
     turned off (misses read into the device cache: the same tokens), --host-experts on is a
     ConfigError naming the bytes, and the start check counts the copies every expert on the device
     would make. make-model writes 64-byte alignment, where none of this happens."""
+    import strata_jax.gguf.writer as mw
     import strata_jax.makers.make_model as mm
-    import strata_jax.makers.writer as mw
     from strata_jax.config import ConfigError
     from strata_jax.engine.choices import resolve
     from strata_jax.engine.runner import _host_needs

@@ -43,7 +43,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from strata_jax import Engine, EngineConfig
 from strata_jax.gguf import GGUFModel
-from strata_jax.makers.writer import add_key
+from strata_jax.gguf.writer import add_key
 
 MOE = {"arch": "llama", "experts": 4, "experts_used": 2, "layers": 2, "hidden": 256, "heads": 4,
        "kv_heads": 2, "ffn": 256, "expert_ffn": 256}

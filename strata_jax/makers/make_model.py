@@ -31,6 +31,7 @@ from pallas_kernels.random_blocks import random_blocks, random_blocks_fast
 from quant_types import QType, as_qtype, block_size, type_size
 from strata_jax.gguf.header import ValueType
 from strata_jax.gguf.spec import READ_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from strata_jax.gguf.writer import AlignedWriter
 
 from .deepseek2 import (
     DEEPSEEK_DEFAULTS,
@@ -49,7 +50,6 @@ from .gpt_oss import (
 from .hybrid import HYBRID_ARCHS, hybrid_keys, hybrid_layer_tensors
 from .shapes import with_shape
 from .tiny_tokenizer import tiny_tokenizer
-from .writer import AlignedWriter
 
 log = logging.getLogger(__name__)
 

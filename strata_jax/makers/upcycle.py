@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from strata_jax.gguf import GGUFModel
-from strata_jax.makers.writer import add_key
+from strata_jax.gguf.writer import add_key
 
 _FFN = {"ffn_gate": "ffn_gate_exps", "ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps"}
 

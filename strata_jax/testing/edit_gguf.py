@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from quant_types import block_size, type_size
 from strata_jax.gguf import GGUFModel
-from strata_jax.makers.writer import add_key
+from strata_jax.gguf.writer import add_key
 
 
 def rewrite_gguf(src: str | Path, dst: str | Path, *, set_metadata: Mapping[str, Any] | None = None,
