@@ -40,8 +40,13 @@ def packable_bytes(model: GGUFModel) -> int:
     """Bytes of the tensors packing would copy (matrices and experts of the types pk.packs): at most
     that much private memory where the file's pages would serve (the expert tiers pack only what
     they hold)."""
-    return sum(t.n_bytes for t in model.tensors.values()
-               if len(t.shape) in (2, 3) and pk.packs(t.qtype))
+    return sum(t.n_bytes for t in model.tensors.values() if packable(t))
+
+
+def packable(t) -> bool:
+    """Whether packing (cpu/packed.h) copies this GGUF tensor: a matrix or experts of a type it
+    packs."""
+    return len(t.shape) in (2, 3) and pk.packs(t.qtype)
 
 
 def resolve(cfg: EngineConfig, model: GGUFModel) -> dict:

@@ -30,7 +30,7 @@ from ..gguf import GGUFModel
 from ..model import RunOptions, load_nextn_experts, load_params
 from ..model.transformer import ring_size
 from ..model.weights import copied_bytes
-from .choices import KV_DTYPES, packable_bytes, resolve
+from .choices import KV_DTYPES, packable, packable_bytes, resolve
 from .distributed.devices import (
     AXIS,
     ExpertShards,
@@ -381,7 +381,7 @@ def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, de
             # the tensors read where they lie in the file's map: not free where they are off XLA's
             # boundary (a copy each); the experts only when every one is placed so (auto)
             placed = [t for name, t in model.tensors.items()
-                      if not (choices.get("pack") and len(t.shape) in (2, 3) and pk.packs(t.qtype))
+                      if not (choices.get("pack") and packable(t))
                       and (cfg.expert_cache == "auto" or "_exps." not in name)]
             items["copies of the file's tensors not at a 64-byte boundary (GGUF aligns to 32: "
                   "the runtime copies them)"] = copied_bytes(placed)
