@@ -251,20 +251,44 @@ def test_client_that_leaves_a_whole_answer_cancels_it(server):
         t = time.monotonic()
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
         times.append(time.monotonic() - t)
-    # The client below leaves after a tenth of the answer's time: a tenth, not a quarter, because
-    # the two answers above may have run beside another test file's work (CI runs two at once) and
-    # this one alone, up to 4x faster (session 25's CI: done in 0.35 s, before a quarter had passed)
-    whole = min(times)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=whole / 10)
-    assert ("the client went away; cancelling" in _wait_for_log(server,
-                                                                "the client went away; cancelling"))
+    # The client below leaves after a tenth of the answer's time. The two answers above may have run
+    # beside another test file's work (CI runs two at once) and this one alone, many times faster
+    # (session 29's CI: 210 tokens in 0.24 s, done before the client left), so an answer that was
+    # whole before the client went is tried again with a client that leaves sooner: what this test
+    # is about is the cancel, not how fast the machine was.
+    wait = min(times) / 10
+    cancelled_before = server.log().count("(cancelled: the client went away)")
+    for _ in range(6):
+        before = server.log().count("the client went away; cancelling")
+        done_before = server.log().count("done: 210 tokens")
+        try:    # an answer that came whole before the timeout is tried again, as below
+            httpx.post(server.url + "/v1/completions", json=body, timeout=wait)
+        except httpx.TimeoutException:
+            pass
+        # this request's end: its cancel, or its whole answer (none if the client left before
+        # the request reached the server)
+        end = time.monotonic() + 3 * max(times) + 5
+        while time.monotonic() < end:
+            log = server.log()
+            if (log.count("the client went away; cancelling") > before
+                    or log.count("done: 210 tokens") > done_before):
+                break
+            time.sleep(0.05)
+        if server.log().count("the client went away; cancelling") > before:
+            break
+        wait /= 3
+    else:
+        pytest.fail(f"six answers were whole before their client left (at last {wait:.4f} s)")
     end = time.monotonic() + 10
     while (any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
            and time.monotonic() < end):
         time.sleep(0.05)
     assert not any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
-    assert "(cancelled: the client went away)" in _wait_for_log(server, "tokens in", 5)
+    end = time.monotonic() + 10
+    while (server.log().count("(cancelled: the client went away)") == cancelled_before
+           and time.monotonic() < end):
+        time.sleep(0.05)
+    assert server.log().count("(cancelled: the client went away)") > cancelled_before
 
 
 def test_metrics_slots_faults_and_log_lines(server, client):
