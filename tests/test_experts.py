@@ -599,3 +599,66 @@ def test_layers_that_mix_quant_types(tiny_model, weights):
         assert st["resident_bytes"] == 8 * sum(one_expert.values())
         built = {lay.stage for lay in eng.runner.programs.programs}
         assert built == set(stages)                                 # every kind ran
+
+
+def test_a_file_larger_than_the_memory_limit_gets_expert_tiers_sized_from_it(tiny_model, caplog):
+    """--expert-cache auto on a CPU: while the file fits in the memory the engine may use, every
+    expert is read in place; when it does not (--memory-limit-gib here, a container's limit or the
+    RAM elsewhere), the engine sizes the tiers from what the limit leaves (tier_sizes.py: a quarter
+    of it the device cache, a quarter the RAM tier, host experts off), with the same bits. Too
+    little room for a token's experts keeps the map, with a warning; flags the user gave are kept,
+    and with them the host path is turned off where it would fault the file in."""
+    from strata_jax.engine.execute.tier_sizes import file_bytes, slot_bytes_all_layers
+    from strata_jax.engine.runner import _host_needs
+    from strata_jax.gguf import GGUFModel
+
+    path = tiny_model(**dict(MOE, experts=16, expert_ffn=256))
+    model = GGUFModel.open(path)
+    experts, dense = file_bytes(model)
+    one = slot_bytes_all_layers(model)
+    # GGUF blocks in place, not packed: what a model larger than half the RAM gets (choices.py)
+    auto = dict(BASE, host_experts="auto", layer_step="auto", weights="blocks")
+    with Engine.from_gguf(path, EngineConfig(**auto)) as eng:
+        assert eng.runner.expert_mode == "device"
+        logits, answers = eng.logits(_prompts()[0]), _answers(eng, _prompts())
+        r = eng.runner
+        base = _host_needs(model, EngineConfig(**dict(auto, host_experts="off"), expert_cache=0),
+                           r.choices, r.kv_dtype,
+                           r.device_len, r.cache_len, 0, r.ring).total
+
+    def limit_gib(room: float) -> float:        # the limit that leaves `room` beside the rest
+        return (base + dense + room) / (1 << 30)
+
+    room = 0.75 * experts                       # a quarter of it: 3 of the 16 slots a layer
+    with (caplog.at_level(logging.INFO, logger="strata_jax.engine"),
+          Engine.from_gguf(path, EngineConfig(**auto, memory_limit_gib=limit_gib(room))) as eng):
+        cfg = eng.runner.cfg
+        assert eng.runner.expert_mode == "arena" and eng.runner.stepper.host_trees is None
+        assert cfg.expert_cache == 3 == int(room / 4) // one and cfg.host_experts == "off"
+        assert abs(cfg.resident_budget_gib * (1 << 30) - room / 4) < 1024
+        assert np.array_equal(eng.logits(_prompts()[0]), logits)
+        assert _answers(eng, _prompts()) == answers
+    assert "the expert tiers, sized from what is left" in caplog.text
+    assert "--expert-cache 3" in caplog.text and "--host-experts off" in caplog.text
+    caplog.clear()
+    # room for one slot a layer, not the two experts a token reads: the map, and a warning
+    with (caplog.at_level(logging.WARNING, logger="strata_jax.engine"),
+          Engine.from_gguf(path, EngineConfig(**auto,
+                                              memory_limit_gib=limit_gib(5 * one))) as eng):
+        assert eng.runner.expert_mode == "device"
+    assert "too little is left for an expert cache of 2 slots a layer" in caplog.text
+    # the file fits: nothing changes
+    with Engine.from_gguf(path, EngineConfig(**auto,
+                                             memory_limit_gib=limit_gib(experts + 4096))) as eng:
+        assert eng.runner.expert_mode == "device"
+    # the user's tiers are kept; the host path is off where it would read the file through its
+    # map past what the limit leaves, on where the file fits
+    mine = dict(auto, expert_cache=2, resident_budget_gib=2 * one / (1 << 30))
+    caplog.clear()
+    with (caplog.at_level(logging.INFO, logger="strata_jax.engine"),
+          Engine.from_gguf(path, EngineConfig(**mine, memory_limit_gib=limit_gib(room))) as eng):
+        assert eng.runner.cfg.expert_cache == 2 and eng.runner.stepper.host_trees is None
+        assert _answers(eng, _prompts()) == answers
+    assert "host experts off: the host path would read" in caplog.text
+    with Engine.from_gguf(path, EngineConfig(**mine)) as eng:
+        assert eng.runner.stepper.host_trees is not None

@@ -24,13 +24,12 @@ import numpy as np
 import pallas_kernels as pk
 
 from ..config import ConfigError, EngineConfig
-from ..experts.host import expert_tensors
 from ..experts.profile import ExpertProfile
 from ..gguf import GGUFModel
 from ..model import RunOptions, load_nextn_experts, load_params
 from ..model.transformer import ring_size
 from ..model.weights import copied_bytes
-from .choices import KV_DTYPES, packable, packable_bytes, resolve
+from .choices import KV_DTYPES, packable, resolve
 from .distributed.devices import (
     AXIS,
     ExpertShards,
@@ -49,6 +48,7 @@ from .execute.layouts import GroupInput, WindowLayouts, decode_only, verify_only
 from .execute.placement import largest_window_temp_bytes, place_experts
 from .execute.programs import Layout, ProgramCache
 from .execute.stepped import LayerStepper
+from .execute.tier_sizes import slot_bytes_all_layers, tiers_for_memory
 from .families import is_hybrid
 from .faults import Faults
 from .host_memory import HostNeeds, budget_items, memory_limit
@@ -98,9 +98,16 @@ class ModelRunner:
         # reads in one window (a prompt chunk, a verify row; model.transformer.ring_size)
         self.ring = ring_size(self.spec, max(int(self.choices["prefill"]), 1 + cfg.spec),
                               self.cache_len)
+        limit = memory_limit(cfg.memory_limit_gib)
+        if _experts_in_host_ram(model, cfg, self.choices, devs, self.group):
+            # a MoE file larger than that memory: the expert tiers, sized from it (tier_sizes.py)
+            base = _host_needs(model, replace(cfg, expert_cache=0, host_experts="off"),
+                               self.choices, self.kv_dtype, self.device_len, self.cache_len, steps,
+                               self.ring)
+            self.cfg = cfg = tiers_for_memory(model, cfg, base, limit)
         # what the flags ask of host RAM, refused here with the figures when it cannot fit
         _host_needs(model, cfg, self.choices, self.kv_dtype, self.device_len, self.cache_len,
-                    steps, self.ring).check(memory_limit(cfg.memory_limit_gib))
+                    steps, self.ring).check(limit)
         self.ledger = ledger_for(cfg, self.split, len(devs))
         # The routed experts are placed after the weights and the KV cache: all on the device when
         # they fit (--expert-cache auto), else in a device arena fed by the host and file tiers
@@ -363,6 +370,14 @@ def _tree_bytes(tree) -> int:
     return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(tree))
 
 
+def _experts_in_host_ram(model: GGUFModel, cfg: EngineConfig, choices: dict, devs: list,
+                         group) -> bool:
+    """Whether "every expert on the device" would be the file's blocks in host RAM: one CPU device
+    (no device-memory budget, no split over devices or processes) reading GGUF blocks."""
+    return (model.spec.is_moe and jax.default_backend() == "cpu" and not devs and group is None
+            and cfg.device_memory_mib is None and choices["weights"] == "blocks")
+
+
 def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, device_len: int,
                 cache_len: int, steps: int, ring: int = 0) -> HostNeeds:
     """What the flags ask for in host RAM (engine/host_memory.py): on a CPU device the KV cache and
@@ -376,7 +391,15 @@ def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, de
             items["the dequantized weights"] = np.dtype(choices["dtype"]).itemsize * sum(
                 t.n_values for t in model.tensors.values())
         elif choices.get("pack"):
-            items["the packed weights"] = packable_bytes(model)
+            # the experts too while every one is on the device, or the host tier packs them all
+            # (placement.py pack_host: no budget, host experts, no --pcie-frac); else the expert
+            # tiers pack what the device cache holds, counted below
+            experts = cfg.expert_cache == "auto" or (cfg.resident_budget_gib is None
+                                                      and cfg.host_experts != "off"
+                                                      and cfg.pcie_frac == 0)
+            items["the packed weights"] = sum(
+                t.n_bytes for name, t in model.tensors.items()
+                if packable(t) and (experts or "_exps." not in name))
         if choices["weights"] == "blocks":
             # the tensors read where they lie in the file's map: not free where they are off XLA's
             # boundary (a copy each); the experts only when every one is placed so (auto)
@@ -387,9 +410,7 @@ def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, de
                   "the runtime copies them)"] = copied_bytes(placed)
         if spec.is_moe and cfg.expert_cache != "auto":       # the device expert cache is RAM here
             n = min(int(cfg.expert_cache), spec.n_experts)
-            items[f"the device expert cache ({n} slots a layer)"] = n * sum(
-                sum(int(t.data[0].nbytes) for t in expert_tensors(model, i).values())
-                for i in spec.moe_layers)
+            items[f"the device expert cache ({n} slots a layer)"] = n * slot_bytes_all_layers(model)
     if device_len < cache_len:
         items[f"the KV kept in host RAM ({cache_len - device_len} positions a slot)"] = kv_bytes(
             spec, kv_dtype, cfg.parallel, cache_len - device_len)

@@ -1,0 +1,91 @@
+"""The expert tiers sized by the memory limit, for a MoE model whose file does not fit in it.
+
+On a CPU device, `--expert-cache auto` puts "every expert on the device": the file's blocks where
+they lie in its map. That is right while the page cache holds the file. When the file is larger than
+the memory the engine may use (engine/host_memory.py: the RAM, a memory cgroup's limit,
+--memory-limit-gib), every token faults its experts in through the map, a page at a time on the
+thread that touches it, and evicts others it will need next (docs/BENCHMARKS.md, issue 36 session
+29: a 36 GiB model on 23.5 GiB of RAM decoded 0.45 tok/s so). The expert tiers read the same experts
+with pread, several threads at once, into a device cache of expert slots, and keep a RAM tier of
+whole layers: 1.01 tok/s on the same file with `--expert-cache 64 --resident-budget-gib 6
+--host-experts off`. `tiers_for_memory` chooses those three from the limit when the user set none
+of them; `faults_the_file` is the rule that turns the host path off where it would read the file
+through its map.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from ...config import EngineConfig
+from ...experts.host import expert_tensors
+from ...gguf import GGUFModel
+from ..host_memory import RUNTIME_RESERVE, GiB, HostNeeds, MemoryLimit
+
+log = logging.getLogger("strata_jax.engine")
+
+# Shares of the room the limit leaves (the limit less what the flags need and the dense weights'
+# pages) given to the device expert cache and to the RAM tier. The other half stays free for the
+# page cache (the pread copies pass through it) and the compiled programs: on the 36 GiB model,
+# 64 slots (5.4 GiB) and 6 GiB of RAM tier on 23.5 GiB were measured; these give 55 and 4.6 GiB.
+ARENA_SHARE = 0.25
+RAM_TIER_SHARE = 0.25
+
+
+def file_bytes(model: GGUFModel) -> tuple[int, int]:
+    """(the routed experts' bytes, every other tensor's bytes) in the model's file."""
+    experts = sum(t.n_bytes for name, t in model.tensors.items() if "_exps." in name)
+    return experts, sum(t.n_bytes for t in model.tensors.values()) - experts
+
+
+def slot_bytes_all_layers(model: GGUFModel) -> int:
+    """One expert slot in every MoE layer: what a slot of --expert-cache costs."""
+    return sum(sum(int(t.data[0].nbytes) for t in expert_tensors(model, i).values())
+               for i in model.spec.moe_layers)
+
+
+def tiers_for_memory(model: GGUFModel, cfg: EngineConfig, needs: HostNeeds,
+                     limit: MemoryLimit | None) -> EngineConfig:
+    """cfg, or cfg with --expert-cache N, --resident-budget-gib G and (from auto) --host-experts off
+    when the model's file is larger than the memory `limit` leaves beside `needs` (what the flags
+    ask of host RAM). Only for what the user left to the engine: expert_cache auto, no
+    --resident-budget-gib; the caller checks the device is a CPU with GGUF blocks."""
+    if limit is None or not model.spec.is_moe or cfg.expert_cache != "auto" \
+            or cfg.resident_budget_gib is not None:
+        return cfg
+    experts, dense = file_bytes(model)
+    if experts + dense + needs.total <= limit.bytes:
+        return cfg
+    room = limit.bytes - needs.total - dense
+    one = slot_bytes_all_layers(model)
+    slots = min(int(room * ARENA_SHARE) // one, model.spec.n_experts)
+    where = (f"the model's file ({(experts + dense) / GiB:.2f} GiB, {experts / GiB:.2f} GiB of it "
+             f"routed experts) and what the flags need ({needs.total / GiB:.2f} GiB) are more than "
+             f"the {limit.bytes / GiB:.2f} GiB this engine may use ({limit.source})")
+    if slots < model.spec.n_experts_used:
+        log.warning("%s, and too little is left for an expert cache of %d slots a layer (a "
+                    "token's experts): every expert is read through the file's map, slowly; give "
+                    "--expert-cache and --resident-budget-gib, or more memory", where,
+                    model.spec.n_experts_used)
+        return cfg
+    budget = room * RAM_TIER_SHARE / GiB
+    host = "off" if cfg.host_experts == "auto" else cfg.host_experts
+    log.info("%s: the expert tiers, sized from what is left (%.2f GiB): --expert-cache %d "
+             "(%.2f GiB) --resident-budget-gib %.2f --host-experts %s (misses read by %d threads "
+             "into the cache, not faulted in through the file's map); the rest stays free for the "
+             "page cache. Give any of these flags to choose yourself", where, room / GiB, slots,
+             slots * one / GiB, budget, host, cfg.pool_workers)
+    return replace(cfg, expert_cache=slots, resident_budget_gib=budget, host_experts=host)
+
+
+def faults_the_file(outside_bytes: int, held_bytes: int, dense_bytes: int,
+                    limit: MemoryLimit | None) -> bool:
+    """Whether the host path's reads of the experts the RAM tier does not hold (`outside_bytes`, in
+    the file's map) would fault them in page by page: they do not fit in the page cache the limit
+    leaves beside the tiers' `held_bytes` (the device cache and the RAM tier), the dense weights and
+    the runtime's reserve. The cost rule of experts/hybrid.py measures its kernels on pages in RAM
+    and cannot see this (session 29: the host path 0.35 tok/s against 1.01 with misses read into
+    the device cache)."""
+    return (limit is not None
+            and outside_bytes + held_bytes + dense_bytes + RUNTIME_RESERVE > limit.bytes)
