@@ -43,7 +43,11 @@ FLAGS = {
     "drafter": Flag("ngram|mtp|none|draft:PATH.gguf", "where drafts come from: n-grams of the "
                     "context, the model's own MTP (NextN) layer, none, or a small draft model"),
     "expert_cache": Flag("auto|N", "experts on the device: auto = all when they fit the ledger, "
-                         "else an arena; N = an arena of N expert slots a MoE layer"),
+                         "else an arena; N = an arena of N expert slots a MoE layer. On a CPU, "
+                         "auto with a file larger than the memory the engine may use "
+                         "(--memory-limit-gib) sizes the tiers from it: a quarter of what is left "
+                         "the arena, a quarter --resident-budget-gib, --host-experts off "
+                         "(engine/execute/tier_sizes.py)"),
     "expert_profile": Flag("FILE", "expert hotness written from live traffic (POST "
                            "/expert-profile): preloads and pins the hottest experts at start"),
     "expert_policy": Flag("freq|lru",
@@ -64,7 +68,10 @@ FLAGS = {
                          "miss on the host. auto is off, with a warning, for a file whose experts "
                          "outside the RAM tier do not start at 64-byte boundaries (GGUF aligns to "
                          "32: the host path would hold a copy of them; on is refused there; "
-                         "LIMITS.md)"),
+                         "LIMITS.md), and on a CPU where the experts outside the RAM tier do not "
+                         "fit in the memory left beside the tiers (the host path would fault them "
+                         "in through the file's map: misses are read into the arena by "
+                         "--pool-workers threads instead)"),
     "pcie_frac": Flag("F", "up to a fraction F of a layer's routed experts in a window are read by "
                       "the device straight from host memory (JAX's pinned_host memory kind, over "
                       "the link on a GPU) instead of being copied into the device cache: the "
