@@ -68,10 +68,7 @@ FLAGS = {
                          "miss on the host. auto is off, with a warning, for a file whose experts "
                          "outside the RAM tier do not start at 64-byte boundaries (GGUF aligns to "
                          "32: the host path would hold a copy of them; on is refused there; "
-                         "LIMITS.md), and on a CPU where the experts outside the RAM tier do not "
-                         "fit in the memory left beside the tiers (the host path would fault them "
-                         "in through the file's map: misses are read into the arena by "
-                         "--pool-workers threads instead)"),
+                         "LIMITS.md)"),
     "pcie_frac": Flag("F", "up to a fraction F of a layer's routed experts in a window are read by "
                       "the device straight from host memory (JAX's pinned_host memory kind, over "
                       "the link on a GPU) instead of being copied into the device cache: the "

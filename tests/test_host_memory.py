@@ -112,3 +112,40 @@ def test_a_device_expert_cache_on_a_cpu_is_host_memory_too(tiny_model):
     with pytest.raises(ConfigError,
                        match=r"the device expert cache \(8 slots a layer\): 0\.01 GiB"):
         Engine.from_gguf(path, cfg)
+
+
+def test_serve_a_moe_file_larger_than_its_memory_limit(tiny_model):
+    """The server on a MoE file that does not fit in the memory it may use (--memory-limit-gib here;
+    a container's limit or the RAM elsewhere): the engine sizes its expert tiers from what the limit
+    leaves, says so in the server's log, and answers (tests/test_experts.py checks the sizes and the
+    bits)."""
+    import httpx
+    import numpy as np
+
+    from strata_jax.engine.choices import resolve
+    from strata_jax.engine.execute.tier_sizes import file_bytes
+    from strata_jax.engine.runner import _host_needs
+    from strata_jax.gguf import GGUFModel
+    from strata_jax.serve.launch import ServerProcess
+
+    # tests/test_experts.py's 16-expert model (the same options: the same file)
+    path = tiny_model(arch="qwen3moe", layers=2, hidden=64, heads=4, kv_heads=2, experts=16,
+                      experts_used=2, expert_ffn=256)
+    model = GGUFModel.open(path)
+    experts, dense = file_bytes(model)
+    c = EngineConfig(parallel=2, max_context=64, weights="blocks", expert_cache=0,
+                     host_experts="off")
+    # what the flags need beside the experts (about: the server's KV may differ by a few KiB), and
+    # room for three quarters of the experts: an arena of 2-3 slots a layer of 16
+    base = _host_needs(model, c, resolve(c, model), np.float32, 64, 64, 0).total
+    gib = (base + dense + 0.75 * experts) / GiB
+    args = [str(path), "--parallel", "2", "--max-context", "64", "--weights", "blocks",
+            "--memory-limit-gib", f"{gib:.9f}"]
+    with ServerProcess(args) as srv:
+        srv.wait_ready()
+        r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                       json={"prompt": [3, 4, 5, 6], "max_tokens": 4, "temperature": 0,
+                             "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        log = srv.log()
+    assert "the expert tiers, sized from what is left" in log and "--host-experts off" in log, log

@@ -28,10 +28,8 @@ from ...gguf import GGUFModel
 from ...model import expert_tensor_bytes, load_experts
 from ...model.weights import QTensor, blocks_in_place, copied_bytes, release_file_pages
 from ..faults import resource_exhausted
-from ..host_memory import memory_limit
 from .memory import MemoryLedger
 from .programs import MIN_PROGRAM_BYTES
-from .tier_sizes import faults_the_file, file_bytes
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -146,10 +144,6 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
         in_ram = _whole_layers_in_ram(infos, layers, budget)
     if dev is not None and not pack_host:
         dev, where = _unless_copied(cfg, infos, in_ram, dev, where)
-    if where == "local" and cfg.host_experts == "auto":
-        dev, where = _unless_faulted(model, infos, in_ram, min(n_slots, spec.n_experts) * one_slot,
-                                     budget or 0, cfg,
-                                     dev, where)
     if dev is not None:
         # every expert of a layer on the CPU device that computes a layer's missed experts
         # (--host-experts, experts/hybrid.py): packed (pack_host), else GGUF blocks: the layers
@@ -253,26 +247,6 @@ def _unless_copied(cfg: EngineConfig, infos: dict, in_ram: dict | None, dev, whe
                           "the device expert cache) or a file written with 64-byte alignment")
     log.warning("host experts off: %s; a layer's misses are read into the device expert cache "
                 "instead", why)
-    return None, None
-
-
-def _unless_faulted(model: GGUFModel, infos: dict, in_ram: dict | None, arena_bytes: int,
-                    budget: int, cfg: EngineConfig, dev, where):
-    """(dev, where), or (None, None) with --host-experts auto when the host path would read the
-    experts the RAM tier does not hold through the file's map and they do not fit in the memory
-    left beside the tiers (tier_sizes.faults_the_file): misses are then read into the device cache
-    by the file tier's threads instead."""
-    outside = sum(int(t.data.nbytes) for i, ts in infos.items() if i not in (in_ram or {})
-                  for t in ts.values())
-    limit = memory_limit(cfg.memory_limit_gib)
-    if not faults_the_file(outside, arena_bytes + budget, file_bytes(model)[1], limit):
-        return dev, where
-    log.info("host experts off: the host path would read %.2f GiB of experts through the file's "
-             "map, more than the page cache can keep beside the tiers (%.2f GiB) in the %.2f GiB "
-             "this engine may use (%s): a layer's misses are read into the device expert cache "
-             "by %d threads instead (--host-experts on computes them from the map all the same)",
-             outside / 2**30, (arena_bytes + budget) / 2**30, limit.bytes / 2**30, limit.source,
-             cfg.pool_workers)
     return None, None
 
 

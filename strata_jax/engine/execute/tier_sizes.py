@@ -8,9 +8,9 @@ thread that touches it, and evicts others it will need next (docs/BENCHMARKS.md,
 29: a 36 GiB model on 23.5 GiB of RAM decoded 0.45 tok/s so). The expert tiers read the same experts
 with pread, several threads at once, into a device cache of expert slots, and keep a RAM tier of
 whole layers: 1.01 tok/s on the same file with `--expert-cache 64 --resident-budget-gib 6
---host-experts off`. `tiers_for_memory` chooses those three from the limit when the user set none
-of them; `faults_the_file` is the rule that turns the host path off where it would read the file
-through its map.
+--host-experts off` (the host path, which computes a layer's misses from the file's map, made
+0.35 tok/s there: it faults the experts in too). `tiers_for_memory` chooses those three from the
+limit when the user set none of them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import replace
 from ...config import EngineConfig
 from ...experts.host import expert_tensors
 from ...gguf import GGUFModel
-from ..host_memory import RUNTIME_RESERVE, GiB, HostNeeds, MemoryLimit
+from ..host_memory import GiB, HostNeeds, MemoryLimit
 
 log = logging.getLogger("strata_jax.engine")
 
@@ -71,21 +71,11 @@ def tiers_for_memory(model: GGUFModel, cfg: EngineConfig, needs: HostNeeds,
         return cfg
     budget = room * RAM_TIER_SHARE / GiB
     host = "off" if cfg.host_experts == "auto" else cfg.host_experts
-    log.info("%s: the expert tiers, sized from what is left (%.2f GiB): --expert-cache %d "
+    # a warning: the server shows the engine's warnings in its log (its INFO lines are debug there)
+    log.warning("%s: the expert tiers, sized from what is left (%.2f GiB): --expert-cache %d "
              "(%.2f GiB) --resident-budget-gib %.2f --host-experts %s (misses read by %d threads "
              "into the cache, not faulted in through the file's map); the rest stays free for the "
              "page cache. Give any of these flags to choose yourself", where, room / GiB, slots,
              slots * one / GiB, budget, host, cfg.pool_workers)
     return replace(cfg, expert_cache=slots, resident_budget_gib=budget, host_experts=host)
 
-
-def faults_the_file(outside_bytes: int, held_bytes: int, dense_bytes: int,
-                    limit: MemoryLimit | None) -> bool:
-    """Whether the host path's reads of the experts the RAM tier does not hold (`outside_bytes`, in
-    the file's map) would fault them in page by page: they do not fit in the page cache the limit
-    leaves beside the tiers' `held_bytes` (the device cache and the RAM tier), the dense weights and
-    the runtime's reserve. The cost rule of experts/hybrid.py measures its kernels on pages in RAM
-    and cannot see this (session 29: the host path 0.35 tok/s against 1.01 with misses read into
-    the device cache)."""
-    return (limit is not None
-            and outside_bytes + held_bytes + dense_bytes + RUNTIME_RESERVE > limit.bytes)
