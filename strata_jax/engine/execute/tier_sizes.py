@@ -27,8 +27,9 @@ log = logging.getLogger("strata_jax.engine")
 
 # Shares of the room the limit leaves (the limit less what the flags need and the dense weights'
 # pages) given to the device expert cache and to the RAM tier. The other half stays free for the
-# page cache (the pread copies pass through it) and the compiled programs: on the 36 GiB model,
-# 64 slots (5.4 GiB) and 6 GiB of RAM tier on 23.5 GiB were measured; these give 55 and 4.6 GiB.
+# page cache (the pread copies pass through it) and the compiled programs. On the 36 GiB model
+# and 23.5 GiB of RAM, 64 slots (5.4 GiB) and a 6 GiB RAM tier were measured first (1.01 tok/s);
+# these shares give 65 slots and 5.14 GiB there (0.95 tok/s; docs/BENCHMARKS.md, session 30).
 ARENA_SHARE = 0.25
 RAM_TIER_SHARE = 0.25
 
@@ -73,9 +74,8 @@ def tiers_for_memory(model: GGUFModel, cfg: EngineConfig, needs: HostNeeds,
     host = "off" if cfg.host_experts == "auto" else cfg.host_experts
     # a warning: the server shows the engine's warnings in its log (its INFO lines are debug there)
     log.warning("%s: the expert tiers, sized from what is left (%.2f GiB): --expert-cache %d "
-             "(%.2f GiB) --resident-budget-gib %.2f --host-experts %s (misses read by %d threads "
-             "into the cache, not faulted in through the file's map); the rest stays free for the "
-             "page cache. Give any of these flags to choose yourself", where, room / GiB, slots,
-             slots * one / GiB, budget, host, cfg.pool_workers)
+                "(%.2f GiB) --resident-budget-gib %.2f --host-experts %s (misses read by %d "
+                "threads into the cache, not faulted in through the file's map); the rest stays "
+                "free for the page cache. Give any of these flags to choose yourself", where,
+                room / GiB, slots, slots * one / GiB, budget, host, cfg.pool_workers)
     return replace(cfg, expert_cache=slots, resident_budget_gib=budget, host_experts=host)
-
