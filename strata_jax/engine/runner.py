@@ -45,7 +45,7 @@ from .execute.executors import Executor, SteppedWindows, WholeWindows
 from .execute.kv_cache import KVCache, kv_bytes
 from .execute.kv_host import KVHostStore
 from .execute.layouts import GroupInput, WindowLayouts, decode_only, verify_only
-from .execute.placement import largest_window_temp_bytes, place_experts
+from .execute.placement import host_tier_holds_all, largest_window_temp_bytes, place_experts
 from .execute.programs import Layout, ProgramCache
 from .execute.stepped import LayerStepper
 from .execute.tier_sizes import slot_bytes_all_layers, tiers_for_memory
@@ -394,9 +394,8 @@ def _host_needs(model: GGUFModel, cfg: EngineConfig, choices: dict, kv_dtype, de
             # the experts too while every one is on the device, or the host tier packs them all
             # (placement.py pack_host: no budget, host experts, no --pcie-frac); else the expert
             # tiers pack what the device cache holds, counted below
-            experts = cfg.expert_cache == "auto" or (cfg.resident_budget_gib is None
-                                                      and cfg.host_experts != "off"
-                                                      and cfg.pcie_frac == 0)
+            experts = cfg.expert_cache == "auto" or (cfg.host_experts != "off"
+                                                      and host_tier_holds_all(cfg))
             items["the packed weights"] = sum(
                 t.n_bytes for name, t in model.tensors.items()
                 if packable(t) and (experts or "_exps." not in name))

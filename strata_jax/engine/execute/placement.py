@@ -75,8 +75,7 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
     dev, where = _host_device(cfg, choices)
     # The host tier's experts packed (see _host_tree): with host experts, packed weights, every
     # expert in host RAM (no budget) and no --pcie-frac (its reads are the GPU's)
-    pack_host = (dev is not None and bool(choices.get("pack")) and budget is None
-                 and cfg.pcie_frac == 0)
+    pack_host = dev is not None and bool(choices.get("pack")) and host_tier_holds_all(cfg)
     if mode == "dequantized":
         jdt = jnp.dtype(dtype)
         # stored [k, n]
@@ -187,6 +186,13 @@ def place_experts(model: GGUFModel, params: dict, cfg: EngineConfig, choices: di
              cfg.pool_workers)
     return Tiers("arena", arena, qtypes, shapes, host_trees, dev if where == "remote" else None,
                  rule, stream)
+
+
+def host_tier_holds_all(cfg: EngineConfig) -> bool:
+    """Whether the host tier holds every expert in RAM, where the host path packs them all (with
+    host experts and packed weights): no --resident-budget-gib, no --pcie-frac (its reads are the
+    GPU's). The start check (runner._host_needs) counts those packed copies by the same rule."""
+    return cfg.resident_budget_gib is None and cfg.pcie_frac == 0
 
 
 def _whole_layers_in_ram(infos: dict, layers: list[int], budget: int) -> dict:
