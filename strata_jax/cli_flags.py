@@ -146,6 +146,9 @@ FLAGS = {
     "warmup": Flag("", "build the decode programs at start (with a progress bar) and every other "
                    "window layout on a builder thread while the engine serves; off: each layout is "
                    "built when first met, and its window waits"),
+    "run_ahead": Flag("", "dispatch the next decode window before this one's tokens are applied "
+                      "(the cpu kernels, families without a recurrent state or rings): the cores "
+                      "work while the engine hands out tokens; off: one window at a time"),
     "compile_cache": Flag("", "keep compiled programs in <cache folder>/jax-compile (private) so a "
                           "restart does not compile again (env STRATA_JAX_COMPILE_CACHE=DIR or "
                           "off)"),

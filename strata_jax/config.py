@@ -147,6 +147,8 @@ class EngineConfig:
     max_grammar_depth: int = 256
     # build the base window programs at start; later layouts off the engine thread
     warmup: bool = True
+    # dispatch the next decode window before this one's tokens are applied (run_ahead.py)
+    run_ahead: bool = True
     # JAX's persistent compilation cache in the cache folder (compile_cache.py)
     compile_cache: bool = True
     # the seed a llama.cpp-route request without one samples with (-s)
@@ -240,6 +242,8 @@ class EngineConfig:
         need(self.conversation_cache_mib >= 0, "conversation_cache_mib",
              self.conversation_cache_mib, "must be >= 0")
         need(isinstance(self.prefix_cache, bool), "prefix_cache", self.prefix_cache,
+             "must be true or false")
+        need(isinstance(self.run_ahead, bool), "run_ahead", self.run_ahead,
              "must be true or false")
         need(self.prefix_cache or not self.conversation_cache_mib, "conversation_cache_mib",
              self.conversation_cache_mib,

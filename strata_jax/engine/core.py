@@ -160,6 +160,8 @@ class EngineCore:
                 self.stepped = True
         except Exception as e:
             log.exception("the engine failed while %s", stage)
+            if self.runner.ahead is not None:          # a window run ahead of a failed one
+                self.runner.ahead.drop()
             for s in self.slots:
                 if not s.free:
                     self.output.fail(s, f"the engine failed while {stage}: {type(e).__name__}: "
@@ -338,7 +340,7 @@ class EngineCore:
         programs, run its rows in smaller windows. Only a row that fails alone ends with an
         error."""
         try:
-            outs = self.runner.run(w.groups, w.kv_needed)
+            outs = self.runner.run(w.groups, w.kv_needed, ahead=self._may_run_ahead(w))
             hiddens = self.runner.take_hiddens()          # the mtp drafter's input, None without it
         # every failure is reported to the requests, never lost
         except Exception as e:  # noqa: BLE001
@@ -359,6 +361,25 @@ class EngineCore:
             self._keep_accepted_states(w, starts)
         if self.speculator is not None and hiddens is not None:
             self._after_window(w, hiddens)
+
+    def _may_run_ahead(self, w: Window) -> bool:
+        """Whether the next window will most likely be w's rows again one position on, so the
+        runner may dispatch it before w's tokens are applied (run_ahead.py; a guess that misses
+        costs that window's work, never a result): decode rows alone, no drafter, no sampling
+        controls (another program samples them), no row ending by length in w, nothing waiting
+        to come in."""
+        if (self.runner.ahead is None or self.speculator is not None or not w.packed
+                or w.prefills or not w.decode or not self.inbox.empty()
+                or (self.admission.waiting and any(s.free for s in self.slots))):
+            return False
+        for s in w.decode:
+            req = s.request
+            if req is None or wants_controls(req.params):
+                return False
+            generated = len(s.tokens) - len(req.prompt) + 1      # after w
+            if generated >= req.params.max_tokens or s.n_past + 2 >= self.runner.cache_len:
+                return False
+        return True
 
     def _keep_accepted_states(self, w: Window, starts: list[int]) -> None:
         """A hybrid family's verify window read every draft into its slots' DeltaNet state: each
@@ -419,6 +440,8 @@ class EngineCore:
         """The KV cache is gone (a failed window consumed it): a new one, and every request in
         flight ended."""
         self.runner.kv.reset()
+        if self.runner.ahead is not None:
+            self.runner.ahead.drop()
         for s in self.slots:
             if not s.free:
                 self.output.fail(s, f"the engine's KV cache was lost in a failed window: {e}")

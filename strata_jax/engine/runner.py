@@ -47,9 +47,10 @@ from .execute.kv_host import KVHostStore
 from .execute.layouts import GroupInput, WindowLayouts, decode_only, verify_only
 from .execute.placement import host_tier_holds_all, largest_window_temp_bytes, place_experts
 from .execute.programs import Layout, ProgramCache
+from .execute.run_ahead import RunAhead
 from .execute.stepped import LayerStepper
 from .execute.tier_sizes import slot_bytes_all_layers, tiers_for_memory
-from .families import is_hybrid
+from .families import is_hybrid, keeps_state
 from .faults import Faults
 from .host_memory import HostNeeds, budget_items, memory_limit
 
@@ -194,6 +195,13 @@ class ModelRunner:
         self.answers = GroupAnswers(self.cache_len)
         # per group of the last window: (logprob, top ids, top logprobs)
         self.last_logprobs: list = []
+        # the next decode window dispatched before this one's tokens are applied (run_ahead.py):
+        # only where a window dropped unused can change nothing
+        self.ahead = (RunAhead(self._forward_ahead, self.layout_of, self.ready)
+                      if cfg.run_ahead and type(self.executor) is WholeWindows
+                      and self.shards is None and not keeps_state(self.spec)
+                      and not self.with_hidden and self.packed and not self.faults.rules
+                      else None)
         self.windows = 0
         if self.group is not None:           # every follower has loaded its part and says hello
             self.group.accept()
@@ -209,15 +217,33 @@ class ModelRunner:
 
     # ---- running ---------------------------------------------------------------------------------
 
-    def run(self, groups: list[GroupInput], kv_needed: int) -> list[np.ndarray]:
+    def run(self, groups: list[GroupInput], kv_needed: int,
+            ahead: bool = False) -> list[np.ndarray]:
         """Run one window; returns per group the sampled tokens [R] (or logits [R, L, V] with
         all_logits; or for a verify group the pair (tokens [R, L], n_accepted [R])); a group with
         sampling controls or logprobs also leaves (logprob [R], top ids [R, K], top logprobs [R, K])
-        in last_logprobs."""
-        logits = self.forward_logits(groups, kv_needed)
-        answers = [self.answers.answer(lg, g) for lg, g in zip(logits, groups)]
+        in last_logprobs. ahead: the window is one packed group of decode rows that may go on
+        (EngineCore says): the next decode window is dispatched before this one's tokens are
+        waited for (run_ahead.py)."""
+        logits = None
+        if self.ahead is not None:
+            logits = self.ahead.take(groups, self.layout_of(groups, kv_needed))
+            if logits is not None:
+                self.windows += 1
+        if logits is None:
+            logits = self.forward_logits(groups, kv_needed)
+        tokens = None
+        if ahead and self.ahead is not None:
+            tokens = self.answers.tokens_on_device(logits[0], groups[0])
+            self.ahead.start(groups[0], kv_needed, tokens)
+        answers = [self.answers.answer(lg, g, tokens if i == 0 else None)
+                   for i, (lg, g) in enumerate(zip(logits, groups))]
         self.last_logprobs = [lp for _, lp in answers]
         return [out for out, _ in answers]
+
+    def _forward_ahead(self, groups: list[GroupInput], layout: Layout) -> list[jax.Array]:
+        """A window run ahead (run_ahead.py): the whole-window program, no hidden states."""
+        return self.executor.forward(groups, layout)[0]
 
     def forward_logits(self, groups: list[GroupInput], kv_needed: int) -> list[jax.Array]:
         """Run one window's model program(s) -> logits per group, on the device (and its hidden
@@ -360,6 +386,9 @@ class ModelRunner:
               **(self.kv_host.stats() if self.kv_host is not None else {})}
         return {"programs": self.programs.snapshot(), "memory": self.ledger.snapshot(),
                 "windows": self.windows,
+                # decode windows dispatched ahead (run_ahead.py), and those a planned window took
+                "windows_ahead": self.ahead.ran if self.ahead is not None else 0,
+                "windows_ahead_taken": self.ahead.taken if self.ahead is not None else 0,
                 "experts": self.expert_stats(), "kv_cache": kv,
                 **{k: v for k, v in self.choices.items()},
                 "devices": {"count": self.cfg.devices, "split": self.split},

@@ -35,9 +35,18 @@ class GroupAnswers:
         self._verify = jax.jit(verify)
         self._controlled = jax.jit(sample_controlled, static_argnames=("sampled",))
 
-    def answer(self, logits: jax.Array, g: GroupInput) -> tuple[Any, tuple | None]:
-        """-> (the group's answer, its logprobs or None)."""
+    def tokens_on_device(self, logits: jax.Array, g: GroupInput) -> jax.Array:
+        """A plain group's answer (no drafts, no controls) left on the device: sampler.py's
+        program, greedy rows included (the next window run ahead reads it: run_ahead.py)."""
+        return self._sample(logits, *g.sampling.as_tuple())
+
+    def answer(self, logits: jax.Array, g: GroupInput,
+               tokens: jax.Array | None = None) -> tuple[Any, tuple | None]:
+        """-> (the group's answer, its logprobs or None); tokens: that answer already computed on
+        the device (tokens_on_device)."""
         rows = g.sampling
+        if tokens is not None:
+            return np.asarray(tokens), None
         if g.drafts is not None:
             return (tuple(np.asarray(a) for a in self._verify(logits, g.drafts, g.n_draft,
                                                               *rows.as_tuple())), None)

@@ -207,7 +207,7 @@ class _EngineCollector:
             yield gauge(f"programs_{key}",
                         f"Compiled window programs: {key.replace('_', ' ')} (this engine process)",
                         programs.get(key))
-        for key in ("windows", "split_windows", "failed"):
+        for key in ("windows", "windows_ahead", "windows_ahead_taken", "split_windows", "failed"):
             if key in stats:
                 yield gauge(f"engine_{key}", f"Engine counter {key} (this engine process)",
                             stats[key])

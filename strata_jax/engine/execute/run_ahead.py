@@ -1,0 +1,93 @@
+"""Run-ahead decode: the next decode window dispatched before this one's tokens reach the host.
+
+Windows run one after another leave the cores idle twice a step: while the engine thread hands the
+window program its arrays (~0.7 ms on a CPU) and while it applies the tokens and plans the next
+window (~1 ms). At a small model's decode (8-12 ms a token on two cores) that is 15-20% of the
+step. vLLM's async scheduling's remedy, here: once window k is dispatched, the engine dispatches
+window k+1 too, its tokens being window k's answer still on the device (the sampler's program,
+answers.py), and only then waits for window k's tokens; window k+1 runs while they are applied and
+the next window is planned. If that window is window k+1 as dispatched (the same rows, positions
+and tokens), its logits are taken as they are; if not (a row ended, a request came in, a token was
+forced), they are dropped.
+
+Why a dropped window is harmless: it wrote each row's KV at the row's next position only. A row that
+goes on writes the same values there in its next window (the same token at the same position over
+the same earlier KV); a row that ended never reads it (a slot's KV holds tokens[:n_past]: slots.py).
+That holds only where a window's writes are exactly that: attention KV, nothing recurrent (a hybrid
+family's DeltaNet state and gpt-oss's rings advance for good), one program a window on one process
+(the expert tiers' layer steps and a process group's followers are not covered). The runner makes a
+RunAhead only there; EngineCore says which windows may run ahead (decode rows alone, no drafts, no
+sampling controls, no row ending by length in this window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .layouts import GroupInput
+from .programs import Layout
+
+
+@jax.jit
+def _next_tokens(tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    """The sampler's answer [R] as the next window's tokens [R, 1]: padding rows 0, as the
+    scheduler's are; the -1 of a NaN row (sampler.mark_non_finite) 0 too, so it never indexes the
+    embeddings (that row ends on the host, and the window is dropped)."""
+    return jnp.where(valid, jnp.maximum(tokens, 0), 0).astype(jnp.int32)[:, None]
+
+
+@dataclass
+class _Pending:
+    layout: Layout
+    group: GroupInput          # its tokens a device array
+    logits: list[jax.Array]
+
+
+class RunAhead:
+    def __init__(self, forward, layout_of, ready):
+        """forward(groups, layout) -> logits a group (the executor's whole-window run);
+        layout_of(groups, kv_needed) -> a window's layout; ready(layout) -> whether that window's
+        program is built (a window never waits for a build here)."""
+        self._forward, self._layout_of, self._ready = forward, layout_of, ready
+        self._pending: _Pending | None = None
+        self.ran = 0            # windows dispatched ahead
+        self.taken = 0          # ... whose logits a planned window took
+
+    def take(self, groups: list[GroupInput], layout: Layout) -> list[jax.Array] | None:
+        """The logits of the window dispatched ahead if it is this window (the same layout, rows,
+        positions and tokens), else None; the pending window is gone either way."""
+        p, self._pending = self._pending, None
+        if p is None or len(groups) != 1 or p.layout != layout:
+            return None
+        g, a = groups[0], p.group
+        if not (np.array_equal(g.pos, a.pos) and np.array_equal(g.slots, a.slots)
+                and np.array_equal(g.picks, a.picks)
+                and np.array_equal(g.tokens, np.asarray(a.tokens))):
+            return None
+        self.taken += 1
+        return p.logits
+
+    def start(self, g: GroupInput, kv_needed: int, answer: jax.Array) -> None:
+        """Dispatch the decode window after this window of one packed decode group `g` (reading
+        up to kv_needed positions): the same rows at their next positions, fed `answer` (g's
+        sampled tokens, on the device). Nothing when its program is not built."""
+        rows = len(g.picks)
+        if g.tokens.shape != (rows, 1):
+            return
+        valid = g.pos >= 0
+        pos = np.where(valid, g.pos + 1, -1).astype(np.int32)
+        nxt = GroupInput(g.tokens, pos, g.slots, g.sampling, picks=g.picks)
+        layout = self._layout_of([nxt], kv_needed + 1)
+        if not self._ready(layout):
+            return
+        nxt.tokens = _next_tokens(answer.reshape(-1)[:rows], valid[:, 0])
+        self._pending = _Pending(layout, nxt, self._forward([nxt], layout))
+        self.ran += 1
+
+    def drop(self) -> None:
+        """Forget the window dispatched ahead (the KV cache it ran on was replaced)."""
+        self._pending = None
