@@ -22,7 +22,7 @@ sampling controls, no row ending by length in this window).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +84,7 @@ class RunAhead:
         layout = self._layout_of([nxt], kv_needed + 1)
         if not self._ready(layout):
             return
-        nxt.tokens = _next_tokens(answer.reshape(-1)[:rows], valid[:, 0])
+        nxt = replace(nxt, tokens=_next_tokens(answer.reshape(-1)[:rows], valid[:, 0]))
         self._pending = _Pending(layout, nxt, self._forward([nxt], layout))
         self.ran += 1
 
