@@ -150,9 +150,15 @@ def test_a_request_joining_mid_decode_drops_the_window_run_ahead(model):
     assert [len(t) for t in outs[True]] == [8, 6]
 
 
-def test_families_with_a_state_and_fault_runs_never_run_ahead(tiny_model, monkeypatch):
+def test_families_with_a_state_kv_in_host_ram_and_fault_runs_never_run_ahead(tiny_model, monkeypatch):
     hybrid = tiny_model(arch="qwen3next", layers=4, hidden=64)
     core = EngineCore(GGUFModel.open(hybrid), EngineConfig(**CFG))
+    try:
+        assert core.runner.ahead is None
+    finally:
+        core.runner.close()
+    core = EngineCore(GGUFModel.open(tiny_model(arch="qwen3", layers=2, hidden=64)),
+                      EngineConfig(**dict(CFG, max_context=128), kv_resident=64, attn_chunk=32))
     try:
         assert core.runner.ahead is None
     finally:

@@ -196,12 +196,13 @@ class ModelRunner:
         # per group of the last window: (logprob, top ids, top logprobs)
         self.last_logprobs: list = []
         # the next decode window dispatched before this one's tokens are applied (run_ahead.py):
-        # only where a window dropped unused can change nothing
+        # only where a window dropped unused can change nothing, and not beside --kv-resident's host
+        # part (its positions are moved by the host between windows)
         self.ahead = (RunAhead(self._forward_ahead, self.layout_of, self.ready)
                       if cfg.run_ahead and type(self.executor) is WholeWindows
                       and self.shards is None and not keeps_state(self.spec)
                       and not self.with_hidden and self.packed and not self.faults.rules
-                      else None)
+                      and self.device_len == self.cache_len else None)
         self.windows = 0
         if self.group is not None:           # every follower has loaded its part and says hello
             self.group.accept()
