@@ -1,12 +1,12 @@
-"""Decode speed of one engine with run-ahead on or off (issue 33, session 31: engine/execute/run_ahead.py).
+"""Decode speed of one engine with run-ahead on or off (issue 33, session 31: run_ahead.py).
 
     python scripts/run_ahead_ab.py MODEL.gguf 1|0 [TOKENS] [REQUESTS]
 
-An Engine(parallel=1, max_context=512, warmup=False) with --run-ahead on (1) or off (0); REQUESTS (4)
-requests of the same 32-token prompt, TOKENS (64) generated each, EOS ignored; prints one JSON line: the
-decode tok/s of every request but the first (it builds the programs), the windows run ahead and taken,
-whether every request gave the same tokens, the first 8 of them. Alternate on and off runs: the VM's
-speed moves between runs.
+An Engine(parallel=1, max_context=512, warmup=False) with --run-ahead on (1) or off (0);
+REQUESTS (4) requests of the same 32-token prompt, TOKENS (64) generated each, EOS ignored; prints
+one JSON line: the decode tok/s of every request but the first (it builds the programs), the
+windows run ahead and taken, whether every request gave the same tokens, the first 8 of them.
+Alternate on and off runs: the VM's speed moves between runs.
 """
 
 from __future__ import annotations

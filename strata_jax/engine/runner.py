@@ -236,7 +236,15 @@ class ModelRunner:
         tokens = None
         if ahead and self.ahead is not None:
             tokens = self.answers.tokens_on_device(logits[0], groups[0])
-            self.ahead.start(groups[0], kv_needed, tokens)
+            try:
+                self.ahead.start(groups[0], kv_needed, tokens)
+            # the window run ahead is a guess: its failure is not this window's, unless it took
+            # the KV cache with it
+            except Exception as e:
+                self.ahead.drop()
+                if self.cache_lost():
+                    raise
+                log.warning("a decode window run ahead failed (%s): not run ahead this time", e)
         answers = [self.answers.answer(lg, g, tokens if i == 0 else None)
                    for i, (lg, g) in enumerate(zip(logits, groups))]
         self.last_logprobs = [lp for _, lp in answers]
