@@ -242,3 +242,26 @@ def test_kv_cache_usage_while_a_request_runs(server, tok):
     assert (seen and n_prompt / (PARALLEL * N_CTX) <= max(seen)
             <= (n_prompt + 240) / (PARALLEL * N_CTX)), seen
     assert value(scrape(server), "strata_kv_cache_usage_perc") == 0.0
+
+
+def test_the_engine_process_runs_decode_windows_ahead(server):
+    """Run-ahead decode (engine/execute/run_ahead.py) in the real engine process, the server's
+    defaults: a greedy answer's decode windows are dispatched ahead and taken (/metrics' counters),
+    and the streamed answer is the same text as the whole one."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    before = scrape(server)
+    kw = {"model": "tiny", "prompt": "Rivers run to the sea and", "max_tokens": 24,
+          "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert streamed == whole
+    after = scrape(server)
+    ran = (value(after, "strata_engine_windows_ahead")
+           - value(before, "strata_engine_windows_ahead"))
+    taken = (value(after, "strata_engine_windows_ahead_taken")
+             - value(before, "strata_engine_windows_ahead_taken"))
+    # 24 tokens each: the prompt's window gives the first, 23 decode windows the rest, of which all
+    # but the last (its token ends the answer by length) dispatch the next one, unless a job for the
+    # engine (a stats poll) was waiting at that window
+    assert 22 <= taken <= ran <= 2 * 22, (ran, taken)
