@@ -149,6 +149,26 @@ def test_a_request_joining_mid_decode_drops_the_window_run_ahead(model):
     assert [len(t) for t in outs[True]] == [8, 6]
 
 
+def test_anything_else_run_on_the_kv_cache_drops_the_window_run_ahead(model):
+    """A program run on the cache between two windows (a prefix-cache copy, a restored slot, a
+    scratch cache: here one that changes nothing) drops the window dispatched ahead, though the
+    planned window is the same: positions it read may hold other tokens by then."""
+    core = EngineCore(GGUFModel.open(model), EngineConfig(**CFG))
+    try:
+        core.add(core.make_request([5, 6, 7, 8, 9], max_tokens=10, ignore_eos=True))
+        core.step()                  # the prompt's window: its first token
+        core.step()                  # a decode window, which dispatches the next one
+        assert core.runner.stats()["windows_ahead"] == 1
+        core.runner.kv.through(lambda cache: (cache,))
+        core.step()                  # the same window planned: dropped, run again, next dispatched
+        stats = core.runner.stats()
+        assert stats["windows_ahead_taken"] == 0 and stats["windows_ahead"] == 2
+        core.step()                  # taken
+        assert core.runner.stats()["windows_ahead_taken"] == 1
+    finally:
+        core.runner.close()
+
+
 def test_no_run_ahead_for_a_state_kv_in_host_ram_or_faults(tiny_model, monkeypatch):
     hybrid = tiny_model(arch="qwen3next", layers=4, hidden=64)
     core = EngineCore(GGUFModel.open(hybrid), EngineConfig(**CFG))

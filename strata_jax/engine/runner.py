@@ -198,7 +198,7 @@ class ModelRunner:
         # the next decode window dispatched before this one's tokens are applied (run_ahead.py):
         # only where a window dropped unused can change nothing, and not beside --kv-resident's host
         # part (its positions are moved by the host between windows)
-        self.ahead = (RunAhead(self._forward_ahead, self.layout_of, self.ready)
+        self.ahead = (RunAhead(self._forward_ahead, self.layout_of, self.ready, self.kv)
                       if cfg.run_ahead and type(self.executor) is WholeWindows
                       and self.shards is None and not keeps_state(self.spec)
                       and not self.with_hidden and self.packed and not self.faults.rules

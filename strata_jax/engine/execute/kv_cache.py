@@ -70,6 +70,9 @@ class KVCache:
                                  for s, d in stages)
         self._new = make if place is None else (lambda: place(make()))
         self._arrays: dict[str, jax.Array] = self._new()
+        # bumped whenever the arrays are replaced: a window run ahead is taken only if nothing else
+        # ran on the cache after it (run_ahead.py)
+        self._version = 0
         self.device_len = device_len
         self.ring = ring
         self.host = host
@@ -85,6 +88,11 @@ class KVCache:
     def arrays(self) -> dict[str, jax.Array]:
         return self._arrays
 
+    @property
+    def version(self) -> int:
+        """How many times the arrays were replaced (a program's run, a reset, a scratch cache)."""
+        return self._version
+
     def _parts(self) -> list[dict]:
         """The per-stage dicts (one: the whole cache)."""
         return list(self._arrays) if isinstance(self._arrays, tuple) else [self._arrays]
@@ -97,6 +105,7 @@ class KVCache:
         The arrays become the new ones; the rest is returned (one value alone, several as a
         tuple)."""
         *out, self._arrays = run(self._arrays)
+        self._version += 1
         return out[0] if len(out) == 1 else tuple(out)
 
     def lost(self) -> bool:
@@ -106,6 +115,7 @@ class KVCache:
 
     def reset(self) -> None:
         self._arrays = self._new()
+        self._version += 1
 
     def wait(self) -> None:
         jax.block_until_ready(self._arrays)
@@ -117,6 +127,7 @@ class KVCache:
         between windows): made on its first use, left in it after each one that succeeds."""
         saved = self._arrays
         self._arrays = kept.pop("arrays") if kept and "arrays" in kept else self._new()
+        self._version += 1
         try:
             with self.host.scratch(kept) if self.host is not None else nullcontext():
                 yield

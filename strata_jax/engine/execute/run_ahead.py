@@ -7,8 +7,8 @@ step. vLLM's async scheduling's remedy, here: once window k is dispatched, the e
 window k+1 too, its tokens being window k's answer still on the device (the sampler's program,
 answers.py), and only then waits for window k's tokens; window k+1 runs while they are applied and
 the next window is planned. If that window is window k+1 as dispatched (the same rows, positions
-and tokens), its logits are taken as they are; if not (a row ended, a request came in, a token was
-forced), they are dropped.
+and tokens) and nothing else ran on the KV cache meanwhile, its logits are taken as they are; if
+not (a row ended, a request came in, a token was forced, a prefix-cache copy), they are dropped.
 
 Why a dropped window is harmless: it wrote each row's KV at the row's next position only. A row that
 goes on writes the same values there in its next window (the same token at the same position over
@@ -45,23 +45,28 @@ class _Pending:
     layout: Layout
     group: GroupInput          # its tokens a device array
     logits: list[jax.Array]
+    kv_version: int            # the KV cache's version its run left
 
 
 class RunAhead:
-    def __init__(self, forward, layout_of, ready):
+    def __init__(self, forward, layout_of, ready, kv):
         """forward(groups, layout) -> logits a group (the executor's whole-window run);
         layout_of(groups, kv_needed) -> a window's layout; ready(layout) -> whether that window's
-        program is built (a window never waits for a build here)."""
-        self._forward, self._layout_of, self._ready = forward, layout_of, ready
+        program is built (a window never waits for a build here); kv: the KVCache (its version
+        says whether anything else ran on it since)."""
+        self._forward, self._layout_of, self._ready, self._kv = forward, layout_of, ready, kv
         self._pending: _Pending | None = None
         self.ran = 0            # windows dispatched ahead
         self.taken = 0          # ... whose logits a planned window took
 
     def take(self, groups: list[GroupInput], layout: Layout) -> list[jax.Array] | None:
         """The logits of the window dispatched ahead if it is this window (the same layout, rows,
-        positions and tokens), else None; the pending window is gone either way."""
+        positions and tokens) and nothing else ran on the KV cache since (a prefix-cache copy, a
+        restored slot, a scratch cache: positions it read may hold other tokens now), else None;
+        the pending window is gone either way."""
         p, self._pending = self._pending, None
-        if p is None or len(groups) != 1 or p.layout != layout:
+        if (p is None or len(groups) != 1 or p.layout != layout
+                or p.kv_version != self._kv.version):
             return None
         g, a = groups[0], p.group
         if not (np.array_equal(g.pos, a.pos) and np.array_equal(g.slots, a.slots)
@@ -85,7 +90,8 @@ class RunAhead:
         if not self._ready(layout):
             return
         nxt = replace(nxt, tokens=_next_tokens(answer.reshape(-1)[:rows], valid[:, 0]))
-        self._pending = _Pending(layout, nxt, self._forward([nxt], layout))
+        logits = self._forward([nxt], layout)
+        self._pending = _Pending(layout, nxt, logits, self._kv.version)
         self.ran += 1
 
     def drop(self) -> None:
