@@ -85,7 +85,9 @@ def test_ladder(server, tmp_path):
             assert 1 <= r["tokens"] <= 8 and 0 < r["ttft_s"] <= r["latency_s"] < 60
             assert r["prompt_tps"] > 0 and (r["decode_tps"] or 0) >= 0
         assert lv["aggregate_tps"] > 0 and 0 < lv["ttft_p50_s"] <= lv["ttft_p95_s"]
-        assert (0 < lv["itl_p50_s"] <= lv["itl_p95_s"]
+        # chunks that arrive together (a tiny model's tokens, run-ahead decode) have gaps that
+        # round to 0 (itl_s is kept to 0.1 ms): no lower bound on speed here
+        assert (0 <= lv["itl_p50_s"] <= lv["itl_p95_s"]
                 and lv["ttft_p50_s"] <= lv["e2e_p50_s"] <= lv["e2e_p95_s"])
         assert all(len(r["itl_s"]) == r["chunks"] - 1 for r in reqs)
     # not our server: its log is not ours to read
@@ -114,7 +116,7 @@ def test_replay(agent_server, tmp_path):
     assert (0 < report["ttft_p50_s"] <= report["ttft_p95_s"]
             and 0 < report["e2e_p50_s"] <= report["e2e_p95_s"])
     assert (report["ttft_p50_s"] <= report["e2e_p50_s"]
-            and 0 < report["itl_p50_s"] <= report["itl_p95_s"])
+            and 0 <= report["itl_p50_s"] <= report["itl_p95_s"])      # gaps can round to 0
     # users 0 and 1 are agents: every turn of theirs offers the tools. Our server ignores `tools`
     # for now (issue 16 item 1 is under way), so the counts of calls may be 0; each call made was
     # fed back.
