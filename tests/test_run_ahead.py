@@ -2,10 +2,10 @@
 one's tokens are applied, and taken only if the planned window is that one.
 
 The same requests through an engine with it on and one with it off give the same tokens, greedy and
-sampled, whatever ends the rows (length, stop strings, a row joining mid-decode, a cancel); the
-counters show windows ran ahead, that most were taken and that the ones a changed window made
-useless were dropped. Families whose windows change more than the KV at the next position, and the
-fault-injection runs, never run ahead.
+sampled, whatever ends the rows (length, stop strings and EOS, a row joining mid-decode); the
+counters show windows ran ahead, that most were taken and that the ones a changed window or another
+program on the KV cache made useless were dropped. Families whose windows change more than the KV
+at the next position, --kv-resident's host part and the fault-injection runs never run ahead.
 """
 
 from __future__ import annotations
