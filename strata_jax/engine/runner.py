@@ -196,13 +196,13 @@ class ModelRunner:
         # per group of the last window: (logprob, top ids, top logprobs)
         self.last_logprobs: list = []
         # the next decode window dispatched before this one's tokens are applied (run_ahead.py):
-        # only where a window dropped unused can change nothing, and not beside --kv-resident's host
+        # only where a window dropped unused can change nothing (packed windows: no drafter's
+        # hidden states, no hybrid state; nor gpt-oss's rings), and not beside --kv-resident's host
         # part (its positions are moved by the host between windows)
         self.ahead = (RunAhead(self._forward_ahead, self.layout_of, self.ready, self.kv)
-                      if cfg.run_ahead and type(self.executor) is WholeWindows
+                      if cfg.run_ahead and self.packed and type(self.executor) is WholeWindows
                       and self.shards is None and not keeps_state(self.spec)
-                      and not self.with_hidden and self.packed and not self.faults.rules
-                      and self.device_len == self.cache_len else None)
+                      and not self.faults.rules and self.device_len == self.cache_len else None)
         self.windows = 0
         if self.group is not None:           # every follower has loaded its part and says hello
             self.group.accept()
