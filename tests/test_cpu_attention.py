@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from isa_levels import outputs_by_level
 
 from pallas_kernels import cpu
 from strata_jax.config import EngineConfig
@@ -31,7 +32,7 @@ def _caches(dtype: str, d: int, seed: int = 0):
     if dtype == "int8":
         (k, ks), (v, vs) = quantize_int8(kf), quantize_int8(vf)
         return k, v, ks, vs
-    cast = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    cast = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[dtype]
     return kf.astype(cast), vf.astype(cast), None, None
 
 
@@ -43,7 +44,7 @@ def _reference(q, k, v, ks, vs, layer, slots, pos):
     return attend(q, read(k, ks), read(v, vs), pos, 40)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "int8"])
 @pytest.mark.parametrize("d", [64, 40])          # 40: a head dim that is not a multiple of 16
 def test_attention_matches_the_xla_path(dtype, d):
     k, v, ks, vs = _caches(dtype, d)
@@ -71,6 +72,61 @@ def test_a_query_bits_depend_only_on_its_own_row_and_position():
     for t in range(5):
         one = np.asarray(cpu.attention(q[2:, t:t + 1], k, v, 2, slots[2:], pos[2:, t:t + 1]))
         assert np.array_equal(one, full[2:, t:t + 1])
+
+
+def test_a_row_split_over_threads_has_the_bits_it_has_in_a_full_window():
+    """A lone decode row at a long position has its keys' tiles split over the threads, each tile's
+    softmax kept and joined in position order afterwards; in a window of many rows each row's tiles
+    are walked by one thread, joined as they come: the same bits (attention.cc: Attention::combine),
+    with gpt-oss's sinks and window too."""
+    rng = np.random.default_rng(6)
+    slots_n, positions, kh, d = 12, 1001, 3, 64
+    k = jnp.asarray(rng.normal(size=(2, slots_n, positions, kh, d)).astype(np.float32))
+    v = jnp.asarray(rng.normal(size=(2, slots_n, positions, kh, d)).astype(np.float32))
+    q = jnp.asarray(rng.normal(size=(slots_n, 1, 9, d)).astype(np.float32))
+    slots = jnp.arange(slots_n, dtype=jnp.int32)
+    pos = jnp.asarray([[997 - 37 * r] for r in range(slots_n)], jnp.int32)
+    sinks = jnp.asarray(rng.normal(size=9).astype(np.float32))
+    for extra in ({}, {"sinks": sinks, "window": 300}):
+        full = np.asarray(cpu.attention(q, k, v, 1, slots, pos, **extra))    # 12 runs: a thread a row
+        for r in (0, 5):                                                    # alone: its tiles split
+            alone = np.asarray(cpu.attention(q[r:r + 1], k, v, 1, slots[r:r + 1], pos[r:r + 1],
+                                             **extra))
+            assert np.array_equal(alone, full[r:r + 1]), (r, extra.keys())
+    ref = attend(q, k[1, :, :1000], v[1, :, :1000], pos, 40)
+    np.testing.assert_allclose(np.asarray(cpu.attention(q, k, v, 1, slots, pos)), np.asarray(ref),
+                               rtol=2e-5, atol=2e-6)
+
+
+_LEVEL_BITS = """
+import hashlib
+import jax.numpy as jnp, numpy as np
+from pallas_kernels import cpu
+from strata_jax.model.transformer import quantize_int8
+rng = np.random.default_rng(7)
+k = rng.normal(size=(2, 3, 401, 3, 64)).astype(np.float32)
+v = rng.normal(size=(2, 3, 401, 3, 64)).astype(np.float32)
+q = jnp.asarray(rng.normal(size=(3, 2, 9, 64)).astype(np.float32))
+slots, pos = jnp.asarray([2, 0, 1], jnp.int32), jnp.asarray([[390, 391], [5, 6], [200, -1]], jnp.int32)
+(k8, ks), (v8, vs) = quantize_int8(jnp.asarray(k)), quantize_int8(jnp.asarray(v))
+outs = [cpu.attention(q, jnp.asarray(k).astype(t), jnp.asarray(v).astype(t), 1, slots, pos)
+        for t in (jnp.float32, jnp.float16, jnp.bfloat16)]
+outs.append(cpu.attention(q, k8, v8, 1, slots, pos, ks, vs))
+outs.append(cpu.attention(q, jnp.asarray(k), jnp.asarray(v), 0, slots, pos,
+                          sinks=jnp.linspace(-1, 1, 9, dtype=jnp.float32), window=128))
+outs.append(cpu.attention(q[:1, :1], jnp.asarray(k), jnp.asarray(v), 1, slots[:1], pos[:1, :1]))
+print(*(hashlib.sha1(np.asarray(o).tobytes()).hexdigest() for o in outs))
+"""
+
+
+def test_every_isa_level_gives_the_same_attention_bits():
+    """The kernel's exponential (simd.h exp1 / exp8) and sums are fixed sequences of operations:
+    float32, float16, bfloat16 and int8 caches, gpt-oss's sinks and window, and a lone row split
+    over the threads give the same bits on every level this CPU runs."""
+    got = outputs_by_level(_LEVEL_BITS)
+    first = next(iter(got.values()))
+    assert len(first) == 6
+    assert all(words == first for words in got.values()), got
 
 
 def test_nan_keys_give_nan_not_a_finite_answer():
@@ -140,7 +196,7 @@ def test_greedy_rows_on_the_host_are_the_samplers_answer():
     assert list(got[1:4]) == [7, -1, -1]
 
 
-@pytest.mark.parametrize("dtype", ["f32", "int8"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_parts_in_position_order_give_the_bits_of_one_call(dtype):
     """--kv-resident's way: the device part [0, 32), then host blocks of 48 positions handed over as
     their own arrays, the softmax state carried: the same bits as one call over the whole cache."""

@@ -169,6 +169,65 @@ SIMD_INLINE float hsum16(f32x16 a) {
 #endif
 }
 
+// e^x a lane, the same bits on every ISA (a fixed sequence of FMAs, multiplies and integer adds, not
+// the C library's expf, whose code differs by ISA): Cephes' expf, x = n ln 2 + r with n = round(x /
+// ln 2) (ln 2 in two parts), e^r by a degree-7 polynomial, 2^n added to the exponent; relative error
+// ~1e-7. x is clamped to [-87.34, 88.38] (e^x below ~1e-38 is not 0 but ~1e-38); NaN stays NaN.
+namespace exp_detail {
+constexpr float kLo = -87.33654f, kHi = 88.37626f, kLog2e = 1.44269504088896341f, kMagic = 12582912.0f;
+constexpr float kC1 = -0.693359375f, kC2 = 2.12194440e-4f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                         1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_detail
+
+#if defined(STRATA_X86_SIMD)
+SIMD_INLINE __m256 exp8(__m256 x) {
+  using namespace exp_detail;
+  __m256 c = _mm256_min_ps(_mm256_set1_ps(kHi), _mm256_max_ps(_mm256_set1_ps(kLo), x));
+  __m256 t = _mm256_fmadd_ps(c, _mm256_set1_ps(kLog2e), _mm256_set1_ps(kMagic));
+  __m256 n = _mm256_sub_ps(t, _mm256_set1_ps(kMagic));
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(kC1), c);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(kC2), r);
+  __m256 p = _mm256_set1_ps(kP[0]);
+  for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP[i]));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  __m256i k = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(_mm256_set1_ps(kMagic))), 23);
+  __m256 e = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), k));
+  return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+#endif
+
+SIMD_INLINE float exp1(float x) {
+  using namespace exp_detail;
+  float c = x < kLo ? kLo : x;
+  c = c > kHi ? kHi : c;
+  float t = std::fma(c, kLog2e, kMagic), n = t - kMagic;
+  float r = std::fma(n, kC1, c);
+  r = std::fma(n, kC2, r);
+  float p = kP[0];
+  for (int i = 1; i < 6; i++) p = std::fma(p, r, kP[i]);
+  p = std::fma(p, r * r, r);
+  p = p + 1.0f;
+  uint32_t tb, pb, mb;
+  float m = kMagic;
+  std::memcpy(&tb, &t, 4), std::memcpy(&pb, &p, 4), std::memcpy(&mb, &m, 4);
+  uint32_t eb = pb + ((tb - mb) << 23);
+  float e;
+  std::memcpy(&e, &eb, 4);
+  return x != x ? x : e;
+}
+
+// exp1 of the 16 floats at p, into out.
+SIMD_INLINE void exp16(const float* p, float* out) {
+#if defined(STRATA_X86_SIMD)
+  _mm256_storeu_ps(out, exp8(_mm256_loadu_ps(p)));
+  _mm256_storeu_ps(out + 8, exp8(_mm256_loadu_ps(p + 8)));
+#else
+  for (int i = 0; i < kLanes; i++) out[i] = exp1(p[i]);
+#endif
+}
+
 // ---- float16 and bfloat16 ------------------------------------------------------------------------
 
 // IEEE half -> float, exact for every value (subnormals, inf, NaN).
