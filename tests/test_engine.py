@@ -218,12 +218,13 @@ def test_a_layout_too_big_runs_as_smaller_windows(moe_path, reference, monkeypat
 
 def test_int8_kv_stays_close(tiny_model):
     """int8 KV (a scale a token and head) against float32 KV, beside bf16 KV: same top tokens, and a
-    divergence within a small multiple of bf16's."""
+    divergence within a small multiple of bf16's; float16 KV closer than bf16's."""
     path = tiny_model(arch="llama", layers=2, hidden=128, heads=4, kv_heads=2, experts=0)
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 500, 40)]
     res = {}
-    for kv in ("f32", "bf16", "int8"):
+    for kv in ("f32", "bf16", "f16", "int8"):
         with Engine.from_gguf(path, EngineConfig(max_context=64, kv=kv, warmup=False)) as eng:
+            assert eng.runner.choices["backend"] == "cpu"
             res[kv] = eng.logits(ids)
 
     def kl(a, b):
@@ -236,3 +237,7 @@ def test_int8_kv_stays_close(tiny_model):
     assert 0 < d_int8 < 8 * d_bf16                  # measured: 3.3x
     assert kl(res["f32"], res["int8"]) < 1e-3       # measured: 5e-5
     assert (res["int8"].argmax(-1) == res["f32"].argmax(-1)).mean() >= 0.9
+    # float16 KV (the cpu attention kernel reads it since session 32; before, every window failed):
+    # 3 more mantissa bits than bfloat16's
+    d_f16 = np.abs(res["f16"] - res["f32"]).mean()
+    assert 0 < d_f16 < d_bf16 and (res["f16"].argmax(-1) == res["f32"].argmax(-1)).mean() >= 0.95
