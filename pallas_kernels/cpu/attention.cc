@@ -162,10 +162,13 @@ struct Attention {
       for (int64_t d = 0; d < D16; d++) qf[i * D16 + d] = d < D ? src[d] / rsd : 0.0f;
     }
     alignas(64) float e[kTile];
-    thread_local std::vector<float> gscores;
-    gscores.resize(G * kTile);
-    thread_local std::vector<const float*> kr, vr;
-    kr.resize(K * kTile), vr.resize(K * kTile);
+    thread_local std::vector<float> gscores_buf;
+    thread_local std::vector<const float*> kr_buf, vr_buf;
+    gscores_buf.resize(G * kTile), kr_buf.resize(K * kTile), vr_buf.resize(K * kTile);
+    // plain pointers: a thread_local's address is a call (__tls_get_addr) in a shared library
+    float* gscores = gscores_buf.data();
+    const float** kr = kr_buf.data();
+    const float** vr = vr_buf.data();
     for (int64_t tile = a; tile < b; tile++) {
       int64_t p0 = r.first + tile * kTile, n = std::min<int64_t>(kTile, r.top + 1 - p0);
       // The tile after next, asked for now (one piece of the cache for all kv heads): a tile's work is
@@ -186,14 +189,15 @@ struct Attention {
         int64_t p = pos[r.t0 + i0 / H], lo = first_key(p);
         if (p < p0 || lo >= p0 + n) continue;
         int64_t cnt = std::min<int64_t>(n, p + 1 - p0), j0 = std::max<int64_t>(lo - p0, 0);
-        const float* const* ks = kr.data() + (i0 % H / G) * kTile;
-        const float* const* vs = vr.data() + (i0 % H / G) * kTile;
+        const float* const* ks = kr + (i0 % H / G) * kTile;
+        const float* const* vs = vr + (i0 % H / G) * kTile;
         // each score one fixed-order dot: a lane-wise FMA chain, then hsum16's tree
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
           const int64_t gn = std::min<int64_t>(4, G - g0);
           const float* q0 = qf + (i0 + g0) * D16;
           for (int64_t j = j0; j < cnt; j++) {
             f32x16 a0 = zero16(), a1 = zero16(), a2 = zero16(), a3 = zero16();
+#pragma GCC unroll 8
             for (int64_t d = 0; d < D16; d += 16) {
               f32x16 kv = load16(ks[j] + d);
               a0 = fma16(load16(q0 + d), kv, a0);
@@ -209,7 +213,7 @@ struct Attention {
         }
         for (int64_t g = 0; g < G; g++) {
         const int64_t i = i0 + g;
-        float* scores = gscores.data() + g * kTile;
+        float* scores = gscores + g * kTile;
         float mt = -std::numeric_limits<float>::infinity();
         for (int64_t j = j0; j < cnt; j++) mt = std::max(mt, scores[j]);
         // NaN scores (a broken model) propagate through the exps into the sums: the output is NaN,
@@ -288,8 +292,9 @@ struct Attention {
   void whole_run(const Run& r) const {
     const int64_t nq = (r.t1 - r.t0) * H;
     thread_local std::vector<f32x16> accs;
-    thread_local std::vector<QState> states;
-    accs.resize(nq * Dv16 / 16), states.resize(nq);
+    thread_local std::vector<QState> state_buf;
+    accs.resize(nq * Dv16 / 16), state_buf.resize(nq);
+    QState* states = state_buf.data();
     for (int64_t i = 0; i < nq; i++) {
       states[i].acc = reinterpret_cast<float*>(accs.data()) + i * Dv16;
       start(r.t0 * H + i, states[i]);
@@ -368,7 +373,7 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffe
   // states kept and joined afterwards; else a unit a run. Kept states cost (Dv + 2) floats a query
   // and tile: at most kSplitFloats of them.
   constexpr int64_t kSplitFloats = 4 << 20;
-  const int64_t want = 4 * threads;
+  const int64_t want = 2 * threads;
   int64_t state_floats = 0;
   for (const Run& r : runs) state_floats += (r.t1 - r.t0) * H * r.tiles() * (att.Dv16 + 2);
   if (threads == 1 || (int64_t)runs.size() >= want || state_floats > kSplitFloats) {

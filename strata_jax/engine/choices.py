@@ -61,6 +61,12 @@ def resolve(cfg: EngineConfig, model: GGUFModel) -> dict:
         backend = pk.cpu_backend(cfg.cpu_math)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     kv = cfg.kv if cfg.kv != "auto" else ("bf16" if on_gpu else "f32")
+    if kv == "bf16" and not on_gpu:
+        # XLA's CPU backend computes bfloat16 in float32: each layer's write into a bfloat16 cache
+        # converts the whole cache there and back (measured: SmolLM2 decode 18 tok/s against 110)
+        log.warning("kv = bf16 on a CPU: every layer's KV write converts the whole cache (XLA "
+                    "computes bfloat16 in float32), decode is several times slower; --kv f16 or "
+                    "int8 keep the same bytes or fewer without it")
     weights = cfg.weights
     # Packed blocks (cpu/packed.h) are read by the int8 products only: the "cpu" backend's default.
     # The exact math, the xla and pallas backends read GGUF blocks as they lie.
