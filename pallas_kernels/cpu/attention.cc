@@ -6,12 +6,17 @@
 // transposes them for its dots: ~45 us a layer and tensor at one decode row, more than the products.
 // Here every key is read once a unit from the cache itself, and only the keys a query sees.
 //
-// Order (what makes a result depend only on its own query): each query walks its keys in tiles of
-// kTile positions from position 0 (--kv-resident: the same tiles over the device part, then the host
-// blocks, the softmax state carried from call to call: strata_attention_part), with an online softmax (running max, sum and accumulator rescaled
-// at each tile), each score one fixed-order dot (simd.h). The tiles are the same whatever the window
-// holds, so a row gives the same bits alone or batched, in a decode, verify or prefill window, and
-// whatever the window's KV bucket.
+// Order (what makes a result depend only on its own query): each query's keys in tiles of kTile
+// positions from position 0 (--kv-resident: the same tiles over the device part, then the host blocks,
+// the softmax state carried from call to call: strata_attention_part). A tile's softmax is computed
+// alone (its max mt, sum st and sum of e^(score - mt) v, each score one fixed-order dot: simd.h), then
+// joined to the query's state in position order (Attention::combine). The tiles and the joins are the
+// same whatever the window holds and whichever thread computed a tile, so a row gives the same bits
+// alone or batched, in a decode, verify or prefill window, and whatever the window's KV bucket.
+//
+// Memory: a tile's positions, every kv head, are one piece of the cache ([positions, kv_heads, dim]),
+// and a unit reads them together. Few rows (decode): each row's tiles are split over the threads and
+// the tile states kept, then joined; many rows: a run of a slot's tokens a unit, joined as they come.
 //
 // gpt-oss (strata_jax/model/gpt_oss.py): a sink logit a query head, joined to the softmax's
 // denominator only at the end (out = acc e^(m - m') / (s e^(m - m') + e^(sink - m')), m' = max(m, sink));
@@ -220,8 +225,10 @@ struct Attention {
         // which the sampler reports, as the xla path's is.
         for (int64_t j = 0; j < kTile; j++) scores[j] = j >= j0 && j < cnt ? scores[j] - mt : 0.0f;
         exp16(scores, e);
-        float st = 0.0f;
-        for (int64_t j = j0; j < cnt; j++) st += e[j];
+        // the tile's sum by hsum16's fixed tree (16 adds one after the other were a chain of their
+        // latencies), the keys outside [j0, cnt) as zeros
+        for (int64_t j = 0; j < kTile; j++) e[j] = j >= j0 && j < cnt ? e[j] : 0.0f;
+        float st = hsum16(load16(e));
         // acct = sum of e_j v_j in key order, 64 values at a time held in registers
         for (int64_t d0 = 0; d0 < Dv16; d0 += 64) {
           int64_t nv = std::min<int64_t>(4, (Dv16 - d0) / 16);
@@ -261,8 +268,14 @@ struct Attention {
   // thread computed the tile, and whether tiles were computed one after the other or at once).
   void combine(QState& qs, float mt, float st, const float* acct) const {
     float m_new = std::max(qs.m, mt);
-    float a = qs.m == -std::numeric_limits<float>::infinity() ? 0.0f : exp1(qs.m - m_new);
-    float b = exp1(mt - m_new);
+    // one of the two factors is e^0 = 1 (exp1(0) is 1 exactly): one exponential, not two (the joins
+    // were a fifth of a decode call at 700 positions)
+    float a, b;
+    if (mt <= qs.m) {
+      a = 1.0f, b = exp1(mt - m_new);
+    } else {
+      a = qs.m == -std::numeric_limits<float>::infinity() ? 0.0f : exp1(qs.m - m_new), b = 1.0f;
+    }
     qs.s = qs.s * a + st * b;
     f32x16 av = splat(a), bv = splat(b);
     for (int64_t d = 0; d < Dv16; d += 16) store16(qs.acc + d, fma16(load16(acct + d), bv, load16(qs.acc + d) * av));
