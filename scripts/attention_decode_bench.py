@@ -5,7 +5,9 @@ LAYERS layers in one program (30: SmolLM2's, whose caches at a few hundred posit
 in the L3 cache, as in a real decode step; 1: the cache stays in cache), a DTYPE cache (f32, f16,
 bf16). Prints the best and median microseconds a program over 7 rounds.
 
-    python scripts/attention_decode_bench.py [ROWS] [POSITIONS] [LAYERS] [DTYPE]   # default 4 1024 1 f32
+    python scripts/attention_decode_bench.py [ROWS] [POSITIONS] [LAYERS] [DTYPE]
+
+(defaults: 4 1024 1 f32)
 """
 
 import sys

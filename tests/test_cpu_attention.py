@@ -88,8 +88,9 @@ def test_a_row_split_over_threads_has_the_bits_it_has_in_a_full_window():
     pos = jnp.asarray([[997 - 37 * r] for r in range(slots_n)], jnp.int32)
     sinks = jnp.asarray(rng.normal(size=9).astype(np.float32))
     for extra in ({}, {"sinks": sinks, "window": 300}):
-        full = np.asarray(cpu.attention(q, k, v, 1, slots, pos, **extra))    # 12 runs: a thread a row
-        for r in (0, 5):                                                    # alone: its tiles split
+        # 12 rows: a thread a row; alone, a row's tiles are split over the threads
+        full = np.asarray(cpu.attention(q, k, v, 1, slots, pos, **extra))
+        for r in (0, 5):
             alone = np.asarray(cpu.attention(q[r:r + 1], k, v, 1, slots[r:r + 1], pos[r:r + 1],
                                              **extra))
             assert np.array_equal(alone, full[r:r + 1]), (r, extra.keys())
@@ -107,7 +108,8 @@ rng = np.random.default_rng(7)
 k = rng.normal(size=(2, 3, 401, 3, 64)).astype(np.float32)
 v = rng.normal(size=(2, 3, 401, 3, 64)).astype(np.float32)
 q = jnp.asarray(rng.normal(size=(3, 2, 9, 64)).astype(np.float32))
-slots, pos = jnp.asarray([2, 0, 1], jnp.int32), jnp.asarray([[390, 391], [5, 6], [200, -1]], jnp.int32)
+slots = jnp.asarray([2, 0, 1], jnp.int32)
+pos = jnp.asarray([[390, 391], [5, 6], [200, -1]], jnp.int32)
 (k8, ks), (v8, vs) = quantize_int8(jnp.asarray(k)), quantize_int8(jnp.asarray(v))
 outs = [cpu.attention(q, jnp.asarray(k).astype(t), jnp.asarray(v).astype(t), 1, slots, pos)
         for t in (jnp.float32, jnp.float16, jnp.bfloat16)]

@@ -384,7 +384,7 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffe
   const int threads = keys * H < 1024 ? 1 : 1 + helper_threads(pool);
   // Few runs (decode: a row or a few), many tiles: each run's tiles split over units, their softmax
   // states kept and joined afterwards; else a unit a run. Kept states cost (Dv + 2) floats a query
-  // and tile: at most kSplitFloats of them.
+  // and tile: at most kSplitFloats of them (a buffer each calling thread keeps: at most 16 MiB).
   constexpr int64_t kSplitFloats = 4 << 20;
   const int64_t want = 2 * threads;
   int64_t state_floats = 0;
