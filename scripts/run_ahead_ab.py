@@ -1,8 +1,9 @@
 """Decode speed of one engine with run-ahead on or off (issue 33, session 31: run_ahead.py).
 
-    python scripts/run_ahead_ab.py MODEL.gguf 1|0 [TOKENS] [REQUESTS]
+    python scripts/run_ahead_ab.py MODEL.gguf 1|0 [TOKENS] [REQUESTS] [EXPERT_CACHE]
 
-An Engine(parallel=1, max_context=512, warmup=False) with --run-ahead on (1) or off (0);
+An Engine(parallel=1, max_context=512, warmup=False) with --run-ahead on (1) or off (0), and
+--expert-cache EXPERT_CACHE when given (the expert tiers' one-program windows: session 33);
 REQUESTS (4) requests of the same 32-token prompt, TOKENS (64) generated each, EOS ignored; prints
 one JSON line: the decode tok/s of every request but the first (it builds the programs), the
 windows run ahead and taken, whether every request gave the same tokens, the first 8 of them.
@@ -23,7 +24,8 @@ def main() -> None:
     model, ahead = sys.argv[1], sys.argv[2] == "1"
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 64
     requests = int(sys.argv[4]) if len(sys.argv) > 4 else 4
-    cfg = EngineConfig(parallel=1, max_context=512, warmup=False, run_ahead=ahead)
+    tiers = {"expert_cache": int(sys.argv[5])} if len(sys.argv) > 5 else {}
+    cfg = EngineConfig(parallel=1, max_context=512, warmup=False, run_ahead=ahead, **tiers)
     with Engine.from_gguf(model, cfg) as eng:
         ids = [(7 * i + 11) % 1000 + 300 for i in range(32)]
         rates, outs = [], []
@@ -39,7 +41,9 @@ def main() -> None:
     print(json.dumps({"run_ahead": ahead, "tok_s": [round(r, 1) for r in rates[1:]],
                       "windows_ahead": stats["windows_ahead"],
                       "windows_ahead_taken": stats["windows_ahead_taken"],
-                      "same_tokens": all(o == outs[0] for o in outs), "first": outs[0][:8]}))
+                      "same_tokens": all(o == outs[0] for o in outs), "first": outs[0][:8],
+                      "experts": {k: stats["experts"].get(k) for k in ("one_program", "hits",
+                                                                       "lookups")}}))
 
 
 if __name__ == "__main__":

@@ -169,6 +169,42 @@ def test_anything_else_run_on_the_kv_cache_drops_the_window_run_ahead(model):
         core.runner.close()
 
 
+MOE = {"arch": "qwen3moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8,
+       "experts_used": 2, "expert_ffn": 32}
+
+
+def test_expert_tiers_one_program_windows_run_ahead_with_the_same_tokens_and_counts(tiny_model):
+    """The expert tiers with the host tier's blocks read in the window's one program (--layer-step
+    auto, host experts on: stepped.py's resident window) run ahead too: the same tokens, greedy and
+    sampled, as with run-ahead off, and the same expert counters (a window run ahead is counted when
+    it is taken, a dropped one nowhere: a lone request drops none). Layer-stepped windows (which
+    move experts between layers) never run ahead."""
+    path = tiny_model(**MOE)
+    tiers = dict(CFG, host_experts="on", layer_step="auto", expert_cache=3)
+    got, experts = {}, {}
+    for ahead in (True, False):
+        with Engine.from_gguf(path, EngineConfig(**tiers, run_ahead=ahead)) as eng:
+            assert (eng.runner.ahead is not None) == ahead
+            got[ahead] = [_tokens(eng, [5, 6, 7, 8, 9], max_tokens=24, ignore_eos=True)]
+            stats = eng.stats()
+            experts[ahead] = stats["experts"]
+            if ahead:
+                # the prompt's window, then 23 decode windows: all but the last dispatched the
+                # next, and every one was taken
+                assert stats["windows_ahead"] == stats["windows_ahead_taken"] == 22
+            got[ahead].append(_together(eng, JOBS))
+            if ahead:
+                after = eng.stats()
+                assert after["windows_ahead_taken"] - stats["windows_ahead_taken"] > 10
+    assert got[True] == got[False]
+    assert experts[True]["lookups"] > 0 and experts[True]["one_program"] == 24
+    for st in experts.values():
+        st.pop("copy_seconds")           # a time, not a count
+    assert experts[True] == experts[False]
+    with Engine.from_gguf(path, EngineConfig(**dict(tiers, layer_step="always"))) as eng:
+        assert eng.runner.ahead is None
+
+
 def test_no_run_ahead_for_a_state_kv_in_host_ram_or_faults(tiny_model, monkeypatch):
     hybrid = tiny_model(arch="qwen3next", layers=4, hidden=64)
     core = EngineCore(GGUFModel.open(hybrid), EngineConfig(**CFG))

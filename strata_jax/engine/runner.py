@@ -197,10 +197,11 @@ class ModelRunner:
         self.last_logprobs: list = []
         # the next decode window dispatched before this one's tokens are applied (run_ahead.py):
         # only where a window dropped unused can change nothing (packed windows: no drafter's
-        # hidden states, no hybrid state; nor gpt-oss's rings), and not beside --kv-resident's host
-        # part (its positions are moved by the host between windows)
-        self.ahead = (RunAhead(self._forward_ahead, self.layout_of, self.ready, self.kv)
-                      if cfg.run_ahead and self.packed and type(self.executor) is WholeWindows
+        # hidden states, no hybrid state; nor gpt-oss's rings; one program a window: the
+        # executor's runs_ahead), and not beside --kv-resident's host part (its positions are moved
+        # by the host between windows)
+        self.ahead = (RunAhead(self.executor.forward_ahead, self.layout_of, self.ready, self.kv)
+                      if cfg.run_ahead and self.packed and self.executor.runs_ahead
                       and self.shards is None and not keeps_state(self.spec)
                       and not self.faults.rules and self.device_len == self.cache_len else None)
         self.windows = 0
@@ -249,10 +250,6 @@ class ModelRunner:
                    for i, (lg, g) in enumerate(zip(logits, groups))]
         self.last_logprobs = [lp for _, lp in answers]
         return [out for out, _ in answers]
-
-    def _forward_ahead(self, groups: list[GroupInput], layout: Layout) -> list[jax.Array]:
-        """A window run ahead (run_ahead.py): the whole-window program, no hidden states."""
-        return self.executor.forward(groups, layout)[0]
 
     def forward_logits(self, groups: list[GroupInput], kv_needed: int) -> list[jax.Array]:
         """Run one window's model program(s) -> logits per group, on the device (and its hidden

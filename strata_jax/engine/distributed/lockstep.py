@@ -208,6 +208,9 @@ class GroupWindows(WholeWindows):
     followers, then run here over the group's mesh (Leader.window); a follower runs the windows it
     is sent as WholeWindows."""
 
+    # a window run ahead would reach the followers out of turn
+    runs_ahead = False
+
     def __init__(self, leader: Leader, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.leader = leader

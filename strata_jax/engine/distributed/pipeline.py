@@ -68,6 +68,9 @@ def stage_kv(spec, devices: list) -> list:
 
 
 class Pipeline:
+    # its stages' windows are not taken ahead of their turn (run_ahead.py)
+    runs_ahead = False
+
     def __init__(self, params: dict, spec, opts, devices: list, kv: KVCache, cfg, kv_dtype,
                  device_len: int, faults, rows_alone: bool = False):
         """rows_alone: every row is computed alone (ModelRunner.min_rows = 1, and not deepseek2's

@@ -12,13 +12,15 @@
 
 Each answers the runner's questions in its own way, with no branch on the mode anywhere else: which
 programs a window of a layout runs (`layouts`), run it (`forward` -> the groups' logits and, for the
-MTP drafter, their last hidden states), and the routing of live traffic (`expert_profile`,
-`expert_stats`).
+MTP drafter, their last hidden states), whether a decode window may be dispatched before its turn
+(`runs_ahead`; then `forward_ahead` -> its logits and what to do when it is taken: run_ahead.py),
+and the routing of live traffic (`expert_profile`, `expert_stats`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -34,6 +36,8 @@ log = logging.getLogger("strata_jax.engine")
 
 # logits a group; hidden states a group, or None
 Forward = tuple[list[jax.Array], list[jax.Array] | None]
+# a window run ahead: logits a group; what to call once if a planned window takes them, or None
+Ahead = tuple[list[jax.Array], Callable[[], None] | None]
 
 
 class Executor(Protocol):
@@ -43,6 +47,9 @@ class Executor(Protocol):
     def layouts(self, layout: Layout) -> list[Layout]: ...
 
     def forward(self, groups: list[GroupInput], layout: Layout) -> Forward: ...
+
+    # whether a decode window may be dispatched before its turn (forward_ahead)
+    runs_ahead: bool
 
     def expert_profile(self) -> ExpertProfile: ...
 
@@ -77,8 +84,16 @@ class WholeWindows:
     def layouts(self, layout: Layout) -> list[Layout]:
         return [layout]
 
+    # its program writes only the KV at each row's next position (and adds to the counts)
+    runs_ahead = True
+
     def forward(self, groups: list[GroupInput], layout: Layout) -> Forward:
         return self.window(layout, [a for g in groups for a in g.arrays()])
+
+    def forward_ahead(self, groups: list[GroupInput], layout: Layout) -> Ahead:
+        """A decode window run ahead (run_ahead.py): the whole-window program, no hidden states;
+        its routing is counted in the program, taken or not."""
+        return self.forward(groups, layout)[0], None
 
     def window(self, layout: Layout, args: list[np.ndarray]) -> Forward:
         """The program of `layout` on its inputs (after the weights, the KV and the counts); a
@@ -127,9 +142,22 @@ class SteppedWindows:
     def layouts(self, layout: Layout) -> list[Layout]:
         return self.stepper.stage_layouts(layout)
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Where every window is one program (--layer-step auto with the host tier's blocks read in
+        it): that program writes only the KV at each row's next position, and the routing it
+        returns is counted when the window is taken. Layer-stepped windows move experts between
+        layers: they never run ahead."""
+        return self.stepper.always_one_program and not self.with_hidden
+
     def forward(self, groups: list[GroupInput], layout: Layout) -> Forward:
         out = self.stepper.run(groups, layout)
         return out if self.with_hidden else (out, None)
+
+    def forward_ahead(self, groups: list[GroupInput], layout: Layout) -> Ahead:
+        """A decode window run ahead (run_ahead.py): the one-program window, its routing counted
+        only if it is taken."""
+        return self.stepper.run_ahead(groups, layout)
 
     def expert_profile(self) -> ExpertProfile:
         return self.stepper.profile

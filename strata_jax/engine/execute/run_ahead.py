@@ -15,13 +15,16 @@ goes on writes the same values there in its next window (the same token at the s
 the same earlier KV); a row that ended never reads it (a slot's KV holds tokens[:n_past]: slots.py).
 That holds only where a window's writes are exactly that: attention KV, nothing recurrent (a hybrid
 family's DeltaNet state and gpt-oss's rings advance for good), one program a window on one process
-(the expert tiers' layer steps and a process group's followers are not covered). The runner makes a
-RunAhead only there; EngineCore says which windows may run ahead (decode rows alone, no drafts, no
-sampling controls, no row ending by length in this window).
+(the executor's `runs_ahead`: the whole-window program, and the expert tiers' one-program window
+where every window is one, whose router ids are counted only when the window is taken; not the
+tiers' layer steps, which move experts between layers, nor a process group's followers). The runner
+makes a RunAhead only there; EngineCore says which windows may run ahead (decode rows alone, no
+drafts, no sampling controls, no row ending by length in this window).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import jax
@@ -46,11 +49,13 @@ class _Pending:
     group: GroupInput          # its tokens a device array
     logits: list[jax.Array]
     kv_version: int            # the KV cache's version its run left
+    settle: Callable[[], None] | None    # called once if a planned window takes it
 
 
 class RunAhead:
     def __init__(self, forward, layout_of, ready, kv):
-        """forward(groups, layout) -> logits a group (the executor's whole-window run);
+        """forward(groups, layout) -> (logits a group, settle or None) (the executor's
+        forward_ahead: settle() is called once if the window is taken);
         layout_of(groups, kv_needed) -> a window's layout; ready(layout) -> whether that window's
         program is built (a window never waits for a build here); kv: the KVCache (its version
         says whether anything else ran on it since)."""
@@ -74,6 +79,8 @@ class RunAhead:
                 and np.array_equal(g.tokens, np.asarray(a.tokens))):
             return None
         self.taken += 1
+        if p.settle is not None:
+            p.settle()
         return p.logits
 
     def start(self, g: GroupInput, kv_needed: int, answer: jax.Array) -> None:
@@ -90,8 +97,8 @@ class RunAhead:
         if not self._ready(layout):
             return
         nxt = replace(nxt, tokens=_next_tokens(answer.reshape(-1)[:rows], valid[:, 0]))
-        logits = self._forward([nxt], layout)
-        self._pending = _Pending(layout, nxt, logits, self._kv.version)
+        logits, settle = self._forward([nxt], layout)
+        self._pending = _Pending(layout, nxt, logits, self._kv.version, settle)
         self.ran += 1
 
     def drop(self) -> None:

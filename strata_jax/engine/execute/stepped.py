@@ -50,6 +50,7 @@ built on the builder thread and windows step until it is.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import jax
@@ -208,10 +209,7 @@ class LayerStepper:
     def run(self, groups, layout: Layout):
         """One window (GroupInputs) -> logits per group, as forward() gives them (and the hidden
         states, as (logits, hiddens), with_hidden: the MTP drafter)."""
-        counters = self.last = ExpertCounters()
-        host = self.arena.host
-        reads, nbytes = host.file_reads, host.file_bytes
-        try:
+        with self._counting() as counters:
             if self._try_one_program(layout):
                 out = self._run_resident(groups, self.resident_layout(layout), counters)
                 if out is not None:
@@ -221,8 +219,33 @@ class LayerStepper:
             out = self._run(groups, self.stage_layouts(layout), counters)
             self.missed = counters.hits < counters.lookups
             return out
+
+    def run_ahead(self, groups, layout: Layout):
+        """A decode window dispatched before its turn (run_ahead.py), where every window runs as
+        one program (always_one_program) -> (its logits, settle): settle() counts its routing as
+        run() does, when the window is taken (a dropped window, whose tokens nobody uses, is
+        counted nowhere). Its router ids stay on the device until then, so nothing here waits
+        for the program. While a trace is recorded (bench/sweep.py) windows step: then it is run
+        and counted now, as a window run ahead on the whole-window program counts its routing."""
+        if not self.always_one_program:
+            return self.run(groups, layout), None
+        out, ids, tables = self._dispatch_resident(groups, self.resident_layout(layout))
+
+        def settle():
+            with self._counting() as counters:
+                self._count_resident(groups, ids, tables, counters)
+        return out, settle
+
+    @contextmanager
+    def _counting(self):
+        """The counters of one window, made the last window's and added to the totals when it
+        ends (a window that failed half way still moved what it moved)."""
+        counters = self.last = ExpertCounters()
+        host = self.arena.host
+        reads, nbytes = host.file_reads, host.file_bytes
+        try:
+            yield counters
         finally:
-            # a window that failed half way still moved what it moved
             counters.file_reads = host.file_reads - reads
             counters.file_bytes = host.file_bytes - nbytes
             self.total.add(counters)
@@ -250,6 +273,12 @@ class LayerStepper:
         """The window as one program -> its logits, or None when an expert it needed was not in the
         arena (no host blocks to fall back on): nothing is counted then, and the caller steps the
         window."""
+        out, ids, tables = self._dispatch_resident(groups, res)
+        return out if self._count_resident(groups, ids, tables, counters) else None
+
+    def _dispatch_resident(self, groups, res: Layout):
+        """The one-program window dispatched -> (its logits, its router ids [n_moe, tokens, k] on
+        the device, the page tables it read)."""
         progs, arena = self.programs, self.arena
         gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits, g.picks) for g in groups)
         tables = np.stack([arena.tables[i] for i in self.moe])
@@ -259,6 +288,13 @@ class LayerStepper:
             return out, ids, cache
 
         out, ids = self.kv.through(window)
+        return out, ids, tables
+
+    def _count_resident(self, groups, ids, tables: np.ndarray, counters: ExpertCounters) -> bool:
+        """Count a one-program window's routing (its ids, read under `tables`) into the profile,
+        the arena's policy and `counters` -> True; or False, counting nothing, when a routed expert
+        was absent and no host blocks stood in (the window must be stepped)."""
+        arena = self.arena
         real = np.concatenate([np.asarray(g.pos).reshape(-1) >= 0 for g in groups])
         ids = np.asarray(ids)[:, real]                                  # [n_moe, real tokens, k]
         E = self.spec.n_experts
@@ -270,7 +306,7 @@ class LayerStepper:
         missed = np.flatnonzero(np.any((counts > 0) & (tables < 0), axis=1))
         if self.in_program is None and missed.size:
             self.missed = True
-            return None
+            return False
         decode = all(g.tokens.shape[1] == 1 for g in groups)
         self.profile.add_moe(counts)
         arena.count_hits(counts, np.setdiff1d(np.arange(n_moe), missed), counters, decode)
@@ -278,7 +314,7 @@ class LayerStepper:
             arena.count_host(self.moe[j], ids[j], counters, decode)
         counters.one_program += 1
         self.missed = False
-        return out
+        return True
 
     def _run(self, groups, layouts: list[Layout], counters: ExpertCounters) -> list:
         progs, kv = self.programs, self.kv
