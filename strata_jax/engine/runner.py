@@ -235,17 +235,24 @@ class ModelRunner:
         if logits is None:
             logits = self.forward_logits(groups, kv_needed)
         tokens = None
-        if ahead and self.ahead is not None:
-            tokens = self.answers.tokens_on_device(logits[0], groups[0])
-            try:
-                self.ahead.start(groups[0], kv_needed, tokens)
-            # the window run ahead is a guess: its failure is not this window's, unless it took
-            # the KV cache with it
-            except Exception as e:
-                self.ahead.drop()
-                if self.cache_lost():
-                    raise
-                log.warning("a decode window run ahead failed (%s): not run ahead this time", e)
+        try:
+            if ahead and self.ahead is not None:
+                tokens = self.answers.tokens_on_device(logits[0], groups[0])
+                try:
+                    self.ahead.start(groups[0], kv_needed, tokens)
+                # the window run ahead is a guess: its failure is not this window's, unless it
+                # took the KV cache with it
+                except Exception as e:
+                    self.ahead.drop()
+                    if self.cache_lost():
+                        raise
+                    log.warning("a decode window run ahead failed (%s): not run ahead this time",
+                                e)
+        finally:
+            if self.ahead is not None:
+                # a taken window's own host work (the expert tiers count its routing), now that
+                # the next one is on its way
+                self.ahead.settle()
         answers = [self.answers.answer(lg, g, tokens if i == 0 else None)
                    for i, (lg, g) in enumerate(zip(logits, groups))]
         self.last_logprobs = [lp for _, lp in answers]

@@ -55,12 +55,14 @@ class _Pending:
 class RunAhead:
     def __init__(self, forward, layout_of, ready, kv):
         """forward(groups, layout) -> (logits a group, settle or None) (the executor's
-        forward_ahead: settle() is called once if the window is taken);
+        forward_ahead: settle() is called once if the window is taken, by self.settle());
         layout_of(groups, kv_needed) -> a window's layout; ready(layout) -> whether that window's
         program is built (a window never waits for a build here); kv: the KVCache (its version
         says whether anything else ran on it since)."""
         self._forward, self._layout_of, self._ready, self._kv = forward, layout_of, ready, kv
         self._pending: _Pending | None = None
+        # the taken window's settle, called once the window after it is dispatched (settle)
+        self._settle: Callable[[], None] | None = None
         self.ran = 0            # windows dispatched ahead
         self.taken = 0          # ... whose logits a planned window took
 
@@ -79,8 +81,7 @@ class RunAhead:
                 and np.array_equal(g.tokens, np.asarray(a.tokens))):
             return None
         self.taken += 1
-        if p.settle is not None:
-            p.settle()
+        self._settle = p.settle
         return p.logits
 
     def start(self, g: GroupInput, kv_needed: int, answer: jax.Array) -> None:
@@ -100,6 +101,14 @@ class RunAhead:
         logits, settle = self._forward([nxt], layout)
         self._pending = _Pending(layout, nxt, logits, self._kv.version, settle)
         self.ran += 1
+
+    def settle(self) -> None:
+        """Settle the window taken last (its executor's settle: the expert tiers count its
+        routing, which waits for its program), once: the runner calls it after dispatching the
+        next window, so the device runs that one meanwhile."""
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            settle()
 
     def drop(self) -> None:
         """Forget the window dispatched ahead (the KV cache it ran on was replaced)."""

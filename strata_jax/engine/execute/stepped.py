@@ -154,6 +154,9 @@ class LayerStepper:
         self.total = ExpertCounters()
         # a list: record every lookup and prefetch (bench/sweep.py replays it)
         self.trace: list | None = None
+        # the one-program window's arguments that never change (its weights and the host tier's
+        # blocks), flattened once: (leaves, tree)
+        self.resident_consts = jax.tree_util.tree_flatten((self.core, self.in_program))
         # its programs, in the shared program cache
         for stage in ("embed", "head", "resident", *KINDED):
             programs.register(stage, self.build)
@@ -166,6 +169,18 @@ class LayerStepper:
         return {n: QTensor(leaves[n], qtypes[n], (leaves[n].shape[0], *shapes[n])) if qtypes[n]
                    else leaves[n]
                 for n in EXPERT_TENSORS}
+
+    def arena_leaves(self) -> list[jax.Array]:
+        """Every MoE layer's arena leaves, in `moe` and EXPERT_TENSORS order: the one-program
+        window's arena argument (the leaves change when experts are copied in)."""
+        arena = self.arena.arena
+        return [arena[i][n] for i in self.moe for n in EXPERT_TENSORS]
+
+    def arena_trees(self, leaves: list) -> dict[int, dict]:
+        """arena_leaves' list (or its tracers) -> each MoE layer's arena_tree."""
+        m = len(EXPERT_TENSORS)
+        return {i: self.arena_tree(i, dict(zip(EXPERT_TENSORS, leaves[j * m:(j + 1) * m])))
+                for j, i in enumerate(self.moe)}
 
     def stream_sds(self, layer: int) -> dict:
         """The shapes of a layer's streamed experts (ExpertStream.stage), in pinned_host memory."""
@@ -282,9 +297,9 @@ class LayerStepper:
         progs, arena = self.programs, self.arena
         gs = tuple(Group(g.tokens, g.pos, g.slots, g.all_logits, g.picks) for g in groups)
         tables = np.stack([arena.tables[i] for i in self.moe])
-        arenas = {i: self.arena_tree(i) for i in self.moe}
+        leaves = self.arena_leaves()
         def window(cache):
-            out, cache, ids = progs.run(res, self.core, arenas, tables, self.in_program, gs, cache)
+            out, cache, ids = progs.run(res, self.resident_consts[0], leaves, tables, gs, cache)
             return out, ids, cache
 
         out, ids = self.kv.through(window)

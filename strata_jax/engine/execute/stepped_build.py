@@ -133,13 +133,18 @@ def build_stage(self, layout: Layout):
     xs = [S((r, n, h), dtype) for r, n, _, _ in layout.groups]
     if layout.stage == "resident":
         kv, kv_host, hidden, moe = layout.kv_len, self.kv.host, self.with_hidden, self.moe
-        fn = jax.jit(lambda core, arenas, tables, host, gs, cache: resident_window(
-            core, arenas, tables, host, moe, spec, opts, gs, cache, kv, kv_host, hidden),
-                     donate_argnums=(5,))
-        arenas = {i: self.arena_tree(i) for i in self.moe}
-        return fn.lower(_sds(self.core), _sds(arenas),
+        const_tree = self.resident_consts[1]
+
+        # Flat lists, not the nested trees: a call hands XLA ~400 arrays, and the trees'
+        # QTensors flattened in Python each call cost as much again (as window_program.py's).
+        def window(consts, arena_leaves, tables, gs, cache):
+            core, host = jax.tree_util.tree_unflatten(const_tree, consts)
+            return resident_window(core, self.arena_trees(arena_leaves), tables, host, moe, spec,
+                                   opts, gs, cache, kv, kv_host, hidden)
+        fn = jax.jit(window, donate_argnums=(4,))
+        return fn.lower(_sds(self.resident_consts[0]), _sds(self.arena_leaves()),
                         S((len(self.moe), spec.n_experts), jnp.int32),
-                        _sds(self.in_program), groups, _sds(self.kv.arrays)).compile()
+                        groups, _sds(self.kv.arrays)).compile()
     if layout.stage == "embed":
         fn = jax.jit(lambda p, tokens: embed_stage(p, opts, tokens))
         return fn.lower(_sds(self.embed_p), tuple(g.tokens for g in groups)).compile()
