@@ -215,9 +215,10 @@ def test_smollm2_ngram_greedy_equals_plain():
         plain = eng.generate(msgs, max_tokens=40)
         eng.speculator = speculator
     assert spec.tokens == plain.tokens
-    # drafts are accepted (the answer starts by copying the prompt's `def add(a, b):` line); how many
-    # moves with the answer's wording, which moves with the last bits of the attention's rounding near
-    # a tie: 10 and 9 of 54-63 drafts with two builds of session 32's cpu attention kernel
+    # drafts are accepted (the answer starts by copying the prompt's `def add(a, b):` line); how
+    # many moves with the answer's wording, which moves with the last bits of the attention's
+    # rounding near a tie: 10 and 9 of 54-63 drafts with two builds of session 32's cpu attention
+    # kernel
     assert spec.stats["draft_n_accepted"] >= 5, spec.stats
     assert "result" in spec.text
 
