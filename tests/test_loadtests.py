@@ -164,14 +164,17 @@ def test_replay_over_anthropics_messages(agent_server, tmp_path):
 
 
 def test_ladder_reports_an_engine_exit_and_the_next_level_recovers(model, tmp_path):
-    # The first engine process exits at its 12th window: level 1 (one request, 8 tokens, ignore_eos)
-    # takes 8 windows, so the exit comes while both requests of level 2 are in flight; level 3 runs
-    # on engine 2.
+    # The first engine process exits at its 15th window: level 1 (one request, 8 tokens,
+    # ignore_eos) takes 8 windows, so the exit comes while both requests of level 2 are in flight
+    # (the first one's prompt is window 9 at the earliest: 7 windows give it at most 7 of its 8
+    # tokens, and give the second request, which a loaded machine may hand the server a few windows
+    # later, time to come in: with the exit at window 12 it once came after it and was answered by
+    # engine 2); level 3 runs on engine 2.
     rc, out, report = run_script(
         "ladder.py", "--start-server", str(model), "--parallel", "2", "--levels", "1,2,2",
         "--waves", "1", "--prompt-tokens", "64", "--max-tokens", "8", "--ignore-eos",
         "--health-timeout", "60", "--timeout", "60",
-        "--max-context", "256", tmp_path=tmp_path, env={"STRATA_FAULT": "exit:12@1"},
+        "--max-context", "256", tmp_path=tmp_path, env={"STRATA_FAULT": "exit:15@1"},
         # two engine starts and three levels: ~2 min at load 15 on 2 cores
         timeout=400)
     assert rc == 1, out
