@@ -164,38 +164,43 @@ def test_replay_over_anthropics_messages(agent_server, tmp_path):
 
 
 def test_ladder_reports_an_engine_exit_and_the_next_level_recovers(model, tmp_path):
-    # The first engine process exits at its 15th window: level 1 (one request, 8 tokens,
-    # ignore_eos) takes 8 windows, so the exit comes while both requests of level 2 are in flight
-    # (the first one's prompt is window 9 at the earliest: 7 windows give it at most 7 of its 8
-    # tokens, and give the second request, which a loaded machine may hand the server a few windows
-    # later, time to come in: with the exit at window 12 it once came after it and was answered by
-    # engine 2); level 3 runs on engine 2.
+    # The first engine process exits at its 12th window: level 1 (one request, 8 tokens, ignore_eos)
+    # takes 8 windows, so the exit comes while both requests of level 2 are in flight; level 3 runs
+    # on engine 2.
     rc, out, report = run_script(
         "ladder.py", "--start-server", str(model), "--parallel", "2", "--levels", "1,2,2",
         "--waves", "1", "--prompt-tokens", "64", "--max-tokens", "8", "--ignore-eos",
         "--health-timeout", "60", "--timeout", "60",
-        "--max-context", "256", tmp_path=tmp_path, env={"STRATA_FAULT": "exit:15@1"},
+        "--max-context", "256", tmp_path=tmp_path, env={"STRATA_FAULT": "exit:12@1"},
         # two engine starts and three levels: ~2 min at load 15 on 2 cores
         timeout=400)
     assert rc == 1, out
     first, crashed, after = report["levels"]
     assert first["ok"] == 1 and first["failed"] == 0
-    assert crashed["ok"] == 0 and crashed["failed"] == 2
+    # The exit fails the level's requests in flight. Under the whole suite's load (two files at
+    # once on 2 cores) the level's second request has reached the engine only after the exit, a
+    # few tiny-model windows (~10 ms each) later, and engine 2 answered it in full (twice in session
+    # 33's CI runs; never alone): at least one request fails, and each either fails with the exit
+    # or is answered whole.
+    failed = crashed["failed"]
+    assert failed >= 1 and crashed["ok"] + failed == 2
     for r in requests_of(crashed):
-        assert (not r["ok"]
-                and r["error"].startswith("the engine stopped unexpectedly (exit code 1)")), r
+        if r["ok"]:
+            assert r["tokens"] == 8, r
+            continue
+        assert r["error"].startswith("the engine stopped unexpectedly (exit code 1)"), r
         # the ERR line is not in the request's error (issue 32, finding 14) ...
         assert r["tokens"] < 8
     assert (after["ok"] == 2 and after["failed"] == 0
             and all(r["tokens"] == 8 for r in requests_of(after)))
-    assert report["failed"] == 2 and report["engine_restarts"] == 1
+    assert report["failed"] == failed and report["engine_restarts"] == 1
     (fault,) = report["faults"]
-    assert fault["exit_code"] == 1 and fault["requests_in_flight"] == 2
+    assert fault["exit_code"] == 1 and failed <= fault["requests_in_flight"] <= 2
     # ... but in /faults, behind the API key
     assert "injected engine exit" in fault["error_line"]
     assert report["programs"]["engine_generation"] == 2
     assert report["server_log"]["engine_starts"] == 2 and report["server_log"]["program_frees"] == 0
-    assert "2 failed: the engine stopped unexpectedly" in out
+    assert f"{failed} failed: the engine stopped unexpectedly" in out
     assert "engine restarts during the ladder (GET /faults): 1" in out
     assert "stopped the server" in out
 
