@@ -71,6 +71,9 @@ class WholeWindows:
     updated in place. With every expert on the device it counts their routing in the program (the
     expert profile)."""
 
+    # its program writes only the KV at each row's next position (and adds to the counts)
+    runs_ahead = True
+
     def __init__(self, spec, opts, params: dict, kv, programs, shards=None,
                  with_hidden: bool = False):
         self.spec, self.opts, self.params, self.kv, self.programs = spec, opts, params, kv, programs
@@ -83,9 +86,6 @@ class WholeWindows:
 
     def layouts(self, layout: Layout) -> list[Layout]:
         return [layout]
-
-    # its program writes only the KV at each row's next position (and adds to the counts)
-    runs_ahead = True
 
     def forward(self, groups: list[GroupInput], layout: Layout) -> Forward:
         return self.window(layout, [a for g in groups for a in g.arrays()])
