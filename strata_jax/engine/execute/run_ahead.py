@@ -36,10 +36,13 @@ from .programs import Layout
 
 
 @jax.jit
-def _next_tokens(tokens: jax.Array, valid: jax.Array) -> jax.Array:
-    """The sampler's answer [R] as the next window's tokens [R, 1]: padding rows 0, as the
-    scheduler's are; the -1 of a NaN row (sampler.mark_non_finite) 0 too, so it never indexes the
-    embeddings (that row ends on the host, and the window is dropped)."""
+def _next_tokens(answer: jax.Array, valid: jax.Array) -> jax.Array:
+    """The sampler's answer (its first R entries, R = len(valid)) as the next window's tokens
+    [R, 1]: padding rows 0, as the scheduler's are; the -1 of a NaN row (sampler.mark_non_finite)
+    0 too, so it never indexes the embeddings (that row ends on the host, and the window is
+    dropped). The reshape and the cut are in here: done on the device array outside, each was a
+    dispatch of its own (0.24 ms of the engine thread's ~2 ms a SmolLM2 decode window)."""
+    tokens = answer.reshape(-1)[:valid.shape[0]]
     return jnp.where(valid, jnp.maximum(tokens, 0), 0).astype(jnp.int32)[:, None]
 
 
@@ -97,7 +100,7 @@ class RunAhead:
         layout = self._layout_of([nxt], kv_needed + 1)
         if not self._ready(layout):
             return
-        nxt = replace(nxt, tokens=_next_tokens(answer.reshape(-1)[:rows], valid[:, 0]))
+        nxt = replace(nxt, tokens=_next_tokens(answer, valid[:, 0]))
         logits, settle = self._forward([nxt], layout)
         self._pending = _Pending(layout, nxt, logits, self._kv.version, settle)
         self.ran += 1
