@@ -32,7 +32,7 @@ SOURCES = ["pallas_kernels/cpu/dequant.cc", "pallas_kernels/cpu/direct.cc",
            "pallas_kernels/cpu/matmul.cc", "pallas_kernels/cpu/ffi.cc",
            "pallas_kernels/cpu/attention.cc", "pallas_kernels/cpu/isa.cc",
            "pallas_kernels/cpu/int8.cc", "pallas_kernels/cpu/packed.cc",
-           "pallas_kernels/cpu/packed_q4k.cc"]
+           "pallas_kernels/cpu/packed_q4k.cc", "pallas_kernels/cpu/pick.cc"]
 HEADERS = ["pallas_kernels/cpu/simd.h", "pallas_kernels/cpu/blocks.h",
            "pallas_kernels/cpu/dequant.h", "pallas_kernels/cpu/matmul.h",
            "pallas_kernels/cpu/parallel.h", "pallas_kernels/cpu/q8.h", "pallas_kernels/cpu/int8.h",

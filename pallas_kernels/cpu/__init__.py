@@ -52,7 +52,8 @@ _TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataEx
             "strata_attention": "StrataAttention", "strata_qmatmul_many": "StrataQMatmulMany",
             "strata_expert_matmul_many": "StrataExpertMatmulMany",
             "strata_attention_part": "StrataAttentionPart",
-            "strata_norm_qmatmul_many": "StrataNormQMatmulMany"}
+            "strata_norm_qmatmul_many": "StrataNormQMatmulMany",
+            "strata_greedy_pick": "StrataGreedyPick"}
 
 FAST: frozenset[QType] = frozenset(
     QType[name]
@@ -275,6 +276,18 @@ def expert_matmul(x: jax.Array, w_blocks: jax.Array, expert_ids: jax.Array, lay:
         return jax.ffi.ffi_call("strata_expert_matmul", out, vmap_method="sequential")(
             x, w_blocks, ids, qtype=np.int32(_qtype_attr(lay, math)), int8=_math_code(math))
     return _tiled_expert_matmul(x, w_blocks, ids, lay)
+
+
+def greedy_pick(logits: jax.Array) -> jax.Array:
+    """A greedy sampler's answer for logits [R, V]: int32 [R], the first index of each row's
+    largest logit, or -1 where the row holds a NaN or an inf (pick.cc; jnp.argmax and the
+    sampler's mark_non_finite in one pass, for the engine's decode windows run ahead)."""
+    _require()
+    if logits.ndim != 2 or logits.shape[1] < 1:
+        raise ValueError(f"logits must be [R, V] with V >= 1, not {tuple(logits.shape)}")
+    out = jax.ShapeDtypeStruct((logits.shape[0],), jnp.int32)
+    return jax.ffi.ffi_call("strata_greedy_pick", out, vmap_method="sequential")(
+        logits.astype(jnp.float32))
 
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slots: jax.Array,

@@ -192,7 +192,7 @@ class ModelRunner:
             self.params, self.spec, self.opts, self.programs, self.kv, self.layouts.kv_bucket,
             int(self.choices["prefill"]))
         # each group's tokens from its logits (answers.py)
-        self.answers = GroupAnswers(self.cache_len)
+        self.answers = GroupAnswers(self.cache_len, cpu_pick=pk.is_cpu(self.opts.backend))
         # per group of the last window: (logprob, top ids, top logprobs)
         self.last_logprobs: list = []
         # the next decode window dispatched before this one's tokens are applied (run_ahead.py):
@@ -237,9 +237,9 @@ class ModelRunner:
         tokens = None
         try:
             if ahead and self.ahead is not None:
-                tokens = self.answers.tokens_on_device(logits[0], groups[0])
+                tokens, nxt = self.answers.tokens_on_device(logits[0], groups[0])
                 try:
-                    self.ahead.start(groups[0], kv_needed, tokens)
+                    self.ahead.start(groups[0], kv_needed, nxt)
                 # the window run ahead is a guess: its failure is not this window's, unless it
                 # took the KV cache with it
                 except Exception as e:

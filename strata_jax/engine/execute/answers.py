@@ -14,6 +14,7 @@ each window program ~0.7 s faster without it).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -23,22 +24,29 @@ from ..grammar.constrain import fill_masks
 from .accept import verify
 from .controls import controls_of, sample_controlled
 from .layouts import GroupInput
-from .sampler import greedy_on_host, sample
+from .sampler import greedy_on_host, sample, sample_and_next
 
 
 class GroupAnswers:
-    def __init__(self, cache_len: int):
+    def __init__(self, cache_len: int, cpu_pick: bool = False):
+        """cpu_pick: greedy rows picked by the cpu backend's kernel (sampler.greedy_tokens)."""
         self.cache_len = cache_len
         # one small program per row count (a handful: row buckets)
-        self._sample = jax.jit(sample)
+        self._sample = jax.jit(partial(sample, cpu_pick=cpu_pick))
+        self._sample_ahead = jax.jit(partial(sample_and_next, cpu_pick=cpu_pick))
         # the speculative accept rule, one per verify group shape
         self._verify = jax.jit(verify)
         self._controlled = jax.jit(sample_controlled, static_argnames=("sampled",))
 
-    def tokens_on_device(self, logits: jax.Array, g: GroupInput) -> jax.Array:
+    def tokens_on_device(self, logits: jax.Array,
+                         g: GroupInput) -> tuple[jax.Array, jax.Array | None]:
         """A plain group's answer (no drafts, no controls) left on the device: sampler.py's
-        program, greedy rows included (the next window run ahead reads it: run_ahead.py)."""
-        return self._sample(logits, *g.sampling.as_tuple())
+        program, greedy rows included, and the next window's tokens [R, 1] from the same program
+        where g is one token a row (the next window run ahead reads them: run_ahead.py), else
+        None."""
+        if g.tokens.shape != (logits.shape[0], 1):
+            return self._sample(logits, *g.sampling.as_tuple()), None
+        return self._sample_ahead(logits, *g.sampling.as_tuple(), g.pos[:, 0] >= 0)
 
     def answer(self, logits: jax.Array, g: GroupInput,
                tokens: jax.Array | None = None) -> tuple[Any, tuple | None]:

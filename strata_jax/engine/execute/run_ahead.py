@@ -28,22 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .layouts import GroupInput
 from .programs import Layout
-
-
-@jax.jit
-def _next_tokens(answer: jax.Array, valid: jax.Array) -> jax.Array:
-    """The sampler's answer (its first R entries, R = len(valid)) as the next window's tokens
-    [R, 1]: padding rows 0, as the scheduler's are; the -1 of a NaN row (sampler.mark_non_finite)
-    0 too, so it never indexes the embeddings (that row ends on the host, and the window is
-    dropped). The reshape and the cut are in here: done on the device array outside, each was a
-    dispatch of its own (0.24 ms of the engine thread's ~2 ms a SmolLM2 decode window)."""
-    tokens = answer.reshape(-1)[:valid.shape[0]]
-    return jnp.where(valid, jnp.maximum(tokens, 0), 0).astype(jnp.int32)[:, None]
 
 
 @dataclass
@@ -87,12 +75,13 @@ class RunAhead:
         self._settle = p.settle
         return p.logits
 
-    def start(self, g: GroupInput, kv_needed: int, answer: jax.Array) -> None:
+    def start(self, g: GroupInput, kv_needed: int, tokens: jax.Array | None) -> None:
         """Dispatch the decode window after this window of one packed decode group `g` (reading
-        up to kv_needed positions): the same rows at their next positions, fed `answer` (g's
-        sampled tokens, on the device). Nothing when its program is not built."""
+        up to kv_needed positions): the same rows at their next positions, fed `tokens` (g's
+        sampled tokens as next_window_tokens gives them [R, 1], on the device; None: g is not one
+        token a row). Nothing when its program is not built."""
         rows = len(g.picks)
-        if g.tokens.shape != (rows, 1):
+        if tokens is None or g.tokens.shape != (rows, 1):
             return
         valid = g.pos >= 0
         pos = np.where(valid, g.pos + 1, -1).astype(np.int32)
@@ -100,7 +89,7 @@ class RunAhead:
         layout = self._layout_of([nxt], kv_needed + 1)
         if not self._ready(layout):
             return
-        nxt = replace(nxt, tokens=_next_tokens(answer, valid[:, 0]))
+        nxt = replace(nxt, tokens=tokens)
         logits, settle = self._forward([nxt], layout)
         self._pending = _Pending(layout, nxt, logits, self._kv.version, settle)
         self.ran += 1

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels as pk
+
 
 @dataclass
 class SamplingRows:
@@ -85,17 +87,45 @@ def first_argmax(logits: jax.Array, chunk: int = 128) -> jax.Array:
     return (c * chunk + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
-    """logits [R, V] float32 -> token ids [R] int32."""
-    greedy = first_argmax(logits)
+def greedy_tokens(logits: jax.Array, cpu_pick: bool = False) -> jax.Array:
+    """Each row's argmax, or -1 where its logits hold a NaN or an inf (mark_non_finite). cpu_pick:
+    on the cpu backend's kernels, in one call (pallas_kernels/cpu/pick.cc)."""
+    if cpu_pick:
+        return pk.cpu.greedy_pick(logits)
+    return mark_non_finite(logits, first_argmax(logits))
+
+
+def sample(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step,
+           cpu_pick: bool = False) -> jax.Array:
+    """logits [R, V] float32 -> token ids [R] int32 (cpu_pick: greedy_tokens')."""
+    greedy = greedy_tokens(logits, cpu_pick)
 
     def draw():
         lg = filter_logits(logits, temperature, top_k, top_p, min_p)
         keys = jax.vmap(token_key)(seed, step)
-        return jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32)
+        return mark_non_finite(logits,
+                               jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32))
 
     drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
-    return mark_non_finite(logits, jnp.where(temperature > 0, drawn, greedy))
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def next_window_tokens(tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    """The sampler's answer [R] as the next window's tokens [R, 1]: padding rows (valid [R] false)
+    0, as the scheduler's are; the -1 of a NaN row (sampler.mark_non_finite) 0 too, so it never
+    indexes the embeddings (that row ends on the host, and the window is dropped). Traced inside
+    the sampler's program (sample_and_next), for run_ahead.py: as programs of their own, this and
+    the answer's reshape were three dispatches between two windows."""
+    return jnp.where(valid, jnp.maximum(tokens, 0), 0).astype(jnp.int32)[:, None]
+
+
+def sample_and_next(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step, valid,
+                    cpu_pick: bool = False) -> tuple[jax.Array, jax.Array]:
+    """sample()'s tokens [R] and, in the same program, the next decode window's tokens [R, 1]
+    (next_window_tokens; valid [R]: the rows that are not padding): the window run
+    ahead waits for them, so they are one program after the window, not three."""
+    tokens = sample(logits, temperature, top_k, top_p, min_p, seed, step, cpu_pick)
+    return tokens, next_window_tokens(tokens, valid)
 
 
 def mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:
