@@ -78,10 +78,10 @@ class RunAhead:
     def start(self, g: GroupInput, kv_needed: int, tokens: jax.Array | None) -> None:
         """Dispatch the decode window after this window of one packed decode group `g` (reading
         up to kv_needed positions): the same rows at their next positions, fed `tokens` (g's
-        sampled tokens as next_window_tokens gives them [R, 1], on the device; None: g is not one
-        token a row). Nothing when its program is not built."""
-        rows = len(g.picks)
-        if tokens is None or g.tokens.shape != (rows, 1):
+        sampled tokens as next_window_tokens gives them [R, 1], on the device; None where g is
+        not one token a row: answers.tokens_on_device decides, as it shapes them). Nothing when its
+        program is not built."""
+        if tokens is None:
             return
         valid = g.pos >= 0
         pos = np.where(valid, g.pos + 1, -1).astype(np.int32)
