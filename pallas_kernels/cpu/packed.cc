@@ -188,20 +188,36 @@ Q8_INLINE void unit_packed(const uint8_t* u, int64_t b, const Q8RowSet& xs, f32x
 #endif
 }
 
+// A tile is one run of bytes: the hardware prefetcher follows it; this keeps it ahead at the start of each
+// tile's units too (a prefetch never faults past the matrix's end).
+template <class P>
+Q8_INLINE void prefetch_ahead(const uint8_t* tile, int64_t b) {
+  const uint8_t* ahead = tile + (b + 4) * P::unit;
+#pragma GCC unroll 8
+  for (int o = 0; o < P::unit; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+}
+
 // Decode and verify windows (M <= 8): unit by unit, each unpacked once into registers for every x row.
 template <class P>
 void tile_direct(const uint8_t* tile, int64_t nunits, const Q8RowSet& xs, f32x8* acc) {
-  f32x8 one = zero8();            // M = 1 (decode): the accumulator in a register
-  for (int64_t b = 0; b < nunits; b++) {
-    // A tile is one run of bytes: the hardware prefetcher follows it; this keeps it ahead at the start
-    // of each tile's units too (a prefetch never faults past the matrix's end).
-    const uint8_t* ahead = tile + (b + 4) * P::unit;
-#pragma GCC unroll 8
-    for (int o = 0; o < P::unit; o += 64) __builtin_prefetch(ahead + o, 0, 3);
-    if (xs.m == 1) unit_packed<P, true>(tile + b * P::unit, b, xs, &one);
-    else unit_packed<P, false>(tile + b * P::unit, b, xs, acc);
+  if (xs.m == 1) {
+    // M = 1 (decode): a loop of its own, with the accumulator a local that nothing points to and the x
+    // row copied, so that both stay in registers. Through memory, each unit's two dependent FMAs also
+    // waited for a store and a load of the accumulator: that chain, not the memory, bounded the loop.
+    const Q8Row x = xs.x[0];
+    const Q8RowSet one{&x, xs.y, 1};
+    f32x8 a = zero8();
+    for (int64_t b = 0; b < nunits; b++) {
+      prefetch_ahead<P>(tile, b);
+      unit_packed<P, true>(tile + b * P::unit, b, one, &a);
+    }
+    acc[0] = a;
+    return;
   }
-  if (xs.m == 1) acc[0] = one;
+  for (int64_t b = 0; b < nunits; b++) {
+    prefetch_ahead<P>(tile, b);
+    unit_packed<P, false>(tile + b * P::unit, b, xs, acc);
+  }
 }
 
 // Prefill (M > 8): the tile unpacked once into a buffer, then each x row over it with its accumulator in
