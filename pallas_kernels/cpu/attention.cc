@@ -378,10 +378,12 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffe
     t = e;
   }
   // Helpers only when the keys to read are many (handing work to a spinning helper costs ~1 us, a few
-  // hundred keys' dots).
+  // hundred keys' dots). 256 (query head, key) pairs, not 1,024: SmolLM2's decode attention at 48 and
+  // 96 positions (scripts/attention_decode_bench.py 1 P 30 f32, Zen 3, AVX2, two rounds) took 228-305 ->
+  // 207-208 us and 391 -> 339-349 us a step (30 layers) split; at 24 positions (216 pairs) it stays alone.
   int64_t keys = 0;
   for (int64_t i = 0; i < R * L; i++) keys += std::max<int64_t>(std::min<int64_t>(pos.typed_data()[i] + 1, range.hi) - range.lo, 0);
-  const int threads = keys * H < 1024 ? 1 : 1 + helper_threads(pool);
+  const int threads = keys * H < 256 ? 1 : 1 + helper_threads(pool);
   // Few runs (decode: a row or a few), many tiles: each run's tiles split over units, their softmax
   // states kept and joined afterwards; else a unit a run. Kept states cost (Dv + 2) floats a query
   // and tile: at most kSplitFloats of them (a buffer each calling thread keeps: at most 16 MiB).
