@@ -82,15 +82,16 @@ Q8_INLINE void unit_sums(const uint8_t* u, const Q8Row& x, int64_t b, __m256i& i
 // Decode and verify windows (M <= 16): unit by unit, every x row; q8.h's float part.
 void tile_direct(const uint8_t* tile, int64_t nunits, const Q8RowSet& xs, f32x8* acc) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  const Q8Row x0 = xs.x[0];
-  f32x8 a = acc[0];
+  const bool one = xs.m == 1;
+  const Q8Row x0 = one ? xs.x[0] : Q8Row{};
+  f32x8 a = one ? acc[0] : zero8();
   for (int64_t b = 0; b < nunits; b++) {
     const uint8_t* u = tile + b * kUnit;
     const uint8_t* ahead = u + 2 * kUnit;              // the unit after next (a prefetch never faults)
     for (int o = 0; o < kUnit; o += 64) __builtin_prefetch(ahead + o, 0, 3);
     const f32x8 w1{_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)u))};
     const f32x8 w2{_mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(u + 16))), sign)};   // -dmin
-    if (xs.m == 1) {     // decode: the accumulator in a register (packed.cc's tile_direct says why)
+    if (one) {     // decode: the accumulator in a register (packed.cc's tile_direct says why)
       __m256i int1, int2;
       unit_sums(u, x0, b, int1, int2);
       f32x8 dx = splat8(x0.d[b]);
@@ -107,7 +108,7 @@ void tile_direct(const uint8_t* tile, int64_t nunits, const Q8RowSet& xs, f32x8*
       acc[m] = fma8(mul8(w2, dx), cvt8(int2), acc[m]);
     }
   }
-  if (xs.m == 1) acc[0] = a;
+  if (one) acc[0] = a;
 }
 #endif
 
