@@ -85,18 +85,21 @@ def test_a_row_split_over_threads_has_the_bits_it_has_in_a_full_window():
     v = jnp.asarray(rng.normal(size=(2, slots_n, positions, kh, d)).astype(np.float32))
     q = jnp.asarray(rng.normal(size=(slots_n, 1, 9, d)).astype(np.float32))
     slots = jnp.arange(slots_n, dtype=jnp.int32)
-    pos = jnp.asarray([[997 - 37 * r] for r in range(slots_n)], jnp.int32)
     sinks = jnp.asarray(rng.normal(size=9).astype(np.float32))
-    for extra in ({}, {"sinks": sinks, "window": 300}):
-        # 12 rows: a thread a row; alone, a row's tiles are split over the threads
-        full = np.asarray(cpu.attention(q, k, v, 1, slots, pos, **extra))
-        for r in (0, 5):
-            alone = np.asarray(cpu.attention(q[r:r + 1], k, v, 1, slots[r:r + 1], pos[r:r + 1],
-                                             **extra))
-            assert np.array_equal(alone, full[r:r + 1]), (r, extra.keys())
-    ref = attend(q, k[1, :, :1000], v[1, :, :1000], pos, 40)
-    np.testing.assert_allclose(np.asarray(cpu.attention(q, k, v, 1, slots, pos)), np.asarray(ref),
-                               rtol=2e-5, atol=2e-6)
+    # long positions, and short ones from 29 to 117 (from 270 (query head, key) pairs: split alone
+    # since session 35; from 1,024 before)
+    long_pos = jnp.asarray([[997 - 37 * r] for r in range(slots_n)], jnp.int32)
+    for pos in (long_pos, jnp.asarray([[29 + 8 * r] for r in range(slots_n)], jnp.int32)):
+        for extra in ({}, {"sinks": sinks, "window": 300}):
+            # 12 rows: a thread a row; alone, a row's tiles are split over the threads
+            full = np.asarray(cpu.attention(q, k, v, 1, slots, pos, **extra))
+            for r in (0, 5, 11):
+                alone = np.asarray(cpu.attention(q[r:r + 1], k, v, 1, slots[r:r + 1],
+                                                 pos[r:r + 1], **extra))
+                assert np.array_equal(alone, full[r:r + 1]), (r, int(pos[r, 0]), extra.keys())
+    ref = attend(q, k[1, :, :1000], v[1, :, :1000], long_pos, 40)
+    np.testing.assert_allclose(np.asarray(cpu.attention(q, k, v, 1, slots, long_pos)),
+                               np.asarray(ref), rtol=2e-5, atol=2e-6)
 
 
 _LEVEL_BITS = """
