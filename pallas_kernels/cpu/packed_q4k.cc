@@ -79,7 +79,16 @@ Q8_INLINE void unit_sums(const uint8_t* u, const Q8Row& x, int64_t b, __m256i& i
   }
 }
 
-// Decode and verify windows (M <= 16): unit by unit, every x row; q8.h's float part.
+// Unit b (at u, the 8 rows' scales w1 and -dmin w2) times x row x, added to acc: q8.h's float part.
+Q8_INLINE f32x8 add_unit(const uint8_t* u, f32x8 w1, f32x8 w2, const Q8Row& x, int64_t b, f32x8 acc) {
+  __m256i int1, int2;
+  unit_sums(u, x, b, int1, int2);
+  f32x8 dx = splat8(x.d[b]);
+  acc = fma8(mul8(w1, dx), cvt8(int1), acc);
+  return fma8(mul8(w2, dx), cvt8(int2), acc);
+}
+
+// Decode and verify windows (M <= 16): unit by unit, every x row.
 void tile_direct(const uint8_t* tile, int64_t nunits, const Q8RowSet& xs, f32x8* acc) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const bool one = xs.m == 1;
@@ -91,22 +100,9 @@ void tile_direct(const uint8_t* tile, int64_t nunits, const Q8RowSet& xs, f32x8*
     for (int o = 0; o < kUnit; o += 64) __builtin_prefetch(ahead + o, 0, 3);
     const f32x8 w1{_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)u))};
     const f32x8 w2{_mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(u + 16))), sign)};   // -dmin
-    if (one) {     // decode: the accumulator in a register (packed.cc's tile_direct says why)
-      __m256i int1, int2;
-      unit_sums(u, x0, b, int1, int2);
-      f32x8 dx = splat8(x0.d[b]);
-      a = fma8(mul8(w1, dx), cvt8(int1), a);
-      a = fma8(mul8(w2, dx), cvt8(int2), a);
-      continue;
-    }
-    for (int64_t m = 0; m < xs.m; m++) {
-      const Q8Row& x = xs.x[m];
-      __m256i int1, int2;
-      unit_sums(u, x, b, int1, int2);
-      f32x8 dx = splat8(x.d[b]);
-      acc[m] = fma8(mul8(w1, dx), cvt8(int1), acc[m]);
-      acc[m] = fma8(mul8(w2, dx), cvt8(int2), acc[m]);
-    }
+    if (one) a = add_unit(u, w1, w2, x0, b, a);   // decode: the accumulator in a register (packed.cc says why)
+    else
+      for (int64_t m = 0; m < xs.m; m++) acc[m] = add_unit(u, w1, w2, xs.x[m], b, acc[m]);
   }
   if (one) acc[0] = a;
 }
