@@ -9,8 +9,9 @@ engine around it: "window" the model program alone, "window+sampler" chained wit
 program as run-ahead chains them (each window fed the last one's tokens on the device). Prints one
 JSON line: the engine's decode tok/s a request, and the ms a window of each loop (best of 3, two
 rounds each). If "window+sampler" is close to 1000 / the engine's tok/s, the engine's own work
-between windows is hidden and the time is the program's (session 36, Ice Lake: 6.3-8.1 ms against
-7.4-8.7 ms a token); `scripts/bench_kernels.py --decode-chain` gives the products' share of it.
+between windows is hidden and the time is the program's (session 36, Ice Lake, AVX2: 6.6-7.1 ms a
+window against the engine's 6.75 ms a token: docs/BENCHMARKS.md); `scripts/bench_kernels.py
+--decode-chain` gives the products' share of it.
 """
 
 from __future__ import annotations
