@@ -14,7 +14,10 @@ count, BOS's included):
 Against the exact path, for int8 and for llama.cpp: the mean over positions of KL(exact ||
 candidate) (natural log, softmaxes in float64), top-1 agreement (the two argmaxes equal), and each
 side's perplexity of the text's next tokens (the last row of a window has no next token and is left
-out of that one figure only).
+out of that one figure only). Then int8 against llama.cpp, position by position (both against the
+same exact rows): the mean KL ratio with a 95% interval and the top-1 difference with its standard
+error, over blocks of --block consecutive positions (the JSON's paired_with_llama_cpp): whether
+the two can be told apart on this text at all.
 
 The text: Python's own `pydoc_data.topics` (the language reference's help topics: English prose with
 grammar and code), fixed for a Python version; the topics in sorted order joined by blank lines.
@@ -96,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="logits rows compared a model (default 2048)")
     p.add_argument("--chunk", type=int, default=512,
                    help="tokens a window, BOS included (default 512)")
+    p.add_argument("--block", type=int, default=64,
+                   help="consecutive positions a block for the paired comparison's standard "
+                        "errors (default 64)")
     p.add_argument("--text", metavar="FILE",
                    help="read this UTF-8 text instead of Python's pydoc_data.topics")
     p.add_argument("--llama-cpp-path", metavar="DIR",
@@ -112,6 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--chunk {a.chunk}: must be 16 to 65536 tokens")
     if a.positions < 1:
         p.error(f"--positions {a.positions}: must be at least 1")
+    if not 1 <= a.block <= a.positions // 2:
+        p.error(f"--block {a.block}: must be 1 to half of --positions ({a.positions // 2}), so "
+                "that there are at least two blocks")
     if a.threads < 1:
         p.error(f"--threads {a.threads}: must be at least 1")
     if a.llama_cpp_path and not Path(a.llama_cpp_path, "llama_cpp").is_dir():
@@ -232,10 +241,12 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def compare(exact: Path, other: Path, windows: list[list[int]]) -> dict:
-    """Mean KL(exact || other), top-1 agreement, and both sides' perplexity of the next tokens."""
+def compare(exact: Path, other: Path, windows: list[list[int]]) -> tuple[dict, dict]:
+    """Mean KL(exact || other), top-1 agreement, and both sides' perplexity of the next tokens;
+    and each position's KL and agreement (for the paired comparison, not written out)."""
     kl_sum, agree, rows, nll = 0.0, 0, 0, {"exact": 0.0, "other": 0.0}
     targets = 0
+    each = {"kl": [], "agree": []}
     for i, ids in enumerate(windows):
         a, b = (np.load(exact / f"{i}.npy", mmap_mode="r"),
                 np.load(other / f"{i}.npy", mmap_mode="r"))
@@ -247,8 +258,12 @@ def compare(exact: Path, other: Path, windows: list[list[int]]) -> dict:
             la, lb = log_softmax(a[s:s + ROWS_AT_ONCE]), log_softmax(b[s:s + ROWS_AT_ONCE])
             if not (np.isfinite(la).all() and np.isfinite(lb).all()):
                 raise SystemExit(f"window {i}, rows {s}..: non-finite logits")
-            kl_sum += float((np.exp(la) * (la - lb)).sum())
-            agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
+            kl = (np.exp(la) * (la - lb)).sum(axis=-1)
+            same = la.argmax(-1) == lb.argmax(-1)
+            each["kl"].append(kl)
+            each["agree"].append(same)
+            kl_sum += float(kl.sum())
+            agree += int(same.sum())
             rows += la.shape[0]
             # the text's next tokens, where there are
             nxt = np.array(ids[s + 1:s + 1 + la.shape[0]])
@@ -256,9 +271,31 @@ def compare(exact: Path, other: Path, windows: list[list[int]]) -> dict:
             nll["exact"] -= float(la[np.arange(n), nxt].sum())
             nll["other"] -= float(lb[np.arange(n), nxt].sum())
             targets += n
-    return {"positions": rows, "mean_kl": kl_sum / rows, "top1_agreement": agree / rows,
-            "ppl_exact": float(np.exp(nll["exact"] / targets)),
-            "ppl": float(np.exp(nll["other"] / targets))}
+    return ({"positions": rows, "mean_kl": kl_sum / rows, "top1_agreement": agree / rows,
+             "ppl_exact": float(np.exp(nll["exact"] / targets)),
+             "ppl": float(np.exp(nll["other"] / targets))},
+            {k: np.concatenate(v) for k, v in each.items()})
+
+
+def paired(a: dict, b: dict, block: int) -> dict:
+    """a minus b over the same positions (int8 against llama.cpp, both against the exact path): the
+    mean difference of KL and of top-1 agreement, each with its standard error over blocks of
+    `block` consecutive positions (neighbouring positions share their context, so they are not
+    independent draws; the blocks' means nearly are). The mean KL ratio a / b with the 95% interval
+    of the difference (+-1.96 standard errors) turned into ratios: an interval that holds 1.0 means
+    the two cannot be told apart on this text."""
+    n = len(a["kl"]) // block * block
+    out = {"block": block, "blocks": n // block}
+    for key in ("kl", "agree"):
+        d = (a[key][:n].astype(np.float64) - b[key][:n].astype(np.float64)).reshape(-1, block)
+        means = d.mean(axis=1)
+        out[f"{key}_diff"] = float(means.mean())
+        out[f"{key}_diff_se"] = float(means.std(ddof=1) / np.sqrt(len(means)))
+    base = float(b["kl"][:n].mean())
+    out["kl_ratio"] = 1 + out["kl_diff"] / base
+    out["kl_ratio_95"] = [1 + (out["kl_diff"] + s * 1.96 * out["kl_diff_se"]) / base
+                          for s in (-1, 1)]
+    return out
 
 
 def measure(model: Path, text: str, args) -> list[dict]:
@@ -273,19 +310,23 @@ def measure(model: Path, text: str, args) -> list[dict]:
         print(f"{model.name}: {len(windows)} windows, {sum(map(len, windows))} positions",
               file=sys.stderr)
         ran = {"exact": our_logits(model, windows, "exact", tmp / "exact")}
+        each = {}
         for name in ("int8", "llama.cpp"):
             ran[name] = (our_logits(model, windows, "int8", tmp / name) if name == "int8"
                          else llamacpp_logits(model, windows, tmp / name, args))
-            figures = compare(tmp / "exact", tmp / name, windows)
+            figures, each[name] = compare(tmp / "exact", tmp / name, windows)
             rows.append({"model": model.name, "model_path": str(model), "candidate": name,
                          **figures,
                          "windows": len(windows), "chunk": args.chunk, "window_ids_sha256": ids_sha,
                          "exact_run": ran["exact"], "run": ran[name]})
             print(table_row(rows[-1]), flush=True)
     int8, llama = rows
-    print(f"{model.name}: int8's mean KL is {int8['mean_kl'] / llama['mean_kl']:.2f}x llama.cpp's; "
-          f"top-1 {100 * int8['top1_agreement']:.2f}% against {100 * llama['top1_agreement']:.2f}%",
-          file=sys.stderr)
+    int8["paired_with_llama_cpp"] = pair = paired(each["int8"], each["llama.cpp"], args.block)
+    print(f"{model.name}: int8's mean KL is {pair['kl_ratio']:.3f}x llama.cpp's (95%: "
+          f"{pair['kl_ratio_95'][0]:.3f}-{pair['kl_ratio_95'][1]:.3f}, {pair['blocks']} blocks of "
+          f"{pair['block']} positions); top-1 {100 * int8['top1_agreement']:.2f}% against "
+          f"{100 * llama['top1_agreement']:.2f}% (difference {100 * pair['agree_diff']:+.2f} +- "
+          f"{100 * pair['agree_diff_se']:.2f} points)", flush=True)
     return rows
 
 
