@@ -244,7 +244,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def compare(exact: Path, other: Path, windows: list[list[int]]) -> tuple[dict, dict]:
     """Mean KL(exact || other), top-1 agreement, and both sides' perplexity of the next tokens;
     and each position's KL and agreement (for the paired comparison, not written out)."""
-    kl_sum, agree, rows, nll = 0.0, 0, 0, {"exact": 0.0, "other": 0.0}
+    nll = {"exact": 0.0, "other": 0.0}
     targets = 0
     each = {"kl": [], "agree": []}
     for i, ids in enumerate(windows):
@@ -258,23 +258,19 @@ def compare(exact: Path, other: Path, windows: list[list[int]]) -> tuple[dict, d
             la, lb = log_softmax(a[s:s + ROWS_AT_ONCE]), log_softmax(b[s:s + ROWS_AT_ONCE])
             if not (np.isfinite(la).all() and np.isfinite(lb).all()):
                 raise SystemExit(f"window {i}, rows {s}..: non-finite logits")
-            kl = (np.exp(la) * (la - lb)).sum(axis=-1)
-            same = la.argmax(-1) == lb.argmax(-1)
-            each["kl"].append(kl)
-            each["agree"].append(same)
-            kl_sum += float(kl.sum())
-            agree += int(same.sum())
-            rows += la.shape[0]
+            each["kl"].append((np.exp(la) * (la - lb)).sum(axis=-1))
+            each["agree"].append(la.argmax(-1) == lb.argmax(-1))
             # the text's next tokens, where there are
             nxt = np.array(ids[s + 1:s + 1 + la.shape[0]])
             n = len(nxt)
             nll["exact"] -= float(la[np.arange(n), nxt].sum())
             nll["other"] -= float(lb[np.arange(n), nxt].sum())
             targets += n
-    return ({"positions": rows, "mean_kl": kl_sum / rows, "top1_agreement": agree / rows,
+    each = {k: np.concatenate(v) for k, v in each.items()}
+    return ({"positions": len(each["kl"]), "mean_kl": float(each["kl"].mean()),
+             "top1_agreement": float(each["agree"].mean()),
              "ppl_exact": float(np.exp(nll["exact"] / targets)),
-             "ppl": float(np.exp(nll["other"] / targets))},
-            {k: np.concatenate(v) for k, v in each.items()})
+             "ppl": float(np.exp(nll["other"] / targets))}, each)
 
 
 def paired(a: dict, b: dict, block: int) -> dict:
