@@ -104,7 +104,8 @@ def test_a_rows_int8_bits_do_not_depend_on_the_other_rows(qtype):
     b, _, lay = _weights(qtype, 50, k, seed=7)
     x = np.random.default_rng(8).standard_normal((24, k)).astype(np.float32)
     alone = np.concatenate([_mm(x[i:i + 1], b, lay, "int8") for i in range(24)])
-    for m in (2, 8, 9, 24):
+    # 6, 7: the buffered path's blocks of 4 rows and the rest (2, 3)
+    for m in (2, 6, 7, 8, 9, 24):
         together = np.concatenate([_mm(x[i:i + m], b, lay, "int8") for i in range(0, 24, m)])
         np.testing.assert_array_equal(_bits(together), _bits(alone), err_msg=f"{qtype} M={m}")
 
