@@ -483,6 +483,81 @@ void tile_buffered(const uint8_t* w, int64_t row_bytes, int64_t nunits, int nr, 
 }
 #endif
 
+#if defined(STRATA_Q8_AVX2)
+// 2..4 x rows (MR) and a whole tile of a 32-value type (decode and verify windows of a few rows, and an
+// expert a few of a window's rows chose): each unit's 8 rows interleaved in registers (interleave8), then
+// every x row's 8 sums at once by dot products with its bytes broadcast, the rows' sums independent
+// chains: no reduction of each row's sums, no buffer. The same integer sums and float operations as
+// tile_one and tile_direct: the same bits.
+template <class B, int MR>
+void tile_few(const uint8_t* w, int64_t row_bytes, int64_t nunits, const Q8RowSet& xs, f32x8* acc) {
+  __m256 a[MR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; i++) a[i] = acc[i].v;
+  for (int64_t b = 0; b < nunits; b++) {
+    const uint8_t* p = w + b * B::bytes;
+#pragma GCC unroll 8
+    for (int r = 0; r < T; r++) __builtin_prefetch(p + (T + r) * row_bytes, 0, 3);     // as tile_one
+    __m256 w1, w2;
+    scales8<B>(p, row_bytes, w1, w2);
+    __m256i v[T];
+#pragma GCC unroll 8
+    for (int r = 0; r < T; r++) v[r] = B::vchunk(p + r * row_bytes, 0);
+    interleave8(v);
+    __m256i S[MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++) S[i] = _mm256_setzero_si256();
+#if defined(STRATA_Q8_OFFSET_X)
+    if constexpr (B::is_signed) {
+      __m256i t = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g++) t = dpbusd(t, _mm256_set1_epi8(1), v[g]);
+      const __m256i w128 = _mm256_slli_epi32(t, 7);
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g++)
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+          const uint8_t* q = reinterpret_cast<const uint8_t*>(xs.x[i].q) + 32 * b + 4 * g;
+          S[i] = dpbusd(S[i], _mm256_set1_epi32(load_u32(q) ^ (int32_t)0x80808080), v[g]);
+        }
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; i++) S[i] = _mm256_sub_epi32(S[i], w128);
+    } else
+#endif
+    {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g++) {
+        const __m256i wv = v[g];
+        const __m256i wu = B::is_signed ? _mm256_sign_epi8(wv, wv) : wv;
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+          __m256i xv = _mm256_set1_epi32(load_u32(reinterpret_cast<const uint8_t*>(xs.x[i].q) + 32 * b + 4 * g));
+          if (B::is_signed) xv = _mm256_sign_epi8(xv, wv);
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+          S[i] = _mm256_dpbusd_epi32(S[i], wu, xv);
+#elif defined(__AVXVNNI__)
+          S[i] = _mm256_dpbusd_avx_epi32(S[i], wu, xv);
+#else
+          S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), _mm256_set1_epi16(1)));
+#endif
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++) {
+      const Q8Row& x = xs.x[i];
+      if (B::off) S[i] = _mm256_sub_epi32(S[i], _mm256_set1_epi32(B::off * x.s32[b]));
+      __m256 dx = _mm256_set1_ps(x.d[b]);
+      a[i] = _mm256_fmadd_ps(_mm256_mul_ps(w1, dx), _mm256_cvtepi32_ps(S[i]), a[i]);
+      if (B::two) a[i] = _mm256_fmadd_ps(_mm256_mul_ps(w2, dx), _mm256_cvtepi32_ps(_mm256_set1_epi32(x.s32[b])), a[i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; i++) acc[i].v = a[i];
+}
+
+#endif
+
 template <class B>
 void rows_int8(const uint8_t* w, int64_t row_bytes, int64_t k, const Q8RowSet& xs, int64_t n0, int64_t n1) {
   thread_local std::vector<f32x8> acc;
@@ -507,18 +582,26 @@ void rows_int8(const uint8_t* w, int64_t row_bytes, int64_t k, const Q8RowSet& x
     int nr = (int)std::min<int64_t>(T, n1 - n);
     const uint8_t* tile = w + n * row_bytes;
     bool one = false;                  // one x row, a whole tile of a 32-value type: tile_one
+    bool few = false;                  // 2..kBufferedAbove x rows, likewise: tile_few
 #if defined(STRATA_Q8_AVX2)
-    if constexpr (B::values == 32) one = xs.m == 1 && nr == T;
+    if constexpr (B::values == 32) one = xs.m == 1 && nr == T, few = xs.m >= 2 && xs.m <= kBufferedAbove && nr == T;
 #endif
     // The next tile's rows (a prefetch never faults): the short matrices of a decode step stream from
     // memory at a fraction of the rate without it (direct.cc measured the same). tile_one spreads its own.
-    if (!one)
+    if (!one && !few)
       for (int64_t o = 0; o < T * row_bytes; o += 64) __builtin_prefetch(tile + T * row_bytes + o, 0, 3);
     std::fill(acc.begin(), acc.begin() + xs.m, zero8());
 #if defined(STRATA_Q8_AVX2)
     if (xs.m > kBufferedAbove) tile_buffered<B>(tile, row_bytes, nunits, nr, xs, acc.data(), xu);
     else if (one) {
       if constexpr (B::values == 32) tile_one<B>(tile, row_bytes, nunits, xs.x[0], acc[0]);
+    } else if (few) {
+      static_assert(kBufferedAbove == 4, "tile_few takes 2 to 4 rows");
+      if constexpr (B::values == 32) {
+        if (xs.m == 2) tile_few<B, 2>(tile, row_bytes, nunits, xs, acc.data());
+        else if (xs.m == 3) tile_few<B, 3>(tile, row_bytes, nunits, xs, acc.data());
+        else tile_few<B, 4>(tile, row_bytes, nunits, xs, acc.data());
+      }
     } else
 #endif
     for (int64_t m0 = 0; m0 < xs.m; m0 += kDirectMaxM) {
