@@ -53,7 +53,7 @@ _TARGETS = {"strata_qmatmul": "StrataQMatmul", "strata_expert_matmul": "StrataEx
             "strata_expert_matmul_many": "StrataExpertMatmulMany",
             "strata_attention_part": "StrataAttentionPart",
             "strata_norm_qmatmul_many": "StrataNormQMatmulMany",
-            "strata_greedy_pick": "StrataGreedyPick"}
+            "strata_greedy_pick": "StrataGreedyPick", "strata_top_k": "StrataTopK"}
 
 FAST: frozenset[QType] = frozenset(
     QType[name]
@@ -288,6 +288,20 @@ def greedy_pick(logits: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((logits.shape[0],), jnp.int32)
     return jax.ffi.ffi_call("strata_greedy_pick", out, vmap_method="sequential")(
         logits.astype(jnp.float32))
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k of x [R, E] float32 (a router's scores): the k largest of each row [R, k]
+    float32 and their indices [R, k] int32, descending, the lower index first among equal values,
+    in XLA's total order of floats (pick.cc: one pass a row, where XLA:CPU sorts each row
+    whole)."""
+    _require()
+    if x.ndim != 2 or not 1 <= k <= min(x.shape[1], 64):
+        raise ValueError(f"top_k of x {tuple(x.shape)} with k = {k}: x must be [R, E] and "
+                         "1 <= k <= min(E, 64)")
+    rows = x.shape[0]
+    out = (jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, k), jnp.int32))
+    return jax.ffi.ffi_call("strata_top_k", out, vmap_method="sequential")(x.astype(jnp.float32))
 
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slots: jax.Array,

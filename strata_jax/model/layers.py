@@ -168,6 +168,14 @@ def swiglu_down(g: jax.Array, u: jax.Array, down: Weight, backend: str) -> jax.A
     return linear(jax.nn.silu(g) * u, down, backend)
 
 
+def top_k(x: jax.Array, k: int, backend: str) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k of a router's scores [N, E]; on the cpu backends the kernel's (pick.cc: the
+    same values and indices, one pass a row where XLA:CPU sorts each row whole)."""
+    if pk.is_cpu(backend) and k <= 64:
+        return pk.cpu.top_k(x.astype(jnp.float32), k)
+    return jax.lax.top_k(x, k)
+
+
 def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
           bias: jax.Array | None = None,
           logit_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -187,17 +195,17 @@ def route(x: jax.Array, router: Weight, spec: ModelSpec, backend: str,
     if logit_bias is not None:
         logits = logits + logit_bias.astype(jnp.float32)
     if spec.expert_gating == "softmax_weight":
-        top, ids = jax.lax.top_k(logits, spec.n_experts_used)
+        top, ids = top_k(logits, spec.n_experts_used, backend)
         return jax.nn.softmax(top, axis=-1) * spec.expert_weights_scale, ids.astype(jnp.int32)
     probs = (jax.nn.sigmoid(logits) if spec.expert_gating == "sigmoid"
              else jax.nn.softmax(logits, axis=-1))
     if bias is None and spec.expert_groups <= 1:
-        w, ids = jax.lax.top_k(probs, spec.n_experts_used)
+        w, ids = top_k(probs, spec.n_experts_used, backend)
     else:
         choose = probs if bias is None else probs + bias.astype(jnp.float32)
         if spec.expert_groups > 1:
             choose = limit_groups(choose, spec.expert_groups, spec.expert_groups_used)
-        _, ids = jax.lax.top_k(choose, spec.n_experts_used)
+        _, ids = top_k(choose, spec.n_experts_used, backend)
         # [N, k]
         w = jnp.take_along_axis(probs, ids, axis=-1)
     if spec.expert_weights_norm:
