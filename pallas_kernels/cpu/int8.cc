@@ -362,7 +362,6 @@ template <class B, int MR>
 Q8_INLINE void rows_buffered(const __m256i* buf, const TileScales<B>* scales, const __m256i* wsum, int64_t nunits,
                              const Q8RowSet& xs, int64_t m0, f32x8* acc, const uint8_t* xu) {
   constexpr int nch = B::values / 32, nsub = 256 / B::sub, steps = B::sub / 4;
-  const __m256i ones = _mm256_set1_epi16(1);
   f32x8 a[MR];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; i++) a[i] = acc[m0 + i];
@@ -386,7 +385,7 @@ Q8_INLINE void rows_buffered(const __m256i* buf, const TileScales<B>* scales, co
 #pragma GCC unroll 4
           for (int i = 0; i < MR; i++) {
             int32_t x4; std::memcpy(&x4, xu + (m0 + i) * nunits * 32 + 32 * b + 4 * g, 4);
-            S[i] = dpbusd(S[i], _mm256_set1_epi32(x4), wv);
+            S[i] = dot_acc(S[i], _mm256_set1_epi32(x4), wv);
           }
         }
 #pragma GCC unroll 4
@@ -402,13 +401,7 @@ Q8_INLINE void rows_buffered(const __m256i* buf, const TileScales<B>* scales, co
           int32_t x4; std::memcpy(&x4, xs.x[m0 + i].q + B::values * b + B::sub * sj + 4 * g, 4);
           __m256i xv = _mm256_set1_epi32(x4);
           if (B::is_signed) xv = _mm256_sign_epi8(xv, wv);
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-          S[i] = _mm256_dpbusd_epi32(S[i], wu, xv);
-#elif defined(__AVXVNNI__)
-          S[i] = _mm256_dpbusd_avx_epi32(S[i], wu, xv);
-#else
-          S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
-#endif
+          S[i] = dot_acc(S[i], wu, xv);
         }
       }
 #pragma GCC unroll 4
@@ -462,7 +455,7 @@ void tile_buffered(const uint8_t* w, int64_t row_bytes, int64_t nunits, int nr, 
 #if defined(STRATA_Q8_OFFSET_X)
       if (xu) {                 // interleaved: lane r of every vector is row r's
         __m256i t = _mm256_setzero_si256();
-        for (int g = 0; g < 8; g++) t = dpbusd(t, _mm256_set1_epi8(1), v[g]);
+        for (int g = 0; g < 8; g++) t = dot_acc(t, _mm256_set1_epi8(1), v[g]);
         wsum[b] = _mm256_slli_epi32(t, 7);
       }
 #endif
@@ -511,14 +504,14 @@ void tile_few(const uint8_t* w, int64_t row_bytes, int64_t nunits, const Q8RowSe
     if constexpr (B::is_signed) {
       __m256i t = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int g = 0; g < 8; g++) t = dpbusd(t, _mm256_set1_epi8(1), v[g]);
+      for (int g = 0; g < 8; g++) t = dot_acc(t, _mm256_set1_epi8(1), v[g]);
       const __m256i w128 = _mm256_slli_epi32(t, 7);
 #pragma GCC unroll 8
       for (int g = 0; g < 8; g++)
 #pragma GCC unroll 4
         for (int i = 0; i < MR; i++) {
           const uint8_t* q = reinterpret_cast<const uint8_t*>(xs.x[i].q) + 32 * b + 4 * g;
-          S[i] = dpbusd(S[i], _mm256_set1_epi32(load_u32(q) ^ (int32_t)0x80808080), v[g]);
+          S[i] = dot_acc(S[i], _mm256_set1_epi32(load_u32(q) ^ (int32_t)0x80808080), v[g]);
         }
 #pragma GCC unroll 4
       for (int i = 0; i < MR; i++) S[i] = _mm256_sub_epi32(S[i], w128);
@@ -533,13 +526,7 @@ void tile_few(const uint8_t* w, int64_t row_bytes, int64_t nunits, const Q8RowSe
         for (int i = 0; i < MR; i++) {
           __m256i xv = _mm256_set1_epi32(load_u32(reinterpret_cast<const uint8_t*>(xs.x[i].q) + 32 * b + 4 * g));
           if (B::is_signed) xv = _mm256_sign_epi8(xv, wv);
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-          S[i] = _mm256_dpbusd_epi32(S[i], wu, xv);
-#elif defined(__AVXVNNI__)
-          S[i] = _mm256_dpbusd_avx_epi32(S[i], wu, xv);
-#else
-          S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), _mm256_set1_epi16(1)));
-#endif
+          S[i] = dot_acc(S[i], wu, xv);
         }
       }
     }

@@ -100,6 +100,17 @@ Q8_INLINE __m256i dot_u8i8(__m256i a, __m256i b) {
 #endif
 }
 
+// acc + dot_u8i8(a, b): one instruction with VNNI.
+Q8_INLINE __m256i dot_acc(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, dot_u8i8(a, b));
+#endif
+}
+
 // Both signed: |a| times b with a's sign (|-128| = 128 as an unsigned byte: still within maddubs' range).
 Q8_INLINE __m256i dot_i8i8(__m256i a, __m256i b) {
   return dot_u8i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
@@ -111,13 +122,6 @@ Q8_INLINE __m256i dot_i8i8(__m256i a, __m256i b) {
 // once a block: the same exact integer sums as dot_i8i8, without its two sign operations a product
 // (int8.cc: the kernels of several x rows, where sum(w) is shared by every row).
 #define STRATA_Q8_OFFSET_X 1
-Q8_INLINE __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, a, b);
-#else
-  return _mm256_dpbusd_avx_epi32(acc, a, b);
-#endif
-}
 // x's bytes plus 128, as unsigned bytes (x in [-127, 127]: 1..255)
 Q8_INLINE __m256i offset_x(__m256i xq) { return _mm256_xor_si256(xq, _mm256_set1_epi8((char)0x80)); }
 #endif
